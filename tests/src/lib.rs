@@ -1,1 +1,15 @@
-//! kvmesh-e2e
+//! Harness for kvmesh's end-to-end tests.
+//!
+//! The tests start the project's real binaries (`kvmesh-engine-sim`,
+//! `kvmesh-proxy`) on loopback and drive them with real HTTP clients. Every
+//! server binary announces readiness on stdout (`LISTENING <name> <addr>` per
+//! listener, then `READY`), so the harness never sleeps to wait for a port.
+
+pub mod client;
+pub mod cluster;
+pub mod process;
+pub mod scratch;
+
+pub use client::{HttpClient, Response, StreamingResponse};
+pub use process::Spawned;
+pub use scratch::ScratchDir;

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs what building and testing kvmesh needs on a fresh Debian machine with
+# Rust and Python: system packages (apt) and the Python venv of the e2e suite.
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# System packages. cmake: pingora-core builds zlib-ng with it.
+APT_PACKAGES=(cmake)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# Python venv with the real clients (openai, pytest).
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+if ! .venv/bin/python -c 'import openai, pytest' 2>/dev/null \
+   || ! cmp -s tests/python/requirements.txt .venv/.requirements 2>/dev/null; then
+  echo "setup: installing Python test dependencies"
+  .venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt
+  cp tests/python/requirements.txt .venv/.requirements
+fi

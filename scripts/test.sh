@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Runs every check and test of kvmesh on a fresh machine: installs what is
+# missing (scripts/setup.sh), then formatting, clippy, the Rust unit and
+# end-to-end tests, and the Python end-to-end tests with the real `openai` client.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/setup.sh
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+
+echo "== cargo clippy"
+cargo clippy --locked --workspace --all-targets -- -D warnings
+
+echo "== cargo build (binaries the end-to-end tests start)"
+cargo build --locked --workspace --bins
+
+echo "== cargo test"
+cargo test --locked --workspace
+
+echo "== pytest (openai client against real processes)"
+KVMESH_BIN_DIR="$PWD/target/debug" .venv/bin/python -m pytest -q tests/python

@@ -1,0 +1,274 @@
+//! Failure handling with real processes: dead engines, engines dying mid-stream,
+//! timeouts, graceful shutdown.
+
+use std::time::Duration;
+
+use http::Method;
+use kvmesh_e2e::cluster::{
+    MODEL, await_status, chat_body, engine_urls, proxy_config, start_engines, start_proxy,
+};
+use kvmesh_e2e::{HttpClient, ScratchDir};
+
+fn error_body(resp: &kvmesh_e2e::Response) -> serde_json::Value {
+    let body = resp.json().expect("error body is JSON");
+    let err = body
+        .get("error")
+        .unwrap_or_else(|| panic!("no error object in {body}"));
+    for field in ["message", "type", "param", "code"] {
+        assert!(err.get(field).is_some(), "error lacks {field}: {body}");
+    }
+    err.clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_of_two_engines_down_every_request_succeeds() {
+    let scratch = ScratchDir::new("one-down").unwrap();
+    let alive = start_engines(&scratch, 1, &["--no-delay"]).unwrap();
+    let mut dead = start_engines(&scratch, 1, &["--no-delay"]).unwrap();
+    let urls = [engine_urls(&alive), engine_urls(&dead)].concat();
+    let proxy = start_proxy(&scratch, &proxy_config(&urls, "")).unwrap();
+    dead.kill();
+
+    let client = HttpClient::http1();
+    let url = format!("{}/v1/chat/completions", proxy.url("main"));
+    for i in 0..20 {
+        let resp = client
+            .post_json(&url, &chat_body(&format!("request {i}"), 3, false))
+            .await
+            .unwrap();
+        assert_eq!(resp.status, 200, "request {i}: {:?}", resp.body);
+        assert_eq!(resp.header("x-kvmesh-instance"), Some(urls[0].as_str()));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_killed_mid_stream_ends_stream_with_error_event() {
+    let scratch = ScratchDir::new("mid-stream").unwrap();
+    // Real-time decode (~6 ms per token): a 2,000-token stream lasts seconds.
+    let mut victim = start_engines(&scratch, 1, &[]).unwrap();
+    let proxy = start_proxy(&scratch, &proxy_config(&engine_urls(&victim), "")).unwrap();
+
+    let client = HttpClient::http1();
+    let url = format!("{}/v1/chat/completions", proxy.url("main"));
+    let body = chat_body("a very long answer please", 2000, true).to_string();
+    let mut stream = client
+        .send(
+            Method::POST,
+            &url,
+            &[("content-type", "application/json")],
+            body,
+        )
+        .await
+        .unwrap();
+    assert_eq!(stream.status, 200);
+    let first = stream.next_chunk().await.unwrap().expect("a first chunk");
+    assert!(first.starts_with(b"data: "), "{first:?}");
+    victim.kill();
+
+    let rest = tokio::time::timeout(Duration::from_secs(20), stream.rest())
+        .await
+        .expect("the stream ends instead of hanging")
+        .expect("the stream ends cleanly, not with a transport error");
+    let text = String::from_utf8_lossy(&rest);
+    let last_event = text.trim_end().rsplit("\n\n").next().unwrap_or_default();
+    assert!(
+        last_event.starts_with("data: {\"error\""),
+        "last event: {last_event:?}"
+    );
+
+    // The proxy itself is unaffected.
+    let live = client
+        .get(&format!("{}/live", proxy.url("admin")))
+        .await
+        .unwrap();
+    assert_eq!(live.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_first_byte_timeout_is_504() {
+    let scratch = ScratchDir::new("timeout").unwrap();
+    let sim = start_engines(&scratch, 1, &["--no-delay"]).unwrap();
+    let proxy = start_proxy(
+        &scratch,
+        &proxy_config(&engine_urls(&sim), "limits:\n  first_byte_timeout: 300ms\n"),
+    )
+    .unwrap();
+    let client = HttpClient::http1();
+    let url = format!("{}/v1/chat/completions", proxy.url("main"));
+    let resp = client
+        .call(
+            Method::POST,
+            &url,
+            &[
+                ("content-type", "application/json"),
+                ("x-sim-delay-ms", "3000"),
+            ],
+            chat_body("slow", 2, false).to_string(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status, 504, "{:?}", resp.body);
+    error_body(&resp);
+
+    // A prompt request right after is served.
+    let ok = client
+        .post_json(&url, &chat_body("fast", 2, false))
+        .await
+        .unwrap();
+    assert_eq!(ok.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_gone_before_first_byte_is_502() {
+    let scratch = ScratchDir::new("gone").unwrap();
+    let mut sim = start_engines(&scratch, 1, &["--no-delay"]).unwrap();
+    let proxy = start_proxy(
+        &scratch,
+        &proxy_config(&engine_urls(&sim), "health_check:\n  enabled: false\n"),
+    )
+    .unwrap();
+    let client = HttpClient::http1();
+    let url = format!("{}/v1/chat/completions", proxy.url("main"));
+    let pending = {
+        let client = client.clone();
+        let url = url.clone();
+        tokio::spawn(async move {
+            client
+                .call(
+                    Method::POST,
+                    &url,
+                    &[
+                        ("content-type", "application/json"),
+                        ("x-sim-delay-ms", "30000"),
+                    ],
+                    chat_body("doomed", 2, false).to_string(),
+                )
+                .await
+        })
+    };
+    // The proxy reports the request in flight on the instance once it is forwarded.
+    let metrics_url = format!("{}/metrics", proxy.url("admin"));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let metrics = client.get(&metrics_url).await.unwrap();
+        let text = String::from_utf8_lossy(&metrics.body).to_string();
+        if text
+            .lines()
+            .any(|l| l.starts_with("kvmesh_instance_in_flight{") && l.ends_with(" 1"))
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "request never in flight:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sim.kill();
+    let resp = pending.await.unwrap().unwrap();
+    assert_eq!(resp.status, 502, "{:?}", resp.body);
+    error_body(&resp);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_healthy_instance_is_503_with_retry_after() {
+    let scratch = ScratchDir::new("no-healthy").unwrap();
+    // A port that nothing listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let extra = "health_check:\n  interval: 100ms\n  timeout: 100ms\n  unhealthy_threshold: 1\n";
+    let proxy = start_proxy(
+        &scratch,
+        &proxy_config(&[format!("http://{closed}")], extra),
+    )
+    .unwrap();
+    let client = HttpClient::http1();
+    await_status(
+        &client,
+        &format!("{}/health", proxy.url("admin")),
+        503,
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    let resp = client
+        .post_json(
+            &format!("{}/v1/chat/completions", proxy.url("main")),
+            &chat_body("anyone?", 2, false),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status, 503, "{:?}", resp.body);
+    assert!(
+        resp.header("retry-after").is_some(),
+        "no Retry-After: {:?}",
+        resp.headers
+    );
+    error_body(&resp);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_a_long_stream_then_exits_zero() {
+    let scratch = ScratchDir::new("drain").unwrap();
+    let sim = start_engines(&scratch, 1, &[]).unwrap();
+    let mut proxy = start_proxy(
+        &scratch,
+        &proxy_config(&engine_urls(&sim), "shutdown:\n  drain_timeout: 30s\n"),
+    )
+    .unwrap();
+    let client = HttpClient::http1();
+    let url = format!("{}/v1/chat/completions", proxy.url("main"));
+    // ~300 tokens at ~6 ms each: the stream outlives the signal by far.
+    let mut stream = client
+        .send(
+            Method::POST,
+            &url,
+            &[("content-type", "application/json")],
+            chat_body("drain me", 300, true).to_string(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(stream.status, 200);
+    stream.next_chunk().await.unwrap().expect("first chunk");
+    proxy.terminate().unwrap();
+
+    let rest = tokio::time::timeout(Duration::from_secs(30), stream.rest())
+        .await
+        .unwrap()
+        .unwrap();
+    let text = String::from_utf8_lossy(&rest);
+    assert!(
+        text.trim_end().ends_with("data: [DONE]"),
+        "stream was cut: ...{}",
+        &text[text.len().saturating_sub(200)..]
+    );
+    let status = proxy.wait_exit(Duration::from_secs(30)).unwrap();
+    assert!(status.success(), "proxy exited with {status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2c_client_and_h2c_upstream() {
+    let scratch = ScratchDir::new("h2c").unwrap();
+    let sim = start_engines(&scratch, 1, &["--no-delay"]).unwrap();
+    let backend = engine_urls(&sim).remove(0);
+    let config = format!(
+        "listeners:\n  - name: main\n    address: 127.0.0.1:0\nadmin:\n  address: 127.0.0.1:0\n\
+         models:\n  - name: {MODEL}\n    backends:\n      - url: {backend}\n        protocol: h2c\n"
+    );
+    let proxy = start_proxy(&scratch, &config).unwrap();
+    let client = HttpClient::h2c();
+    let url = format!("{}/v1/chat/completions", proxy.url("main"));
+    let resp = client
+        .post_json(&url, &chat_body("over h2", 4, true))
+        .await
+        .unwrap();
+    assert_eq!(resp.status, 200, "{:?}", resp.body);
+    assert_eq!(resp.header("x-kvmesh-instance"), Some(backend.as_str()));
+    assert!(
+        String::from_utf8_lossy(&resp.body)
+            .trim_end()
+            .ends_with("data: [DONE]")
+    );
+}
