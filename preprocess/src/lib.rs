@@ -1,0 +1,45 @@
+//! kvmesh request preprocessing: chat templates and tokenization for KV-aware routing.
+//!
+//! KV-aware routing hashes a prompt's token ids block by block, so the ids must equal what the
+//! engine computes. For a vLLM engine serving a Hugging Face model that means: vLLM's message
+//! normalisation, the model's Jinja chat template rendered like `transformers` renders it, then
+//! the model's `tokenizer.json` (`add_special_tokens=False` for chats, `True` for completions).
+//!
+//! ```no_run
+//! use kvmesh_preprocess::{ChatRequest, ModelPreprocessor};
+//!
+//! # fn main() -> Result<(), kvmesh_preprocess::PreprocessError> {
+//! let model = ModelPreprocessor::from_dir("/models/qwen3")?;
+//! let body = br#"{"model": "qwen3", "messages": [{"role": "user", "content": "Hi"}]}"#;
+//! let request = ChatRequest::from_slice(body)?;
+//! let prompt = model.render_chat(&request)?;
+//! let ids = model.encode_chat(&prompt)?;
+//! # let _ = ids;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Long multi-turn prompts repeat their history on every request; an optional segment cache
+//! ([`ModelPreprocessor::with_segment_cache`]) reuses the ids of long messages seen before.
+//!
+//! Tokenization runs on the calling thread: `tokenizers` only uses its thread pool for batch
+//! encoding, which this crate never does.
+
+mod added_token_split;
+mod chat_template;
+mod content_format;
+mod conversation;
+mod error;
+mod preprocessor;
+mod py_json;
+mod request;
+mod segment_cache;
+mod strftime;
+mod template_scan;
+mod text_encoder;
+mod tokenizer_config;
+
+pub use content_format::ContentFormat;
+pub use error::{PreprocessError, Result};
+pub use preprocessor::ModelPreprocessor;
+pub use request::ChatRequest;
