@@ -1,0 +1,150 @@
+//! Shared by the generation endpoints: model check, tokenization, validation, submission and
+//! collection of results.
+
+use std::time::Instant;
+
+use http::StatusCode;
+use tokio::sync::mpsc::{self, UnboundedReceiver};
+
+use super::error::ApiError;
+use super::state::EngineState;
+use crate::hashing::{BlockHasher, content_seed};
+use crate::protocol::prompt::PromptInput;
+use crate::protocol::requests::GenParams;
+use crate::scheduler::{SeqEvent, SeqOutcome, SeqRequest};
+
+/// Rejects a `model` other than the served one (vLLM answers 404).
+pub(crate) fn check_model(state: &EngineState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != state.config.model => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("The model `{m}` does not exist."),
+        )
+        .with_param("model")),
+        _ => Ok(()),
+    }
+}
+
+/// Token ids of every prompt in `input`; text is tokenized (`add_special_tokens` for plain
+/// completions), ids pass through untouched.
+pub(crate) fn tokenize_prompts(
+    state: &EngineState,
+    input: PromptInput,
+    add_special_tokens: bool,
+    param: &'static str,
+) -> Result<Vec<Vec<u32>>, ApiError> {
+    let encode = |text: &str| {
+        state
+            .tokenizer
+            .encode(text, add_special_tokens)
+            .map_err(|m| ApiError::bad_request(m).with_param(param))
+    };
+    let prompts = match input {
+        PromptInput::Text(t) => vec![encode(&t)?],
+        PromptInput::Texts(ts) => ts.iter().map(|t| encode(t)).collect::<Result<_, _>>()?,
+        PromptInput::Tokens(ids) => vec![ids],
+        PromptInput::TokenLists(lists) => lists,
+    };
+    if prompts.is_empty() {
+        return Err(
+            ApiError::bad_request(format!("{param} must contain at least one prompt"))
+                .with_param(param),
+        );
+    }
+    Ok(prompts)
+}
+
+/// Checks every prompt against the context length and the cache size.
+pub(crate) fn validate_lengths(
+    state: &EngineState,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+) -> Result<(), ApiError> {
+    let cfg = &state.config;
+    for prompt in prompts {
+        if prompt.is_empty() {
+            return Err(ApiError::bad_request("The prompt cannot be empty.").with_param("prompt"));
+        }
+        let total = prompt.len().saturating_add(max_tokens);
+        if total > cfg.max_model_len {
+            return Err(ApiError::bad_request(format!(
+                "This model's maximum context length is {} tokens. However, you requested {total} tokens ({} in the messages, {max_tokens} in the completion). Please reduce the length of the messages or completion.",
+                cfg.max_model_len,
+                prompt.len(),
+            ))
+            .with_param("max_tokens"));
+        }
+        // The last generated token never needs KV, hence `total - 1`.
+        let blocks = cfg.blocks_for(total - 1);
+        if blocks > cfg.num_gpu_blocks {
+            return Err(ApiError::bad_request(format!(
+                "The request needs {blocks} KV blocks of {} tokens but the engine only has {}.",
+                cfg.block_size, cfg.num_gpu_blocks
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Validates and queues one sequence per prompt; returns the receiver of their events.
+pub(crate) fn submit(
+    state: &EngineState,
+    prompts: Vec<Vec<u32>>,
+    params: &GenParams,
+    arrival: Instant,
+) -> Result<UnboundedReceiver<SeqEvent>, ApiError> {
+    validate_lengths(state, &prompts, params.max_tokens)?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut hasher = BlockHasher::new();
+    let seqs = prompts
+        .into_iter()
+        .enumerate()
+        .map(|(index, prompt)| {
+            let prompt_hashes = if state.config.enable_prefix_caching {
+                hasher.sequence_hashes(&prompt, state.config.block_size)
+            } else {
+                Vec::new()
+            };
+            SeqRequest {
+                // Prompt counts are bounded by the body size, far below u32::MAX.
+                index: index as u32,
+                seed: content_seed(&prompt),
+                prompt,
+                prompt_hashes,
+                max_tokens: params.max_tokens,
+                stops: params.stops.clone(),
+                stream: params.stream,
+                arrival,
+                tx: tx.clone(),
+            }
+        })
+        .collect();
+    state
+        .scheduler
+        .submit(seqs)
+        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
+    Ok(rx)
+}
+
+/// Waits for `count` sequences to finish; outcomes ordered by index.
+pub(crate) async fn collect(
+    mut rx: UnboundedReceiver<SeqEvent>,
+    count: usize,
+) -> Result<Vec<SeqOutcome>, ApiError> {
+    let mut outcomes = Vec::with_capacity(count);
+    while outcomes.len() < count {
+        match rx.recv().await {
+            Some(SeqEvent::Finished(o)) => outcomes.push(o),
+            Some(SeqEvent::Delta { .. }) => {}
+            Some(SeqEvent::Failed { message, .. }) => return Err(ApiError::bad_request(message)),
+            None => {
+                return Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the engine is shutting down",
+                ));
+            }
+        }
+    }
+    outcomes.sort_by_key(|o| o.index);
+    Ok(outcomes)
+}

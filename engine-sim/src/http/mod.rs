@@ -1,0 +1,16 @@
+//! The HTTP front end: HTTP/1.1 and h2c on one port, routing, handlers.
+
+mod body;
+mod embeddings;
+mod error;
+mod generation;
+mod info;
+mod openai;
+mod router;
+mod server;
+mod sglang;
+mod sse;
+mod state;
+
+pub(crate) use server::serve;
+pub(crate) use state::EngineState;

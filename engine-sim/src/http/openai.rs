@@ -1,0 +1,368 @@
+//! `POST /v1/completions` and `POST /v1/chat/completions`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+use http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
+use http::{Response, StatusCode};
+
+use super::body::{ResponseBody, json_response};
+use super::error::ApiError;
+use super::generation::{check_model, collect, submit, tokenize_prompts};
+use super::sse::{SseBody, StreamFormatter, write_data, write_raw};
+use super::state::{EngineState, unix_now};
+use crate::chat_template;
+use crate::protocol::requests::{ChatRequest, CompletionRequest, GenParams};
+use crate::protocol::responses::{
+    ChatChoice, ChatChunkChoice, ChatCompletion, ChatDelta, ChatMessageOut, Completion,
+    CompletionChoice, Usage,
+};
+use crate::scheduler::SeqEvent;
+
+/// Which OpenAI endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Endpoint {
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/chat/completions`.
+    Chat,
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+}
+
+/// Handles one completions or chat request.
+pub(crate) async fn handle(
+    state: Arc<EngineState>,
+    endpoint: Endpoint,
+    body: Bytes,
+) -> Response<ResponseBody> {
+    let arrival = Instant::now();
+    match run(state, endpoint, &body, arrival).await {
+        Ok(res) => res,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn run(
+    state: Arc<EngineState>,
+    endpoint: Endpoint,
+    body: &[u8],
+    arrival: Instant,
+) -> Result<Response<ResponseBody>, ApiError> {
+    let (prompts, params) = match endpoint {
+        Endpoint::Completions => {
+            let req: CompletionRequest = parse(body)?;
+            check_model(&state, req.model.as_deref())?;
+            let params = GenParams::openai(
+                req.max_tokens,
+                req.stream,
+                req.stream_options.as_ref(),
+                req.stop,
+                req.n,
+            )?;
+            (
+                tokenize_prompts(&state, req.prompt, true, "prompt")?,
+                params,
+            )
+        }
+        Endpoint::Chat => {
+            let req: ChatRequest = parse(body)?;
+            check_model(&state, req.model.as_deref())?;
+            let messages = req.chat_messages()?;
+            let max_tokens = req.max_tokens();
+            let params = GenParams::openai(
+                max_tokens,
+                req.stream,
+                req.stream_options.as_ref(),
+                req.stop,
+                req.n,
+            )?;
+            let text = chat_template::render(&messages);
+            let ids = state
+                .tokenizer
+                .encode(&text, false)
+                .map_err(|m| ApiError::bad_request(m).with_param("messages"))?;
+            (vec![ids], params)
+        }
+    };
+    let count = prompts.len();
+    let rx = submit(&state, prompts, &params, arrival)?;
+    let prefix = match endpoint {
+        Endpoint::Completions => "cmpl",
+        Endpoint::Chat => "chatcmpl",
+    };
+    let id = state.response_id(prefix);
+    let created = unix_now();
+    if params.stream {
+        let formatter: Box<dyn StreamFormatter> = match endpoint {
+            Endpoint::Completions => Box::new(CompletionStream::new(
+                state.clone(),
+                id,
+                created,
+                params.include_usage,
+            )),
+            Endpoint::Chat => Box::new(ChatStream::new(
+                state.clone(),
+                id,
+                created,
+                params.include_usage,
+                count,
+            )),
+        };
+        return Ok(sse_response(SseBody::new(rx, count, formatter)));
+    }
+    let outcomes = collect(rx, count).await?;
+    let mut usage = Usage::default();
+    for o in &outcomes {
+        usage.add(o.prompt_tokens, o.completion_tokens);
+    }
+    let model = state.config.model.as_str();
+    Ok(match endpoint {
+        Endpoint::Completions => json_response(
+            StatusCode::OK,
+            &Completion {
+                id: &id,
+                object: "text_completion",
+                created,
+                model,
+                choices: outcomes
+                    .iter()
+                    .map(|o| CompletionChoice {
+                        index: o.index,
+                        text: &o.text,
+                        logprobs: None,
+                        finish_reason: Some(o.finish.as_str()),
+                        stop_reason: o.stop.as_deref(),
+                    })
+                    .collect(),
+                usage: Some(usage),
+            },
+        ),
+        Endpoint::Chat => json_response(
+            StatusCode::OK,
+            &ChatCompletion {
+                id: &id,
+                object: "chat.completion",
+                created,
+                model,
+                choices: outcomes
+                    .iter()
+                    .map(|o| ChatChoice {
+                        index: o.index,
+                        message: ChatMessageOut {
+                            role: "assistant",
+                            content: &o.text,
+                        },
+                        logprobs: None,
+                        finish_reason: o.finish.as_str(),
+                        stop_reason: o.stop.as_deref(),
+                    })
+                    .collect(),
+                usage: Some(usage),
+            },
+        ),
+    })
+}
+
+/// A `text/event-stream` response around `body`.
+pub(crate) fn sse_response(body: SseBody) -> Response<ResponseBody> {
+    let mut res = Response::new(ResponseBody::Sse(Box::new(body)));
+    res.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    res.headers_mut()
+        .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    res
+}
+
+fn write_failure(out: &mut BytesMut, message: String) {
+    write_raw(
+        out,
+        &ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message).body_json(),
+    );
+}
+
+/// `text_completion` chunks.
+#[derive(Debug)]
+struct CompletionStream {
+    state: Arc<EngineState>,
+    id: String,
+    created: u64,
+    include_usage: bool,
+    usage: Usage,
+}
+
+impl CompletionStream {
+    fn new(state: Arc<EngineState>, id: String, created: u64, include_usage: bool) -> Self {
+        Self {
+            state,
+            id,
+            created,
+            include_usage,
+            usage: Usage::default(),
+        }
+    }
+
+    fn chunk<'a>(
+        &'a self,
+        choices: Vec<CompletionChoice<'a>>,
+        usage: Option<Usage>,
+    ) -> Completion<'a> {
+        Completion {
+            id: &self.id,
+            object: "text_completion",
+            created: self.created,
+            model: &self.state.config.model,
+            choices,
+            usage,
+        }
+    }
+}
+
+impl StreamFormatter for CompletionStream {
+    fn event(&mut self, event: SeqEvent, out: &mut BytesMut) {
+        let (index, text, finish, stop) = match &event {
+            SeqEvent::Delta { text, .. } if text.is_empty() => return,
+            SeqEvent::Delta { index, text } => (*index, text.as_str(), None, None),
+            SeqEvent::Finished(o) => {
+                self.usage.add(o.prompt_tokens, o.completion_tokens);
+                (
+                    o.index,
+                    o.text.as_str(),
+                    Some(o.finish.as_str()),
+                    o.stop.as_deref(),
+                )
+            }
+            SeqEvent::Failed { message, .. } => return write_failure(out, message.clone()),
+        };
+        let choice = CompletionChoice {
+            index,
+            text,
+            logprobs: None,
+            finish_reason: finish,
+            stop_reason: stop,
+        };
+        write_data(out, &self.chunk(vec![choice], None));
+    }
+
+    fn finish(&mut self, out: &mut BytesMut) {
+        if self.include_usage {
+            write_data(out, &self.chunk(Vec::new(), Some(self.usage)));
+        }
+    }
+}
+
+/// `chat.completion.chunk` chunks; each choice's first chunk carries the role.
+#[derive(Debug)]
+struct ChatStream {
+    state: Arc<EngineState>,
+    id: String,
+    created: u64,
+    include_usage: bool,
+    usage: Usage,
+    started: Vec<bool>,
+}
+
+impl ChatStream {
+    fn new(
+        state: Arc<EngineState>,
+        id: String,
+        created: u64,
+        include_usage: bool,
+        choices: usize,
+    ) -> Self {
+        Self {
+            state,
+            id,
+            created,
+            include_usage,
+            usage: Usage::default(),
+            started: vec![false; choices],
+        }
+    }
+
+    fn write(&self, out: &mut BytesMut, choices: Vec<ChatChunkChoice<'_>>, usage: Option<Usage>) {
+        let chunk = ChatCompletion {
+            id: &self.id,
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: &self.state.config.model,
+            choices,
+            usage,
+        };
+        write_data(out, &chunk);
+    }
+
+    fn start(&mut self, index: u32, out: &mut BytesMut) {
+        let Some(started) = self.started.get_mut(index as usize) else {
+            return;
+        };
+        if *started {
+            return;
+        }
+        *started = true;
+        let delta = ChatDelta {
+            role: Some("assistant"),
+            content: Some(""),
+        };
+        self.write(
+            out,
+            vec![ChatChunkChoice {
+                index,
+                delta,
+                logprobs: None,
+                finish_reason: None,
+            }],
+            None,
+        );
+    }
+}
+
+impl StreamFormatter for ChatStream {
+    fn event(&mut self, event: SeqEvent, out: &mut BytesMut) {
+        match &event {
+            SeqEvent::Delta { index, text } => {
+                self.start(*index, out);
+                if !text.is_empty() {
+                    let delta = ChatDelta {
+                        role: None,
+                        content: Some(text),
+                    };
+                    let choice = ChatChunkChoice {
+                        index: *index,
+                        delta,
+                        logprobs: None,
+                        finish_reason: None,
+                    };
+                    self.write(out, vec![choice], None);
+                }
+            }
+            SeqEvent::Finished(o) => {
+                self.start(o.index, out);
+                self.usage.add(o.prompt_tokens, o.completion_tokens);
+                let content = (!o.text.is_empty()).then_some(o.text.as_str());
+                let delta = ChatDelta {
+                    role: None,
+                    content,
+                };
+                let choice = ChatChunkChoice {
+                    index: o.index,
+                    delta,
+                    logprobs: None,
+                    finish_reason: Some(o.finish.as_str()),
+                };
+                self.write(out, vec![choice], None);
+            }
+            SeqEvent::Failed { message, .. } => write_failure(out, message.clone()),
+        }
+    }
+
+    fn finish(&mut self, out: &mut BytesMut) {
+        if self.include_usage {
+            self.write(out, Vec::new(), Some(self.usage));
+        }
+    }
+}

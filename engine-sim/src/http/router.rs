@@ -1,0 +1,158 @@
+//! Path/method dispatch, body reading, test hooks and the `x-engine-id` header.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{ALLOW, HeaderValue};
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+
+use super::body::ResponseBody;
+use super::error::ApiError;
+use super::openai::Endpoint;
+use super::state::EngineState;
+use super::{embeddings, info, openai, sglang};
+
+/// Largest accepted request body.
+const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
+/// Test hook: delay the response headers by this many milliseconds.
+pub(crate) const DELAY_HEADER: &str = "x-sim-delay-ms";
+/// Test hook: answer this HTTP status with an OpenAI-shaped error body.
+pub(crate) const STATUS_HEADER: &str = "x-sim-status";
+/// Names the engine on every response.
+const ENGINE_ID_HEADER: &str = "x-engine-id";
+
+#[derive(Debug, Clone, Copy)]
+enum Route {
+    Completions,
+    Chat,
+    Embeddings,
+    Generate,
+    ResetPrefixCache,
+    Models,
+    Health,
+    Metrics,
+    ServerInfo,
+    ModelInfo,
+}
+
+fn lookup(path: &str) -> Option<(Route, &'static str)> {
+    Some(match path {
+        "/v1/completions" => (Route::Completions, "POST"),
+        "/v1/chat/completions" => (Route::Chat, "POST"),
+        "/v1/embeddings" => (Route::Embeddings, "POST"),
+        "/generate" => (Route::Generate, "POST"),
+        "/reset_prefix_cache" => (Route::ResetPrefixCache, "POST"),
+        "/v1/models" => (Route::Models, "GET"),
+        "/health" | "/healthz" | "/readiness" | "/health_generate" => (Route::Health, "GET"),
+        "/metrics" => (Route::Metrics, "GET"),
+        "/get_server_info" | "/server_info" => (Route::ServerInfo, "GET"),
+        "/get_model_info" | "/model_info" => (Route::ModelInfo, "GET"),
+        _ => return None,
+    })
+}
+
+/// Answers one request; never fails.
+pub(crate) async fn handle(
+    state: Arc<EngineState>,
+    req: Request<Incoming>,
+) -> Response<ResponseBody> {
+    let mut res = match route(&state, req).await {
+        Ok(res) => res,
+        Err(e) => e.into_response(),
+    };
+    res.headers_mut()
+        .insert(ENGINE_ID_HEADER, state.engine_id.clone());
+    res
+}
+
+async fn route(
+    state: &Arc<EngineState>,
+    req: Request<Incoming>,
+) -> Result<Response<ResponseBody>, ApiError> {
+    apply_test_hooks(&req).await?;
+    let path = req.uri().path();
+    let Some((route, method)) = lookup(path) else {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no route for {path}"),
+        ));
+    };
+    if req.method().as_str() != method {
+        let mut res = ApiError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            format!("{} {path} is not allowed", req.method()),
+        )
+        .into_response();
+        res.headers_mut()
+            .insert(ALLOW, HeaderValue::from_static(method));
+        return Ok(res);
+    }
+    Ok(match route {
+        Route::Completions => {
+            openai::handle(state.clone(), Endpoint::Completions, read_body(req).await?).await
+        }
+        Route::Chat => openai::handle(state.clone(), Endpoint::Chat, read_body(req).await?).await,
+        Route::Embeddings => embeddings::handle(state, &read_body(req).await?),
+        Route::Generate => sglang::handle(state.clone(), read_body(req).await?).await,
+        Route::ResetPrefixCache => info::reset_prefix_cache(state.clone()).await,
+        Route::Models => info::models(state),
+        Route::Health => info::health(),
+        Route::Metrics => info::metrics(state),
+        Route::ServerInfo => info::server_info(state),
+        Route::ModelInfo => info::model_info(state),
+    })
+}
+
+async fn read_body(req: Request<Incoming>) -> Result<Bytes, ApiError> {
+    match Limited::new(req.into_body(), MAX_BODY_BYTES)
+        .collect()
+        .await
+    {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body exceeds {MAX_BODY_BYTES} bytes"),
+            ))
+        }
+        Err(e) => Err(ApiError::bad_request(format!(
+            "cannot read request body: {e}"
+        ))),
+    }
+}
+
+/// Test-only hooks: `x-sim-delay-ms: N` sleeps N ms before answering; `x-sim-status: CODE`
+/// answers CODE with an OpenAI-shaped error body instead of handling the request.
+async fn apply_test_hooks<B>(req: &Request<B>) -> Result<(), ApiError> {
+    let header = |name: &str| {
+        req.headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap_or("").trim().to_owned())
+    };
+    if let Some(delay) = header(DELAY_HEADER) {
+        let ms: u64 = delay.parse().map_err(|_| {
+            ApiError::bad_request(format!("{DELAY_HEADER} must be a number of milliseconds"))
+        })?;
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if let Some(status) = header(STATUS_HEADER) {
+        let status = status
+            .parse::<u16>()
+            .ok()
+            .and_then(|s| StatusCode::from_u16(s).ok())
+            .ok_or_else(|| {
+                ApiError::bad_request(format!("{STATUS_HEADER} must be an HTTP status code"))
+            })?;
+        return Err(ApiError::new(
+            status,
+            format!("simulated error ({STATUS_HEADER}: {})", status.as_u16()),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,345 @@
+//! The KV block pool with vLLM-style automatic prefix caching.
+//!
+//! - *Active* blocks are referenced by running sequences and ref-counted (a shared prefix is
+//!   held once).
+//! - *Inactive* blocks have no reference but keep their hash: they stay matchable until evicted,
+//!   least recently released first ([`lru::LruList`]).
+//! - Only full blocks carry a hash (the prefix-chained sequence hash); a partial block is freed
+//!   outright when released.
+//! - Releasing a sequence walks its blocks tail first, so its deeper blocks become older than its
+//!   prefix and are evicted first.
+//!
+//! Every store, eviction and reset is recorded for the KV event stream.
+
+mod lru;
+
+use std::collections::HashMap;
+
+use lru::LruList;
+
+use crate::kv_events::{EventBuffer, KvEvent};
+
+/// Index of a block in the pool.
+pub(crate) type BlockId = u32;
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Block {
+    refs: u32,
+    /// Sequence hash while the block is a cached full block.
+    hash: Option<u64>,
+    /// Engine hash published for the block while it is cached.
+    engine_hash: u64,
+}
+
+/// The engine's KV cache.
+#[derive(Debug)]
+pub(crate) struct KvCache {
+    block_size: usize,
+    prefix_caching: bool,
+    blocks: Vec<Block>,
+    free: Vec<BlockId>,
+    inactive: LruList,
+    cached: HashMap<u64, BlockId>,
+    active: usize,
+    events: EventBuffer,
+    epoch: u64,
+}
+
+impl KvCache {
+    /// A cache of `num_blocks` empty blocks of `block_size` tokens.
+    pub(crate) fn new(num_blocks: usize, block_size: usize, prefix_caching: bool) -> Self {
+        // Ids are u32; a pool that large would not fit in memory anyway.
+        let num_blocks = num_blocks.min(u32::MAX as usize - 1);
+        Self {
+            block_size,
+            prefix_caching,
+            blocks: vec![Block::default(); num_blocks],
+            free: (0..num_blocks as u32).rev().collect(),
+            inactive: LruList::new(num_blocks),
+            cached: HashMap::new(),
+            active: 0,
+            events: EventBuffer::default(),
+            epoch: 0,
+        }
+    }
+
+    /// Capacity in blocks.
+    pub(crate) fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Blocks referenced by running sequences.
+    #[cfg(test)]
+    pub(crate) fn active_blocks(&self) -> usize {
+        self.active
+    }
+
+    /// Cached blocks nobody references (the evictable prefix cache).
+    #[cfg(test)]
+    pub(crate) fn inactive_blocks(&self) -> usize {
+        self.inactive.len()
+    }
+
+    /// Active blocks / capacity (1.0 for an empty pool).
+    pub(crate) fn usage(&self) -> f64 {
+        if self.blocks.is_empty() {
+            1.0
+        } else {
+            self.active as f64 / self.blocks.len() as f64
+        }
+    }
+
+    /// Changes on every reset; sequences admitted before a reset must not store blocks after it.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Blocks that can be allocated now: free ones plus evictable ones.
+    pub(crate) fn available(&self) -> usize {
+        self.free.len() + self.inactive.len()
+    }
+
+    /// Number of leading `hashes` whose blocks are resident (active or inactive).
+    pub(crate) fn lookup(&self, hashes: &[u64]) -> usize {
+        if !self.prefix_caching {
+            return 0;
+        }
+        hashes
+            .iter()
+            .take_while(|h| self.cached.contains_key(h))
+            .count()
+    }
+
+    /// How many of `hashes` (all resident) sit in the inactive pool, i.e. would stop being
+    /// evictable once acquired.
+    pub(crate) fn inactive_among(&self, hashes: &[u64]) -> usize {
+        hashes
+            .iter()
+            .filter_map(|h| self.cached.get(h))
+            .filter(|&&id| self.blocks[id as usize].refs == 0)
+            .count()
+    }
+
+    /// Takes a reference on the resident blocks of `hashes` (all must be resident, see
+    /// [`Self::lookup`]); returns their ids and engine hashes in order.
+    pub(crate) fn acquire(&mut self, hashes: &[u64]) -> Vec<(BlockId, u64)> {
+        let mut out = Vec::with_capacity(hashes.len());
+        for h in hashes {
+            let Some(&id) = self.cached.get(h) else { break };
+            let block = &mut self.blocks[id as usize];
+            if block.refs == 0 {
+                self.inactive.remove(id);
+                self.active += 1;
+            }
+            block.refs += 1;
+            out.push((id, block.engine_hash));
+        }
+        out
+    }
+
+    /// A fresh block with one reference: a free one, else the least recently used inactive one
+    /// (evicted, which records a removal). `None` when everything is active.
+    pub(crate) fn allocate(&mut self) -> Option<BlockId> {
+        let id = match self.free.pop() {
+            Some(id) => id,
+            None => {
+                let id = self.inactive.pop_front()?;
+                let block = &mut self.blocks[id as usize];
+                if let Some(hash) = block.hash.take() {
+                    self.cached.remove(&hash);
+                    self.events.removed(block.engine_hash);
+                }
+                id
+            }
+        };
+        self.blocks[id as usize].refs = 1;
+        self.active += 1;
+        Some(id)
+    }
+
+    /// Drops one reference on each of a sequence's blocks, last block first.
+    pub(crate) fn release(&mut self, blocks: &[BlockId]) {
+        for &id in blocks.iter().rev() {
+            let block = &mut self.blocks[id as usize];
+            debug_assert!(block.refs > 0);
+            block.refs = block.refs.saturating_sub(1);
+            if block.refs > 0 {
+                continue;
+            }
+            self.active -= 1;
+            if block.hash.is_some() {
+                self.inactive.push_back(id);
+            } else {
+                self.free.push(id);
+            }
+        }
+    }
+
+    /// Makes a just-filled block a cached block under `hash`, recording a store event with its
+    /// `engine_hash` and `parent` engine hash. Returns false when caching is off or another block
+    /// already holds `hash` (the block then stays uncached, as in vLLM).
+    pub(crate) fn promote(
+        &mut self,
+        id: BlockId,
+        hash: u64,
+        engine_hash: u64,
+        parent: Option<u64>,
+        tokens: &[u32],
+    ) -> bool {
+        if !self.prefix_caching || self.cached.contains_key(&hash) {
+            return false;
+        }
+        let block = &mut self.blocks[id as usize];
+        debug_assert!(block.hash.is_none() && block.refs > 0);
+        block.hash = Some(hash);
+        block.engine_hash = engine_hash;
+        self.cached.insert(hash, id);
+        self.events
+            .stored(engine_hash, parent, tokens, self.block_size);
+        true
+    }
+
+    /// Forgets every cached hash: inactive blocks become free, active ones stay in use uncached.
+    pub(crate) fn reset(&mut self) {
+        for (_, id) in self.cached.drain() {
+            let block = &mut self.blocks[id as usize];
+            block.hash = None;
+            if self.inactive.remove(id) {
+                self.free.push(id);
+            }
+        }
+        self.epoch += 1;
+        self.events.cleared();
+    }
+
+    /// The events recorded since the last call.
+    pub(crate) fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.take()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Allocates `n` blocks and promotes them under `hashes`, as a finished prefill would.
+    fn store(cache: &mut KvCache, hashes: &[u64]) -> Vec<BlockId> {
+        let mut ids = Vec::new();
+        let mut parent = None;
+        for &h in hashes {
+            let id = cache.allocate().expect("free block");
+            assert!(cache.promote(id, h, h + 1000, parent, &[0, 0]));
+            parent = Some(h + 1000);
+            ids.push(id);
+        }
+        ids
+    }
+
+    #[test]
+    fn admission_reuses_resident_prefix() {
+        let mut c = KvCache::new(8, 2, true);
+        let ids = store(&mut c, &[1, 2, 3]);
+        assert_eq!(c.active_blocks(), 3);
+        assert_eq!(c.lookup(&[1, 2, 9]), 2);
+        let got = c.acquire(&[1, 2]);
+        assert_eq!(got, vec![(ids[0], 1001), (ids[1], 1002)]);
+        c.release(&ids);
+        // Blocks 1 and 2 are still held by the second sequence; 3 went inactive.
+        assert_eq!(c.active_blocks(), 2);
+        assert_eq!(c.inactive_blocks(), 1);
+        assert_eq!(c.lookup(&[1, 2, 3]), 3);
+        assert_eq!(c.inactive_among(&[1, 2, 3]), 1);
+    }
+
+    #[test]
+    fn eviction_is_lru_and_tail_first() {
+        let mut c = KvCache::new(4, 2, true);
+        let a = store(&mut c, &[10, 11]);
+        let b = store(&mut c, &[20, 21]);
+        c.release(&a);
+        c.release(&b);
+        c.take_events();
+        // Order of release: 11, 10, 21, 20. Evict two blocks.
+        assert!(c.allocate().is_some());
+        assert!(c.allocate().is_some());
+        assert_eq!(
+            c.take_events(),
+            vec![KvEvent::BlockRemoved {
+                block_hashes: vec![1011, 1010]
+            }]
+        );
+        assert_eq!(c.lookup(&[10]), 0);
+        assert_eq!(c.lookup(&[20, 21]), 2);
+    }
+
+    #[test]
+    fn reuse_refreshes_lru_position() {
+        let mut c = KvCache::new(3, 2, true);
+        let a = store(&mut c, &[1]);
+        let b = store(&mut c, &[2]);
+        c.release(&a);
+        c.release(&b);
+        // Touch 1 again: 2 becomes the oldest.
+        let again = c.acquire(&[1]);
+        c.release(&[again[0].0]);
+        assert!(c.allocate().is_some()); // the free block
+        assert!(c.allocate().is_some()); // evicts 2
+        assert_eq!(c.lookup(&[1]), 1);
+        assert_eq!(c.lookup(&[2]), 0);
+    }
+
+    #[test]
+    fn partial_blocks_are_freed_not_cached() {
+        let mut c = KvCache::new(2, 2, true);
+        let id = c.allocate().expect("block");
+        c.release(&[id]);
+        assert_eq!(c.inactive_blocks(), 0);
+        assert_eq!(c.available(), 2);
+        assert!(c.take_events().is_empty());
+    }
+
+    #[test]
+    fn allocation_fails_when_everything_is_active() {
+        let mut c = KvCache::new(2, 2, true);
+        assert!(c.allocate().is_some());
+        assert!(c.allocate().is_some());
+        assert!(c.allocate().is_none());
+        assert_eq!(c.usage(), 1.0);
+    }
+
+    #[test]
+    fn duplicate_hash_stays_uncached() {
+        let mut c = KvCache::new(4, 2, true);
+        store(&mut c, &[5]);
+        let id = c.allocate().expect("block");
+        assert!(!c.promote(id, 5, 1005, None, &[0, 0]));
+        c.release(&[id]);
+        assert_eq!(c.inactive_blocks(), 0);
+    }
+
+    #[test]
+    fn without_prefix_caching_nothing_matches() {
+        let mut c = KvCache::new(4, 2, false);
+        let id = c.allocate().expect("block");
+        assert!(!c.promote(id, 5, 1005, None, &[0, 0]));
+        assert_eq!(c.lookup(&[5]), 0);
+        assert!(c.take_events().is_empty());
+    }
+
+    #[test]
+    fn reset_clears_everything_cached() {
+        let mut c = KvCache::new(4, 2, true);
+        let a = store(&mut c, &[1, 2]);
+        c.release(&a[1..]);
+        c.reset();
+        assert_eq!(c.lookup(&[1]), 0);
+        assert_eq!(c.inactive_blocks(), 0);
+        assert_eq!(c.available(), 3);
+        assert_eq!(c.epoch(), 1);
+        assert_eq!(c.take_events().last(), Some(&KvEvent::AllBlocksCleared));
+        // The still-active block is freed outright later, without a removal event.
+        c.release(&a[..1]);
+        assert_eq!(c.available(), 4);
+        assert!(c.take_events().is_empty());
+    }
+}

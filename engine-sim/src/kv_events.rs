@@ -1,0 +1,131 @@
+//! KV cache events in vLLM's model (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`).
+//!
+//! The scheduler publishes one [`KvEventBatch`] per iteration that changed the cache; subscribe
+//! with [`crate::EngineHandle::subscribe_kv_events`]. Hashes are engine hashes
+//! (see [`crate::hashing`]), not kvmesh's sequence hashes.
+
+/// One change to the set of cached blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvEvent {
+    /// Consecutive full blocks of one sequence became cached (matchable) blocks.
+    BlockStored {
+        /// Engine hash of each stored block, in order.
+        block_hashes: Vec<u64>,
+        /// Engine hash of the block before the first one; `None` at sequence start.
+        parent_block_hash: Option<u64>,
+        /// All blocks' tokens concatenated (`block_hashes.len() * block_size` ids).
+        token_ids: Vec<u32>,
+        /// Tokens per block.
+        block_size: usize,
+    },
+    /// Cached blocks were evicted.
+    BlockRemoved {
+        /// Engine hashes of the evicted blocks.
+        block_hashes: Vec<u64>,
+    },
+    /// Every cached block was dropped (prefix-cache reset).
+    AllBlocksCleared,
+}
+
+/// The events of one scheduler iteration, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvEventBatch {
+    /// Seconds since the Unix epoch when the batch was published.
+    pub timestamp: f64,
+    /// The events.
+    pub events: Vec<KvEvent>,
+}
+
+/// Collects events during an iteration, merging adjacent stores of one chain and adjacent removals.
+#[derive(Debug, Default)]
+pub(crate) struct EventBuffer {
+    events: Vec<KvEvent>,
+}
+
+impl EventBuffer {
+    /// Records that one block was stored.
+    pub(crate) fn stored(
+        &mut self,
+        hash: u64,
+        parent: Option<u64>,
+        tokens: &[u32],
+        block_size: usize,
+    ) {
+        if let Some(KvEvent::BlockStored {
+            block_hashes,
+            token_ids,
+            ..
+        }) = self.events.last_mut()
+            && parent.is_some()
+            && block_hashes.last().copied() == parent
+        {
+            block_hashes.push(hash);
+            token_ids.extend_from_slice(tokens);
+            return;
+        }
+        self.events.push(KvEvent::BlockStored {
+            block_hashes: vec![hash],
+            parent_block_hash: parent,
+            token_ids: tokens.to_vec(),
+            block_size,
+        });
+    }
+
+    /// Records that one block was evicted.
+    pub(crate) fn removed(&mut self, hash: u64) {
+        if let Some(KvEvent::BlockRemoved { block_hashes }) = self.events.last_mut() {
+            block_hashes.push(hash);
+            return;
+        }
+        self.events.push(KvEvent::BlockRemoved {
+            block_hashes: vec![hash],
+        });
+    }
+
+    /// Records a full reset.
+    pub(crate) fn cleared(&mut self) {
+        self.events.push(KvEvent::AllBlocksCleared);
+    }
+
+    /// Takes the buffered events.
+    pub(crate) fn take(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chained_stores_merge_and_removals_merge() {
+        let mut b = EventBuffer::default();
+        b.stored(1, None, &[1, 2], 2);
+        b.stored(2, Some(1), &[3, 4], 2);
+        b.stored(9, Some(5), &[7, 8], 2);
+        b.removed(3);
+        b.removed(4);
+        let events = b.take();
+        assert_eq!(
+            events,
+            vec![
+                KvEvent::BlockStored {
+                    block_hashes: vec![1, 2],
+                    parent_block_hash: None,
+                    token_ids: vec![1, 2, 3, 4],
+                    block_size: 2
+                },
+                KvEvent::BlockStored {
+                    block_hashes: vec![9],
+                    parent_block_hash: Some(5),
+                    token_ids: vec![7, 8],
+                    block_size: 2
+                },
+                KvEvent::BlockRemoved {
+                    block_hashes: vec![3, 4]
+                },
+            ]
+        );
+        assert!(b.take().is_empty());
+    }
+}

@@ -1,0 +1,331 @@
+//! Request bodies of the generation endpoints and their normalisation into [`GenParams`].
+
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+use super::InvalidRequest;
+use super::prompt::PromptInput;
+use crate::chat_template::ChatMessage;
+
+/// Default `max_tokens` of the OpenAI endpoints.
+pub(crate) const DEFAULT_MAX_TOKENS: usize = 16;
+/// Default `max_new_tokens` of SGLang's `/generate`.
+pub(crate) const DEFAULT_MAX_NEW_TOKENS: usize = 128;
+
+/// `stop`: one string or several.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum StopInput {
+    /// One stop string.
+    One(String),
+    /// Several stop strings.
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub(crate) struct StreamOptions {
+    /// Send a final chunk with `usage` and no choices.
+    pub include_usage: Option<bool>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct CompletionRequest {
+    /// Requested model; must be the served one when given.
+    pub model: Option<String>,
+    /// The prompt(s).
+    pub prompt: PromptInput,
+    /// Tokens to generate.
+    pub max_tokens: Option<i64>,
+    /// Stream SSE chunks.
+    pub stream: Option<bool>,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Stop strings.
+    pub stop: Option<StopInput>,
+    /// Choices per prompt; only 1 is supported.
+    pub n: Option<i64>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct ChatRequest {
+    /// Requested model; must be the served one when given.
+    pub model: Option<String>,
+    /// The conversation.
+    pub messages: Vec<WireMessage>,
+    /// Tokens to generate (deprecated name).
+    pub max_tokens: Option<i64>,
+    /// Tokens to generate (takes precedence over `max_tokens`).
+    pub max_completion_tokens: Option<i64>,
+    /// Stream SSE chunks.
+    pub stream: Option<bool>,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Stop strings.
+    pub stop: Option<StopInput>,
+    /// Choices; only 1 is supported.
+    pub n: Option<i64>,
+}
+
+/// One chat message as sent.
+#[derive(Debug, Deserialize)]
+pub(crate) struct WireMessage {
+    /// `system`, `user`, `assistant`, `tool`, ...
+    pub role: String,
+    /// Text, content parts, or null.
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+}
+
+/// Message content: a string or a list of parts.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum MessageContent {
+    /// Plain text.
+    Text(String),
+    /// Content parts (only `text` parts are supported).
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part.
+#[derive(Debug, Deserialize)]
+pub(crate) struct ContentPart {
+    /// Part type; must be `text`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a `text` part.
+    pub text: Option<String>,
+}
+
+/// `POST /v1/embeddings`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct EmbeddingRequest {
+    /// Requested model; must be the served one when given.
+    pub model: Option<String>,
+    /// The input(s), in any prompt shape.
+    pub input: PromptInput,
+    /// `float` (default) or `base64`.
+    pub encoding_format: Option<String>,
+}
+
+/// SGLang `POST /generate`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct GenerateRequest {
+    /// Text prompt(s).
+    pub text: Option<PromptInput>,
+    /// Token-id prompt(s).
+    pub input_ids: Option<PromptInput>,
+    /// Sampling parameters.
+    pub sampling_params: Option<SglSamplingParams>,
+    /// Stream SSE chunks with cumulative text.
+    pub stream: Option<bool>,
+}
+
+/// SGLang `sampling_params` (the supported subset).
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct SglSamplingParams {
+    /// Tokens to generate.
+    pub max_new_tokens: Option<i64>,
+    /// Stop strings.
+    pub stop: Option<StopInput>,
+}
+
+/// Generation parameters common to every endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct GenParams {
+    /// Tokens to generate at most.
+    pub max_tokens: usize,
+    /// Non-empty stop strings.
+    pub stops: Arc<[String]>,
+    /// Stream the response.
+    pub stream: bool,
+    /// Streaming: end with a usage-only chunk.
+    pub include_usage: bool,
+}
+
+impl GenParams {
+    /// Validates the OpenAI fields shared by completions and chat.
+    pub(crate) fn openai(
+        max_tokens: Option<i64>,
+        stream: Option<bool>,
+        stream_options: Option<&StreamOptions>,
+        stop: Option<StopInput>,
+        n: Option<i64>,
+    ) -> Result<Self, InvalidRequest> {
+        if let Some(n) = n
+            && n != 1
+        {
+            return Err(InvalidRequest::field(
+                "n",
+                format!("n must be 1 on this simulator, got {n}"),
+            ));
+        }
+        let stream = stream.unwrap_or(false);
+        if stream_options.is_some() && !stream {
+            return Err(InvalidRequest::field(
+                "stream_options",
+                "Stream options can only be defined when `stream=True`.",
+            ));
+        }
+        Ok(Self {
+            max_tokens: positive("max_tokens", max_tokens, DEFAULT_MAX_TOKENS)?,
+            stops: stop_list(stop),
+            stream,
+            include_usage: stream_options
+                .and_then(|o| o.include_usage)
+                .unwrap_or(false),
+        })
+    }
+
+    /// Validates SGLang's sampling parameters.
+    pub(crate) fn sglang(
+        params: SglSamplingParams,
+        stream: Option<bool>,
+    ) -> Result<Self, InvalidRequest> {
+        Ok(Self {
+            max_tokens: positive(
+                "max_new_tokens",
+                params.max_new_tokens,
+                DEFAULT_MAX_NEW_TOKENS,
+            )?,
+            stops: stop_list(params.stop),
+            stream: stream.unwrap_or(false),
+            include_usage: false,
+        })
+    }
+}
+
+fn positive(
+    param: &'static str,
+    value: Option<i64>,
+    default: usize,
+) -> Result<usize, InvalidRequest> {
+    match value {
+        None => Ok(default),
+        Some(v) if v >= 1 => {
+            usize::try_from(v).map_err(|_| InvalidRequest::field(param, "value too large"))
+        }
+        Some(v) => Err(InvalidRequest::field(
+            param,
+            format!("{param} must be at least 1, got {v}."),
+        )),
+    }
+}
+
+fn stop_list(stop: Option<StopInput>) -> Arc<[String]> {
+    let list = match stop {
+        None => Vec::new(),
+        Some(StopInput::One(s)) => vec![s],
+        Some(StopInput::Many(v)) => v,
+    };
+    list.into_iter().filter(|s| !s.is_empty()).collect()
+}
+
+impl ChatRequest {
+    /// The messages with their content parts joined by newlines.
+    pub(crate) fn chat_messages(&self) -> Result<Vec<ChatMessage>, InvalidRequest> {
+        self.messages
+            .iter()
+            .map(|m| {
+                let content = match &m.content {
+                    None => String::new(),
+                    Some(MessageContent::Text(t)) => t.clone(),
+                    Some(MessageContent::Parts(parts)) => {
+                        let mut texts = Vec::with_capacity(parts.len());
+                        for p in parts {
+                            match (p.kind.as_str(), &p.text) {
+                                ("text", Some(t)) => texts.push(t.as_str()),
+                                (kind, _) => {
+                                    return Err(InvalidRequest::field(
+                                        "messages",
+                                        format!("content part type `{kind}` is not supported by the simulator (text only)"),
+                                    ));
+                                }
+                            }
+                        }
+                        texts.join("\n")
+                    }
+                };
+                Ok(ChatMessage { role: m.role.clone(), content })
+            })
+            .collect()
+    }
+
+    /// `max_completion_tokens`, else `max_tokens`.
+    pub(crate) fn max_tokens(&self) -> Option<i64> {
+        self.max_completion_tokens.or(self.max_tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openai_defaults_and_validation() {
+        let p = GenParams::openai(None, None, None, None, None).ok();
+        assert_eq!(
+            p.map(|p| (p.max_tokens, p.stream, p.include_usage)),
+            Some((16, false, false))
+        );
+        assert!(GenParams::openai(Some(0), None, None, None, None).is_err());
+        assert!(GenParams::openai(Some(-3), None, None, None, None).is_err());
+        assert!(GenParams::openai(None, None, None, None, Some(2)).is_err());
+        let opts = StreamOptions {
+            include_usage: Some(true),
+        };
+        assert!(GenParams::openai(None, Some(false), Some(&opts), None, None).is_err());
+        let p = GenParams::openai(
+            Some(5),
+            Some(true),
+            Some(&opts),
+            Some(StopInput::Many(vec!["".into(), "x".into()])),
+            Some(1),
+        );
+        let p = p.ok();
+        assert_eq!(p.as_ref().map(|p| p.include_usage), Some(true));
+        assert_eq!(p.map(|p| p.stops.to_vec()), Some(vec!["x".to_owned()]));
+    }
+
+    #[test]
+    fn chat_request_parses_parts_and_nulls() {
+        let body = r#"{"model":"m","messages":[{"role":"system","content":null},
+            {"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],
+            "max_tokens":3,"max_completion_tokens":7}"#;
+        let req: ChatRequest = serde_json::from_str(body).expect("valid");
+        let msgs = req.chat_messages().expect("text parts");
+        assert_eq!(msgs[0].content, "");
+        assert_eq!(msgs[1].content, "a\nb");
+        assert_eq!(req.max_tokens(), Some(7));
+    }
+
+    #[test]
+    fn chat_rejects_non_text_parts_and_missing_messages() {
+        let body = r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#;
+        let req: ChatRequest = serde_json::from_str(body).expect("parses");
+        assert!(req.chat_messages().is_err());
+        assert!(serde_json::from_str::<ChatRequest>(r#"{"model":"m"}"#).is_err());
+        assert!(serde_json::from_str::<ChatRequest>(r#"{"messages":"hi"}"#).is_err());
+    }
+
+    #[test]
+    fn completion_request_requires_prompt() {
+        assert!(serde_json::from_str::<CompletionRequest>(r#"{"model":"m"}"#).is_err());
+        assert!(
+            serde_json::from_str::<CompletionRequest>(r#"{"prompt":"x","max_tokens":"7"}"#)
+                .is_err()
+        );
+        let ok: CompletionRequest =
+            serde_json::from_str(r#"{"prompt":[1,2],"stop":"x","stream":null}"#).expect("valid");
+        assert_eq!(ok.prompt, PromptInput::Tokens(vec![1, 2]));
+    }
+
+    #[test]
+    fn sglang_defaults() {
+        let p = GenParams::sglang(SglSamplingParams::default(), None).ok();
+        assert_eq!(p.map(|p| p.max_tokens), Some(DEFAULT_MAX_NEW_TOKENS));
+    }
+}

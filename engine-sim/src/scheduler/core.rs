@@ -1,0 +1,376 @@
+//! The scheduling logic, free of time and I/O: plan an iteration, then complete it.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use super::sequence::Sequence;
+use super::{Command, EventSender, SeqEvent, SeqOutcome};
+use crate::config::{PreemptionMode, SimConfig};
+use crate::hashing::BlockHasher;
+use crate::kv_cache::KvCache;
+use crate::kv_events::KvEventBatch;
+use crate::metrics::{EngineMetrics, Finish};
+use crate::output_text::Appended;
+
+/// What one planned iteration does, for the timing model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct StepPlan {
+    /// New prompt (or recomputed) tokens in the batch.
+    pub prefill_tokens: usize,
+    /// Sequences with work in the batch.
+    pub batch: usize,
+    /// KV usage after allocation.
+    pub usage: f64,
+}
+
+/// Queues, KV cache and the per-iteration algorithm of vLLM's v1 scheduler (mocker flavour).
+#[derive(Debug)]
+pub(crate) struct SchedulerCore {
+    block_size: usize,
+    max_num_seqs: usize,
+    max_num_batched_tokens: usize,
+    preemption: PreemptionMode,
+    prefix_caching: bool,
+    cache: KvCache,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
+    hasher: BlockHasher,
+    metrics: Arc<EngineMetrics>,
+    events: EventSender,
+}
+
+impl SchedulerCore {
+    /// An idle scheduler with an empty cache.
+    pub(crate) fn new(
+        config: &SimConfig,
+        metrics: Arc<EngineMetrics>,
+        events: EventSender,
+    ) -> Self {
+        Self {
+            block_size: config.block_size,
+            max_num_seqs: config.max_num_seqs,
+            max_num_batched_tokens: config.max_num_batched_tokens,
+            preemption: config.preemption_mode,
+            prefix_caching: config.enable_prefix_caching,
+            cache: KvCache::new(
+                config.num_gpu_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+            ),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            hasher: BlockHasher::new(),
+            metrics,
+            events,
+        }
+    }
+
+    /// No sequence waiting or running.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// Applies one command from the inbox.
+    pub(crate) fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit(seqs) => self.waiting.extend(seqs.into_iter().map(Sequence::new)),
+            Command::ResetPrefixCache(done) => {
+                self.cache.reset();
+                self.publish_events();
+                let _ = done.send(());
+            }
+        }
+    }
+
+    /// Plans the next iteration: budget running sequences first (preempting when decode runs out
+    /// of blocks), then admit waiting ones with chunked prefill.
+    pub(crate) fn schedule(&mut self) -> StepPlan {
+        self.drop_cancelled();
+        let mut budget = self.max_num_batched_tokens;
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() {
+            let n = self.running[i].missing().min(budget);
+            self.running[i].scheduled = 0;
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let need = self.blocks_needed(&self.running[i], n);
+            let mut self_preempted = false;
+            while need > self.cache.available() {
+                let victim = match self.preemption {
+                    PreemptionMode::Lifo => self.running.len() - 1,
+                    PreemptionMode::Fifo => 0,
+                };
+                budget += self.preempt(victim);
+                preempted = true;
+                if victim == i {
+                    self_preempted = true;
+                    break;
+                }
+                if victim < i {
+                    i -= 1;
+                }
+            }
+            if self_preempted {
+                continue;
+            }
+            self.allocate(i, need);
+            self.running[i].scheduled = n;
+            budget -= n;
+            i += 1;
+        }
+        if !preempted {
+            self.admit_waiting(&mut budget);
+        }
+        let mut plan = StepPlan {
+            prefill_tokens: 0,
+            batch: 0,
+            usage: self.cache.usage(),
+        };
+        for seq in self.running.iter().filter(|s| s.scheduled > 0) {
+            plan.batch += 1;
+            if !seq.decoding {
+                plan.prefill_tokens += seq.scheduled;
+            }
+        }
+        if plan.batch == 0 && !preempted && self.running.is_empty() {
+            self.fail_unschedulable();
+        }
+        self.metrics
+            .set_load(self.running.len(), self.waiting.len(), plan.usage);
+        plan
+    }
+
+    /// Ends the planned iteration at `now`: computed tokens advance, full blocks become cached,
+    /// every sequence whose KV is complete samples one token.
+    pub(crate) fn complete(&mut self, now: Instant) {
+        for i in 0..self.running.len() {
+            if self.running[i].scheduled == 0 {
+                continue;
+            }
+            let seq = &mut self.running[i];
+            seq.computed += seq.scheduled;
+            seq.scheduled = 0;
+            self.promote_full_blocks(i);
+            let seq = &mut self.running[i];
+            if seq.computed == seq.tokens.len() {
+                Self::sample(seq, &self.metrics, now);
+            }
+        }
+        for seq in self.running.extract_if(.., |s| s.done) {
+            self.cache.release(&seq.blocks);
+        }
+        self.metrics
+            .set_load(self.running.len(), self.waiting.len(), self.cache.usage());
+    }
+
+    /// Hands the events recorded since the last call to the subscribers.
+    pub(crate) fn publish_events(&mut self) {
+        let events = self.cache.take_events();
+        if events.is_empty() || self.events.receiver_count() == 0 {
+            return;
+        }
+        let timestamp = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        let _ = self
+            .events
+            .send(Arc::new(KvEventBatch { timestamp, events }));
+    }
+
+    fn blocks_needed(&self, seq: &Sequence, n: usize) -> usize {
+        (seq.computed + n)
+            .div_ceil(self.block_size)
+            .saturating_sub(seq.blocks.len())
+    }
+
+    fn allocate(&mut self, i: usize, need: usize) {
+        for _ in 0..need {
+            // The caller checked `available()`, so allocation cannot fail here.
+            if let Some(id) = self.cache.allocate() {
+                self.running[i].blocks.push(id);
+            }
+        }
+    }
+
+    /// Moves running sequence `i` back to the front of the waiting queue, freeing its blocks.
+    /// Returns the tokens it had been given this iteration.
+    fn preempt(&mut self, i: usize) -> usize {
+        let mut seq = self.running.remove(i);
+        self.cache.release(&seq.blocks);
+        seq.blocks.clear();
+        seq.engine_hashes.clear();
+        seq.computed = 0;
+        seq.decoding = false;
+        let refund = std::mem::take(&mut seq.scheduled);
+        self.metrics.preempted();
+        self.waiting.push_front(seq);
+        refund
+    }
+
+    fn admit_waiting(&mut self, budget: &mut usize) {
+        while *budget > 0 && self.running.len() < self.max_num_seqs {
+            let Some(seq) = self.waiting.front_mut() else {
+                break;
+            };
+            if self.prefix_caching {
+                self.hasher
+                    .extend_sequence_hashes(&seq.tokens, self.block_size, &mut seq.hashes);
+            }
+            // vLLM always computes at least the last prompt token.
+            let max_hit =
+                (seq.tokens.len().saturating_sub(1) / self.block_size).min(seq.hashes.len());
+            let hit = self.cache.lookup(&seq.hashes[..max_hit]);
+            let n = (seq.tokens.len() - hit * self.block_size).min(*budget);
+            let need = (hit * self.block_size + n).div_ceil(self.block_size) - hit;
+            let available = self.cache.available() - self.cache.inactive_among(&seq.hashes[..hit]);
+            if need > available {
+                break;
+            }
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            for (id, engine_hash) in self.cache.acquire(&seq.hashes[..hit]) {
+                seq.blocks.push(id);
+                seq.engine_hashes.push(engine_hash);
+            }
+            seq.computed = hit * self.block_size;
+            seq.epoch = self.cache.epoch();
+            seq.cached_tokens.get_or_insert(seq.computed);
+            self.metrics.prefix_lookup(seq.tokens.len(), seq.computed);
+            seq.scheduled = n;
+            *budget -= n;
+            self.running.push(seq);
+            let last = self.running.len() - 1;
+            self.allocate(last, need);
+        }
+    }
+
+    /// Makes every newly filled block of running sequence `i` a cached block.
+    fn promote_full_blocks(&mut self, i: usize) {
+        if !self.prefix_caching {
+            return;
+        }
+        let seq = &mut self.running[i];
+        let full = seq.computed / self.block_size;
+        if seq.engine_hashes.len() >= full {
+            return;
+        }
+        self.hasher.extend_sequence_hashes(
+            &seq.tokens[..full * self.block_size],
+            self.block_size,
+            &mut seq.hashes,
+        );
+        let current = seq.epoch == self.cache.epoch();
+        for b in seq.engine_hashes.len()..full {
+            let tokens = &seq.tokens[b * self.block_size..(b + 1) * self.block_size];
+            let parent = seq.engine_hashes.last().copied();
+            let engine_hash = self.hasher.engine_hash(parent, tokens);
+            if current {
+                self.cache
+                    .promote(seq.blocks[b], seq.hashes[b], engine_hash, parent, tokens);
+            }
+            seq.engine_hashes.push(engine_hash);
+        }
+    }
+
+    fn sample(seq: &mut Sequence, metrics: &EngineMetrics, now: Instant) {
+        let (word, id) = seq.words.next_word();
+        seq.tokens.push(id);
+        seq.generated += 1;
+        seq.decoding = true;
+        match seq.last_token {
+            None => metrics.first_token(
+                seq.prompt_len,
+                now.duration_since(seq.arrival).as_secs_f64(),
+            ),
+            Some(prev) => metrics.next_token(now.duration_since(prev).as_secs_f64()),
+        }
+        let first = seq.last_token.is_none();
+        seq.last_token = Some(now);
+        let finish = match seq.text.push_word(word) {
+            Appended::Stopped(i) => Some((Finish::Stop, seq.text.stops().get(i).cloned())),
+            Appended::Continue if seq.generated >= seq.max_tokens => Some((Finish::Length, None)),
+            Appended::Continue => None,
+        };
+        let sent = match finish {
+            Some((finish, stop)) => {
+                seq.done = true;
+                metrics.finished(finish, now.duration_since(seq.arrival).as_secs_f64());
+                let text = if seq.stream {
+                    seq.text.take_delta(true)
+                } else {
+                    seq.text.take_text()
+                };
+                seq.tx.send(SeqEvent::Finished(SeqOutcome {
+                    index: seq.index,
+                    text,
+                    finish,
+                    stop,
+                    prompt_tokens: seq.prompt_len,
+                    completion_tokens: seq.generated,
+                    cached_tokens: seq.cached_tokens.unwrap_or(0),
+                }))
+            }
+            None if seq.stream => {
+                let text = seq.text.take_delta(false);
+                if text.is_empty() && !first {
+                    Ok(())
+                } else {
+                    seq.tx.send(SeqEvent::Delta {
+                        index: seq.index,
+                        text,
+                    })
+                }
+            }
+            None => Ok(()),
+        };
+        if sent.is_err() {
+            seq.done = true;
+        }
+    }
+
+    fn drop_cancelled(&mut self) {
+        for seq in self.running.extract_if(.., |s| s.cancelled()) {
+            self.cache.release(&seq.blocks);
+        }
+        self.waiting.retain(|s| !s.cancelled());
+    }
+
+    /// Nothing runs and the head of the queue still cannot start: it never will, so fail it
+    /// rather than stall the queue (requests are size-checked on arrival, so this is a safeguard).
+    fn fail_unschedulable(&mut self) {
+        if let Some(seq) = self.waiting.pop_front() {
+            let _ = seq.tx.send(SeqEvent::Failed {
+                index: seq.index,
+                message: format!(
+                    "the sequence needs more KV blocks than the engine has ({} blocks of {} tokens)",
+                    self.cache.num_blocks(),
+                    self.block_size
+                ),
+            });
+        }
+    }
+
+    #[cfg(test)]
+    fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    #[cfg(test)]
+    fn queue_lengths(&self) -> (usize, usize) {
+        (self.running.len(), self.waiting.len())
+    }
+
+    #[cfg(test)]
+    fn enqueue(&mut self, req: super::SeqRequest) {
+        self.handle(Command::Submit(vec![req]));
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,376 @@
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::broadcast;
+use tokio::sync::mpsc::{self, UnboundedReceiver};
+
+use super::*;
+use crate::kv_events::KvEvent;
+use crate::scheduler::SeqRequest;
+
+fn config(block_size: usize, num_gpu_blocks: usize) -> SimConfig {
+    SimConfig {
+        block_size,
+        num_gpu_blocks,
+        ..SimConfig::default()
+    }
+}
+
+struct Fixture {
+    core: SchedulerCore,
+    metrics: Arc<EngineMetrics>,
+    events: broadcast::Receiver<Arc<KvEventBatch>>,
+}
+
+fn fixture(config: &SimConfig) -> Fixture {
+    let metrics = Arc::new(EngineMetrics::new(config));
+    let (tx, events) = broadcast::channel(64);
+    Fixture {
+        core: SchedulerCore::new(config, metrics.clone(), tx),
+        metrics,
+        events,
+    }
+}
+
+fn request(
+    prompt: Vec<u32>,
+    block_size: usize,
+    max_tokens: usize,
+    stream: bool,
+    stops: &[&str],
+) -> (SeqRequest, UnboundedReceiver<SeqEvent>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let prompt_hashes = BlockHasher::new().sequence_hashes(&prompt, block_size);
+    let req = SeqRequest {
+        index: 0,
+        seed: crate::hashing::content_seed(&prompt),
+        prompt,
+        prompt_hashes,
+        max_tokens,
+        stops: stops.iter().map(|s| (*s).to_owned()).collect(),
+        stream,
+        arrival: Instant::now(),
+        tx,
+    };
+    (req, rx)
+}
+
+/// Runs iterations until nothing is left; returns the plans.
+fn run_until_idle(core: &mut SchedulerCore) -> Vec<StepPlan> {
+    let mut plans = Vec::new();
+    for _ in 0..10_000 {
+        if core.is_idle() {
+            return plans;
+        }
+        let plan = core.schedule();
+        core.complete(Instant::now());
+        core.publish_events();
+        plans.push(plan);
+    }
+    panic!("scheduler did not drain");
+}
+
+fn outcome(rx: &mut UnboundedReceiver<SeqEvent>) -> SeqOutcome {
+    let mut streamed = String::new();
+    while let Ok(ev) = rx.try_recv() {
+        match ev {
+            SeqEvent::Delta { text, .. } => streamed.push_str(&text),
+            SeqEvent::Finished(mut o) => {
+                streamed.push_str(&o.text);
+                o.text = streamed;
+                return o;
+            }
+            SeqEvent::Failed { message, .. } => panic!("failed: {message}"),
+        }
+    }
+    panic!("no outcome");
+}
+
+#[test]
+fn repeated_prompt_hits_its_full_blocks() {
+    let mut f = fixture(&config(4, 64));
+    let prompt: Vec<u32> = (0..10).collect();
+    let (r1, mut rx1) = request(prompt.clone(), 4, 3, false, &[]);
+    f.core.enqueue(r1);
+    run_until_idle(&mut f.core);
+    assert_eq!(outcome(&mut rx1).completion_tokens, 3);
+    assert_eq!(f.metrics.snapshot().prefix_queries, 10);
+    assert_eq!(f.metrics.snapshot().prefix_hits, 0);
+
+    let (r2, mut rx2) = request(prompt, 4, 3, false, &[]);
+    f.core.enqueue(r2);
+    run_until_idle(&mut f.core);
+    let o = outcome(&mut rx2);
+    assert_eq!(o.cached_tokens, 8);
+    assert_eq!(f.metrics.snapshot().prefix_queries, 20);
+    assert_eq!(f.metrics.snapshot().prefix_hits, 8);
+}
+
+#[test]
+fn exact_multiple_of_block_size_hits_one_block_less() {
+    let mut f = fixture(&config(4, 64));
+    let prompt: Vec<u32> = (100..112).collect();
+    for _ in 0..2 {
+        let (r, _rx) = request(prompt.clone(), 4, 1, false, &[]);
+        f.core.enqueue(r);
+        run_until_idle(&mut f.core);
+    }
+    assert_eq!(f.metrics.snapshot().prefix_hits, 8);
+}
+
+#[test]
+fn prefix_caching_off_never_hits() {
+    let cfg = SimConfig {
+        enable_prefix_caching: false,
+        ..config(4, 64)
+    };
+    let mut f = fixture(&cfg);
+    let prompt: Vec<u32> = (0..10).collect();
+    for _ in 0..2 {
+        let (r, _rx) = request(prompt.clone(), 4, 2, false, &[]);
+        f.core.enqueue(r);
+        run_until_idle(&mut f.core);
+    }
+    assert_eq!(f.metrics.snapshot().prefix_hits, 0);
+    assert!(f.events.try_recv().is_err());
+}
+
+#[test]
+fn chunked_prefill_respects_the_token_budget() {
+    let cfg = SimConfig {
+        max_num_batched_tokens: 8,
+        ..config(4, 64)
+    };
+    let mut f = fixture(&cfg);
+    let (r, mut rx) = request((0..20).collect(), 4, 2, false, &[]);
+    f.core.enqueue(r);
+    let plans = run_until_idle(&mut f.core);
+    let prefill: Vec<usize> = plans.iter().map(|p| p.prefill_tokens).collect();
+    assert_eq!(prefill, vec![8, 8, 4, 0]);
+    assert_eq!(outcome(&mut rx).completion_tokens, 2);
+}
+
+#[test]
+fn decode_is_budgeted_before_new_prefill() {
+    let cfg = SimConfig {
+        max_num_batched_tokens: 8,
+        ..config(4, 64)
+    };
+    let mut f = fixture(&cfg);
+    let (a, _rxa) = request((0..4).collect(), 4, 5, false, &[]);
+    f.core.enqueue(a);
+    f.core.schedule();
+    f.core.complete(Instant::now());
+    let (b, _rxb) = request((50..70).collect(), 4, 5, false, &[]);
+    f.core.enqueue(b);
+    let plan = f.core.schedule();
+    // One decode token for A, the remaining 7 for B's first prefill chunk.
+    assert_eq!(plan.batch, 2);
+    assert_eq!(plan.prefill_tokens, 7);
+}
+
+#[test]
+fn max_num_seqs_bounds_running() {
+    let cfg = SimConfig {
+        max_num_seqs: 2,
+        ..config(4, 64)
+    };
+    let mut f = fixture(&cfg);
+    let mut rxs = Vec::new();
+    for i in 0..3u32 {
+        let (r, rx) = request(vec![i; 5], 4, 2, false, &[]);
+        f.core.enqueue(r);
+        rxs.push(rx);
+    }
+    f.core.schedule();
+    assert_eq!(f.core.queue_lengths(), (2, 1));
+    run_until_idle(&mut f.core);
+    for rx in &mut rxs {
+        assert_eq!(outcome(rx).completion_tokens, 2);
+    }
+}
+
+fn preemption_fixture(
+    mode: PreemptionMode,
+) -> (
+    Fixture,
+    UnboundedReceiver<SeqEvent>,
+    UnboundedReceiver<SeqEvent>,
+) {
+    let cfg = SimConfig {
+        preemption_mode: mode,
+        ..config(2, 4)
+    };
+    let mut f = fixture(&cfg);
+    let (a, rxa) = request(vec![1, 2, 3], 2, 5, false, &[]);
+    let (b, rxb) = request(vec![7, 8, 9], 2, 5, false, &[]);
+    f.core.enqueue(a);
+    f.core.enqueue(b);
+    // Two steps fill all four blocks; the third needs a fifth block.
+    for _ in 0..2 {
+        f.core.schedule();
+        f.core.complete(Instant::now());
+    }
+    assert_eq!(f.core.cache().active_blocks(), 4);
+    (f, rxa, rxb)
+}
+
+#[test]
+fn lifo_preempts_the_newest_sequence() {
+    let (mut f, mut rxa, mut rxb) = preemption_fixture(PreemptionMode::Lifo);
+    f.core.schedule();
+    assert_eq!(f.metrics.snapshot().preemptions, 1);
+    assert_eq!(f.core.queue_lengths(), (1, 1));
+    f.core.complete(Instant::now());
+    // A kept running and got its token; B waits with its progress kept for recomputation.
+    run_until_idle(&mut f.core);
+    let (a, b) = (outcome(&mut rxa), outcome(&mut rxb));
+    assert_eq!((a.completion_tokens, b.completion_tokens), (5, 5));
+    assert_eq!(a.finish, Finish::Length);
+    // B recomputed its prefix on resume: its own evicted-or-cached blocks may hit.
+    assert!(f.metrics.snapshot().prefix_queries >= 3 + 3 + 5);
+}
+
+#[test]
+fn fifo_preempts_the_oldest_sequence() {
+    let (mut f, mut rxa, mut rxb) = preemption_fixture(PreemptionMode::Fifo);
+    let plan = f.core.schedule();
+    assert_eq!(f.metrics.snapshot().preemptions, 1);
+    assert_eq!(f.core.queue_lengths(), (1, 1));
+    assert_eq!(plan.batch, 1);
+    f.core.complete(Instant::now());
+    run_until_idle(&mut f.core);
+    assert_eq!(outcome(&mut rxa).completion_tokens, 5);
+    assert_eq!(outcome(&mut rxb).completion_tokens, 5);
+}
+
+#[test]
+fn identical_text_for_stream_and_non_stream() {
+    let mut f = fixture(&config(4, 64));
+    let prompt: Vec<u32> = (0..9).collect();
+    let (a, mut rxa) = request(prompt.clone(), 4, 12, true, &[]);
+    let (b, mut rxb) = request(prompt, 4, 12, false, &[]);
+    f.core.enqueue(a);
+    f.core.enqueue(b);
+    run_until_idle(&mut f.core);
+    let (a, b) = (outcome(&mut rxa), outcome(&mut rxb));
+    assert_eq!(a.text, b.text);
+    assert_eq!(a.text.split(' ').count(), 12);
+}
+
+#[test]
+fn stop_string_ends_generation() {
+    let mut f = fixture(&config(4, 64));
+    let prompt: Vec<u32> = (0..9).collect();
+    let (a, mut rxa) = request(prompt.clone(), 4, 12, false, &[]);
+    f.core.enqueue(a);
+    run_until_idle(&mut f.core);
+    let full = outcome(&mut rxa).text;
+    let third = full.split(' ').nth(2).unwrap_or_default().to_owned();
+    let stop = format!(" {third}");
+    let (b, mut rxb) = request(prompt, 4, 12, true, &[stop.as_str()]);
+    f.core.enqueue(b);
+    run_until_idle(&mut f.core);
+    let o = outcome(&mut rxb);
+    assert_eq!(o.finish, Finish::Stop);
+    assert_eq!(o.stop.as_deref(), Some(stop.as_str()));
+    assert!(o.completion_tokens <= 3);
+    assert!(full.starts_with(&o.text));
+    assert!(!o.text.contains(&stop));
+}
+
+#[test]
+fn prompt_and_decode_blocks_are_stored_with_engine_hashes() {
+    let mut f = fixture(&config(4, 64));
+    let prompt: Vec<u32> = (0..4).collect();
+    let (r, _rx) = request(prompt.clone(), 4, 6, false, &[]);
+    f.core.enqueue(r);
+    run_until_idle(&mut f.core);
+    let mut stored = Vec::new();
+    while let Ok(batch) = f.events.try_recv() {
+        for e in &batch.events {
+            if let KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                ..
+            } = e
+            {
+                stored.push((block_hashes.clone(), *parent_block_hash, token_ids.clone()));
+            }
+        }
+    }
+    assert_eq!(stored.len(), 2, "{stored:?}");
+    let mut h = BlockHasher::new();
+    let first = h.engine_hash(None, &prompt);
+    assert_eq!(stored[0], (vec![first], None, prompt));
+    // Second block: four generated tokens, promoted once decode filled it.
+    let (hashes, parent, tokens) = &stored[1];
+    assert_eq!(*parent, Some(first));
+    assert_eq!(tokens.len(), 4);
+    assert_eq!(hashes[0], h.engine_hash(Some(first), tokens));
+}
+
+#[test]
+fn reused_blocks_emit_no_new_store() {
+    let mut f = fixture(&config(4, 64));
+    let prompt: Vec<u32> = (0..9).collect();
+    for _ in 0..2 {
+        let (r, _rx) = request(prompt.clone(), 4, 1, false, &[]);
+        f.core.enqueue(r);
+        run_until_idle(&mut f.core);
+    }
+    let mut stores = 0;
+    while let Ok(batch) = f.events.try_recv() {
+        for e in &batch.events {
+            if let KvEvent::BlockStored { block_hashes, .. } = e {
+                stores += block_hashes.len();
+            }
+        }
+    }
+    assert_eq!(stores, 2);
+}
+
+#[test]
+fn cancelled_sequences_release_their_blocks() {
+    let mut f = fixture(&config(4, 64));
+    let (r, rx) = request((0..10).collect(), 4, 100, false, &[]);
+    f.core.enqueue(r);
+    f.core.schedule();
+    f.core.complete(Instant::now());
+    assert!(f.core.cache().active_blocks() > 0);
+    drop(rx);
+    f.core.schedule();
+    assert_eq!(f.core.cache().active_blocks(), 0);
+    assert!(f.core.is_idle());
+}
+
+#[test]
+fn unschedulable_sequence_fails_instead_of_stalling() {
+    let mut f = fixture(&config(2, 1));
+    let (r, mut rx) = request((0..5).collect(), 2, 1, false, &[]);
+    f.core.enqueue(r);
+    f.core.schedule();
+    assert!(matches!(rx.try_recv(), Ok(SeqEvent::Failed { .. })));
+    assert!(f.core.is_idle());
+}
+
+#[test]
+fn reset_clears_the_cache_and_announces_it() {
+    let mut f = fixture(&config(4, 64));
+    let prompt: Vec<u32> = (0..9).collect();
+    let (r, _rx) = request(prompt.clone(), 4, 1, false, &[]);
+    f.core.enqueue(r);
+    run_until_idle(&mut f.core);
+    let (done, _wait) = tokio::sync::oneshot::channel();
+    f.core.handle(Command::ResetPrefixCache(done));
+    let mut cleared = false;
+    while let Ok(batch) = f.events.try_recv() {
+        cleared |= batch.events.contains(&KvEvent::AllBlocksCleared);
+    }
+    assert!(cleared);
+    let (r, _rx) = request(prompt, 4, 1, false, &[]);
+    f.core.enqueue(r);
+    run_until_idle(&mut f.core);
+    assert_eq!(f.metrics.snapshot().prefix_hits, 0);
+}

@@ -1,0 +1,179 @@
+//! Continuous batching: one task per engine runs iterations; requests reach it over a channel
+//! and get their tokens back over a per-request channel.
+
+mod core;
+mod sequence;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{broadcast, mpsc, oneshot};
+
+pub(crate) use self::core::SchedulerCore;
+use crate::kv_events::KvEventBatch;
+use crate::metrics::Finish;
+use crate::timing::TimingModel;
+
+/// If the scheduler falls this far behind its virtual clock it re-anchors on the wall clock
+/// instead of catching up with back-to-back iterations.
+const MAX_LAG: Duration = Duration::from_millis(20);
+
+/// One prompt submitted for generation.
+#[derive(Debug)]
+pub(crate) struct SeqRequest {
+    /// Choice index within the HTTP request.
+    pub index: u32,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Sequence hashes of the prompt's full blocks.
+    pub prompt_hashes: Vec<u64>,
+    /// Seed of the generated words.
+    pub seed: u64,
+    /// Tokens to generate at most.
+    pub max_tokens: usize,
+    /// Stop strings (non-empty).
+    pub stops: Arc<[String]>,
+    /// Send a delta per token instead of only the final text.
+    pub stream: bool,
+    /// When the HTTP request arrived.
+    pub arrival: Instant,
+    /// Where this sequence's events go.
+    pub tx: mpsc::UnboundedSender<SeqEvent>,
+}
+
+/// A finished sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SeqOutcome {
+    /// Choice index.
+    pub index: u32,
+    /// Streaming: the text not yet sent; otherwise the whole generated text.
+    pub text: String,
+    /// Why it finished.
+    pub finish: Finish,
+    /// The stop string that matched, if any.
+    pub stop: Option<String>,
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache at first admission.
+    pub cached_tokens: usize,
+}
+
+/// What the scheduler sends back for a sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum SeqEvent {
+    /// Streaming only: a generated token's text (may be empty for the first token while a stop
+    /// string could still be forming).
+    Delta {
+        /// Choice index.
+        index: u32,
+        /// New text.
+        text: String,
+    },
+    /// The sequence finished normally.
+    Finished(SeqOutcome),
+    /// The sequence cannot run on this engine.
+    Failed {
+        /// Choice index.
+        index: u32,
+        /// Why.
+        message: String,
+    },
+}
+
+/// Requests to the scheduler task.
+#[derive(Debug)]
+pub(crate) enum Command {
+    /// Queue the sequences of one request.
+    Submit(Vec<SeqRequest>),
+    /// Drop every cached block; the sender is answered when done.
+    ResetPrefixCache(oneshot::Sender<()>),
+}
+
+/// The scheduler task has stopped (the engine is shutting down).
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("the engine is shutting down")]
+pub(crate) struct SchedulerGone;
+
+/// Cheap, cloneable access to a running scheduler.
+#[derive(Debug, Clone)]
+pub(crate) struct SchedulerHandle {
+    tx: mpsc::UnboundedSender<Command>,
+}
+
+impl SchedulerHandle {
+    /// Queues the sequences of one request.
+    pub(crate) fn submit(&self, seqs: Vec<SeqRequest>) -> Result<(), SchedulerGone> {
+        self.tx
+            .send(Command::Submit(seqs))
+            .map_err(|_| SchedulerGone)
+    }
+
+    /// Clears the prefix cache between two iterations.
+    pub(crate) async fn reset_prefix_cache(&self) -> Result<(), SchedulerGone> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(Command::ResetPrefixCache(tx))
+            .map_err(|_| SchedulerGone)?;
+        rx.await.map_err(|_| SchedulerGone)
+    }
+}
+
+/// Starts the scheduler task; `timing` is `None` in no-delay mode.
+pub(crate) fn spawn(
+    core: SchedulerCore,
+    timing: Option<TimingModel>,
+) -> (SchedulerHandle, tokio::task::JoinHandle<()>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let task = tokio::spawn(run(core, rx, timing));
+    (SchedulerHandle { tx }, task)
+}
+
+/// Subscribers of the KV event stream.
+pub(crate) type EventSender = broadcast::Sender<Arc<KvEventBatch>>;
+
+async fn run(
+    mut core: SchedulerCore,
+    mut inbox: mpsc::UnboundedReceiver<Command>,
+    timing: Option<TimingModel>,
+) {
+    // Virtual end of the previous iteration while the engine stays busy: sleeping until
+    // `anchor + duration` keeps timer overshoot from accumulating over many iterations.
+    let mut anchor: Option<Instant> = None;
+    loop {
+        if core.is_idle() {
+            anchor = None;
+            match inbox.recv().await {
+                Some(cmd) => core.handle(cmd),
+                None => return,
+            }
+        }
+        while let Ok(cmd) = inbox.try_recv() {
+            core.handle(cmd);
+        }
+        let plan = core.schedule();
+        if plan.batch == 0 {
+            core.publish_events();
+            if !core.is_idle() {
+                tokio::task::yield_now().await;
+            }
+            continue;
+        }
+        match timing {
+            Some(model) => {
+                let now = Instant::now();
+                let start = match anchor {
+                    Some(a) if now.saturating_duration_since(a) < MAX_LAG => a,
+                    _ => now,
+                };
+                let deadline = start + model.iteration(plan.prefill_tokens, plan.usage, plan.batch);
+                tokio::time::sleep_until(deadline.into()).await;
+                anchor = Some(deadline);
+            }
+            None => tokio::task::yield_now().await,
+        }
+        core.complete(Instant::now());
+        core.publish_events();
+    }
+}

@@ -1,0 +1,94 @@
+//! One prompt's life inside the scheduler.
+
+use std::time::Instant;
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::{SeqEvent, SeqRequest};
+use crate::kv_cache::BlockId;
+use crate::output_text::OutputText;
+use crate::textgen::WordGenerator;
+
+/// A sequence's tokens, KV blocks and output state.
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    /// Choice index within its HTTP request.
+    pub index: u32,
+    /// Prompt followed by the generated tokens.
+    pub tokens: Vec<u32>,
+    /// Length of the prompt part of `tokens`.
+    pub prompt_len: usize,
+    /// Sequence hashes of the full blocks of `tokens` known so far.
+    pub hashes: Vec<u64>,
+    /// Engine hashes of the leading blocks handled so far (parents of the next store).
+    pub engine_hashes: Vec<u64>,
+    /// Block table.
+    pub blocks: Vec<BlockId>,
+    /// Tokens whose KV is computed.
+    pub computed: usize,
+    /// Tokens scheduled in the current iteration.
+    pub scheduled: usize,
+    /// The last iteration sampled a token for this sequence (it now decodes one token a step).
+    pub decoding: bool,
+    /// Generated tokens so far.
+    pub generated: usize,
+    /// Generation limit.
+    pub max_tokens: usize,
+    /// Prompt tokens found in the prefix cache at first admission.
+    pub cached_tokens: Option<usize>,
+    /// Cache epoch at admission (no stores once the cache was reset).
+    pub epoch: u64,
+    /// Stream every token, or send only the final result.
+    pub stream: bool,
+    /// Generated text and stop rule.
+    pub text: OutputText,
+    /// Word source.
+    pub words: WordGenerator,
+    /// Arrival time at the engine.
+    pub arrival: Instant,
+    /// Time of the latest token.
+    pub last_token: Option<Instant>,
+    /// Where events for this sequence go.
+    pub tx: UnboundedSender<SeqEvent>,
+    /// Set when the sequence finished or was aborted; it is removed after the iteration.
+    pub done: bool,
+}
+
+impl Sequence {
+    /// A waiting sequence for `req`.
+    pub(crate) fn new(req: SeqRequest) -> Self {
+        let prompt_len = req.prompt.len();
+        Self {
+            index: req.index,
+            tokens: req.prompt,
+            prompt_len,
+            hashes: req.prompt_hashes,
+            engine_hashes: Vec::new(),
+            blocks: Vec::new(),
+            computed: 0,
+            scheduled: 0,
+            decoding: false,
+            generated: 0,
+            max_tokens: req.max_tokens,
+            cached_tokens: None,
+            epoch: 0,
+            stream: req.stream,
+            text: OutputText::new(req.stops),
+            words: WordGenerator::new(req.seed),
+            arrival: req.arrival,
+            last_token: None,
+            tx: req.tx,
+            done: false,
+        }
+    }
+
+    /// Tokens still missing from the KV cache (1 while decoding).
+    pub(crate) fn missing(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    /// Whether the client went away.
+    pub(crate) fn cancelled(&self) -> bool {
+        self.tx.is_closed()
+    }
+}
