@@ -1,1 +1,51 @@
-//! kvmesh-proxy
+//! kvmesh-proxy: the edge proxy in front of OpenAI-compatible engines.
+//!
+//! Built on pingora-core: our own tokio accept loop (TCP_NODELAY on every
+//! socket, port 0, graceful drain) hands each connection to pingora's HTTP/1.1
+//! and h2c server sessions; engines are reached through pingora's pooled
+//! connector. Each request's body is read whole (its `model` picks the pool),
+//! forwarded byte-identical to an instance chosen by the model's policy, and
+//! the response is relayed chunk by chunk.
+//!
+//! ```no_run
+//! # async fn demo(config: kvmesh_config::Config) -> Result<(), Box<dyn std::error::Error>> {
+//! let proxy = kvmesh_proxy::Proxy::bind(config).await?;
+//! proxy.announce(&mut std::io::stdout())?;
+//! println!("READY");
+//! proxy.run(async { let _ = tokio::signal::ctrl_c().await; }).await?;
+//! # Ok(())
+//! # }
+//! ```
+
+mod accept;
+mod admin_app;
+mod api_error;
+mod clock;
+mod data_app;
+mod discovery;
+mod error;
+mod exchange;
+mod failure;
+mod forward;
+mod headers;
+mod health;
+mod health_check;
+mod instance;
+mod metrics;
+mod outlier;
+mod policy;
+mod pool;
+mod registry;
+mod relay;
+mod request_body;
+mod request_fields;
+mod request_id;
+mod respond;
+mod route;
+mod server;
+mod sse;
+mod state;
+mod upstream;
+
+pub use error::ProxyError;
+pub use server::{ADMIN_LISTENER, BoundListener, Proxy, serve_until};

@@ -1,0 +1,40 @@
+//! Request size limits and timeouts.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// Limits applied to every proxied request.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Largest accepted request body in bytes (larger: 413).
+    pub max_body_bytes: u64,
+    /// Time allowed to open a TCP connection to a backend.
+    #[serde(deserialize_with = "crate::duration::deserialize")]
+    pub connect_timeout: Duration,
+    /// Time allowed from sending the request to receiving the response headers (then: 504).
+    #[serde(deserialize_with = "crate::duration::deserialize")]
+    pub first_byte_timeout: Duration,
+    /// Longest gap allowed between two upstream response body chunks.
+    #[serde(deserialize_with = "crate::duration::deserialize")]
+    pub idle_timeout: Duration,
+    /// Extra instances tried when connecting fails before any response byte.
+    pub retries: u32,
+    /// Time a client has to send its request head and body.
+    #[serde(deserialize_with = "crate::duration::deserialize")]
+    pub client_header_timeout: Duration,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 10 * 1024 * 1024,
+            connect_timeout: Duration::from_secs(2),
+            first_byte_timeout: Duration::from_secs(300),
+            idle_timeout: Duration::from_secs(60),
+            retries: 2,
+            client_header_timeout: Duration::from_secs(30),
+        }
+    }
+}

@@ -1,0 +1,42 @@
+//! Listener sections: the data listeners clients connect to and the admin listener.
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+
+use serde::Deserialize;
+
+/// One data listener (OpenAI HTTP API; HTTP/1.1 and h2c on the same port).
+///
+/// Later versions add per-listener TLS settings here.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ListenerConfig {
+    /// Name announced on stdout (`LISTENING <name> <addr>`); letters, digits, `-`, `_`.
+    pub name: String,
+    /// Address to bind; port 0 picks a free port.
+    pub address: SocketAddr,
+}
+
+impl Default for ListenerConfig {
+    fn default() -> Self {
+        Self {
+            name: "main".to_string(),
+            address: SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 8080)),
+        }
+    }
+}
+
+/// The admin listener: `/metrics`, `/health`, `/live`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminConfig {
+    /// Address to bind; port 0 picks a free port.
+    pub address: SocketAddr,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        Self {
+            address: SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9090)),
+        }
+    }
+}

@@ -1,0 +1,68 @@
+//! Models and the backends (engine instances) that serve them.
+
+use serde::Deserialize;
+
+use crate::BackendUrl;
+
+/// A model clients can name in the `model` field, and where it is served.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The model's name (listed by `GET /v1/models`).
+    pub name: String,
+    /// Other names accepted for this model; unique across all models.
+    pub aliases: Vec<String>,
+    /// How a request picks one of the healthy backends.
+    pub policy: PolicyKind,
+    /// The engine instances serving this model (at least one).
+    pub backends: Vec<BackendConfig>,
+}
+
+/// Load-balancing policy among a model's healthy, non-ejected backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyKind {
+    /// Each backend in turn.
+    #[default]
+    RoundRobin,
+    /// A uniformly random backend.
+    Random,
+    /// The backend with the fewest requests in flight (random tie-break).
+    LeastRequest,
+    /// The less loaded (in flight) of two random backends.
+    PowerOfTwo,
+}
+
+impl PolicyKind {
+    /// The name used in the config file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::RoundRobin => "round_robin",
+            Self::Random => "random",
+            Self::LeastRequest => "least_request",
+            Self::PowerOfTwo => "power_of_two",
+        }
+    }
+}
+
+/// One engine instance.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendConfig {
+    /// Base URL, `http://host:port`; requests go to the same path as the client's.
+    pub url: BackendUrl,
+    /// Wire protocol to the backend.
+    #[serde(default)]
+    pub protocol: Protocol,
+}
+
+/// Wire protocol spoken to a backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Protocol {
+    /// HTTP/1.1 with keep-alive.
+    #[default]
+    Http1,
+    /// HTTP/2 over plaintext with prior knowledge.
+    H2c,
+}

@@ -1,0 +1,218 @@
+//! Rules a parsed config must satisfy beyond its types.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use crate::duration::format_duration;
+use crate::{Config, FieldPath};
+
+/// The first rule a config breaks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Violation {
+    pub(crate) path: FieldPath,
+    pub(crate) message: String,
+}
+
+type Checked = Result<(), Violation>;
+
+fn fail(path: FieldPath, message: impl Into<String>) -> Checked {
+    Err(Violation {
+        path,
+        message: message.into(),
+    })
+}
+
+/// Checks every rule, in document order; returns the first violation.
+pub(crate) fn validate(config: &Config) -> Checked {
+    let root = FieldPath::root();
+    check_listeners(config, &root)?;
+    check_models(config, &root)?;
+    check_limits(config, &root.key("limits"))?;
+    check_health_check(config, &root.key("health_check"))?;
+    check_outlier_detection(config, &root.key("outlier_detection"))?;
+    check_upstream(config, &root.key("upstream"))?;
+    positive(
+        config.shutdown.drain_timeout,
+        root.key("shutdown").key("drain_timeout"),
+    )
+}
+
+fn check_listeners(config: &Config, root: &FieldPath) -> Checked {
+    let listeners = root.key("listeners");
+    if config.listeners.is_empty() {
+        return fail(listeners, "at least one listener is required");
+    }
+    let mut names = HashMap::new();
+    let mut addresses = HashMap::new();
+    for (i, listener) in config.listeners.iter().enumerate() {
+        let path = listeners.index(i);
+        let name = &listener.name;
+        if name.is_empty() {
+            return fail(path.key("name"), "must not be empty");
+        }
+        if !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return fail(
+                path.key("name"),
+                format!("invalid name {name:?}: use letters, digits, '-' and '_'"),
+            );
+        }
+        if name == "admin" {
+            return fail(
+                path.key("name"),
+                "\"admin\" is reserved for the admin listener",
+            );
+        }
+        if let Some(first) = names.insert(name.as_str(), i) {
+            return fail(
+                path.key("name"),
+                format!("duplicate listener name {name:?} (also listeners[{first}])"),
+            );
+        }
+        if listener.address.port() != 0
+            && let Some(first) = addresses.insert(listener.address, i)
+        {
+            return fail(
+                path.key("address"),
+                format!(
+                    "address {} is already used by listeners[{first}]",
+                    listener.address
+                ),
+            );
+        }
+    }
+    let admin = config.admin.address;
+    if admin.port() != 0
+        && let Some(i) = addresses.get(&admin)
+    {
+        return fail(
+            root.key("admin").key("address"),
+            format!("address {admin} is already used by listeners[{i}]"),
+        );
+    }
+    Ok(())
+}
+
+fn check_models(config: &Config, root: &FieldPath) -> Checked {
+    let models = root.key("models");
+    if config.models.is_empty() {
+        return fail(models, "at least one model is required");
+    }
+    let mut names: HashMap<&str, FieldPath> = HashMap::new();
+    for (i, model) in config.models.iter().enumerate() {
+        let path = models.index(i);
+        claim(&mut names, &model.name, path.key("name"))?;
+        for (j, alias) in model.aliases.iter().enumerate() {
+            claim(&mut names, alias, path.key("aliases").index(j))?;
+        }
+        let backends = path.key("backends");
+        if model.backends.is_empty() {
+            return fail(backends, "at least one backend is required");
+        }
+        let mut urls = HashMap::new();
+        for (j, backend) in model.backends.iter().enumerate() {
+            if let Some(first) = urls.insert(backend.url.as_str(), j) {
+                return fail(
+                    backends.index(j).key("url"),
+                    format!("duplicate backend {} (also backends[{first}])", backend.url),
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Registers a model name or alias, rejecting empty, padded and duplicate names.
+fn claim<'a>(names: &mut HashMap<&'a str, FieldPath>, name: &'a str, at: FieldPath) -> Checked {
+    if name.is_empty() {
+        return fail(at, "must not be empty");
+    }
+    if name.trim() != name {
+        return fail(at, format!("{name:?} has leading or trailing whitespace"));
+    }
+    if let Some(first) = names.get(name) {
+        return fail(
+            at,
+            format!("model name {name:?} is already used by {first}"),
+        );
+    }
+    names.insert(name, at);
+    Ok(())
+}
+
+fn check_limits(config: &Config, path: &FieldPath) -> Checked {
+    let limits = &config.limits;
+    if limits.max_body_bytes == 0 {
+        return fail(path.key("max_body_bytes"), "must be greater than 0");
+    }
+    positive(limits.connect_timeout, path.key("connect_timeout"))?;
+    positive(limits.first_byte_timeout, path.key("first_byte_timeout"))?;
+    positive(limits.idle_timeout, path.key("idle_timeout"))?;
+    positive(
+        limits.client_header_timeout,
+        path.key("client_header_timeout"),
+    )
+}
+
+fn check_health_check(config: &Config, path: &FieldPath) -> Checked {
+    let health = &config.health_check;
+    if !health.path.starts_with('/') {
+        return fail(
+            path.key("path"),
+            format!("{:?} must start with '/'", health.path),
+        );
+    }
+    if health
+        .path
+        .contains(|c: char| c.is_whitespace() || c.is_control())
+    {
+        return fail(
+            path.key("path"),
+            format!("{:?} must not contain whitespace", health.path),
+        );
+    }
+    positive(health.interval, path.key("interval"))?;
+    positive(health.timeout, path.key("timeout"))?;
+    if health.unhealthy_threshold == 0 {
+        return fail(path.key("unhealthy_threshold"), "must be at least 1");
+    }
+    if health.healthy_threshold == 0 {
+        return fail(path.key("healthy_threshold"), "must be at least 1");
+    }
+    Ok(())
+}
+
+fn check_outlier_detection(config: &Config, path: &FieldPath) -> Checked {
+    let outlier = &config.outlier_detection;
+    positive(outlier.base_ejection_time, path.key("base_ejection_time"))?;
+    positive(outlier.max_ejection_time, path.key("max_ejection_time"))?;
+    if outlier.max_ejection_time < outlier.base_ejection_time {
+        return fail(
+            path.key("max_ejection_time"),
+            format!(
+                "must be at least base_ejection_time ({})",
+                format_duration(outlier.base_ejection_time)
+            ),
+        );
+    }
+    Ok(())
+}
+
+fn check_upstream(config: &Config, path: &FieldPath) -> Checked {
+    if config.upstream.pool_size == 0 {
+        return fail(path.key("pool_size"), "must be at least 1");
+    }
+    positive(
+        config.upstream.pool_idle_timeout,
+        path.key("pool_idle_timeout"),
+    )
+}
+
+fn positive(duration: Duration, path: FieldPath) -> Checked {
+    if duration.is_zero() {
+        return fail(path, "must be greater than 0");
+    }
+    Ok(())
+}

@@ -1,0 +1,131 @@
+//! The accept loop: our own tokio listener (so port 0 works and shutdown is
+//! ours), TCP_NODELAY on every accepted socket, h2c detection, and draining.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pingora_core::apps::ServerApp;
+use pingora_core::protocols::Stream;
+use pingora_core::protocols::l4::stream::Stream as L4Stream;
+use pingora_core::server::ShutdownWatch;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+use tokio::time::{Instant, sleep, timeout, timeout_at};
+
+/// The HTTP/2 connection preface (RFC 9113 §3.4).
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Pause after a failed `accept` (e.g. out of file descriptors).
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(20);
+
+/// Poll interval while a client has sent only part of the h2 preface.
+const PREFACE_POLL: Duration = Duration::from_millis(1);
+
+/// What one listener serves.
+pub(crate) struct ListenerApps<A> {
+    /// App for HTTP/1.x connections.
+    pub(crate) h1: Arc<A>,
+    /// App for connections opening with the h2 preface (`None`: HTTP/1 only).
+    pub(crate) h2c: Option<Arc<A>>,
+    /// Time a new connection has to send its first bytes.
+    pub(crate) first_bytes_timeout: Duration,
+    /// Longest wait for open connections once shutdown begins.
+    pub(crate) drain_timeout: Duration,
+}
+
+/// Accepts until `shutdown` turns true, then waits for open connections up
+/// to the drain timeout and drops (aborts) the rest.
+pub(crate) async fn serve<A>(
+    listener: TcpListener,
+    apps: ListenerApps<A>,
+    mut shutdown: ShutdownWatch,
+) where
+    A: ServerApp + Send + Sync + 'static,
+{
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            biased;
+            changed = shutdown.changed() => {
+                if changed.is_err() || *shutdown.borrow() {
+                    break;
+                }
+            }
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => {
+                    if let Err(error) = tcp.set_nodelay(true) {
+                        tracing::debug!(%error, "TCP_NODELAY failed on an accepted socket");
+                    }
+                    connections.spawn(serve_connection(
+                        tcp,
+                        Arc::clone(&apps.h1),
+                        apps.h2c.clone(),
+                        apps.first_bytes_timeout,
+                        shutdown.clone(),
+                    ));
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "accept failed");
+                    sleep(ACCEPT_BACKOFF).await;
+                }
+            },
+        }
+        while connections.try_join_next().is_some() {}
+    }
+    drop(listener);
+    let deadline = Instant::now() + apps.drain_timeout;
+    let drained = timeout_at(deadline, async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            open = connections.len(),
+            "drain timeout reached; closing the remaining connections"
+        );
+        connections.abort_all();
+    }
+}
+
+/// Serves one connection: HTTP/1 or, when it opens with the preface, h2c.
+async fn serve_connection<A>(
+    tcp: TcpStream,
+    h1: Arc<A>,
+    h2c: Option<Arc<A>>,
+    first_bytes_timeout: Duration,
+    shutdown: ShutdownWatch,
+) where
+    A: ServerApp + Send + Sync + 'static,
+{
+    let app = match h2c {
+        None => h1,
+        Some(h2c) => match timeout(first_bytes_timeout, opens_with_preface(&tcp)).await {
+            Ok(Some(true)) => h2c,
+            Ok(Some(false)) => h1,
+            Ok(None) | Err(_) => return,
+        },
+    };
+    let stream: Stream = Box::new(L4Stream::from(tcp));
+    // Pingora hands back a stream only for protocols it does not finish itself.
+    let _ = app.process_new(stream, &shutdown).await;
+}
+
+/// Peeks at the first bytes: `Some(true)` for the h2 preface, `Some(false)`
+/// for anything else, `None` when the client closed without sending.
+async fn opens_with_preface(tcp: &TcpStream) -> Option<bool> {
+    let mut buf = [0u8; H2_PREFACE.len()];
+    loop {
+        let n = tcp.peek(&mut buf).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        if buf[..n] != H2_PREFACE[..n] {
+            return Some(false);
+        }
+        if n == H2_PREFACE.len() {
+            return Some(true);
+        }
+        // A partial preface: wait for the rest (peek does not consume).
+        sleep(PREFACE_POLL).await;
+    }
+}

@@ -1,0 +1,342 @@
+//! Errors the proxy answers itself, in OpenAI's shape:
+//! `{"error":{"message","type","param","code"}}`.
+
+use bytes::Bytes;
+use serde::Serialize;
+
+/// Why a client's request was rejected before reaching an engine; one
+/// `kvmesh_client_errors_total` series each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ClientErrorReason {
+    /// Body is not JSON.
+    InvalidJson,
+    /// Body is JSON but not a valid request object.
+    InvalidBody,
+    /// No `model` field.
+    MissingModel,
+    /// `model` names no configured model or alias.
+    ModelNotFound,
+    /// Body larger than `limits.max_body_bytes`.
+    BodyTooLarge,
+    /// Known path, wrong method.
+    MethodNotAllowed,
+    /// Unknown path.
+    UnknownPath,
+    /// Head or body not received within `limits.client_header_timeout`.
+    RequestTimeout,
+}
+
+/// Number of [`ClientErrorReason`]s.
+pub(crate) const CLIENT_ERROR_REASONS: usize = 8;
+
+impl ClientErrorReason {
+    /// Every reason, in declaration order.
+    pub(crate) const ALL: [ClientErrorReason; CLIENT_ERROR_REASONS] = [
+        Self::InvalidJson,
+        Self::InvalidBody,
+        Self::MissingModel,
+        Self::ModelNotFound,
+        Self::BodyTooLarge,
+        Self::MethodNotAllowed,
+        Self::UnknownPath,
+        Self::RequestTimeout,
+    ];
+
+    /// The metric label.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Self::InvalidJson => "invalid_json",
+            Self::InvalidBody => "invalid_body",
+            Self::MissingModel => "missing_model",
+            Self::ModelNotFound => "model_not_found",
+            Self::BodyTooLarge => "body_too_large",
+            Self::MethodNotAllowed => "method_not_allowed",
+            Self::UnknownPath => "unknown_path",
+            Self::RequestTimeout => "request_timeout",
+        }
+    }
+}
+
+/// An error response the proxy generates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ApiError {
+    /// 400: the body is not JSON.
+    InvalidJson(String),
+    /// 400: the body is JSON of the wrong shape.
+    InvalidBody(String),
+    /// 400: no `model`.
+    MissingModel,
+    /// 404: unknown model; `known` lists the served names.
+    ModelNotFound {
+        /// The requested name.
+        model: String,
+        /// Comma-separated served names and aliases.
+        known: String,
+    },
+    /// 413: body over the limit.
+    BodyTooLarge {
+        /// The limit in bytes.
+        limit: u64,
+    },
+    /// 405: wrong method; `allow` is the method that is.
+    MethodNotAllowed {
+        /// Value of the `Allow` header.
+        allow: &'static str,
+    },
+    /// 404: no such path.
+    UnknownPath {
+        /// The requested path.
+        path: String,
+    },
+    /// 408: the client was too slow sending its request.
+    RequestTimeout,
+    /// 503: every instance of the model is unhealthy or ejected.
+    NoHealthyInstance {
+        /// The model.
+        model: String,
+        /// Seconds until an instance may be back (`Retry-After`).
+        retry_after_secs: u64,
+    },
+    /// 504: no response headers within `limits.first_byte_timeout`.
+    UpstreamTimeout,
+    /// 502: every attempt failed before a response byte.
+    UpstreamUnavailable {
+        /// What the last attempt saw.
+        detail: String,
+    },
+}
+
+#[derive(Serialize)]
+struct Envelope<'a> {
+    error: Body<'a>,
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: &'a str,
+}
+
+/// The JSON error object, as bytes.
+pub(crate) fn error_json(message: &str, kind: &str, param: Option<&str>, code: &str) -> Vec<u8> {
+    let envelope = Envelope {
+        error: Body {
+            message,
+            kind,
+            param,
+            code,
+        },
+    };
+    serde_json::to_vec(&envelope).unwrap_or_else(|_| b"{\"error\":{}}".to_vec())
+}
+
+impl ApiError {
+    /// HTTP status.
+    pub(crate) fn status(&self) -> u16 {
+        match self {
+            Self::InvalidJson(_) | Self::InvalidBody(_) | Self::MissingModel => 400,
+            Self::ModelNotFound { .. } | Self::UnknownPath { .. } => 404,
+            Self::MethodNotAllowed { .. } => 405,
+            Self::RequestTimeout => 408,
+            Self::BodyTooLarge { .. } => 413,
+            Self::UpstreamUnavailable { .. } => 502,
+            Self::NoHealthyInstance { .. } => 503,
+            Self::UpstreamTimeout => 504,
+        }
+    }
+
+    /// OpenAI `type`.
+    pub(crate) fn error_type(&self) -> &'static str {
+        match self {
+            Self::InvalidJson(_)
+            | Self::InvalidBody(_)
+            | Self::MissingModel
+            | Self::BodyTooLarge { .. }
+            | Self::MethodNotAllowed { .. }
+            | Self::RequestTimeout => "invalid_request_error",
+            Self::ModelNotFound { .. } | Self::UnknownPath { .. } => "not_found_error",
+            Self::NoHealthyInstance { .. } => "service_unavailable",
+            Self::UpstreamTimeout => "timeout",
+            Self::UpstreamUnavailable { .. } => "upstream_error",
+        }
+    }
+
+    /// OpenAI `code`.
+    pub(crate) fn code(&self) -> &'static str {
+        match self {
+            Self::InvalidJson(_) => "invalid_json",
+            Self::InvalidBody(_) => "invalid_body",
+            Self::MissingModel => "missing_model",
+            Self::ModelNotFound { .. } => "model_not_found",
+            Self::BodyTooLarge { .. } => "request_too_large",
+            Self::MethodNotAllowed { .. } => "method_not_allowed",
+            Self::UnknownPath { .. } => "unknown_url",
+            Self::RequestTimeout => "request_timeout",
+            Self::NoHealthyInstance { .. } => "no_healthy_instance",
+            Self::UpstreamTimeout => "upstream_timeout",
+            Self::UpstreamUnavailable { .. } => "upstream_unavailable",
+        }
+    }
+
+    /// OpenAI `param`: the request field at fault, if one is.
+    pub(crate) fn param(&self) -> Option<&'static str> {
+        match self {
+            Self::MissingModel | Self::ModelNotFound { .. } => Some("model"),
+            _ => None,
+        }
+    }
+
+    /// Human-readable message.
+    pub(crate) fn message(&self) -> String {
+        match self {
+            Self::InvalidJson(detail) => format!("request body is not valid JSON: {detail}"),
+            Self::InvalidBody(detail) => format!("invalid request body: {detail}"),
+            Self::MissingModel => "you must provide a model parameter".to_string(),
+            Self::ModelNotFound { model, known } => {
+                format!("the model {model:?} does not exist; known models: {known}")
+            }
+            Self::BodyTooLarge { limit } => {
+                format!("request body is larger than the limit of {limit} bytes")
+            }
+            Self::MethodNotAllowed { allow } => format!("method not allowed; use {allow}"),
+            Self::UnknownPath { path } => format!("unknown path {path:?}"),
+            Self::RequestTimeout => "the request was not received in time".to_string(),
+            Self::NoHealthyInstance { model, .. } => {
+                format!("no healthy instance of model {model:?} is available; retry later")
+            }
+            Self::UpstreamTimeout => "the engine did not answer in time".to_string(),
+            Self::UpstreamUnavailable { detail } => {
+                format!("the engine could not be reached: {detail}")
+            }
+        }
+    }
+
+    /// The response body.
+    pub(crate) fn body(&self) -> Bytes {
+        Bytes::from(error_json(
+            &self.message(),
+            self.error_type(),
+            self.param(),
+            self.code(),
+        ))
+    }
+
+    /// The `kvmesh_client_errors_total` reason, for errors caused by the client.
+    pub(crate) fn client_reason(&self) -> Option<ClientErrorReason> {
+        Some(match self {
+            Self::InvalidJson(_) => ClientErrorReason::InvalidJson,
+            Self::InvalidBody(_) => ClientErrorReason::InvalidBody,
+            Self::MissingModel => ClientErrorReason::MissingModel,
+            Self::ModelNotFound { .. } => ClientErrorReason::ModelNotFound,
+            Self::BodyTooLarge { .. } => ClientErrorReason::BodyTooLarge,
+            Self::MethodNotAllowed { .. } => ClientErrorReason::MethodNotAllowed,
+            Self::UnknownPath { .. } => ClientErrorReason::UnknownPath,
+            Self::RequestTimeout => ClientErrorReason::RequestTimeout,
+            Self::NoHealthyInstance { .. }
+            | Self::UpstreamTimeout
+            | Self::UpstreamUnavailable { .. } => return None,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(error: &ApiError) -> serde_json::Value {
+        serde_json::from_slice(&error.body()).unwrap()
+    }
+
+    #[test]
+    fn bodies_have_the_openai_shape() {
+        let all = [
+            ApiError::InvalidJson("eof".into()),
+            ApiError::InvalidBody("bad".into()),
+            ApiError::MissingModel,
+            ApiError::ModelNotFound {
+                model: "x".into(),
+                known: "a, b".into(),
+            },
+            ApiError::BodyTooLarge { limit: 10 },
+            ApiError::MethodNotAllowed { allow: "POST" },
+            ApiError::UnknownPath { path: "/x".into() },
+            ApiError::RequestTimeout,
+            ApiError::NoHealthyInstance {
+                model: "a".into(),
+                retry_after_secs: 1,
+            },
+            ApiError::UpstreamTimeout,
+            ApiError::UpstreamUnavailable {
+                detail: "refused".into(),
+            },
+        ];
+        for error in &all {
+            let json = parse(error);
+            let inner = json["error"].as_object().unwrap();
+            assert_eq!(inner.len(), 4, "{json}");
+            assert_eq!(inner["message"], error.message());
+            assert_eq!(inner["type"], error.error_type());
+            assert_eq!(inner["code"], error.code());
+            assert!(inner.contains_key("param"));
+            assert_eq!(
+                error.client_reason().is_some(),
+                error.status() < 500,
+                "{error:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn statuses_and_details() {
+        let missing = ApiError::MissingModel;
+        assert_eq!(missing.status(), 400);
+        assert_eq!(parse(&missing)["error"]["param"], "model");
+        let unknown = ApiError::ModelNotFound {
+            model: "gpt-9".into(),
+            known: "qwen3, qwen".into(),
+        };
+        assert_eq!(unknown.status(), 404);
+        let message = unknown.message();
+        assert!(message.contains("\"gpt-9\"") && message.contains("qwen3, qwen"));
+        assert_eq!(ApiError::BodyTooLarge { limit: 5 }.status(), 413);
+        assert_eq!(ApiError::MethodNotAllowed { allow: "GET" }.status(), 405);
+        assert_eq!(ApiError::UpstreamTimeout.status(), 504);
+        assert_eq!(ApiError::UpstreamTimeout.error_type(), "timeout");
+        assert_eq!(
+            ApiError::UpstreamUnavailable {
+                detail: String::new()
+            }
+            .status(),
+            502
+        );
+        let none = ApiError::NoHealthyInstance {
+            model: "m".into(),
+            retry_after_secs: 3,
+        };
+        assert_eq!(none.status(), 503);
+        assert_eq!(parse(&none)["error"]["param"], serde_json::Value::Null);
+    }
+
+    #[test]
+    fn messages_are_escaped() {
+        let error = ApiError::InvalidBody("a \"quoted\"\nline".into());
+        let json = parse(&error);
+        assert!(
+            json["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("\"quoted\"\n")
+        );
+    }
+
+    #[test]
+    fn reasons_have_distinct_labels() {
+        let mut labels: Vec<_> = ClientErrorReason::ALL.iter().map(|r| r.label()).collect();
+        labels.sort_unstable();
+        labels.dedup();
+        assert_eq!(labels.len(), CLIENT_ERROR_REASONS);
+    }
+}

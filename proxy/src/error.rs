@@ -1,0 +1,34 @@
+//! Errors that stop the proxy from starting.
+
+use std::net::SocketAddr;
+
+use kvmesh_config::ConfigError;
+
+/// Why the proxy could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A backend's host name did not resolve.
+    #[error("cannot resolve backend {url}: {reason}")]
+    Resolve {
+        /// The backend URL.
+        url: String,
+        /// The resolver's answer.
+        reason: String,
+    },
+    /// A listener could not bind its address.
+    #[error("listener {name:?} cannot bind {address}: {source}")]
+    Bind {
+        /// The listener's name.
+        name: String,
+        /// The configured address.
+        address: SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The metrics registry rejected a metric (a bug).
+    #[error("metrics setup failed: {0}")]
+    Metrics(#[from] prometheus::Error),
+}

@@ -1,0 +1,111 @@
+//! The record of one request/response exchange: what it resolved to and how
+//! it ended, turned into metrics and one log line at the end.
+
+use std::sync::Arc;
+
+use http::{HeaderValue, Method};
+use pingora_core::protocols::http::ServerSession;
+use tokio::time::Instant;
+
+use crate::api_error::ApiError;
+use crate::failure::FailureKind;
+use crate::metrics::Metrics;
+use crate::pool::ModelPool;
+use crate::registry::ModelRegistry;
+use crate::respond::respond_error;
+use crate::route::Route;
+
+/// Status logged when the client left before a response was written.
+const CLIENT_CLOSED: u16 = 499;
+
+/// One exchange in progress.
+#[derive(Debug)]
+pub(crate) struct Exchange {
+    /// `x-request-id` (the client's or generated).
+    pub(crate) request_id: HeaderValue,
+    /// When the request head was read.
+    pub(crate) started: Instant,
+    /// The matched route.
+    pub(crate) route: Option<Route>,
+    /// The model's pool, once resolved.
+    pub(crate) pool: Option<Arc<ModelPool>>,
+    /// Status sent (0 until one is).
+    pub(crate) status: u16,
+    /// The instance that answered (its `x-kvmesh-instance` value).
+    pub(crate) instance: Option<HeaderValue>,
+    /// The client asked for a stream (`"stream": true`).
+    pub(crate) stream: bool,
+    /// The client disconnected before the exchange finished.
+    pub(crate) client_gone: bool,
+    /// The engine failed after the response started.
+    pub(crate) upstream_failure: Option<FailureKind>,
+}
+
+impl Exchange {
+    /// A new exchange starting now.
+    pub(crate) fn new(request_id: HeaderValue) -> Self {
+        Self {
+            request_id,
+            started: Instant::now(),
+            route: None,
+            pool: None,
+            status: 0,
+            instance: None,
+            stream: false,
+            client_gone: false,
+            upstream_failure: None,
+        }
+    }
+
+    /// Answers with a proxy-generated error; returns whether the write worked.
+    pub(crate) async fn reject(
+        &mut self,
+        session: &mut ServerSession,
+        metrics: &Metrics,
+        error: &ApiError,
+    ) -> bool {
+        self.status = error.status();
+        if let Some(reason) = error.client_reason() {
+            metrics.client_error(reason);
+        }
+        let written = respond_error(session, error, &self.request_id).await;
+        self.client_gone |= !written;
+        written
+    }
+
+    /// Records metrics and writes the request's log line.
+    pub(crate) fn finish(&mut self, registry: &ModelRegistry, method: &Method, path: &str) {
+        if self.status == 0 {
+            self.status = CLIENT_CLOSED;
+        }
+        let elapsed = self.started.elapsed();
+        let routes = self
+            .pool
+            .as_deref()
+            .map_or_else(|| registry.unattributed(), |pool| &pool.metrics().routes);
+        routes
+            .route(self.route)
+            .observe(self.status, elapsed.as_secs_f64());
+        let model = self.pool.as_deref().map_or("", ModelPool::name);
+        let instance = self
+            .instance
+            .as_ref()
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("");
+        let request_id = self.request_id.to_str().unwrap_or("");
+        let upstream_error = self.upstream_failure.map_or("", FailureKind::label);
+        tracing::info!(
+            %method,
+            path,
+            model,
+            status = self.status,
+            instance,
+            duration_ms = elapsed.as_secs_f64() * 1e3,
+            request_id,
+            stream = self.stream,
+            client_gone = self.client_gone,
+            upstream_error,
+            "request"
+        );
+    }
+}

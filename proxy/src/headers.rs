@@ -1,0 +1,297 @@
+//! Header rewriting between client and engine: hop-by-hop headers are dropped
+//! in both directions, `Host` names the backend, and the proxy's own headers
+//! are added to responses.
+
+use http::header::{self, HeaderName};
+use http::{HeaderMap, HeaderValue, Version};
+use pingora_error::Result;
+use pingora_http::{RequestHeader, ResponseHeader};
+
+/// `x-request-id`.
+pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// `x-kvmesh-instance`: which backend answered.
+pub(crate) const X_KVMESH_INSTANCE: HeaderName = HeaderName::from_static("x-kvmesh-instance");
+
+/// Headers that describe one connection, not the message (RFC 9110 §7.6.1),
+/// plus `expect`, which the proxy answers itself.
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "expect"
+    )
+}
+
+/// Whether `name` is listed in a `Connection` header of `headers`.
+fn named_by_connection(headers: &HeaderMap, name: &HeaderName) -> bool {
+    headers.get_all(header::CONNECTION).iter().any(|value| {
+        value.to_str().is_ok_and(|list| {
+            list.split(',')
+                .any(|token| token.trim().eq_ignore_ascii_case(name.as_str()))
+        })
+    })
+}
+
+/// Whether a header is end-to-end (forwarded).
+fn is_forwarded(headers: &HeaderMap, name: &HeaderName) -> bool {
+    !is_hop_by_hop(name)
+        && (!headers.contains_key(header::CONNECTION) || !named_by_connection(headers, name))
+}
+
+/// The request sent to a backend: the client's method, path and end-to-end
+/// headers, `Host` set to the backend, the body's exact length and the
+/// request id.
+pub(crate) fn upstream_request(
+    client: &RequestHeader,
+    host: &HeaderValue,
+    body_len: usize,
+    request_id: &HeaderValue,
+) -> Result<RequestHeader> {
+    let path = client
+        .uri
+        .path_and_query()
+        .map_or("/", |path| path.as_str());
+    let mut request = RequestHeader::build(
+        client.method.clone(),
+        path.as_bytes(),
+        Some(client.headers.len() + 2),
+    )?;
+    for (name, value) in &client.headers {
+        if *name == header::HOST
+            || *name == header::CONTENT_LENGTH
+            || *name == X_REQUEST_ID
+            || !is_forwarded(&client.headers, name)
+        {
+            continue;
+        }
+        request.append_header(name.clone(), value.clone())?;
+    }
+    request.insert_header(header::HOST, host.clone())?;
+    request.insert_header(header::CONTENT_LENGTH, body_len)?;
+    request.insert_header(X_REQUEST_ID, request_id.clone())?;
+    Ok(request)
+}
+
+/// How the response body is framed towards the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Framing {
+    /// The engine's `Content-Length` is kept (or the status has no body):
+    /// nothing can be appended.
+    Length,
+    /// Chunked (HTTP/1.1), end of stream (h2) or close-delimited (HTTP/1.0):
+    /// the proxy can end the body itself, e.g. after an error event.
+    Open,
+}
+
+/// The response sent to the client: the engine's status and end-to-end
+/// headers plus `x-kvmesh-instance` and `x-request-id`.
+pub(crate) fn downstream_response(
+    upstream: &ResponseHeader,
+    instance: &HeaderValue,
+    request_id: &HeaderValue,
+    client_version: Version,
+    client_is_h2: bool,
+) -> Result<(ResponseHeader, Framing)> {
+    let mut response = ResponseHeader::build(upstream.status, Some(upstream.headers.len() + 3))?;
+    for (name, value) in &upstream.headers {
+        if *name == X_REQUEST_ID || !is_forwarded(&upstream.headers, name) {
+            continue;
+        }
+        response.append_header(name.clone(), value.clone())?;
+    }
+    response.insert_header(X_KVMESH_INSTANCE, instance.clone())?;
+    response.insert_header(X_REQUEST_ID, request_id.clone())?;
+    let bodiless = matches!(upstream.status.as_u16(), 204 | 304);
+    let framing = if bodiless || response.headers.contains_key(header::CONTENT_LENGTH) {
+        Framing::Length
+    } else {
+        if !client_is_h2 && client_version == Version::HTTP_11 {
+            response.insert_header(header::TRANSFER_ENCODING, "chunked")?;
+        }
+        Framing::Open
+    };
+    Ok((response, framing))
+}
+
+/// Whether a response is a server-sent-event stream.
+pub(crate) fn is_event_stream(response: &ResponseHeader) -> bool {
+    response
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| {
+            value
+                .trim_start()
+                .get(..17)
+                .is_some_and(|essence| essence.eq_ignore_ascii_case("text/event-stream"))
+        })
+}
+
+/// The request's `Content-Length`, when present and numeric.
+pub(crate) fn content_length(request: &RequestHeader) -> Option<u64> {
+    request
+        .headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Whether the client waits for `100 Continue` before sending its body.
+pub(crate) fn expects_continue(request: &RequestHeader) -> bool {
+    request
+        .headers
+        .get(header::EXPECT)
+        .is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn client_request() -> RequestHeader {
+        let mut request = RequestHeader::build("POST", b"/v1/chat/completions?x=1", None).unwrap();
+        for (name, value) in [
+            ("host", "proxy:8080"),
+            ("content-type", "application/json"),
+            ("content-length", "999"),
+            ("connection", "keep-alive, x-private"),
+            ("keep-alive", "timeout=5"),
+            ("x-private", "secret"),
+            ("transfer-encoding", "chunked"),
+            ("te", "trailers"),
+            ("expect", "100-continue"),
+            ("authorization", "Bearer k"),
+            ("x-request-id", "client-id"),
+            ("x-custom", "a"),
+        ] {
+            request.append_header(name, value).unwrap();
+        }
+        request.append_header("x-custom", "b").unwrap();
+        request
+    }
+
+    #[test]
+    fn upstream_request_drops_hop_by_hop_and_sets_host_and_length() {
+        let host = HeaderValue::from_static("127.0.0.1:8001");
+        let id = HeaderValue::from_static("rid");
+        let request = upstream_request(&client_request(), &host, 42, &id).unwrap();
+        assert_eq!(request.method, "POST");
+        assert_eq!(request.uri.to_string(), "/v1/chat/completions?x=1");
+        let headers = &request.headers;
+        assert_eq!(headers["host"], "127.0.0.1:8001");
+        assert_eq!(headers["content-length"], "42");
+        assert_eq!(headers["x-request-id"], "rid");
+        assert_eq!(headers["content-type"], "application/json");
+        assert_eq!(headers["authorization"], "Bearer k");
+        let custom: Vec<_> = headers.get_all("x-custom").iter().collect();
+        assert_eq!(custom, ["a", "b"]);
+        for gone in [
+            "connection",
+            "keep-alive",
+            "x-private",
+            "transfer-encoding",
+            "te",
+            "expect",
+        ] {
+            assert!(!headers.contains_key(gone), "{gone} forwarded");
+        }
+        assert_eq!(headers.get_all("host").iter().count(), 1);
+        assert_eq!(headers.get_all("x-request-id").iter().count(), 1);
+    }
+
+    #[test]
+    fn downstream_response_adds_proxy_headers_and_chooses_framing() {
+        let mut upstream = ResponseHeader::build(200, None).unwrap();
+        upstream
+            .append_header("content-type", "text/event-stream")
+            .unwrap();
+        upstream
+            .append_header("transfer-encoding", "chunked")
+            .unwrap();
+        upstream.append_header("connection", "keep-alive").unwrap();
+        upstream.append_header("x-engine", "vllm").unwrap();
+        let instance = HeaderValue::from_static("http://127.0.0.1:8001");
+        let id = HeaderValue::from_static("rid");
+        let (response, framing) =
+            downstream_response(&upstream, &instance, &id, Version::HTTP_11, false).unwrap();
+        assert_eq!(framing, Framing::Open);
+        assert_eq!(response.status, 200);
+        assert_eq!(
+            response.headers["x-kvmesh-instance"],
+            "http://127.0.0.1:8001"
+        );
+        assert_eq!(response.headers["x-request-id"], "rid");
+        assert_eq!(response.headers["x-engine"], "vllm");
+        assert_eq!(response.headers["transfer-encoding"], "chunked");
+        assert!(!response.headers.contains_key("connection"));
+        assert!(is_event_stream(&response));
+
+        let (h2, _) =
+            downstream_response(&upstream, &instance, &id, Version::HTTP_2, true).unwrap();
+        assert!(!h2.headers.contains_key("transfer-encoding"));
+        let (old, framing) =
+            downstream_response(&upstream, &instance, &id, Version::HTTP_10, false).unwrap();
+        assert!(!old.headers.contains_key("transfer-encoding"));
+        assert_eq!(framing, Framing::Open);
+
+        let mut sized = ResponseHeader::build(400, None).unwrap();
+        sized.append_header("content-length", "17").unwrap();
+        sized.append_header("x-request-id", "engine-id").unwrap();
+        let (response, framing) =
+            downstream_response(&sized, &instance, &id, Version::HTTP_11, false).unwrap();
+        assert_eq!(framing, Framing::Length);
+        assert_eq!(response.status, 400);
+        assert_eq!(response.headers["content-length"], "17");
+        assert_eq!(response.headers.get_all("x-request-id").iter().count(), 1);
+        assert_eq!(response.headers["x-request-id"], "rid");
+        assert!(!response.headers.contains_key("transfer-encoding"));
+    }
+
+    #[test]
+    fn bodiless_statuses_are_not_chunked() {
+        let instance = HeaderValue::from_static("http://h:1");
+        let id = HeaderValue::from_static("rid");
+        for status in [204, 304] {
+            let upstream = ResponseHeader::build(status, None).unwrap();
+            let (response, framing) =
+                downstream_response(&upstream, &instance, &id, Version::HTTP_11, false).unwrap();
+            assert_eq!(framing, Framing::Length);
+            assert!(!response.headers.contains_key("transfer-encoding"));
+        }
+    }
+
+    #[test]
+    fn recognises_event_streams() {
+        let mut response = ResponseHeader::build(200, None).unwrap();
+        assert!(!is_event_stream(&response));
+        response
+            .insert_header("content-type", "Text/Event-Stream; charset=utf-8")
+            .unwrap();
+        assert!(is_event_stream(&response));
+        response
+            .insert_header("content-type", "application/json")
+            .unwrap();
+        assert!(!is_event_stream(&response));
+    }
+
+    #[test]
+    fn reads_length_and_expect() {
+        let request = client_request();
+        assert_eq!(content_length(&request), Some(999));
+        assert!(expects_continue(&request));
+        let bare = RequestHeader::build("POST", b"/", None).unwrap();
+        assert_eq!(content_length(&bare), None);
+        assert!(!expects_continue(&bare));
+    }
+}

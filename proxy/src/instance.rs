@@ -1,0 +1,174 @@
+//! One engine instance and all of its live state, in one place: health,
+//! ejection and in-flight count, each an atomic (no lock on the hot path).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::HeaderValue;
+use kvmesh_config::{BackendUrl, Protocol};
+use pingora_core::upstreams::peer::HttpPeer;
+
+use crate::failure::FailureKind;
+use crate::metrics::InstanceMetrics;
+use crate::outlier::{OutlierPolicy, OutlierState};
+
+/// Concurrent h2 streams per upstream h2c connection.
+const MAX_H2_STREAMS: usize = 128;
+
+/// Per-attempt connection settings shared by every instance.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PeerSettings {
+    /// TCP connect timeout.
+    pub(crate) connect_timeout: Duration,
+}
+
+/// An engine instance serving one model.
+#[derive(Debug)]
+pub(crate) struct Instance {
+    url: BackendUrl,
+    peer: HttpPeer,
+    /// `x-kvmesh-instance` value (shared bytes: cloning is a refcount).
+    instance_header: HeaderValue,
+    /// `Host` value sent upstream.
+    host_header: HeaderValue,
+    in_flight: AtomicU64,
+    healthy: AtomicBool,
+    outlier: OutlierState,
+    metrics: InstanceMetrics,
+}
+
+impl Instance {
+    /// An instance at `address` (the resolved `url`), healthy until a probe says otherwise.
+    pub(crate) fn new(
+        url: BackendUrl,
+        address: SocketAddr,
+        protocol: Protocol,
+        settings: PeerSettings,
+        metrics: InstanceMetrics,
+    ) -> Self {
+        let mut peer = HttpPeer::new(address, false, String::new());
+        peer.options.connection_timeout = Some(settings.connect_timeout);
+        if protocol == Protocol::H2c {
+            peer.options.set_http_version(2, 2);
+            peer.options.max_h2_streams = MAX_H2_STREAMS;
+        }
+        let instance_header = shared_header(url.as_str());
+        let host_header = shared_header(url.authority());
+        Self {
+            url,
+            peer,
+            instance_header,
+            host_header,
+            in_flight: AtomicU64::new(0),
+            healthy: AtomicBool::new(true),
+            outlier: OutlierState::default(),
+            metrics,
+        }
+    }
+
+    /// The configured URL (`http://host:port`).
+    pub(crate) fn url(&self) -> &BackendUrl {
+        &self.url
+    }
+
+    /// Where to connect.
+    pub(crate) fn peer(&self) -> &HttpPeer {
+        &self.peer
+    }
+
+    /// `x-kvmesh-instance` header value.
+    pub(crate) fn instance_header(&self) -> &HeaderValue {
+        &self.instance_header
+    }
+
+    /// `Host` header value for upstream requests.
+    pub(crate) fn host_header(&self) -> &HeaderValue {
+        &self.host_header
+    }
+
+    /// Healthy by its probes and not ejected.
+    pub(crate) fn is_available(&self, now_ms: u64) -> bool {
+        self.is_healthy() && !self.outlier.is_ejected(now_ms)
+    }
+
+    /// Healthy by its probes.
+    pub(crate) fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Set by the health checker.
+    pub(crate) fn set_healthy(&self, healthy: bool) {
+        self.healthy.store(healthy, Ordering::Relaxed);
+    }
+
+    /// Whether passive outlier detection has it ejected.
+    pub(crate) fn is_ejected(&self, now_ms: u64) -> bool {
+        self.outlier.is_ejected(now_ms)
+    }
+
+    /// Milliseconds until its ejection ends (0 when not ejected).
+    pub(crate) fn ejection_remaining_ms(&self, now_ms: u64) -> u64 {
+        self.outlier.remaining_ms(now_ms)
+    }
+
+    /// Requests currently forwarded to it.
+    pub(crate) fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Counts a request in flight until the guard drops.
+    pub(crate) fn start_request(&self) -> InFlight<'_> {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight { instance: self }
+    }
+
+    /// A response that shows the engine works (any status below 500).
+    pub(crate) fn record_success(&self) {
+        self.outlier.record_success();
+    }
+
+    /// A failed attempt: counted in metrics and towards ejection.
+    pub(crate) fn record_failure(&self, kind: FailureKind, policy: &OutlierPolicy, now_ms: u64) {
+        self.metrics.count_error(kind);
+        if let Some(length) = self.outlier.record_failure(policy, now_ms) {
+            tracing::warn!(
+                instance = %self.url,
+                ejected_for_ms = u64::try_from(length.as_millis()).unwrap_or(u64::MAX),
+                "instance ejected after consecutive failures"
+            );
+        }
+    }
+
+    /// Counts an upstream error that does not count towards ejection.
+    pub(crate) fn count_error(&self, kind: FailureKind) {
+        self.metrics.count_error(kind);
+    }
+
+    /// Copies live state into the instance gauges (called before a scrape).
+    pub(crate) fn refresh_gauges(&self, now_ms: u64) {
+        self.metrics.set_state(
+            i64::try_from(self.in_flight()).unwrap_or(i64::MAX),
+            self.is_available(now_ms),
+        );
+    }
+}
+
+/// A header value backed by shared bytes, so clones do not copy.
+fn shared_header(text: &str) -> HeaderValue {
+    HeaderValue::from_maybe_shared(Bytes::copy_from_slice(text.as_bytes()))
+        .unwrap_or_else(|_| HeaderValue::from_static("invalid"))
+}
+
+/// One request in flight on an instance.
+#[derive(Debug)]
+pub(crate) struct InFlight<'a> {
+    instance: &'a Instance,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.instance.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,342 @@
+//! Prometheus metrics (prefix `kvmesh_`), with label children resolved once at
+//! startup so the request path touches only atomics.
+
+use std::sync::OnceLock;
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+use crate::api_error::{CLIENT_ERROR_REASONS, ClientErrorReason};
+use crate::failure::{FAILURE_KINDS, FailureKind};
+use crate::route::{ROUTE_COUNT, Route};
+
+/// Request duration buckets (seconds): from a cached answer to a long generation.
+const DURATION_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+/// Time-to-first-token buckets (seconds).
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+/// Inter-token latency buckets (seconds).
+const ITL_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
+];
+
+/// Model label used for requests that name no served model.
+pub(crate) const NO_MODEL: &str = "";
+
+/// Label for requests on no known route.
+const NO_ROUTE: &str = "unknown";
+
+/// Error while creating or registering metrics (only possible at startup).
+pub(crate) type MetricsError = prometheus::Error;
+
+/// The proxy's metric families.
+#[derive(Debug, Clone)]
+pub(crate) struct Metrics {
+    registry: Registry,
+    requests_total: IntCounterVec,
+    requests_in_flight: IntGaugeVec,
+    request_duration: HistogramVec,
+    time_to_first_token: HistogramVec,
+    inter_token_latency: HistogramVec,
+    upstream_errors: IntCounterVec,
+    instance_in_flight: IntGaugeVec,
+    instance_healthy: IntGaugeVec,
+    client_errors: [IntCounter; CLIENT_ERROR_REASONS],
+}
+
+impl Metrics {
+    /// Creates and registers every family in a fresh registry.
+    pub(crate) fn new() -> Result<Self, MetricsError> {
+        let registry = Registry::new();
+        let requests_total = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_requests_total",
+                "Requests answered, by model, route and HTTP status.",
+            ),
+            &["model", "route", "status"],
+        )?;
+        let requests_in_flight = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_requests_in_flight",
+                "Requests being forwarded, by model.",
+            ),
+            &["model"],
+        )?;
+        let request_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "kvmesh_request_duration_seconds",
+                "Time from the request head to the end of the response.",
+            )
+            .buckets(DURATION_BUCKETS.to_vec()),
+            &["model", "route"],
+        )?;
+        let time_to_first_token = HistogramVec::new(
+            HistogramOpts::new(
+                "kvmesh_time_to_first_token_seconds",
+                "Streamed responses: time from the request head to the first body chunk.",
+            )
+            .buckets(TTFT_BUCKETS.to_vec()),
+            &["model"],
+        )?;
+        let inter_token_latency = HistogramVec::new(
+            HistogramOpts::new(
+                "kvmesh_inter_token_latency_seconds",
+                "Streamed responses: gap between consecutive SSE data events.",
+            )
+            .buckets(ITL_BUCKETS.to_vec()),
+            &["model"],
+        )?;
+        let upstream_errors = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_upstream_errors_total",
+                "Failed upstream attempts, by model, instance and kind.",
+            ),
+            &["model", "instance", "kind"],
+        )?;
+        let instance_in_flight = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_instance_in_flight",
+                "Requests in flight per instance.",
+            ),
+            &["model", "instance"],
+        )?;
+        let instance_healthy = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_instance_healthy",
+                "1 when the instance is healthy and not ejected, else 0.",
+            ),
+            &["model", "instance"],
+        )?;
+        let client_errors_vec = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_client_errors_total",
+                "Requests rejected for bad input, by reason.",
+            ),
+            &["reason"],
+        )?;
+        let client_errors = ClientErrorReason::ALL
+            .map(|reason| client_errors_vec.with_label_values(&[reason.label()]));
+        registry.register(Box::new(requests_total.clone()))?;
+        registry.register(Box::new(requests_in_flight.clone()))?;
+        registry.register(Box::new(request_duration.clone()))?;
+        registry.register(Box::new(time_to_first_token.clone()))?;
+        registry.register(Box::new(inter_token_latency.clone()))?;
+        registry.register(Box::new(upstream_errors.clone()))?;
+        registry.register(Box::new(instance_in_flight.clone()))?;
+        registry.register(Box::new(instance_healthy.clone()))?;
+        registry.register(Box::new(client_errors_vec))?;
+        Ok(Self {
+            registry,
+            requests_total,
+            requests_in_flight,
+            request_duration,
+            time_to_first_token,
+            inter_token_latency,
+            upstream_errors,
+            instance_in_flight,
+            instance_healthy,
+            client_errors,
+        })
+    }
+
+    /// Handles for a served model.
+    pub(crate) fn model(&self, model: &str) -> ModelMetrics {
+        ModelMetrics {
+            in_flight: self.requests_in_flight.with_label_values(&[model]),
+            time_to_first_token: self.time_to_first_token.with_label_values(&[model]),
+            inter_token_latency: self.inter_token_latency.with_label_values(&[model]),
+            routes: self.routes(model),
+        }
+    }
+
+    /// Per-route handles for `model` (`NO_MODEL` for requests that resolve to
+    /// none); each series appears on first use.
+    pub(crate) fn routes(&self, model: &str) -> RouteTable {
+        let route = |route: &'static str| RouteMetrics {
+            model: model.to_string(),
+            route,
+            requests_total: self.requests_total.clone(),
+            request_duration: self.request_duration.clone(),
+            ok_total: OnceLock::new(),
+            duration: OnceLock::new(),
+        };
+        RouteTable {
+            routes: Route::ALL.map(|r| route(r.label())),
+            unrouted: route(NO_ROUTE),
+        }
+    }
+
+    /// Handles for one instance of `model`.
+    pub(crate) fn instance(&self, model: &str, instance: &str) -> InstanceMetrics {
+        InstanceMetrics {
+            errors: FailureKind::ALL.map(|kind| {
+                self.upstream_errors
+                    .with_label_values(&[model, instance, kind.label()])
+            }),
+            in_flight: self
+                .instance_in_flight
+                .with_label_values(&[model, instance]),
+            healthy: self.instance_healthy.with_label_values(&[model, instance]),
+        }
+    }
+
+    /// Counts a rejected bad request.
+    pub(crate) fn client_error(&self, reason: ClientErrorReason) {
+        if let Some(counter) = self.client_errors.get(reason as usize) {
+            counter.inc();
+        }
+    }
+
+    /// Prometheus text exposition of every family.
+    pub(crate) fn render(&self) -> Result<Vec<u8>, MetricsError> {
+        let mut out = Vec::with_capacity(16 * 1024);
+        TextEncoder::new().encode(&self.registry.gather(), &mut out)?;
+        Ok(out)
+    }
+}
+
+/// Per-model handles.
+#[derive(Debug)]
+pub(crate) struct ModelMetrics {
+    /// `kvmesh_requests_in_flight{model}`.
+    pub(crate) in_flight: IntGauge,
+    /// `kvmesh_time_to_first_token_seconds{model}`.
+    pub(crate) time_to_first_token: Histogram,
+    /// `kvmesh_inter_token_latency_seconds{model}`.
+    pub(crate) inter_token_latency: Histogram,
+    /// Per-route request counts and durations.
+    pub(crate) routes: RouteTable,
+}
+
+/// Per-route handles of one model.
+#[derive(Debug)]
+pub(crate) struct RouteTable {
+    routes: [RouteMetrics; ROUTE_COUNT],
+    unrouted: RouteMetrics,
+}
+
+impl RouteTable {
+    /// Handles for `route` (`None`: a request on no known route).
+    pub(crate) fn route(&self, route: Option<Route>) -> &RouteMetrics {
+        route
+            .and_then(|route| self.routes.get(route.index()))
+            .unwrap_or(&self.unrouted)
+    }
+}
+
+/// Per-(model, route) handles, resolved on first use and cached.
+#[derive(Debug)]
+pub(crate) struct RouteMetrics {
+    model: String,
+    route: &'static str,
+    requests_total: IntCounterVec,
+    request_duration: HistogramVec,
+    ok_total: OnceLock<IntCounter>,
+    duration: OnceLock<Histogram>,
+}
+
+impl RouteMetrics {
+    /// Records one answered request.
+    pub(crate) fn observe(&self, status: u16, seconds: f64) {
+        if status == 200 {
+            self.ok_total
+                .get_or_init(|| {
+                    self.requests_total
+                        .with_label_values(&[self.model.as_str(), self.route, "200"])
+                })
+                .inc();
+        } else {
+            let code = http::StatusCode::from_u16(status).ok();
+            let label = code.as_ref().map_or("other", http::StatusCode::as_str);
+            self.requests_total
+                .with_label_values(&[self.model.as_str(), self.route, label])
+                .inc();
+        }
+        self.duration
+            .get_or_init(|| {
+                self.request_duration
+                    .with_label_values(&[self.model.as_str(), self.route])
+            })
+            .observe(seconds);
+    }
+}
+
+/// Per-instance handles.
+#[derive(Debug, Clone)]
+pub(crate) struct InstanceMetrics {
+    errors: [IntCounter; FAILURE_KINDS],
+    in_flight: IntGauge,
+    healthy: IntGauge,
+}
+
+impl InstanceMetrics {
+    /// Counts one upstream error.
+    pub(crate) fn count_error(&self, kind: FailureKind) {
+        if let Some(counter) = self.errors.get(kind.index()) {
+            counter.inc();
+        }
+    }
+
+    /// Sets the state gauges.
+    pub(crate) fn set_state(&self, in_flight: i64, healthy: bool) {
+        self.in_flight.set(in_flight);
+        self.healthy.set(i64::from(healthy));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(metrics: &Metrics) -> String {
+        String::from_utf8(metrics.render().unwrap()).unwrap()
+    }
+
+    #[test]
+    fn renders_every_family_with_labels() {
+        let metrics = Metrics::new().unwrap();
+        let model = metrics.model("qwen3");
+        model
+            .routes
+            .route(Some(Route::ChatCompletions))
+            .observe(200, 0.5);
+        model
+            .routes
+            .route(Some(Route::ChatCompletions))
+            .observe(503, 0.001);
+        model.routes.route(None).observe(404, 0.001);
+        model.in_flight.inc();
+        model.time_to_first_token.observe(0.1);
+        model.inter_token_latency.observe(0.01);
+        let instance = metrics.instance("qwen3", "http://127.0.0.1:1");
+        instance.count_error(FailureKind::Connect);
+        instance.set_state(3, true);
+        metrics.client_error(ClientErrorReason::MissingModel);
+        let out = text(&metrics);
+        for line in [
+            "kvmesh_requests_total{model=\"qwen3\",route=\"chat_completions\",status=\"200\"} 1",
+            "kvmesh_requests_total{model=\"qwen3\",route=\"chat_completions\",status=\"503\"} 1",
+            "kvmesh_requests_total{model=\"qwen3\",route=\"unknown\",status=\"404\"} 1",
+            "kvmesh_requests_in_flight{model=\"qwen3\"} 1",
+            "kvmesh_request_duration_seconds_count{model=\"qwen3\",route=\"chat_completions\"} 2",
+            "kvmesh_time_to_first_token_seconds_count{model=\"qwen3\"} 1",
+            "kvmesh_inter_token_latency_seconds_count{model=\"qwen3\"} 1",
+            "kvmesh_upstream_errors_total{instance=\"http://127.0.0.1:1\",kind=\"connect\",model=\"qwen3\"} 1",
+            "kvmesh_instance_in_flight{instance=\"http://127.0.0.1:1\",model=\"qwen3\"} 3",
+            "kvmesh_instance_healthy{instance=\"http://127.0.0.1:1\",model=\"qwen3\"} 1",
+            "kvmesh_client_errors_total{reason=\"missing_model\"} 1",
+            "kvmesh_client_errors_total{reason=\"invalid_json\"} 0",
+        ] {
+            assert!(out.contains(line), "missing {line:?} in\n{out}");
+        }
+        assert!(
+            !out.contains("route=\"embeddings\""),
+            "unused routes stay absent"
+        );
+    }
+}

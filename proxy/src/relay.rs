@@ -1,0 +1,268 @@
+//! Relaying the engine's response body to the client as it arrives.
+//!
+//! Non-SSE bodies pass through chunk for chunk. SSE bodies are scanned on the
+//! way (time to first token, inter-token gaps) and cut at event boundaries: a
+//! chunk is forwarded up to its last complete event and an incomplete tail is
+//! held until the event completes. Engines write whole events, so in practice
+//! every chunk is forwarded as-is without a copy; the hold-back guarantees that
+//! when an engine dies mid-stream the client never sees half an event before
+//! the proxy's error event.
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use pingora_core::protocols::http::ServerSession;
+use pingora_core::protocols::http::client::HttpSession;
+use tokio::time::{Instant, timeout};
+
+use crate::api_error::error_json;
+use crate::failure::FailureKind;
+use crate::headers::Framing;
+use crate::metrics::ModelMetrics;
+use crate::sse::SseScanner;
+
+/// Largest incomplete SSE event held back before it is forwarded anyway.
+const MAX_HELD_BYTES: usize = 1 << 20;
+
+/// What the relay needs to know about the exchange.
+pub(crate) struct RelayContext<'a> {
+    /// When the request head arrived (time-to-first-token origin).
+    pub(crate) started: Instant,
+    /// Longest gap allowed between two upstream body chunks.
+    pub(crate) idle_timeout: Duration,
+    /// The response is `text/event-stream`.
+    pub(crate) event_stream: bool,
+    /// How the client-side body is framed.
+    pub(crate) framing: Framing,
+    /// Where timings go.
+    pub(crate) metrics: &'a ModelMetrics,
+}
+
+/// How a relay ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RelayEnd {
+    /// The whole body reached the client; the upstream session can be reused.
+    Complete,
+    /// The engine broke off or stalled mid-body. `clean`: the client got an SSE
+    /// error event and a proper end of body; otherwise its connection (h1) or
+    /// stream (h2) must be cut.
+    UpstreamFailed {
+        /// What went wrong.
+        kind: FailureKind,
+        /// Whether the body was ended with an error event.
+        clean: bool,
+    },
+    /// The client went away (or wrote when it should not have).
+    ClientGone,
+}
+
+/// Relays the body; on `Complete` the client body is finished.
+pub(crate) async fn relay(
+    downstream: &mut ServerSession,
+    upstream: &mut HttpSession,
+    ctx: &RelayContext<'_>,
+) -> RelayEnd {
+    let mut events = ctx.event_stream.then(EventTiming::default);
+    let mut held = BytesMut::new();
+    loop {
+        let read = tokio::select! {
+            biased;
+            read = timeout(ctx.idle_timeout, upstream.read_response_body()) => read,
+            _ = downstream.read_body_or_idle(true) => return RelayEnd::ClientGone,
+        };
+        let chunk = match read {
+            Err(_) => {
+                return fail(
+                    downstream,
+                    ctx,
+                    events.as_ref(),
+                    &mut held,
+                    FailureKind::Timeout,
+                )
+                .await;
+            }
+            Ok(Err(_)) => {
+                return fail(
+                    downstream,
+                    ctx,
+                    events.as_ref(),
+                    &mut held,
+                    FailureKind::Reset,
+                )
+                .await;
+            }
+            Ok(Ok(None)) => break,
+            Ok(Ok(Some(chunk))) => chunk,
+        };
+        let out = match events.as_mut() {
+            Some(timing) => {
+                let boundary = timing.observe(&chunk, ctx);
+                hold_back(&mut held, chunk, boundary)
+            }
+            None => Some(chunk),
+        };
+        if let Some(out) = out
+            && downstream.write_response_body(out, false).await.is_err()
+        {
+            return RelayEnd::ClientGone;
+        }
+    }
+    let rest = held.split().freeze();
+    if downstream.write_response_body(rest, true).await.is_err() {
+        return RelayEnd::ClientGone;
+    }
+    RelayEnd::Complete
+}
+
+/// SSE scanning and timing state.
+#[derive(Debug, Default)]
+struct EventTiming {
+    scanner: SseScanner,
+    seen_first_chunk: bool,
+    last_event_at: Option<Instant>,
+}
+
+impl EventTiming {
+    /// Records timings for `chunk`; returns its last event boundary.
+    fn observe(&mut self, chunk: &[u8], ctx: &RelayContext<'_>) -> Option<usize> {
+        let now = Instant::now();
+        if !self.seen_first_chunk {
+            self.seen_first_chunk = true;
+            ctx.metrics
+                .time_to_first_token
+                .observe(now.duration_since(ctx.started).as_secs_f64());
+        }
+        let scan = self.scanner.feed(chunk);
+        if scan.data_events > 0 {
+            if let Some(previous) = self.last_event_at {
+                // Events that arrive together share the gap since the last one.
+                let gap = now.duration_since(previous).as_secs_f64() / scan.data_events as f64;
+                for _ in 0..scan.data_events {
+                    ctx.metrics.inter_token_latency.observe(gap);
+                }
+            }
+            self.last_event_at = Some(now);
+        }
+        scan.last_boundary
+    }
+}
+
+/// Splits `chunk` at its last event boundary: returns what can be forwarded
+/// now and keeps the incomplete rest in `held`.
+fn hold_back(held: &mut BytesMut, chunk: Bytes, boundary: Option<usize>) -> Option<Bytes> {
+    match boundary {
+        Some(end) => {
+            let out = if held.is_empty() {
+                chunk.slice(..end)
+            } else {
+                held.extend_from_slice(&chunk[..end]);
+                held.split().freeze()
+            };
+            if end < chunk.len() {
+                held.extend_from_slice(&chunk[end..]);
+            }
+            Some(out)
+        }
+        None => {
+            held.extend_from_slice(&chunk);
+            (held.len() > MAX_HELD_BYTES).then(|| held.split().freeze())
+        }
+    }
+}
+
+/// Ends the client's body after an upstream failure: an SSE error event when
+/// the framing allows one, otherwise nothing (the caller cuts the connection).
+async fn fail(
+    downstream: &mut ServerSession,
+    ctx: &RelayContext<'_>,
+    events: Option<&EventTiming>,
+    held: &mut BytesMut,
+    kind: FailureKind,
+) -> RelayEnd {
+    let Some(timing) = events.filter(|_| ctx.framing == Framing::Open) else {
+        return RelayEnd::UpstreamFailed { kind, clean: false };
+    };
+    // An event cut short and still held is dropped; one already forwarded
+    // (over the hold-back limit) is terminated so the error stands alone.
+    let partial_sent = held.is_empty() && timing.scanner.mid_event();
+    held.clear();
+    let event = error_event(kind, partial_sent);
+    let clean = downstream.write_response_body(event, true).await.is_ok();
+    RelayEnd::UpstreamFailed { kind, clean }
+}
+
+/// `data: {"error":{...}}` followed by a blank line.
+fn error_event(kind: FailureKind, terminate_partial: bool) -> Bytes {
+    let (message, kind, code) = match kind {
+        FailureKind::Timeout => (
+            "the engine stopped sending within the idle timeout",
+            "timeout",
+            "upstream_timeout",
+        ),
+        _ => (
+            "the engine connection broke mid-stream",
+            "upstream_error",
+            "upstream_disconnected",
+        ),
+    };
+    let mut event = Vec::with_capacity(160);
+    if terminate_partial {
+        event.extend_from_slice(b"\n\n");
+    }
+    event.extend_from_slice(b"data: ");
+    event.extend_from_slice(&error_json(message, kind, None, code));
+    event.extend_from_slice(b"\n\n");
+    Bytes::from(event)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn whole_events_pass_without_copy() {
+        let mut held = BytesMut::new();
+        let chunk = Bytes::from_static(b"data: a\n\ndata: b\n\n");
+        let out = hold_back(&mut held, chunk.clone(), Some(chunk.len())).unwrap();
+        assert_eq!(out.as_ptr(), chunk.as_ptr());
+        assert!(held.is_empty());
+    }
+
+    #[test]
+    fn incomplete_tails_are_held_until_complete() {
+        let mut held = BytesMut::new();
+        let first = Bytes::from_static(b"data: a\n\ndata: b");
+        assert_eq!(
+            hold_back(&mut held, first, Some(9)).unwrap(),
+            Bytes::from_static(b"data: a\n\n")
+        );
+        assert_eq!(&held[..], b"data: b");
+        assert_eq!(hold_back(&mut held, Bytes::from_static(b"cd"), None), None);
+        let out = hold_back(&mut held, Bytes::from_static(b"\n\ndata: c"), Some(2)).unwrap();
+        assert_eq!(out, Bytes::from_static(b"data: bcd\n\n"));
+        assert_eq!(&held[..], b"data: c");
+    }
+
+    #[test]
+    fn oversized_events_are_forwarded_anyway() {
+        let mut held = BytesMut::new();
+        let big = Bytes::from(vec![b'x'; MAX_HELD_BYTES + 1]);
+        let out = hold_back(&mut held, big, None).unwrap();
+        assert_eq!(out.len(), MAX_HELD_BYTES + 1);
+        assert!(held.is_empty());
+    }
+
+    #[test]
+    fn error_events_are_one_json_event() {
+        let event = error_event(FailureKind::Reset, false);
+        let text = std::str::from_utf8(&event).unwrap();
+        let json = text
+            .strip_prefix("data: ")
+            .and_then(|rest| rest.strip_suffix("\n\n"))
+            .unwrap();
+        let value: serde_json::Value = serde_json::from_str(json).unwrap();
+        assert_eq!(value["error"]["code"], "upstream_disconnected");
+        let timeout = error_event(FailureKind::Timeout, true);
+        assert!(timeout.starts_with(b"\n\ndata: {\"error\""));
+    }
+}

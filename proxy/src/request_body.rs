@@ -1,0 +1,53 @@
+//! Reading the client's request body whole (the model must be known before
+//! routing), within the size limit and the client deadline.
+
+use bytes::{Bytes, BytesMut};
+use pingora_core::protocols::http::ServerSession;
+use tokio::time::{Instant, timeout_at};
+
+/// Why the body could not be read.
+#[derive(Debug)]
+pub(crate) enum BodyError {
+    /// More than the limit arrived.
+    TooLarge,
+    /// The deadline passed.
+    Timeout,
+    /// The client broke the connection or sent a malformed body.
+    Client(Box<pingora_error::Error>),
+}
+
+/// Reads the whole body. A body that arrives in one piece (the common case)
+/// is returned without a copy; otherwise the pieces are joined once.
+pub(crate) async fn read_body(
+    session: &mut ServerSession,
+    limit: u64,
+    size_hint: Option<u64>,
+    deadline: Instant,
+) -> Result<Bytes, BodyError> {
+    let mut first: Option<Bytes> = None;
+    let mut joined: Option<BytesMut> = None;
+    let mut total: u64 = 0;
+    loop {
+        let chunk = timeout_at(deadline, session.read_request_body())
+            .await
+            .map_err(|_| BodyError::Timeout)?
+            .map_err(BodyError::Client)?;
+        let Some(chunk) = chunk else { break };
+        total = total.saturating_add(chunk.len() as u64);
+        if total > limit {
+            return Err(BodyError::TooLarge);
+        }
+        if let Some(buffer) = joined.as_mut() {
+            buffer.extend_from_slice(&chunk);
+        } else if let Some(head) = first.take() {
+            let capacity = size_hint.map_or(0, |n| n.min(limit)) as usize;
+            let mut buffer = BytesMut::with_capacity(capacity.max(head.len() + chunk.len()));
+            buffer.extend_from_slice(&head);
+            buffer.extend_from_slice(&chunk);
+            joined = Some(buffer);
+        } else {
+            first = Some(chunk);
+        }
+    }
+    Ok(joined.map(BytesMut::freeze).or(first).unwrap_or_default())
+}

@@ -1,0 +1,124 @@
+//! The data listener's routes.
+
+use http::Method;
+
+/// An OpenAI API endpoint the proxy serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// `POST /v1/chat/completions`
+    ChatCompletions,
+    /// `POST /v1/completions`
+    Completions,
+    /// `POST /v1/embeddings`
+    Embeddings,
+    /// `POST /v1/responses`
+    Responses,
+    /// `GET /v1/models`
+    Models,
+}
+
+/// Number of [`Route`]s (for per-route metric handles).
+pub(crate) const ROUTE_COUNT: usize = 5;
+
+impl Route {
+    /// Every route, in [`Route::index`] order.
+    pub(crate) const ALL: [Route; ROUTE_COUNT] = [
+        Route::ChatCompletions,
+        Route::Completions,
+        Route::Embeddings,
+        Route::Responses,
+        Route::Models,
+    ];
+
+    /// Position in [`Route::ALL`].
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Label used in metrics and logs.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Self::ChatCompletions => "chat_completions",
+            Self::Completions => "completions",
+            Self::Embeddings => "embeddings",
+            Self::Responses => "responses",
+            Self::Models => "models",
+        }
+    }
+
+    /// Whether requests on this route are forwarded to a model's backend.
+    pub(crate) fn is_proxied(self) -> bool {
+        !matches!(self, Self::Models)
+    }
+}
+
+/// The result of matching a request line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RouteMatch {
+    /// A served route.
+    Found(Route),
+    /// The path exists but not for this method; the value is the `Allow` header.
+    MethodNotAllowed(&'static str),
+    /// No such path.
+    NotFound,
+}
+
+/// Matches a method and path (without query).
+pub(crate) fn match_route(method: &Method, path: &str) -> RouteMatch {
+    let (route, allowed, allow) = match path {
+        "/v1/chat/completions" => (Route::ChatCompletions, Method::POST, "POST"),
+        "/v1/completions" => (Route::Completions, Method::POST, "POST"),
+        "/v1/embeddings" => (Route::Embeddings, Method::POST, "POST"),
+        "/v1/responses" => (Route::Responses, Method::POST, "POST"),
+        "/v1/models" => (Route::Models, Method::GET, "GET"),
+        _ => return RouteMatch::NotFound,
+    };
+    if *method == allowed {
+        RouteMatch::Found(route)
+    } else {
+        RouteMatch::MethodNotAllowed(allow)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matches_paths_and_methods() {
+        assert_eq!(
+            match_route(&Method::POST, "/v1/chat/completions"),
+            RouteMatch::Found(Route::ChatCompletions)
+        );
+        assert_eq!(
+            match_route(&Method::POST, "/v1/embeddings"),
+            RouteMatch::Found(Route::Embeddings)
+        );
+        assert_eq!(
+            match_route(&Method::GET, "/v1/models"),
+            RouteMatch::Found(Route::Models)
+        );
+        assert_eq!(
+            match_route(&Method::GET, "/v1/completions"),
+            RouteMatch::MethodNotAllowed("POST")
+        );
+        assert_eq!(
+            match_route(&Method::POST, "/v1/models"),
+            RouteMatch::MethodNotAllowed("GET")
+        );
+        assert_eq!(match_route(&Method::GET, "/v2/x"), RouteMatch::NotFound);
+        assert_eq!(
+            match_route(&Method::POST, "/v1/chat/completions/"),
+            RouteMatch::NotFound
+        );
+    }
+
+    #[test]
+    fn indices_follow_all() {
+        for (i, route) in Route::ALL.iter().enumerate() {
+            assert_eq!(route.index(), i);
+        }
+        assert!(!Route::Models.is_proxied());
+        assert!(Route::Responses.is_proxied());
+    }
+}

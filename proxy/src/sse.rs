@@ -1,0 +1,228 @@
+//! Incremental scanning of a server-sent-event stream as it passes through.
+//!
+//! The scanner never copies the stream: it walks each chunk once, keeping only
+//! the few bytes of the current line's start that it needs to recognise a
+//! `data:` field and the `[DONE]` sentinel. Chunk boundaries may fall anywhere,
+//! including inside a line ending.
+
+/// The most bytes of a line the scanner looks at: `data: [DONE]`.
+const PREFIX_CAPACITY: usize = 12;
+
+/// What one chunk contained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct ChunkScan {
+    /// Events completed in this chunk that carry data other than `[DONE]`.
+    pub(crate) data_events: usize,
+    /// Offset just past the last event boundary (blank line) in this chunk, if any.
+    pub(crate) last_boundary: Option<usize>,
+}
+
+/// Line-level state carried from one chunk to the next.
+#[derive(Debug, Default)]
+pub(crate) struct SseScanner {
+    /// First bytes of the current line.
+    prefix: [u8; PREFIX_CAPACITY],
+    /// How many of `prefix` are filled.
+    prefix_len: usize,
+    /// Whether the current line is longer than `prefix`.
+    long_line: bool,
+    /// Whether the current line has any byte (before its line ending).
+    line_started: bool,
+    /// The previous byte was a `\r` (a following `\n` belongs to the same line ending).
+    after_cr: bool,
+    /// The current event has a `data` field.
+    event_has_data: bool,
+    /// Every `data` field of the current event is `[DONE]`.
+    event_is_done: bool,
+}
+
+impl SseScanner {
+    /// Scans the next chunk of the stream.
+    pub(crate) fn feed(&mut self, chunk: &[u8]) -> ChunkScan {
+        let mut scan = ChunkScan::default();
+        for (offset, &byte) in chunk.iter().enumerate() {
+            match byte {
+                b'\n' if self.after_cr => {
+                    self.after_cr = false;
+                    // The line already ended at the `\r`; a boundary found there
+                    // now extends over this `\n`.
+                    if scan.last_boundary == Some(offset) {
+                        scan.last_boundary = Some(offset + 1);
+                    }
+                }
+                b'\r' | b'\n' => {
+                    self.after_cr = byte == b'\r';
+                    if self.end_line() {
+                        scan.last_boundary = Some(offset + 1);
+                        if self.dispatch() {
+                            scan.data_events += 1;
+                        }
+                    }
+                }
+                _ => {
+                    self.after_cr = false;
+                    self.line_started = true;
+                    if self.prefix_len < PREFIX_CAPACITY {
+                        self.prefix[self.prefix_len] = byte;
+                        self.prefix_len += 1;
+                    } else {
+                        self.long_line = true;
+                    }
+                }
+            }
+        }
+        scan
+    }
+
+    /// Whether the stream currently sits inside an unfinished event or line.
+    pub(crate) fn mid_event(&self) -> bool {
+        self.line_started || self.event_has_data
+    }
+
+    /// Ends the current line; returns `true` when it was blank (an event boundary).
+    fn end_line(&mut self) -> bool {
+        if !self.line_started {
+            return true;
+        }
+        let line = &self.prefix[..self.prefix_len];
+        if let Some(value) = data_value(line) {
+            let is_done = !self.long_line && value == b"[DONE]";
+            self.event_is_done = is_done && (self.event_is_done || !self.event_has_data);
+            self.event_has_data = true;
+        }
+        self.prefix_len = 0;
+        self.long_line = false;
+        self.line_started = false;
+        false
+    }
+
+    /// Ends the current event; returns `true` when it carried data other than `[DONE]`.
+    fn dispatch(&mut self) -> bool {
+        let counted = self.event_has_data && !self.event_is_done;
+        self.event_has_data = false;
+        self.event_is_done = false;
+        counted
+    }
+}
+
+/// The value of a `data` field line (`data`, `data:` or `data: x`), if it is one.
+fn data_value(line: &[u8]) -> Option<&[u8]> {
+    let rest = line.strip_prefix(b"data")?;
+    if rest.is_empty() {
+        return Some(rest);
+    }
+    let value = rest.strip_prefix(b":")?;
+    Some(value.strip_prefix(b" ").unwrap_or(value))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STREAM: &[u8] = b"data: {\"a\":1}\n\n: keep-alive\n\ndata: {\"b\":2}\r\n\r\nevent: x\ndata: one\ndata: two\n\ndata: [DONE]\n\n";
+
+    /// Feeds `stream` cut at `cuts`; returns (events, absolute boundaries).
+    fn scan_split(stream: &[u8], cuts: &[usize]) -> (usize, Vec<usize>) {
+        let mut scanner = SseScanner::default();
+        let mut events = 0;
+        let mut boundaries = Vec::new();
+        let mut start = 0;
+        for &end in cuts.iter().chain(std::iter::once(&stream.len())) {
+            let scan = scanner.feed(&stream[start..end]);
+            events += scan.data_events;
+            if let Some(b) = scan.last_boundary {
+                boundaries.push(start + b);
+            }
+            start = end;
+        }
+        (events, boundaries)
+    }
+
+    #[test]
+    fn counts_data_events_but_not_comments_or_done() {
+        let (events, boundaries) = scan_split(STREAM, &[]);
+        assert_eq!(events, 3);
+        assert_eq!(boundaries, vec![STREAM.len()]);
+    }
+
+    #[test]
+    fn every_split_point_gives_the_same_count() {
+        for cut in 0..=STREAM.len() {
+            let (events, _) = scan_split(STREAM, &[cut]);
+            assert_eq!(events, 3, "cut at {cut}");
+        }
+        for a in 0..=STREAM.len() {
+            for b in a..=STREAM.len() {
+                let (events, _) = scan_split(STREAM, &[a, b]);
+                assert_eq!(events, 3, "cuts at {a}, {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn byte_by_byte_boundaries_match_blank_lines() {
+        let cuts: Vec<usize> = (1..STREAM.len()).collect();
+        let (events, boundaries) = scan_split(STREAM, &cuts);
+        assert_eq!(events, 3);
+        let first = b"data: {\"a\":1}\n\n".len();
+        assert_eq!(boundaries[0], first);
+        assert_eq!(*boundaries.last().unwrap(), STREAM.len());
+        for b in &boundaries {
+            let before = &STREAM[..*b];
+            // A CRLF split between chunks ends the event at its CR.
+            assert!(
+                before.ends_with(b"\n\n") || before.ends_with(b"\r\n\r"),
+                "boundary at {b}"
+            );
+        }
+    }
+
+    #[test]
+    fn crlf_split_between_cr_and_lf_extends_the_boundary_only_within_a_chunk() {
+        let stream = b"data: x\r\n\r\n";
+        let mut scanner = SseScanner::default();
+        let scan = scanner.feed(&stream[..10]);
+        assert_eq!(scan.data_events, 1);
+        assert_eq!(scan.last_boundary, Some(10));
+        let scan = scanner.feed(&stream[10..]);
+        assert_eq!(scan, ChunkScan::default());
+        assert!(!scanner.mid_event());
+    }
+
+    #[test]
+    fn bare_cr_line_endings_work() {
+        let (events, boundaries) = scan_split(b"data: a\r\rdata: b\r\r", &[]);
+        assert_eq!(events, 2);
+        assert_eq!(boundaries, vec![18]);
+    }
+
+    #[test]
+    fn tracks_unfinished_events() {
+        let mut scanner = SseScanner::default();
+        scanner.feed(b"data: {\"partial");
+        assert!(scanner.mid_event());
+        scanner.feed(b"\"}\n");
+        assert!(scanner.mid_event());
+        let scan = scanner.feed(b"\n");
+        assert_eq!(scan.data_events, 1);
+        assert!(!scanner.mid_event());
+    }
+
+    #[test]
+    fn done_only_counts_when_it_is_the_whole_value() {
+        let (events, _) = scan_split(b"data: [DONE] and more\n\ndata:[DONE]\n\ndata\n\n", &[]);
+        assert_eq!(events, 2);
+        let (events, _) = scan_split(b"data: [DONE]\ndata: x\n\n", &[]);
+        assert_eq!(events, 1);
+        let (events, _) = scan_split(b"dat: x\n\ndatax: y\n\n", &[]);
+        assert_eq!(events, 0);
+    }
+
+    #[test]
+    fn long_lines_are_still_data() {
+        let long = format!("data: {}\n\n", "x".repeat(10_000));
+        let (events, boundaries) = scan_split(long.as_bytes(), &[3, 5000]);
+        assert_eq!(events, 1);
+        assert_eq!(boundaries, vec![long.len()]);
+    }
+}

@@ -1,0 +1,28 @@
+//! State shared by every connection, built once at startup.
+
+use kvmesh_config::LimitsConfig;
+
+use crate::metrics::Metrics;
+use crate::outlier::OutlierPolicy;
+use crate::registry::ModelRegistry;
+use crate::request_id::RequestIds;
+use crate::upstream::Upstream;
+
+/// Everything the request path reads; nothing in it is locked.
+#[derive(Debug)]
+pub(crate) struct State {
+    /// Models by name and alias.
+    pub(crate) registry: ModelRegistry,
+    /// Connections to engines.
+    pub(crate) upstream: Upstream,
+    /// Metric families.
+    pub(crate) metrics: Metrics,
+    /// Request id generator.
+    pub(crate) request_ids: RequestIds,
+    /// Size limit and timeouts.
+    pub(crate) limits: LimitsConfig,
+    /// Ejection parameters.
+    pub(crate) outlier: OutlierPolicy,
+    /// Health-check interval (for `Retry-After`).
+    pub(crate) health_interval_ms: u64,
+}
