@@ -1,0 +1,305 @@
+//! The KV overlap index: which worker holds which blocks, and how deep a request matches each.
+//!
+//! See the crate documentation for the data layout, the concurrency design and measurements.
+
+mod block_table;
+mod matcher;
+mod slot_bits;
+mod slot_set;
+mod worker_blocks;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use crate::event::KvEvent;
+use crate::hash::SequenceHash;
+use crate::keyed_hasher::KeyedState;
+use crate::outcome::ApplyOutcome;
+use crate::scores::{OverlapScores, WorkerOverlap};
+use crate::worker::WorkerKey;
+
+use block_table::BlockTable;
+use matcher::{MatchScratch, linear_depth, prefix_depths};
+use worker_blocks::WorkerSlot;
+
+/// Default number of block-table shards.
+pub const DEFAULT_SHARDS: usize = 1024;
+
+thread_local! {
+    static SCRATCH: RefCell<(MatchScratch, Vec<(u32, u32)>)> = RefCell::default();
+}
+
+/// Registered workers by key and by slot.
+#[derive(Debug, Default)]
+struct Registry {
+    by_key: HashMap<WorkerKey, Arc<WorkerSlot>, KeyedState>,
+    slots: Vec<Option<Arc<WorkerSlot>>>,
+    free: Vec<u32>,
+}
+
+/// Totals over the whole index, for gauges.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Registered workers (worker keys).
+    pub workers: usize,
+    /// Distinct blocks held by at least one worker.
+    pub distinct_blocks: usize,
+    /// Sum over workers of the blocks each holds.
+    pub worker_blocks: u64,
+    /// Sum over workers of held blocks whose parent that worker does not hold.
+    pub orphan_blocks: u64,
+}
+
+/// The KV overlap index over all workers. Safe to share between threads (`Arc<KvIndex>`).
+///
+/// Writers ([`KvIndex::apply`]) for different workers run in parallel; writers for one worker
+/// serialise, and must apply that worker's events in order. Lookups
+/// ([`KvIndex::find_matches`]) take only short per-shard read locks and never wait for a whole
+/// event. A lookup running while events are applied sees each block as of some moment during
+/// the lookup, so it may mix the states before and after an event; with no concurrent write it
+/// is exact.
+#[derive(Debug)]
+pub struct KvIndex {
+    table: BlockTable,
+    registry: RwLock<Registry>,
+    hasher: KeyedState,
+}
+
+impl Default for KvIndex {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl KvIndex {
+    /// An empty index with [`DEFAULT_SHARDS`] shards.
+    pub fn new() -> Self {
+        Self::with_shards(DEFAULT_SHARDS)
+    }
+
+    /// An empty index whose block table has `shards` shards (rounded up to a power of two).
+    /// One shard is a single reader-writer lock over the table.
+    pub fn with_shards(shards: usize) -> Self {
+        Self {
+            table: BlockTable::new(shards),
+            registry: RwLock::default(),
+            hasher: KeyedState::new(),
+        }
+    }
+
+    /// Number of block-table shards.
+    pub fn shard_count(&self) -> usize {
+        self.table.shard_count()
+    }
+
+    fn registry(&self) -> RwLockReadGuard<'_, Registry> {
+        self.registry.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn registry_mut(&self) -> RwLockWriteGuard<'_, Registry> {
+        self.registry
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn slot(&self, worker: WorkerKey) -> Option<Arc<WorkerSlot>> {
+        self.registry().by_key.get(&worker).cloned()
+    }
+
+    fn slot_or_register(&self, worker: WorkerKey) -> Arc<WorkerSlot> {
+        if let Some(slot) = self.slot(worker) {
+            return slot;
+        }
+        let mut registry = self.registry_mut();
+        if let Some(slot) = registry.by_key.get(&worker) {
+            return Arc::clone(slot);
+        }
+        let number = registry.free.pop().unwrap_or_else(|| {
+            registry.slots.push(None);
+            // Slots are dense; more than u32::MAX registered workers is not a supported state.
+            (registry.slots.len() - 1) as u32
+        });
+        let slot = Arc::new(WorkerSlot::new(worker, number, self.hasher));
+        registry.slots[number as usize] = Some(Arc::clone(&slot));
+        registry.by_key.insert(worker, Arc::clone(&slot));
+        slot
+    }
+
+    /// Applies one event of `worker`. Never fails: problems are counted in the outcome.
+    ///
+    /// - Stored: each block is attached to `worker` by its sequence hash after checking that it
+    ///   chains from the previous one (`sequence_hash(previous, local) == sequence`); the first
+    ///   block that does not is rejected with the rest of the chain (`blocks_invalid`). An
+    ///   unknown parent does not stop the event: the blocks are attached anyway (orphans until
+    ///   the parent is stored) and `parent_not_found` counts the event. Storing an engine id
+    ///   again under another sequence hash moves it. Registers `worker` on first sight.
+    /// - Removed: drops each named block from `worker` only (no cascade to descendants); unknown
+    ///   ids count as `blocks_not_found`.
+    /// - Cleared: drops every block of every data-parallel rank of `worker.instance_id`; the
+    ///   ranks stay registered.
+    pub fn apply(&self, worker: WorkerKey, event: &KvEvent) -> ApplyOutcome {
+        match event {
+            KvEvent::Stored { parent, blocks } => loop {
+                let slot = self.slot_or_register(worker);
+                let mut state = slot.lock();
+                if state.retired {
+                    continue;
+                }
+                return state.store(&self.table, &slot, *parent, blocks);
+            },
+            KvEvent::Removed { blocks } => {
+                let not_found = ApplyOutcome {
+                    blocks_not_found: blocks.len() as u64,
+                    ..ApplyOutcome::default()
+                };
+                let Some(slot) = self.slot(worker) else {
+                    return not_found;
+                };
+                let mut state = slot.lock();
+                if state.retired {
+                    return not_found;
+                }
+                state.remove(&self.table, &slot, blocks)
+            }
+            KvEvent::Cleared => self.clear_instance(worker.instance_id),
+        }
+    }
+
+    fn instance_slots(&self, instance_id: u64) -> Vec<Arc<WorkerSlot>> {
+        self.registry()
+            .by_key
+            .values()
+            .filter(|slot| slot.key.instance_id == instance_id)
+            .cloned()
+            .collect()
+    }
+
+    fn clear_instance(&self, instance_id: u64) -> ApplyOutcome {
+        let mut outcome = ApplyOutcome::default();
+        for slot in self.instance_slots(instance_id) {
+            let mut state = slot.lock();
+            if !state.retired {
+                outcome.blocks_cleared += state.clear(&self.table, &slot);
+            }
+        }
+        outcome
+    }
+
+    /// Forgets every data-parallel rank of worker instance `instance_id` (discovery removal).
+    pub fn remove_worker(&self, instance_id: u64) -> ApplyOutcome {
+        let mut outcome = ApplyOutcome::default();
+        for slot in self.instance_slots(instance_id) {
+            outcome += self.remove_worker_dp_rank(slot.key);
+        }
+        outcome
+    }
+
+    /// Forgets one worker key and all its blocks; its slot is reused later.
+    pub fn remove_worker_dp_rank(&self, worker: WorkerKey) -> ApplyOutcome {
+        let slot = {
+            let mut registry = self.registry_mut();
+            let Some(slot) = registry.by_key.remove(&worker) else {
+                return ApplyOutcome::default();
+            };
+            registry.slots[slot.slot as usize] = None;
+            slot
+        };
+        let blocks_cleared = {
+            let mut state = slot.lock();
+            state.retired = true;
+            state.clear(&self.table, &slot)
+        };
+        self.registry_mut().free.push(slot.slot);
+        ApplyOutcome {
+            blocks_cleared,
+            ..ApplyOutcome::default()
+        }
+    }
+
+    /// How many leading blocks of `query` (a request's sequence hashes, in order) each worker
+    /// holds. A worker's depth is the length of the longest prefix whose every block it holds,
+    /// so a block held without its parent never counts. Blocks past `u32::MAX` are ignored.
+    pub fn find_matches(&self, query: &[SequenceHash]) -> OverlapScores {
+        let query = &query[..query.len().min(u32::MAX as usize)];
+        SCRATCH.with(|scratch| {
+            let (scratch, depths) = &mut *scratch.borrow_mut();
+            depths.clear();
+            prefix_depths(&self.table, query, scratch, depths);
+            self.resolve(query, depths)
+        })
+    }
+
+    /// Maps slots to workers, re-checking depths of workers that hold orphans.
+    fn resolve(&self, query: &[SequenceHash], depths: &[(u32, u32)]) -> OverlapScores {
+        let registry = self.registry();
+        let mut workers = Vec::with_capacity(depths.len());
+        for &(slot, depth) in depths {
+            let Some(Some(worker)) = registry.slots.get(slot as usize) else {
+                continue;
+            };
+            let depth = if worker.counters.orphans.load(Ordering::Acquire) > 0 {
+                linear_depth(&self.table, query, slot)
+            } else {
+                depth
+            };
+            if depth > 0 {
+                workers.push(WorkerOverlap {
+                    worker: worker.key,
+                    depth,
+                    cached_blocks: worker.counters.cached_blocks.load(Ordering::Acquire),
+                });
+            }
+        }
+        workers.sort_unstable_by_key(|overlap| overlap.worker);
+        OverlapScores { workers }
+    }
+
+    /// Every registered worker with its number of distinct cached blocks, sorted by key.
+    pub fn cached_blocks(&self) -> Vec<(WorkerKey, u64)> {
+        let mut all: Vec<(WorkerKey, u64)> = self
+            .registry()
+            .by_key
+            .values()
+            .map(|slot| {
+                (
+                    slot.key,
+                    slot.counters.cached_blocks.load(Ordering::Acquire),
+                )
+            })
+            .collect();
+        all.sort_unstable_by_key(|&(key, _)| key);
+        all
+    }
+
+    /// Registered worker keys, sorted.
+    pub fn workers(&self) -> Vec<WorkerKey> {
+        let mut keys: Vec<WorkerKey> = self.registry().by_key.keys().copied().collect();
+        keys.sort_unstable();
+        keys
+    }
+
+    /// Totals for gauges (walks every shard: not for the request path).
+    pub fn stats(&self) -> IndexStats {
+        let (workers, worker_blocks, orphan_blocks) = {
+            let registry = self.registry();
+            let (blocks, orphans) = registry.by_key.values().fold((0, 0), |(b, o), slot| {
+                (
+                    b + slot.counters.cached_blocks.load(Ordering::Acquire),
+                    o + slot.counters.orphans.load(Ordering::Acquire),
+                )
+            });
+            (registry.by_key.len(), blocks, orphans)
+        };
+        IndexStats {
+            workers,
+            distinct_blocks: self.table.len(),
+            worker_blocks,
+            orphan_blocks,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,305 @@
+use super::*;
+use crate::event::{BlockParent, StoredBlock};
+use crate::hash::{ExternalHash, LocalBlockHash, extend_sequence_hashes};
+
+const W1: WorkerKey = WorkerKey {
+    instance_id: 1,
+    dp_rank: 0,
+};
+const W2: WorkerKey = WorkerKey {
+    instance_id: 2,
+    dp_rank: 0,
+};
+
+/// Sequence hashes of a chain of local hashes.
+fn chain(locals: &[u64]) -> Vec<SequenceHash> {
+    let locals: Vec<LocalBlockHash> = locals.iter().copied().map(LocalBlockHash).collect();
+    let mut out = Vec::new();
+    extend_sequence_hashes(None, &locals, &mut out);
+    out
+}
+
+/// Engine ids: the local hash plus a per-worker offset, so workers differ.
+fn ext(worker: WorkerKey, local: u64) -> ExternalHash {
+    ExternalHash(local + worker.instance_id * 1_000_000)
+}
+
+/// Stores `locals[from..to]` of the chain `locals` for `worker` (parent = block `from - 1`).
+fn store(
+    index: &KvIndex,
+    worker: WorkerKey,
+    locals: &[u64],
+    from: usize,
+    to: usize,
+) -> ApplyOutcome {
+    let seqs = chain(locals);
+    let parent = from.checked_sub(1).map(|p| BlockParent {
+        external: ext(worker, locals[p]),
+        sequence: seqs[p],
+    });
+    let event = KvEvent::stored(
+        parent,
+        locals[from..to]
+            .iter()
+            .map(|&l| (ext(worker, l), LocalBlockHash(l))),
+    );
+    index.apply(worker, &event)
+}
+
+fn remove(index: &KvIndex, worker: WorkerKey, locals: &[u64]) -> ApplyOutcome {
+    let blocks = locals.iter().map(|&l| ext(worker, l)).collect();
+    index.apply(worker, &KvEvent::Removed { blocks })
+}
+
+const DOC: [u64; 6] = [10, 11, 12, 13, 14, 15];
+
+#[test]
+fn stored_chain_matches_its_prefixes() {
+    for shards in [1, 64] {
+        let index = KvIndex::with_shards(shards);
+        let outcome = store(&index, W1, &DOC, 0, 4);
+        assert_eq!(outcome.blocks_stored, 4);
+        assert_eq!(outcome.status(), crate::ApplyStatus::Ok);
+        let query = chain(&DOC);
+        let scores = index.find_matches(&query);
+        assert_eq!(scores.depth(W1), 4);
+        assert_eq!(scores.workers[0].cached_blocks, 4);
+        assert_eq!(index.find_matches(&query[..2]).depth(W1), 2);
+        assert!(index.find_matches(&chain(&[11, 12])).is_empty());
+        assert!(index.find_matches(&[]).is_empty());
+    }
+}
+
+#[test]
+fn workers_score_their_own_depths() {
+    let index = KvIndex::new();
+    store(&index, W1, &DOC, 0, 2);
+    store(&index, W2, &DOC, 0, 5);
+    let other = WorkerKey::new(3, 0);
+    store(&index, other, &[10, 99], 0, 2);
+    let scores = index.find_matches(&chain(&DOC));
+    assert_eq!(scores.depth(W1), 2);
+    assert_eq!(scores.depth(W2), 5);
+    assert_eq!(scores.depth(other), 1);
+    assert_eq!(scores.max_depth(), 5);
+    assert_eq!(index.cached_blocks(), vec![(W1, 2), (W2, 5), (other, 2)]);
+}
+
+#[test]
+fn removal_does_not_cascade_and_a_restored_parent_reconnects() {
+    let index = KvIndex::new();
+    store(&index, W1, &DOC, 0, 6);
+    let outcome = remove(&index, W1, &[12]);
+    assert_eq!(outcome.blocks_removed, 1);
+    let query = chain(&DOC);
+    let scores = index.find_matches(&query);
+    assert_eq!(scores.depth(W1), 2, "the match stops at the hole");
+    assert_eq!(
+        scores.workers[0].cached_blocks, 5,
+        "descendants stay cached"
+    );
+    assert_eq!(index.stats().orphan_blocks, 1);
+    store(&index, W1, &DOC, 2, 3);
+    assert_eq!(index.find_matches(&query).depth(W1), 6);
+    assert_eq!(index.stats().orphan_blocks, 0);
+}
+
+#[test]
+fn unknown_parent_attaches_the_blocks_as_orphans() {
+    let index = KvIndex::new();
+    let outcome = store(&index, W1, &DOC, 3, 6);
+    assert_eq!(outcome.parent_not_found, 1);
+    assert_eq!(outcome.blocks_stored, 3);
+    assert!(outcome.suggests_resync());
+    let query = chain(&DOC);
+    assert_eq!(index.find_matches(&query).depth(W1), 0);
+    assert_eq!(index.stats().orphan_blocks, 1);
+    // The missing prefix arrives (e.g. from a resync): the whole chain matches.
+    let outcome = store(&index, W1, &DOC, 0, 3);
+    assert_eq!(outcome.status(), crate::ApplyStatus::Ok);
+    assert_eq!(index.find_matches(&query).depth(W1), 6);
+    assert_eq!(index.stats().orphan_blocks, 0);
+}
+
+#[test]
+fn a_child_may_list_more_workers_than_its_parent() {
+    let index = KvIndex::new();
+    store(&index, W1, &DOC, 0, 4);
+    store(&index, W2, &DOC, 0, 4);
+    remove(&index, W2, &[11]);
+    let scores = index.find_matches(&chain(&DOC));
+    assert_eq!(scores.depth(W1), 4);
+    assert_eq!(scores.depth(W2), 1);
+}
+
+#[test]
+fn invalid_block_rejects_the_rest_of_its_chain() {
+    let index = KvIndex::new();
+    let seqs = chain(&DOC);
+    let mut blocks: Vec<StoredBlock> = DOC[..4]
+        .iter()
+        .zip(&seqs)
+        .map(|(&l, &s)| StoredBlock {
+            external: ext(W1, l),
+            local: LocalBlockHash(l),
+            sequence: s,
+        })
+        .collect();
+    blocks[2].sequence = SequenceHash(12345);
+    let outcome = index.apply(
+        W1,
+        &KvEvent::Stored {
+            parent: None,
+            blocks,
+        },
+    );
+    assert_eq!(outcome.blocks_stored, 2);
+    assert_eq!(outcome.blocks_invalid, 2);
+    assert_eq!(outcome.status(), crate::ApplyStatus::Invalid);
+    assert_eq!(index.find_matches(&seqs).depth(W1), 2);
+}
+
+#[test]
+fn removed_unknown_blocks_are_counted() {
+    let index = KvIndex::new();
+    assert_eq!(remove(&index, W1, &[1, 2]).blocks_not_found, 2);
+    store(&index, W1, &DOC, 0, 2);
+    let outcome = remove(&index, W1, &[10, 10]);
+    assert_eq!(outcome.blocks_removed, 1);
+    assert_eq!(outcome.blocks_not_found, 1);
+    assert_eq!(outcome.status(), crate::ApplyStatus::BlockNotFound);
+}
+
+#[test]
+fn cleared_drops_every_rank_of_the_instance() {
+    let index = KvIndex::new();
+    let rank1 = WorkerKey::new(1, 1);
+    store(&index, W1, &DOC, 0, 3);
+    store(&index, rank1, &DOC, 0, 2);
+    store(&index, W2, &DOC, 0, 1);
+    let outcome = index.apply(rank1, &KvEvent::Cleared);
+    assert_eq!(outcome.blocks_cleared, 5);
+    let scores = index.find_matches(&chain(&DOC));
+    assert_eq!(scores.workers.len(), 1);
+    assert_eq!(scores.depth(W2), 1);
+    assert_eq!(
+        index.workers(),
+        vec![W1, rank1, W2],
+        "ranks stay registered"
+    );
+    assert_eq!(index.stats().worker_blocks, 1);
+    // The ranks keep working after a clear.
+    store(&index, W1, &DOC, 0, 2);
+    assert_eq!(index.find_matches(&chain(&DOC)).depth(W1), 2);
+}
+
+#[test]
+fn removed_workers_free_their_slot_without_leaking_blocks() {
+    let index = KvIndex::new();
+    let rank1 = WorkerKey::new(1, 1);
+    store(&index, W1, &DOC, 0, 3);
+    store(&index, rank1, &DOC, 0, 3);
+    assert_eq!(index.remove_worker(1).blocks_cleared, 6);
+    assert!(index.workers().is_empty());
+    assert_eq!(index.stats(), IndexStats::default());
+    // A new worker takes over a freed slot and sees none of the old blocks.
+    store(&index, W2, &DOC, 0, 1);
+    let scores = index.find_matches(&chain(&DOC));
+    assert_eq!(scores.workers.len(), 1);
+    assert_eq!(scores.depth(W2), 1);
+    assert_eq!(index.remove_worker_dp_rank(W1), ApplyOutcome::default());
+}
+
+#[test]
+fn an_engine_id_stored_again_moves_to_the_new_block() {
+    let index = KvIndex::new();
+    store(&index, W1, &DOC, 0, 2);
+    let seqs = chain(&DOC);
+    // The engine reuses id ext(W1, 11) for another root block.
+    let event = KvEvent::stored(None, [(ext(W1, 11), LocalBlockHash(500))]);
+    assert_eq!(index.apply(W1, &event).blocks_stored, 1);
+    assert_eq!(index.find_matches(&seqs).depth(W1), 1);
+    assert_eq!(index.find_matches(&chain(&[500])).depth(W1), 1);
+    assert_eq!(remove(&index, W1, &[11]).blocks_removed, 1);
+    assert!(index.find_matches(&chain(&[500])).is_empty());
+    assert_eq!(index.stats().worker_blocks, 1);
+}
+
+#[test]
+fn two_engine_ids_for_one_block_hold_it_until_both_go() {
+    let index = KvIndex::new();
+    let first = KvEvent::stored(None, [(ExternalHash(1), LocalBlockHash(7))]);
+    let second = KvEvent::stored(None, [(ExternalHash(2), LocalBlockHash(7))]);
+    index.apply(W1, &first);
+    index.apply(W1, &second);
+    let query = chain(&[7]);
+    assert_eq!(index.stats().worker_blocks, 1);
+    index.apply(
+        W1,
+        &KvEvent::Removed {
+            blocks: vec![ExternalHash(1)],
+        },
+    );
+    assert_eq!(index.find_matches(&query).depth(W1), 1);
+    index.apply(
+        W1,
+        &KvEvent::Removed {
+            blocks: vec![ExternalHash(2)],
+        },
+    );
+    assert!(index.find_matches(&query).is_empty());
+}
+
+#[test]
+fn many_workers_with_many_depths() {
+    let index = KvIndex::new();
+    let doc: Vec<u64> = (100..400).collect();
+    let query = chain(&doc);
+    for w in 0..130u64 {
+        let worker = WorkerKey::new(w, 0);
+        let depth = (w as usize * 7) % doc.len();
+        store(&index, worker, &doc, 0, depth);
+    }
+    let scores = index.find_matches(&query);
+    for w in 0..130u64 {
+        let depth = (w as usize * 7) % doc.len();
+        assert_eq!(
+            scores.depth(WorkerKey::new(w, 0)),
+            depth as u32,
+            "worker {w}"
+        );
+    }
+}
+
+#[test]
+fn a_block_recorded_under_another_parent_is_rejected() {
+    let index = KvIndex::new();
+    store(&index, W1, &DOC, 0, 2);
+    let seqs = chain(&DOC);
+    // A root block's sequence hash is its local hash, so this root collides with block 1.
+    let colliding = KvEvent::stored(
+        None,
+        [
+            (ExternalHash(1), LocalBlockHash(seqs[1].0)),
+            (ExternalHash(2), LocalBlockHash(5)),
+        ],
+    );
+    let outcome = index.apply(W2, &colliding);
+    assert_eq!(outcome.blocks_invalid, 2);
+    assert_eq!(outcome.blocks_stored, 0);
+    let stats = index.stats();
+    assert_eq!((stats.worker_blocks, stats.orphan_blocks), (2, 0));
+    assert_eq!(index.find_matches(&[seqs[1]]).depth(W2), 0);
+    assert_eq!(
+        index
+            .apply(
+                W2,
+                &KvEvent::Removed {
+                    blocks: vec![ExternalHash(1)]
+                }
+            )
+            .blocks_not_found,
+        1,
+        "the rejected block left no engine id behind"
+    );
+}

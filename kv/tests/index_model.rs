@@ -1,0 +1,317 @@
+//! The index against a naive model: random stored / removed / cleared / remove-worker events
+//! over a few workers and short chains with shared prefixes.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use kvmesh_kv::{
+    ApplyOutcome, BlockParent, ExternalHash, KvEvent, KvIndex, LocalBlockHash, OverlapScores,
+    SequenceHash, StoredBlock, WorkerKey, WorkerOverlap, sequence_hash,
+};
+use proptest::prelude::*;
+
+/// One worker in the model: engine id → sequence hash. It holds the set of values.
+#[derive(Debug, Default, Clone)]
+struct ModelWorker {
+    external: HashMap<ExternalHash, SequenceHash>,
+}
+
+impl ModelWorker {
+    fn held(&self) -> HashSet<SequenceHash> {
+        self.external.values().copied().collect()
+    }
+}
+
+/// The reference semantics, as plainly as possible.
+#[derive(Debug, Default)]
+struct Model {
+    workers: BTreeMap<WorkerKey, ModelWorker>,
+    parent_of: HashMap<SequenceHash, Option<SequenceHash>>,
+}
+
+impl Model {
+    fn apply(&mut self, worker: WorkerKey, event: &KvEvent) -> ApplyOutcome {
+        let mut outcome = ApplyOutcome::default();
+        match event {
+            KvEvent::Stored { parent, blocks } => {
+                let state = self.workers.entry(worker).or_default();
+                if let Some(p) = parent
+                    && state.external.get(&p.external) != Some(&p.sequence)
+                {
+                    outcome.parent_not_found += 1;
+                }
+                let mut previous = parent.map(|p| p.sequence);
+                for (i, block) in blocks.iter().enumerate() {
+                    if sequence_hash(previous, block.local) != block.sequence {
+                        outcome.blocks_invalid += (blocks.len() - i) as u64;
+                        break;
+                    }
+                    self.parent_of.entry(block.sequence).or_insert(previous);
+                    state.external.insert(block.external, block.sequence);
+                    outcome.blocks_stored += 1;
+                    previous = Some(block.sequence);
+                }
+            }
+            KvEvent::Removed { blocks } => match self.workers.get_mut(&worker) {
+                None => outcome.blocks_not_found += blocks.len() as u64,
+                Some(state) => {
+                    for external in blocks {
+                        if state.external.remove(external).is_some() {
+                            outcome.blocks_removed += 1;
+                        } else {
+                            outcome.blocks_not_found += 1;
+                        }
+                    }
+                }
+            },
+            KvEvent::Cleared => {
+                for (key, state) in &mut self.workers {
+                    if key.instance_id == worker.instance_id {
+                        outcome.blocks_cleared += state.held().len() as u64;
+                        state.external.clear();
+                    }
+                }
+            }
+        }
+        outcome
+    }
+
+    fn remove_worker(&mut self, instance_id: u64) -> ApplyOutcome {
+        let mut outcome = ApplyOutcome::default();
+        self.workers.retain(|key, state| {
+            if key.instance_id == instance_id {
+                outcome.blocks_cleared += state.held().len() as u64;
+                false
+            } else {
+                true
+            }
+        });
+        outcome
+    }
+
+    fn find_matches(&self, query: &[SequenceHash]) -> OverlapScores {
+        let workers = self
+            .workers
+            .iter()
+            .filter_map(|(&worker, state)| {
+                let held = state.held();
+                let depth = query.iter().take_while(|s| held.contains(s)).count() as u32;
+                (depth > 0).then_some(WorkerOverlap {
+                    worker,
+                    depth,
+                    cached_blocks: held.len() as u64,
+                })
+            })
+            .collect();
+        OverlapScores { workers }
+    }
+
+    /// (distinct blocks, worker blocks, orphan blocks).
+    fn totals(&self) -> (usize, u64, u64) {
+        let mut distinct = HashSet::new();
+        let (mut blocks, mut orphans) = (0, 0);
+        for state in self.workers.values() {
+            let held = state.held();
+            blocks += held.len() as u64;
+            orphans += held
+                .iter()
+                .filter(|s| matches!(self.parent_of[s], Some(p) if !held.contains(&p)))
+                .count() as u64;
+            distinct.extend(held);
+        }
+        (distinct.len(), blocks, orphans)
+    }
+}
+
+/// How engine ids are derived from blocks in one action.
+#[derive(Debug, Clone, Copy)]
+enum IdScheme {
+    /// One id per sequence hash (a well-behaved engine).
+    BySequence,
+    /// One id per local hash: the same id comes back at other depths, moving it.
+    ByLocal,
+}
+
+fn external(scheme: IdScheme, local: u64, sequence: SequenceHash) -> ExternalHash {
+    match scheme {
+        IdScheme::BySequence => ExternalHash(sequence.0),
+        IdScheme::ByLocal => ExternalHash(1000 + local),
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Action {
+    Store {
+        worker: WorkerKey,
+        doc: Vec<u64>,
+        from: usize,
+        scheme: IdScheme,
+        wrong_parent: bool,
+        corrupt: Option<usize>,
+    },
+    Remove {
+        worker: WorkerKey,
+        doc: Vec<u64>,
+        picks: Vec<usize>,
+        scheme: IdScheme,
+    },
+    Clear {
+        worker: WorkerKey,
+    },
+    RemoveWorker {
+        instance_id: u64,
+    },
+}
+
+fn worker() -> impl Strategy<Value = WorkerKey> {
+    (0..3u64, 0..2u32).prop_map(|(instance, rank)| WorkerKey::new(instance, rank))
+}
+
+/// Chains with shared prefixes that actions keep coming back to, so removals hit stored blocks
+/// and leave holes in long chains.
+const POOL: [&[u64]; 6] = [
+    &[1, 2, 3, 1, 2, 3, 1, 2],
+    &[1, 2, 3, 3, 3],
+    &[1, 2, 1, 1],
+    &[2, 2, 2, 2, 2, 2, 2],
+    &[1, 1, 1, 1, 1, 1, 1, 1],
+    &[3, 1, 2],
+];
+
+fn doc() -> impl Strategy<Value = Vec<u64>> {
+    prop_oneof![
+        3 => (0..POOL.len()).prop_map(|i| POOL[i].to_vec()),
+        1 => prop::collection::vec(1..4u64, 1..7),
+    ]
+}
+
+fn scheme() -> impl Strategy<Value = IdScheme> {
+    prop_oneof![4 => Just(IdScheme::BySequence), 1 => Just(IdScheme::ByLocal)]
+}
+
+fn action() -> impl Strategy<Value = Action> {
+    prop_oneof![
+        6 => (worker(), doc(), 0..8usize, scheme(), prop::bool::weighted(0.1), prop::option::weighted(0.1, 0..8usize))
+            .prop_map(|(worker, doc, from, scheme, wrong_parent, corrupt)| Action::Store {
+                worker, from: from % doc.len(), doc, scheme, wrong_parent, corrupt,
+            }),
+        4 => (worker(), doc(), prop::collection::vec(0..8usize, 1..4), scheme())
+            .prop_map(|(worker, doc, picks, scheme)| Action::Remove { worker, doc, picks, scheme }),
+        1 => worker().prop_map(|worker| Action::Clear { worker }),
+        1 => (0..3u64).prop_map(|instance_id| Action::RemoveWorker { instance_id }),
+    ]
+}
+
+fn sequences(doc: &[u64]) -> Vec<SequenceHash> {
+    let mut previous = None;
+    doc.iter()
+        .map(|&local| {
+            let s = sequence_hash(previous, LocalBlockHash(local));
+            previous = Some(s);
+            s
+        })
+        .collect()
+}
+
+fn event_of(action: &Action) -> Option<(WorkerKey, KvEvent)> {
+    match action {
+        Action::Store {
+            worker,
+            doc,
+            from,
+            scheme,
+            wrong_parent,
+            corrupt,
+        } => {
+            let seqs = sequences(doc);
+            let parent = from.checked_sub(1).map(|p| BlockParent {
+                external: if *wrong_parent {
+                    ExternalHash(u64::MAX)
+                } else {
+                    external(*scheme, doc[p], seqs[p])
+                },
+                sequence: seqs[p],
+            });
+            let mut blocks: Vec<StoredBlock> = (*from..doc.len())
+                .map(|i| StoredBlock {
+                    external: external(*scheme, doc[i], seqs[i]),
+                    local: LocalBlockHash(doc[i]),
+                    sequence: seqs[i],
+                })
+                .collect();
+            if let Some(at) = corrupt
+                && let Some(block) = blocks.get_mut(*at)
+            {
+                block.sequence = SequenceHash(block.sequence.0 ^ 1);
+            }
+            Some((*worker, KvEvent::Stored { parent, blocks }))
+        }
+        Action::Remove {
+            worker,
+            doc,
+            picks,
+            scheme,
+        } => {
+            let seqs = sequences(doc);
+            let blocks = picks
+                .iter()
+                .map(|&i| {
+                    let i = i % doc.len();
+                    external(*scheme, doc[i], seqs[i])
+                })
+                .collect();
+            Some((*worker, KvEvent::Removed { blocks }))
+        }
+        Action::Clear { worker } => Some((*worker, KvEvent::Cleared)),
+        Action::RemoveWorker { .. } => None,
+    }
+}
+
+fn all_docs() -> Vec<Vec<u64>> {
+    // Every chain over {1, 2, 3} up to length 3, plus the pool and one more.
+    let mut docs: Vec<Vec<u64>> = vec![vec![]];
+    for len in 1..=3 {
+        let mut next = Vec::new();
+        for d in docs.iter().filter(|d| d.len() == len - 1) {
+            for l in 1..4 {
+                let mut e = d.clone();
+                e.push(l);
+                next.push(e);
+            }
+        }
+        docs.extend(next);
+    }
+    docs.extend(POOL.iter().map(|d| d.to_vec()));
+    docs.push(vec![3, 2, 1, 3, 2]);
+    docs
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn index_matches_the_model(actions in prop::collection::vec(action(), 1..40), shards in prop_oneof![Just(1usize), Just(8)]) {
+        let index = KvIndex::with_shards(shards);
+        let mut model = Model::default();
+        let docs = all_docs();
+        for action in &actions {
+            let (got, want) = match (action, event_of(action)) {
+                (_, Some((worker, event))) => (index.apply(worker, &event), model.apply(worker, &event)),
+                (Action::RemoveWorker { instance_id }, None) => {
+                    (index.remove_worker(*instance_id), model.remove_worker(*instance_id))
+                }
+                (other, None) => unreachable!("no event for {other:?}"),
+            };
+            prop_assert_eq!(got, want, "outcome of {:?}", action);
+            for doc in &docs {
+                let query = sequences(doc);
+                prop_assert_eq!(index.find_matches(&query), model.find_matches(&query), "query {:?} after {:?}", doc, action);
+            }
+            let stats = index.stats();
+            let (distinct, blocks, orphans) = model.totals();
+            prop_assert_eq!(stats.workers, model.workers.len());
+            prop_assert_eq!(stats.distinct_blocks, distinct);
+            prop_assert_eq!(stats.worker_blocks, blocks);
+            prop_assert_eq!(stats.orphan_blocks, orphans, "orphans after {:?}", action);
+        }
+    }
+}
