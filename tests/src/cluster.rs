@@ -33,6 +33,7 @@ pub fn start_engines(
 pub fn engine_urls(sim: &Spawned) -> Vec<String> {
     sim.listeners()
         .iter()
+        .filter(|(name, _)| name.starts_with("engine-"))
         .map(|(_, a)| format!("http://{a}"))
         .collect()
 }
@@ -70,10 +71,10 @@ pub async fn await_status(
 ) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        if let Ok(resp) = client.get(url).await {
-            if resp.status == status {
-                return Ok(());
-            }
+        if let Ok(resp) = client.get(url).await
+            && resp.status == status
+        {
+            return Ok(());
         }
         if tokio::time::Instant::now() >= deadline {
             anyhow::bail!("{url} did not answer {status} within {timeout:?}");

@@ -85,13 +85,13 @@ impl Spawned {
                 break;
             }
             let mut parts = line.split_whitespace();
-            if parts.next() == Some("LISTENING") {
-                if let (Some(name), Some(addr)) = (parts.next(), parts.next()) {
-                    let addr: SocketAddr = addr
-                        .parse()
-                        .with_context(|| format!("bad address in {line:?}"))?;
-                    listeners.push((name.to_string(), addr));
-                }
+            if parts.next() == Some("LISTENING")
+                && let (Some(name), Some(addr)) = (parts.next(), parts.next())
+            {
+                let addr: SocketAddr = addr
+                    .parse()
+                    .with_context(|| format!("bad address in {line:?}"))?;
+                listeners.push((name.to_string(), addr));
             }
         }
         Ok(Self {
