@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
 
-use crate::config::{PreemptionMode, SimConfig};
+use crate::config::{KvEventEncoding, KvEventHash, KvEventsConfig, PreemptionMode, SimConfig};
 
 /// `--preemption-mode` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -68,6 +68,25 @@ pub struct Cli {
     /// Dimension of /v1/embeddings vectors.
     #[arg(long, default_value_t = 16)]
     pub embedding_dim: usize,
+    /// Publish vLLM-format KV events on a ZMQ PUB socket bound here, e.g.
+    /// tcp://127.0.0.1:5557 (engine i binds port + i; port 0 picks free ports). Off when absent.
+    #[arg(long, value_name = "ENDPOINT")]
+    pub kv_events_endpoint: Option<String>,
+    /// ZMQ ROUTER socket answering KV event replay requests (same form and port offset).
+    #[arg(long, value_name = "ENDPOINT", requires = "kv_events_endpoint")]
+    pub kv_events_replay_endpoint: Option<String>,
+    /// First frame of every KV event message.
+    #[arg(long, default_value = "")]
+    pub kv_events_topic: String,
+    /// Event layout: legacy positional arrays or maps with a `type` key.
+    #[arg(long, value_enum, default_value_t = KvEventEncoding::Positional)]
+    pub kv_events_encoding: KvEventEncoding,
+    /// Block hash form: u64 ints or 32-byte SHA-256 digests.
+    #[arg(long, value_enum, default_value_t = KvEventHash::Int)]
+    pub kv_events_hash: KvEventHash,
+    /// KV event batches kept for replay.
+    #[arg(long, default_value_t = 10_000)]
+    pub kv_events_buffer_steps: usize,
 }
 
 impl Cli {
@@ -90,6 +109,14 @@ impl Cli {
             },
             tokenizer: self.tokenizer.clone(),
             embedding_dim: self.embedding_dim,
+            kv_events: KvEventsConfig {
+                endpoint: self.kv_events_endpoint.clone(),
+                replay_endpoint: self.kv_events_replay_endpoint.clone(),
+                topic: self.kv_events_topic.clone(),
+                encoding: self.kv_events_encoding,
+                hash: self.kv_events_hash,
+                buffer_steps: self.kv_events_buffer_steps,
+            },
         }
     }
 }
@@ -131,5 +158,36 @@ mod tests {
         assert_eq!(c.preemption_mode, PreemptionMode::Fifo);
         assert_eq!((c.block_size, c.speedup_ratio, cli.engines), (16, 0.0, 3));
         assert!(Cli::try_parse_from(["x", "--preemption-mode", "random"]).is_err());
+    }
+
+    #[test]
+    fn kv_event_flags_map_to_config() {
+        let cli = Cli::try_parse_from([
+            "x",
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:0",
+            "--kv-events-replay-endpoint",
+            "tcp://127.0.0.1:0",
+            "--kv-events-topic",
+            "kv-events",
+            "--kv-events-encoding",
+            "map",
+            "--kv-events-hash",
+            "bytes",
+            "--kv-events-buffer-steps",
+            "5",
+        ])
+        .expect("valid flags");
+        let kv = cli.config().kv_events;
+        assert_eq!(kv.endpoint.as_deref(), Some("tcp://127.0.0.1:0"));
+        assert_eq!(kv.replay_endpoint.as_deref(), Some("tcp://127.0.0.1:0"));
+        assert_eq!(kv.topic, "kv-events");
+        assert_eq!(
+            (kv.encoding, kv.hash, kv.buffer_steps),
+            (KvEventEncoding::Map, KvEventHash::Bytes, 5)
+        );
+        let replay_alone = ["x", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"];
+        assert!(Cli::try_parse_from(replay_alone).is_err());
+        assert!(Cli::try_parse_from(["x", "--kv-events-hash", "hex"]).is_err());
     }
 }

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use crate::error::SimError;
+use crate::zmq_events::TcpEndpoint;
 
 /// Which running sequence gives its KV blocks back when decode runs out of blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -12,6 +13,83 @@ pub enum PreemptionMode {
     Lifo,
     /// Preempt the earliest admitted running sequence.
     Fifo,
+}
+
+/// How KV events are laid out on the wire (`--kv-events-encoding`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum KvEventEncoding {
+    /// Legacy positional arrays (vLLM up to mid 2026), trailing nil fields omitted.
+    #[default]
+    Positional,
+    /// One msgpack map per event with a `type` key (vLLM PR #42892 and later).
+    Map,
+}
+
+/// How block hashes are sent (`--kv-events-hash`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum KvEventHash {
+    /// The u64 id of the engine hash (vLLM's default, `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`).
+    #[default]
+    Int,
+    /// The 32-byte SHA-256 digest as msgpack bin; its last 8 bytes big-endian are the int form.
+    Bytes,
+}
+
+/// KV event publishing over ZMQ in vLLM's wire format. Off while `endpoint` is `None`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvEventsConfig {
+    /// PUB socket address, `tcp://HOST:PORT` (`*` binds every interface; port 0 picks a free
+    /// port). Engine `i` of a process binds `PORT + i`. The engine always binds.
+    pub endpoint: Option<String>,
+    /// ROUTER socket answering replay requests, same form and offset rule; needs `endpoint`.
+    pub replay_endpoint: Option<String>,
+    /// First frame of every message.
+    pub topic: String,
+    /// Event layout.
+    pub encoding: KvEventEncoding,
+    /// Block hash form.
+    pub hash: KvEventHash,
+    /// Past batches kept for replay.
+    pub buffer_steps: usize,
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        Self {
+            endpoint: None,
+            replay_endpoint: None,
+            topic: String::new(),
+            encoding: KvEventEncoding::Positional,
+            hash: KvEventHash::Int,
+            buffer_steps: 10_000,
+        }
+    }
+}
+
+impl KvEventsConfig {
+    fn validate(&self) -> Result<(), SimError> {
+        let invalid = |field: &str, e: String| SimError::InvalidConfig(format!("{field}: {e}"));
+        if let Some(endpoint) = &self.endpoint {
+            TcpEndpoint::parse(endpoint).map_err(|e| invalid("kv_events.endpoint", e))?;
+        }
+        match (&self.replay_endpoint, &self.endpoint) {
+            (Some(_), None) => {
+                return Err(SimError::InvalidConfig(
+                    "kv_events.replay_endpoint needs kv_events.endpoint".to_owned(),
+                ));
+            }
+            (Some(replay), Some(_)) => {
+                TcpEndpoint::parse(replay).map_err(|e| invalid("kv_events.replay_endpoint", e))?;
+            }
+            (None, _) => {}
+        }
+        if self.buffer_steps == 0 {
+            return Err(SimError::InvalidConfig(
+                "kv_events.buffer_steps must be at least 1".to_owned(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Every knob of one simulated engine. `Default` gives the CLI defaults.
@@ -43,6 +121,8 @@ pub struct SimConfig {
     pub tokenizer: Option<PathBuf>,
     /// Length of the vectors `/v1/embeddings` returns.
     pub embedding_dim: usize,
+    /// KV event publishing over ZMQ.
+    pub kv_events: KvEventsConfig,
 }
 
 impl Default for SimConfig {
@@ -61,6 +141,7 @@ impl Default for SimConfig {
             preemption_mode: PreemptionMode::Lifo,
             tokenizer: None,
             embedding_dim: 16,
+            kv_events: KvEventsConfig::default(),
         }
     }
 }
@@ -96,7 +177,7 @@ impl SimConfig {
                 return Err(SimError::InvalidConfig(format!("{name} must be finite")));
             }
         }
-        Ok(())
+        self.kv_events.validate()
     }
 
     /// Number of KV blocks needed to hold `tokens` tokens.
@@ -121,7 +202,34 @@ mod tests {
         assert_eq!(c.preemption_mode, PreemptionMode::Lifo);
         assert!(c.enable_prefix_caching && !c.no_delay);
         assert_eq!(c.embedding_dim, 16);
+        assert_eq!(c.kv_events, KvEventsConfig::default());
+        assert_eq!(c.kv_events.buffer_steps, 10_000);
+        assert!(c.kv_events.endpoint.is_none() && c.kv_events.topic.is_empty());
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn kv_event_endpoints_are_checked() {
+        let with = |endpoint: Option<&str>, replay: Option<&str>| SimConfig {
+            kv_events: KvEventsConfig {
+                endpoint: endpoint.map(str::to_owned),
+                replay_endpoint: replay.map(str::to_owned),
+                ..KvEventsConfig::default()
+            },
+            ..SimConfig::default()
+        };
+        assert!(
+            with(Some("tcp://127.0.0.1:0"), Some("tcp://*:6557"))
+                .validate()
+                .is_ok()
+        );
+        assert!(with(None, Some("tcp://127.0.0.1:0")).validate().is_err());
+        assert!(with(Some("ipc:///tmp/x"), None).validate().is_err());
+        assert!(
+            with(Some("tcp://127.0.0.1:0"), Some("tcp://nohost"))
+                .validate()
+                .is_err()
+        );
     }
 
     #[test]

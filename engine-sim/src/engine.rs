@@ -15,6 +15,7 @@ use crate::metrics::EngineMetrics;
 use crate::scheduler::{self, EventSender, SchedulerCore};
 use crate::timing::TimingModel;
 use crate::tokenizer::Tokenizer;
+use crate::zmq_events::{self, ZmqEvents};
 
 /// KV event batches buffered per subscriber before a slow one starts missing batches.
 const EVENT_BUFFER: usize = 4096;
@@ -28,6 +29,7 @@ pub struct EngineHandle {
     server: Option<JoinHandle<()>>,
     scheduler: JoinHandle<()>,
     events: EventSender,
+    zmq: Option<ZmqEvents>,
 }
 
 impl EngineHandle {
@@ -36,39 +38,57 @@ impl EngineHandle {
         self.addr
     }
 
+    /// Where the ZMQ PUB socket of the KV events listens, when publishing is on.
+    pub fn kv_events_addr(&self) -> Option<SocketAddr> {
+        self.zmq.as_ref().map(|z| z.events_addr)
+    }
+
+    /// Where the ZMQ ROUTER socket replaying KV events listens, when configured.
+    pub fn kv_replay_addr(&self) -> Option<SocketAddr> {
+        self.zmq.as_ref().and_then(|z| z.replay_addr)
+    }
+
     /// Subscribes to the engine's KV event batches (one per iteration that changed the cache).
     /// A subscriber more than 4,096 batches behind misses batches (`RecvError::Lagged`).
     pub fn subscribe_kv_events(&self) -> broadcast::Receiver<Arc<KvEventBatch>> {
         self.events.subscribe()
     }
 
-    /// Stops accepting, ends the scheduler (in-flight requests fail or end their streams) and
-    /// waits up to a few seconds for open connections to close.
+    /// Stops accepting, ends the scheduler (in-flight requests fail or end their streams),
+    /// closes the KV event sockets and waits up to a few seconds for open connections to close.
     pub async fn stop(mut self) {
-        let _ = self.shutdown.send(true);
-        self.scheduler.abort();
+        self.halt();
         if let Some(server) = self.server.take() {
             let _ = server.await;
+        }
+    }
+
+    fn halt(&self) {
+        let _ = self.shutdown.send(true);
+        self.scheduler.abort();
+        if let Some(zmq) = &self.zmq {
+            zmq.stop();
         }
     }
 }
 
 impl Drop for EngineHandle {
     fn drop(&mut self) {
-        let _ = self.shutdown.send(true);
-        self.scheduler.abort();
+        self.halt();
     }
 }
 
-/// Starts one engine serving `listener`. Must be called inside a Tokio runtime.
+/// Starts one engine serving `listener` (engine index 0: the `engine` metric label, and the
+/// KV event ports as configured). Must be called inside a Tokio runtime.
 pub async fn spawn(config: SimConfig, listener: TcpListener) -> Result<EngineHandle, SimError> {
     config.validate()?;
     let tokenizer = Tokenizer::load(config.tokenizer.as_deref())?;
-    start(config, tokenizer, listener)
+    start(config, tokenizer, listener, 0).await
 }
 
 /// Binds and starts `count` engines on `host`: ports `port`, `port + 1`, ... or, with port 0,
-/// a free port each. The tokenizer is loaded once and shared.
+/// a free port each. Engine `i` is labelled `engine="i"` in its metrics and binds its KV event
+/// sockets at the configured ports plus `i`. The tokenizer is loaded once and shared.
 pub async fn spawn_engines(
     config: &SimConfig,
     host: IpAddr,
@@ -89,32 +109,45 @@ pub async fn spawn_engines(
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| SimError::Bind { addr, source })?;
-        engines.push(start(config.clone(), tokenizer.clone(), listener)?);
+        engines.push(start(config.clone(), tokenizer.clone(), listener, i).await?);
     }
     Ok(engines)
 }
 
-fn start(
+async fn start(
     config: SimConfig,
     tokenizer: Tokenizer,
     listener: TcpListener,
+    index: usize,
 ) -> Result<EngineHandle, SimError> {
     let addr = listener.local_addr()?;
-    let metrics = Arc::new(EngineMetrics::new(&config));
+    let metrics = Arc::new(EngineMetrics::new(&config, index));
     let (events, _) = broadcast::channel(EVENT_BUFFER);
+    // Subscribed before the scheduler runs, so the publisher sees every batch from the first.
+    let zmq = zmq_events::start(
+        &config.kv_events,
+        index,
+        events.subscribe(),
+        metrics.clone(),
+    )
+    .await?;
     let core = SchedulerCore::new(&config, metrics.clone(), events.clone());
     let timing = (!config.no_delay)
         .then(|| TimingModel::new(config.speedup_ratio, config.decode_speedup_ratio));
     let (handle, scheduler) = scheduler::spawn(core, timing);
-    let state = Arc::new(EngineState::new(config, tokenizer, metrics, handle, addr));
+    let faults = zmq.as_ref().map(|z| z.faults.clone());
+    let state = Arc::new(EngineState::new(
+        config, tokenizer, metrics, handle, addr, faults,
+    ));
     let (shutdown, shutdown_rx) = watch::channel(false);
     let server = tokio::spawn(serve(listener, state, shutdown_rx));
-    tracing::info!(%addr, "engine started");
+    tracing::info!(%addr, index, "engine started");
     Ok(EngineHandle {
         addr,
         shutdown,
         server: Some(server),
         scheduler,
         events,
+        zmq,
     })
 }

@@ -24,6 +24,9 @@ pub enum SimError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// The ZMQ KV event sockets could not be started.
+    #[error("KV event publishing: {0}")]
+    KvEvents(String),
     /// Another socket operation failed (e.g. reading the bound address).
     #[error("socket error: {0}")]
     Io(#[from] std::io::Error),

@@ -6,14 +6,39 @@
 //!   `seq[i] = XXH3_64(LE_u64(seq[i-1]) ‖ LE_u64(local[i]), 1337)` with `seq[0] = local[0]`;
 //! - the **engine hash** that KV events publish, deliberately different so consumers must
 //!   re-hash: `SHA-256(parent engine hash as 8 bytes big-endian ‖ LE_u32 tokens)` (no parent
-//!   bytes for the first block), keeping the low 64 bits (the digest's last 8 bytes, big-endian),
-//!   the way vLLM folds its digests into integers.
+//!   bytes for the first block). Its integer form keeps the low 64 bits (the digest's last 8
+//!   bytes, big-endian), the way vLLM folds its digests into integers; the chain uses that
+//!   integer form of the parent.
 
 use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Seed of every XXH3 block hash (Dynamo's `XXH3_SEED`).
 pub const XXH3_SEED: u64 = 1337;
+
+/// A block's engine hash: the full SHA-256 digest. KV events publish either the digest itself
+/// (32 bytes) or its integer [`EngineHash::id`], as vLLM does with `ExternalBlockHash`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct EngineHash([u8; 32]);
+
+impl EngineHash {
+    /// Wraps a digest.
+    pub fn from_digest(digest: [u8; 32]) -> Self {
+        Self(digest)
+    }
+
+    /// The 32-byte digest.
+    pub fn digest(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// The integer form: the digest's last 8 bytes read big-endian.
+    pub fn id(&self) -> u64 {
+        let mut low = [0u8; 8];
+        low.copy_from_slice(&self.0[24..]);
+        u64::from_be_bytes(low)
+    }
+}
 
 /// Reusable scratch space for hashing token blocks without a per-block allocation.
 #[derive(Debug, Default)]
@@ -33,18 +58,15 @@ impl BlockHasher {
         xxh3_64_with_seed(&self.bytes, XXH3_SEED)
     }
 
-    /// Engine hash of a block given its parent's engine hash (`None` for the first block).
-    pub fn engine_hash(&mut self, parent: Option<u64>, tokens: &[u32]) -> u64 {
+    /// Engine hash of a block given its parent's engine hash id (`None` for the first block).
+    pub fn engine_hash(&mut self, parent: Option<u64>, tokens: &[u32]) -> EngineHash {
         let mut digest = Sha256::new();
         if let Some(parent) = parent {
             digest.update(parent.to_be_bytes());
         }
         self.fill(tokens);
         digest.update(&self.bytes);
-        let out = digest.finalize();
-        let mut low = [0u8; 8];
-        low.copy_from_slice(&out[out.len() - 8..]);
-        u64::from_be_bytes(low)
+        EngineHash(digest.finalize().into())
     }
 
     /// Sequence hashes of every full block of `tokens` (a trailing partial block is skipped).
@@ -169,10 +191,11 @@ mod tests {
         let digest = Sha256::digest(&bytes);
         let expected = u64::from_be_bytes(digest[24..32].try_into().unwrap_or_default());
         let first = h.engine_hash(None, &tokens);
-        assert_eq!(first, expected);
-        assert_ne!(first, h.local_hash(&tokens));
-        let child = h.engine_hash(Some(first), &tokens);
+        assert_eq!(first.id(), expected);
+        assert_eq!(first.digest()[..], digest[..]);
+        assert_ne!(first.id(), h.local_hash(&tokens));
+        let child = h.engine_hash(Some(first.id()), &tokens);
         assert_ne!(child, first);
-        assert_eq!(child, h.engine_hash(Some(first), &tokens));
+        assert_eq!(child, h.engine_hash(Some(first.id()), &tokens));
     }
 }

@@ -12,6 +12,12 @@
 //!   `max_tokens` (default 16; `max_completion_tokens` for chat), `stop`, `stream`,
 //!   `stream_options.include_usage`; `ignore_eos` is accepted (the simulator never emits EOS:
 //!   it generates exactly `max_tokens` unless a stop string matches). `n` must be 1.
+//! - `POST /v1/responses` (OpenAI Responses API): `input` as a string or a list of messages
+//!   (string content or `input_text` parts), `instructions` (rendered as a leading system
+//!   message), `max_output_tokens` (default 16), `stream` (`event: NAME` / `data:` SSE events
+//!   from `response.created` through one `response.output_text.delta` per token to
+//!   `response.completed`, each with `type` and `sequence_number`, no `[DONE]`). Rendered with
+//!   the chat template and scheduled like a chat request.
 //! - `POST /v1/embeddings`: deterministic unit vectors seeded by the input tokens.
 //! - `GET /v1/models`, `GET /health`, `GET /metrics`.
 //! - For third-party routers: `GET /healthz`, `/readiness`, `/health_generate`,
@@ -19,13 +25,37 @@
 //!   `POST /generate`.
 //! - Admin: `POST /reset_prefix_cache`.
 //!
-//! Every response carries `x-engine-id: <ip:port>`.
+//! Every response carries `x-engine-id: <ip:port>`. Metrics are labelled `engine="<i>"`, the
+//! engine's index in its process ([`spawn_engines`]; 0 for [`spawn`]).
+//!
+//! # KV events over ZMQ
+//! With [`KvEventsConfig::endpoint`] (`--kv-events-endpoint tcp://HOST:PORT`) each engine binds
+//! a PUB socket (engine `i` at `PORT + i`; port 0 picks a free port, see
+//! [`EngineHandle::kv_events_addr`]) and publishes vLLM's 3-frame messages
+//! `[topic, seq u64 BE, msgpack [ts, [events...], 0]]`, `seq` from 0 and +1 per batch. Events
+//! follow the real cache: `BlockStored` when a block becomes a cached full block (prefill or
+//! decode), `BlockRemoved` on eviction, `AllBlocksCleared` on `POST /reset_prefix_cache`.
+//! Encodings: legacy positional arrays or maps ([`KvEventEncoding`]); hashes as u64 or 32-byte
+//! digests ([`KvEventHash`]). With [`KvEventsConfig::replay_endpoint`] a ROUTER socket answers
+//! `[identity, empty, start_seq]` with every buffered batch numbered `start_seq` or later and the
+//! end marker `seq = -1` with an empty payload. Publishing runs in its own task: the scheduler
+//! never waits for it; a publisher that falls 4,096 batches behind skips them (their numbers
+//! too, so subscribers see a gap) and counts them in
+//! `kvmesh_sim_kv_event_batches_lagged_total`.
 //!
 //! # Test-only hooks
 //! These request headers exist for tests of clients and proxies; nothing else should send them:
 //! - `x-sim-delay-ms: N` delays the response headers by N milliseconds;
 //! - `x-sim-status: CODE` answers HTTP status CODE with an OpenAI-shaped error body
 //!   (`{"error":{"message","type","param","code"}}`) instead of handling the request.
+//!
+//! And one endpoint for tests of KV event consumers, `POST /sim/kv_events/faults` with
+//! `{"drop_batches": N, "duplicate_stores": N, "restart": true}` (every field optional):
+//! withhold the next N batches from the PUB socket (their numbers are used, so a gap shows;
+//! replay still has them), send the first `BlockStored` of each of the next N batches holding
+//! one again in a batch of its own, or simulate an engine restart (cache emptied, the next
+//! batch `[AllBlocksCleared]` is numbered 0, replay buffer emptied). Faults apply to the next
+//! batches the publisher handles. 400 when the engine does not publish KV events.
 //!
 //! # Library use
 //! ```no_run
@@ -56,8 +86,9 @@ mod scheduler;
 mod textgen;
 mod timing;
 mod tokenizer;
+mod zmq_events;
 
-pub use config::{PreemptionMode, SimConfig};
+pub use config::{KvEventEncoding, KvEventHash, KvEventsConfig, PreemptionMode, SimConfig};
 pub use engine::{EngineHandle, spawn, spawn_engines};
 pub use error::SimError;
 pub use kv_events::{KvEvent, KvEventBatch};

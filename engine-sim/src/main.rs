@@ -1,4 +1,5 @@
-//! `kvmesh-engine-sim`: runs N simulated engines on consecutive ports.
+//! `kvmesh-engine-sim`: runs N simulated engines on consecutive ports (and their KV event
+//! sockets, when configured).
 
 use std::io::Write;
 
@@ -26,6 +27,12 @@ async fn main() -> anyhow::Result<()> {
         let mut out = std::io::stdout().lock();
         for (i, engine) in engines.iter().enumerate() {
             writeln!(out, "LISTENING engine-{i} {}", engine.local_addr())?;
+            if let Some(addr) = engine.kv_events_addr() {
+                writeln!(out, "LISTENING kv-events-{i} {addr}")?;
+            }
+            if let Some(addr) = engine.kv_replay_addr() {
+                writeln!(out, "LISTENING kv-replay-{i} {addr}")?;
+            }
         }
         writeln!(out, "READY")?;
         out.flush()?;

@@ -21,6 +21,10 @@ pub(crate) struct EngineMetrics {
     generation_tokens: AtomicU64,
     success_stop: AtomicU64,
     success_length: AtomicU64,
+    kv_events_published: bool,
+    kv_batches_sent: AtomicU64,
+    kv_batches_lagged: AtomicU64,
+    kv_batches_fault_dropped: AtomicU64,
     ttft: Histogram,
     itl: Histogram,
     e2e: Histogram,
@@ -67,10 +71,10 @@ fn escape_label(value: &str) -> String {
 }
 
 impl EngineMetrics {
-    /// Metrics labelled with the served model name and engine index `"0"`.
-    pub(crate) fn new(config: &SimConfig) -> Self {
+    /// Metrics labelled with the served model name and the engine's index in its process.
+    pub(crate) fn new(config: &SimConfig, engine_index: usize) -> Self {
         let labels = format!(
-            "engine=\"0\",model_name=\"{}\"",
+            "engine=\"{engine_index}\",model_name=\"{}\"",
             escape_label(&config.model)
         );
         let cache_config_labels = format!(
@@ -98,6 +102,10 @@ impl EngineMetrics {
             generation_tokens: AtomicU64::new(0),
             success_stop: AtomicU64::new(0),
             success_length: AtomicU64::new(0),
+            kv_events_published: config.kv_events.endpoint.is_some(),
+            kv_batches_sent: AtomicU64::new(0),
+            kv_batches_lagged: AtomicU64::new(0),
+            kv_batches_fault_dropped: AtomicU64::new(0),
             ttft: Histogram::new(TTFT_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
@@ -145,6 +153,22 @@ impl EngineMetrics {
             Finish::Length => self.success_length.fetch_add(1, Ordering::Relaxed),
         };
         self.e2e.observe(e2e_seconds);
+    }
+
+    /// Records one KV event batch sent on the ZMQ PUB socket.
+    pub(crate) fn kv_batch_sent(&self) {
+        self.kv_batches_sent.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records `n` KV event batches the publisher missed because it fell behind the engine.
+    pub(crate) fn kv_batches_lagged(&self, n: u64) {
+        self.kv_batches_lagged.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Records one KV event batch withheld by fault injection.
+    pub(crate) fn kv_batch_fault_dropped(&self) {
+        self.kv_batches_fault_dropped
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// The main counters.
@@ -253,6 +277,26 @@ impl EngineMetrics {
             "Histogram of e2e request latency in seconds.",
             l,
         );
+        if self.kv_events_published {
+            counter(
+                &mut out,
+                "kvmesh_sim_kv_event_batches_sent_total",
+                "KV event batches sent on the ZMQ PUB socket.",
+                &self.kv_batches_sent,
+            );
+            counter(
+                &mut out,
+                "kvmesh_sim_kv_event_batches_lagged_total",
+                "KV event batches lost because the publisher fell behind the engine (their sequence numbers are skipped).",
+                &self.kv_batches_lagged,
+            );
+            counter(
+                &mut out,
+                "kvmesh_sim_kv_event_batches_fault_dropped_total",
+                "KV event batches withheld from the PUB socket by fault injection (still replayable).",
+                &self.kv_batches_fault_dropped,
+            );
+        }
         out
     }
 }
@@ -263,17 +307,20 @@ mod tests {
 
     #[test]
     fn renders_vllm_names_with_labels() {
-        let m = EngineMetrics::new(&SimConfig {
-            model: "m\"x".into(),
-            ..SimConfig::default()
-        });
+        let m = EngineMetrics::new(
+            &SimConfig {
+                model: "m\"x".into(),
+                ..SimConfig::default()
+            },
+            2,
+        );
         m.prefix_lookup(128, 64);
         m.first_token(128, 0.02);
         m.next_token(0.006);
         m.finished(Finish::Length, 0.5);
         m.set_load(3, 2, 0.25);
         let text = m.render();
-        let l = "engine=\"0\",model_name=\"m\\\"x\"";
+        let l = "engine=\"2\",model_name=\"m\\\"x\"";
         for line in [
             format!("vllm:num_requests_running{{{l}}} 3"),
             format!("vllm:num_requests_waiting{{{l}}} 2"),
@@ -291,6 +338,7 @@ mod tests {
             assert!(text.lines().any(|x| x == line), "missing {line} in\n{text}");
         }
         assert!(text.contains("block_size=\"64\""));
+        assert!(!text.contains("kvmesh_sim_kv_event"));
         assert_eq!(m.snapshot().successes, 1);
     }
 }

@@ -651,9 +651,12 @@ async fn several_engines_on_free_ports() {
         .expect("spawn");
     let (a, b) = (engines[0].local_addr(), engines[1].local_addr());
     assert_ne!(a, b);
-    for addr in [a, b] {
+    for (i, addr) in [a, b].into_iter().enumerate() {
         let r = get(addr, "/health").await;
         assert_eq!(r.headers["x-engine-id"], addr.to_string().as_str());
+        let metrics = get(addr, "/metrics").await.text();
+        let label = format!("vllm:num_requests_running{{engine=\"{i}\",model_name=\"sim-model\"}}");
+        assert!(metrics.contains(&label), "engine {i}: {metrics}");
     }
     for e in engines {
         e.stop().await;
@@ -755,4 +758,151 @@ async fn configured_tokenizer_is_used_and_reported() {
     };
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     assert!(spawn(bad, listener).await.is_err());
+}
+
+/// Parses an SSE body of named events into `(event name, JSON data)` pairs.
+fn named_sse_events(body: &str) -> Vec<(String, Value)> {
+    body.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (name, data) = e
+                .strip_prefix("event: ")
+                .and_then(|e| e.split_once("\ndata: "))
+                .unwrap_or_else(|| panic!("bad frame {e:?}"));
+            let data = serde_json::from_str(data).unwrap_or_else(|err| panic!("{err}: {data}"));
+            (name.to_owned(), data)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn responses_api_plain_and_streaming() {
+    let engine = engine(fast()).await;
+    let addr = engine.local_addr();
+    let body = json!({
+        "model": "sim-model",
+        "instructions": "Be brief.",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Tell me something"}]}],
+        "max_output_tokens": 4
+    });
+    let r = post(Proto::H1, addr, "/v1/responses", body.clone()).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    let v = r.json();
+    assert!(v["id"].as_str().is_some_and(|id| id.starts_with("resp_")));
+    assert_eq!(v["object"], "response");
+    assert_eq!(v["status"], "completed");
+    assert_eq!(v["model"], "sim-model");
+    assert!(v["created_at"].is_u64());
+    assert_eq!(v["instructions"], "Be brief.");
+    assert_eq!(v["max_output_tokens"], 4);
+    let message = &v["output"][0];
+    assert_eq!(v["output"].as_array().map(Vec::len), Some(1));
+    assert_eq!(message["type"], "message");
+    assert!(
+        message["id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("msg_"))
+    );
+    assert_eq!(message["status"], "completed");
+    assert_eq!(message["role"], "assistant");
+    assert_eq!(message["content"][0]["type"], "output_text");
+    assert_eq!(message["content"][0]["annotations"], json!([]));
+    let text = message["content"][0]["text"]
+        .as_str()
+        .expect("text")
+        .to_owned();
+    assert_eq!(text.split(' ').count(), 4);
+    assert_eq!(v["usage"]["output_tokens"], 4);
+    let input_tokens = v["usage"]["input_tokens"].as_u64().expect("input tokens");
+    assert_eq!(v["usage"]["total_tokens"], input_tokens + 4);
+
+    // Rendered like the equivalent chat: same prompt tokens, same text.
+    let chat = post(
+        Proto::H1,
+        addr,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "Tell me something"}], "max_tokens": 4}),
+    )
+    .await
+    .json();
+    assert_eq!(chat["usage"]["prompt_tokens"], input_tokens);
+    assert_eq!(chat["choices"][0]["message"]["content"], text.as_str());
+
+    let mut stream_body = body.clone();
+    stream_body["stream"] = json!(true);
+    for proto in [Proto::H1, Proto::H2] {
+        let r = post(proto, addr, "/v1/responses", stream_body.clone()).await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(r.headers["content-type"], "text/event-stream");
+        let events = named_sse_events(&r.text());
+        let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+        let delta = "response.output_text.delta";
+        assert_eq!(
+            names,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                delta,
+                delta,
+                delta,
+                delta,
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.completed"
+            ]
+        );
+        for (i, (name, data)) in events.iter().enumerate() {
+            assert_eq!(data["type"], name.as_str());
+            assert_eq!(data["sequence_number"], i);
+        }
+        assert_eq!(events[0].1["response"]["status"], "in_progress");
+        let item_id = events[2].1["item"]["id"].clone();
+        let streamed: String = events
+            .iter()
+            .filter(|(n, _)| n == delta)
+            .inspect(|(_, d)| assert_eq!(d["item_id"], item_id))
+            .filter_map(|(_, d)| d["delta"].as_str())
+            .collect();
+        assert_eq!(streamed, text);
+        assert_eq!(events[8].1["text"], text.as_str());
+        let done = &events[11].1["response"];
+        assert_eq!(done["status"], "completed");
+        assert_eq!(done["output"][0]["content"][0]["text"], text.as_str());
+        assert_eq!(done["usage"]["output_tokens"], 4);
+        assert_eq!(done["usage"]["input_tokens"], input_tokens);
+        assert!(!r.text().contains("[DONE]"));
+    }
+
+    // The same scheduler and prefix cache: a long prompt repeated hits the cache.
+    let long = "lorem ipsum dolor sit amet ".repeat(20);
+    let mut cached = Vec::new();
+    for _ in 0..2 {
+        let v = post(
+            Proto::H1,
+            addr,
+            "/v1/responses",
+            json!({"input": long, "max_output_tokens": 1}),
+        )
+        .await
+        .json();
+        cached.push(v["usage"]["input_tokens_details"]["cached_tokens"].clone());
+    }
+    assert_eq!(cached[0], 0);
+    assert!(cached[1].as_u64().is_some_and(|c| c >= 16), "{cached:?}");
+
+    for bad in [
+        json!({"input": []}),
+        json!({"input": "x", "max_output_tokens": 0}),
+        json!({"input": [{"type": "function_call_output", "output": "x"}]}),
+        json!({"model": "sim-model"}),
+    ] {
+        let r = post(Proto::H1, addr, "/v1/responses", bad.clone()).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{bad}: {}", r.text());
+        assert_eq!(r.json()["error"]["code"], 400);
+    }
+    engine.stop().await;
 }

@@ -60,7 +60,7 @@ fn run(state: &EngineState, body: &[u8]) -> Result<Response<ResponseBody>, ApiEr
             embedding,
         });
     }
-    let id = state.response_id("embd");
+    let id = state.response_id("embd-");
     let list = EmbeddingList {
         id: &id,
         object: "list",

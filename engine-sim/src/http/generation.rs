@@ -8,10 +8,17 @@ use tokio::sync::mpsc::{self, UnboundedReceiver};
 
 use super::error::ApiError;
 use super::state::EngineState;
+use crate::chat_template::{self, ChatMessage};
 use crate::hashing::{BlockHasher, content_seed};
 use crate::protocol::prompt::PromptInput;
 use crate::protocol::requests::GenParams;
 use crate::scheduler::{SeqEvent, SeqOutcome, SeqRequest};
+
+/// Parses a JSON request body (400 when it does not fit `T`).
+pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+}
 
 /// Rejects a `model` other than the served one (vLLM answers 404).
 pub(crate) fn check_model(state: &EngineState, model: Option<&str>) -> Result<(), ApiError> {
@@ -52,6 +59,19 @@ pub(crate) fn tokenize_prompts(
         );
     }
     Ok(prompts)
+}
+
+/// Token ids of `messages` rendered with the chat template (errors name field `param`).
+pub(crate) fn tokenize_chat(
+    state: &EngineState,
+    messages: &[ChatMessage],
+    param: &'static str,
+) -> Result<Vec<u32>, ApiError> {
+    let text = chat_template::render(messages);
+    state
+        .tokenizer
+        .encode(&text, false)
+        .map_err(|m| ApiError::bad_request(m).with_param(param))
 }
 
 /// Checks every prompt against the context length and the cache size.

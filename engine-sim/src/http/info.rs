@@ -103,7 +103,7 @@ pub(crate) fn model_info(state: &EngineState) -> Response<ResponseBody> {
 
 /// `POST /reset_prefix_cache`.
 pub(crate) async fn reset_prefix_cache(state: Arc<EngineState>) -> Response<ResponseBody> {
-    match state.scheduler.reset_prefix_cache().await {
+    match state.scheduler.reset_prefix_cache(false).await {
         Ok(()) => empty_response(StatusCode::OK),
         Err(e) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
     }

@@ -9,10 +9,11 @@ use http::{Response, StatusCode};
 
 use super::body::{ResponseBody, json_response};
 use super::error::ApiError;
-use super::generation::{check_model, collect, submit, tokenize_prompts};
+use super::generation::{
+    check_model, collect, parse_json, submit, tokenize_chat, tokenize_prompts,
+};
 use super::sse::{SseBody, StreamFormatter, write_data, write_raw};
 use super::state::{EngineState, unix_now};
-use crate::chat_template;
 use crate::protocol::requests::{ChatRequest, CompletionRequest, GenParams};
 use crate::protocol::responses::{
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatDelta, ChatMessageOut, Completion,
@@ -27,11 +28,6 @@ pub(crate) enum Endpoint {
     Completions,
     /// `/v1/chat/completions`.
     Chat,
-}
-
-fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
 }
 
 /// Handles one completions or chat request.
@@ -55,7 +51,7 @@ async fn run(
 ) -> Result<Response<ResponseBody>, ApiError> {
     let (prompts, params) = match endpoint {
         Endpoint::Completions => {
-            let req: CompletionRequest = parse(body)?;
+            let req: CompletionRequest = parse_json(body)?;
             check_model(&state, req.model.as_deref())?;
             let params = GenParams::openai(
                 req.max_tokens,
@@ -70,7 +66,7 @@ async fn run(
             )
         }
         Endpoint::Chat => {
-            let req: ChatRequest = parse(body)?;
+            let req: ChatRequest = parse_json(body)?;
             check_model(&state, req.model.as_deref())?;
             let messages = req.chat_messages()?;
             let max_tokens = req.max_tokens();
@@ -81,19 +77,14 @@ async fn run(
                 req.stop,
                 req.n,
             )?;
-            let text = chat_template::render(&messages);
-            let ids = state
-                .tokenizer
-                .encode(&text, false)
-                .map_err(|m| ApiError::bad_request(m).with_param("messages"))?;
-            (vec![ids], params)
+            (vec![tokenize_chat(&state, &messages, "messages")?], params)
         }
     };
     let count = prompts.len();
     let rx = submit(&state, prompts, &params, arrival)?;
     let prefix = match endpoint {
-        Endpoint::Completions => "cmpl",
-        Endpoint::Chat => "chatcmpl",
+        Endpoint::Completions => "cmpl-",
+        Endpoint::Chat => "chatcmpl-",
     };
     let id = state.response_id(prefix);
     let created = unix_now();

@@ -13,7 +13,7 @@ use super::body::ResponseBody;
 use super::error::ApiError;
 use super::openai::Endpoint;
 use super::state::EngineState;
-use super::{embeddings, info, openai, sglang};
+use super::{embeddings, info, kv_faults, openai, responses, sglang};
 
 /// Largest accepted request body.
 const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
@@ -28,9 +28,11 @@ const ENGINE_ID_HEADER: &str = "x-engine-id";
 enum Route {
     Completions,
     Chat,
+    Responses,
     Embeddings,
     Generate,
     ResetPrefixCache,
+    KvFaults,
     Models,
     Health,
     Metrics,
@@ -42,9 +44,11 @@ fn lookup(path: &str) -> Option<(Route, &'static str)> {
     Some(match path {
         "/v1/completions" => (Route::Completions, "POST"),
         "/v1/chat/completions" => (Route::Chat, "POST"),
+        "/v1/responses" => (Route::Responses, "POST"),
         "/v1/embeddings" => (Route::Embeddings, "POST"),
         "/generate" => (Route::Generate, "POST"),
         "/reset_prefix_cache" => (Route::ResetPrefixCache, "POST"),
+        "/sim/kv_events/faults" => (Route::KvFaults, "POST"),
         "/v1/models" => (Route::Models, "GET"),
         "/health" | "/healthz" | "/readiness" | "/health_generate" => (Route::Health, "GET"),
         "/metrics" => (Route::Metrics, "GET"),
@@ -95,9 +99,11 @@ async fn route(
             openai::handle(state.clone(), Endpoint::Completions, read_body(req).await?).await
         }
         Route::Chat => openai::handle(state.clone(), Endpoint::Chat, read_body(req).await?).await,
+        Route::Responses => responses::handle(state.clone(), read_body(req).await?).await,
         Route::Embeddings => embeddings::handle(state, &read_body(req).await?),
         Route::Generate => sglang::handle(state.clone(), read_body(req).await?).await,
         Route::ResetPrefixCache => info::reset_prefix_cache(state.clone()).await,
+        Route::KvFaults => kv_faults::handle(state.clone(), read_body(req).await?).await,
         Route::Models => info::models(state),
         Route::Health => info::health(),
         Route::Metrics => info::metrics(state),

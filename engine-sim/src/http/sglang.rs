@@ -71,7 +71,7 @@ async fn run(
     let prompt_tokens = prompts.first().map_or(0, Vec::len);
     let count = prompts.len();
     let rx = submit(&state, prompts, &params, arrival)?;
-    let id = state.response_id("sgl");
+    let id = state.response_id("sgl-");
     if params.stream {
         let formatter = GenerateStream {
             id,

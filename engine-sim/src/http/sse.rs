@@ -1,5 +1,6 @@
-//! Server-sent events: `data: {json}\n\n` frames built from scheduler events, ending with
-//! `data: [DONE]\n\n`.
+//! Server-sent events: `data: {json}\n\n` frames (or `event: NAME\ndata: {json}\n\n` ones)
+//! built from scheduler events, ending with `data: [DONE]\n\n` unless the format has no such
+//! marker.
 
 use std::task::{Context, Poll};
 
@@ -18,6 +19,10 @@ pub(crate) trait StreamFormatter: Send + std::fmt::Debug {
     fn event(&mut self, event: SeqEvent, out: &mut BytesMut);
     /// Appends the closing frames once every sequence finished (before `[DONE]`).
     fn finish(&mut self, out: &mut BytesMut);
+    /// Whether the stream ends with `data: [DONE]` (the OpenAI Responses API has none).
+    fn done_marker(&self) -> bool {
+        true
+    }
 }
 
 /// Appends `data: <json>\n\n`.
@@ -28,6 +33,14 @@ pub(crate) fn write_data<T: Serialize>(out: &mut BytesMut, value: &T) {
     let _ = serde_json::to_writer(&mut w, value);
     let out = w.into_inner();
     out.put_slice(b"\n\n");
+}
+
+/// Appends `event: <name>\ndata: <json>\n\n`.
+pub(crate) fn write_event<T: Serialize>(out: &mut BytesMut, name: &str, value: &T) {
+    out.put_slice(b"event: ");
+    out.put_slice(name.as_bytes());
+    out.put_slice(b"\n");
+    write_data(out, value);
 }
 
 /// Appends `data: <raw bytes>\n\n`.
@@ -81,7 +94,9 @@ impl SseBody {
                     self.formatter.event(event, &mut self.buf);
                     if self.remaining == 0 {
                         self.formatter.finish(&mut self.buf);
-                        self.buf.put_slice(b"data: [DONE]\n\n");
+                        if self.formatter.done_marker() {
+                            self.buf.put_slice(b"data: [DONE]\n\n");
+                        }
                         self.done = true;
                     }
                 }

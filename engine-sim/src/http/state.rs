@@ -11,6 +11,7 @@ use crate::config::SimConfig;
 use crate::metrics::EngineMetrics;
 use crate::scheduler::SchedulerHandle;
 use crate::tokenizer::Tokenizer;
+use crate::zmq_events::FaultControl;
 
 /// What handlers need: configuration, tokenizer, scheduler and metrics.
 #[derive(Debug)]
@@ -29,6 +30,8 @@ pub(crate) struct EngineState {
     pub engine_id: HeaderValue,
     /// Unix seconds at start.
     pub started: u64,
+    /// Fault injection into the ZMQ KV event publisher, when publishing is on.
+    pub kv_faults: Option<Arc<FaultControl>>,
     next_id: AtomicU64,
     id_salt: u64,
 }
@@ -49,6 +52,7 @@ impl EngineState {
         metrics: Arc<EngineMetrics>,
         scheduler: SchedulerHandle,
         addr: SocketAddr,
+        kv_faults: Option<Arc<FaultControl>>,
     ) -> Self {
         let addr_text = addr.to_string();
         let engine_id = HeaderValue::from_str(&addr_text)
@@ -63,14 +67,15 @@ impl EngineState {
             addr: addr_text,
             engine_id,
             started,
+            kv_faults,
             next_id: AtomicU64::new(0),
             id_salt,
         }
     }
 
-    /// A fresh response id such as `chatcmpl-<32 hex digits>`.
+    /// A fresh id: `prefix` (separator included, e.g. `chatcmpl-`) and 32 hex digits.
     pub(crate) fn response_id(&self, prefix: &str) -> String {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        format!("{prefix}-{:016x}{n:016x}", self.id_salt)
+        format!("{prefix}{:016x}{n:016x}", self.id_salt)
     }
 }

@@ -17,6 +17,7 @@ use std::collections::HashMap;
 
 use lru::LruList;
 
+use crate::hashing::EngineHash;
 use crate::kv_events::{EventBuffer, KvEvent};
 
 /// Index of a block in the pool.
@@ -28,7 +29,7 @@ struct Block {
     /// Sequence hash while the block is a cached full block.
     hash: Option<u64>,
     /// Engine hash published for the block while it is cached.
-    engine_hash: u64,
+    engine_hash: EngineHash,
 }
 
 /// The engine's KV cache.
@@ -122,7 +123,7 @@ impl KvCache {
 
     /// Takes a reference on the resident blocks of `hashes` (all must be resident, see
     /// [`Self::lookup`]); returns their ids and engine hashes in order.
-    pub(crate) fn acquire(&mut self, hashes: &[u64]) -> Vec<(BlockId, u64)> {
+    pub(crate) fn acquire(&mut self, hashes: &[u64]) -> Vec<(BlockId, EngineHash)> {
         let mut out = Vec::with_capacity(hashes.len());
         for h in hashes {
             let Some(&id) = self.cached.get(h) else { break };
@@ -182,8 +183,8 @@ impl KvCache {
         &mut self,
         id: BlockId,
         hash: u64,
-        engine_hash: u64,
-        parent: Option<u64>,
+        engine_hash: EngineHash,
+        parent: Option<EngineHash>,
         tokens: &[u32],
     ) -> bool {
         if !self.prefix_caching || self.cached.contains_key(&hash) {
@@ -222,14 +223,21 @@ impl KvCache {
 mod tests {
     use super::*;
 
+    /// The engine hash the tests give sequence hash `h`: id `h + 1000`.
+    fn eh(h: u64) -> EngineHash {
+        let mut digest = [0u8; 32];
+        digest[24..].copy_from_slice(&(h + 1000).to_be_bytes());
+        EngineHash::from_digest(digest)
+    }
+
     /// Allocates `n` blocks and promotes them under `hashes`, as a finished prefill would.
     fn store(cache: &mut KvCache, hashes: &[u64]) -> Vec<BlockId> {
         let mut ids = Vec::new();
         let mut parent = None;
         for &h in hashes {
             let id = cache.allocate().expect("free block");
-            assert!(cache.promote(id, h, h + 1000, parent, &[0, 0]));
-            parent = Some(h + 1000);
+            assert!(cache.promote(id, h, eh(h), parent, &[0, 0]));
+            parent = Some(eh(h));
             ids.push(id);
         }
         ids
@@ -242,7 +250,7 @@ mod tests {
         assert_eq!(c.active_blocks(), 3);
         assert_eq!(c.lookup(&[1, 2, 9]), 2);
         let got = c.acquire(&[1, 2]);
-        assert_eq!(got, vec![(ids[0], 1001), (ids[1], 1002)]);
+        assert_eq!(got, vec![(ids[0], eh(1)), (ids[1], eh(2))]);
         c.release(&ids);
         // Blocks 1 and 2 are still held by the second sequence; 3 went inactive.
         assert_eq!(c.active_blocks(), 2);
@@ -265,7 +273,7 @@ mod tests {
         assert_eq!(
             c.take_events(),
             vec![KvEvent::BlockRemoved {
-                block_hashes: vec![1011, 1010]
+                block_hashes: vec![eh(11), eh(10)]
             }]
         );
         assert_eq!(c.lookup(&[10]), 0);
@@ -312,7 +320,7 @@ mod tests {
         let mut c = KvCache::new(4, 2, true);
         store(&mut c, &[5]);
         let id = c.allocate().expect("block");
-        assert!(!c.promote(id, 5, 1005, None, &[0, 0]));
+        assert!(!c.promote(id, 5, eh(5), None, &[0, 0]));
         c.release(&[id]);
         assert_eq!(c.inactive_blocks(), 0);
     }
@@ -321,7 +329,7 @@ mod tests {
     fn without_prefix_caching_nothing_matches() {
         let mut c = KvCache::new(4, 2, false);
         let id = c.allocate().expect("block");
-        assert!(!c.promote(id, 5, 1005, None, &[0, 0]));
+        assert!(!c.promote(id, 5, eh(5), None, &[0, 0]));
         assert_eq!(c.lookup(&[5]), 0);
         assert!(c.take_events().is_empty());
     }

@@ -1,8 +1,10 @@
-//! Wire shapes: OpenAI / SGLang request bodies and their validation, response bodies.
+//! Wire shapes: OpenAI / SGLang request bodies and their validation, response bodies, and the
+//! Responses API.
 
 pub(crate) mod prompt;
 pub(crate) mod requests;
 pub(crate) mod responses;
+pub(crate) mod responses_api;
 
 /// A request body that parsed but is not acceptable; answered with a 400.
 #[derive(Debug, Clone, PartialEq, Eq)]

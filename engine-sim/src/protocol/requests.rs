@@ -180,6 +180,19 @@ impl GenParams {
         })
     }
 
+    /// Validates the Responses API fields (`max_output_tokens`, `stream`).
+    pub(crate) fn responses(
+        max_output_tokens: Option<i64>,
+        stream: Option<bool>,
+    ) -> Result<Self, InvalidRequest> {
+        Ok(Self {
+            max_tokens: positive("max_output_tokens", max_output_tokens, DEFAULT_MAX_TOKENS)?,
+            stops: Arc::from([]),
+            stream: stream.unwrap_or(false),
+            include_usage: false,
+        })
+    }
+
     /// Validates SGLang's sampling parameters.
     pub(crate) fn sglang(
         params: SglSamplingParams,

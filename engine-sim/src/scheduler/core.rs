@@ -75,9 +75,11 @@ impl SchedulerCore {
     pub(crate) fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Submit(seqs) => self.waiting.extend(seqs.into_iter().map(Sequence::new)),
-            Command::ResetPrefixCache(done) => {
-                self.cache.reset();
+            Command::ResetPrefixCache { restart, done } => {
+                // Events recorded before the reset belong to the old event sequence.
                 self.publish_events();
+                self.cache.reset();
+                self.publish(restart);
                 let _ = done.send(());
             }
         }
@@ -169,6 +171,10 @@ impl SchedulerCore {
 
     /// Hands the events recorded since the last call to the subscribers.
     pub(crate) fn publish_events(&mut self) {
+        self.publish(false);
+    }
+
+    fn publish(&mut self, engine_restarted: bool) {
         let events = self.cache.take_events();
         if events.is_empty() || self.events.receiver_count() == 0 {
             return;
@@ -177,9 +183,11 @@ impl SchedulerCore {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs_f64())
             .unwrap_or(0.0);
-        let _ = self
-            .events
-            .send(Arc::new(KvEventBatch { timestamp, events }));
+        let _ = self.events.send(Arc::new(KvEventBatch {
+            timestamp,
+            events,
+            engine_restarted,
+        }));
     }
 
     fn blocks_needed(&self, seq: &Sequence, n: usize) -> usize {
@@ -269,7 +277,7 @@ impl SchedulerCore {
         for b in seq.engine_hashes.len()..full {
             let tokens = &seq.tokens[b * self.block_size..(b + 1) * self.block_size];
             let parent = seq.engine_hashes.last().copied();
-            let engine_hash = self.hasher.engine_hash(parent, tokens);
+            let engine_hash = self.hasher.engine_hash(parent.map(|p| p.id()), tokens);
             if current {
                 self.cache
                     .promote(seq.blocks[b], seq.hashes[b], engine_hash, parent, tokens);

@@ -88,7 +88,13 @@ pub(crate) enum Command {
     /// Queue the sequences of one request.
     Submit(Vec<SeqRequest>),
     /// Drop every cached block; the sender is answered when done.
-    ResetPrefixCache(oneshot::Sender<()>),
+    ResetPrefixCache {
+        /// Test-only fault: also mark the resulting `AllBlocksCleared` batch as an engine
+        /// restart (event sequence numbers start over).
+        restart: bool,
+        /// Answered once the cache is empty.
+        done: oneshot::Sender<()>,
+    },
 }
 
 /// The scheduler task has stopped (the engine is shutting down).
@@ -110,11 +116,12 @@ impl SchedulerHandle {
             .map_err(|_| SchedulerGone)
     }
 
-    /// Clears the prefix cache between two iterations.
-    pub(crate) async fn reset_prefix_cache(&self) -> Result<(), SchedulerGone> {
-        let (tx, rx) = oneshot::channel();
+    /// Clears the prefix cache between two iterations; with `restart` the `AllBlocksCleared`
+    /// batch also announces a simulated engine restart.
+    pub(crate) async fn reset_prefix_cache(&self, restart: bool) -> Result<(), SchedulerGone> {
+        let (done, rx) = oneshot::channel();
         self.tx
-            .send(Command::ResetPrefixCache(tx))
+            .send(Command::ResetPrefixCache { restart, done })
             .map_err(|_| SchedulerGone)?;
         rx.await.map_err(|_| SchedulerGone)
     }

@@ -5,6 +5,7 @@ use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::{SeqEvent, SeqRequest};
+use crate::hashing::EngineHash;
 use crate::kv_cache::BlockId;
 use crate::output_text::OutputText;
 use crate::textgen::WordGenerator;
@@ -21,7 +22,7 @@ pub(crate) struct Sequence {
     /// Sequence hashes of the full blocks of `tokens` known so far.
     pub hashes: Vec<u64>,
     /// Engine hashes of the leading blocks handled so far (parents of the next store).
-    pub engine_hashes: Vec<u64>,
+    pub engine_hashes: Vec<EngineHash>,
     /// Block table.
     pub blocks: Vec<BlockId>,
     /// Tokens whose KV is computed.

@@ -23,7 +23,7 @@ struct Fixture {
 }
 
 fn fixture(config: &SimConfig) -> Fixture {
-    let metrics = Arc::new(EngineMetrics::new(config));
+    let metrics = Arc::new(EngineMetrics::new(config, 0));
     let (tx, events) = broadcast::channel(64);
     Fixture {
         core: SchedulerCore::new(config, metrics.clone(), tx),
@@ -308,7 +308,7 @@ fn prompt_and_decode_blocks_are_stored_with_engine_hashes() {
     let (hashes, parent, tokens) = &stored[1];
     assert_eq!(*parent, Some(first));
     assert_eq!(tokens.len(), 4);
-    assert_eq!(hashes[0], h.engine_hash(Some(first), tokens));
+    assert_eq!(hashes[0], h.engine_hash(Some(first.id()), tokens));
 }
 
 #[test]
@@ -363,14 +363,39 @@ fn reset_clears_the_cache_and_announces_it() {
     f.core.enqueue(r);
     run_until_idle(&mut f.core);
     let (done, _wait) = tokio::sync::oneshot::channel();
-    f.core.handle(Command::ResetPrefixCache(done));
+    f.core.handle(Command::ResetPrefixCache {
+        restart: false,
+        done,
+    });
     let mut cleared = false;
     while let Ok(batch) = f.events.try_recv() {
         cleared |= batch.events.contains(&KvEvent::AllBlocksCleared);
+        assert!(!batch.engine_restarted);
     }
     assert!(cleared);
     let (r, _rx) = request(prompt, 4, 1, false, &[]);
     f.core.enqueue(r);
     run_until_idle(&mut f.core);
     assert_eq!(f.metrics.snapshot().prefix_hits, 0);
+}
+
+#[test]
+fn simulated_restart_clears_in_its_own_marked_batch() {
+    let mut f = fixture(&config(4, 64));
+    let (r, _rx) = request((0..9).collect(), 4, 1, false, &[]);
+    f.core.enqueue(r);
+    f.core.schedule();
+    f.core.complete(Instant::now());
+    // The stores of the iteration are still unpublished when the restart arrives.
+    let (done, _wait) = tokio::sync::oneshot::channel();
+    f.core.handle(Command::ResetPrefixCache {
+        restart: true,
+        done,
+    });
+    let stored = f.events.try_recv().expect("the pending stores");
+    assert!(!stored.engine_restarted);
+    assert!(matches!(stored.events[0], KvEvent::BlockStored { .. }));
+    let restart = f.events.try_recv().expect("the restart batch");
+    assert!(restart.engine_restarted);
+    assert_eq!(restart.events, vec![KvEvent::AllBlocksCleared]);
 }

@@ -1,8 +1,11 @@
 //! KV cache events in vLLM's model (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`).
 //!
 //! The scheduler publishes one [`KvEventBatch`] per iteration that changed the cache; subscribe
-//! with [`crate::EngineHandle::subscribe_kv_events`]. Hashes are engine hashes
-//! (see [`crate::hashing`]), not kvmesh's sequence hashes.
+//! with [`crate::EngineHandle::subscribe_kv_events`], or over ZMQ in vLLM's wire format
+//! (see `crate::zmq_events`). Hashes are engine hashes ([`EngineHash`]), not kvmesh's sequence
+//! hashes.
+
+use crate::hashing::EngineHash;
 
 /// One change to the set of cached blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -10,9 +13,9 @@ pub enum KvEvent {
     /// Consecutive full blocks of one sequence became cached (matchable) blocks.
     BlockStored {
         /// Engine hash of each stored block, in order.
-        block_hashes: Vec<u64>,
+        block_hashes: Vec<EngineHash>,
         /// Engine hash of the block before the first one; `None` at sequence start.
-        parent_block_hash: Option<u64>,
+        parent_block_hash: Option<EngineHash>,
         /// All blocks' tokens concatenated (`block_hashes.len() * block_size` ids).
         token_ids: Vec<u32>,
         /// Tokens per block.
@@ -21,7 +24,7 @@ pub enum KvEvent {
     /// Cached blocks were evicted.
     BlockRemoved {
         /// Engine hashes of the evicted blocks.
-        block_hashes: Vec<u64>,
+        block_hashes: Vec<EngineHash>,
     },
     /// Every cached block was dropped (prefix-cache reset).
     AllBlocksCleared,
@@ -34,6 +37,9 @@ pub struct KvEventBatch {
     pub timestamp: f64,
     /// The events.
     pub events: Vec<KvEvent>,
+    /// Test-only fault injection: the engine simulated a restart right before this batch (whose
+    /// events are a single `AllBlocksCleared`); event sequence numbers start over.
+    pub engine_restarted: bool,
 }
 
 /// Collects events during an iteration, merging adjacent stores of one chain and adjacent removals.
@@ -46,8 +52,8 @@ impl EventBuffer {
     /// Records that one block was stored.
     pub(crate) fn stored(
         &mut self,
-        hash: u64,
-        parent: Option<u64>,
+        hash: EngineHash,
+        parent: Option<EngineHash>,
         tokens: &[u32],
         block_size: usize,
     ) {
@@ -57,7 +63,7 @@ impl EventBuffer {
             ..
         }) = self.events.last_mut()
             && parent.is_some()
-            && block_hashes.last().copied() == parent
+            && block_hashes.last() == parent.as_ref()
         {
             block_hashes.push(hash);
             token_ids.extend_from_slice(tokens);
@@ -72,7 +78,7 @@ impl EventBuffer {
     }
 
     /// Records that one block was evicted.
-    pub(crate) fn removed(&mut self, hash: u64) {
+    pub(crate) fn removed(&mut self, hash: EngineHash) {
         if let Some(KvEvent::BlockRemoved { block_hashes }) = self.events.last_mut() {
             block_hashes.push(hash);
             return;
@@ -97,32 +103,36 @@ impl EventBuffer {
 mod tests {
     use super::*;
 
+    fn h(n: u8) -> EngineHash {
+        EngineHash::from_digest([n; 32])
+    }
+
     #[test]
     fn chained_stores_merge_and_removals_merge() {
         let mut b = EventBuffer::default();
-        b.stored(1, None, &[1, 2], 2);
-        b.stored(2, Some(1), &[3, 4], 2);
-        b.stored(9, Some(5), &[7, 8], 2);
-        b.removed(3);
-        b.removed(4);
+        b.stored(h(1), None, &[1, 2], 2);
+        b.stored(h(2), Some(h(1)), &[3, 4], 2);
+        b.stored(h(9), Some(h(5)), &[7, 8], 2);
+        b.removed(h(3));
+        b.removed(h(4));
         let events = b.take();
         assert_eq!(
             events,
             vec![
                 KvEvent::BlockStored {
-                    block_hashes: vec![1, 2],
+                    block_hashes: vec![h(1), h(2)],
                     parent_block_hash: None,
                     token_ids: vec![1, 2, 3, 4],
                     block_size: 2
                 },
                 KvEvent::BlockStored {
-                    block_hashes: vec![9],
-                    parent_block_hash: Some(5),
+                    block_hashes: vec![h(9)],
+                    parent_block_hash: Some(h(5)),
                     token_ids: vec![7, 8],
                     block_size: 2
                 },
                 KvEvent::BlockRemoved {
-                    block_hashes: vec![3, 4]
+                    block_hashes: vec![h(3), h(4)]
                 },
             ]
         );

@@ -1,0 +1,327 @@
+//! vLLM's msgpack encoding of a KV event batch (wire-formats.md §1.5–§1.7).
+//!
+//! The batch is always the positional array `[ts: f64, events, data_parallel_rank]`. Events are
+//! positional arrays (legacy form, trailing nil fields after `lora_name` omitted) or maps with a
+//! `type` key (vLLM PR #42892). Hashes are unsigned 64-bit ints or 32-byte bins.
+
+use crate::config::{KvEventEncoding, KvEventHash};
+use crate::hashing::EngineHash;
+use crate::kv_events::KvEvent;
+
+/// The medium every simulated block lives on (vLLM's constant for device memory).
+const MEDIUM: &str = "GPU";
+/// Attention kind of the only KV cache group.
+const SPEC_KIND: &str = "full_attention";
+
+/// Layout choices of the encoded events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WireFormat {
+    /// Positional arrays or maps.
+    pub encoding: KvEventEncoding,
+    /// Integer or 32-byte hashes.
+    pub hash: KvEventHash,
+}
+
+/// A msgpack writer over a `Vec`, which cannot fail to grow, so results are not propagated.
+struct Writer<'a> {
+    out: &'a mut Vec<u8>,
+    hash: KvEventHash,
+}
+
+/// Collection lengths always fit: nothing in memory holds 2^32 events, blocks or tokens.
+fn len32(len: usize) -> u32 {
+    u32::try_from(len).unwrap_or(u32::MAX)
+}
+
+impl Writer<'_> {
+    fn array(&mut self, len: usize) {
+        let _ = rmp::encode::write_array_len(self.out, len32(len));
+    }
+
+    fn map(&mut self, len: usize) {
+        let _ = rmp::encode::write_map_len(self.out, len32(len));
+    }
+
+    fn str(&mut self, s: &str) {
+        let _ = rmp::encode::write_str(self.out, s);
+    }
+
+    fn uint(&mut self, v: u64) {
+        let _ = rmp::encode::write_uint(self.out, v);
+    }
+
+    fn nil(&mut self) {
+        let _ = rmp::encode::write_nil(self.out);
+    }
+
+    fn f64(&mut self, v: f64) {
+        let _ = rmp::encode::write_f64(self.out, v);
+    }
+
+    fn hash(&mut self, h: &EngineHash) {
+        match self.hash {
+            KvEventHash::Int => self.uint(h.id()),
+            KvEventHash::Bytes => {
+                let _ = rmp::encode::write_bin(self.out, h.digest());
+            }
+        }
+    }
+
+    fn hashes(&mut self, hashes: &[EngineHash]) {
+        self.array(hashes.len());
+        for h in hashes {
+            self.hash(h);
+        }
+    }
+
+    fn optional_hash(&mut self, h: Option<&EngineHash>) {
+        match h {
+            Some(h) => self.hash(h),
+            None => self.nil(),
+        }
+    }
+
+    fn tokens(&mut self, tokens: &[u32]) {
+        self.array(tokens.len());
+        for &t in tokens {
+            self.uint(u64::from(t));
+        }
+    }
+
+    fn positional(&mut self, event: &KvEvent) {
+        match event {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+            } => {
+                self.array(8);
+                self.str("BlockStored");
+                self.hashes(block_hashes);
+                self.optional_hash(parent_block_hash.as_ref());
+                self.tokens(token_ids);
+                self.uint(*block_size as u64);
+                self.nil(); // lora_id
+                self.str(MEDIUM);
+                self.nil(); // lora_name
+            }
+            KvEvent::BlockRemoved { block_hashes } => {
+                self.array(3);
+                self.str("BlockRemoved");
+                self.hashes(block_hashes);
+                self.str(MEDIUM);
+            }
+            KvEvent::AllBlocksCleared => {
+                self.array(1);
+                self.str("AllBlocksCleared");
+            }
+        }
+    }
+
+    fn keyed(&mut self, event: &KvEvent) {
+        match event {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+            } => {
+                self.map(11);
+                self.str("type");
+                self.str("BlockStored");
+                self.str("block_hashes");
+                self.hashes(block_hashes);
+                self.str("parent_block_hash");
+                self.optional_hash(parent_block_hash.as_ref());
+                self.str("token_ids");
+                self.tokens(token_ids);
+                self.str("block_size");
+                self.uint(*block_size as u64);
+                self.str("lora_id");
+                self.nil();
+                self.str("medium");
+                self.str(MEDIUM);
+                self.str("lora_name");
+                self.nil();
+                self.str("extra_keys");
+                self.array(block_hashes.len());
+                for _ in block_hashes {
+                    self.nil();
+                }
+                self.str("group_idx");
+                self.uint(0);
+                self.str("kv_cache_spec_kind");
+                self.str(SPEC_KIND);
+            }
+            KvEvent::BlockRemoved { block_hashes } => {
+                self.map(4);
+                self.str("type");
+                self.str("BlockRemoved");
+                self.str("block_hashes");
+                self.hashes(block_hashes);
+                self.str("medium");
+                self.str(MEDIUM);
+                self.str("group_idx");
+                self.uint(0);
+            }
+            KvEvent::AllBlocksCleared => {
+                self.map(1);
+                self.str("type");
+                self.str("AllBlocksCleared");
+            }
+        }
+    }
+}
+
+/// Appends the msgpack batch `[timestamp, [events...], dp_rank]` to `out`.
+pub(crate) fn encode_batch(
+    out: &mut Vec<u8>,
+    format: WireFormat,
+    timestamp: f64,
+    events: &[KvEvent],
+    dp_rank: u32,
+) {
+    let mut w = Writer {
+        out,
+        hash: format.hash,
+    };
+    w.array(3);
+    w.f64(timestamp);
+    w.array(events.len());
+    for event in events {
+        match format.encoding {
+            KvEventEncoding::Positional => w.positional(event),
+            KvEventEncoding::Map => w.keyed(event),
+        }
+    }
+    w.uint(u64::from(dp_rank));
+}
+
+#[cfg(test)]
+mod tests {
+    use rmpv::Value;
+
+    use super::*;
+
+    fn hash(n: u8) -> EngineHash {
+        let mut digest = [n; 32];
+        digest[31] = 0xFF;
+        EngineHash::from_digest(digest)
+    }
+
+    fn stored() -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: vec![hash(1), hash(2)],
+            parent_block_hash: None,
+            token_ids: vec![1, 2, 3, 4],
+            block_size: 2,
+        }
+    }
+
+    fn encode(encoding: KvEventEncoding, hash: KvEventHash, events: &[KvEvent]) -> Value {
+        let mut out = Vec::new();
+        encode_batch(&mut out, WireFormat { encoding, hash }, 1.5, events, 0);
+        let mut slice = out.as_slice();
+        let value = rmpv::decode::read_value(&mut slice).expect("valid msgpack");
+        assert!(slice.is_empty(), "trailing bytes");
+        value
+    }
+
+    fn field<'a>(map: &'a Value, key: &str) -> &'a Value {
+        map.as_map()
+            .and_then(|m| m.iter().find(|(k, _)| k.as_str() == Some(key)))
+            .map(|(_, v)| v)
+            .unwrap_or_else(|| panic!("no {key} in {map}"))
+    }
+
+    #[test]
+    fn cleared_batch_bytes_are_exact() {
+        let mut out = Vec::new();
+        let format = WireFormat {
+            encoding: KvEventEncoding::Positional,
+            hash: KvEventHash::Int,
+        };
+        encode_batch(&mut out, format, 1.5, &[KvEvent::AllBlocksCleared], 0);
+        let mut expected = vec![0x93, 0xcb];
+        expected.extend_from_slice(&1.5f64.to_be_bytes());
+        expected.extend_from_slice(&[0x91, 0x91, 0xb0]);
+        expected.extend_from_slice(b"AllBlocksCleared");
+        expected.push(0x00);
+        assert_eq!(out, expected);
+    }
+
+    #[test]
+    fn positional_events_with_int_hashes() {
+        let removed = KvEvent::BlockRemoved {
+            block_hashes: vec![hash(3)],
+        };
+        let v = encode(
+            KvEventEncoding::Positional,
+            KvEventHash::Int,
+            &[stored(), removed],
+        );
+        let batch = v.as_array().expect("batch array");
+        assert_eq!(batch.len(), 3);
+        assert_eq!(batch[0].as_f64(), Some(1.5));
+        assert_eq!(batch[2].as_u64(), Some(0));
+        let events = batch[1].as_array().expect("events");
+        let s = events[0].as_array().expect("stored array");
+        assert_eq!(s.len(), 8);
+        assert_eq!(s[0].as_str(), Some("BlockStored"));
+        let ids: Vec<u64> = s[1]
+            .as_array()
+            .expect("hashes")
+            .iter()
+            .filter_map(Value::as_u64)
+            .collect();
+        assert_eq!(ids, vec![hash(1).id(), hash(2).id()]);
+        assert!(s[2].is_nil());
+        assert_eq!(s[3].as_array().map(Vec::len), Some(4));
+        assert_eq!(s[4].as_u64(), Some(2));
+        assert!(s[5].is_nil() && s[7].is_nil());
+        assert_eq!(s[6].as_str(), Some("GPU"));
+        let r = events[1].as_array().expect("removed array");
+        assert_eq!(r.len(), 3);
+        assert_eq!(r[0].as_str(), Some("BlockRemoved"));
+        assert_eq!(r[1][0].as_u64(), Some(hash(3).id()));
+        assert_eq!(r[2].as_str(), Some("GPU"));
+    }
+
+    #[test]
+    fn map_events_with_byte_hashes() {
+        let child = KvEvent::BlockStored {
+            block_hashes: vec![hash(2)],
+            parent_block_hash: Some(hash(1)),
+            token_ids: vec![3, 4],
+            block_size: 2,
+        };
+        let v = encode(
+            KvEventEncoding::Map,
+            KvEventHash::Bytes,
+            &[child, KvEvent::AllBlocksCleared],
+        );
+        let events = v[1].as_array().expect("events");
+        let s = &events[0];
+        assert_eq!(field(s, "type").as_str(), Some("BlockStored"));
+        assert_eq!(
+            field(s, "block_hashes")[0].as_slice(),
+            Some(&hash(2).digest()[..])
+        );
+        assert_eq!(
+            field(s, "parent_block_hash").as_slice(),
+            Some(&hash(1).digest()[..])
+        );
+        assert_eq!(field(s, "block_size").as_u64(), Some(2));
+        assert_eq!(field(s, "medium").as_str(), Some("GPU"));
+        assert!(field(s, "lora_id").is_nil() && field(s, "lora_name").is_nil());
+        assert_eq!(field(s, "extra_keys").as_array().map(Vec::len), Some(1));
+        assert_eq!(field(s, "group_idx").as_u64(), Some(0));
+        assert_eq!(
+            field(s, "kv_cache_spec_kind").as_str(),
+            Some("full_attention")
+        );
+        assert_eq!(s.as_map().map(Vec::len), Some(11));
+        assert_eq!(field(&events[1], "type").as_str(), Some("AllBlocksCleared"));
+    }
+}
