@@ -1,0 +1,195 @@
+# Helpers shared by the benchmark scripts (sourced, not run).
+#
+# Process handling, readiness (the `LISTENING <name> <addr>` / `READY` stdout lines every kvmesh
+# server prints), CPU and memory readings from /proc, and the replacement of one marked section
+# of docs/BENCHMARKS.md.
+
+# shellcheck disable=SC2034 # used by the scripts that source this file
+BENCH_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CLK_TCK=$(getconf CLK_TCK)
+STARTED_PIDS=()
+
+log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+# Stops every process this script started (by PID, newest first), then removes the work dir
+# (kept when the script fails, for its logs).
+cleanup() {
+  local status=$? i
+  for ((i = ${#STARTED_PIDS[@]} - 1; i >= 0; i--)); do
+    kill "${STARTED_PIDS[i]}" 2>/dev/null || true
+  done
+  for ((i = ${#STARTED_PIDS[@]} - 1; i >= 0; i--)); do
+    wait "${STARTED_PIDS[i]}" 2>/dev/null || true
+  done
+  STARTED_PIDS=()
+  if [[ -n ${WORK_DIR:-} && -d $WORK_DIR ]]; then
+    if [[ -z ${KEEP_WORK_DIR:-} && $status -eq 0 ]]; then
+      rm -rf "$WORK_DIR"
+    else
+      log "work directory kept: $WORK_DIR"
+    fi
+  fi
+}
+
+# expect_alive LABEL PID...: fails (showing the dead process's stderr) unless every PID runs.
+expect_alive() {
+  local label=$1 pid
+  shift
+  for pid in "$@"; do
+    kill -0 "$pid" 2>/dev/null && continue
+    log "process $pid exited during $label; results would be meaningless"
+    grep -l "" "$WORK_DIR"/*.err 2>/dev/null | while read -r f; do log "--- $f"; tail -n 20 "$f" >&2; done
+    return 1
+  done
+}
+
+# stop_pid PID: stops one process this script started and forgets it.
+stop_pid() {
+  local pid=$1 kept=() p
+  kill "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+  for p in "${STARTED_PIDS[@]}"; do [[ $p == "$pid" ]] || kept+=("$p"); done
+  STARTED_PIDS=("${kept[@]}")
+}
+
+# need_tool CMD PACKAGE: installs PACKAGE with apt-get when CMD is missing.
+need_tool() {
+  command -v "$1" >/dev/null 2>&1 && return 0
+  log "$1 not found: installing Debian package $2"
+  local sudo=()
+  [[ $(id -u) -eq 0 ]] || sudo=(sudo)
+  "${sudo[@]}" apt-get install -y --no-install-recommends "$2" >&2 ||
+    { "${sudo[@]}" apt-get update >&2 && "${sudo[@]}" apt-get install -y --no-install-recommends "$2" >&2; } ||
+    die "cannot install $2"
+  command -v "$1" >/dev/null 2>&1 || [[ -x /usr/sbin/$1 ]] || die "$1 still missing after installing $2"
+}
+
+# start_bg VAR LOG CMD...: starts CMD in the background, stdout to LOG, stderr to LOG.err;
+# stores its PID in VAR. CMD may start with `taskset -c N` (taskset execs, so the PID is CMD's).
+start_bg() {
+  local var=$1 out=$2
+  shift 2
+  "$@" >"$out" 2>"$out.err" &
+  local pid=$!
+  STARTED_PIDS+=("$pid")
+  printf -v "$var" '%s' "$pid"
+}
+
+# wait_ready LOG PID [SECONDS]: waits for the READY line a server prints once it listens.
+wait_ready() {
+  local out=$1 pid=$2 deadline=$((SECONDS + ${3:-60}))
+  until grep -qx 'READY' "$out" 2>/dev/null; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      log "process $pid exited before READY; its output:"
+      cat "$out" "$out.err" >&2 || true
+      return 1
+    fi
+    if ((SECONDS >= deadline)); then
+      log "no READY from $pid within ${3:-60}s"
+      return 1
+    fi
+    sleep 0.05
+  done
+}
+
+# listening LOG [NAME]: the addresses of the LISTENING lines (whose listener name matches the
+# regular expression NAME in full), one a line.
+listening() {
+  awk -v n="^(${2:-.*})\$" '$1 == "LISTENING" && $2 ~ n { print $3 }' "$1"
+}
+
+# free_port: a TCP port on 127.0.0.1 nothing listens on (for servers that cannot bind port 0).
+free_port() {
+  local port
+  for ((port = 18080 + RANDOM % 2000; port < 65000; port += 7)); do
+    if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+      echo "$port"
+      return 0
+    fi
+  done
+  return 1
+}
+
+# children PID: the PIDs whose parent is PID.
+children() {
+  local parent=$1 stat line fields pid
+  for stat in /proc/[0-9]*/stat; do
+    read -r line <"$stat" 2>/dev/null || continue
+    read -ra fields <<<"${line##*) }"
+    if [[ ${fields[1]} == "$parent" ]]; then
+      pid=${stat#/proc/}
+      echo "${pid%/stat}"
+    fi
+  done
+}
+
+# cpu_ticks PID...: user + system CPU time of the processes (all their threads), in clock ticks.
+cpu_ticks() {
+  local pid line fields total=0
+  for pid in "$@"; do
+    read -r line <"/proc/$pid/stat" || continue
+    # Fields after "(comm) ": state ppid ... utime (14th of the line) and stime (15th).
+    read -ra fields <<<"${line##*) }"
+    total=$((total + fields[11] + fields[12]))
+  done
+  echo "$total"
+}
+
+# rss_kb FIELD PID...: the sum of a /proc/PID/status memory field (VmRSS, VmHWM) in kB.
+rss_kb() {
+  local field=$1 pid total=0 value
+  shift
+  for pid in "$@"; do
+    value=$(awk -v f="$field:" '$1 == f { print $2 }' "/proc/$pid/status" 2>/dev/null)
+    total=$((total + ${value:-0}))
+  done
+  echo "$total"
+}
+
+# us_per_request TICKS REQUESTS: CPU microseconds per request.
+us_per_request() {
+  awk -v t="$1" -v n="$2" -v hz="$CLK_TCK" 'BEGIN { if (n > 0) printf "%.1f\n", t * 1e6 / hz / n; else print "n/a" }'
+}
+
+# machine_lines: markdown bullet lines describing this machine and its load.
+machine_lines() {
+  local cpu
+  cpu=$(awk -F': ' '/^model name/ { print $2; exit }' /proc/cpuinfo)
+  echo "- Machine: \`nproc\` = $(nproc), CPU \`${cpu:-unknown}\`, kernel \`$(uname -r)\`, $(awk '/MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo) RAM"
+  echo "- Load average before the run: \`$(cut -d' ' -f1-3 /proc/loadavg)\` (the 2 cores may be shared with other work)"
+}
+
+# replace_section DOC NAME CONTENT_FILE: replaces the text between `<!-- BEGIN NAME -->` and
+# `<!-- END NAME -->` in DOC with the file's content (appends the section if it is missing).
+replace_section() {
+  local doc=$1 name=$2 content=$3
+  local begin="<!-- BEGIN $name -->" end="<!-- END $name -->"
+  [[ -f $doc ]] || printf '# Benchmarks\n' >"$doc"
+  if grep -qxF "$begin" "$doc" && grep -qxF "$end" "$doc"; then
+    awk -v b="$begin" -v e="$end" -v f="$content" '
+      $0 == b { print; while ((getline l < f) > 0) print l; skip = 1; next }
+      $0 == e { skip = 0 }
+      !skip { print }' "$doc" >"$doc.tmp"
+  else
+    { cat "$doc"; printf '\n%s\n' "$begin"; cat "$content"; printf '%s\n' "$end"; } >"$doc.tmp"
+  fi
+  mv "$doc.tmp" "$doc"
+}
+
+# median [DECIMALS]: the median of the numbers on stdin, one a line, with DECIMALS (default 3)
+# decimals ("n/a" when there are none).
+median() {
+  sort -g | awk -v fmt="%.${1:-3}f\n" '{ v[NR] = $1 }
+    END {
+      if (NR == 0) { print "n/a"; exit }
+      m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
+      printf fmt, m
+    }'
+}
+
+# span: "min–max" of the numbers on stdin, rounded to integers.
+span() { sort -g | awk 'NR == 1 { lo = $1 } { hi = $1 } END { if (NR) printf "%.0f–%.0f", lo, hi; else print "n/a" }'; }
+
+# json FILE FILTER: one value from a kvmesh-bench JSON report (jq filter; null becomes n/a).
+json() { jq -r "($2) // \"n/a\" | if type == \"number\" then (. * 1000 | round / 1000) else . end" "$1"; }

@@ -1,0 +1,246 @@
+//! The results of a run: a human table and the same numbers as JSON.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::Serialize;
+
+use crate::histogram::Percentiles;
+use crate::plan::Outcome;
+
+/// How load was applied.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum LoadShape {
+    /// A fixed number of connections sending back to back.
+    Closed {
+        /// Connections.
+        concurrency: u64,
+    },
+    /// Poisson arrivals at a mean rate.
+    Open {
+        /// Offered requests per second.
+        rate: f64,
+        /// Bound on requests in flight.
+        max_outstanding: u64,
+    },
+}
+
+/// What was run, as echoed in the report.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunInfo {
+    /// Base URL.
+    pub url: String,
+    /// `chat` or `completions`.
+    pub endpoint: String,
+    /// Model name sent.
+    pub model: String,
+    /// Streaming requests.
+    pub stream: bool,
+    /// HTTP/2 (h2c) instead of HTTP/1.1.
+    pub http2: bool,
+    /// Prompt length in words.
+    pub prompt_tokens: usize,
+    /// `max_tokens` sent.
+    pub max_tokens: u32,
+    /// How load was applied.
+    pub load: LoadShape,
+    /// Warm-up before measuring, seconds.
+    pub warmup_s: f64,
+}
+
+/// Results of one run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    /// What was run.
+    #[serde(flatten)]
+    pub run: RunInfo,
+    /// Length of the measurement window, seconds.
+    pub duration_s: f64,
+    /// Successful requests.
+    pub requests_ok: u64,
+    /// Failed requests.
+    pub errors_total: u64,
+    /// Failed requests by kind (`status_503`, `connect`, `timeout`, `io`, ...).
+    pub errors: BTreeMap<String, u64>,
+    /// Successful requests per second.
+    pub requests_per_s: f64,
+    /// Generated tokens over successful requests.
+    pub output_tokens: u64,
+    /// Generated tokens per second.
+    pub output_tokens_per_s: f64,
+    /// Time to first token, ms (streaming only).
+    pub ttft_ms: Option<Percentiles>,
+    /// Inter-token latency, ms (streaming only).
+    pub itl_ms: Option<Percentiles>,
+    /// End-to-end latency, ms.
+    pub e2e_ms: Option<Percentiles>,
+    /// CPU the load generator used over the whole run, in % of one core (Linux only): near
+    /// 100 × its threads means the generator, not the server, was the limit.
+    pub client_cpu_percent: Option<f64>,
+}
+
+impl Report {
+    /// The report of `outcome`, with the generator's CPU use if it was measured.
+    pub fn new(run: RunInfo, outcome: &Outcome, client_cpu_percent: Option<f64>) -> Self {
+        let r = &outcome.recorder;
+        let seconds = outcome.window.as_secs_f64();
+        let per_second = |n: u64| {
+            if seconds > 0.0 {
+                n as f64 / seconds
+            } else {
+                0.0
+            }
+        };
+        Self {
+            run,
+            duration_s: seconds,
+            requests_ok: r.ok,
+            errors_total: r.error_total(),
+            errors: r.errors.iter().map(|(k, n)| (k.to_string(), *n)).collect(),
+            requests_per_s: per_second(r.ok),
+            output_tokens: r.output_tokens,
+            output_tokens_per_s: per_second(r.output_tokens),
+            ttft_ms: r.ttft.summary(),
+            itl_ms: r.itl.summary(),
+            e2e_ms: r.e2e.summary(),
+            client_cpu_percent,
+        }
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let run = &self.run;
+        let load = match run.load {
+            LoadShape::Closed { concurrency } => format!("closed loop, {concurrency} connections"),
+            LoadShape::Open {
+                rate,
+                max_outstanding,
+            } => format!("open loop, {rate} req/s offered, at most {max_outstanding} outstanding"),
+        };
+        writeln!(
+            f,
+            "{} {} model={} stream={} http2={} prompt={}w max_tokens={}",
+            run.url,
+            run.endpoint,
+            run.model,
+            run.stream,
+            run.http2,
+            run.prompt_tokens,
+            run.max_tokens
+        )?;
+        writeln!(
+            f,
+            "{load}; measured {:.2} s after {:.2} s warm-up",
+            self.duration_s, run.warmup_s
+        )?;
+        writeln!(
+            f,
+            "requests: {} ok, {} errors | {:.1} req/s | {:.1} output tok/s ({} tokens)",
+            self.requests_ok,
+            self.errors_total,
+            self.requests_per_s,
+            self.output_tokens_per_s,
+            self.output_tokens
+        )?;
+        writeln!(
+            f,
+            "{:<12}{:>10}{:>10}{:>10}{:>10}{:>10}{:>12}",
+            "latency ms", "p50", "p90", "p99", "max", "mean", "count"
+        )?;
+        for (name, p) in [
+            ("TTFT", &self.ttft_ms),
+            ("ITL", &self.itl_ms),
+            ("E2E", &self.e2e_ms),
+        ] {
+            match p {
+                Some(p) => writeln!(
+                    f,
+                    "{name:<12}{:>10.3}{:>10.3}{:>10.3}{:>10.3}{:>10.3}{:>12}",
+                    p.p50, p.p90, p.p99, p.max, p.mean, p.count
+                )?,
+                None => writeln!(f, "{name:<12}{:>10}", "-")?,
+            }
+        }
+        if let Some(cpu) = self.client_cpu_percent {
+            writeln!(f, "load generator CPU: {cpu:.0}% of one core")?;
+        }
+        if !self.errors.is_empty() {
+            let kinds: Vec<String> = self
+                .errors
+                .iter()
+                .map(|(k, n)| format!("{k}={n}"))
+                .collect();
+            writeln!(f, "errors: {}", kinds.join(" "))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error_kind::ErrorKind;
+    use crate::recorder::{Completed, Recorder};
+    use std::time::{Duration, Instant};
+
+    fn info() -> RunInfo {
+        RunInfo {
+            url: "http://127.0.0.1:1".into(),
+            endpoint: "chat".into(),
+            model: "m".into(),
+            stream: true,
+            http2: false,
+            prompt_tokens: 16,
+            max_tokens: 16,
+            load: LoadShape::Closed { concurrency: 4 },
+            warmup_s: 0.0,
+        }
+    }
+
+    #[test]
+    fn rates_and_json_fields() {
+        let mut recorder = Recorder::new();
+        let now = Instant::now();
+        for _ in 0..20 {
+            let done = Completed {
+                ttft: Some(Duration::from_micros(500)),
+                e2e: Duration::from_millis(2),
+                output_tokens: 16,
+                finished_at: now,
+            };
+            recorder.record_success(&done, &[100, 100]);
+        }
+        recorder.record_error(ErrorKind::Status(429), now);
+        let outcome = Outcome {
+            recorder,
+            window: Duration::from_secs(2),
+        };
+        let report = Report::new(info(), &outcome, Some(40.0));
+        assert_eq!(report.requests_per_s, 10.0);
+        assert_eq!(report.output_tokens_per_s, 160.0);
+        let json = serde_json::to_value(&report).expect("serialisable");
+        assert_eq!(json["errors"]["status_429"], 1);
+        assert_eq!(json["load"]["kind"], "closed");
+        assert_eq!(json["ttft_ms"]["p50"], 0.5);
+        assert_eq!(json["itl_ms"]["count"], 40);
+        assert_eq!(json["url"], "http://127.0.0.1:1");
+        let table = report.to_string();
+        assert!(table.contains("10.0 req/s"), "{table}");
+        assert!(table.contains("status_429=1"), "{table}");
+        assert!(table.contains("CPU: 40% of one core"), "{table}");
+        assert_eq!(json["client_cpu_percent"], 40.0);
+    }
+
+    #[test]
+    fn empty_window_reports_zero_rates() {
+        let outcome = Outcome {
+            recorder: Recorder::new(),
+            window: Duration::ZERO,
+        };
+        let report = Report::new(info(), &outcome, Some(40.0));
+        assert_eq!(report.requests_per_s, 0.0);
+        assert_eq!(report.e2e_ms, None);
+    }
+}
