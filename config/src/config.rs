@@ -14,7 +14,7 @@ use crate::{
 
 /// The whole proxy configuration (one YAML file). Every section is optional and
 /// defaults as documented on its fields; only `models` must be given.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// Data listeners (default: one, `main` on 127.0.0.1:8080).

@@ -1,11 +1,13 @@
 //! Models and the backends (engine instances) that serve them.
 
+use std::path::PathBuf;
+
 use serde::Deserialize;
 
-use crate::BackendUrl;
+use crate::{BackendUrl, KvRoutingConfig};
 
 /// A model clients can name in the `model` field, and where it is served.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelConfig {
     /// The model's name (listed by `GET /v1/models`).
@@ -16,6 +18,18 @@ pub struct ModelConfig {
     pub policy: PolicyKind,
     /// The engine instances serving this model (at least one).
     pub backends: Vec<BackendConfig>,
+    /// Directory holding the model's Hugging Face `tokenizer.json` and
+    /// `tokenizer_config.json` (with its chat template), relative to the working
+    /// directory. `policy: kv` needs it to route chat and text-prompt requests by
+    /// their tokens; without it those fall back to least-loaded routing.
+    pub tokenizer: Option<PathBuf>,
+    /// Under `policy: kv`, forward a completions request whose `prompt` is one string
+    /// with that string replaced by its token ids (`"prompt": [...]`), so the engine
+    /// does not tokenize it again. The only body rewrite besides aliases; needs
+    /// `tokenizer`.
+    pub forward_token_ids: bool,
+    /// Settings of `policy: kv`.
+    pub kv: KvRoutingConfig,
 }
 
 /// Load-balancing policy among a model's healthy, non-ejected backends.
@@ -31,6 +45,9 @@ pub enum PolicyKind {
     LeastRequest,
     /// The less loaded (in flight) of two random backends.
     PowerOfTwo,
+    /// KV-cache aware: the backend with the least prefill work left for this request
+    /// (cached prefix overlap) and the least decode load (see `kv`).
+    Kv,
 }
 
 impl PolicyKind {
@@ -41,6 +58,7 @@ impl PolicyKind {
             Self::Random => "random",
             Self::LeastRequest => "least_request",
             Self::PowerOfTwo => "power_of_two",
+            Self::Kv => "kv",
         }
     }
 }

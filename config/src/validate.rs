@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::duration::format_duration;
-use crate::{Config, FieldPath};
+use crate::{Config, FieldPath, KvRoutingConfig, MAX_APPROX_TTL, ModelConfig, PolicyKind};
 
 /// The first rule a config breaks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,6 +120,69 @@ fn check_models(config: &Config, root: &FieldPath) -> Checked {
                 );
             }
         }
+        check_model_routing(model, &path)?;
+    }
+    Ok(())
+}
+
+fn check_model_routing(model: &ModelConfig, path: &FieldPath) -> Checked {
+    if model
+        .tokenizer
+        .as_ref()
+        .is_some_and(|dir| dir.as_os_str().is_empty())
+    {
+        return fail(path.key("tokenizer"), "must not be empty");
+    }
+    if model.forward_token_ids {
+        if model.policy != PolicyKind::Kv {
+            return fail(
+                path.key("forward_token_ids"),
+                "needs policy: kv (only the kv policy tokenizes prompts)",
+            );
+        }
+        if model.tokenizer.is_none() {
+            return fail(
+                path.key("forward_token_ids"),
+                "needs a tokenizer directory (`tokenizer: DIR`)",
+            );
+        }
+    }
+    check_kv(&model.kv, &path.key("kv"))
+}
+
+fn check_kv(kv: &KvRoutingConfig, path: &FieldPath) -> Checked {
+    if kv.block_size == 0 {
+        return fail(path.key("block_size"), "must be at least 1");
+    }
+    non_negative(kv.overlap_weight, path.key("overlap_weight"))?;
+    non_negative(kv.temperature, path.key("temperature"))?;
+    positive(kv.approx_ttl, path.key("approx_ttl"))?;
+    if kv.approx_ttl > MAX_APPROX_TTL {
+        return fail(
+            path.key("approx_ttl"),
+            format!("must be at most {}", format_duration(MAX_APPROX_TTL)),
+        );
+    }
+    if kv.approx_max_blocks == 0 {
+        return fail(path.key("approx_max_blocks"), "must be at least 1");
+    }
+    let ratio = kv.approx_prune_ratio;
+    if !(ratio > 0.0 && ratio <= 1.0) {
+        return fail(
+            path.key("approx_prune_ratio"),
+            format!("{ratio} is not in (0, 1]"),
+        );
+    }
+    if let Some(fraction) = kv.busy_decode_blocks_fraction {
+        non_negative(fraction, path.key("busy_decode_blocks_fraction"))?;
+    }
+    positive(kv.queue.timeout, path.key("queue").key("timeout"))?;
+    positive(kv.stale_request_timeout, path.key("stale_request_timeout"))
+}
+
+fn non_negative(value: f64, path: FieldPath) -> Checked {
+    if !(value.is_finite() && value >= 0.0) {
+        return fail(path, format!("{value} must be a finite number >= 0"));
     }
     Ok(())
 }

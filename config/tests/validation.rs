@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use kvmesh_config::{
-    BackendConfig, BackendUrl, Config, ConfigError, ModelConfig, PolicyKind, Protocol, TextPosition,
+    BackendConfig, BackendUrl, Config, ConfigError, KvRoutingConfig, ModelConfig, PolicyKind,
+    Protocol, TextPosition,
 };
 
 const MINIMAL: &str = "\
@@ -82,6 +83,21 @@ fn minimal_config_gets_every_default() {
     assert_eq!(model.name, "qwen3");
     assert_eq!(model.policy, PolicyKind::RoundRobin);
     assert_eq!(model.backends[0].protocol, Protocol::Http1);
+    assert_eq!(model.tokenizer, None);
+    assert!(!model.forward_token_ids);
+    let kv = &model.kv;
+    assert_eq!(kv.block_size, 64);
+    assert_eq!(kv.overlap_weight, 1.0);
+    assert_eq!(kv.temperature, 0.0);
+    assert_eq!(kv.approx_ttl, Duration::from_secs(120));
+    assert_eq!(kv.approx_max_blocks, 1_048_576);
+    assert_eq!(kv.approx_prune_ratio, 0.8);
+    assert_eq!(kv.total_kv_blocks, Some(16_384));
+    assert_eq!(kv.busy_decode_blocks_fraction, Some(1.0));
+    assert_eq!(kv.busy_prefill_tokens, Some(10_000_000));
+    assert_eq!(kv.queue.max_size, 0);
+    assert_eq!(kv.queue.timeout, Duration::from_secs(5));
+    assert_eq!(kv.stale_request_timeout, Duration::from_secs(300));
 }
 
 #[test]
@@ -552,4 +568,191 @@ fn the_example_file_spells_out_the_defaults() {
     let model = &example.models[0];
     assert_eq!(model.policy, PolicyKind::default());
     assert_eq!(model.backends[0].protocol, Protocol::default());
+    let default_model = ModelConfig::default();
+    assert_eq!(model.tokenizer, default_model.tokenizer);
+    assert_eq!(model.forward_token_ids, default_model.forward_token_ids);
+    assert_eq!(model.kv, KvRoutingConfig::default());
+}
+
+const KV_MODEL: &str = "\
+models:
+  - name: qwen3
+    policy: kv
+    tokenizer: .cache/tokenizers/qwen3
+    backends:
+      - url: http://127.0.0.1:8001
+";
+
+#[test]
+fn kv_policy_settings_parse() {
+    let text = format!(
+        "{KV_MODEL}    forward_token_ids: true
+    kv:
+      block_size: 16
+      overlap_weight: 2
+      temperature: 0.5
+      approx_ttl: 30s
+      approx_max_blocks: 1000
+      approx_prune_ratio: 0.5
+      total_kv_blocks: null
+      busy_decode_blocks_fraction: ~
+      busy_prefill_tokens: 0
+      queue:
+        max_size: 8
+        timeout: 250ms
+      stale_request_timeout: 1m
+"
+    );
+    let config = Config::from_yaml_str(&text, "kv.yaml").unwrap();
+    let model = &config.models[0];
+    assert_eq!(model.policy, PolicyKind::Kv);
+    assert_eq!(
+        model.tokenizer.as_deref(),
+        Some(std::path::Path::new(".cache/tokenizers/qwen3"))
+    );
+    assert!(model.forward_token_ids);
+    let kv = &model.kv;
+    assert_eq!(kv.block_size, 16);
+    assert_eq!(kv.overlap_weight, 2.0);
+    assert_eq!(kv.temperature, 0.5);
+    assert_eq!(kv.approx_ttl, Duration::from_secs(30));
+    assert_eq!(kv.approx_max_blocks, 1000);
+    assert_eq!(kv.approx_prune_ratio, 0.5);
+    assert_eq!(kv.total_kv_blocks, None);
+    assert_eq!(kv.busy_decode_blocks_fraction, None);
+    assert_eq!(kv.busy_decode_blocks(), None);
+    assert_eq!(kv.busy_prefill_tokens_limit(), None);
+    assert_eq!(kv.queue.max_size, 8);
+    assert_eq!(kv.queue.timeout, Duration::from_millis(250));
+    assert_eq!(kv.stale_request_timeout, Duration::from_secs(60));
+}
+
+#[test]
+fn kv_policy_settings_are_validated() {
+    let kv = |body: &str| format!("{KV_MODEL}    kv:\n{body}");
+    assert_err(
+        &kv("      block_size: 0\n"),
+        "models[0].kv.block_size",
+        "at least 1",
+        8,
+        19,
+    );
+    assert_err(
+        &kv("      overlap_weight: -1\n"),
+        "models[0].kv.overlap_weight",
+        "finite number >= 0",
+        8,
+        23,
+    );
+    assert_err(
+        &kv("      temperature: -0.1\n"),
+        "models[0].kv.temperature",
+        "finite number >= 0",
+        8,
+        20,
+    );
+    assert_err(
+        &kv("      approx_ttl: 0s\n"),
+        "models[0].kv.approx_ttl",
+        "greater than 0",
+        8,
+        19,
+    );
+    assert_err(
+        &kv("      approx_ttl: 9000h\n"),
+        "models[0].kv.approx_ttl",
+        "at most 8760h",
+        8,
+        19,
+    );
+    assert_err(
+        &kv("      approx_max_blocks: 0\n"),
+        "models[0].kv.approx_max_blocks",
+        "at least 1",
+        8,
+        26,
+    );
+    for ratio in ["0", "1.5"] {
+        assert_err(
+            &kv(&format!("      approx_prune_ratio: {ratio}\n")),
+            "models[0].kv.approx_prune_ratio",
+            "not in (0, 1]",
+            8,
+            27,
+        );
+    }
+    assert_err(
+        &kv("      busy_decode_blocks_fraction: -0.5\n"),
+        "models[0].kv.busy_decode_blocks_fraction",
+        "finite number >= 0",
+        8,
+        36,
+    );
+    assert_err(
+        &kv("      queue:\n        timeout: 0ms\n"),
+        "models[0].kv.queue.timeout",
+        "greater than 0",
+        9,
+        18,
+    );
+    assert_err(
+        &kv("      stale_request_timeout: 0s\n"),
+        "models[0].kv.stale_request_timeout",
+        "greater than 0",
+        8,
+        30,
+    );
+    assert_err(
+        &kv("      block_sizes: 4\n"),
+        "models[0].kv.block_sizes",
+        "unknown field `block_sizes`",
+        8,
+        7,
+    );
+    assert_err(
+        &kv("      total_kv_blocks: -3\n"),
+        "models[0].kv.total_kv_blocks",
+        "invalid",
+        8,
+        24,
+    );
+}
+
+#[test]
+fn forward_token_ids_needs_the_kv_policy_and_a_tokenizer() {
+    let no_tokenizer = "\
+models:
+  - name: a
+    policy: kv
+    forward_token_ids: true
+    backends:
+      - url: http://h:1
+";
+    assert_err(
+        no_tokenizer,
+        "models[0].forward_token_ids",
+        "needs a tokenizer",
+        4,
+        24,
+    );
+    let other_policy = "\
+models:
+  - name: a
+    tokenizer: tok
+    forward_token_ids: true
+    backends:
+      - url: http://h:1
+";
+    assert_err(
+        other_policy,
+        "models[0].forward_token_ids",
+        "needs policy: kv",
+        4,
+        24,
+    );
+    let empty = "models:\n  - name: a\n    tokenizer: ''\n    backends:\n      - url: http://h:1\n";
+    assert_err(empty, "models[0].tokenizer", "must not be empty", 3, 16);
+    let valid = "models:\n  - name: a\n    policy: kv\n    backends:\n      - url: http://h:1\n";
+    let config = Config::from_yaml_str(valid, "config.yaml").unwrap();
+    assert_eq!(config.models[0].tokenizer, None);
 }

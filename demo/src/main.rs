@@ -5,11 +5,16 @@
 //! prints a ready-to-paste `curl` and serves until Ctrl-C or SIGTERM. This
 //! launcher is the only place where the proxy meets the simulator, so a
 //! production `kvmesh-proxy` build carries no simulator code.
+//!
+//! The proxy routes with `policy: kv` and the real Qwen3 tokenizer, which the
+//! simulated engines use too, so every response carries `x-kvmesh-route` and
+//! a conversation's turns land where its prefix is cached.
 
 use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use clap::Parser;
 use kvmesh_config::Config;
 use kvmesh_engine_sim::SimConfig;
@@ -36,11 +41,32 @@ struct Cli {
     /// Simulated engine speed-up over the real-time timing model (1 = real time).
     #[arg(long, default_value_t = 1.0)]
     speedup_ratio: f64,
+    /// Tokenizer directory (tokenizer.json + tokenizer_config.json) for the proxy's KV
+    /// routing and the engines; default: the repository's `.cache/tokenizers/qwen3`.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_TOKENIZER)]
+    tokenizer: PathBuf,
+}
+
+/// Where `scripts/fetch-tokenizer.sh` puts the Qwen3 tokenizer.
+const DEFAULT_TOKENIZER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../.cache/tokenizers/qwen3");
+
+/// Checks that `dir` holds a tokenizer, with a hint on how to get one.
+fn check_tokenizer(dir: &Path) -> anyhow::Result<()> {
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        if !dir.join(file).is_file() {
+            bail!(
+                "no {file} in {}: run scripts/fetch-tokenizer.sh from the repository root \
+                 (or pass --tokenizer DIR)",
+                dir.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
@@ -48,9 +74,12 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
 
+    check_tokenizer(&cli.tokenizer)?;
+    cli.tokenizer = std::fs::canonicalize(&cli.tokenizer).unwrap_or(cli.tokenizer);
     let sim = SimConfig {
         model: cli.model.clone(),
         speedup_ratio: cli.speedup_ratio,
+        tokenizer: Some(cli.tokenizer.join("tokenizer.json")),
         ..SimConfig::default()
     };
     let engines =
@@ -80,6 +109,11 @@ async fn main() -> anyhow::Result<()> {
     writeln!(out, "READY\n\nTry it:\n\n{}\n", curl(&cli))?;
     writeln!(
         out,
+        "Why that engine (routing explained, nothing forwarded):\n\n{}\n",
+        explain_curl(&cli, proxy.admin_address())
+    )?;
+    writeln!(
+        out,
         "Metrics: curl -s http://{}/metrics | grep ^kvmesh_",
         proxy.admin_address()
     )?;
@@ -104,9 +138,13 @@ async fn main() -> anyhow::Result<()> {
 
 /// The proxy config of the demo, as YAML a user could save and edit.
 fn demo_config(cli: &Cli, backends: &[String]) -> String {
+    let tokenizer = yaml_quote(&cli.tokenizer.display().to_string());
     let mut yaml = format!(
-        "listeners:\n  - name: main\n    address: {}\nadmin:\n  address: {}\nmodels:\n  - name: {}\n    policy: least_request\n    backends:\n",
-        cli.listen, cli.admin, cli.model
+        "listeners:\n  - name: main\n    address: {}\nadmin:\n  address: {}\nmodels:\n  - name: {}\n    policy: kv\n    tokenizer: {tokenizer}\n    kv:\n      block_size: {}\n    backends:\n",
+        cli.listen,
+        cli.admin,
+        cli.model,
+        SimConfig::default().block_size
     );
     for url in backends {
         yaml.push_str(&format!("      - url: {url}\n"));
@@ -114,10 +152,31 @@ fn demo_config(cli: &Cli, backends: &[String]) -> String {
     yaml
 }
 
-/// A request a newcomer can paste.
+/// `text` as a double-quoted YAML scalar.
+fn yaml_quote(text: &str) -> String {
+    format!("\"{}\"", text.replace('\\', "\\\\").replace('"', "\\\""))
+}
+
+/// A request a newcomer can paste: `-i` shows `x-kvmesh-instance` and `x-kvmesh-route`.
 fn curl(cli: &Cli) -> String {
     format!(
-        "curl -s http://{}/v1/chat/completions -H 'content-type: application/json' \\\n  -d '{{\"model\":\"{}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello, kvmesh!\"}}],\"max_tokens\":16}}'",
-        cli.listen, cli.model
+        "curl -si http://{}/v1/chat/completions -H 'content-type: application/json' \\\n  -d '{}'",
+        cli.listen,
+        sample_body(cli)
+    )
+}
+
+/// The same request, explained by the admin listener.
+fn explain_curl(cli: &Cli, admin: SocketAddr) -> String {
+    format!(
+        "curl -s http://{admin}/debug/route -H 'content-type: application/json' \\\n  -d '{}'",
+        sample_body(cli)
+    )
+}
+
+fn sample_body(cli: &Cli) -> String {
+    format!(
+        "{{\"model\":\"{}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello, kvmesh!\"}}],\"max_tokens\":16}}",
+        cli.model
     )
 }

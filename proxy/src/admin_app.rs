@@ -1,4 +1,5 @@
-//! The admin listener: `GET /metrics`, `GET /health`, `GET /live`.
+//! The admin listener: `GET /metrics`, `GET /health`, `GET /live`, and
+//! `POST /debug/route` (how `policy: kv` would route a request; see [`crate::kv_route`]).
 
 use std::sync::Arc;
 
@@ -12,9 +13,17 @@ use serde::Serialize;
 use tokio::sync::watch;
 use tokio::time::timeout;
 
-use crate::api_error::error_json;
+use crate::api_error::{ApiError, error_json};
 use crate::clock::now_millis;
+use crate::headers::content_length;
+use crate::kv_route::explain::Explanation;
+use crate::kv_route::offload;
+use crate::kv_route::prepare::InvalidPrompt;
+use crate::pool::Balancer;
+use crate::request_body::{BodyError, read_body};
+use crate::request_fields::{FieldsError, extract};
 use crate::respond::{JSON, respond};
+use crate::route::Route;
 use crate::state::State;
 
 /// Prometheus text exposition format.
@@ -35,11 +44,8 @@ impl AdminApp {
     }
 
     fn metrics(&self) -> (u16, HeaderValue, Bytes) {
-        let now = now_millis();
         for pool in self.state.registry.pools() {
-            for instance in pool.instances() {
-                instance.refresh_gauges(now);
-            }
+            pool.refresh_gauges();
         }
         match self.state.metrics.render() {
             Ok(text) => (200, PROMETHEUS_TEXT, Bytes::from(text)),
@@ -100,6 +106,117 @@ impl AdminApp {
     }
 }
 
+/// `POST /debug/route?route=chat_completions|completions`: reads a request body and explains
+/// how its model's `policy: kv` would route it now, without forwarding it, booking load or
+/// recording a prediction. (Looking up the index drops predictions whose TTL already passed,
+/// which no routing decision would have matched anyway.)
+async fn debug_route(state: &State, session: &mut ServerSession) -> (u16, HeaderValue, Bytes) {
+    let route = match route_param(session.req_header().uri.query()) {
+        Ok(route) => route,
+        Err(message) => return invalid(&message, "invalid_route"),
+    };
+    let limit = state.limits.max_body_bytes;
+    let declared = content_length(session.req_header());
+    let deadline = tokio::time::Instant::now() + state.limits.client_header_timeout;
+    let body = match read_body(session, limit, declared, deadline).await {
+        Ok(body) => body,
+        Err(BodyError::TooLarge) => return api_error(&ApiError::BodyTooLarge { limit }),
+        Err(BodyError::Timeout) => return api_error(&ApiError::RequestTimeout),
+        Err(BodyError::Client(error)) => return invalid(&error.to_string(), "invalid_body"),
+    };
+    let model = match extract(&body) {
+        Ok(fields) => match fields.model {
+            Some(model) => model.as_str().to_string(),
+            None => return api_error(&ApiError::MissingModel),
+        },
+        Err(FieldsError::InvalidJson(detail)) => return api_error(&ApiError::InvalidJson(detail)),
+        Err(FieldsError::InvalidShape(detail)) => {
+            return api_error(&ApiError::InvalidBody(detail));
+        }
+    };
+    let Some(pool) = state.registry.get(&model) else {
+        return api_error(&ApiError::ModelNotFound {
+            model,
+            known: state.registry.known().to_string(),
+        });
+    };
+    let Balancer::Kv(router) = pool.balancer() else {
+        let message = format!("model {model:?} does not use policy kv");
+        return invalid(&message, "not_kv_routed");
+    };
+    let prepared = match offload::prepare(
+        state.preprocess.as_ref(),
+        router.preparer(),
+        route,
+        &body,
+        false,
+    )
+    .await
+    {
+        Ok(prepared) => prepared,
+        Err(InvalidPrompt(message)) => return api_error(&ApiError::InvalidPrompt(message)),
+    };
+    let request = router.lookup(&prepared, std::time::Instant::now());
+    let explanation = router.explain(
+        pool.instances(),
+        &request,
+        now_millis(),
+        &mut rand::thread_rng(),
+    );
+    let body = Explained {
+        model: pool.name(),
+        route: route.label(),
+        explanation,
+    };
+    match serde_json::to_vec(&body) {
+        Ok(json) => (200, JSON, Bytes::from(json)),
+        Err(error) => (
+            500,
+            JSON,
+            Bytes::from(error_json(
+                &error.to_string(),
+                "internal_error",
+                None,
+                "internal_error",
+            )),
+        ),
+    }
+}
+
+/// The `route` query parameter: `chat_completions` (default) or `completions`.
+fn route_param(query: Option<&str>) -> Result<Route, String> {
+    let value = query
+        .unwrap_or("")
+        .split('&')
+        .filter_map(|pair| pair.split_once('=').or(Some((pair, ""))))
+        .find(|(key, _)| *key == "route")
+        .map(|(_, value)| value);
+    match value {
+        None | Some("chat_completions") => Ok(Route::ChatCompletions),
+        Some("completions") => Ok(Route::Completions),
+        Some(other) => Err(format!(
+            "unknown route {other:?}: use chat_completions or completions"
+        )),
+    }
+}
+
+fn api_error(error: &ApiError) -> (u16, HeaderValue, Bytes) {
+    (error.status(), JSON, error.body())
+}
+
+fn invalid(message: &str, code: &str) -> (u16, HeaderValue, Bytes) {
+    let body = error_json(message, "invalid_request_error", None, code);
+    (400, JSON, Bytes::from(body))
+}
+
+#[derive(Serialize)]
+struct Explained<'a> {
+    model: &'a str,
+    route: &'static str,
+    #[serde(flatten)]
+    explanation: Explanation,
+}
+
 #[derive(Serialize)]
 struct Health<'a> {
     status: &'static str,
@@ -136,24 +253,33 @@ impl HttpServerApp for AdminApp {
             session.set_keepalive(None);
         }
         let header = session.req_header();
-        let (status, content_type, body) = match (header.method == Method::GET, header.uri.path()) {
-            (true, "/metrics") => self.metrics(),
-            (true, "/health") => self.health(),
-            (true, "/live") => (200, JSON, Bytes::from_static(b"{\"status\":\"live\"}")),
-            (false, "/metrics" | "/health" | "/live") => {
+        let (get, post) = (header.method == Method::GET, header.method == Method::POST);
+        let path = header.uri.path().to_string();
+        let (status, content_type, body) = match (get, post, path.as_str()) {
+            (true, _, "/metrics") => self.metrics(),
+            (true, _, "/health") => self.health(),
+            (true, _, "/live") => (200, JSON, Bytes::from_static(b"{\"status\":\"live\"}")),
+            (_, true, "/debug/route") => debug_route(&self.state, &mut session).await,
+            (_, _, "/metrics" | "/health" | "/live" | "/debug/route") => {
+                let allow = if path == "/debug/route" {
+                    "POST"
+                } else {
+                    "GET"
+                };
+                let message = format!("method not allowed; use {allow}");
                 let body = error_json(
-                    "method not allowed; use GET",
+                    &message,
                     "invalid_request_error",
                     None,
                     "method_not_allowed",
                 );
-                let extra = [(header::ALLOW, HeaderValue::from_static("GET"))];
+                let extra = [(header::ALLOW, HeaderValue::from_static(allow))];
                 if !respond(&mut session, 405, JSON, &extra, Bytes::from(body)).await {
                     return None;
                 }
                 return finish(session).await;
             }
-            (_, path) => {
+            (_, _, path) => {
                 let message = format!("unknown path {path:?}");
                 let body = error_json(&message, "not_found_error", None, "unknown_url");
                 (404, JSON, Bytes::from(body))
@@ -172,5 +298,26 @@ async fn finish(session: ServerSession) -> Option<ReusedHttpStream> {
     match session.finish().await {
         Ok(Some(stream)) => Some(ReusedHttpStream::from_reusable_stream(stream, settings)),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_route_parameter_defaults_to_chat() {
+        assert_eq!(route_param(None), Ok(Route::ChatCompletions));
+        assert_eq!(route_param(Some("")), Ok(Route::ChatCompletions));
+        assert_eq!(
+            route_param(Some("x=1&route=completions")),
+            Ok(Route::Completions)
+        );
+        assert_eq!(
+            route_param(Some("route=chat_completions")),
+            Ok(Route::ChatCompletions)
+        );
+        assert!(route_param(Some("route=embeddings")).is_err());
+        assert!(route_param(Some("route")).is_err());
     }
 }

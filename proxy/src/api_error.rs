@@ -24,10 +24,12 @@ pub(crate) enum ClientErrorReason {
     UnknownPath,
     /// Head or body not received within `limits.client_header_timeout`.
     RequestTimeout,
+    /// The chat template rejected the request, or the chat body is invalid (`policy: kv`).
+    InvalidPrompt,
 }
 
 /// Number of [`ClientErrorReason`]s.
-pub(crate) const CLIENT_ERROR_REASONS: usize = 8;
+pub(crate) const CLIENT_ERROR_REASONS: usize = 9;
 
 impl ClientErrorReason {
     /// Every reason, in declaration order.
@@ -40,6 +42,7 @@ impl ClientErrorReason {
         Self::MethodNotAllowed,
         Self::UnknownPath,
         Self::RequestTimeout,
+        Self::InvalidPrompt,
     ];
 
     /// The metric label.
@@ -53,6 +56,7 @@ impl ClientErrorReason {
             Self::MethodNotAllowed => "method_not_allowed",
             Self::UnknownPath => "unknown_path",
             Self::RequestTimeout => "request_timeout",
+            Self::InvalidPrompt => "invalid_prompt",
         }
     }
 }
@@ -90,6 +94,18 @@ pub(crate) enum ApiError {
     },
     /// 408: the client was too slow sending its request.
     RequestTimeout,
+    /// 400: the chat template raised, or the chat body is invalid; the message is the
+    /// preprocessor's (`policy: kv`).
+    InvalidPrompt(String),
+    /// 503: every instance of the model is busy (`policy: kv` thresholds).
+    Overloaded {
+        /// The model.
+        model: String,
+        /// Why nothing was admitted.
+        reason: &'static str,
+        /// Seconds to wait before retrying (`Retry-After`).
+        retry_after_secs: u64,
+    },
     /// 503: every instance of the model is unhealthy or ejected.
     NoHealthyInstance {
         /// The model.
@@ -137,13 +153,16 @@ impl ApiError {
     /// HTTP status.
     pub(crate) fn status(&self) -> u16 {
         match self {
-            Self::InvalidJson(_) | Self::InvalidBody(_) | Self::MissingModel => 400,
+            Self::InvalidJson(_)
+            | Self::InvalidBody(_)
+            | Self::MissingModel
+            | Self::InvalidPrompt(_) => 400,
             Self::ModelNotFound { .. } | Self::UnknownPath { .. } => 404,
             Self::MethodNotAllowed { .. } => 405,
             Self::RequestTimeout => 408,
             Self::BodyTooLarge { .. } => 413,
             Self::UpstreamUnavailable { .. } => 502,
-            Self::NoHealthyInstance { .. } => 503,
+            Self::NoHealthyInstance { .. } | Self::Overloaded { .. } => 503,
             Self::UpstreamTimeout => 504,
         }
     }
@@ -156,9 +175,10 @@ impl ApiError {
             | Self::MissingModel
             | Self::BodyTooLarge { .. }
             | Self::MethodNotAllowed { .. }
-            | Self::RequestTimeout => "invalid_request_error",
+            | Self::RequestTimeout
+            | Self::InvalidPrompt(_) => "invalid_request_error",
             Self::ModelNotFound { .. } | Self::UnknownPath { .. } => "not_found_error",
-            Self::NoHealthyInstance { .. } => "service_unavailable",
+            Self::NoHealthyInstance { .. } | Self::Overloaded { .. } => "service_unavailable",
             Self::UpstreamTimeout => "timeout",
             Self::UpstreamUnavailable { .. } => "upstream_error",
         }
@@ -175,7 +195,9 @@ impl ApiError {
             Self::MethodNotAllowed { .. } => "method_not_allowed",
             Self::UnknownPath { .. } => "unknown_url",
             Self::RequestTimeout => "request_timeout",
+            Self::InvalidPrompt(_) => "invalid_prompt",
             Self::NoHealthyInstance { .. } => "no_healthy_instance",
+            Self::Overloaded { .. } => "all_instances_busy",
             Self::UpstreamTimeout => "upstream_timeout",
             Self::UpstreamUnavailable { .. } => "upstream_unavailable",
         }
@@ -185,6 +207,7 @@ impl ApiError {
     pub(crate) fn param(&self) -> Option<&'static str> {
         match self {
             Self::MissingModel | Self::ModelNotFound { .. } => Some("model"),
+            Self::InvalidPrompt(_) => Some("messages"),
             _ => None,
         }
     }
@@ -204,6 +227,10 @@ impl ApiError {
             Self::MethodNotAllowed { allow } => format!("method not allowed; use {allow}"),
             Self::UnknownPath { path } => format!("unknown path {path:?}"),
             Self::RequestTimeout => "the request was not received in time".to_string(),
+            Self::InvalidPrompt(detail) => detail.clone(),
+            Self::Overloaded { model, reason, .. } => {
+                format!("model {model:?} is overloaded: {reason}; retry later")
+            }
             Self::NoHealthyInstance { model, .. } => {
                 format!("no healthy instance of model {model:?} is available; retry later")
             }
@@ -235,7 +262,9 @@ impl ApiError {
             Self::MethodNotAllowed { .. } => ClientErrorReason::MethodNotAllowed,
             Self::UnknownPath { .. } => ClientErrorReason::UnknownPath,
             Self::RequestTimeout => ClientErrorReason::RequestTimeout,
+            Self::InvalidPrompt(_) => ClientErrorReason::InvalidPrompt,
             Self::NoHealthyInstance { .. }
+            | Self::Overloaded { .. }
             | Self::UpstreamTimeout
             | Self::UpstreamUnavailable { .. } => return None,
         })
@@ -271,6 +300,12 @@ mod tests {
             ApiError::UpstreamTimeout,
             ApiError::UpstreamUnavailable {
                 detail: "refused".into(),
+            },
+            ApiError::InvalidPrompt("template says no".into()),
+            ApiError::Overloaded {
+                model: "m".into(),
+                reason: "every instance is busy",
+                retry_after_secs: 1,
             },
         ];
         for error in &all {

@@ -15,12 +15,15 @@ use tokio::time::timeout;
 
 use crate::api_error::ApiError;
 use crate::exchange::Exchange;
-use crate::forward::forward;
+use crate::forward::{Picker, forward};
 use crate::headers::{X_REQUEST_ID, content_length, expects_continue};
+use crate::kv_route::offload;
+use crate::kv_route::prepare::InvalidPrompt;
+use crate::pool::Balancer;
 use crate::request_body::{BodyError, read_body};
 use crate::request_fields::{FieldsError, extract, with_model_name};
 use crate::respond::{JSON, respond};
-use crate::route::{RouteMatch, match_route};
+use crate::route::{Route, RouteMatch, match_route};
 use crate::state::State;
 
 /// How long a connection may still deliver a request head once shutdown began.
@@ -199,6 +202,35 @@ async fn proxy(state: &State, session: &mut ServerSession, exchange: &mut Exchan
         }
     };
     exchange.pool = Some(Arc::clone(&pool));
-    let body = renamed.unwrap_or(body);
-    forward(state, session, &pool, body, exchange).await
+    let mut body = renamed.unwrap_or(body);
+    let picker = match pool.balancer() {
+        Balancer::Policy(policy) => Picker::Policy(policy.as_ref()),
+        Balancer::Kv(router) => {
+            let route = exchange.route.unwrap_or(Route::ChatCompletions);
+            let prepared = match offload::prepare(
+                state.preprocess.as_ref(),
+                router.preparer(),
+                route,
+                &body,
+                true,
+            )
+            .await
+            {
+                Ok(prepared) => prepared,
+                Err(InvalidPrompt(message)) => {
+                    let error = ApiError::InvalidPrompt(message);
+                    return exchange.reject(session, &state.metrics, &error).await;
+                }
+            };
+            let request = router.request(&prepared, std::time::Instant::now());
+            if let Some(rewritten) = prepared.rewritten {
+                body = rewritten;
+            }
+            Picker::Kv {
+                router: router.as_ref(),
+                request,
+            }
+        }
+    };
+    forward(state, session, &pool, body, picker, exchange).await
 }

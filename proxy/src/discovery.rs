@@ -4,8 +4,9 @@
 //! implement the same trait later.
 
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
 
-use kvmesh_config::{BackendUrl, Config, PolicyKind, Protocol};
+use kvmesh_config::{BackendUrl, Config, KvRoutingConfig, PolicyKind, Protocol};
 
 use crate::ProxyError;
 
@@ -21,7 +22,7 @@ pub(crate) struct InstanceSpec {
 }
 
 /// One model and its instances.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) struct ModelSpec {
     /// Canonical name.
     pub(crate) name: String,
@@ -29,6 +30,12 @@ pub(crate) struct ModelSpec {
     pub(crate) aliases: Vec<String>,
     /// Load-balancing policy.
     pub(crate) policy: PolicyKind,
+    /// Tokenizer directory (`policy: kv`).
+    pub(crate) tokenizer: Option<PathBuf>,
+    /// Forward string prompts as token ids (`policy: kv`).
+    pub(crate) forward_token_ids: bool,
+    /// Settings of `policy: kv`.
+    pub(crate) kv: KvRoutingConfig,
     /// Instances.
     pub(crate) instances: Vec<InstanceSpec>,
 }
@@ -73,6 +80,9 @@ impl Discovery for StaticDiscovery<'_> {
                     name: model.name.clone(),
                     aliases: model.aliases.clone(),
                     policy: model.policy,
+                    tokenizer: model.tokenizer.clone(),
+                    forward_token_ids: model.forward_token_ids,
+                    kv: model.kv.clone(),
                     instances,
                 })
             })

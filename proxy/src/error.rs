@@ -28,6 +28,27 @@ pub enum ProxyError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// A model's tokenizer directory could not be loaded.
+    #[error("model {model:?}: cannot load the tokenizer from {dir}: {reason}")]
+    Tokenizer {
+        /// The model.
+        model: String,
+        /// The configured directory.
+        dir: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A model's `kv` settings were rejected by the KV index.
+    #[error("model {model:?}: invalid kv settings: {reason}")]
+    KvSettings {
+        /// The model.
+        model: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The preprocessing threads could not be started.
+    #[error("cannot start the preprocessing threads: {0}")]
+    Threads(std::io::Error),
     /// The metrics registry rejected a metric (a bug).
     #[error("metrics setup failed: {0}")]
     Metrics(#[from] prometheus::Error),

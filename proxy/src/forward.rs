@@ -2,6 +2,7 @@
 //! the first response byte, then relay the response.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::Bytes;
 use http::HeaderValue;
@@ -15,9 +16,12 @@ use crate::api_error::ApiError;
 use crate::clock::now_millis;
 use crate::exchange::Exchange;
 use crate::failure::FailureKind;
-use crate::headers::{downstream_response, is_event_stream, upstream_request};
+use crate::headers::{ProxyHeaders, downstream_response, is_event_stream, upstream_request};
 use crate::instance::Instance;
-use crate::policy::Excluded;
+use crate::kv_route::booking::Booking;
+use crate::kv_route::explain::route_header;
+use crate::kv_route::{Choice, KvRequest, KvRouter};
+use crate::policy::{Excluded, Policy};
 use crate::pool::ModelPool;
 use crate::relay::{RelayContext, RelayEnd, relay};
 use crate::state::State;
@@ -44,6 +48,89 @@ enum AttemptError {
     ClientGone,
 }
 
+/// Seconds a client should wait after a 503 because every instance was busy.
+const BUSY_RETRY_AFTER_SECS: u64 = 1;
+
+/// How one request picks its instances.
+pub(crate) enum Picker<'a> {
+    /// A policy over the instances.
+    Policy(&'a dyn Policy),
+    /// `policy: kv` with the request's prompt.
+    Kv {
+        /// The model's router.
+        router: &'a KvRouter,
+        /// The request as routing sees it.
+        request: KvRequest,
+    },
+}
+
+/// The instance chosen for one attempt, and what `policy: kv` booked for it.
+struct Pick<'a> {
+    index: usize,
+    instance: Arc<Instance>,
+    booking: Option<Booking<'a>>,
+    route: Option<HeaderValue>,
+}
+
+/// What picking produced.
+enum Picked<'a> {
+    /// An instance.
+    Instance(Pick<'a>),
+    /// Nothing is available.
+    Nothing,
+    /// Every available instance is busy.
+    Busy,
+}
+
+/// Picks the next instance not in `excluded`.
+fn pick<'a>(pool: &'a ModelPool, picker: &'a Picker<'a>, excluded: &Excluded) -> Picked<'a> {
+    match picker {
+        Picker::Policy(policy) => match pool.pick(*policy, excluded) {
+            Some((index, instance)) => Picked::Instance(Pick {
+                index,
+                instance: Arc::clone(instance),
+                booking: None,
+                route: None,
+            }),
+            None => Picked::Nothing,
+        },
+        Picker::Kv { router, request } => {
+            let choice = router.choose(
+                pool.instances(),
+                request,
+                excluded,
+                now_millis(),
+                &mut rand::thread_rng(),
+            );
+            match choice {
+                Choice::Picked(decision) => {
+                    let Some(instance) = pool.instances().get(decision.index) else {
+                        return Picked::Nothing;
+                    };
+                    let booking = router.commit(&decision, request, Instant::now());
+                    Picked::Instance(Pick {
+                        index: decision.index,
+                        route: Some(route_header(instance.url().as_str(), &decision, request)),
+                        instance: Arc::clone(instance),
+                        booking: Some(booking),
+                    })
+                }
+                Choice::AllBusy => Picked::Busy,
+                Choice::NoneEligible => Picked::Nothing,
+            }
+        }
+    }
+}
+
+/// The 503 for a model whose instances are all busy.
+fn overloaded(pool: &ModelPool, reason: &'static str) -> ApiError {
+    ApiError::Overloaded {
+        model: pool.name().to_string(),
+        reason,
+        retry_after_secs: BUSY_RETRY_AFTER_SECS,
+    }
+}
+
 /// Keeps a gauge incremented while alive.
 struct GaugeGuard<'a>(&'a IntGauge);
 
@@ -67,30 +154,65 @@ pub(crate) async fn forward(
     session: &mut ServerSession,
     pool: &Arc<ModelPool>,
     body: Bytes,
+    picker: Picker<'_>,
     exchange: &mut Exchange,
 ) -> bool {
     let _in_flight = GaugeGuard::new(&pool.metrics().in_flight);
+    if let Picker::Kv { router, .. } = &picker {
+        let admitted = tokio::select! {
+            biased;
+            admitted = router.admit(pool.instances(), now_millis) => admitted,
+            _ = session.read_body_or_idle(true) => {
+                exchange.client_gone = true;
+                return false;
+            }
+        };
+        if let Err(rejected) = admitted {
+            let error = overloaded(pool, rejected.describe());
+            return exchange.reject(session, &state.metrics, &error).await;
+        }
+    }
     let mut excluded = Excluded::default();
     let mut attempts_left = state.limits.retries.saturating_add(1);
     let mut stale_retries_left = STALE_CONNECTION_RETRIES;
     let mut last_failure: Option<String> = None;
     loop {
-        let Some((index, instance)) = pool.pick(&excluded) else {
-            let error = match last_failure {
-                None => ApiError::NoHealthyInstance {
-                    model: pool.name().to_string(),
-                    retry_after_secs: pool.retry_after_secs(state.health_interval_ms),
-                },
-                Some(detail) => ApiError::UpstreamUnavailable { detail },
-            };
-            return exchange.reject(session, &state.metrics, &error).await;
+        let pick = match pick(pool, &picker, &excluded) {
+            Picked::Instance(pick) => pick,
+            Picked::Busy => {
+                if let Picker::Kv { router, .. } = &picker {
+                    router.count_busy_rejection();
+                }
+                let error = overloaded(pool, "every remaining instance is busy");
+                return exchange.reject(session, &state.metrics, &error).await;
+            }
+            Picked::Nothing => {
+                let error = match last_failure {
+                    None => ApiError::NoHealthyInstance {
+                        model: pool.name().to_string(),
+                        retry_after_secs: pool.retry_after_secs(state.health_interval_ms),
+                    },
+                    Some(detail) => ApiError::UpstreamUnavailable { detail },
+                };
+                return exchange.reject(session, &state.metrics, &error).await;
+            }
         };
-        let instance = Arc::clone(instance);
+        let Pick {
+            index,
+            instance,
+            booking,
+            route,
+        } = pick;
         exchange.instance = Some(instance.instance_header().clone());
         let in_flight = instance.start_request();
         match attempt(state, session, &instance, &body, &exchange.request_id).await {
             Ok(upstream) => {
-                let reusable = respond(state, session, pool, &instance, upstream, exchange).await;
+                let answer = Answer {
+                    instance: &instance,
+                    route: route.as_ref(),
+                    booking: booking.as_ref(),
+                };
+                let reusable = respond(state, session, pool, answer, upstream, exchange).await;
                 drop(in_flight);
                 return reusable;
             }
@@ -100,6 +222,7 @@ pub(crate) async fn forward(
                 reused,
             }) => {
                 drop(in_flight);
+                drop(booking);
                 if reused && stale_retries_left > 0 {
                     stale_retries_left -= 1;
                     instance.count_error(kind);
@@ -206,15 +329,23 @@ async fn attempt(
     }
 }
 
+/// The instance that answers, and what the response needs to know about the decision.
+struct Answer<'a> {
+    instance: &'a Instance,
+    route: Option<&'a HeaderValue>,
+    booking: Option<&'a Booking<'a>>,
+}
+
 /// Writes the engine's response head and relays its body.
 async fn respond(
     state: &State,
     session: &mut ServerSession,
     pool: &ModelPool,
-    instance: &Instance,
+    answer: Answer<'_>,
     mut upstream: HttpSession,
     exchange: &mut Exchange,
 ) -> bool {
+    let instance = answer.instance;
     let Some(upstream_header) = upstream.response_header() else {
         return false;
     };
@@ -227,13 +358,12 @@ async fn respond(
     }
     let event_stream = is_event_stream(upstream_header);
     let client_version = session.req_header().version;
-    let built = downstream_response(
-        upstream_header,
-        instance.instance_header(),
-        &exchange.request_id,
-        client_version,
-        session.is_http2(),
-    );
+    let ours = ProxyHeaders {
+        instance: instance.instance_header(),
+        request_id: &exchange.request_id,
+        route: answer.route,
+    };
+    let built = downstream_response(upstream_header, ours, client_version, session.is_http2());
     let Ok((response, framing)) = built else {
         return false;
     };
@@ -251,6 +381,7 @@ async fn respond(
         event_stream,
         framing,
         metrics: pool.metrics(),
+        booking: answer.booking,
     };
     match relay(session, &mut upstream, &ctx).await {
         RelayEnd::Complete => {

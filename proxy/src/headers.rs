@@ -11,6 +11,8 @@ use pingora_http::{RequestHeader, ResponseHeader};
 pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// `x-kvmesh-instance`: which backend answered.
 pub(crate) const X_KVMESH_INSTANCE: HeaderName = HeaderName::from_static("x-kvmesh-instance");
+/// `x-kvmesh-route`: why `policy: kv` chose that backend.
+pub(crate) const X_KVMESH_ROUTE: HeaderName = HeaderName::from_static("x-kvmesh-route");
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1),
 /// plus `expect`, which the proxy answers itself.
@@ -91,24 +93,41 @@ pub(crate) enum Framing {
     Open,
 }
 
+/// What the proxy adds to every forwarded response.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ProxyHeaders<'a> {
+    /// `x-kvmesh-instance`.
+    pub(crate) instance: &'a HeaderValue,
+    /// `x-request-id`.
+    pub(crate) request_id: &'a HeaderValue,
+    /// `x-kvmesh-route` (`policy: kv` only).
+    pub(crate) route: Option<&'a HeaderValue>,
+}
+
 /// The response sent to the client: the engine's status and end-to-end
-/// headers plus `x-kvmesh-instance` and `x-request-id`.
+/// headers plus `x-kvmesh-instance`, `x-request-id` and, under `policy: kv`,
+/// `x-kvmesh-route`.
 pub(crate) fn downstream_response(
     upstream: &ResponseHeader,
-    instance: &HeaderValue,
-    request_id: &HeaderValue,
+    ours: ProxyHeaders<'_>,
     client_version: Version,
     client_is_h2: bool,
 ) -> Result<(ResponseHeader, Framing)> {
-    let mut response = ResponseHeader::build(upstream.status, Some(upstream.headers.len() + 3))?;
+    let mut response = ResponseHeader::build(upstream.status, Some(upstream.headers.len() + 4))?;
     for (name, value) in &upstream.headers {
-        if *name == X_REQUEST_ID || !is_forwarded(&upstream.headers, name) {
+        if *name == X_REQUEST_ID
+            || *name == X_KVMESH_ROUTE
+            || !is_forwarded(&upstream.headers, name)
+        {
             continue;
         }
         response.append_header(name.clone(), value.clone())?;
     }
-    response.insert_header(X_KVMESH_INSTANCE, instance.clone())?;
-    response.insert_header(X_REQUEST_ID, request_id.clone())?;
+    response.insert_header(X_KVMESH_INSTANCE, ours.instance.clone())?;
+    response.insert_header(X_REQUEST_ID, ours.request_id.clone())?;
+    if let Some(route) = ours.route {
+        response.insert_header(X_KVMESH_ROUTE, route.clone())?;
+    }
     let bodiless = matches!(upstream.status.as_u16(), 204 | 304);
     let framing = if bodiless || response.headers.contains_key(header::CONTENT_LENGTH) {
         Framing::Length
@@ -158,6 +177,14 @@ pub(crate) fn expects_continue(request: &RequestHeader) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ours<'a>(instance: &'a HeaderValue, request_id: &'a HeaderValue) -> ProxyHeaders<'a> {
+        ProxyHeaders {
+            instance,
+            request_id,
+            route: None,
+        }
+    }
 
     fn client_request() -> RequestHeader {
         let mut request = RequestHeader::build("POST", b"/v1/chat/completions?x=1", None).unwrap();
@@ -224,7 +251,7 @@ mod tests {
         let instance = HeaderValue::from_static("http://127.0.0.1:8001");
         let id = HeaderValue::from_static("rid");
         let (response, framing) =
-            downstream_response(&upstream, &instance, &id, Version::HTTP_11, false).unwrap();
+            downstream_response(&upstream, ours(&instance, &id), Version::HTTP_11, false).unwrap();
         assert_eq!(framing, Framing::Open);
         assert_eq!(response.status, 200);
         assert_eq!(
@@ -238,10 +265,10 @@ mod tests {
         assert!(is_event_stream(&response));
 
         let (h2, _) =
-            downstream_response(&upstream, &instance, &id, Version::HTTP_2, true).unwrap();
+            downstream_response(&upstream, ours(&instance, &id), Version::HTTP_2, true).unwrap();
         assert!(!h2.headers.contains_key("transfer-encoding"));
         let (old, framing) =
-            downstream_response(&upstream, &instance, &id, Version::HTTP_10, false).unwrap();
+            downstream_response(&upstream, ours(&instance, &id), Version::HTTP_10, false).unwrap();
         assert!(!old.headers.contains_key("transfer-encoding"));
         assert_eq!(framing, Framing::Open);
 
@@ -249,7 +276,7 @@ mod tests {
         sized.append_header("content-length", "17").unwrap();
         sized.append_header("x-request-id", "engine-id").unwrap();
         let (response, framing) =
-            downstream_response(&sized, &instance, &id, Version::HTTP_11, false).unwrap();
+            downstream_response(&sized, ours(&instance, &id), Version::HTTP_11, false).unwrap();
         assert_eq!(framing, Framing::Length);
         assert_eq!(response.status, 400);
         assert_eq!(response.headers["content-length"], "17");
@@ -259,13 +286,34 @@ mod tests {
     }
 
     #[test]
+    fn the_route_explanation_is_added_and_never_taken_from_the_engine() {
+        let mut upstream = ResponseHeader::build(200, None).unwrap();
+        upstream.append_header("x-kvmesh-route", "forged").unwrap();
+        let instance = HeaderValue::from_static("http://h:1");
+        let id = HeaderValue::from_static("rid");
+        let (plain, _) =
+            downstream_response(&upstream, ours(&instance, &id), Version::HTTP_11, false).unwrap();
+        assert!(!plain.headers.contains_key("x-kvmesh-route"));
+        let route = HeaderValue::from_static("instance=http://h:1; overlap_blocks=2");
+        let with_route = ProxyHeaders {
+            route: Some(&route),
+            ..ours(&instance, &id)
+        };
+        let (routed, _) =
+            downstream_response(&upstream, with_route, Version::HTTP_11, false).unwrap();
+        let values: Vec<_> = routed.headers.get_all("x-kvmesh-route").iter().collect();
+        assert_eq!(values, [&route]);
+    }
+
+    #[test]
     fn bodiless_statuses_are_not_chunked() {
         let instance = HeaderValue::from_static("http://h:1");
         let id = HeaderValue::from_static("rid");
         for status in [204, 304] {
             let upstream = ResponseHeader::build(status, None).unwrap();
             let (response, framing) =
-                downstream_response(&upstream, &instance, &id, Version::HTTP_11, false).unwrap();
+                downstream_response(&upstream, ours(&instance, &id), Version::HTTP_11, false)
+                    .unwrap();
             assert_eq!(framing, Framing::Length);
             assert!(!response.headers.contains_key("transfer-encoding"));
         }

@@ -5,7 +5,10 @@
 //! and h2c server sessions; engines are reached through pingora's pooled
 //! connector. Each request's body is read whole (its `model` picks the pool),
 //! forwarded byte-identical to an instance chosen by the model's policy, and
-//! the response is relayed chunk by chunk.
+//! the response is relayed chunk by chunk. Under `policy: kv` the prompt is
+//! tokenized and the instance chosen by cached-prefix overlap and load (see the
+//! `kv_route` module); responses then carry `x-kvmesh-route`, and the admin
+//! listener explains decisions at `POST /debug/route`.
 //!
 //! ```no_run
 //! # async fn demo(config: kvmesh_config::Config) -> Result<(), Box<dyn std::error::Error>> {
@@ -20,6 +23,8 @@
 mod accept;
 mod admin_app;
 mod api_error;
+#[doc(hidden)]
+pub mod bench_support;
 mod clock;
 mod data_app;
 mod discovery;
@@ -31,6 +36,7 @@ mod headers;
 mod health;
 mod health_check;
 mod instance;
+mod kv_route;
 mod metrics;
 mod outlier;
 mod policy;

@@ -18,6 +18,7 @@ use tokio::time::{Instant, timeout};
 use crate::api_error::error_json;
 use crate::failure::FailureKind;
 use crate::headers::Framing;
+use crate::kv_route::booking::Booking;
 use crate::metrics::ModelMetrics;
 use crate::sse::SseScanner;
 
@@ -36,6 +37,8 @@ pub(crate) struct RelayContext<'a> {
     pub(crate) framing: Framing,
     /// Where timings go.
     pub(crate) metrics: &'a ModelMetrics,
+    /// `policy: kv` load of the request, whose prefill ends with the first body chunk.
+    pub(crate) booking: Option<&'a Booking<'a>>,
 }
 
 /// How a relay ended.
@@ -64,6 +67,7 @@ pub(crate) async fn relay(
 ) -> RelayEnd {
     let mut events = ctx.event_stream.then(EventTiming::default);
     let mut held = BytesMut::new();
+    let mut prefill = ctx.booking;
     loop {
         let read = tokio::select! {
             biased;
@@ -94,6 +98,9 @@ pub(crate) async fn relay(
             Ok(Ok(None)) => break,
             Ok(Ok(Some(chunk))) => chunk,
         };
+        if let Some(booking) = prefill.take() {
+            booking.prefill_done();
+        }
         let out = match events.as_mut() {
             Some(timing) => {
                 let boundary = timing.observe(&chunk, ctx);

@@ -57,6 +57,9 @@ pub(crate) async fn respond_error(
         }
         ApiError::NoHealthyInstance {
             retry_after_secs, ..
+        }
+        | ApiError::Overloaded {
+            retry_after_secs, ..
         } => {
             extra.push((header::RETRY_AFTER, HeaderValue::from(*retry_after_secs)));
         }

@@ -3,10 +3,12 @@
 use std::future::Future;
 use std::io::Write;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvmesh_config::{Config, HealthCheckConfig};
+use kvmesh_preprocess::ModelPreprocessor;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -15,13 +17,16 @@ use crate::ProxyError;
 use crate::accept::{ListenerApps, serve};
 use crate::admin_app::AdminApp;
 use crate::data_app::DataApp;
-use crate::discovery::{Discovery, StaticDiscovery};
+use crate::discovery::{Discovery, ModelSpec, StaticDiscovery};
 use crate::health_check::{interval_ms, spawn_probes};
 use crate::instance::{Instance, PeerSettings};
+use crate::kv_route::KvRouter;
+use crate::kv_route::offload::PreprocessPool;
+use crate::kv_route::sweeper::spawn_sweepers;
 use crate::metrics::Metrics;
 use crate::outlier::OutlierPolicy;
 use crate::policy;
-use crate::pool::ModelPool;
+use crate::pool::{Balancer, ModelPool};
 use crate::registry::ModelRegistry;
 use crate::request_id::RequestIds;
 use crate::state::State;
@@ -32,6 +37,10 @@ pub const ADMIN_LISTENER: &str = "admin";
 
 /// How long admin connections may linger after the data listeners drained.
 const ADMIN_DRAIN: Duration = Duration::from_secs(1);
+
+/// Token ids the tokenizer's segment cache keeps per model (about 5 bytes each: ~10 MB), so
+/// the history of multi-turn conversations is not tokenized again on every turn.
+const SEGMENT_CACHE_TOKENS: usize = 2_000_000;
 
 /// A bound data listener.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,11 +78,11 @@ impl Proxy {
         for model in models {
             let instances: Vec<Arc<Instance>> = model
                 .instances
-                .into_iter()
+                .iter()
                 .map(|spec| {
                     let handles = metrics.instance(&model.name, spec.url.as_str());
                     Arc::new(Instance::new(
-                        spec.url,
+                        spec.url.clone(),
                         spec.address,
                         spec.protocol,
                         settings,
@@ -82,14 +91,22 @@ impl Proxy {
                 })
                 .collect();
             instance_count += instances.len();
+            let balancer = balancer(&model, &instances, &metrics)?;
             let pool = ModelPool::new(
                 model.name.clone(),
                 instances,
-                policy::build(model.policy),
+                balancer,
                 metrics.model(&model.name),
             );
-            pools.push((Arc::new(pool), model.aliases));
+            pools.push((Arc::new(pool), model.aliases.clone()));
         }
+        let any_kv = pools
+            .iter()
+            .any(|(pool, _)| matches!(pool.balancer(), Balancer::Kv(_)));
+        let preprocess = any_kv
+            .then(PreprocessPool::per_core)
+            .transpose()
+            .map_err(ProxyError::Threads)?;
         let registry = ModelRegistry::new(pools, &metrics);
         let upstream = Upstream::new(
             config.upstream.pool_size,
@@ -104,6 +121,7 @@ impl Proxy {
             limits: config.limits.clone(),
             outlier: OutlierPolicy::new(&config.outlier_detection),
             health_interval_ms: interval_ms(&config.health_check),
+            preprocess,
         });
         let mut data = Vec::with_capacity(config.listeners.len());
         let mut listeners = Vec::with_capacity(config.listeners.len());
@@ -159,6 +177,7 @@ impl Proxy {
         if self.health_check.enabled {
             spawn_probes(&self.state, &self.health_check, &mut probes);
         }
+        spawn_sweepers(&self.state, &mut probes);
         let mut data_loops = JoinSet::new();
         for listener in self.data {
             let apps = ListenerApps {
@@ -200,6 +219,51 @@ pub async fn serve_until(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ProxyError> {
     Proxy::bind(config).await?.run(shutdown).await
+}
+
+/// Loads a tokenizer directory, with the segment cache on.
+pub(crate) fn load_tokenizer(dir: &Path) -> Result<Arc<ModelPreprocessor>, String> {
+    let loaded = ModelPreprocessor::from_dir(dir).map_err(|error| error.to_string())?;
+    Ok(Arc::new(loaded.with_segment_cache(SEGMENT_CACHE_TOKENS)))
+}
+
+/// The model's balancer: its policy, or a KV router (loading its tokenizer).
+fn balancer(
+    model: &ModelSpec,
+    instances: &[Arc<Instance>],
+    metrics: &Metrics,
+) -> Result<Balancer, ProxyError> {
+    if let Some(policy) = policy::build(model.policy) {
+        return Ok(Balancer::Policy(policy));
+    }
+    let tokenizer = match &model.tokenizer {
+        Some(dir) => Some(load_tokenizer(dir).map_err(|reason| ProxyError::Tokenizer {
+            model: model.name.clone(),
+            dir: dir.display().to_string(),
+            reason,
+        })?),
+        None => {
+            tracing::warn!(
+                model = %model.name,
+                "policy kv without a tokenizer: chat requests and text prompts are routed by \
+                 load alone (set `tokenizer: DIR`)"
+            );
+            None
+        }
+    };
+    let urls: Vec<&str> = instances.iter().map(|i| i.url().as_str()).collect();
+    let router = KvRouter::new(
+        &model.kv,
+        tokenizer,
+        model.forward_token_ids,
+        instances.len(),
+        metrics.kv(&model.name, &urls),
+    )
+    .map_err(|error| ProxyError::KvSettings {
+        model: model.name.clone(),
+        reason: error.to_string(),
+    })?;
+    Ok(Balancer::Kv(Box::new(router)))
 }
 
 async fn bind(name: &str, address: SocketAddr) -> Result<TcpListener, ProxyError> {

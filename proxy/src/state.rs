@@ -2,6 +2,7 @@
 
 use kvmesh_config::LimitsConfig;
 
+use crate::kv_route::offload::PreprocessPool;
 use crate::metrics::Metrics;
 use crate::outlier::OutlierPolicy;
 use crate::registry::ModelRegistry;
@@ -25,4 +26,6 @@ pub(crate) struct State {
     pub(crate) outlier: OutlierPolicy,
     /// Health-check interval (for `Retry-After`).
     pub(crate) health_interval_ms: u64,
+    /// Threads that tokenize long prompts (`None` when no model uses `policy: kv`).
+    pub(crate) preprocess: Option<PreprocessPool>,
 }

@@ -65,10 +65,28 @@ async fn reuses_upstream_connections() {
         model_yaml("m", &[&backend.url], "")
     );
     let proxy = TestProxy::start(&yaml).await;
-    for _ in 0..10 {
+    for i in 1..=10 {
         let reply = chat(proxy.main, r#"{"model":"m"}"#).await;
         assert_eq!(reply.status, 200);
         reply.text().await.unwrap();
+        // The connection goes back to the pool just after the last byte reaches the client,
+        // before the exchange is counted: wait for the count, then send the next request.
+        let counted = format!(
+            "kvmesh_requests_total{{model=\"m\",route=\"chat_completions\",status=\"200\"}} {i}"
+        );
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let metrics = send(proxy.admin, Method::GET, "/metrics", &[], Bytes::new())
+                .await
+                .text()
+                .await
+                .unwrap();
+            if metrics.contains(&counted) {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "never counted {i}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
     assert_eq!(backend.requests().len(), 10);
     assert_eq!(
@@ -523,11 +541,20 @@ async fn lists_models_and_serves_admin_endpoints() {
         .text()
         .await
         .unwrap();
-    let metrics = send(proxy.admin, Method::GET, "/metrics", &[], Bytes::new()).await;
-    assert_eq!(metrics.status, 200);
-    let text = metrics.text().await.unwrap();
+    // The exchange is counted just after its last byte is written: poll until it is.
+    let counted = "kvmesh_requests_total{model=\"m\",route=\"chat_completions\",status=\"200\"} 1";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let text = loop {
+        let metrics = send(proxy.admin, Method::GET, "/metrics", &[], Bytes::new()).await;
+        assert_eq!(metrics.status, 200);
+        let text = metrics.text().await.unwrap();
+        if text.contains(counted) || tokio::time::Instant::now() >= deadline {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
     for needle in [
-        "kvmesh_requests_total{model=\"m\",route=\"chat_completions\",status=\"200\"} 1",
+        counted,
         "kvmesh_requests_total{model=\"\",route=\"models\",status=\"200\"} 1",
         "kvmesh_request_duration_seconds_bucket",
         "kvmesh_requests_in_flight{model=\"m\"} 0",

@@ -49,14 +49,16 @@ pub(crate) trait Policy: Send + Sync + fmt::Debug {
     fn pick(&self, candidates: &dyn CandidateSet) -> Option<usize>;
 }
 
-/// The policy a model's config names.
-pub(crate) fn build(kind: PolicyKind) -> Box<dyn Policy> {
-    match kind {
+/// The policy a model's config names; `None` for `kv`, which needs the request's
+/// tokens and is built by [`crate::kv_route::KvRouter`].
+pub(crate) fn build(kind: PolicyKind) -> Option<Box<dyn Policy>> {
+    Some(match kind {
         PolicyKind::RoundRobin => Box::new(RoundRobin::default()),
         PolicyKind::Random => Box::new(Random),
         PolicyKind::LeastRequest => Box::new(LeastRequest),
         PolicyKind::PowerOfTwo => Box::new(PowerOfTwo),
-    }
+        PolicyKind::Kv => return None,
+    })
 }
 
 /// A uniformly random eligible instance.
@@ -194,6 +196,11 @@ mod tests {
     }
 
     #[test]
+    fn kv_is_not_a_candidate_only_policy() {
+        assert!(build(PolicyKind::Kv).is_none());
+    }
+
+    #[test]
     fn every_policy_returns_none_without_eligible_instances() {
         let set = Fake(vec![(false, 0), (false, 0)]);
         for kind in [
@@ -202,7 +209,7 @@ mod tests {
             PolicyKind::LeastRequest,
             PolicyKind::PowerOfTwo,
         ] {
-            let policy = build(kind);
+            let policy = build(kind).unwrap();
             assert_eq!(policy.pick(&set), None, "{kind:?}");
             assert_eq!(policy.pick(&Fake(Vec::new())), None, "{kind:?}");
         }
@@ -223,7 +230,7 @@ mod tests {
             PolicyKind::LeastRequest,
             PolicyKind::PowerOfTwo,
         ] {
-            let policy = build(kind);
+            let policy = build(kind).unwrap();
             for _ in 0..200 {
                 let picked = policy.pick(&set).unwrap();
                 assert!(picked == 1 || picked == 3, "{kind:?} picked {picked}");

@@ -1,0 +1,130 @@
+//! Settings of the KV-aware routing policy (`policy: kv`).
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// Longest accepted `approx_ttl` (one year), so expiry instants never overflow.
+pub const MAX_APPROX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// How `policy: kv` scores a model's instances, predicts their caches and sheds load.
+///
+/// Used only when the model's `policy` is `kv`. The nullable thresholds
+/// (`total_kv_blocks`, `busy_decode_blocks_fraction`, `busy_prefill_tokens`) are off
+/// when `null` or `0`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvRoutingConfig {
+    /// Tokens per KV block; must equal the engines' block size (vLLM `--block-size`).
+    pub block_size: usize,
+    /// Weight of the prefill term against the decode term in the cost
+    /// (`overlap_weight × prefill_blocks + decode_blocks`).
+    pub overlap_weight: f64,
+    /// 0: always the cheapest instance; above 0: a softmax draw over range-normalised
+    /// costs, flatter as it grows.
+    pub temperature: f64,
+    /// How long a routing decision predicts that the chosen instance caches the
+    /// request's blocks (approximate mode, no KV events).
+    #[serde(deserialize_with = "crate::duration::deserialize")]
+    pub approx_ttl: Duration,
+    /// Most predicted (instance, block) pairs kept; past it the earliest-expiring are pruned.
+    pub approx_max_blocks: usize,
+    /// Pruning keeps `approx_max_blocks × approx_prune_ratio` pairs; in (0, 1].
+    pub approx_prune_ratio: f64,
+    /// KV cache capacity of one instance in blocks (vLLM `num_gpu_blocks`), for the decode
+    /// busy threshold; `null` or 0: unknown (no decode threshold).
+    pub total_kv_blocks: Option<u64>,
+    /// An instance is busy when its active decode blocks exceed this fraction of
+    /// `total_kv_blocks`; `null` or 0: off.
+    pub busy_decode_blocks_fraction: Option<f64>,
+    /// An instance is busy when its active prefill tokens exceed this; `null` or 0: off.
+    pub busy_prefill_tokens: Option<u64>,
+    /// What happens when every instance is busy.
+    pub queue: KvQueueConfig,
+    /// In-flight requests older than this are dropped from the load accounting
+    /// (their stream never ended as far as the proxy could tell).
+    #[serde(deserialize_with = "crate::duration::deserialize")]
+    pub stale_request_timeout: Duration,
+}
+
+impl Default for KvRoutingConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 64,
+            overlap_weight: 1.0,
+            temperature: 0.0,
+            approx_ttl: Duration::from_secs(120),
+            approx_max_blocks: 1 << 20,
+            approx_prune_ratio: 0.8,
+            total_kv_blocks: Some(16_384),
+            busy_decode_blocks_fraction: Some(1.0),
+            busy_prefill_tokens: Some(10_000_000),
+            queue: KvQueueConfig::default(),
+            stale_request_timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+impl KvRoutingConfig {
+    /// Active decode blocks above which an instance is busy, when both
+    /// `total_kv_blocks` and `busy_decode_blocks_fraction` are on.
+    pub fn busy_decode_blocks(&self) -> Option<f64> {
+        let total = self.total_kv_blocks.filter(|&total| total > 0)?;
+        let fraction = self.busy_decode_blocks_fraction.filter(|&f| f > 0.0)?;
+        Some(total as f64 * fraction)
+    }
+
+    /// Active prefill tokens above which an instance is busy, when on.
+    pub fn busy_prefill_tokens_limit(&self) -> Option<u64> {
+        self.busy_prefill_tokens.filter(|&limit| limit > 0)
+    }
+}
+
+/// The admission queue of `policy: kv`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvQueueConfig {
+    /// Requests that may wait for a non-busy instance; 0: none wait, every request
+    /// arriving while all instances are busy gets 503 with `Retry-After`.
+    pub max_size: usize,
+    /// Longest wait in the queue; then 503.
+    #[serde(deserialize_with = "crate::duration::deserialize")]
+    pub timeout: Duration,
+}
+
+impl Default for KvQueueConfig {
+    fn default() -> Self {
+        Self {
+            max_size: 0,
+            timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thresholds_are_off_when_null_or_zero() {
+        let config = KvRoutingConfig::default();
+        assert_eq!(config.busy_decode_blocks(), Some(16_384.0));
+        assert_eq!(config.busy_prefill_tokens_limit(), Some(10_000_000));
+        for (total, fraction) in [(None, Some(1.0)), (Some(0), Some(1.0)), (Some(8), None)] {
+            let config = KvRoutingConfig {
+                total_kv_blocks: total,
+                busy_decode_blocks_fraction: fraction,
+                ..KvRoutingConfig::default()
+            };
+            assert_eq!(config.busy_decode_blocks(), None);
+        }
+        let half = KvRoutingConfig {
+            total_kv_blocks: Some(100),
+            busy_decode_blocks_fraction: Some(0.5),
+            busy_prefill_tokens: Some(0),
+            ..KvRoutingConfig::default()
+        };
+        assert_eq!(half.busy_decode_blocks(), Some(50.0));
+        assert_eq!(half.busy_prefill_tokens_limit(), None);
+    }
+}

@@ -1,0 +1,125 @@
+//! Why a request went where it went: the `x-kvmesh-route` response header and the body of the
+//! admin `POST /debug/route` endpoint.
+
+use bytes::Bytes;
+use http::HeaderValue;
+use serde::Serialize;
+
+use crate::kv_route::prepare::RouteInput;
+use crate::kv_route::router::{Decision, KvRequest};
+
+/// `x-kvmesh-route`: `instance=http://…; overlap_blocks=12; prompt_blocks=20; cost=31.5`, with
+/// `; fallback=<reason>` for a request routed without tokens.
+pub(crate) fn route_header(
+    instance: &str,
+    decision: &Decision,
+    request: &KvRequest,
+) -> HeaderValue {
+    let mut text = format!(
+        "instance={instance}; overlap_blocks={}; prompt_blocks={}; cost={:.1}",
+        decision.overlap_blocks, request.shape.full_blocks, decision.cost.value
+    );
+    if let RouteInput::Fallback(reason) = &request.input {
+        text.push_str("; fallback=");
+        text.push_str(reason.label());
+    }
+    HeaderValue::from_maybe_shared(Bytes::from(text))
+        .unwrap_or_else(|_| HeaderValue::from_static("invalid"))
+}
+
+/// How a request would be routed now (`POST /debug/route`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(crate) struct Explanation {
+    /// Tokens per block.
+    pub(crate) block_size: u64,
+    /// `kv.overlap_weight`.
+    pub(crate) overlap_weight: f64,
+    /// `kv.temperature`.
+    pub(crate) temperature: f64,
+    /// Prompt tokens (0 without tokens).
+    pub(crate) prompt_tokens: usize,
+    /// Full blocks of the prompt.
+    pub(crate) prompt_blocks: u32,
+    /// Why the request has no tokens, when it has none.
+    pub(crate) fallback: Option<&'static str>,
+    /// The instance one draw of the selection picks now (`None`: none eligible or all busy).
+    pub(crate) chosen: Option<String>,
+    /// Every eligible instance is busy (the request would queue or get 503).
+    pub(crate) all_busy: bool,
+    /// Every instance, in config order.
+    pub(crate) instances: Vec<InstanceExplanation>,
+}
+
+/// One instance in an [`Explanation`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(crate) struct InstanceExplanation {
+    /// Its URL.
+    pub(crate) instance: String,
+    /// Healthy and not ejected.
+    pub(crate) eligible: bool,
+    /// Past a busy threshold.
+    pub(crate) busy: bool,
+    /// Cached prefix blocks of this request.
+    pub(crate) overlap_blocks: u32,
+    /// Active prefill tokens now.
+    pub(crate) active_prefill_tokens: u64,
+    /// Active blocks now.
+    pub(crate) active_blocks: u64,
+    /// Requests booked now.
+    pub(crate) active_requests: usize,
+    /// Requests in flight now (the tie-break).
+    pub(crate) in_flight: u64,
+    /// Prefill tokens with this request.
+    pub(crate) prefill_tokens: u64,
+    /// Decode blocks with this request.
+    pub(crate) decode_blocks: u64,
+    /// The cost.
+    pub(crate) cost: f64,
+    /// Chance of being chosen (0 for ineligible or busy instances).
+    pub(crate) probability: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use kvmesh_kv::OverlapScores;
+
+    use super::*;
+    use crate::kv_route::cost::{Cost, RequestShape};
+    use crate::kv_route::prepare::{FallbackReason, PromptBlocks};
+
+    #[test]
+    fn the_header_names_instance_overlap_size_and_cost() {
+        let decision = Decision {
+            index: 1,
+            overlap_blocks: 12,
+            cost: Cost {
+                value: 31.5,
+                ..Cost::default()
+            },
+        };
+        let prompt = PromptBlocks {
+            tokens: 1300,
+            hashes: Default::default(),
+            block_size: 64,
+        };
+        let request = KvRequest {
+            input: RouteInput::Tokens(Arc::new(prompt)),
+            shape: RequestShape::new(1300, 64),
+            scores: OverlapScores::default(),
+        };
+        let header = route_header("http://127.0.0.1:8001", &decision, &request);
+        assert_eq!(
+            header,
+            "instance=http://127.0.0.1:8001; overlap_blocks=12; prompt_blocks=20; cost=31.5"
+        );
+        let fallback = KvRequest {
+            input: RouteInput::Fallback(FallbackReason::Route),
+            shape: RequestShape::default(),
+            scores: OverlapScores::default(),
+        };
+        let header = route_header("http://h:1", &decision, &fallback);
+        assert!(header.to_str().unwrap().ends_with("; fallback=route"));
+    }
+}

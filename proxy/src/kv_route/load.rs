@@ -1,0 +1,332 @@
+//! Load accounting per instance (kv-routing §4), booked by the proxy at decision time:
+//!
+//! - **Active prefill tokens**: Σ over the instance's requests that have not produced their
+//!   first response byte of (prompt tokens − tokens predicted cached at decision time).
+//! - **Active blocks**: the distinct prompt blocks of its in-flight requests, ref-counted by
+//!   sequence hash so a prefix shared by several requests counts once, plus one unshared block
+//!   per request for a trailing partial block (or for a request without tokens). Held until
+//!   the request ends or its client leaves.
+//!
+//! Requests older than `stale_request_timeout` are dropped by [`ActiveLoads::expire_stale`]
+//! (a sweeper calls it), so a lost release cannot inflate a load forever.
+//!
+//! One mutex per instance, held for one short, synchronous map operation at a time (never
+//! across an `.await`): a booking or a release touches one instance, scoring reads each
+//! candidate once. Time is passed in, so tests control the clock.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Instant;
+
+use kvmesh_kv::SequenceHash;
+
+use crate::kv_route::prepare::PromptBlocks;
+
+/// One instance's current load, as scoring reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct LoadSnapshot {
+    /// Active prefill tokens.
+    pub(crate) prefill_tokens: u64,
+    /// Active blocks (distinct prompt blocks plus per-request partial blocks).
+    pub(crate) blocks: u64,
+    /// Leading blocks of the queried prompt already among the active blocks.
+    pub(crate) prefix_blocks: u32,
+    /// Requests booked on the instance.
+    pub(crate) requests: usize,
+}
+
+/// A request to book on an instance.
+#[derive(Debug, Clone)]
+pub(crate) struct NewRequest {
+    /// The prompt's blocks (`None`: a request routed without tokens).
+    pub(crate) prompt: Option<Arc<PromptBlocks>>,
+    /// Prompt tokens the instance has to prefill (not predicted cached).
+    pub(crate) prefill_tokens: u64,
+}
+
+#[derive(Debug)]
+struct ActiveRequest {
+    prompt: Option<Arc<PromptBlocks>>,
+    /// Prefill tokens still counted (0 once the first response byte arrived).
+    prefill_tokens: u64,
+    /// Whether the request holds one unshared block (partial tail, or no tokens at all).
+    tail_block: bool,
+    started: Instant,
+}
+
+impl ActiveRequest {
+    fn full_blocks(&self) -> &[SequenceHash] {
+        self.prompt
+            .as_deref()
+            .map_or(&[][..], |prompt| &prompt.hashes.sequence[..])
+    }
+}
+
+#[derive(Debug, Default)]
+struct InstanceLoad {
+    prefill_tokens: u64,
+    /// Reference counts of the full blocks of in-flight requests.
+    blocks: HashMap<SequenceHash, u32>,
+    tail_blocks: u64,
+    requests: HashMap<u64, ActiveRequest>,
+}
+
+impl InstanceLoad {
+    fn add(&mut self, id: u64, request: ActiveRequest) {
+        self.prefill_tokens += request.prefill_tokens;
+        self.tail_blocks += u64::from(request.tail_block);
+        for &hash in request.full_blocks() {
+            *self.blocks.entry(hash).or_insert(0) += 1;
+        }
+        self.requests.insert(id, request);
+    }
+
+    fn remove(&mut self, id: u64) -> bool {
+        let Some(request) = self.requests.remove(&id) else {
+            return false;
+        };
+        self.prefill_tokens -= request.prefill_tokens;
+        self.tail_blocks -= u64::from(request.tail_block);
+        for hash in request.full_blocks() {
+            if let Some(count) = self.blocks.get_mut(hash) {
+                *count -= 1;
+                if *count == 0 {
+                    self.blocks.remove(hash);
+                }
+            }
+        }
+        true
+    }
+}
+
+/// The in-flight load of every instance of one model.
+#[derive(Debug)]
+pub(crate) struct ActiveLoads {
+    instances: Box<[Mutex<InstanceLoad>]>,
+    next_id: AtomicU64,
+}
+
+impl ActiveLoads {
+    /// Empty loads for `instances` instances (indices `0..instances`).
+    pub(crate) fn new(instances: usize) -> Self {
+        Self {
+            instances: (0..instances).map(|_| Mutex::default()).collect(),
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    fn lock(&self, index: usize) -> Option<MutexGuard<'_, InstanceLoad>> {
+        self.instances
+            .get(index)
+            .map(|load| load.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Instance `index`'s load; `prefix_blocks` is measured against `query` (a prompt's
+    /// sequence hashes). Active block sets are prefix-closed (a request holding a block holds
+    /// every block before it), so the depth is found by bisection.
+    pub(crate) fn snapshot(&self, index: usize, query: &[SequenceHash]) -> LoadSnapshot {
+        let Some(load) = self.lock(index) else {
+            return LoadSnapshot::default();
+        };
+        let depth = query.partition_point(|hash| load.blocks.contains_key(hash));
+        LoadSnapshot {
+            prefill_tokens: load.prefill_tokens,
+            blocks: load.blocks.len() as u64 + load.tail_blocks,
+            prefix_blocks: u32::try_from(depth).unwrap_or(u32::MAX),
+            requests: load.requests.len(),
+        }
+    }
+
+    /// Books `request` on instance `index` at `now`; returns its booking id (`None` for an
+    /// unknown index).
+    pub(crate) fn book(&self, index: usize, request: NewRequest, now: Instant) -> Option<u64> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let tail_block = request.prompt.as_deref().is_none_or(PromptBlocks::has_tail);
+        let active = ActiveRequest {
+            prompt: request.prompt,
+            prefill_tokens: request.prefill_tokens,
+            tail_block,
+            started: now,
+        };
+        self.lock(index)?.add(id, active);
+        Some(id)
+    }
+
+    /// The request's first response byte arrived: its prefill tokens stop counting. Returns
+    /// whether the load changed.
+    pub(crate) fn prefill_done(&self, index: usize, id: u64) -> bool {
+        let Some(mut load) = self.lock(index) else {
+            return false;
+        };
+        let Some(request) = load.requests.get_mut(&id) else {
+            return false;
+        };
+        let tokens = std::mem::take(&mut request.prefill_tokens);
+        load.prefill_tokens -= tokens;
+        tokens > 0
+    }
+
+    /// The request ended (or its client left): all its load is released. Returns whether it
+    /// was still booked.
+    pub(crate) fn release(&self, index: usize, id: u64) -> bool {
+        self.lock(index).is_some_and(|mut load| load.remove(id))
+    }
+
+    /// Drops every request booked before `cutoff`; returns how many.
+    pub(crate) fn expire_stale(&self, cutoff: Instant) -> usize {
+        let mut expired = 0;
+        for index in 0..self.instances.len() {
+            let Some(mut load) = self.lock(index) else {
+                continue;
+            };
+            let stale: Vec<u64> = load
+                .requests
+                .iter()
+                .filter(|(_, request)| request.started < cutoff)
+                .map(|(&id, _)| id)
+                .collect();
+            for id in stale {
+                expired += usize::from(load.remove(id));
+            }
+        }
+        expired
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use kvmesh_kv::BlockHasher;
+
+    use super::*;
+
+    /// A prompt of `tokens` tokens whose first `shared` tokens are common to every prompt
+    /// built with the same `shared`; the rest depends on `seed`.
+    fn prompt(tokens: usize, shared: usize, seed: u32) -> Arc<PromptBlocks> {
+        let ids: Vec<u32> = (0..tokens as u32)
+            .map(|i| {
+                if (i as usize) < shared {
+                    i
+                } else {
+                    1_000_000 * seed + i
+                }
+            })
+            .collect();
+        Arc::new(PromptBlocks::hash(
+            &ids,
+            &mut BlockHasher::new(4, None).unwrap(),
+        ))
+    }
+
+    fn book(loads: &ActiveLoads, index: usize, prompt: &Arc<PromptBlocks>, prefill: u64) -> u64 {
+        let request = NewRequest {
+            prompt: Some(Arc::clone(prompt)),
+            prefill_tokens: prefill,
+        };
+        loads.book(index, request, Instant::now()).unwrap()
+    }
+
+    #[test]
+    fn prefill_is_released_at_the_first_byte_and_blocks_at_the_end() {
+        let loads = ActiveLoads::new(2);
+        let p = prompt(18, 0, 1); // 4 full blocks + a partial one
+        let id = book(&loads, 1, &p, 10);
+        let snap = loads.snapshot(1, &p.hashes.sequence);
+        assert_eq!(
+            snap,
+            LoadSnapshot {
+                prefill_tokens: 10,
+                blocks: 5,
+                prefix_blocks: 4,
+                requests: 1
+            }
+        );
+        assert_eq!(
+            loads.snapshot(0, &p.hashes.sequence),
+            LoadSnapshot::default()
+        );
+        assert!(loads.prefill_done(1, id));
+        assert!(!loads.prefill_done(1, id), "only once");
+        let snap = loads.snapshot(1, &[]);
+        assert_eq!((snap.prefill_tokens, snap.blocks), (0, 5));
+        assert!(loads.release(1, id));
+        assert!(!loads.release(1, id), "only once");
+        assert_eq!(
+            loads.snapshot(1, &p.hashes.sequence),
+            LoadSnapshot::default()
+        );
+    }
+
+    #[test]
+    fn shared_prefixes_count_once_and_stay_until_the_last_holder_ends() {
+        let loads = ActiveLoads::new(1);
+        let a = prompt(16, 12, 1); // blocks: s0 s1 s2 a3
+        let b = prompt(20, 12, 2); // blocks: s0 s1 s2 b3 b4
+        let id_a = book(&loads, 0, &a, 16);
+        let id_b = book(&loads, 0, &b, 8);
+        let snap = loads.snapshot(0, &b.hashes.sequence);
+        assert_eq!(snap.blocks, 3 + 1 + 2);
+        assert_eq!(snap.prefix_blocks, 5);
+        assert_eq!(snap.prefill_tokens, 24);
+        assert_eq!(snap.requests, 2);
+        // A third prompt sharing only the first 12 tokens sees a 3-block active prefix.
+        let c = prompt(16, 12, 3);
+        assert_eq!(loads.snapshot(0, &c.hashes.sequence).prefix_blocks, 3);
+        assert!(loads.release(0, id_a));
+        let snap = loads.snapshot(0, &a.hashes.sequence);
+        assert_eq!(snap.blocks, 5, "b still holds the shared blocks");
+        assert_eq!(snap.prefix_blocks, 3);
+        assert!(loads.release(0, id_b));
+        assert_eq!(loads.snapshot(0, &b.hashes.sequence).blocks, 0);
+    }
+
+    #[test]
+    fn requests_without_tokens_hold_one_block() {
+        let loads = ActiveLoads::new(1);
+        let request = NewRequest {
+            prompt: None,
+            prefill_tokens: 0,
+        };
+        let id = loads.book(0, request, Instant::now()).unwrap();
+        assert_eq!(loads.snapshot(0, &[]).blocks, 1);
+        assert!(loads.release(0, id));
+        assert_eq!(loads.snapshot(0, &[]).blocks, 0);
+        let unknown = NewRequest {
+            prompt: None,
+            prefill_tokens: 0,
+        };
+        assert_eq!(loads.book(5, unknown, Instant::now()), None);
+    }
+
+    #[test]
+    fn stale_requests_expire_on_an_injected_clock() {
+        let loads = ActiveLoads::new(2);
+        let start = Instant::now();
+        let p = prompt(8, 8, 0);
+        let old = NewRequest {
+            prompt: Some(Arc::clone(&p)),
+            prefill_tokens: 8,
+        };
+        let old_id = loads.book(0, old, start).unwrap();
+        let young = NewRequest {
+            prompt: Some(Arc::clone(&p)),
+            prefill_tokens: 8,
+        };
+        let young_id = loads
+            .book(1, young, start + Duration::from_secs(200))
+            .unwrap();
+        // At t = 350 s with a 300 s timeout, only the request from t = 0 is stale.
+        let now = start + Duration::from_secs(350);
+        assert_eq!(loads.expire_stale(now - Duration::from_secs(300)), 1);
+        assert_eq!(
+            loads.snapshot(0, &p.hashes.sequence),
+            LoadSnapshot::default()
+        );
+        assert_eq!(loads.snapshot(1, &p.hashes.sequence).requests, 1);
+        assert!(!loads.release(0, old_id), "the late release is a no-op");
+        assert!(!loads.prefill_done(0, old_id));
+        assert!(loads.release(1, young_id));
+    }
+}

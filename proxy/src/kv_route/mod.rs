@@ -1,0 +1,42 @@
+//! KV-aware routing (`policy: kv`): send each request where the least prefill work is left,
+//! while keeping decode load even.
+//!
+//! One request's way through it:
+//!
+//! 1. **Prepare** ([`prepare`]): the prompt's token ids — chat: template + tokenizer;
+//!    completions: the string prompt tokenized, or the token-id prompt as given; a list
+//!    prompt routes by its first element — cut into blocks of `kv.block_size` and hashed
+//!    ([`kvmesh_kv::BlockHasher`]). Long prompts are tokenized off the reactor
+//!    ([`offload`]). Requests without usable tokens (no tokenizer, embeddings, responses,
+//!    multimodal content) are routed by load alone ([`prepare::FallbackReason`]).
+//! 2. **Lookup** ([`overlap`]): how many leading blocks each instance already caches. Today
+//!    the cache is *predicted* from the proxy's own decisions (approximate mode, with a TTL
+//!    and a size bound); the worker-agent's KV events will feed the same seam.
+//! 3. **Score** ([`cost`], [`busy`]): per instance, the load it would have with this request
+//!    (active prefill tokens and active blocks from [`load`], plus this request's part),
+//!    turned into `overlap_weight × prefill_blocks + decode_blocks`. Busy instances are left
+//!    out; when all are, the request waits in the bounded [`admission`] queue or gets 503.
+//! 4. **Select** ([`select`]): argmin with a tie-break on in-flight requests then random, or a
+//!    softmax draw when `temperature > 0`.
+//! 5. **Commit** ([`router::KvRouter::commit`]): book the load (a [`booking::Booking`] guard
+//!    releases prefill at the first response byte and blocks at the end) and record the
+//!    prediction. A connect failure drops the booking and routes again without that instance.
+//!
+//! Every routed response carries `x-kvmesh-route` ([`explain`]); `POST /debug/route` on the
+//! admin listener explains a request without forwarding it.
+
+pub(crate) mod admission;
+pub(crate) mod booking;
+pub(crate) mod busy;
+pub(crate) mod cost;
+pub(crate) mod explain;
+pub(crate) mod load;
+pub(crate) mod offload;
+pub(crate) mod overlap;
+pub(crate) mod prepare;
+pub(crate) mod prompt;
+pub(crate) mod router;
+pub(crate) mod select;
+pub(crate) mod sweeper;
+
+pub(crate) use router::{Choice, KvRequest, KvRouter};

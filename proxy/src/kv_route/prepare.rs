@@ -1,0 +1,390 @@
+//! From a request body to the prompt's block hashes: template, tokenizer, hasher.
+//!
+//! - Chat: [`ChatRequest::from_slice`], the model's chat template, the tokenizer
+//!   (`add_special_tokens = false`, as vLLM). A template error (`raise_exception`) or an
+//!   invalid chat body is the client's fault: 400 with its message. Content the preprocessor
+//!   cannot turn into the engine's exact tokens (images, audio) routes without tokens.
+//! - Completions: a string prompt is tokenized (`add_special_tokens = true`); token ids are
+//!   used as given; a list routes by its first element ([`crate::kv_route::prompt`]). With
+//!   `forward_token_ids`, a single string prompt is replaced by its ids in the forwarded body.
+//! - Embeddings and responses route without tokens: embeddings leave no KV cache behind, and
+//!   the responses API's input is not rendered by the preprocessor yet.
+//!
+//! Everything here is synchronous; [`crate::kv_route::offload`] decides where it runs.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvmesh_kv::{BlockHasher, BlockHashes};
+use kvmesh_preprocess::{ChatRequest, ModelPreprocessor, PreprocessError};
+
+use crate::kv_route::prompt::{Prompt, completion_prompt, with_token_prompt};
+use crate::route::Route;
+
+/// A prompt's size and block hashes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PromptBlocks {
+    /// Prompt tokens.
+    pub(crate) tokens: usize,
+    /// Hashes of the full blocks.
+    pub(crate) hashes: BlockHashes,
+    /// Tokens per block.
+    pub(crate) block_size: usize,
+}
+
+impl PromptBlocks {
+    /// Hashes `ids` with `hasher`.
+    pub(crate) fn hash(ids: &[u32], hasher: &mut BlockHasher) -> Self {
+        Self {
+            tokens: ids.len(),
+            hashes: hasher.hash(ids),
+            block_size: hasher.block_size(),
+        }
+    }
+
+    /// Whether the prompt ends in a partial block.
+    pub(crate) fn has_tail(&self) -> bool {
+        self.tokens > self.hashes.len() * self.block_size
+    }
+}
+
+/// Why a request is routed by load alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FallbackReason {
+    /// The model has no `tokenizer` configured.
+    NoTokenizer,
+    /// The route has no prompt to route by (embeddings, responses).
+    Route,
+    /// The prompt holds content the preprocessor cannot tokenize exactly (images, audio).
+    UnsupportedContent,
+    /// The tokenizer directory has no chat template.
+    NoChatTemplate,
+    /// The body has no prompt, or one of an unknown shape (the engine will judge it).
+    NoPrompt,
+    /// The tokenizer failed.
+    TokenizeFailed,
+}
+
+/// Number of [`FallbackReason`]s.
+pub(crate) const FALLBACK_REASONS: usize = 6;
+
+impl FallbackReason {
+    /// Every reason, in [`FallbackReason::index`] order.
+    pub(crate) const ALL: [FallbackReason; FALLBACK_REASONS] = [
+        Self::NoTokenizer,
+        Self::Route,
+        Self::UnsupportedContent,
+        Self::NoChatTemplate,
+        Self::NoPrompt,
+        Self::TokenizeFailed,
+    ];
+
+    /// Position in [`FallbackReason::ALL`].
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Label in metrics, logs and `x-kvmesh-route`.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Self::NoTokenizer => "no_tokenizer",
+            Self::Route => "route",
+            Self::UnsupportedContent => "unsupported_content",
+            Self::NoChatTemplate => "no_chat_template",
+            Self::NoPrompt => "no_prompt",
+            Self::TokenizeFailed => "tokenize_failed",
+        }
+    }
+}
+
+/// What routing knows about a request's prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RouteInput {
+    /// Its blocks.
+    Tokens(Arc<PromptBlocks>),
+    /// No tokens: routed by load alone.
+    Fallback(FallbackReason),
+}
+
+/// Time spent per stage (`None`: the stage did not run).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct StageTimes {
+    /// Parsing the body: for chat, rendering its template too; for completions, reading
+    /// the prompt.
+    pub(crate) template: Option<Duration>,
+    /// Tokenizing.
+    pub(crate) tokenize: Option<Duration>,
+    /// Hashing the blocks.
+    pub(crate) hash: Option<Duration>,
+}
+
+/// A prepared request.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    /// Routing input.
+    pub(crate) input: RouteInput,
+    /// Stage timings.
+    pub(crate) times: StageTimes,
+    /// The body to forward when it was rewritten (`forward_token_ids`).
+    pub(crate) rewritten: Option<Bytes>,
+}
+
+impl Prepared {
+    /// A request routed without tokens.
+    pub(crate) fn fallback(reason: FallbackReason, times: StageTimes) -> Self {
+        Self {
+            input: RouteInput::Fallback(reason),
+            times,
+            rewritten: None,
+        }
+    }
+}
+
+/// The request is invalid; answered with 400 and this message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct InvalidPrompt(pub(crate) String);
+
+/// A model's preprocessing settings (cheap to clone: the tokenizer is shared).
+#[derive(Debug, Clone)]
+pub(crate) struct Preparer {
+    tokenizer: Option<Arc<ModelPreprocessor>>,
+    block_size: usize,
+    forward_token_ids: bool,
+}
+
+impl Preparer {
+    /// Preprocessing with `tokenizer` (if any) into blocks of `block_size` tokens.
+    pub(crate) fn new(
+        tokenizer: Option<Arc<ModelPreprocessor>>,
+        block_size: usize,
+        forward_token_ids: bool,
+    ) -> Self {
+        Self {
+            tokenizer,
+            block_size: block_size.max(1),
+            forward_token_ids,
+        }
+    }
+
+    /// Prepares a request on `route` with `body`; `forward` allows the `forward_token_ids`
+    /// rewrite (the admin explain endpoint forwards nothing).
+    pub(crate) fn prepare(
+        &self,
+        route: Route,
+        body: &Bytes,
+        forward: bool,
+    ) -> Result<Prepared, InvalidPrompt> {
+        match route {
+            Route::ChatCompletions => self.chat(body),
+            Route::Completions => Ok(self.completion(body, forward)),
+            Route::Embeddings | Route::Responses | Route::Models => Ok(Prepared::fallback(
+                FallbackReason::Route,
+                StageTimes::default(),
+            )),
+        }
+    }
+
+    fn hash(&self, ids: &[u32], mut times: StageTimes) -> (RouteInput, StageTimes) {
+        let start = Instant::now();
+        let hasher = BlockHasher::new(self.block_size, None);
+        let input = match hasher {
+            Ok(mut hasher) => RouteInput::Tokens(Arc::new(PromptBlocks::hash(ids, &mut hasher))),
+            Err(_) => RouteInput::Fallback(FallbackReason::TokenizeFailed),
+        };
+        times.hash = Some(start.elapsed());
+        (input, times)
+    }
+
+    fn chat(&self, body: &Bytes) -> Result<Prepared, InvalidPrompt> {
+        let mut times = StageTimes::default();
+        let Some(model) = self.tokenizer.as_deref() else {
+            return Ok(Prepared::fallback(FallbackReason::NoTokenizer, times));
+        };
+        let start = Instant::now();
+        let rendered = ChatRequest::from_slice(body).and_then(|r| model.render_chat(&r));
+        times.template = Some(start.elapsed());
+        let rendered = match rendered {
+            Ok(rendered) => rendered,
+            Err(error) => return fallback_or_invalid(error, times),
+        };
+        let start = Instant::now();
+        let ids = model.encode_chat(&rendered);
+        times.tokenize = Some(start.elapsed());
+        let ids = match ids {
+            Ok(ids) => ids,
+            Err(error) => return fallback_or_invalid(error, times),
+        };
+        let (input, times) = self.hash(&ids, times);
+        Ok(Prepared {
+            input,
+            times,
+            rewritten: None,
+        })
+    }
+
+    fn completion(&self, body: &Bytes, forward: bool) -> Prepared {
+        let mut times = StageTimes::default();
+        let start = Instant::now();
+        let prompt = completion_prompt(body);
+        times.template = Some(start.elapsed());
+        let prompt = match prompt {
+            Ok(Some(prompt)) => prompt,
+            Ok(None) | Err(_) => return Prepared::fallback(FallbackReason::NoPrompt, times),
+        };
+        let (text, single) = match prompt {
+            Prompt::Tokens(ids) => {
+                let (input, times) = self.hash(&ids, times);
+                return Prepared {
+                    input,
+                    times,
+                    rewritten: None,
+                };
+            }
+            Prompt::Text(text) => (text, true),
+            Prompt::FirstText(text) => (text, false),
+        };
+        let Some(model) = self.tokenizer.as_deref() else {
+            return Prepared::fallback(FallbackReason::NoTokenizer, times);
+        };
+        let start = Instant::now();
+        let ids = model.encode_prompt(&text);
+        times.tokenize = Some(start.elapsed());
+        let Ok(ids) = ids else {
+            return Prepared::fallback(FallbackReason::TokenizeFailed, times);
+        };
+        let rewrite = single && forward && self.forward_token_ids && !ids.is_empty();
+        let rewritten = rewrite
+            .then(|| with_token_prompt(body, &text, &ids))
+            .flatten();
+        let (input, times) = self.hash(&ids, times);
+        Prepared {
+            input,
+            times,
+            rewritten,
+        }
+    }
+}
+
+/// Client errors become 400s; anything else routes without tokens.
+fn fallback_or_invalid(
+    error: PreprocessError,
+    times: StageTimes,
+) -> Result<Prepared, InvalidPrompt> {
+    if error.is_client_error() {
+        return Err(InvalidPrompt(error.to_string()));
+    }
+    let reason = match error {
+        PreprocessError::UnsupportedContent(_) => FallbackReason::UnsupportedContent,
+        PreprocessError::NoChatTemplate => FallbackReason::NoChatTemplate,
+        _ => FallbackReason::TokenizeFailed,
+    };
+    tracing::debug!(%error, reason = reason.label(), "routing without tokens");
+    Ok(Prepared::fallback(reason, times))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn preparer(forward_token_ids: bool) -> Preparer {
+        Preparer::new(None, 4, forward_token_ids)
+    }
+
+    fn tokens(prepared: &Prepared) -> &PromptBlocks {
+        match &prepared.input {
+            RouteInput::Tokens(blocks) => blocks,
+            RouteInput::Fallback(reason) => panic!("fell back: {reason:?}"),
+        }
+    }
+
+    #[test]
+    fn token_id_prompts_need_no_tokenizer() {
+        let body = Bytes::from_static(br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9]}"#);
+        let prepared = preparer(false)
+            .prepare(Route::Completions, &body, true)
+            .unwrap();
+        let blocks = tokens(&prepared);
+        assert_eq!(blocks.tokens, 9);
+        assert_eq!(blocks.hashes.len(), 2);
+        assert!(blocks.has_tail());
+        let mut hasher = BlockHasher::new(4, None).unwrap();
+        assert_eq!(blocks.hashes, hasher.hash(&[1, 2, 3, 4, 5, 6, 7, 8, 9]));
+        assert!(prepared.times.hash.is_some());
+        assert!(prepared.times.template.is_some(), "parsing the prompt");
+        assert_eq!(prepared.times.tokenize, None);
+        assert!(prepared.rewritten.is_none());
+    }
+
+    #[test]
+    fn requests_without_usable_tokens_fall_back() {
+        let p = preparer(false);
+        let cases = [
+            (
+                Route::ChatCompletions,
+                r#"{"messages":[]}"#,
+                FallbackReason::NoTokenizer,
+            ),
+            (
+                Route::Completions,
+                r#"{"prompt":"text"}"#,
+                FallbackReason::NoTokenizer,
+            ),
+            (
+                Route::Completions,
+                r#"{"prompt":[]}"#,
+                FallbackReason::NoPrompt,
+            ),
+            (
+                Route::Completions,
+                r#"{"prompt":{"x":1}}"#,
+                FallbackReason::NoPrompt,
+            ),
+            (Route::Embeddings, r#"{"input":"x"}"#, FallbackReason::Route),
+            (Route::Responses, r#"{"input":"x"}"#, FallbackReason::Route),
+        ];
+        for (route, body, reason) in cases {
+            let prepared = p
+                .prepare(route, &Bytes::from_static(body.as_bytes()), true)
+                .unwrap();
+            assert_eq!(prepared.input, RouteInput::Fallback(reason), "{body}");
+        }
+    }
+
+    #[test]
+    fn fallback_reasons_have_distinct_labels() {
+        let mut labels: Vec<_> = FallbackReason::ALL.iter().map(|r| r.label()).collect();
+        labels.sort_unstable();
+        labels.dedup();
+        assert_eq!(labels.len(), FALLBACK_REASONS);
+        for (i, reason) in FallbackReason::ALL.iter().enumerate() {
+            assert_eq!(reason.index(), i);
+        }
+    }
+
+    #[test]
+    fn only_client_errors_are_rejected() {
+        let invalid = fallback_or_invalid(
+            PreprocessError::Template("no tools allowed".into()),
+            StageTimes::default(),
+        );
+        assert_eq!(
+            invalid.unwrap_err(),
+            InvalidPrompt("no tools allowed".into())
+        );
+        let image = fallback_or_invalid(
+            PreprocessError::UnsupportedContent("image_url".into()),
+            StageTimes::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            image.input,
+            RouteInput::Fallback(FallbackReason::UnsupportedContent)
+        );
+        let missing = fallback_or_invalid(PreprocessError::NoChatTemplate, StageTimes::default());
+        assert_eq!(
+            missing.unwrap().input,
+            RouteInput::Fallback(FallbackReason::NoChatTemplate)
+        );
+    }
+}

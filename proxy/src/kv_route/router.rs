@@ -1,0 +1,434 @@
+//! [`KvRouter`]: one model's KV-aware routing state and the decision itself.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvmesh_config::KvRoutingConfig;
+use kvmesh_kv::{ApproxConfig, ApproxConfigError, OverlapScores};
+use kvmesh_preprocess::ModelPreprocessor;
+use rand::Rng;
+
+use crate::instance::Instance;
+use crate::kv_route::admission::{Admission, Rejected};
+use crate::kv_route::booking::Booking;
+use crate::kv_route::busy::BusyThresholds;
+use crate::kv_route::cost::{CandidateLoad, Cost, CostModel, RequestShape};
+use crate::kv_route::explain::{Explanation, InstanceExplanation};
+use crate::kv_route::load::{ActiveLoads, LoadSnapshot, NewRequest};
+use crate::kv_route::overlap::{Approximate, OverlapSource, worker_key};
+use crate::kv_route::prepare::{Prepared, Preparer, RouteInput};
+use crate::kv_route::select::{Scored, probabilities, select};
+use crate::metrics::{KvMetrics, RouteStage};
+use crate::policy::Excluded;
+
+/// Longest pause between two sweeps of stale loads and expired predictions.
+const MAX_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
+/// Shortest pause between two sweeps.
+const MIN_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+
+/// One request as routing sees it, computed once (the lookup included) and reused when a
+/// failed attempt is routed again.
+#[derive(Debug)]
+pub(crate) struct KvRequest {
+    /// The prompt's blocks, or why there are none.
+    pub(crate) input: RouteInput,
+    /// Its size in tokens and blocks.
+    pub(crate) shape: RequestShape,
+    /// Each instance's cached overlap.
+    pub(crate) scores: OverlapScores,
+}
+
+/// The outcome of a routing decision.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Decision {
+    /// The chosen instance.
+    pub(crate) index: usize,
+    /// Its cached overlap in blocks.
+    pub(crate) overlap_blocks: u32,
+    /// Its cost with this request.
+    pub(crate) cost: Cost,
+}
+
+/// What [`KvRouter::choose`] found.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Choice {
+    /// An instance.
+    Picked(Decision),
+    /// Every eligible instance is busy.
+    AllBusy,
+    /// No instance is eligible (all unhealthy, ejected or already tried).
+    NoneEligible,
+}
+
+/// One instance evaluated for a request.
+#[derive(Debug, Clone, Copy)]
+struct Evaluated {
+    eligible: bool,
+    busy: bool,
+    overlap_blocks: u32,
+    load: LoadSnapshot,
+    cost: Cost,
+    in_flight: u64,
+}
+
+/// The KV-aware router of one model.
+#[derive(Debug)]
+pub(crate) struct KvRouter {
+    preparer: Preparer,
+    cost: CostModel,
+    temperature: f64,
+    busy: BusyThresholds,
+    overlap: Box<dyn OverlapSource>,
+    loads: ActiveLoads,
+    admission: Admission,
+    stale_after: Duration,
+    metrics: KvMetrics,
+}
+
+impl KvRouter {
+    /// A router over `instances` instances with `config`; `tokenizer` prepares chat and text
+    /// prompts. Predictions start empty (approximate mode).
+    pub(crate) fn new(
+        config: &KvRoutingConfig,
+        tokenizer: Option<Arc<ModelPreprocessor>>,
+        forward_token_ids: bool,
+        instances: usize,
+        metrics: KvMetrics,
+    ) -> Result<Self, ApproxConfigError> {
+        let overlap = Approximate::new(ApproxConfig {
+            ttl: config.approx_ttl,
+            max_blocks: config.approx_max_blocks,
+            prune_target_ratio: config.approx_prune_ratio,
+        })?;
+        Ok(Self {
+            preparer: Preparer::new(tokenizer, config.block_size, forward_token_ids),
+            cost: CostModel {
+                block_size: config.block_size.max(1) as u64,
+                overlap_weight: config.overlap_weight,
+            },
+            temperature: config.temperature,
+            busy: BusyThresholds::from_config(config),
+            overlap: Box::new(overlap),
+            loads: ActiveLoads::new(instances),
+            admission: Admission::new(
+                config.queue.max_size,
+                config.queue.timeout,
+                metrics.queue_depth.clone(),
+            ),
+            stale_after: config.stale_request_timeout,
+            metrics,
+        })
+    }
+
+    /// How requests are turned into blocks.
+    pub(crate) fn preparer(&self) -> &Preparer {
+        &self.preparer
+    }
+
+    /// Looks a prepared request up in the index, recording the stage timings and fallbacks.
+    pub(crate) fn request(&self, prepared: &Prepared, now: Instant) -> KvRequest {
+        let times = prepared.times;
+        for (stage, time) in [
+            (RouteStage::Template, times.template),
+            (RouteStage::Tokenize, times.tokenize),
+            (RouteStage::Hash, times.hash),
+        ] {
+            if let Some(time) = time {
+                self.metrics.observe_stage(stage, time);
+            }
+        }
+        let start = Instant::now();
+        let request = self.lookup(prepared, now);
+        match &request.input {
+            RouteInput::Tokens(_) => self
+                .metrics
+                .observe_stage(RouteStage::Lookup, start.elapsed()),
+            RouteInput::Fallback(reason) => self.metrics.count_fallback(*reason),
+        }
+        request
+    }
+
+    /// Looks a prepared request up in the index (nothing recorded).
+    pub(crate) fn lookup(&self, prepared: &Prepared, now: Instant) -> KvRequest {
+        match &prepared.input {
+            RouteInput::Tokens(prompt) => KvRequest {
+                input: prepared.input.clone(),
+                shape: RequestShape::new(prompt.tokens as u64, self.cost.block_size),
+                scores: self.overlap.find_matches(&prompt.hashes.sequence, now),
+            },
+            RouteInput::Fallback(_) => KvRequest {
+                input: prepared.input.clone(),
+                shape: RequestShape::default(),
+                scores: OverlapScores::default(),
+            },
+        }
+    }
+
+    fn evaluate(
+        &self,
+        index: usize,
+        instance: &Instance,
+        request: &KvRequest,
+        eligible: bool,
+    ) -> Evaluated {
+        let query = match &request.input {
+            RouteInput::Tokens(prompt) => &prompt.hashes.sequence[..],
+            RouteInput::Fallback(_) => &[],
+        };
+        let load = self.loads.snapshot(index, query);
+        let overlap_blocks = request.scores.depth(worker_key(index));
+        let cost = self.cost.cost(
+            &request.shape,
+            &CandidateLoad {
+                overlap_blocks,
+                active_prefill_tokens: load.prefill_tokens,
+                active_blocks: load.blocks,
+                active_prefix_blocks: load.prefix_blocks,
+            },
+        );
+        Evaluated {
+            eligible,
+            busy: self.busy.is_busy(load.blocks, load.prefill_tokens),
+            overlap_blocks: overlap_blocks.min(request.shape.full_blocks),
+            load,
+            cost,
+            in_flight: instance.in_flight(),
+        }
+    }
+
+    /// Chooses an instance for `request` among those available at `now_ms` and not in
+    /// `excluded`; busy instances are left out.
+    pub(crate) fn choose(
+        &self,
+        instances: &[Arc<Instance>],
+        request: &KvRequest,
+        excluded: &Excluded,
+        now_ms: u64,
+        rng: &mut impl Rng,
+    ) -> Choice {
+        let start = Instant::now();
+        let mut eligible = 0;
+        let mut candidates: Vec<(usize, Evaluated)> = Vec::with_capacity(instances.len());
+        for (index, instance) in instances.iter().enumerate() {
+            if excluded.contains(index) || !instance.is_available(now_ms) {
+                continue;
+            }
+            eligible += 1;
+            let evaluated = self.evaluate(index, instance, request, true);
+            if !evaluated.busy {
+                candidates.push((index, evaluated));
+            }
+        }
+        let scored: Vec<Scored> = candidates
+            .iter()
+            .map(|(_, e)| Scored {
+                cost: e.cost.value,
+                in_flight: e.in_flight,
+            })
+            .collect();
+        let choice = match select(&scored, self.temperature, rng) {
+            Some(at) => {
+                let (index, evaluated) = candidates[at];
+                Choice::Picked(Decision {
+                    index,
+                    overlap_blocks: evaluated.overlap_blocks,
+                    cost: evaluated.cost,
+                })
+            }
+            None if eligible > 0 => Choice::AllBusy,
+            None => Choice::NoneEligible,
+        };
+        self.metrics
+            .observe_stage(RouteStage::Score, start.elapsed());
+        choice
+    }
+
+    /// Whether a request may be routed now: some instance available at `now_ms` is not
+    /// busy, or none is available at all (then routing answers "no healthy instance", not
+    /// "busy").
+    pub(crate) fn admissible(&self, instances: &[Arc<Instance>], now_ms: u64) -> bool {
+        let mut any_available = false;
+        for (index, instance) in instances.iter().enumerate() {
+            if !instance.is_available(now_ms) {
+                continue;
+            }
+            any_available = true;
+            let load = self.loads.snapshot(index, &[]);
+            if !self.busy.is_busy(load.blocks, load.prefill_tokens) {
+                return true;
+            }
+        }
+        !any_available
+    }
+
+    /// Waits (bounded) until the request is [`admissible`](Self::admissible).
+    pub(crate) async fn admit(
+        &self,
+        instances: &[Arc<Instance>],
+        now_ms: impl Fn() -> u64,
+    ) -> Result<(), Rejected> {
+        let admitted = self
+            .admission
+            .admit(|| self.admissible(instances, now_ms()))
+            .await;
+        if admitted.is_err() {
+            self.metrics.busy_rejections.inc();
+        }
+        admitted
+    }
+
+    /// Counts a request answered 503 because every instance was busy after admission.
+    pub(crate) fn count_busy_rejection(&self) {
+        self.metrics.busy_rejections.inc();
+    }
+
+    /// Books `decision` for `request` and records the prediction; the booking releases the
+    /// load when dropped. The prediction is recorded before the request is sent (as Dynamo
+    /// does, so concurrent requests with the same prefix see it); if the attempt then fails to
+    /// connect, it stays until its TTL ends, and the failing instance is ejected or skipped.
+    pub(crate) fn commit(
+        &self,
+        decision: &Decision,
+        request: &KvRequest,
+        now: Instant,
+    ) -> Booking<'_> {
+        let prompt = match &request.input {
+            RouteInput::Tokens(prompt) => {
+                let pruned = self
+                    .overlap
+                    .record(worker_key(decision.index), &prompt.hashes, now);
+                self.metrics.index_prunes.inc_by(pruned);
+                self.metrics
+                    .overlap_blocks
+                    .observe(f64::from(decision.overlap_blocks));
+                Some(Arc::clone(prompt))
+            }
+            RouteInput::Fallback(_) => None,
+        };
+        let booked = NewRequest {
+            prompt,
+            prefill_tokens: decision.cost.new_prefill_tokens,
+        };
+        let id = self.loads.book(decision.index, booked, now);
+        Booking::new(self, decision.index, id)
+    }
+
+    /// The prefill of booking `id` on instance `index` ended.
+    pub(crate) fn prefill_done(&self, index: usize, id: u64) {
+        if self.loads.prefill_done(index, id) {
+            self.admission.wake();
+        }
+    }
+
+    /// Booking `id` on instance `index` ended.
+    pub(crate) fn release(&self, index: usize, id: u64) {
+        if self.loads.release(index, id) {
+            self.admission.wake();
+        }
+    }
+
+    /// How each instance would be scored for `request` now, and which one would be chosen;
+    /// books nothing and records nothing.
+    pub(crate) fn explain(
+        &self,
+        instances: &[Arc<Instance>],
+        request: &KvRequest,
+        now_ms: u64,
+        rng: &mut impl Rng,
+    ) -> Explanation {
+        let evaluated: Vec<Evaluated> = instances
+            .iter()
+            .enumerate()
+            .map(|(index, instance)| {
+                self.evaluate(index, instance, request, instance.is_available(now_ms))
+            })
+            .collect();
+        let open: Vec<usize> = (0..evaluated.len())
+            .filter(|&i| evaluated[i].eligible && !evaluated[i].busy)
+            .collect();
+        let scored: Vec<Scored> = open
+            .iter()
+            .map(|&i| Scored {
+                cost: evaluated[i].cost.value,
+                in_flight: evaluated[i].in_flight,
+            })
+            .collect();
+        let mut chance = vec![0.0; evaluated.len()];
+        for (&i, p) in open.iter().zip(probabilities(&scored, self.temperature)) {
+            chance[i] = p;
+        }
+        let chosen = select(&scored, self.temperature, rng).map(|at| open[at]);
+        let (prompt_tokens, fallback) = match &request.input {
+            RouteInput::Tokens(prompt) => (prompt.tokens, None),
+            RouteInput::Fallback(reason) => (0, Some(reason.label())),
+        };
+        Explanation {
+            block_size: self.cost.block_size,
+            overlap_weight: self.cost.overlap_weight,
+            temperature: self.temperature,
+            prompt_tokens,
+            prompt_blocks: request.shape.full_blocks,
+            fallback,
+            chosen: chosen
+                .and_then(|i| instances.get(i))
+                .map(|i| i.url().to_string()),
+            all_busy: open.is_empty() && evaluated.iter().any(|e| e.eligible),
+            instances: instances
+                .iter()
+                .zip(&evaluated)
+                .zip(chance)
+                .map(|((instance, e), probability)| InstanceExplanation {
+                    instance: instance.url().to_string(),
+                    eligible: e.eligible,
+                    busy: e.busy,
+                    overlap_blocks: e.overlap_blocks,
+                    active_prefill_tokens: e.load.prefill_tokens,
+                    active_blocks: e.load.blocks,
+                    active_requests: e.load.requests,
+                    in_flight: e.in_flight,
+                    prefill_tokens: e.cost.prefill_tokens,
+                    decode_blocks: e.cost.decode_blocks,
+                    cost: e.cost.value,
+                    probability,
+                })
+                .collect(),
+        }
+    }
+
+    /// How often the sweeper should run.
+    pub(crate) fn sweep_interval(&self) -> Duration {
+        (self.stale_after / 10).clamp(MIN_SWEEP_INTERVAL, MAX_SWEEP_INTERVAL)
+    }
+
+    /// Drops stale bookings and expired predictions at `now`; returns how many bookings.
+    pub(crate) fn sweep(&self, now: Instant) -> usize {
+        self.overlap.expire(now);
+        let expired = now
+            .checked_sub(self.stale_after)
+            .map_or(0, |cutoff| self.loads.expire_stale(cutoff));
+        if expired > 0 {
+            tracing::warn!(expired, "dropped stale requests from the load accounting");
+            self.admission.wake();
+        }
+        expired
+    }
+
+    /// Copies the index size per instance into `kvmesh_index_blocks`.
+    pub(crate) fn refresh_gauges(&self) {
+        let mut counts = vec![0u64; self.metrics.index_blocks.len()];
+        for (worker, blocks) in self.overlap.cached_blocks() {
+            if let Some(count) = usize::try_from(worker.instance_id)
+                .ok()
+                .and_then(|i| counts.get_mut(i))
+            {
+                *count += blocks;
+            }
+        }
+        for (gauge, count) in self.metrics.index_blocks.iter().zip(counts) {
+            gauge.set(i64::try_from(count).unwrap_or(i64::MAX));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

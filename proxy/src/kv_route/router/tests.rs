@@ -1,0 +1,350 @@
+//! The router end to end on fake instances: decisions, bookings, thresholds, explanations.
+
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use kvmesh_config::{BackendUrl, KvRoutingConfig, Protocol};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use super::*;
+use crate::instance::PeerSettings;
+use crate::kv_route::prepare::FallbackReason;
+use crate::metrics::Metrics;
+use crate::route::Route;
+
+const BLOCK: usize = 4;
+
+fn instances(n: usize) -> (Metrics, Vec<Arc<Instance>>) {
+    let metrics = Metrics::new().unwrap();
+    let instances = (0..n)
+        .map(|i| {
+            let url = BackendUrl::parse(&format!("http://127.0.0.1:{}", 9000 + i)).unwrap();
+            let address: SocketAddr = format!("127.0.0.1:{}", 9000 + i).parse().unwrap();
+            let handles = metrics.instance("m", url.as_str());
+            let settings = PeerSettings {
+                connect_timeout: Duration::from_secs(1),
+            };
+            Arc::new(Instance::new(
+                url,
+                address,
+                Protocol::Http1,
+                settings,
+                handles,
+            ))
+        })
+        .collect();
+    (metrics, instances)
+}
+
+fn router_with(config: KvRoutingConfig, n: usize) -> (KvRouter, Vec<Arc<Instance>>) {
+    let (metrics, instances) = instances(n);
+    let urls: Vec<&str> = instances.iter().map(|i| i.url().as_str()).collect();
+    let kv = metrics.kv("m", &urls);
+    let router = KvRouter::new(&config, None, false, n, kv).unwrap();
+    (router, instances)
+}
+
+fn config() -> KvRoutingConfig {
+    KvRoutingConfig {
+        block_size: BLOCK,
+        ..KvRoutingConfig::default()
+    }
+}
+
+/// A completions request for token ids `ids`.
+fn request(router: &KvRouter, ids: &[u32]) -> KvRequest {
+    let body = serde_json::json!({"model": "m", "prompt": ids}).to_string();
+    let prepared = router
+        .preparer()
+        .prepare(Route::Completions, &Bytes::from(body), true)
+        .unwrap();
+    router.request(&prepared, Instant::now())
+}
+
+fn fallback(router: &KvRouter) -> KvRequest {
+    let prepared = router
+        .preparer()
+        .prepare(Route::Embeddings, &Bytes::from_static(b"{}"), true)
+        .unwrap();
+    router.request(&prepared, Instant::now())
+}
+
+fn conversation(seed: u32, tokens: u32) -> Vec<u32> {
+    (0..tokens).map(|i| seed * 100_000 + i).collect()
+}
+
+fn picked(choice: Choice) -> Decision {
+    match choice {
+        Choice::Picked(decision) => decision,
+        other => panic!("no instance picked: {other:?}"),
+    }
+}
+
+fn choose(
+    router: &KvRouter,
+    instances: &[Arc<Instance>],
+    request: &KvRequest,
+    seed: u64,
+) -> Choice {
+    let mut rng = StdRng::seed_from_u64(seed);
+    router.choose(instances, request, &Excluded::default(), 0, &mut rng)
+}
+
+#[test]
+fn a_conversation_sticks_to_the_instance_that_caches_its_prefix() {
+    let (router, instances) = router_with(config(), 4);
+    let first = request(&router, &conversation(1, 40));
+    let decision = picked(choose(&router, &instances, &first, 1));
+    assert_eq!(decision.overlap_blocks, 0);
+    drop(router.commit(&decision, &first, Instant::now()));
+    // The next turn repeats the 40 tokens and adds 20: its first 10 blocks are predicted
+    // cached on the first instance, which wins whatever the random tie-break would say.
+    for seed in 0..20 {
+        let next = request(&router, &conversation(1, 60));
+        let again = picked(choose(&router, &instances, &next, seed));
+        assert_eq!(again.index, decision.index);
+        assert_eq!(again.overlap_blocks, 10);
+        assert_eq!(again.cost.new_prefill_tokens, 20);
+    }
+}
+
+#[test]
+fn bookings_hold_load_until_dropped_and_prefill_until_the_first_byte() {
+    let (router, instances) = router_with(config(), 2);
+    let long = request(&router, &conversation(1, 64)); // 16 blocks
+    let decision = picked(choose(&router, &instances, &long, 3));
+    let booking = router.commit(&decision, &long, Instant::now());
+    let busy_one = decision.index;
+    let load = router.loads.snapshot(busy_one, &[]);
+    assert_eq!((load.prefill_tokens, load.blocks), (64, 16));
+    // A different prompt goes to the idle instance: the other one has 16 blocks of prefill
+    // and 16 of decode ahead of it.
+    let other = request(&router, &conversation(2, 8));
+    assert_ne!(
+        picked(choose(&router, &instances, &other, 3)).index,
+        busy_one
+    );
+    booking.prefill_done();
+    let load = router.loads.snapshot(busy_one, &[]);
+    assert_eq!((load.prefill_tokens, load.blocks), (0, 16));
+    drop(booking);
+    assert_eq!(
+        router.loads.snapshot(busy_one, &[]),
+        LoadSnapshot::default()
+    );
+}
+
+#[test]
+fn equal_costs_go_to_fewer_requests_in_flight() {
+    let (router, instances) = router_with(config(), 3);
+    let _a = instances[0].start_request();
+    let _b = instances[2].start_request();
+    let _c = instances[2].start_request();
+    let fresh = request(&router, &conversation(7, 16));
+    for seed in 0..20 {
+        assert_eq!(picked(choose(&router, &instances, &fresh, seed)).index, 1);
+    }
+}
+
+#[test]
+fn requests_without_tokens_go_to_the_least_loaded_instance() {
+    let (router, instances) = router_with(config(), 3);
+    let heavy = request(&router, &conversation(1, 40));
+    let light = request(&router, &conversation(2, 8));
+    let _on_0 = router.commit(
+        &Decision {
+            index: 0,
+            ..picked(choose(&router, &instances, &heavy, 0))
+        },
+        &heavy,
+        Instant::now(),
+    );
+    let _on_2 = router.commit(
+        &Decision {
+            index: 2,
+            ..picked(choose(&router, &instances, &light, 0))
+        },
+        &light,
+        Instant::now(),
+    );
+    let embedding = fallback(&router);
+    assert_eq!(embedding.input, RouteInput::Fallback(FallbackReason::Route));
+    let decision = picked(choose(&router, &instances, &embedding, 5));
+    assert_eq!(decision.index, 1);
+    let booking = router.commit(&decision, &embedding, Instant::now());
+    assert_eq!(router.loads.snapshot(1, &[]).blocks, 1);
+    drop(booking);
+    assert_eq!(router.loads.snapshot(1, &[]).blocks, 0);
+}
+
+#[test]
+fn excluded_instances_fail_over_to_the_next_best() {
+    let (router, instances) = router_with(config(), 3);
+    let warm = request(&router, &conversation(1, 40));
+    let mut decision = picked(choose(&router, &instances, &warm, 0));
+    decision.index = 2;
+    drop(router.commit(&decision, &warm, Instant::now()));
+    let next = request(&router, &conversation(1, 48));
+    assert_eq!(picked(choose(&router, &instances, &next, 0)).index, 2);
+    let mut excluded = Excluded::default();
+    excluded.insert(2);
+    let mut rng = StdRng::seed_from_u64(0);
+    let failover = picked(router.choose(&instances, &next, &excluded, 0, &mut rng));
+    assert_ne!(failover.index, 2);
+    assert_eq!(failover.overlap_blocks, 0);
+    excluded.insert(0);
+    excluded.insert(1);
+    assert_eq!(
+        router.choose(&instances, &next, &excluded, 0, &mut rng),
+        Choice::NoneEligible
+    );
+}
+
+#[test]
+fn busy_instances_are_skipped_and_all_busy_is_reported() {
+    let config = KvRoutingConfig {
+        busy_prefill_tokens: Some(30),
+        total_kv_blocks: Some(100),
+        busy_decode_blocks_fraction: Some(0.5),
+        ..config()
+    };
+    let (router, instances) = router_with(config, 2);
+    let big = request(&router, &conversation(1, 40)); // 40 prefill tokens, 10 blocks
+    let first = picked(choose(&router, &instances, &big, 0));
+    let _first = router.commit(&first, &big, Instant::now());
+    let second = picked(choose(&router, &instances, &big, 0));
+    assert_ne!(second.index, first.index, "the busy instance is skipped");
+    let _second = router.commit(&second, &big, Instant::now());
+    let small = request(&router, &conversation(2, 4));
+    assert_eq!(choose(&router, &instances, &small, 0), Choice::AllBusy);
+    assert!(!router.admissible(&instances, 0));
+    for instance in &instances {
+        instance.set_healthy(false);
+    }
+    assert!(
+        router.admissible(&instances, 0),
+        "nothing available is not \"busy\": routing reports it"
+    );
+    assert_eq!(choose(&router, &instances, &small, 0), Choice::NoneEligible);
+    for instance in &instances {
+        instance.set_healthy(true);
+    }
+    let explanation = router.explain(&instances, &small, 0, &mut StdRng::seed_from_u64(0));
+    assert!(explanation.all_busy);
+    assert_eq!(explanation.chosen, None);
+    assert!(
+        explanation
+            .instances
+            .iter()
+            .all(|i| i.busy && i.probability == 0.0)
+    );
+}
+
+#[tokio::test]
+async fn admission_waits_for_released_load() {
+    let config = KvRoutingConfig {
+        busy_prefill_tokens: Some(30),
+        queue: kvmesh_config::KvQueueConfig {
+            max_size: 4,
+            timeout: Duration::from_secs(30),
+        },
+        ..config()
+    };
+    let (router, instances) = router_with(config, 1);
+    let big = request(&router, &conversation(1, 40));
+    let decision = picked(choose(&router, &instances, &big, 0));
+    let booking = router.commit(&decision, &big, Instant::now());
+    let waiting = router.admit(&instances, || 0);
+    tokio::pin!(waiting);
+    assert!(
+        futures_poll_once(waiting.as_mut()).await.is_none(),
+        "busy: the request waits"
+    );
+    booking.prefill_done();
+    assert_eq!(waiting.await, Ok(()));
+}
+
+/// Polls a future once; `Some` when it completed.
+async fn futures_poll_once<F: std::future::Future + Unpin>(future: F) -> Option<F::Output> {
+    let mut future = future;
+    std::future::poll_fn(|cx| match std::pin::Pin::new(&mut future).poll(cx) {
+        std::task::Poll::Ready(output) => std::task::Poll::Ready(Some(output)),
+        std::task::Poll::Pending => std::task::Poll::Ready(None),
+    })
+    .await
+}
+
+#[test]
+fn without_a_queue_all_busy_is_rejected_at_once() {
+    let config = KvRoutingConfig {
+        busy_prefill_tokens: Some(1),
+        ..config()
+    };
+    let (router, instances) = router_with(config, 1);
+    let big = request(&router, &conversation(1, 8));
+    let decision = picked(choose(&router, &instances, &big, 0));
+    let _booking = router.commit(&decision, &big, Instant::now());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let admitted = runtime.block_on(router.admit(&instances, || 0));
+    assert_eq!(admitted, Err(Rejected::Busy));
+    assert_eq!(router.metrics.busy_rejections.get(), 1);
+}
+
+#[test]
+fn explaining_changes_nothing() {
+    let (router, instances) = router_with(config(), 3);
+    let warm = request(&router, &conversation(1, 40));
+    let decision = picked(choose(&router, &instances, &warm, 0));
+    let booking = router.commit(&decision, &warm, Instant::now());
+    booking.prefill_done();
+    let probe = request(&router, &conversation(1, 48));
+    let before: Vec<_> = (0..3).map(|i| router.loads.snapshot(i, &[])).collect();
+    let cached = router.overlap.cached_blocks();
+    let first = router.explain(&instances, &probe, 0, &mut StdRng::seed_from_u64(1));
+    let second = router.explain(&instances, &probe, 0, &mut StdRng::seed_from_u64(2));
+    assert_eq!(first, second, "deterministic without ties");
+    let after: Vec<_> = (0..3).map(|i| router.loads.snapshot(i, &[])).collect();
+    assert_eq!(before, after);
+    assert_eq!(cached, router.overlap.cached_blocks());
+    let chosen = &first.instances[decision.index];
+    assert_eq!(first.chosen.as_deref(), Some(chosen.instance.as_str()));
+    assert_eq!(chosen.overlap_blocks, 10);
+    assert_eq!(chosen.active_blocks, 10);
+    assert_eq!(chosen.active_prefill_tokens, 0);
+    assert_eq!(chosen.probability, 1.0);
+    assert_eq!(first.prompt_tokens, 48);
+    assert_eq!(first.prompt_blocks, 12);
+    // Its cost: 8 new prefill tokens = 2 blocks; 10 active + 2 new blocks. An idle instance
+    // costs 12 + 12.
+    assert_eq!(chosen.cost, 2.0 + 12.0);
+    assert_eq!(first.instances[(decision.index + 1) % 3].cost, 24.0);
+    drop(booking);
+}
+
+#[test]
+fn the_sweeper_drops_stale_bookings() {
+    let (router, instances) = router_with(config(), 1);
+    let warm = request(&router, &conversation(1, 40));
+    let decision = picked(choose(&router, &instances, &warm, 0));
+    let start = Instant::now();
+    let booking = router.commit(&decision, &warm, start);
+    assert_eq!(router.sweep(start + Duration::from_secs(299)), 0);
+    assert_eq!(router.sweep(start + Duration::from_secs(301)), 1);
+    assert_eq!(router.loads.snapshot(0, &[]), LoadSnapshot::default());
+    drop(booking);
+    assert_eq!(router.sweep_interval(), Duration::from_secs(30));
+}
+
+#[test]
+fn index_gauges_follow_the_predictions() {
+    let (router, instances) = router_with(config(), 2);
+    let warm = request(&router, &conversation(1, 40));
+    let decision = picked(choose(&router, &instances, &warm, 0));
+    drop(router.commit(&decision, &warm, Instant::now()));
+    router.refresh_gauges();
+    assert_eq!(router.metrics.index_blocks[decision.index].get(), 10);
+    assert_eq!(router.metrics.index_blocks[1 - decision.index].get(), 0);
+}
