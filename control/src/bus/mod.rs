@@ -1,0 +1,136 @@
+//! The event plane: the [`EventBus`] trait (publish, subscribe, request-reply, a connection
+//! state signal) and its NATS and in-process implementations.
+
+mod in_process;
+mod nats;
+mod subject;
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures_util::Stream;
+use tokio::sync::{mpsc, watch};
+
+pub use in_process::InProcessBus;
+pub use nats::NatsBus;
+pub use subject::{subject_matches, validate_subject};
+
+use crate::error::ControlError;
+
+/// Messages a subscription buffers before newer ones are dropped (and counted in the logs):
+/// a slow consumer must not stall every other subscription of the connection.
+pub const SUBSCRIPTION_BUFFER: usize = 8192;
+
+/// One message received on a subject.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// The subject it was published on.
+    pub subject: String,
+    /// Where to send an answer, for requests.
+    pub reply: Option<String>,
+    /// The payload.
+    pub payload: Bytes,
+}
+
+/// The bus connection's state, observed through [`EventBus::connection_state`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectionState {
+    /// Connected; `epoch` counts connections (1 for the first). A larger epoch than the last
+    /// one seen means the connection came back and messages may have been missed: resync.
+    Connected {
+        /// 1 for the first connection, +1 per reconnect.
+        epoch: u64,
+    },
+    /// Not connected; publishing fails, subscriptions are restored on reconnect.
+    Disconnected,
+}
+
+/// Unsubscribes when a [`Subscription`] is dropped.
+pub(crate) type Unsubscribe = Box<dyn FnOnce() + Send + Sync>;
+
+/// The messages of one subscription (or of [`EventBus::serve`]), until dropped.
+pub struct Subscription {
+    rx: mpsc::Receiver<Message>,
+    unsubscribe: Option<Unsubscribe>,
+}
+
+impl std::fmt::Debug for Subscription {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscription").finish_non_exhaustive()
+    }
+}
+
+impl Subscription {
+    pub(crate) fn new(rx: mpsc::Receiver<Message>, unsubscribe: Unsubscribe) -> Self {
+        Self {
+            rx,
+            unsubscribe: Some(unsubscribe),
+        }
+    }
+
+    /// The next message; `None` once the bus is shut down.
+    pub async fn next(&mut self) -> Option<Message> {
+        self.rx.recv().await
+    }
+}
+
+impl Stream for Subscription {
+    type Item = Message;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Message>> {
+        self.rx.poll_recv(cx)
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        if let Some(unsubscribe) = self.unsubscribe.take() {
+            unsubscribe();
+        }
+    }
+}
+
+/// Publish/subscribe with request-reply. Object-safe: use `Arc<dyn EventBus>`.
+///
+/// Subjects are NATS subjects: `.`-separated tokens; subscriptions may use `*` (one token)
+/// and `>` (the rest). Delivery is at most once: a consumer notices losses through the
+/// batches' sequence numbers and through [`ConnectionState`] epochs.
+#[async_trait]
+pub trait EventBus: Send + Sync + 'static {
+    /// Publishes `payload` on `subject`. Fails at once with
+    /// [`ControlError::Disconnected`] while the connection is down (nothing is queued).
+    async fn publish(&self, subject: &str, payload: Bytes) -> Result<(), ControlError>;
+
+    /// Receives every message published on subjects matching `subject` from now on; kept
+    /// across reconnects.
+    async fn subscribe(&self, subject: &str) -> Result<Subscription, ControlError>;
+
+    /// Sends a request and waits up to `timeout` for the first reply.
+    async fn request(
+        &self,
+        subject: &str,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<Bytes, ControlError>;
+
+    /// The requests sent to `subject`: messages whose [`Message::reply`] says where to answer,
+    /// with [`EventBus::reply`].
+    async fn serve(&self, subject: &str) -> Result<Subscription, ControlError> {
+        self.subscribe(subject).await
+    }
+
+    /// Answers a request received through [`EventBus::serve`] (does nothing for a message
+    /// without a reply subject).
+    async fn reply(&self, request: &Message, payload: Bytes) -> Result<(), ControlError> {
+        match &request.reply {
+            Some(reply) => self.publish(reply, payload).await,
+            None => Ok(()),
+        }
+    }
+
+    /// The connection state now and its changes.
+    fn connection_state(&self) -> watch::Receiver<ConnectionState>;
+}

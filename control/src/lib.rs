@@ -1,0 +1,46 @@
+//! kvmesh-control: the contract between the worker-agent and the proxy
+//! (docs/control-plane.md) and the transports that carry it.
+//!
+//! - Names: [`Namespace`] builds etcd keys (`/{ns}/instances/{model}/{id}`) and NATS subjects
+//!   (`{ns}.kv.{model}`, `{ns}.snapshot.{id}`, `{ns}.load.{model}`), percent-encoding the model.
+//! - Payloads: [`InstanceRecord`] (etcd value), [`EventBatch`] of [`kvmesh_kv::KvEvent`]s with
+//!   hex hashes ([`WireEvent`] is the wire form), [`SnapshotRequest`] / [`SnapshotReply`],
+//!   [`LoadReport`]; all JSON.
+//! - Discovery: the [`Registry`] trait (leases, put / delete / list, and a [`Watch`] stream
+//!   that survives reconnects: re-list with backoff, emit only differences, keep the last known
+//!   records meanwhile), on etcd ([`EtcdRegistry`], the JSON gRPC gateway over hyper) or in
+//!   process ([`InProcessRegistry`]).
+//! - Events: the [`EventBus`] trait (publish, subscribe, request-reply, serve, and a
+//!   [`ConnectionState`] signal whose epoch grows on every reconnect), on NATS ([`NatsBus`], a
+//!   small client of the text protocol) or in process ([`InProcessBus`]).
+//! - `testing` (cargo feature): launchers of real etcd and nats-server processes.
+
+mod backoff;
+mod bus;
+mod error;
+mod events;
+mod ids;
+mod instance;
+mod load;
+mod namespace;
+mod registry;
+mod resync;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use bus::{
+    ConnectionState, EventBus, InProcessBus, Message, NatsBus, SUBSCRIPTION_BUFFER, Subscription,
+    subject_matches, validate_subject,
+};
+pub use error::ControlError;
+pub use events::{EventBatch, RankedEvent, WireBlock, WireEvent, WireParent, event_blocks};
+pub use ids::{HexU64, InstanceId};
+pub use instance::{InstanceRecord, InstanceState};
+pub use load::LoadReport;
+pub use namespace::{
+    DEFAULT_NAMESPACE, Namespace, decode_model, encode_model_for_key, encode_model_for_subject,
+};
+pub use registry::{
+    EtcdRegistry, InProcessRegistry, LeaseId, Listing, Registry, Watch, WatchEvent,
+};
+pub use resync::{SnapshotReply, SnapshotRequest};

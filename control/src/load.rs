@@ -1,0 +1,49 @@
+//! Load reports on NATS (docs/control-plane.md, "NATS: load").
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::InstanceId;
+
+/// An instance's load, scraped from its engine's `/metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LoadReport {
+    /// The reporting instance.
+    pub instance_id: InstanceId,
+    /// Requests being processed (`vllm:num_requests_running`).
+    pub running: u64,
+    /// Requests queued (`vllm:num_requests_waiting`).
+    pub waiting: u64,
+    /// KV cache usage, 0.0 to 1.0 (`vllm:kv_cache_usage_perc`).
+    pub kv_usage: f64,
+    /// When it was scraped, in Unix milliseconds.
+    pub at_ms: u64,
+}
+
+impl LoadReport {
+    /// The report as its JSON payload.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Parses a JSON payload.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn documented_example_parses_and_round_trips() {
+        let json = br#"{"instance_id":"00c0ffee00c0ffee","running":3,"waiting":0,"kv_usage":0.42,"at_ms":1732272000000}"#;
+        let report = LoadReport::from_json(json).expect("doc example");
+        assert_eq!(report.running, 3);
+        assert_eq!(report.kv_usage, 0.42);
+        assert_eq!(
+            LoadReport::from_json(&report.to_json()).expect("round trip"),
+            report
+        );
+    }
+}

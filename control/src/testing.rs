@@ -1,0 +1,260 @@
+//! Launchers of real `etcd` and `nats-server` processes on free loopback ports, for tests
+//! (cargo feature `testing`). Readiness is polled (etcd's `/health`, NATS's `INFO` greeting),
+//! never slept for. The binaries are looked up as `$KVMESH_ETCD_BIN` / `$KVMESH_NATS_BIN`, else
+//! `etcd` / `nats-server` on `PATH` (Debian: `etcd-server`, `nats-server`; nats-server is in
+//! `/usr/sbin`, which is searched too).
+
+use std::io;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::process::{Child, Command};
+
+/// How long a server may take to become ready.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Pause between readiness probes.
+const PROBE_EVERY: Duration = Duration::from_millis(50);
+
+/// A free TCP port on 127.0.0.1 (free when asked; the server binds it right after).
+pub fn free_port() -> io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn find_binary(env: &str, name: &str) -> PathBuf {
+    if let Some(path) = std::env::var_os(env) {
+        return PathBuf::from(path);
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin".into(), "/usr/local/sbin".into()])
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| PathBuf::from(name))
+}
+
+fn spawn(bin: &Path, args: &[String], log: &Path) -> io::Result<Child> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)?;
+    Command::new(bin)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| io::Error::new(e.kind(), format!("starting {}: {e}", bin.display())))
+}
+
+async fn wait_ready<F, Fut>(
+    child: &mut Child,
+    what: &str,
+    log: &Path,
+    mut probe: F,
+) -> io::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        if probe().await {
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait()? {
+            let logs = std::fs::read_to_string(log).unwrap_or_default();
+            return Err(io::Error::other(format!(
+                "{what} exited with {status}:\n{logs}"
+            )));
+        }
+        if Instant::now() > deadline {
+            return Err(io::Error::other(format!(
+                "{what} not ready in {READY_TIMEOUT:?}"
+            )));
+        }
+        tokio::time::sleep(PROBE_EVERY).await;
+    }
+}
+
+/// Reads from `addr` after sending `request`, up to 4 KiB or 1 s.
+async fn exchange(addr: &str, request: &[u8]) -> Option<String> {
+    let fut = async {
+        let mut stream = TcpStream::connect(addr).await.ok()?;
+        if !request.is_empty() {
+            stream.write_all(request).await.ok()?;
+        }
+        let mut buf = vec![0u8; 4096];
+        let mut len = 0;
+        while len < buf.len() {
+            match stream.read(&mut buf[len..]).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => len += n,
+            }
+            if request.is_empty() && buf[..len].ends_with(b"\r\n") {
+                break;
+            }
+        }
+        Some(String::from_utf8_lossy(&buf[..len]).into_owned())
+    };
+    tokio::time::timeout(Duration::from_secs(1), fut)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// Stops a child with SIGKILL and reaps it.
+async fn kill_child(child: &mut Option<Child>) {
+    if let Some(mut c) = child.take() {
+        let _ = c.kill().await;
+    }
+}
+
+/// A running `etcd` with its data in a directory; killed on drop.
+#[derive(Debug)]
+pub struct EtcdServer {
+    dir: PathBuf,
+    client_port: u16,
+    peer_port: u16,
+    child: Option<Child>,
+}
+
+impl EtcdServer {
+    /// Starts etcd with its data under `dir` on free loopback ports and waits until healthy.
+    pub async fn start(dir: &Path) -> io::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let mut server = Self {
+            dir: dir.to_owned(),
+            client_port: free_port()?,
+            peer_port: free_port()?,
+            child: None,
+        };
+        server.launch().await?;
+        Ok(server)
+    }
+
+    async fn launch(&mut self) -> io::Result<()> {
+        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let args = vec![
+            "--name".into(),
+            "kvmesh-test".into(),
+            "--data-dir".into(),
+            self.dir.join("data").display().to_string(),
+            "--listen-client-urls".into(),
+            client.clone(),
+            "--advertise-client-urls".into(),
+            client,
+            "--listen-peer-urls".into(),
+            peer.clone(),
+            "--initial-advertise-peer-urls".into(),
+            peer.clone(),
+            "--initial-cluster".into(),
+            format!("kvmesh-test={peer}"),
+            "--log-level".into(),
+            "warn".into(),
+        ];
+        let log = self.dir.join("etcd.log");
+        let mut child = spawn(&find_binary("KVMESH_ETCD_BIN", "etcd"), &args, &log)?;
+        let addr = format!("127.0.0.1:{}", self.client_port);
+        let request = b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+        wait_ready(&mut child, "etcd", &log, || async {
+            exchange(&addr, request)
+                .await
+                .is_some_and(|r| r.contains("\"health\":\"true\""))
+        })
+        .await?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// The client URL, `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    /// Kills etcd with SIGKILL (its data stays).
+    pub async fn kill(&mut self) {
+        kill_child(&mut self.child).await;
+    }
+
+    /// Starts etcd again on the same ports with the same data (killing it first if running).
+    pub async fn restart(&mut self) -> io::Result<()> {
+        self.kill().await;
+        self.launch().await
+    }
+
+    /// Starts etcd again on the same ports with its data wiped: every key and lease is gone,
+    /// as after losing the cluster.
+    pub async fn restart_empty(&mut self) -> io::Result<()> {
+        self.kill().await;
+        match std::fs::remove_dir_all(self.dir.join("data")) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        self.launch().await
+    }
+}
+
+/// A running `nats-server`; killed on drop.
+#[derive(Debug)]
+pub struct NatsServer {
+    dir: PathBuf,
+    port: u16,
+    child: Option<Child>,
+}
+
+impl NatsServer {
+    /// Starts nats-server (logs under `dir`) on a free loopback port and waits for its greeting.
+    pub async fn start(dir: &Path) -> io::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let mut server = Self {
+            dir: dir.to_owned(),
+            port: free_port()?,
+            child: None,
+        };
+        server.launch().await?;
+        Ok(server)
+    }
+
+    async fn launch(&mut self) -> io::Result<()> {
+        let args = vec![
+            "-a".into(),
+            "127.0.0.1".into(),
+            "-p".into(),
+            self.port.to_string(),
+        ];
+        let log = self.dir.join("nats.log");
+        let mut child = spawn(&find_binary("KVMESH_NATS_BIN", "nats-server"), &args, &log)?;
+        let addr = format!("127.0.0.1:{}", self.port);
+        wait_ready(&mut child, "nats-server", &log, || async {
+            exchange(&addr, b"")
+                .await
+                .is_some_and(|r| r.starts_with("INFO "))
+        })
+        .await?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// The client URL, `nats://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills nats-server with SIGKILL.
+    pub async fn kill(&mut self) {
+        kill_child(&mut self.child).await;
+    }
+
+    /// Starts nats-server again on the same port (killing it first if running).
+    pub async fn restart(&mut self) -> io::Result<()> {
+        self.kill().await;
+        self.launch().await
+    }
+}

@@ -1,0 +1,128 @@
+//! `NatsBus` against a real nats-server process.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::temp_dir;
+use kvmesh_control::testing::NatsServer;
+use kvmesh_control::{ConnectionState, ControlError, EventBus, NatsBus};
+
+const SECOND: Duration = Duration::from_secs(1);
+
+async fn recv(sub: &mut kvmesh_control::Subscription) -> kvmesh_control::Message {
+    tokio::time::timeout(Duration::from_secs(5), sub.next())
+        .await
+        .expect("message in time")
+        .expect("subscription open")
+}
+
+#[tokio::test]
+async fn publish_subscribe_request_and_reconnect() {
+    let mut server = NatsServer::start(&temp_dir("nats"))
+        .await
+        .expect("nats starts");
+    let a = NatsBus::connect(&server.url(), "test-a")
+        .await
+        .expect("connect a");
+    let b = NatsBus::connect(&server.url(), "test-b")
+        .await
+        .expect("connect b");
+    assert_eq!(
+        *a.connection_state().borrow(),
+        ConnectionState::Connected { epoch: 1 }
+    );
+
+    // Wildcard subscription across connections.
+    let mut sub = b.subscribe("ns.kv.*").await.expect("subscribe");
+    a.publish("ns.kv.m1", Bytes::from_static(b"one"))
+        .await
+        .expect("publish");
+    a.publish("ns.load.m1", Bytes::from_static(b"not me"))
+        .await
+        .expect("publish");
+    a.publish("ns.kv.m2", Bytes::from_static(b"two"))
+        .await
+        .expect("publish");
+    let first = recv(&mut sub).await;
+    assert_eq!(
+        (first.subject.as_str(), &first.payload[..]),
+        ("ns.kv.m1", &b"one"[..])
+    );
+    assert_eq!(&recv(&mut sub).await.payload[..], b"two");
+
+    // Request-reply through serve().
+    let mut service = b.serve("ns.snapshot.01").await.expect("serve");
+    let responder = b.clone();
+    tokio::spawn(async move {
+        while let Some(req) = service.next().await {
+            let mut answer = b"re:".to_vec();
+            answer.extend_from_slice(&req.payload);
+            let _ = responder.reply(&req, Bytes::from(answer)).await;
+        }
+    });
+    let reply = a
+        .request("ns.snapshot.01", Bytes::from_static(b"{}"), 5 * SECOND)
+        .await
+        .expect("reply");
+    assert_eq!(&reply[..], b"re:{}");
+    assert!(matches!(
+        a.request("ns.snapshot.none", Bytes::new(), Duration::from_millis(200))
+            .await,
+        Err(ControlError::Timeout(_))
+    ));
+
+    // Limits and names are enforced before anything is sent.
+    let big = Bytes::from(vec![b'x'; a.max_payload() + 1]);
+    assert!(matches!(
+        a.publish("ns.kv.m1", big).await,
+        Err(ControlError::PayloadTooLarge { .. })
+    ));
+    assert!(a.publish("ns.kv.*", Bytes::new()).await.is_err());
+
+    // The server goes away: both clients notice, publishing fails fast, and after the
+    // restart they reconnect with a new epoch and their subscriptions work again.
+    let mut state = b.connection_state();
+    let mut a_state = a.connection_state();
+    server.kill().await;
+    for s in [&mut state, &mut a_state] {
+        tokio::time::timeout(
+            10 * SECOND,
+            s.wait_for(|s| *s == ConnectionState::Disconnected),
+        )
+        .await
+        .expect("disconnect noticed")
+        .expect("state open");
+    }
+    assert!(matches!(
+        a.publish("ns.kv.m1", Bytes::new()).await,
+        Err(ControlError::Disconnected(_))
+    ));
+    server.restart().await.expect("nats restarts");
+    tokio::time::timeout(
+        15 * SECOND,
+        state.wait_for(|s| *s == ConnectionState::Connected { epoch: 2 }),
+    )
+    .await
+    .expect("reconnected")
+    .expect("state open");
+    tokio::time::timeout(
+        15 * SECOND,
+        a_state.wait_for(|s| matches!(s, ConnectionState::Connected { .. })),
+    )
+    .await
+    .expect("a reconnected")
+    .expect("state open");
+    // b's subscription is restored once its SUB reached the server: flush to be sure.
+    b.flush(5 * SECOND).await.expect("flush");
+    a.publish("ns.kv.m3", Bytes::from_static(b"three"))
+        .await
+        .expect("publish after restart");
+    assert_eq!(&recv(&mut sub).await.payload[..], b"three");
+    let reply = a
+        .request("ns.snapshot.01", Bytes::from_static(b"again"), 5 * SECOND)
+        .await
+        .expect("reply after restart");
+    assert_eq!(&reply[..], b"re:again");
+}

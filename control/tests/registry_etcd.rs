@@ -1,0 +1,123 @@
+//! `EtcdRegistry` against a real etcd process.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{next_event, record, temp_dir};
+use kvmesh_control::testing::EtcdServer;
+use kvmesh_control::{ControlError, EtcdRegistry, InstanceState, Namespace, Registry, WatchEvent};
+
+#[tokio::test]
+async fn records_leases_and_watch_against_real_etcd() {
+    let mut etcd = EtcdServer::start(&temp_dir("etcd"))
+        .await
+        .expect("etcd starts");
+    let reg = EtcdRegistry::new(&etcd.url()).expect("client");
+    let ns = Namespace::default();
+    let model = "org/model.v1";
+    let a = record(&ns, model, 1);
+    let key_a = ns.instance_key(model, a.instance_id);
+
+    // A record under a lease, listed back.
+    let lease = reg
+        .grant_lease(Duration::from_secs(10))
+        .await
+        .expect("lease");
+    reg.put(&key_a, &a, Some(lease)).await.expect("put");
+    let listing = reg.list(&ns.instances_prefix()).await.expect("list");
+    assert_eq!(listing.records, vec![(key_a.clone(), a.clone())]);
+    assert!(listing.revision > 0);
+    assert_eq!(
+        reg.keep_alive(lease).await.expect("alive"),
+        Duration::from_secs(10)
+    );
+
+    // The watch starts with the listing, then follows changes.
+    let mut watch = reg.watch(&ns.instances_prefix());
+    assert_eq!(
+        next_event(&mut watch, 5).await,
+        WatchEvent::Put {
+            key: key_a.clone(),
+            record: a.clone()
+        }
+    );
+    assert_eq!(next_event(&mut watch, 5).await, WatchEvent::Synced);
+    let mut draining = a.clone();
+    draining.state = InstanceState::Draining;
+    reg.put(&key_a, &draining, Some(lease))
+        .await
+        .expect("update");
+    assert_eq!(
+        next_event(&mut watch, 5).await,
+        WatchEvent::Put {
+            key: key_a.clone(),
+            record: draining
+        }
+    );
+
+    // Revoking the lease deletes the record; the lease is gone afterwards.
+    reg.revoke(lease).await.expect("revoke");
+    assert_eq!(
+        next_event(&mut watch, 5).await,
+        WatchEvent::Delete { key: key_a.clone() }
+    );
+    assert!(matches!(
+        reg.keep_alive(lease).await,
+        Err(ControlError::LeaseNotFound(_))
+    ));
+    assert!(matches!(
+        reg.put(&key_a, &a, Some(lease)).await,
+        Err(ControlError::LeaseNotFound(_))
+    ));
+
+    // A lease that is not kept alive expires and takes its record with it.
+    let short = reg
+        .grant_lease(Duration::from_secs(1))
+        .await
+        .expect("lease");
+    let b = record(&ns, model, 2);
+    let key_b = ns.instance_key(model, b.instance_id);
+    reg.put(&key_b, &b, Some(short)).await.expect("put b");
+    assert!(matches!(next_event(&mut watch, 5).await, WatchEvent::Put { key, .. } if key == key_b));
+    assert_eq!(
+        next_event(&mut watch, 10).await,
+        WatchEvent::Delete { key: key_b }
+    );
+
+    // etcd down: the watch says so and keeps what it knows; back up: it re-lists and emits
+    // only what changed meanwhile.
+    let c = record(&ns, model, 3);
+    let key_c = ns.instance_key(model, c.instance_id);
+    reg.put(&key_c, &c, None).await.expect("put c");
+    assert!(matches!(next_event(&mut watch, 5).await, WatchEvent::Put { key, .. } if key == key_c));
+    etcd.kill().await;
+    assert_eq!(next_event(&mut watch, 10).await, WatchEvent::Disconnected);
+    assert!(reg.list(&ns.instances_prefix()).await.is_err());
+    etcd.restart().await.expect("etcd restarts");
+    let d = record(&ns, model, 4);
+    let key_d = ns.instance_key(model, d.instance_id);
+    reg.put(&key_d, &d, None)
+        .await
+        .expect("put d after restart");
+    let mut seen = Vec::new();
+    loop {
+        match next_event(&mut watch, 15).await {
+            WatchEvent::Put { key, .. } => seen.push(key),
+            WatchEvent::Synced | WatchEvent::Disconnected => {}
+            WatchEvent::Delete { key } => panic!("{key} deleted after restart"),
+        }
+        if seen.contains(&key_d) {
+            break;
+        }
+    }
+    assert!(
+        !seen.contains(&key_c),
+        "unchanged record re-emitted: {seen:?}"
+    );
+    reg.delete(&key_c).await.expect("delete c");
+    assert_eq!(
+        next_event(&mut watch, 5).await,
+        WatchEvent::Delete { key: key_c }
+    );
+}

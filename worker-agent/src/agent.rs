@@ -1,0 +1,299 @@
+//! Starting and stopping an agent: the tasks, their wiring, and the drain sequence.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvmesh_control::{EventBus, InstanceId, InstanceRecord, InstanceState, Registry};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+
+use crate::config::AgentConfig;
+use crate::core::Core;
+use crate::endpoint::rank_endpoint;
+use crate::engine::intake::Intake;
+use crate::error::AgentError;
+use crate::health;
+use crate::http_client::EngineClient;
+use crate::load;
+use crate::metrics::AgentMetrics;
+use crate::publish;
+use crate::registration::Registration;
+use crate::server::{self, Status};
+
+/// Batches queued for the publisher before new ones are dropped (and replayed on request).
+const PUBLISH_QUEUE: usize = 16_384;
+/// How long shutdown waits for the `draining` state to reach the registry.
+const DRAIN_WRITE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// A running agent. Dropping it aborts every task without deregistering (like `kill -9`: the
+/// lease expires); call [`AgentHandle::shutdown`] for a graceful stop.
+#[derive(Debug)]
+pub struct AgentHandle {
+    instance_id: InstanceId,
+    listen_addr: SocketAddr,
+    metrics: AgentMetrics,
+    desired: watch::Sender<InstanceState>,
+    written: watch::Receiver<Option<InstanceState>>,
+    stop_registration: watch::Sender<bool>,
+    registration: Option<JoinHandle<()>>,
+    tasks: Vec<JoinHandle<()>>,
+    drain: Duration,
+}
+
+impl AgentHandle {
+    /// The instance id the agent registered.
+    pub fn instance_id(&self) -> InstanceId {
+        self.instance_id
+    }
+
+    /// Where its `/health` and `/metrics` listen.
+    pub fn listen_addr(&self) -> SocketAddr {
+        self.listen_addr
+    }
+
+    /// Its metrics.
+    pub fn metrics(&self) -> &AgentMetrics {
+        &self.metrics
+    }
+
+    /// The state now in the registry (`None`: not registered).
+    pub fn registered_state(&self) -> Option<InstanceState> {
+        *self.written.borrow()
+    }
+
+    /// Graceful stop: advertise `draining`, wait the drain period, revoke the lease (removing
+    /// the record), then stop every task.
+    pub async fn shutdown(mut self) {
+        self.desired.send_replace(InstanceState::Draining);
+        let mut written = self.written.clone();
+        // The borrow `wait_for` returns holds the channel's read lock: drop it at once.
+        let drained = tokio::time::timeout(
+            DRAIN_WRITE_TIMEOUT,
+            written.wait_for(|s| *s == Some(InstanceState::Draining)),
+        )
+        .await
+        .is_ok_and(|r| r.is_ok());
+        if !drained {
+            tracing::warn!("could not advertise draining; deregistering anyway");
+        }
+        tokio::time::sleep(self.drain).await;
+        self.stop_registration.send_replace(true);
+        if let Some(registration) = self.registration.take() {
+            let _ = registration.await;
+        }
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+impl Drop for AgentHandle {
+    fn drop(&mut self) {
+        if let Some(registration) = &self.registration {
+            registration.abort();
+        }
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+fn validate(config: &AgentConfig) -> Result<(), AgentError> {
+    let bad = |why: String| Err(AgentError::Config(why));
+    if config.model.is_empty() {
+        return bad("model must not be empty".into());
+    }
+    if config.block_size == 0 {
+        return bad("block size must be at least 1".into());
+    }
+    if config.dp_ranks == 0 {
+        return bad("dp ranks must be at least 1".into());
+    }
+    if !config.engine_url.starts_with("http://") {
+        return bad(format!(
+            "engine URL {:?} must start with http://",
+            config.engine_url
+        ));
+    }
+    if config.lease_ttl < Duration::from_secs(1) {
+        return bad("lease TTL must be at least 1 s".into());
+    }
+    if config.load_interval.is_zero() || config.health_interval.is_zero() {
+        return bad("intervals must be greater than zero".into());
+    }
+    Ok(())
+}
+
+/// Starts an agent on `registry` and `bus` (etcd + NATS, or the in-process ones). Returns once
+/// its listener is bound, every rank's engine socket is subscribed and the instance is
+/// registered (or fails after `config.startup_timeout`).
+pub async fn start(
+    config: AgentConfig,
+    registry: Arc<dyn Registry>,
+    bus: Arc<dyn EventBus>,
+) -> Result<AgentHandle, AgentError> {
+    validate(&config)?;
+    let endpoints = (0..config.dp_ranks)
+        .map(|rank| {
+            let events = rank_endpoint(&config.kv_events_endpoint, rank)?;
+            let replay = config
+                .kv_events_replay_endpoint
+                .as_deref()
+                .map(|e| rank_endpoint(e, rank))
+                .transpose()?;
+            Ok((events, replay))
+        })
+        .collect::<Result<Vec<_>, String>>()
+        .map_err(AgentError::Config)?;
+    let metrics = AgentMetrics::new()?;
+    let ns = &config.namespace;
+    let id = config.instance_id;
+    let mut tasks = Vec::new();
+
+    let (out_tx, out_rx) = mpsc::channel(PUBLISH_QUEUE);
+    let core = Arc::new(
+        Core::new(
+            id,
+            config.dp_ranks,
+            config.block_size,
+            out_tx,
+            metrics.clone(),
+        )
+        .map_err(|e| AgentError::Config(e.to_string()))?,
+    );
+    tasks.push(tokio::spawn(publish::publisher(
+        bus.clone(),
+        ns.event_subject(&config.model),
+        out_rx,
+        metrics.clone(),
+    )));
+    let requests = bus.serve(&ns.snapshot_subject(id)).await?;
+    tasks.push(tokio::spawn(publish::resync_service(
+        bus.clone(),
+        requests,
+        core.clone(),
+        metrics.clone(),
+    )));
+
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| AgentError::Listen {
+            addr: config.listen,
+            source,
+        })?;
+    let listen_addr = listener.local_addr().map_err(|source| AgentError::Listen {
+        addr: config.listen,
+        source,
+    })?;
+
+    let mut subscribed = Vec::new();
+    for (rank, (events, replay)) in endpoints.into_iter().enumerate() {
+        let (tx, rx) = oneshot::channel();
+        subscribed.push(rx);
+        let intake = Intake {
+            rank: rank as u32,
+            endpoint: events,
+            replay_endpoint: replay,
+            topic: config.kv_events_topic.clone(),
+            kind: config.engine_kind,
+            core: core.clone(),
+            metrics: metrics.clone(),
+        };
+        tasks.push(tokio::spawn(intake.run(tx)));
+    }
+    let deadline = tokio::time::Instant::now() + config.startup_timeout;
+    for rx in subscribed {
+        match tokio::time::timeout_at(deadline, rx).await {
+            Ok(Ok(())) => {}
+            _ => {
+                return Err(AgentError::Startup(format!(
+                    "engine KV event socket {} not reachable",
+                    config.kv_events_endpoint
+                )));
+            }
+        }
+    }
+
+    let engine = EngineClient::new(&config.engine_url);
+    let healthy = health::probe(&engine, Duration::from_secs(1)).await;
+    metrics.engine_healthy.set(i64::from(healthy));
+    let initial = if healthy {
+        InstanceState::Ready
+    } else {
+        InstanceState::NotReady
+    };
+    let (desired, desired_rx) = watch::channel(initial);
+    let (written_tx, written) = watch::channel(None);
+    let (stop_registration, stop_rx) = watch::channel(false);
+    let record = InstanceRecord {
+        instance_id: id,
+        model: config.model.clone(),
+        url: config
+            .advertise_url
+            .clone()
+            .unwrap_or_else(|| config.engine_url.clone()),
+        protocol: "http1".to_owned(),
+        block_size: u32::try_from(config.block_size)
+            .map_err(|_| AgentError::Config("block size too large".into()))?,
+        total_blocks: config.total_blocks,
+        dp_ranks: config.dp_ranks,
+        labels: config.labels.clone(),
+        event_subject: ns.event_subject(&config.model),
+        snapshot_subject: ns.snapshot_subject(id),
+        state: initial,
+    };
+    let registration = Registration {
+        registry,
+        key: ns.instance_key(&config.model, id),
+        record,
+        ttl: config.lease_ttl,
+        metrics: metrics.clone(),
+    };
+    let registration = tokio::spawn(registration.run(desired_rx, written_tx, stop_rx));
+    tasks.push(tokio::spawn(health::run(
+        engine.clone(),
+        config.health_interval,
+        desired.clone(),
+        metrics.clone(),
+    )));
+    let status = Arc::new(Status {
+        instance_id: id,
+        written: written.clone(),
+        core,
+        metrics: metrics.clone(),
+    });
+    tasks.push(tokio::spawn(server::serve(listener, status)));
+    let handle = AgentHandle {
+        instance_id: id,
+        listen_addr,
+        metrics: metrics.clone(),
+        desired,
+        written: written.clone(),
+        stop_registration,
+        registration: Some(registration),
+        tasks,
+        drain: config.drain,
+    };
+    let mut registered = written;
+    match tokio::time::timeout_at(deadline, registered.wait_for(Option::is_some)).await {
+        Ok(Ok(_)) => {}
+        _ => {
+            return Err(AgentError::Startup(
+                "could not register the instance".into(),
+            ));
+        }
+    }
+    let mut handle = handle;
+    handle.tasks.push(tokio::spawn(load::run(
+        engine,
+        config.engine_kind,
+        id,
+        bus,
+        ns.load_subject(&config.model),
+        config.load_interval,
+        metrics,
+    )));
+    Ok(handle)
+}

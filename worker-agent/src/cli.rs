@@ -1,0 +1,228 @@
+//! Command-line flags (each also read from a `KVMESH_AGENT_*` environment variable).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+use kvmesh_control::{InstanceId, Namespace};
+
+use crate::config::{AgentConfig, EngineKind};
+
+/// Parses `250ms`, `10s`, `1.5s`, `2m` or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (number, unit) = match s.find(|c: char| !(c.is_ascii_digit() || c == '.')) {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?} (try 250ms, 10s, 2m)"))?;
+    let seconds = match unit {
+        "ms" => value / 1000.0,
+        "s" => value,
+        "m" => value * 60.0,
+        _ => return Err(format!("invalid duration unit in {s:?} (ms, s or m)")),
+    };
+    Duration::try_from_secs_f64(seconds).map_err(|_| format!("invalid duration {s:?}"))
+}
+
+/// Parses `k=v,k2=v2` (empty: no labels).
+pub fn parse_labels(s: &str) -> Result<BTreeMap<String, String>, String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|pair| match pair.split_once('=') {
+            Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.trim().to_owned())),
+            _ => Err(format!("label {pair:?} is not key=value")),
+        })
+        .collect()
+}
+
+fn parse_namespace(s: &str) -> Result<Namespace, String> {
+    Namespace::new(s).map_err(|e| e.to_string())
+}
+
+fn parse_instance_id(s: &str) -> Result<InstanceId, String> {
+    s.parse()
+        .map_err(|e: kvmesh_control::ControlError| e.to_string())
+}
+
+/// kvmesh worker-agent: registers the engine beside it in etcd, turns its KV events into
+/// kvmesh's hash space and publishes them on NATS, and reports its load.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "kvmesh-agent", version, about)]
+pub struct Cli {
+    /// Base URL of the engine's HTTP API.
+    #[arg(
+        long,
+        env = "KVMESH_AGENT_ENGINE_URL",
+        default_value = "http://127.0.0.1:8000"
+    )]
+    pub engine_url: String,
+    /// URL the proxy should use for the engine (default: --engine-url).
+    #[arg(long, env = "KVMESH_AGENT_ADVERTISE_URL")]
+    pub advertise_url: Option<String>,
+    /// Served model name (as clients send it).
+    #[arg(long, env = "KVMESH_AGENT_MODEL")]
+    pub model: String,
+    /// The engine's KV event PUB endpoint (rank 0; rank r uses port + r).
+    #[arg(
+        long,
+        env = "KVMESH_AGENT_KV_EVENTS_ENDPOINT",
+        default_value = "tcp://127.0.0.1:5557"
+    )]
+    pub kv_events_endpoint: String,
+    /// The engine's KV event replay ROUTER endpoint (rank 0), if configured.
+    #[arg(long, env = "KVMESH_AGENT_KV_EVENTS_REPLAY_ENDPOINT")]
+    pub kv_events_replay_endpoint: Option<String>,
+    /// The engine's KV event topic (subscription prefix).
+    #[arg(long, env = "KVMESH_AGENT_KV_EVENTS_TOPIC", default_value = "")]
+    pub kv_events_topic: String,
+    /// Engine kind.
+    #[arg(long, env = "KVMESH_AGENT_ENGINE_KIND", value_enum, default_value_t = EngineKind::Vllm)]
+    pub engine_kind: EngineKind,
+    /// Tokens per KV block (must equal the engine's).
+    #[arg(long, env = "KVMESH_AGENT_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: usize,
+    /// KV cache capacity in blocks (0: unknown).
+    #[arg(long, env = "KVMESH_AGENT_TOTAL_BLOCKS", default_value_t = 0)]
+    pub total_blocks: u64,
+    /// Data-parallel ranks.
+    #[arg(long, env = "KVMESH_AGENT_DP_RANKS", default_value_t = 1)]
+    pub dp_ranks: u32,
+    /// Labels of the instance record, `k=v,k2=v2`.
+    #[arg(long, env = "KVMESH_AGENT_LABELS", default_value = "", value_parser = parse_labels)]
+    pub labels: BTreeMap<String, String>,
+    /// Control-plane namespace.
+    #[arg(long, env = "KVMESH_AGENT_NAMESPACE", default_value = "kvmesh", value_parser = parse_namespace)]
+    pub namespace: Namespace,
+    /// etcd client URL.
+    #[arg(long, env = "KVMESH_AGENT_ETCD")]
+    pub etcd: String,
+    /// NATS server URL.
+    #[arg(long, env = "KVMESH_AGENT_NATS")]
+    pub nats: String,
+    /// Lease TTL of the instance record.
+    #[arg(long, env = "KVMESH_AGENT_LEASE_TTL", default_value = "10s", value_parser = parse_duration)]
+    pub lease_ttl: Duration,
+    /// Engine /metrics scrape interval for load reports.
+    #[arg(long, env = "KVMESH_AGENT_LOAD_INTERVAL", default_value = "250ms", value_parser = parse_duration)]
+    pub load_interval: Duration,
+    /// Engine /health poll interval.
+    #[arg(long, env = "KVMESH_AGENT_HEALTH_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub health_interval: Duration,
+    /// How long to advertise `draining` on SIGTERM before deregistering.
+    #[arg(long, env = "KVMESH_AGENT_DRAIN", default_value = "5s", value_parser = parse_duration)]
+    pub drain: Duration,
+    /// Address of the agent's /health and /metrics (port 0: pick one).
+    #[arg(long, env = "KVMESH_AGENT_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Instance id, 1-16 hex digits (default: random).
+    #[arg(long, env = "KVMESH_AGENT_INSTANCE_ID", value_parser = parse_instance_id)]
+    pub instance_id: Option<InstanceId>,
+    /// How long start-up may take.
+    #[arg(long, env = "KVMESH_AGENT_STARTUP_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub startup_timeout: Duration,
+}
+
+impl Cli {
+    /// The agent configuration the flags describe.
+    pub fn config(&self) -> AgentConfig {
+        let mut config = AgentConfig::new(&self.engine_url, &self.model, &self.kv_events_endpoint);
+        config.advertise_url = self.advertise_url.clone();
+        config.kv_events_replay_endpoint = self.kv_events_replay_endpoint.clone();
+        config.kv_events_topic = self.kv_events_topic.clone();
+        config.engine_kind = self.engine_kind;
+        config.block_size = self.block_size;
+        config.total_blocks = self.total_blocks;
+        config.dp_ranks = self.dp_ranks;
+        config.labels = self.labels.clone();
+        config.namespace = self.namespace.clone();
+        config.lease_ttl = self.lease_ttl;
+        config.load_interval = self.load_interval;
+        config.health_interval = self.health_interval;
+        config.drain = self.drain;
+        config.listen = self.listen;
+        if let Some(id) = self.instance_id {
+            config.instance_id = id;
+        }
+        config.startup_timeout = self.startup_timeout;
+        config
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_labels_parse() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
+        for bad in ["", "s", "10h", "-1s", "1e999s"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+        let labels = parse_labels("zone=a, gpu=h100").expect("labels");
+        assert_eq!(labels.get("gpu").map(String::as_str), Some("h100"));
+        assert!(parse_labels("").expect("none").is_empty());
+        assert!(parse_labels("novalue").is_err());
+    }
+
+    #[test]
+    fn flags_map_to_the_config() {
+        let cli = Cli::try_parse_from([
+            "kvmesh-agent",
+            "--model",
+            "org/m",
+            "--etcd",
+            "http://127.0.0.1:2379",
+            "--nats",
+            "nats://127.0.0.1:4222",
+            "--kv-events-replay-endpoint",
+            "tcp://127.0.0.1:5558",
+            "--engine-kind",
+            "sglang",
+            "--dp-ranks",
+            "2",
+            "--labels",
+            "zone=a",
+            "--instance-id",
+            "c0ffee",
+            "--drain",
+            "0s",
+        ])
+        .expect("valid flags");
+        let c = cli.config();
+        assert_eq!(c.model, "org/m");
+        assert_eq!(c.engine_kind, EngineKind::Sglang);
+        assert_eq!((c.dp_ranks, c.block_size), (2, 16));
+        assert_eq!(c.instance_id, InstanceId(0xc0ffee));
+        assert_eq!(c.lease_ttl, Duration::from_secs(10));
+        assert_eq!(c.load_interval, Duration::from_millis(250));
+        assert_eq!(c.drain, Duration::ZERO);
+        assert_eq!(
+            c.kv_events_replay_endpoint.as_deref(),
+            Some("tcp://127.0.0.1:5558")
+        );
+        assert!(Cli::try_parse_from(["kvmesh-agent", "--model", "m"]).is_err());
+        assert!(
+            Cli::try_parse_from([
+                "kvmesh-agent",
+                "--model",
+                "m",
+                "--etcd",
+                "e",
+                "--nats",
+                "n",
+                "--namespace",
+                "a.b"
+            ])
+            .is_err()
+        );
+    }
+}

@@ -1,0 +1,90 @@
+//! The agent's settings (from the CLI, or built by an embedding program such as the demo).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use kvmesh_control::{InstanceId, Namespace};
+
+/// Which engine the agent sits beside: decides the positional event layout and the metric
+/// names scraped for load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum EngineKind {
+    /// vLLM (also TensorRT-LLM's vLLM-compatible publisher).
+    #[default]
+    Vllm,
+    /// SGLang.
+    Sglang,
+}
+
+/// Everything an agent needs to run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentConfig {
+    /// Base URL of the engine's HTTP API (health, metrics), e.g. `http://127.0.0.1:8000`.
+    pub engine_url: String,
+    /// The URL the proxy should use for the engine (default: `engine_url`).
+    pub advertise_url: Option<String>,
+    /// The served model name.
+    pub model: String,
+    /// The engine's KV event PUB endpoint (rank 0), e.g. `tcp://127.0.0.1:5557`; rank r uses
+    /// port + r. A `*` host (vLLM's bind form) means 127.0.0.1.
+    pub kv_events_endpoint: String,
+    /// The engine's replay ROUTER endpoint (rank 0), if it has one.
+    pub kv_events_replay_endpoint: Option<String>,
+    /// ZMQ subscription prefix (the engine's `topic`).
+    pub kv_events_topic: String,
+    /// vLLM or SGLang.
+    pub engine_kind: EngineKind,
+    /// Tokens per KV block (must equal the engine's).
+    pub block_size: usize,
+    /// KV cache capacity in blocks (0: unknown).
+    pub total_blocks: u64,
+    /// Data-parallel ranks (one event socket each).
+    pub dp_ranks: u32,
+    /// Labels copied into the instance record.
+    pub labels: BTreeMap<String, String>,
+    /// Control-plane namespace.
+    pub namespace: Namespace,
+    /// Lease TTL of the instance record.
+    pub lease_ttl: Duration,
+    /// How often the engine's `/metrics` are scraped into a load report.
+    pub load_interval: Duration,
+    /// How often the engine's `/health` is polled.
+    pub health_interval: Duration,
+    /// How long to stay registered as `draining` on shutdown before deregistering.
+    pub drain: Duration,
+    /// Where the agent's own `/health` and `/metrics` listen (port 0: pick one).
+    pub listen: SocketAddr,
+    /// The instance id (default: random).
+    pub instance_id: InstanceId,
+    /// How long start-up may take (engine sockets connected, first registration).
+    pub startup_timeout: Duration,
+}
+
+impl AgentConfig {
+    /// A configuration with every default, for `model` served at `engine_url` publishing
+    /// events at `kv_events_endpoint`.
+    pub fn new(engine_url: &str, model: &str, kv_events_endpoint: &str) -> Self {
+        Self {
+            engine_url: engine_url.trim_end_matches('/').to_owned(),
+            advertise_url: None,
+            model: model.to_owned(),
+            kv_events_endpoint: kv_events_endpoint.to_owned(),
+            kv_events_replay_endpoint: None,
+            kv_events_topic: String::new(),
+            engine_kind: EngineKind::Vllm,
+            block_size: 16,
+            total_blocks: 0,
+            dp_ranks: 1,
+            labels: BTreeMap::new(),
+            namespace: Namespace::default(),
+            lease_ttl: Duration::from_secs(10),
+            load_interval: Duration::from_millis(250),
+            health_interval: Duration::from_secs(1),
+            drain: Duration::from_secs(5),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            instance_id: InstanceId::random(),
+            startup_timeout: Duration::from_secs(60),
+        }
+    }
+}

@@ -1,0 +1,432 @@
+//! Decoding an engine's KV event batch (wire-formats.md §1.5–§1.7 and §2): the outer batch as
+//! a positional array of 2–3+ items or a map; each event as a legacy positional array or a map
+//! with a `type` key (mixed batches allowed); hashes as ints (signed or unsigned) or byte
+//! strings; unknown fields ignored. Events of other KV groups or media are kept as
+//! [`EngineEvent::Ignored`] so they can be counted.
+
+use super::msgpack::{DecodeError, Kind, Reader, Result, malformed};
+use crate::config::EngineKind;
+
+/// KV-cache spec kinds whose blocks kvmesh routes on; other kinds (sliding window, mamba, …)
+/// are ignored.
+const MAIN_KINDS: [&str; 3] = ["full_attention", "mla_attention", "sink_full_attention"];
+
+/// Folds an engine's block hash into the agent's 64-bit id: an integer is bit-cast; a byte
+/// string gives its **last 8 bytes read big-endian** (zero-padded on the left when shorter),
+/// which is how vLLM turns its digests into integers, so both hash modes of one engine name a
+/// block the same way.
+pub fn fold_hash_bytes(bytes: &[u8]) -> u64 {
+    let tail = &bytes[bytes.len().saturating_sub(8)..];
+    tail.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b))
+}
+
+/// Why an event was ignored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IgnoreReason {
+    /// A KV-cache group other than the main one (hybrid models).
+    KvGroup,
+    /// A medium other than the GPU (offloading tiers).
+    Medium,
+    /// A CPU-offload-style store without tokens or block size.
+    Offload,
+    /// An event type this agent does not know.
+    UnknownType,
+}
+
+impl IgnoreReason {
+    /// The `reason` label of `kvmesh_agent_dropped_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::KvGroup => "kv_group",
+            Self::Medium => "medium",
+            Self::Offload => "offload",
+            Self::UnknownType => "unknown_type",
+        }
+    }
+}
+
+/// One engine KV event, decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    /// Blocks became cached.
+    Stored {
+        /// Engine ids of the blocks, parent first.
+        block_hashes: Vec<u64>,
+        /// Engine id of the block before the first one.
+        parent: Option<u64>,
+        /// All blocks' tokens concatenated.
+        token_ids: Vec<u32>,
+        /// Tokens per block, as the engine says.
+        block_size: usize,
+        /// The LoRA adapter, when one produced the blocks.
+        lora_name: Option<String>,
+        /// Per block, the multimodal object hashes from `extra_keys` (empty when none).
+        mm_hashes: Vec<Vec<u64>>,
+    },
+    /// Blocks were evicted.
+    Removed {
+        /// Engine ids of the blocks.
+        block_hashes: Vec<u64>,
+    },
+    /// The whole cache was dropped.
+    Cleared,
+    /// An event deliberately not translated.
+    Ignored(IgnoreReason),
+}
+
+/// One decoded batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineBatch {
+    /// The engine's timestamp (seconds).
+    pub ts: f64,
+    /// The data-parallel rank the engine wrote, if any.
+    pub dp_rank: Option<u32>,
+    /// The events, in order.
+    pub events: Vec<EngineEvent>,
+    /// Events that could not be decoded (skipped; the rest of the batch is kept).
+    pub malformed_events: usize,
+}
+
+/// Every field any event type may carry; filled by name or position.
+#[derive(Default)]
+struct Fields {
+    tag: Option<String>,
+    block_hashes: Option<Vec<u64>>,
+    parent: Option<u64>,
+    token_ids: Option<Vec<u32>>,
+    block_size: Option<u64>,
+    lora_name: Option<String>,
+    medium: Option<String>,
+    group_idx: Option<u64>,
+    spec_kind: Option<String>,
+    mm_hashes: Vec<Vec<u64>>,
+}
+
+fn hash(r: &mut Reader<'_>) -> Result<u64> {
+    match r.kind()? {
+        Kind::Int => r.int(),
+        Kind::Bin => {
+            let bytes = r.bin()?;
+            if bytes.is_empty() {
+                return malformed("empty block hash");
+            }
+            Ok(fold_hash_bytes(bytes))
+        }
+        other => malformed(format!("block hash must be an int or bytes, not {other:?}")),
+    }
+}
+
+fn optional_hash(r: &mut Reader<'_>) -> Result<Option<u64>> {
+    if r.nil()? {
+        return Ok(None);
+    }
+    hash(r).map(Some)
+}
+
+fn hashes(r: &mut Reader<'_>) -> Result<Vec<u64>> {
+    let n = r.array_len()?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(hash(r)?);
+    }
+    Ok(out)
+}
+
+fn tokens(r: &mut Reader<'_>) -> Result<Vec<u32>> {
+    let n = r.array_len()?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        if r.kind()? == Kind::Array {
+            return malformed("token id pairs (speculative decoding) are not supported");
+        }
+        out.push(r.u32()?);
+    }
+    Ok(out)
+}
+
+fn optional_str(r: &mut Reader<'_>) -> Result<Option<String>> {
+    match r.kind()? {
+        Kind::Nil => {
+            r.nil()?;
+            Ok(None)
+        }
+        Kind::Str => Ok(Some(r.str()?.to_owned())),
+        _ => {
+            r.skip()?;
+            Ok(None)
+        }
+    }
+}
+
+fn optional_int(r: &mut Reader<'_>) -> Result<Option<u64>> {
+    match r.kind()? {
+        Kind::Int => r.int().map(Some),
+        _ => r.skip().map(|()| None),
+    }
+}
+
+/// A multimodal hash from one `extra_keys` item: a 64-hex-digit string, whose first 16 digits
+/// are the hash (kv-routing.md §1.4). Other items (LoRA names, salts) are not hashes.
+fn mm_hash(item: &str) -> Option<u64> {
+    if item.len() != 64 || !item.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    u64::from_str_radix(&item[..16], 16).ok()
+}
+
+/// `extra_keys`: per block nil or a list of items; returns per-block mm hashes (empty when no
+/// block carries one).
+fn extra_keys(r: &mut Reader<'_>) -> Result<Vec<Vec<u64>>> {
+    if r.kind()? != Kind::Array {
+        r.skip()?;
+        return Ok(Vec::new());
+    }
+    let blocks = r.array_len()?;
+    let mut out = Vec::new();
+    let mut any = false;
+    for _ in 0..blocks {
+        let mut block = Vec::new();
+        if r.kind()? == Kind::Array {
+            let items = r.array_len()?;
+            for _ in 0..items {
+                if r.kind()? == Kind::Str {
+                    if let Some(h) = mm_hash(r.str()?) {
+                        block.push(h);
+                    }
+                } else {
+                    r.skip()?;
+                }
+            }
+        } else {
+            r.skip()?;
+        }
+        any |= !block.is_empty();
+        out.push(block);
+    }
+    Ok(if any { out } else { Vec::new() })
+}
+
+impl Fields {
+    fn set_named(&mut self, key: &str, r: &mut Reader<'_>) -> Result<()> {
+        match key {
+            "type" => self.tag = Some(r.str()?.to_owned()),
+            "block_hashes" => self.block_hashes = Some(hashes(r)?),
+            "parent_block_hash" => self.parent = optional_hash(r)?,
+            "token_ids" => self.token_ids = Some(tokens(r)?),
+            "block_size" => self.block_size = optional_int(r)?,
+            "lora_name" => self.lora_name = optional_str(r)?,
+            "medium" => self.medium = optional_str(r)?,
+            "group_idx" => self.group_idx = optional_int(r)?,
+            "kv_cache_spec_kind" => self.spec_kind = optional_str(r)?,
+            "extra_keys" => self.mm_hashes = extra_keys(r)?,
+            _ => r.skip()?,
+        }
+        Ok(())
+    }
+
+    /// The name of positional field `pos` of event `tag` for `kind`, or `None` to skip it.
+    fn positional_name(
+        kind: EngineKind,
+        tag: &str,
+        pos: usize,
+        r: &Reader<'_>,
+    ) -> Result<Option<&'static str>> {
+        Ok(match (tag, pos) {
+            ("BlockStored", 1) | ("BlockRemoved", 1) => Some("block_hashes"),
+            ("BlockStored", 2) => Some("parent_block_hash"),
+            ("BlockStored", 3) => Some("token_ids"),
+            ("BlockStored", 4) => Some("block_size"),
+            ("BlockStored", 6) | ("BlockRemoved", 2) => Some("medium"),
+            ("BlockStored", 7) if kind == EngineKind::Vllm => Some("lora_name"),
+            ("BlockStored", 8) if kind == EngineKind::Vllm => Some("extra_keys"),
+            // Position 9 is group_idx in vLLM; some producers put other things there.
+            ("BlockStored", 9) if kind == EngineKind::Vllm && r.kind()? == Kind::Int => {
+                Some("group_idx")
+            }
+            ("BlockStored", 10) if kind == EngineKind::Vllm && r.kind()? == Kind::Str => {
+                Some("kv_cache_spec_kind")
+            }
+            ("BlockRemoved", 3) if kind == EngineKind::Vllm => Some("group_idx"),
+            _ => None,
+        })
+    }
+
+    fn into_event(self) -> Result<EngineEvent> {
+        let Some(tag) = self.tag else {
+            return malformed("event without a type");
+        };
+        let main_group = match &self.spec_kind {
+            Some(kind) => MAIN_KINDS.contains(&kind.as_str()),
+            None => self.group_idx.unwrap_or(0) == 0,
+        };
+        let on_gpu = self
+            .medium
+            .as_deref()
+            .is_none_or(|m| m.eq_ignore_ascii_case("gpu") || m.eq_ignore_ascii_case("device"));
+        match tag.as_str() {
+            "BlockStored" => {
+                let Some(block_hashes) = self.block_hashes else {
+                    return malformed("BlockStored without block_hashes");
+                };
+                if !main_group {
+                    return Ok(EngineEvent::Ignored(IgnoreReason::KvGroup));
+                }
+                if !on_gpu {
+                    return Ok(EngineEvent::Ignored(IgnoreReason::Medium));
+                }
+                let token_ids = self.token_ids.unwrap_or_default();
+                let block_size = self.block_size.unwrap_or(0) as usize;
+                if block_size == 0 || token_ids.is_empty() {
+                    return Ok(EngineEvent::Ignored(IgnoreReason::Offload));
+                }
+                Ok(EngineEvent::Stored {
+                    block_hashes,
+                    parent: self.parent,
+                    token_ids,
+                    block_size,
+                    lora_name: self.lora_name.filter(|n| !n.is_empty()),
+                    mm_hashes: self.mm_hashes,
+                })
+            }
+            "BlockRemoved" => {
+                let Some(block_hashes) = self.block_hashes else {
+                    return malformed("BlockRemoved without block_hashes");
+                };
+                if !main_group {
+                    return Ok(EngineEvent::Ignored(IgnoreReason::KvGroup));
+                }
+                if !on_gpu {
+                    return Ok(EngineEvent::Ignored(IgnoreReason::Medium));
+                }
+                Ok(EngineEvent::Removed { block_hashes })
+            }
+            "AllBlocksCleared" => Ok(EngineEvent::Cleared),
+            _ => Ok(EngineEvent::Ignored(IgnoreReason::UnknownType)),
+        }
+    }
+}
+
+fn event(kind: EngineKind, r: &mut Reader<'_>) -> Result<EngineEvent> {
+    let mut fields = Fields::default();
+    match r.kind()? {
+        Kind::Map => {
+            let n = r.map_len()?;
+            for _ in 0..n {
+                if r.kind()? != Kind::Str {
+                    r.skip()?;
+                    r.skip()?;
+                    continue;
+                }
+                let key = r.str()?;
+                fields.set_named(key, r)?;
+            }
+        }
+        Kind::Array => {
+            let n = r.array_len()?;
+            if n == 0 {
+                return malformed("empty event array");
+            }
+            let tag = r.str()?.to_owned();
+            for pos in 1..n {
+                match Fields::positional_name(kind, &tag, pos, r)? {
+                    Some(name) => fields.set_named(name, r)?,
+                    None => r.skip()?,
+                }
+            }
+            fields.tag = Some(tag);
+        }
+        other => return malformed(format!("event must be an array or a map, not {other:?}")),
+    }
+    fields.into_event()
+}
+
+/// Decodes the events array; an event that fails to decode is skipped and counted, as long as
+/// the bytes can still be walked.
+fn events(kind: EngineKind, r: &mut Reader<'_>) -> Result<(Vec<EngineEvent>, usize)> {
+    let n = r.array_len()?;
+    let mut out = Vec::with_capacity(n);
+    let mut bad = 0;
+    for _ in 0..n {
+        let start = r.position();
+        match event(kind, r) {
+            Ok(e) => out.push(e),
+            Err(DecodeError(why)) => {
+                tracing::debug!(%why, "skipping a malformed KV event");
+                bad += 1;
+                r.seek(start);
+                r.skip()?;
+            }
+        }
+    }
+    Ok((out, bad))
+}
+
+fn optional_rank(r: &mut Reader<'_>) -> Result<Option<u32>> {
+    if r.nil()? {
+        return Ok(None);
+    }
+    r.u32().map(Some)
+}
+
+/// Decodes one msgpack batch payload of an engine of `kind`.
+pub fn decode_batch(kind: EngineKind, payload: &[u8]) -> std::result::Result<EngineBatch, String> {
+    decode(kind, payload).map_err(|e| e.0)
+}
+
+fn decode(kind: EngineKind, payload: &[u8]) -> Result<EngineBatch> {
+    let mut r = Reader::new(payload);
+    let mut batch = EngineBatch {
+        ts: 0.0,
+        dp_rank: None,
+        events: Vec::new(),
+        malformed_events: 0,
+    };
+    let mut have_events = false;
+    match r.kind()? {
+        Kind::Array => {
+            let n = r.array_len()?;
+            if n < 2 {
+                return malformed("batch array needs at least [ts, events]");
+            }
+            batch.ts = r.f64()?;
+            (batch.events, batch.malformed_events) = events(kind, &mut r)?;
+            have_events = true;
+            if n > 2 {
+                batch.dp_rank = optional_rank(&mut r)?;
+            }
+            for _ in 3..n {
+                r.skip()?;
+            }
+        }
+        Kind::Map => {
+            let n = r.map_len()?;
+            for _ in 0..n {
+                if r.kind()? != Kind::Str {
+                    r.skip()?;
+                    r.skip()?;
+                    continue;
+                }
+                match r.str()? {
+                    "ts" => batch.ts = r.f64()?,
+                    "events" => {
+                        (batch.events, batch.malformed_events) = events(kind, &mut r)?;
+                        have_events = true;
+                    }
+                    "data_parallel_rank" | "attn_dp_rank" => batch.dp_rank = optional_rank(&mut r)?,
+                    _ => r.skip()?,
+                }
+            }
+        }
+        other => return malformed(format!("batch must be an array or a map, not {other:?}")),
+    }
+    if !have_events {
+        return malformed("batch without events");
+    }
+    if r.remaining() != 0 {
+        return malformed("trailing bytes after the batch");
+    }
+    Ok(batch)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,174 @@
+//! Receiving one rank's KV event stream: a ZMQ SUB socket (reconnecting on its own), engine
+//! sequence tracking, replay of missed batches, decoding, and translation into the core.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::oneshot;
+use zeromq::{Socket, SocketRecv, SubSocket};
+
+use super::batch::decode_batch;
+use super::replay;
+use super::sequence::{SeqAction, SeqTracker};
+use crate::config::EngineKind;
+use crate::core::Core;
+use crate::metrics::AgentMetrics;
+
+/// Pause after a receive error before trying again (the socket reconnects meanwhile).
+const RECV_ERROR_PAUSE: Duration = Duration::from_millis(50);
+/// Pause between attempts to connect to the engine's PUB socket.
+const CONNECT_RETRY: Duration = Duration::from_millis(200);
+
+/// One rank's stream.
+pub(crate) struct Intake {
+    /// The rank.
+    pub rank: u32,
+    /// Its PUB endpoint.
+    pub endpoint: String,
+    /// Its replay ROUTER endpoint, if any.
+    pub replay_endpoint: Option<String>,
+    /// Subscription prefix.
+    pub topic: String,
+    /// Positional layout.
+    pub kind: EngineKind,
+    /// Where translated batches go.
+    pub core: Arc<Core>,
+    /// Counters.
+    pub metrics: AgentMetrics,
+}
+
+impl Intake {
+    /// Decodes and applies one engine payload.
+    fn process(&self, payload: &[u8], received: Instant) {
+        match decode_batch(self.kind, payload) {
+            Ok(batch) => {
+                if let Some(rank) = batch.dp_rank
+                    && rank != self.rank
+                {
+                    tracing::debug!(
+                        socket_rank = self.rank,
+                        batch_rank = rank,
+                        "batch names another rank"
+                    );
+                }
+                self.core.apply(self.rank, &batch, received);
+            }
+            Err(why) => {
+                self.metrics.malformed.inc();
+                tracing::debug!(rank = self.rank, %why, "skipping a malformed KV event message");
+            }
+        }
+    }
+
+    /// Replays `from..until` from the engine and applies what comes back; records the last
+    /// applied number in `tracker`.
+    async fn replay(&self, tracker: &mut SeqTracker, from: u64, until: u64) {
+        let Some(endpoint) = &self.replay_endpoint else {
+            return;
+        };
+        let result = match replay::fetch(endpoint, from).await {
+            Ok(batches) => {
+                let mut expected = from;
+                let mut complete = true;
+                for (seq, payload) in batches {
+                    if seq < expected || seq >= until {
+                        continue;
+                    }
+                    complete &= seq == expected;
+                    self.process(&payload, Instant::now());
+                    tracker.applied(seq);
+                    expected = seq + 1;
+                }
+                if complete && expected == until {
+                    "ok"
+                } else {
+                    "incomplete"
+                }
+            }
+            Err(why) => {
+                tracing::warn!(rank = self.rank, %why, "KV event replay failed");
+                "failed"
+            }
+        };
+        if result != "ok" {
+            tracing::warn!(rank = self.rank, from, until, result, "KV events were lost");
+        }
+        self.metrics.replays.with_label_values(&[result]).inc();
+    }
+
+    /// Handles one live message `[topic, seq, payload]`.
+    async fn on_message(&self, tracker: &mut SeqTracker, frames: &[Bytes], received: Instant) {
+        let [_topic, seq, payload] = frames else {
+            self.metrics.malformed.inc();
+            return;
+        };
+        let Ok(seq) = <[u8; 8]>::try_from(seq.as_ref()) else {
+            self.metrics.malformed.inc();
+            return;
+        };
+        let seq = u64::from_be_bytes(seq);
+        match tracker.check(seq) {
+            SeqAction::Apply => {}
+            SeqAction::Skip => return,
+            SeqAction::Restart => {
+                tracing::info!(
+                    rank = self.rank,
+                    "engine event sequence restarted: forgetting its blocks"
+                );
+                self.core.reset_rank(self.rank);
+            }
+            SeqAction::CatchUp { from } => {
+                if self.replay_endpoint.is_some() {
+                    tracing::info!(
+                        rank = self.rank,
+                        first = seq,
+                        "started after the engine: replaying its buffer"
+                    );
+                    self.replay(tracker, from, seq).await;
+                }
+            }
+            SeqAction::Gap { from } => {
+                self.metrics.engine_seq_gaps.inc();
+                tracing::info!(rank = self.rank, from, to = seq, "gap in engine KV events");
+                self.replay(tracker, from, seq).await;
+            }
+        }
+        self.process(payload, received);
+        tracker.applied(seq);
+    }
+
+    /// Connects, signals `connected`, then runs until the task is aborted.
+    pub(crate) async fn run(self, connected: oneshot::Sender<()>) {
+        let mut socket = SubSocket::new();
+        loop {
+            match socket.connect(&self.endpoint).await {
+                Ok(()) => break,
+                Err(e) => {
+                    tracing::debug!(endpoint = %self.endpoint, error = %e, "engine KV event socket not reachable yet");
+                    tokio::time::sleep(CONNECT_RETRY).await;
+                }
+            }
+        }
+        if let Err(e) = socket.subscribe(&self.topic).await {
+            tracing::error!(error = %e, "cannot subscribe to engine KV events");
+            return;
+        }
+        tracing::info!(rank = self.rank, endpoint = %self.endpoint, "subscribed to engine KV events");
+        let _ = connected.send(());
+        let mut tracker = SeqTracker::default();
+        loop {
+            match socket.recv().await {
+                Ok(msg) => {
+                    let received = Instant::now();
+                    let frames = msg.into_vec();
+                    self.on_message(&mut tracker, &frames, received).await;
+                }
+                Err(e) => {
+                    tracing::debug!(rank = self.rank, error = %e, "KV event receive failed");
+                    tokio::time::sleep(RECV_ERROR_PAUSE).await;
+                }
+            }
+        }
+    }
+}

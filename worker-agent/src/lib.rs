@@ -1,0 +1,50 @@
+//! kvmesh-agent: the worker-agent sidecar that runs beside an unmodified engine (vLLM,
+//! SGLang) and connects it to kvmesh's control plane (docs/agent.md, docs/control-plane.md).
+//!
+//! - **Events**: subscribes to the engine's ZMQ KV event stream (3 frames: topic, 8-byte
+//!   big-endian sequence number, msgpack batch), decodes both encodings (positional arrays and
+//!   maps) and both hash forms (ints, byte strings folded by [`fold_hash_bytes`]), ignores
+//!   events of other KV groups and media, counts and skips malformed messages. Engine sequence
+//!   gaps, and a start after the engine, are repaired from the engine's replay socket.
+//! - **Translation**: re-hashes every stored block from its tokens into kvmesh's hash space
+//!   (`kvmesh_kv::BlockHasher`, LoRA and multimodal rules included), keeps the engine id →
+//!   kvmesh hash table with reference counts for duplicate stores.
+//! - **Publishing**: numbered [`kvmesh_control::EventBatch`]es on `{ns}.kv.{model}` (gap-free
+//!   `seq` from 1), the last 4096 kept for replay; `{ns}.snapshot.{id}` answers replay and
+//!   full-snapshot requests.
+//! - **Registration**: the [`kvmesh_control::InstanceRecord`] under a lease kept alive (and
+//!   re-created if lost); engine `/health` drives `ready` / `not_ready`; shutdown advertises
+//!   `draining`, waits, then revokes the lease.
+//! - **Load**: the engine's `/metrics` → [`kvmesh_control::LoadReport`] on `{ns}.load.{model}`.
+//! - **Own endpoints**: `/health` and `/metrics` (see [`AgentMetrics`]).
+//!
+//! Embedding (the demo): build an [`AgentConfig`], pass in-process `Registry` / `EventBus`
+//! implementations to [`start`], keep the [`AgentHandle`], call [`AgentHandle::shutdown`].
+
+mod agent;
+pub mod cli;
+mod config;
+mod core;
+mod endpoint;
+pub mod engine;
+mod error;
+mod health;
+mod http_client;
+mod load;
+mod metrics;
+mod pipeline;
+mod prom_text;
+mod publish;
+mod registration;
+mod server;
+pub mod translate;
+
+pub use agent::{AgentHandle, start};
+pub use config::{AgentConfig, EngineKind};
+pub use core::RING_CAPACITY;
+pub use endpoint::rank_endpoint;
+pub use engine::batch::{EngineBatch, EngineEvent, IgnoreReason, decode_batch, fold_hash_bytes};
+pub use error::AgentError;
+pub use load::parse_load;
+pub use metrics::AgentMetrics;
+pub use pipeline::Pipeline;

@@ -1,0 +1,115 @@
+//! Load reports: the engine's `/metrics` scraped every interval into a [`LoadReport`] on the
+//! model's load subject.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use kvmesh_control::{EventBus, InstanceId, LoadReport};
+
+use crate::config::EngineKind;
+use crate::http_client::EngineClient;
+use crate::metrics::AgentMetrics;
+use crate::prom_text;
+
+/// Metric names of one engine kind: running, waiting, and KV usage (first present wins).
+fn names(kind: EngineKind) -> (&'static str, &'static str, &'static [&'static str]) {
+    match kind {
+        EngineKind::Vllm => (
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+        ),
+        EngineKind::Sglang => (
+            "sglang:num_running_reqs",
+            "sglang:num_queue_reqs",
+            &["sglang:token_usage"],
+        ),
+    }
+}
+
+/// Builds a load report from an exposition; `None` when the running / waiting gauges are
+/// missing. Running and waiting are summed over label sets (data-parallel engines), KV usage
+/// averaged.
+pub fn parse_load(
+    kind: EngineKind,
+    text: &str,
+    instance_id: InstanceId,
+    at_ms: u64,
+) -> Option<LoadReport> {
+    let (running, waiting, usage) = names(kind);
+    let running = prom_text::sum(text, running)?;
+    let waiting = prom_text::sum(text, waiting)?;
+    let kv_usage = usage
+        .iter()
+        .find_map(|name| prom_text::mean(text, name))
+        .unwrap_or(0.0);
+    Some(LoadReport {
+        instance_id,
+        running: running.max(0.0) as u64,
+        waiting: waiting.max(0.0) as u64,
+        kv_usage: kv_usage.clamp(0.0, 1.0),
+        at_ms,
+    })
+}
+
+/// Scrapes and publishes until aborted.
+pub(crate) async fn run(
+    engine: EngineClient,
+    kind: EngineKind,
+    instance_id: InstanceId,
+    bus: Arc<dyn EventBus>,
+    subject: String,
+    interval: Duration,
+    metrics: AgentMetrics,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let timeout = interval.max(Duration::from_millis(500));
+    loop {
+        tick.tick().await;
+        let at_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or_default();
+        let report = match engine.get("/metrics", timeout).await {
+            Ok((status, body)) if status.is_success() => {
+                parse_load(kind, &String::from_utf8_lossy(&body), instance_id, at_ms)
+            }
+            Ok((status, _)) => {
+                tracing::debug!(%status, "engine /metrics answered an error");
+                None
+            }
+            Err(why) => {
+                tracing::debug!(%why, "cannot scrape engine /metrics");
+                None
+            }
+        };
+        let Some(report) = report else {
+            metrics.load_reports.with_label_values(&["error"]).inc();
+            continue;
+        };
+        metrics.load_reports.with_label_values(&["ok"]).inc();
+        if let Err(e) = bus.publish(&subject, Bytes::from(report.to_json())).await {
+            tracing::debug!(error = %e, "cannot publish a load report");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vllm_and_sglang_names_are_read() {
+        let id = InstanceId(7);
+        let vllm = "vllm:num_requests_running 3\nvllm:num_requests_waiting 2\nvllm:gpu_cache_usage_perc 0.4\n";
+        let r = parse_load(EngineKind::Vllm, vllm, id, 5).expect("vllm report");
+        assert_eq!((r.running, r.waiting, r.kv_usage, r.at_ms), (3, 2, 0.4, 5));
+        let sglang =
+            "sglang:num_running_reqs{x=\"1\"} 1\nsglang:num_queue_reqs 0\nsglang:token_usage 0.9\n";
+        let r = parse_load(EngineKind::Sglang, sglang, id, 0).expect("sglang report");
+        assert_eq!((r.running, r.waiting, r.kv_usage), (1, 0, 0.9));
+        assert!(parse_load(EngineKind::Vllm, sglang, id, 0).is_none());
+    }
+}

@@ -1,0 +1,75 @@
+//! The two bus-facing tasks: the publisher (batches in `seq` order onto the model's event
+//! subject) and the resync service (snapshot / replay requests on the instance's subject).
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use kvmesh_control::{ControlError, EventBus, SnapshotReply, SnapshotRequest, Subscription};
+use tokio::sync::mpsc;
+
+use crate::core::{Core, Outgoing};
+use crate::metrics::AgentMetrics;
+
+/// Publishes queued batches until the queue closes.
+pub(crate) async fn publisher(
+    bus: Arc<dyn EventBus>,
+    subject: String,
+    mut queue: mpsc::Receiver<Outgoing>,
+    metrics: AgentMetrics,
+) {
+    while let Some(out) = queue.recv().await {
+        match bus.publish(&subject, out.payload).await {
+            Ok(()) => metrics
+                .publish_seconds
+                .observe(out.received.elapsed().as_secs_f64()),
+            Err(e) => {
+                metrics.dropped.with_label_values(&["publish_failed"]).inc();
+                tracing::debug!(error = %e, "cannot publish a KV event batch");
+            }
+        }
+    }
+}
+
+/// Answers resync requests until the subscription ends.
+pub(crate) async fn resync_service(
+    bus: Arc<dyn EventBus>,
+    mut requests: Subscription,
+    core: Arc<Core>,
+    metrics: AgentMetrics,
+) {
+    while let Some(request) = requests.next().await {
+        let parsed = if request.payload.iter().all(u8::is_ascii_whitespace) {
+            Ok(SnapshotRequest::full())
+        } else {
+            SnapshotRequest::from_json(&request.payload)
+        };
+        let Ok(parsed) = parsed else {
+            metrics
+                .resync_requests
+                .with_label_values(&["invalid"])
+                .inc();
+            continue;
+        };
+        let reply = core.resync(parsed);
+        let kind = match &reply {
+            SnapshotReply::Events { .. } => "events",
+            SnapshotReply::Snapshot { .. } => "snapshot",
+        };
+        metrics.resync_requests.with_label_values(&[kind]).inc();
+        match bus.reply(&request, Bytes::from(reply.to_json())).await {
+            Ok(()) => {}
+            Err(ControlError::PayloadTooLarge { size, limit }) => {
+                metrics
+                    .dropped
+                    .with_label_values(&["snapshot_too_large"])
+                    .inc();
+                tracing::error!(
+                    size,
+                    limit,
+                    "resync reply exceeds the bus payload limit (raise NATS max_payload)"
+                );
+            }
+            Err(e) => tracing::debug!(error = %e, "cannot answer a resync request"),
+        }
+    }
+}

@@ -1,0 +1,181 @@
+use kvmesh_kv::{BlockHasher, KvIndex, WorkerKey};
+
+use super::*;
+
+const W: WorkerKey = WorkerKey {
+    instance_id: 1,
+    dp_rank: 0,
+};
+
+fn tokens(n: u32) -> Vec<u32> {
+    (0..n).collect()
+}
+
+fn apply_all(index: &KvIndex, events: &[KvEvent]) {
+    for e in events {
+        index.apply(W, e);
+    }
+}
+
+#[test]
+fn stored_blocks_get_kvmesh_sequence_hashes() {
+    let mut table = RankTable::new(4).expect("table");
+    let toks = tokens(12);
+    let mut out = Vec::new();
+    table
+        .stored(None, &[100, 101], &toks[..8], 4, None, &[], &mut out)
+        .expect("root");
+    table
+        .stored(Some(101), &[102], &toks[8..], 4, None, &[], &mut out)
+        .expect("child");
+    let expected = BlockHasher::new(4, None).expect("hasher").hash(&toks);
+    let published: Vec<SequenceHash> = out
+        .iter()
+        .flat_map(|e| match e {
+            KvEvent::Stored { blocks, .. } => blocks.iter().map(|b| b.sequence).collect(),
+            _ => vec![],
+        })
+        .collect();
+    assert_eq!(published, expected.sequence);
+    let index = KvIndex::new();
+    apply_all(&index, &out);
+    assert_eq!(index.find_matches(&expected.sequence).depth(W), 3);
+    assert_eq!(table.len(), 3);
+}
+
+#[test]
+fn lora_blocks_hash_with_the_lora_seed() {
+    let mut table = RankTable::new(4).expect("table");
+    let toks = tokens(4);
+    let mut out = Vec::new();
+    table
+        .stored(None, &[1], &toks, 4, Some("my-adapter"), &[], &mut out)
+        .expect("lora store");
+    let expected = BlockHasher::new(4, Some("my-adapter"))
+        .expect("hasher")
+        .hash(&toks);
+    assert!(
+        matches!(&out[0], KvEvent::Stored { blocks, .. } if blocks[0].sequence == expected.sequence[0])
+    );
+    let plain = BlockHasher::new(4, None).expect("hasher").hash(&toks);
+    assert_ne!(plain.sequence[0], expected.sequence[0]);
+}
+
+#[test]
+fn duplicate_stores_are_refcounted_and_split_chains() {
+    let mut table = RankTable::new(2).expect("table");
+    let mut out = Vec::new();
+    table
+        .stored(None, &[1, 2], &[1, 2, 3, 4], 2, None, &[], &mut out)
+        .expect("first");
+    out.clear();
+    // Blocks 1 and 2 again, extended by 3: only 3 is new, published after its parent 2.
+    table
+        .stored(
+            None,
+            &[1, 2, 3],
+            &[1, 2, 3, 4, 5, 6],
+            2,
+            None,
+            &[],
+            &mut out,
+        )
+        .expect("again");
+    assert_eq!(out.len(), 1, "one event expected: {out:?}");
+    let KvEvent::Stored { parent, blocks } = &out[0] else {
+        panic!("a Stored event expected: {out:?}");
+    };
+    assert_eq!(blocks.len(), 1);
+    assert_eq!(blocks[0].external, ExternalHash(3));
+    assert_eq!(parent.map(|p| p.external), Some(ExternalHash(2)));
+    out.clear();
+    // One removal of a twice-stored block keeps it; the second evicts it.
+    assert_eq!(table.removed(&[2], &mut out), 0);
+    assert!(out.is_empty());
+    assert_eq!(table.removed(&[2, 99], &mut out), 1);
+    assert_eq!(
+        out,
+        vec![KvEvent::Removed {
+            blocks: vec![ExternalHash(2)]
+        }]
+    );
+}
+
+#[test]
+fn misses_change_nothing() {
+    let mut table = RankTable::new(2).expect("table");
+    let mut out = Vec::new();
+    assert_eq!(
+        table.stored(Some(7), &[1], &[1, 2], 2, None, &[], &mut out),
+        Err(Miss::UnknownParent)
+    );
+    assert_eq!(
+        table.stored(None, &[1], &[1, 2, 3], 2, None, &[], &mut out),
+        Err(Miss::TokenCount)
+    );
+    assert_eq!(
+        table.stored(None, &[1], &[1, 2, 3, 4], 4, None, &[], &mut out),
+        Err(Miss::BlockSize)
+    );
+    assert!(out.is_empty() && table.is_empty());
+}
+
+#[test]
+fn clearing_one_rank_of_many_removes_its_blocks() {
+    let mut table = RankTable::new(2).expect("table");
+    let mut out = Vec::new();
+    table
+        .stored(None, &[1, 2], &[1, 2, 3, 4], 2, None, &[], &mut out)
+        .expect("store");
+    out.clear();
+    table.cleared(false, &mut out);
+    let KvEvent::Removed { blocks } = &out[0] else {
+        panic!("expected a removal: {out:?}");
+    };
+    assert_eq!(blocks.len(), 2);
+    assert!(table.is_empty());
+    out.clear();
+    table.cleared(true, &mut out);
+    assert_eq!(out, vec![KvEvent::Cleared]);
+}
+
+#[test]
+fn snapshots_rebuild_the_same_index() {
+    let mut table = RankTable::new(2).expect("table");
+    let mut live = Vec::new();
+    let t: Vec<u32> = (0..16).collect();
+    // A tree: 1-2-3 and 1-2-4, and a separate root 5-6 whose 6 is then evicted.
+    table
+        .stored(None, &[1, 2, 3], &t[..6], 2, None, &[], &mut live)
+        .expect("a");
+    table
+        .stored(Some(2), &[4], &t[8..10], 2, None, &[], &mut live)
+        .expect("b");
+    table
+        .stored(None, &[5, 6], &t[10..14], 2, None, &[], &mut live)
+        .expect("c");
+    table.removed(&[6], &mut live);
+    let live_index = KvIndex::new();
+    apply_all(&live_index, &live);
+
+    let snapshot = table.snapshot();
+    let rebuilt = KvIndex::new();
+    apply_all(&rebuilt, &snapshot);
+    assert_eq!(rebuilt.cached_blocks(), live_index.cached_blocks());
+    let stored: usize = snapshot
+        .iter()
+        .map(|e| match e {
+            KvEvent::Stored { blocks, .. } => blocks.len(),
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(stored, table.len());
+    // Linear chains are merged: 1-2-3 is one event, 4 and 5 one each.
+    assert_eq!(snapshot.len(), 3);
+    let branch: Vec<u32> = t[..4].iter().chain(&t[8..10]).copied().collect();
+    for (query, depth) in [(&t[..6], 3), (&branch[..], 3), (&t[10..14], 1)] {
+        let hashes = BlockHasher::new(2, None).expect("hasher").hash(query);
+        assert_eq!(rebuilt.find_matches(&hashes.sequence).depth(W), depth);
+        assert_eq!(live_index.find_matches(&hashes.sequence).depth(W), depth);
+    }
+}
