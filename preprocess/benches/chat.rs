@@ -1,5 +1,7 @@
 //! Chat preprocessing latency with the Qwen3 tokenizer: parse the request body, render the chat
-//! template, tokenize; for conversations of about 1k, 8k and 32k prompt tokens.
+//! template, tokenize; for conversations of about 1k, 8k and 32k prompt tokens. Encoding and
+//! the total are measured with the native encoder and with Hugging Face `tokenizers`, in the
+//! same run.
 //!
 //! Needs `scripts/fetch-tokenizer.sh` (or `KVMESH_QWEN3_TOKENIZER`). Run with
 //! `cargo bench -p kvmesh-preprocess --bench chat`.
@@ -9,7 +11,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use kvmesh_preprocess::{ChatRequest, ModelPreprocessor};
+use kvmesh_preprocess::{ChatRequest, EncoderKind, EncoderPreference, ModelPreprocessor};
 
 const WORDS: &[&str] = &[
     "the",
@@ -124,13 +126,13 @@ fn next_turn(history: &[serde_json::Value], seed: u64) -> String {
     body(&messages)
 }
 
-fn load_model() -> ModelPreprocessor {
+fn load_model(encoder: EncoderPreference) -> ModelPreprocessor {
     let dir = std::env::var_os("KVMESH_QWEN3_TOKENIZER")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/tokenizers/qwen3")
         });
-    ModelPreprocessor::from_dir(&dir).unwrap_or_else(|e| {
+    ModelPreprocessor::from_dir_with_encoder(&dir, encoder).unwrap_or_else(|e| {
         panic!(
             "cannot load the Qwen3 tokenizer from {}: {e}; run scripts/fetch-tokenizer.sh",
             dir.display()
@@ -139,8 +141,10 @@ fn load_model() -> ModelPreprocessor {
 }
 
 fn chat(c: &mut Criterion) {
-    let model = load_model();
-    let cached = load_model().with_segment_cache(4_000_000);
+    let model = load_model(EncoderPreference::Auto);
+    assert_eq!(model.encoder(), EncoderKind::Native);
+    let huggingface = load_model(EncoderPreference::HuggingFace);
+    let cached = load_model(EncoderPreference::Auto).with_segment_cache(4_000_000);
     assert!(cached.segment_cache_enabled());
     let mut seed = 1_000_000u64;
     let mut group = c.benchmark_group("chat");
@@ -149,6 +153,11 @@ fn chat(c: &mut Criterion) {
         let body = body(&history);
         let request = ChatRequest::from_slice(body.as_bytes()).expect("body parses");
         let rendered = model.render_chat(&request).expect("render");
+        assert_eq!(
+            model.encode_chat(&rendered).expect("encode"),
+            huggingface.encode_chat(&rendered).expect("encode"),
+            "the encoders disagree"
+        );
         group.throughput(Throughput::Elements(tokens as u64));
         let id = |stage: &str| BenchmarkId::new(stage, format!("{label} ({tokens} tokens)"));
         group.bench_function(id("parse+render"), |b| {
@@ -157,20 +166,26 @@ fn chat(c: &mut Criterion) {
                 model.render_chat(&request).expect("render")
             })
         });
-        group.bench_function(id("encode"), |b| {
-            b.iter(|| model.encode_chat(black_box(&rendered)).expect("encode"))
-        });
-        group.bench_function(id("total"), |b| {
-            b.iter(|| {
-                let request = ChatRequest::from_slice(black_box(body.as_bytes())).expect("parse");
-                model.chat_token_ids(&request).expect("preprocess")
-            })
-        });
+        for (encoder, m) in [("native", &model), ("huggingface", &huggingface)] {
+            group.bench_function(id(&format!("encode, {encoder}")), |b| {
+                b.iter(|| m.encode_chat(black_box(&rendered)).expect("encode"))
+            });
+            group.bench_function(id(&format!("total, {encoder}")), |b| {
+                b.iter(|| {
+                    let request =
+                        ChatRequest::from_slice(black_box(body.as_bytes())).expect("parse");
+                    m.chat_token_ids(&request).expect("preprocess")
+                })
+            });
+        }
         // The next request of the same conversation: history seen before, new turns not.
         let history_body = body.clone();
         let request = ChatRequest::from_slice(history_body.as_bytes()).expect("parse");
         cached.chat_token_ids(&request).expect("warm the cache");
-        for (stage, m) in [("next turn", &model), ("next turn, segment cache", &cached)] {
+        for (stage, m) in [
+            ("next turn, native", &model),
+            ("next turn, native + segment cache", &cached),
+        ] {
             group.bench_function(id(stage), |b| {
                 b.iter_batched(
                     || {

@@ -10,10 +10,10 @@ use std::ops::Range;
 use tokenizers::Tokenizer;
 
 /// Finds added-token occurrences exactly where `tokenizers`' first extraction pass does.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct AddedTokenSplitter {
-    /// Token contents by first byte, longest first.
-    by_first_byte: Vec<Vec<Box<str>>>,
+    /// Token contents and ids by first byte, longest first.
+    by_first_byte: Vec<Vec<(Box<str>, u32)>>,
 }
 
 impl AddedTokenSplitter {
@@ -31,12 +31,8 @@ impl AddedTokenSplitter {
                 return None;
             }
         }
-        let mut by_first_byte: Vec<Vec<Box<str>>> = vec![Vec::new(); 256];
-        for token in tokenizer
-            .get_added_vocabulary()
-            .get_added_tokens_decoder()
-            .values()
-        {
+        let mut by_first_byte: Vec<Vec<(Box<str>, u32)>> = vec![Vec::new(); 256];
+        for (&id, token) in tokenizer.get_added_vocabulary().get_added_tokens_decoder() {
             if token.normalized {
                 // Matched inside pieces, after normalization: encoding a piece alone does the same.
                 continue;
@@ -45,31 +41,42 @@ impl AddedTokenSplitter {
                 return None;
             }
             if let Some(&first) = token.content.as_bytes().first() {
-                by_first_byte[usize::from(first)].push(token.content.as_str().into());
+                by_first_byte[usize::from(first)].push((token.content.as_str().into(), id));
             }
         }
         for tokens in &mut by_first_byte {
-            tokens.sort_by_key(|t| std::cmp::Reverse(t.len()));
+            tokens.sort_by_key(|(t, _)| std::cmp::Reverse(t.len()));
         }
         Some(Self { by_first_byte })
     }
 
-    /// Byte ranges of the added tokens in `text`, in order, non-overlapping, leftmost-longest.
-    pub(crate) fn matches<'s>(&'s self, text: &'s str) -> impl Iterator<Item = Range<usize>> + 's {
+    /// Byte ranges and ids of the added tokens in `text`, in order, non-overlapping,
+    /// leftmost-longest.
+    pub(crate) fn matches<'s>(
+        &'s self,
+        text: &'s str,
+    ) -> impl Iterator<Item = (Range<usize>, u32)> + 's {
         let bytes = text.as_bytes();
         let mut pos = 0;
         std::iter::from_fn(move || {
             while pos < bytes.len() {
-                let start = pos;
-                let candidates = &self.by_first_byte[usize::from(bytes[start])];
-                if let Some(token) = candidates
+                let skipped = bytes[pos..]
                     .iter()
-                    .find(|t| bytes[start..].starts_with(t.as_bytes()))
+                    .position(|&b| !self.by_first_byte[usize::from(b)].is_empty());
+                let Some(skipped) = skipped else {
+                    pos = bytes.len();
+                    break;
+                };
+                let start = pos + skipped;
+                let candidates = &self.by_first_byte[usize::from(bytes[start])];
+                if let Some((token, id)) = candidates
+                    .iter()
+                    .find(|(t, _)| bytes[start..].starts_with(t.as_bytes()))
                 {
                     pos = start + token.len();
-                    return Some(start..pos);
+                    return Some((start..pos, *id));
                 }
-                pos += 1;
+                pos = start + 1;
             }
             None
         })
@@ -109,9 +116,12 @@ mod tests {
         let t = tokenizer(&tokens.join(","), r#"{"type": "Whitespace"}"#);
         let splitter = AddedTokenSplitter::for_tokenizer(&t).unwrap();
         let text = "a<|xy|>b<|x|><|x|>c<y><|x";
-        let found: Vec<_> = splitter.matches(text).map(|r| &text[r]).collect();
+        let found: Vec<_> = splitter
+            .matches(text)
+            .map(|(r, id)| (&text[r], id))
+            .collect();
         // "<y>" is a normalized token: it is matched inside pieces, not by this pass.
-        assert_eq!(found, ["<|xy|>", "<|x|>", "<|x|>"]);
+        assert_eq!(found, [("<|xy|>", 2), ("<|x|>", 1), ("<|x|>", 1)]);
     }
 
     #[test]

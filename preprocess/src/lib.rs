@@ -22,14 +22,18 @@
 //! Long multi-turn prompts repeat their history on every request; an optional segment cache
 //! ([`ModelPreprocessor::with_segment_cache`]) reuses the ids of long messages seen before.
 //!
-//! Tokenization runs on the calling thread: `tokenizers` only uses its thread pool for batch
-//! encoding, which this crate never does.
+//! Tokenization runs on the calling thread. Tokenizers shaped like Qwen2 / Qwen3 / Llama-3 ones
+//! (byte-level BPE with their split regex) go through a native encoder that gives the same ids
+//! as Hugging Face `tokenizers` many times faster; other tokenizers use `tokenizers` itself
+//! (whose thread pool only serves batch encoding, which this crate never does).
 
 mod added_token_split;
 mod chat_template;
 mod content_format;
 mod conversation;
+mod encoder_kind;
 mod error;
+mod native;
 mod preprocessor;
 mod py_json;
 mod request;
@@ -40,6 +44,7 @@ mod text_encoder;
 mod tokenizer_config;
 
 pub use content_format::ContentFormat;
+pub use encoder_kind::{EncoderKind, EncoderPreference};
 pub use error::{PreprocessError, Result};
 pub use preprocessor::ModelPreprocessor;
 pub use request::ChatRequest;

@@ -8,6 +8,7 @@ use minijinja::Value;
 use crate::chat_template::ChatTemplate;
 use crate::content_format::ContentFormat;
 use crate::conversation::Conversation;
+use crate::encoder_kind::{EncoderKind, EncoderPreference};
 use crate::error::{PreprocessError, Result};
 use crate::request::ChatRequest;
 use crate::text_encoder::TextEncoder;
@@ -49,7 +50,20 @@ impl ModelPreprocessor {
     /// `default` / `tool_use` entries of a list). A model without a template loads fine; only
     /// [`render_chat`](Self::render_chat) then fails. The content format is detected from the
     /// template as vLLM's `auto` mode does.
+    ///
+    /// Text is encoded by the native encoder when it supports the tokenizer exactly (byte-level
+    /// BPE shaped like Qwen2 / Qwen3 / Llama-3), else by Hugging Face `tokenizers`; see
+    /// [`from_dir_with_encoder`](Self::from_dir_with_encoder) and [`encoder`](Self::encoder).
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self> {
+        Self::from_dir_with_encoder(dir, EncoderPreference::Auto)
+    }
+
+    /// [`from_dir`](Self::from_dir), choosing the encoder: `Auto` as there, or always Hugging
+    /// Face `tokenizers`. Which one a model uses is logged (`info`) when it loads.
+    pub fn from_dir_with_encoder(
+        dir: impl AsRef<Path>,
+        encoder: EncoderPreference,
+    ) -> Result<Self> {
         let dir = dir.as_ref();
         let config_path = dir.join(CONFIG_FILE);
         let mut config = TokenizerConfig::parse(&read(&config_path)?, &config_path)?;
@@ -57,7 +71,7 @@ impl ModelPreprocessor {
         if template_path.is_file() {
             config.chat_template = Some(read(&template_path)?);
         }
-        let encoder = TextEncoder::load(&dir.join(TOKENIZER_FILE), &config)?;
+        let encoder = TextEncoder::load(&dir.join(TOKENIZER_FILE), &config, encoder)?;
 
         let main = config
             .chat_template
@@ -95,6 +109,11 @@ impl ModelPreprocessor {
     /// Whether the segment cache is on.
     pub fn segment_cache_enabled(&self) -> bool {
         self.encoder.has_segment_cache()
+    }
+
+    /// The encoder the model's text goes through.
+    pub fn encoder(&self) -> EncoderKind {
+        self.encoder.kind()
     }
 
     /// The content format messages are rendered with.

@@ -1,13 +1,17 @@
-//! Text to token ids with the model's `tokenizer.json`, as Hugging Face's fast tokenizer does.
+//! Text to token ids with the model's `tokenizer.json`, as Hugging Face's fast tokenizer does:
+//! with the native encoder when it supports the tokenizer, else with `tokenizers` itself.
 
 use std::ops::Range;
 use std::path::Path;
+use std::str::FromStr;
 use std::sync::Arc;
 
-use tokenizers::Tokenizer;
+use tokenizers::{Encoding, Token, Tokenizer};
 
 use crate::added_token_split::AddedTokenSplitter;
+use crate::encoder_kind::{EncoderKind, EncoderPreference};
 use crate::error::{PreprocessError, Result};
+use crate::native::NativeEncoder;
 use crate::segment_cache::{MIN_CACHED_BYTES, SegmentCache};
 use crate::tokenizer_config::TokenizerConfig;
 
@@ -21,49 +25,156 @@ enum SpecialTokens {
     Explicit { bos: Option<u32>, eos: Option<u32> },
 }
 
-/// A loaded tokenizer.
-#[derive(Debug)]
-pub(crate) struct TextEncoder {
-    tokenizer: Tokenizer,
-    special: SpecialTokens,
-    segment_cache: Option<SegmentCache>,
-}
-
-impl TextEncoder {
-    /// Loads `tokenizer.json`, applying the BOS/EOS rules of `config`.
-    pub(crate) fn load(path: &Path, config: &TokenizerConfig) -> Result<Self> {
-        let load_error = |e: tokenizers::Error| PreprocessError::TokenizerLoad {
-            path: path.to_owned(),
-            message: e.to_string(),
-        };
-        let mut tokenizer = Tokenizer::from_file(path).map_err(load_error)?;
-        // transformers never truncates or pads unless asked to.
-        tokenizer.with_truncation(None).map_err(load_error)?;
-        tokenizer.with_padding(None);
-        Ok(Self::new(tokenizer, config))
-    }
-
-    /// Wraps a loaded tokenizer, applying the BOS/EOS rules of `config`.
-    fn new(tokenizer: Tokenizer, config: &TokenizerConfig) -> Self {
+impl SpecialTokens {
+    /// The rule for `tokenizer` with `config`.
+    fn of(tokenizer: &Tokenizer, config: &TokenizerConfig) -> Self {
         let explicit = config.add_bos_token.is_some() || config.add_eos_token.is_some();
-        let special = if explicit || tokenizer.get_post_processor().is_none() {
+        if explicit || tokenizer.get_post_processor().is_none() {
             let id_of = |flag: Option<bool>, name: &str| {
                 flag.unwrap_or(false)
                     .then(|| config.special_token(name))
                     .flatten()
                     .and_then(|token| tokenizer.token_to_id(token))
             };
-            SpecialTokens::Explicit {
+            Self::Explicit {
                 bos: id_of(config.add_bos_token, "bos_token"),
                 eos: id_of(config.add_eos_token, "eos_token"),
             }
         } else {
-            SpecialTokens::PostProcessor
+            Self::PostProcessor
+        }
+    }
+}
+
+/// The ids `tokenizer`'s post-processor puts before and after a single sequence: found by
+/// post-processing a one-token sequence with a sentinel id. `Err` when the post-processor does
+/// more than wrap the sequence.
+fn post_processor_affixes(tokenizer: &Tokenizer) -> Result<(Vec<u32>, Vec<u32>), String> {
+    const SENTINEL: u32 = u32::MAX;
+    let sequence = Encoding::from_tokens(vec![Token::new(SENTINEL, String::new(), (0, 0))], 0);
+    let processed = tokenizer
+        .post_process(sequence, None, true)
+        .map_err(|e| e.to_string())?;
+    let ids = processed.get_ids();
+    match ids.iter().position(|&id| id == SENTINEL) {
+        Some(at) if !ids[at + 1..].contains(&SENTINEL) => {
+            Ok((ids[..at].to_vec(), ids[at + 1..].to_vec()))
+        }
+        _ => Err("the post-processor does more than add tokens around a text".to_owned()),
+    }
+}
+
+/// What turns text into ids.
+#[derive(Debug)]
+enum Backend {
+    /// The native encoder, and the ids `add_special_tokens=True` puts around a text.
+    Native {
+        encoder: NativeEncoder,
+        prefix: Vec<u32>,
+        suffix: Vec<u32>,
+    },
+    /// Hugging Face `tokenizers`.
+    HuggingFace {
+        tokenizer: Tokenizer,
+        special: SpecialTokens,
+    },
+}
+
+impl Backend {
+    /// The native backend for `tokenizer` (loaded from `json`), or why it cannot be used.
+    fn native(json: &str, tokenizer: &Tokenizer, special: SpecialTokens) -> Result<Self, String> {
+        let encoder = NativeEncoder::new(json, tokenizer)?;
+        let (prefix, suffix) = match special {
+            SpecialTokens::PostProcessor => post_processor_affixes(tokenizer)?,
+            SpecialTokens::Explicit { bos, eos } => {
+                (bos.into_iter().collect(), eos.into_iter().collect())
+            }
         };
-        Self {
-            tokenizer,
-            special,
+        Ok(Self::Native {
+            encoder,
+            prefix,
+            suffix,
+        })
+    }
+}
+
+/// A loaded tokenizer.
+#[derive(Debug)]
+pub(crate) struct TextEncoder {
+    backend: Backend,
+    /// Cuts texts at added tokens for the segment cache; `None` when pieces between added
+    /// tokens may not be encoded on their own (see [`AddedTokenSplitter::for_tokenizer`]).
+    splitter: Option<AddedTokenSplitter>,
+    segment_cache: Option<SegmentCache>,
+}
+
+impl TextEncoder {
+    /// Loads `tokenizer.json`, applying the BOS/EOS rules of `config`, with the native encoder
+    /// when `preference` allows and it supports the tokenizer. Logs which encoder it uses.
+    pub(crate) fn load(
+        path: &Path,
+        config: &TokenizerConfig,
+        preference: EncoderPreference,
+    ) -> Result<Self> {
+        let json = std::fs::read_to_string(path).map_err(|source| PreprocessError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        let load_error = |e: tokenizers::Error| PreprocessError::TokenizerLoad {
+            path: path.to_owned(),
+            message: e.to_string(),
+        };
+        let mut tokenizer = Tokenizer::from_str(&json).map_err(load_error)?;
+        // transformers never truncates or pads unless asked to.
+        tokenizer.with_truncation(None).map_err(load_error)?;
+        tokenizer.with_padding(None);
+        let native_json = (preference == EncoderPreference::Auto).then_some(json.as_str());
+        let (encoder, fallback_reason) = Self::new(tokenizer, config, native_json);
+        match fallback_reason {
+            None => {
+                tracing::info!(tokenizer = %path.display(), encoder = "native", "tokenizer loaded")
+            }
+            Some(reason) => tracing::info!(
+                tokenizer = %path.display(),
+                encoder = "huggingface",
+                %reason,
+                "tokenizer loaded"
+            ),
+        }
+        Ok(encoder)
+    }
+
+    /// Wraps a loaded tokenizer, applying the BOS/EOS rules of `config`; with the native
+    /// encoder when `native_json` (the text `tokenizer` was loaded from) is given and supported,
+    /// else with the reason it is not used.
+    fn new(
+        tokenizer: Tokenizer,
+        config: &TokenizerConfig,
+        native_json: Option<&str>,
+    ) -> (Self, Option<String>) {
+        let special = SpecialTokens::of(&tokenizer, config);
+        let splitter = AddedTokenSplitter::for_tokenizer(&tokenizer);
+        let native = match native_json {
+            Some(json) => Backend::native(json, &tokenizer, special),
+            None => Err("Hugging Face tokenizers was asked for".to_owned()),
+        };
+        let (backend, fallback_reason) = match native {
+            Ok(backend) => (backend, None),
+            Err(reason) => (Backend::HuggingFace { tokenizer, special }, Some(reason)),
+        };
+        let encoder = Self {
+            backend,
+            splitter,
             segment_cache: None,
+        };
+        (encoder, fallback_reason)
+    }
+
+    /// Which encoder this is.
+    pub(crate) fn kind(&self) -> EncoderKind {
+        match self.backend {
+            Backend::Native { .. } => EncoderKind::Native,
+            Backend::HuggingFace { .. } => EncoderKind::HuggingFace,
         }
     }
 
@@ -72,7 +183,7 @@ impl TextEncoder {
     /// their own (see [`AddedTokenSplitter::for_tokenizer`]).
     pub(crate) fn set_segment_cache(&mut self, max_tokens: usize) {
         self.segment_cache = (max_tokens > 0)
-            .then(|| AddedTokenSplitter::for_tokenizer(&self.tokenizer))
+            .then(|| self.splitter.clone())
             .flatten()
             .map(|splitter| SegmentCache::new(splitter, max_tokens));
     }
@@ -87,11 +198,15 @@ impl TextEncoder {
         if text.is_empty() {
             return Ok(());
         }
-        let encoding = self
-            .tokenizer
-            .encode_fast(text, false)
-            .map_err(|e| PreprocessError::Encode(e.to_string()))?;
-        out.extend_from_slice(encoding.get_ids());
+        match &self.backend {
+            Backend::Native { encoder, .. } => encoder.encode_into(text, out),
+            Backend::HuggingFace { tokenizer, .. } => {
+                let encoding = tokenizer
+                    .encode_fast(text, false)
+                    .map_err(|e| PreprocessError::Encode(e.to_string()))?;
+                out.extend_from_slice(encoding.get_ids());
+            }
+        }
         Ok(())
     }
 
@@ -121,7 +236,7 @@ impl TextEncoder {
                 *run_start = piece.end;
                 Ok(())
             };
-        for token in cache.splitter.matches(text) {
+        for (token, _) in cache.splitter.matches(text) {
             piece(piece_start..token.start, &mut run_start, &mut out)?;
             piece_start = token.end;
         }
@@ -135,13 +250,30 @@ impl TextEncoder {
         if !add_special_tokens && let Some(cache) = &self.segment_cache {
             return self.encode_cached(cache, text);
         }
-        let (post_process, bos, eos) = match (add_special_tokens, self.special) {
+        let (tokenizer, special) = match &self.backend {
+            Backend::Native {
+                encoder,
+                prefix,
+                suffix,
+            } => {
+                let mut out = Vec::with_capacity(text.len() / 3 + prefix.len() + suffix.len());
+                if add_special_tokens {
+                    out.extend_from_slice(prefix);
+                }
+                encoder.encode_into(text, &mut out);
+                if add_special_tokens {
+                    out.extend_from_slice(suffix);
+                }
+                return Ok(out);
+            }
+            Backend::HuggingFace { tokenizer, special } => (tokenizer, *special),
+        };
+        let (post_process, bos, eos) = match (add_special_tokens, special) {
             (false, _) => (false, None, None),
             (true, SpecialTokens::PostProcessor) => (true, None, None),
             (true, SpecialTokens::Explicit { bos, eos }) => (false, bos, eos),
         };
-        let encoding = self
-            .tokenizer
+        let encoding = tokenizer
             .encode_fast(text, post_process)
             .map_err(|e| PreprocessError::Encode(e.to_string()))?;
         let ids = encoding.get_ids();
@@ -177,7 +309,17 @@ mod tests {
 
     fn encoder(config: &str) -> TextEncoder {
         let config = TokenizerConfig::parse(config, Path::new("tokenizer_config.json")).unwrap();
-        TextEncoder::new(Tokenizer::from_str(TOKENIZER).unwrap(), &config)
+        let (encoder, fallback_reason) = TextEncoder::new(
+            Tokenizer::from_str(TOKENIZER).unwrap(),
+            &config,
+            Some(TOKENIZER),
+        );
+        assert!(
+            fallback_reason.is_some(),
+            "a word-level tokenizer is not native"
+        );
+        assert_eq!(encoder.kind(), EncoderKind::HuggingFace);
+        encoder
     }
 
     #[test]
