@@ -1,24 +1,33 @@
-//! `kvmesh-demo`: the whole kvmesh request path on one machine, nothing to install.
+//! `kvmesh-demo`: the whole kvmesh data plane on one machine, nothing to install.
 //!
-//! Starts simulated engines in-process (`kvmesh-engine-sim` as a library) and
-//! the proxy in front of them, with a config built here and printed, then
-//! prints a ready-to-paste `curl` and serves until Ctrl-C or SIGTERM. This
-//! launcher is the only place where the proxy meets the simulator, so a
-//! production `kvmesh-proxy` build carries no simulator code.
+//! Starts simulated engines in-process (`kvmesh-engine-sim` as a library), each
+//! publishing vLLM's KV event stream over ZMQ on loopback, one embedded worker-agent
+//! per engine (`kvmesh-agent` as a library) and the proxy in front of them, with a
+//! config built here and printed, then prints a ready-to-paste `curl` and serves
+//! until Ctrl-C or SIGTERM. This launcher is the only place where the proxy meets
+//! the simulator, so a production `kvmesh-proxy` build carries no simulator code.
 //!
-//! The proxy routes with `policy: kv` and the real Qwen3 tokenizer, which the
-//! simulated engines use too, so every response carries `x-kvmesh-route` and
-//! a conversation's turns land where its prefix is cached.
+//! The agents register their engines in an in-process registry and publish the
+//! engines' KV events, re-hashed into kvmesh's block hashes, on an in-process event
+//! bus: the same `kvmesh-control` traits that etcd and NATS implement in a cluster.
+//! The proxy (`discovery: in_process`, `events: in_process`) finds the engines there
+//! and routes with `policy: kv` from what the engines really cache, using the real
+//! Qwen3 tokenizer, which the simulated engines use too: every response carries
+//! `x-kvmesh-route` and a conversation's turns land where its prefix is cached.
 
 use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
+use kvmesh_agent::{AgentConfig, AgentHandle};
 use kvmesh_config::Config;
-use kvmesh_engine_sim::SimConfig;
-use kvmesh_proxy::Proxy;
+use kvmesh_control::{EventBus, InProcessBus, InProcessRegistry, Registry};
+use kvmesh_engine_sim::{EngineHandle, KvEventsConfig, SimConfig};
+use kvmesh_proxy::{ControlPlane, Proxy};
 use tokio::signal::unix::{SignalKind, signal};
 use tracing_subscriber::EnvFilter;
 
@@ -32,6 +41,9 @@ struct Cli {
     /// Address of the proxy's admin listener (/metrics, /health, /live).
     #[arg(long, default_value = "127.0.0.1:9090")]
     admin: SocketAddr,
+    /// Address of the proxy's KServe v2 gRPC listener.
+    #[arg(long, default_value = "127.0.0.1:8787")]
+    grpc: SocketAddr,
     /// Number of simulated engines.
     #[arg(long, default_value_t = 4)]
     engines: usize,
@@ -80,33 +92,66 @@ async fn main() -> anyhow::Result<()> {
         model: cli.model.clone(),
         speedup_ratio: cli.speedup_ratio,
         tokenizer: Some(cli.tokenizer.join("tokenizer.json")),
+        kv_events: KvEventsConfig {
+            endpoint: Some("tcp://127.0.0.1:0".to_string()),
+            replay_endpoint: Some("tcp://127.0.0.1:0".to_string()),
+            ..KvEventsConfig::default()
+        },
         ..SimConfig::default()
     };
     let engines =
         kvmesh_engine_sim::spawn_engines(&sim, IpAddr::V4(Ipv4Addr::LOCALHOST), 0, cli.engines)
             .await
             .context("starting the simulated engines")?;
-    let backends: Vec<String> = engines
-        .iter()
-        .map(|e| format!("http://{}", e.local_addr()))
-        .collect();
 
-    let yaml = demo_config(&cli, &backends);
+    let registry = Arc::new(InProcessRegistry::new());
+    let bus = Arc::new(InProcessBus::new());
+    let mut agents = Vec::with_capacity(engines.len());
+    for engine in &engines {
+        let agent = start_agent(&sim, engine, &registry, &bus)
+            .await
+            .with_context(|| format!("starting the agent of engine {}", engine.local_addr()))?;
+        agents.push(agent);
+    }
+
+    let yaml = demo_config(&cli);
     let config =
         Config::from_yaml_str(&yaml, "demo config").context("the demo config is invalid")?;
-    let proxy = Proxy::bind(config)
+    let control = ControlPlane {
+        registry: Some(registry as Arc<dyn Registry>),
+        bus: Some(bus as Arc<dyn EventBus>),
+    };
+    let proxy = Proxy::bind_with(config, control)
         .await
         .context("binding the proxy's listeners")?;
 
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "kvmesh demo: {} simulated engines behind kvmesh-proxy. Config:\n",
-        backends.len()
+        "kvmesh demo: {} simulated engines, each with a worker-agent publishing its KV \
+         events, behind kvmesh-proxy. Engines:\n",
+        engines.len()
     )?;
+    for (engine, agent) in engines.iter().zip(&agents) {
+        writeln!(
+            out,
+            "  http://{}  instance {}  (agent /metrics on http://{})",
+            engine.local_addr(),
+            agent.instance_id(),
+            agent.listen_addr()
+        )?;
+    }
+    writeln!(out, "\nProxy config:\n")?;
     writeln!(out, "{yaml}")?;
     proxy.announce(&mut out)?;
     writeln!(out, "READY\n\nTry it:\n\n{}\n", curl(&cli))?;
+    if let Some(grpc) = proxy.grpc_address() {
+        writeln!(
+            out,
+            "Or over gRPC (KServe v2):\n\n{}\n",
+            grpcurl(&cli, grpc)
+        )?;
+    }
     writeln!(
         out,
         "Why that engine (routing explained, nothing forwarded):\n\n{}\n",
@@ -130,26 +175,56 @@ async fn main() -> anyhow::Result<()> {
             }
         })
         .await?;
+    for agent in agents {
+        agent.shutdown().await;
+    }
     for engine in engines {
         engine.stop().await;
     }
     Ok(())
 }
 
-/// The proxy config of the demo, as YAML a user could save and edit.
-fn demo_config(cli: &Cli, backends: &[String]) -> String {
+/// How long an agent advertises `draining` before deregistering when the demo stops (the
+/// proxy has stopped already).
+const AGENT_DRAIN: Duration = Duration::from_millis(100);
+
+/// Starts the worker-agent of `engine`: it subscribes to the engine's KV events and replay
+/// sockets, registers the engine in `registry` and publishes on `bus`.
+async fn start_agent(
+    sim: &SimConfig,
+    engine: &EngineHandle,
+    registry: &Arc<InProcessRegistry>,
+    bus: &Arc<InProcessBus>,
+) -> anyhow::Result<AgentHandle> {
+    let events = engine
+        .kv_events_addr()
+        .context("the engine publishes no KV events")?;
+    let mut config = AgentConfig::new(
+        &format!("http://{}", engine.local_addr()),
+        &sim.model,
+        &format!("tcp://{events}"),
+    );
+    config.kv_events_replay_endpoint = engine.kv_replay_addr().map(|a| format!("tcp://{a}"));
+    config.block_size = sim.block_size;
+    config.total_blocks = sim.num_gpu_blocks as u64;
+    config.drain = AGENT_DRAIN;
+    let registry: Arc<dyn Registry> = Arc::clone(registry) as Arc<dyn Registry>;
+    let bus: Arc<dyn EventBus> = Arc::clone(bus) as Arc<dyn EventBus>;
+    Ok(kvmesh_agent::start(config, registry, bus).await?)
+}
+
+/// The proxy config of the demo, as YAML a user could save and edit (with etcd and NATS,
+/// `discovery.kind: etcd` and `events.kind: nats` instead).
+fn demo_config(cli: &Cli) -> String {
     let tokenizer = yaml_quote(&cli.tokenizer.display().to_string());
-    let mut yaml = format!(
-        "listeners:\n  - name: main\n    address: {}\nadmin:\n  address: {}\nmodels:\n  - name: {}\n    policy: kv\n    tokenizer: {tokenizer}\n    kv:\n      block_size: {}\n    backends:\n",
+    format!(
+        "listeners:\n  - name: main\n    address: {}\nadmin:\n  address: {}\ngrpc:\n  address: {}\nmodels:\n  - name: {}\n    policy: kv\n    tokenizer: {tokenizer}\n    kv:\n      block_size: {}\n    backends: []\ndiscovery:\n  kind: in_process\nevents:\n  kind: in_process\n",
         cli.listen,
         cli.admin,
+        cli.grpc,
         cli.model,
         SimConfig::default().block_size
-    );
-    for url in backends {
-        yaml.push_str(&format!("      - url: {url}\n"));
-    }
-    yaml
+    )
 }
 
 /// `text` as a double-quoted YAML scalar.
@@ -163,6 +238,14 @@ fn curl(cli: &Cli) -> String {
         "curl -si http://{}/v1/chat/completions -H 'content-type: application/json' \\\n  -d '{}'",
         cli.listen,
         sample_body(cli)
+    )
+}
+
+/// The same prompt as a KServe v2 `ModelInfer` (BYTES are base64 in grpcurl's JSON).
+fn grpcurl(cli: &Cli, grpc: SocketAddr) -> String {
+    format!(
+        "grpcurl -plaintext -d '{{\"model_name\":\"{}\",\"inputs\":[{{\"name\":\"text_input\",\"datatype\":\"BYTES\",\"shape\":[1],\"contents\":{{\"bytes_contents\":[\"SGVsbG8sIGt2bWVzaCE=\"]}}}}],\"parameters\":{{\"max_tokens\":{{\"int64_param\":16}}}}}}' \\\n  {} inference.GRPCInferenceService/ModelInfer",
+        cli.model, grpc
     )
 }
 

@@ -1,0 +1,64 @@
+//! The `events` section: where the proxy reads the engines' KV cache events (published by
+//! the worker-agents) and their load reports.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::discovery::DEFAULT_NAMESPACE;
+
+/// Which event bus carries KV events and load reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventsKind {
+    /// No events: `policy: kv` predicts caches from its own decisions (approximate mode).
+    #[default]
+    None,
+    /// A NATS server (`nats-server`): subjects `{namespace}.kv.{model}`,
+    /// `{namespace}.load.{model}`, resync on `{namespace}.snapshot.{instance_id}`.
+    Nats,
+    /// An in-process bus passed in by the embedding program (the demo).
+    InProcess,
+}
+
+impl EventsKind {
+    /// The name used in the config file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Nats => "nats",
+            Self::InProcess => "in_process",
+        }
+    }
+}
+
+/// The `events` section. Needs `discovery.kind: etcd` or `in_process` (events name
+/// instances by the id their agent registers).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EventsConfig {
+    /// `none` (default), `nats` or `in_process`.
+    pub kind: EventsKind,
+    /// NATS server URL; `kind: nats` only.
+    pub url: String,
+    /// Subject prefix (the first token of every subject). Letters, digits, `-`, `_`.
+    pub namespace: String,
+    /// Time allowed for an agent to answer a resync (snapshot) request before it is retried.
+    #[serde(deserialize_with = "crate::duration::deserialize")]
+    pub resync_timeout: Duration,
+    /// A load report older than this no longer counts in routing costs.
+    #[serde(deserialize_with = "crate::duration::deserialize")]
+    pub load_report_ttl: Duration,
+}
+
+impl Default for EventsConfig {
+    fn default() -> Self {
+        Self {
+            kind: EventsKind::None,
+            url: "nats://127.0.0.1:4222".to_string(),
+            namespace: DEFAULT_NAMESPACE.to_string(),
+            resync_timeout: Duration::from_secs(2),
+            load_report_ttl: Duration::from_secs(5),
+        }
+    }
+}

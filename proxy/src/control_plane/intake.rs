@@ -1,0 +1,581 @@
+//! Event intake: KV event batches and load reports from the event bus into each
+//! `policy: kv` model's index and load accounting.
+//!
+//! One task (an actor: every index write for an instance happens here, in order) reads
+//! `{ns}.kv.*`, `{ns}.load.*`, the instances that discovery adds and removes, the answers to
+//! resync requests and the bus connection state:
+//!
+//! - A batch from an instance discovery lists, of a `policy: kv` model, goes through the
+//!   instance's [`SequenceTracker`]: applied in order, stale ones dropped, a gap or a first
+//!   sight triggers a resync (`{ns}.snapshot.{instance_id}`, see the tracker for the
+//!   buffering). Batches from unknown instances are dropped (when the instance joins later,
+//!   its snapshot covers them). Undecodable payloads are counted, never fatal.
+//! - An instance that joins is resynced at once (an idle engine publishes nothing); one that
+//!   leaves loses its blocks.
+//! - Resync requests run in their own tasks (at most [`MAX_CONCURRENT_RESYNCS`] at a time),
+//!   retried with backoff (200 ms doubling to 5 s) until answered or superseded.
+//! - A batch whose blocks the index cannot place (unknown parent, broken chain) triggers a
+//!   full resync of that instance, at most once per [`REPAIR_INTERVAL`].
+//! - **Bus down**: every model falls back to approximate mode (its predictions), and
+//!   `kvmesh_events_connected` drops to 0. **Bus back** (a new connection epoch): every
+//!   instance is resynced from a full snapshot, and a model switches back to its event-fed
+//!   index once all its instances have answered.
+//! - Load reports refresh the reporting instance's reported load (see
+//!   [`crate::kv_route::load`]), valid for `events.load_report_ttl`.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvmesh_control::{
+    ConnectionState, ControlError, EventBatch, EventBus, LoadReport, Message, SnapshotReply,
+    SnapshotRequest, Subscription,
+};
+use kvmesh_kv::{KvEvent, WorkerKey};
+use tokio::sync::{Semaphore, mpsc};
+use tokio::task::AbortHandle;
+
+use crate::control_plane::metrics::{ControlMetrics, Dropped, Malformed};
+use crate::control_plane::sequence::{Outcome, ResyncReason, SequenceTracker, Step};
+use crate::kv_route::event_feed::EventFeed;
+use crate::pool::{Balancer, ModelPool};
+
+/// Resync requests in flight at once.
+pub(crate) const MAX_CONCURRENT_RESYNCS: usize = 16;
+/// Shortest time between two repair resyncs of one instance.
+pub(crate) const REPAIR_INTERVAL: Duration = Duration::from_secs(5);
+/// First pause before a failed resync request is sent again.
+const RETRY_FIRST: Duration = Duration::from_millis(200);
+/// Longest pause between resync attempts.
+const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// What discovery tells the intake.
+#[derive(Debug)]
+pub(crate) enum IntakeInput {
+    /// Instance `id` joined `pool`; its agent answers resyncs on `snapshot_subject`.
+    Joined {
+        /// The instance id.
+        id: u64,
+        /// Its model's pool.
+        pool: Arc<ModelPool>,
+        /// Where its agent answers resync requests.
+        snapshot_subject: String,
+        /// Its KV capacity in blocks (0: unknown).
+        total_blocks: u64,
+    },
+    /// Instance `id` left.
+    Left {
+        /// The instance id.
+        id: u64,
+    },
+}
+
+/// Settings of the intake.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IntakeSettings {
+    /// Time allowed for one resync request.
+    pub(crate) resync_timeout: Duration,
+    /// How long a load report counts.
+    pub(crate) load_report_ttl: Duration,
+}
+
+/// The intake's inputs, subscribed before the proxy announces readiness.
+pub(crate) struct Intake {
+    bus: Arc<dyn EventBus>,
+    events: Subscription,
+    loads: Subscription,
+    inputs: mpsc::UnboundedReceiver<IntakeInput>,
+    settings: IntakeSettings,
+    metrics: ControlMetrics,
+}
+
+impl std::fmt::Debug for Intake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Intake")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The answer to one resync request.
+struct ResyncAnswer {
+    id: u64,
+    generation: u64,
+    payload: Bytes,
+}
+
+/// An instance the intake feeds.
+struct Member {
+    model: String,
+    feed: Arc<EventFeed>,
+    pool: Arc<ModelPool>,
+    snapshot_subject: String,
+    total_blocks: u64,
+}
+
+/// A model whose index the intake feeds.
+struct ModelSync {
+    feed: Arc<EventFeed>,
+    /// Instances whose first resync since the (re)connection is not in yet.
+    awaiting: HashSet<u64>,
+    members: HashSet<u64>,
+}
+
+/// A resync request in flight.
+struct Pending {
+    generation: u64,
+    task: AbortHandle,
+}
+
+impl Intake {
+    /// Subscribes to the KV event and load subjects of `namespace` on `bus`; on failure the
+    /// inputs come back with the error, for another try.
+    pub(crate) async fn subscribe(
+        bus: Arc<dyn EventBus>,
+        namespace: &kvmesh_control::Namespace,
+        inputs: mpsc::UnboundedReceiver<IntakeInput>,
+        settings: IntakeSettings,
+        metrics: ControlMetrics,
+    ) -> Result<Self, (ControlError, mpsc::UnboundedReceiver<IntakeInput>)> {
+        let subscriptions = async {
+            let events = bus.subscribe(&namespace.all_events_subject()).await?;
+            let loads = bus.subscribe(&namespace.all_load_subject()).await?;
+            Ok::<_, ControlError>((events, loads))
+        };
+        match subscriptions.await {
+            Ok((events, loads)) => Ok(Self {
+                bus,
+                events,
+                loads,
+                inputs,
+                settings,
+                metrics,
+            }),
+            Err(error) => Err((error, inputs)),
+        }
+    }
+
+    /// Runs until the bus shuts down.
+    pub(crate) async fn run(self) {
+        let Self {
+            bus,
+            mut events,
+            mut loads,
+            mut inputs,
+            settings,
+            metrics,
+        } = self;
+        let mut connection = bus.connection_state();
+        let (answers_tx, mut answers) = mpsc::unbounded_channel();
+        let mut actor = Actor {
+            bus,
+            settings,
+            metrics,
+            answers: answers_tx,
+            permits: Arc::new(Semaphore::new(MAX_CONCURRENT_RESYNCS)),
+            members: HashMap::new(),
+            models: HashMap::new(),
+            tracker: SequenceTracker::default(),
+            pending: HashMap::new(),
+            generation: 0,
+            last_repair: HashMap::new(),
+            connected: false,
+            epoch: 0,
+        };
+        let initial = *connection.borrow_and_update();
+        actor.on_connection(initial);
+        loop {
+            tokio::select! {
+                message = events.next() => match message {
+                    Some(message) => actor.on_batch(&message),
+                    None => break,
+                },
+                Some(message) = loads.next() => actor.on_load(&message),
+                Some(input) = inputs.recv() => actor.on_input(input),
+                Some(answer) = answers.recv() => actor.on_answer(answer),
+                changed = connection.changed() => {
+                    if changed.is_err() {
+                        break;
+                    }
+                    let state = *connection.borrow_and_update();
+                    actor.on_connection(state);
+                }
+            }
+        }
+        actor.on_connection(ConnectionState::Disconnected);
+        tracing::warn!("event bus closed: KV event intake stopped");
+    }
+}
+
+struct Actor {
+    bus: Arc<dyn EventBus>,
+    settings: IntakeSettings,
+    metrics: ControlMetrics,
+    answers: mpsc::UnboundedSender<ResyncAnswer>,
+    permits: Arc<Semaphore>,
+    members: HashMap<u64, Member>,
+    models: HashMap<String, ModelSync>,
+    tracker: SequenceTracker,
+    pending: HashMap<u64, Pending>,
+    generation: u64,
+    last_repair: HashMap<u64, Instant>,
+    connected: bool,
+    epoch: u64,
+}
+
+impl Actor {
+    fn on_batch(&mut self, message: &Message) {
+        let batch = match EventBatch::from_json(&message.payload) {
+            Ok(batch) => batch,
+            Err(error) => {
+                self.metrics.malformed(Malformed::Batch);
+                tracing::debug!(subject = %message.subject, %error, "malformed KV event batch");
+                return;
+            }
+        };
+        let id = batch.instance_id.0;
+        if !self.members.contains_key(&id) {
+            self.metrics.dropped(Dropped::UnknownInstance, 1);
+            return;
+        }
+        let outcome = self.tracker.on_batch(batch);
+        self.execute(id, outcome);
+    }
+
+    fn on_load(&mut self, message: &Message) {
+        let report = match LoadReport::from_json(&message.payload) {
+            Ok(report) => report,
+            Err(error) => {
+                self.metrics.malformed(Malformed::Load);
+                tracing::debug!(subject = %message.subject, %error, "malformed load report");
+                return;
+            }
+        };
+        let id = report.instance_id.0;
+        let Some(member) = self.members.get(&id) else {
+            return;
+        };
+        if let Balancer::Kv(router) = member.pool.balancer() {
+            router.report_load(
+                id,
+                report.waiting,
+                report.kv_usage,
+                member.total_blocks,
+                self.settings.load_report_ttl,
+            );
+            self.metrics
+                .load_reports
+                .with_label_values(&[member.model.as_str()])
+                .inc();
+        }
+    }
+
+    fn on_input(&mut self, input: IntakeInput) {
+        match input {
+            IntakeInput::Joined {
+                id,
+                pool,
+                snapshot_subject,
+                total_blocks,
+            } => self.join(id, pool, snapshot_subject, total_blocks),
+            IntakeInput::Left { id } => self.leave(id),
+        }
+    }
+
+    fn join(&mut self, id: u64, pool: Arc<ModelPool>, snapshot_subject: String, total_blocks: u64) {
+        let Balancer::Kv(router) = pool.balancer() else {
+            return;
+        };
+        let Some(feed) = router.event_feed().cloned() else {
+            return;
+        };
+        let model = pool.name().to_string();
+        let sync = self
+            .models
+            .entry(model.clone())
+            .or_insert_with(|| ModelSync {
+                feed: Arc::clone(&feed),
+                awaiting: HashSet::new(),
+                members: HashSet::new(),
+            });
+        if !Arc::ptr_eq(&sync.feed, &feed) {
+            // The model left and came back as a new pool.
+            *sync = ModelSync {
+                feed: Arc::clone(&feed),
+                awaiting: HashSet::new(),
+                members: HashSet::new(),
+            };
+        }
+        sync.members.insert(id);
+        let first = !feed.is_live();
+        if first && self.connected {
+            sync.awaiting.insert(id);
+        }
+        self.members.insert(
+            id,
+            Member {
+                model: model.clone(),
+                feed,
+                pool,
+                snapshot_subject,
+                total_blocks,
+            },
+        );
+        self.tracker.forget(id);
+        if self.connected {
+            let request = self.tracker.resync(id);
+            self.request(id, request, ResyncReason::FirstSight, Duration::ZERO);
+        }
+        self.update_live(&model);
+    }
+
+    fn leave(&mut self, id: u64) {
+        self.tracker.forget(id);
+        self.last_repair.remove(&id);
+        if let Some(pending) = self.pending.remove(&id) {
+            pending.task.abort();
+        }
+        let Some(member) = self.members.remove(&id) else {
+            return;
+        };
+        // Batches applied after the pool dropped the instance must not linger.
+        member.feed.index().remove_worker(id);
+        if let Some(sync) = self.models.get_mut(&member.model) {
+            sync.members.remove(&id);
+            sync.awaiting.remove(&id);
+            if sync.members.is_empty() && member.pool.is_retired() {
+                self.models.remove(&member.model);
+                return;
+            }
+        }
+        self.update_live(&member.model);
+    }
+
+    fn on_answer(&mut self, answer: ResyncAnswer) {
+        let current = self
+            .pending
+            .get(&answer.id)
+            .is_some_and(|pending| pending.generation == answer.generation);
+        if !current {
+            return;
+        }
+        self.pending.remove(&answer.id);
+        match SnapshotReply::from_json(&answer.payload) {
+            Ok(reply) => {
+                let outcome = self.tracker.on_reply(answer.id, reply);
+                self.execute(answer.id, outcome);
+                if let Some(member) = self.members.get(&answer.id) {
+                    let model = member.model.clone();
+                    if let Some(sync) = self.models.get_mut(&model) {
+                        sync.awaiting.remove(&answer.id);
+                    }
+                    self.update_live(&model);
+                }
+            }
+            Err(error) => {
+                self.metrics.malformed(Malformed::Snapshot);
+                tracing::warn!(id = %format_args!("{:016x}", answer.id), %error, "unreadable resync answer; asking again");
+                let request = self.tracker.resync(answer.id);
+                self.request(answer.id, request, ResyncReason::Retry, RETRY_MAX);
+            }
+        }
+    }
+
+    fn on_connection(&mut self, state: ConnectionState) {
+        match state {
+            ConnectionState::Disconnected => {
+                if self.connected {
+                    tracing::warn!("event bus disconnected: approximate routing until it is back");
+                }
+                self.connected = false;
+                self.metrics.events_connected.set(0);
+                for (_, pending) in self.pending.drain() {
+                    pending.task.abort();
+                }
+                let models: Vec<String> = self.models.keys().cloned().collect();
+                for model in models {
+                    self.update_live(&model);
+                }
+            }
+            ConnectionState::Connected { epoch } => {
+                if self.connected && epoch <= self.epoch {
+                    return;
+                }
+                let reason = if self.epoch == 0 {
+                    ResyncReason::FirstSight
+                } else {
+                    ResyncReason::Reconnect
+                };
+                if self.epoch > 0 {
+                    tracing::info!(epoch, "event bus reconnected: resyncing every instance");
+                }
+                self.connected = true;
+                self.epoch = epoch;
+                self.metrics.events_connected.set(1);
+                for sync in self.models.values_mut() {
+                    sync.awaiting = sync.members.clone();
+                }
+                let ids: Vec<u64> = self.members.keys().copied().collect();
+                for id in ids {
+                    let request = self.tracker.resync(id);
+                    self.request(id, request, reason, Duration::ZERO);
+                }
+                let models: Vec<String> = self.models.keys().cloned().collect();
+                for model in models {
+                    self.update_live(&model);
+                }
+            }
+        }
+    }
+
+    /// Reads the model's overlaps from its event-fed index while the bus is connected and
+    /// every instance present at the (re)connection has been resynced.
+    fn update_live(&self, model: &str) {
+        let Some(sync) = self.models.get(model) else {
+            return;
+        };
+        let live = self.connected && sync.awaiting.is_empty();
+        if sync.feed.is_live() != live {
+            tracing::info!(
+                model,
+                source = if live { "events" } else { "approximate" },
+                "KV index source changed"
+            );
+        }
+        sync.feed.set_live(live);
+        self.metrics.set_index_source(model, live);
+    }
+
+    /// Applies what the tracker decided for instance `id`.
+    fn execute(&mut self, id: u64, outcome: Outcome) {
+        let Some(member) = self.members.get(&id) else {
+            return;
+        };
+        let model = member.model.as_str();
+        let index = member.feed.index();
+        let mut needs_repair = false;
+        for step in outcome.steps {
+            match step {
+                Step::Clear => {
+                    index.remove_worker(id);
+                }
+                Step::Snapshot(ranked) => {
+                    let worker = WorkerKey::new(id, ranked.dp_rank);
+                    needs_repair |= self.apply(model, member, worker, &ranked.event);
+                }
+                Step::Batch(batch) => {
+                    let worker = WorkerKey::new(id, batch.dp_rank);
+                    for event in &batch.events {
+                        needs_repair |= self.apply(model, member, worker, event);
+                    }
+                }
+            }
+        }
+        if outcome.gaps > 0 {
+            self.metrics
+                .event_gaps
+                .with_label_values(&[model])
+                .inc_by(outcome.gaps);
+        }
+        self.metrics.dropped(Dropped::Stale, outcome.stale);
+        if let Some((request, reason)) = outcome.request {
+            self.request(id, request, reason, Duration::ZERO);
+        } else if needs_repair && !self.tracker.is_resyncing(id) {
+            let now = Instant::now();
+            let due = self
+                .last_repair
+                .get(&id)
+                .is_none_or(|last| now.duration_since(*last) >= REPAIR_INTERVAL);
+            if due {
+                self.last_repair.insert(id, now);
+                let request = self.tracker.resync(id);
+                self.request(id, request, ResyncReason::Repair, Duration::ZERO);
+            }
+        }
+    }
+
+    /// Applies one event; returns whether the index could not place all of it.
+    fn apply(&self, model: &str, member: &Member, worker: WorkerKey, event: &KvEvent) -> bool {
+        let outcome = member.feed.index().apply(worker, event);
+        let event_type = match event {
+            KvEvent::Stored { .. } => "stored",
+            KvEvent::Removed { .. } => "removed",
+            KvEvent::Cleared => "cleared",
+        };
+        self.metrics
+            .events_applied
+            .with_label_values(&[model, outcome.status().as_str(), event_type])
+            .inc();
+        outcome.suggests_resync()
+    }
+
+    /// Sends `request` to instance `id`'s agent after `delay`, retrying until answered;
+    /// supersedes a request in flight.
+    fn request(
+        &mut self,
+        id: u64,
+        request: SnapshotRequest,
+        reason: ResyncReason,
+        delay: Duration,
+    ) {
+        let Some(member) = self.members.get(&id) else {
+            return;
+        };
+        self.metrics.resync(reason);
+        self.generation += 1;
+        let generation = self.generation;
+        let bus = Arc::clone(&self.bus);
+        let permits = Arc::clone(&self.permits);
+        let subject = member.snapshot_subject.clone();
+        let payload = Bytes::from(request.to_json());
+        let timeout = self.settings.resync_timeout;
+        let metrics = self.metrics.clone();
+        let answers = self.answers.clone();
+        let task = tokio::spawn(async move {
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            let payload = resync(&*bus, &permits, &subject, payload, timeout, &metrics).await;
+            let _ = answers.send(ResyncAnswer {
+                id,
+                generation,
+                payload,
+            });
+        });
+        let pending = Pending {
+            generation,
+            task: task.abort_handle(),
+        };
+        if let Some(previous) = self.pending.insert(id, pending) {
+            previous.task.abort();
+        }
+    }
+}
+
+/// Sends one resync request until it is answered (with backoff); returns the answer.
+async fn resync(
+    bus: &dyn EventBus,
+    permits: &Semaphore,
+    subject: &str,
+    payload: Bytes,
+    timeout: Duration,
+    metrics: &ControlMetrics,
+) -> Bytes {
+    let mut backoff = RETRY_FIRST;
+    loop {
+        let answer = {
+            let _permit = permits.acquire().await;
+            bus.request(subject, payload.clone(), timeout).await
+        };
+        match answer {
+            Ok(answer) => return answer,
+            Err(error) => {
+                tracing::debug!(%subject, %error, "resync request failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(RETRY_MAX);
+                metrics.resync(ResyncReason::Retry);
+            }
+        }
+    }
+}

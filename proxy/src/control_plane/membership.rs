@@ -1,0 +1,310 @@
+//! Applies a registry watch (etcd or in-process) to the model pools: instance records join,
+//! change state and leave; models the config does not list appear with the
+//! `discovery.default_model` settings while they have instances.
+//!
+//! - **Put** of a new record: an instance (id = the record's `instance_id`) joins its model's
+//!   pool, routable only in state `ready`. A changed URL or protocol replaces the instance;
+//!   a changed state only flips its routability (`not_ready` and `draining` take no new
+//!   requests, in-flight ones finish).
+//! - **Delete** (lease expired, agent deregistered): the instance leaves; in-flight
+//!   requests finish on it, its load and cached blocks are dropped. A discovered model with no
+//!   instance left leaves the registry (`GET /v1/models`), a configured one stays (503).
+//! - **Disconnected**: nothing changes (the last known instances keep serving) until the watch
+//!   re-lists and reports only the differences.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kvmesh_config::{
+    BackendUrl, Config, DefaultModelConfig, HealthCheckConfig, KvRoutingConfig, Protocol,
+};
+use kvmesh_control::{InstanceRecord, InstanceState, Namespace, WatchEvent};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+
+use crate::control_plane::intake::IntakeInput;
+use crate::control_plane::metrics::ControlMetrics;
+use crate::discovery::{InstanceSpec, ModelSpec};
+use crate::health_check::spawn_probe;
+use crate::instance::Membership;
+use crate::kv_route::sweeper::spawn_sweeper;
+use crate::pool::{Balancer, ModelPool};
+use crate::pool_builder::PoolBuilder;
+use crate::state::State;
+
+/// Where one registered instance lives.
+#[derive(Debug, Clone)]
+struct Registered {
+    /// Canonical name of its model's pool.
+    model: String,
+    id: u64,
+    url: String,
+    protocol: Protocol,
+}
+
+/// Background work for instances and models that appear once the proxy runs.
+#[derive(Debug)]
+pub(crate) struct Spawner {
+    /// Probes of new instances (`None`: health checks are off).
+    pub(crate) health_check: Option<Arc<HealthCheckConfig>>,
+    /// Where the tasks run; dropping it stops them.
+    pub(crate) tasks: JoinSet<()>,
+}
+
+/// Keeps the pools in line with the registry's records.
+#[derive(Debug)]
+pub(crate) struct MembershipApplier {
+    builder: Arc<PoolBuilder>,
+    namespace: Namespace,
+    default_model: DefaultModelConfig,
+    /// Names of the models the config lists (they stay even without instances).
+    configured: Vec<String>,
+    by_key: HashMap<String, Registered>,
+    intake: Option<mpsc::UnboundedSender<IntakeInput>>,
+    metrics: ControlMetrics,
+    spawner: Option<Spawner>,
+}
+
+impl MembershipApplier {
+    /// An applier for `config`'s models; `intake` hears of instances joining and leaving.
+    pub(crate) fn new(
+        config: &Config,
+        namespace: Namespace,
+        builder: Arc<PoolBuilder>,
+        intake: Option<mpsc::UnboundedSender<IntakeInput>>,
+        metrics: ControlMetrics,
+    ) -> Self {
+        Self {
+            builder,
+            namespace,
+            default_model: config.discovery.default_model.clone(),
+            configured: config.models.iter().map(|m| m.name.clone()).collect(),
+            by_key: HashMap::new(),
+            intake,
+            metrics,
+            spawner: None,
+        }
+    }
+
+    /// From now on, new instances get health probes and new `policy: kv` models a sweeper
+    /// (the ones present when the proxy started got theirs from [`crate::Proxy::run`]).
+    pub(crate) fn start_spawning(&mut self, spawner: Spawner) {
+        self.spawner = Some(spawner);
+    }
+
+    /// Applies one watch event to `state`'s registry.
+    pub(crate) async fn apply(&mut self, state: &Arc<State>, event: WatchEvent) {
+        match event {
+            WatchEvent::Put { key, record } => self.put(state, key, record).await,
+            WatchEvent::Delete { key } => self.delete(state, &key),
+            WatchEvent::Synced => self.metrics.discovery_connected.set(1),
+            WatchEvent::Disconnected => {
+                self.metrics.discovery_connected.set(0);
+                self.metrics.discovery_errors.inc();
+                tracing::warn!("discovery store unreachable: keeping the last known instances");
+            }
+        }
+    }
+
+    async fn put(&mut self, state: &Arc<State>, key: String, record: InstanceRecord) {
+        if self
+            .namespace
+            .parse_instance_key(&key)
+            .is_some_and(|(model, id)| model != record.model || id != record.instance_id)
+        {
+            tracing::warn!(%key, model = %record.model, "instance record does not match its key; ignored");
+            return;
+        }
+        let spec = match instance_spec(&record).await {
+            Ok(spec) => spec,
+            Err(reason) => {
+                self.metrics.discovery_errors.inc();
+                tracing::warn!(%key, url = %record.url, %reason, "unusable instance record; ignored");
+                return;
+            }
+        };
+        let membership = membership(record.state);
+        if let Some(known) = self.by_key.get(&key) {
+            let same = known.id == spec.id
+                && known.url == spec.url.as_str()
+                && known.protocol == spec.protocol;
+            if same && let Some(pool) = state.registry.get(&known.model) {
+                if let Some(instance) = pool.instance(spec.id) {
+                    if instance.membership() != membership {
+                        tracing::info!(
+                            model = %known.model,
+                            instance = %instance.url(),
+                            state = membership.label(),
+                            "instance state changed"
+                        );
+                    }
+                    instance.set_membership(membership);
+                }
+                return;
+            }
+            self.delete(state, &key);
+        }
+        let Some(pool) = self.pool_for(state, &record) else {
+            return;
+        };
+        if let Balancer::Kv(router) = pool.balancer()
+            && u64::from(record.block_size) != router.block_size()
+        {
+            tracing::warn!(
+                model = %pool.name(),
+                instance = %record.url,
+                engine_block_size = record.block_size,
+                kv_block_size = router.block_size(),
+                "the engine's block size differs from kv.block_size: its cached prefixes will not match"
+            );
+        }
+        let instance = self.builder.instance(pool.name(), &spec);
+        instance.set_membership(membership);
+        pool.add_instance(Arc::clone(&instance));
+        if let Some(spawner) = &mut self.spawner
+            && let Some(health) = &spawner.health_check
+        {
+            spawn_probe(state, &instance, health, &mut spawner.tasks);
+        }
+        tracing::info!(
+            model = %pool.name(),
+            instance = %instance.url(),
+            id = %record.instance_id,
+            state = membership.label(),
+            "instance joined"
+        );
+        self.by_key.insert(
+            key,
+            Registered {
+                model: pool.name().to_string(),
+                id: spec.id,
+                url: spec.url.to_string(),
+                protocol: spec.protocol,
+            },
+        );
+        self.count(&pool);
+        if let Some(intake) = &self.intake {
+            let snapshot_subject = if record.snapshot_subject.is_empty() {
+                self.namespace.snapshot_subject(record.instance_id)
+            } else {
+                record.snapshot_subject.clone()
+            };
+            let _ = intake.send(IntakeInput::Joined {
+                id: spec.id,
+                pool: Arc::clone(&pool),
+                snapshot_subject,
+                total_blocks: record.total_blocks,
+            });
+        }
+    }
+
+    fn delete(&mut self, state: &Arc<State>, key: &str) {
+        let Some(known) = self.by_key.remove(key) else {
+            return;
+        };
+        if let Some(intake) = &self.intake {
+            let _ = intake.send(IntakeInput::Left { id: known.id });
+        }
+        let Some(pool) = state.registry.get(&known.model) else {
+            return;
+        };
+        if pool.remove_instance(known.id).is_some() {
+            state.metrics.forget_instance(&known.model, &known.url);
+            tracing::info!(model = %known.model, instance = %known.url, "instance left");
+        }
+        self.count(&pool);
+        let configured = self.configured.contains(&known.model);
+        if !configured && pool.instances().is_empty() {
+            state.registry.remove(&known.model);
+            tracing::info!(model = %known.model, "discovered model has no instance left: no longer served");
+        }
+    }
+
+    fn count(&self, pool: &ModelPool) {
+        let count = pool.instances().len();
+        self.metrics
+            .discovery_instances
+            .with_label_values(&[pool.name()])
+            .set(i64::try_from(count).unwrap_or(i64::MAX));
+    }
+
+    /// The pool of the record's model, created from the defaults when the config does not
+    /// list it.
+    fn pool_for(&mut self, state: &Arc<State>, record: &InstanceRecord) -> Option<Arc<ModelPool>> {
+        if let Some(pool) = state.registry.get(&record.model) {
+            return Some(pool);
+        }
+        if !self.default_model.enabled {
+            tracing::debug!(model = %record.model, "instance of an unlisted model ignored (discovery.default_model.enabled: false)");
+            return None;
+        }
+        let spec = default_model_spec(&self.default_model, record);
+        let pool = match self.builder.pool(&spec) {
+            Ok(pool) => pool,
+            Err(error) => {
+                self.metrics.discovery_errors.inc();
+                tracing::warn!(model = %record.model, %error, "cannot serve the discovered model");
+                return None;
+            }
+        };
+        if !state.registry.insert(Arc::clone(&pool)) {
+            return state.registry.get(&record.model);
+        }
+        tracing::info!(model = %record.model, policy = spec.policy.as_str(), "serving a discovered model");
+        if let Some(spawner) = &mut self.spawner {
+            spawn_sweeper(&pool, &mut spawner.tasks);
+        }
+        Some(pool)
+    }
+}
+
+/// What a record's state means for routing.
+fn membership(state: InstanceState) -> Membership {
+    match state {
+        InstanceState::Ready => Membership::Ready,
+        InstanceState::NotReady => Membership::NotReady,
+        InstanceState::Draining => Membership::Draining,
+    }
+}
+
+/// The instance a record describes (its host resolved without blocking the runtime).
+async fn instance_spec(record: &InstanceRecord) -> Result<InstanceSpec, String> {
+    let url = BackendUrl::parse(&record.url).map_err(|error| error.to_string())?;
+    let protocol = match record.protocol.as_str() {
+        "" | "http1" => Protocol::Http1,
+        "h2c" | "http2" => Protocol::H2c,
+        other => return Err(format!("unknown protocol {other:?}")),
+    };
+    let host = url.host().trim_start_matches('[').trim_end_matches(']');
+    let address = tokio::net::lookup_host((host, url.port()))
+        .await
+        .map_err(|error| error.to_string())?
+        .next()
+        .ok_or_else(|| "no address".to_string())?;
+    Ok(InstanceSpec {
+        id: record.instance_id.0,
+        url,
+        address,
+        protocol,
+    })
+}
+
+/// A discovered model's settings: the defaults, with the engine's block size.
+fn default_model_spec(defaults: &DefaultModelConfig, record: &InstanceRecord) -> ModelSpec {
+    let block_size = usize::try_from(record.block_size)
+        .ok()
+        .filter(|&size| size > 0)
+        .unwrap_or(defaults.kv.block_size);
+    ModelSpec {
+        name: record.model.clone(),
+        aliases: Vec::new(),
+        policy: defaults.effective_policy(),
+        tokenizer: defaults.tokenizer.clone(),
+        forward_token_ids: false,
+        kv: KvRoutingConfig {
+            block_size,
+            ..defaults.kv.clone()
+        },
+        instances: Vec::new(),
+    }
+}

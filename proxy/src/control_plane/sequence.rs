@@ -1,0 +1,391 @@
+//! Per-instance sequence tracking of KV event batches: what to apply, what to drop, when to
+//! resync (docs/control-plane.md, "NATS: resync"). Pure state, no I/O: the intake executes
+//! the [`Step`]s and sends the requests.
+//!
+//! An agent numbers its batches 1, 2, 3, … per instance (across its data-parallel ranks). For
+//! each instance the tracker keeps the last applied number (the cursor):
+//!
+//! - **First sight** (no cursor: the proxy started late, or the instance just joined): the
+//!   batch is buffered and a full snapshot is requested.
+//! - **In order** (`seq == cursor + 1`): applied.
+//! - **Stale** (`seq <= cursor`): dropped (a duplicate, or already covered by a snapshot).
+//! - **Gap** (`seq > cursor + 1`): counted, buffered, and the missing batches are requested
+//!   (`{"from_seq": cursor + 1}`); the agent answers with them, or with a snapshot when they
+//!   left its ring buffer.
+//!
+//! While a resync is in flight, live batches are **buffered** (up to [`MAX_BUFFERED`] per
+//! instance) and applied in order once the reply is in; a buffer that overflows is dropped
+//! and the instance is resynced again after the reply (drop-and-redo). A snapshot reply
+//! first drops every block of the instance, then applies its events; an events reply must
+//! continue the cursor exactly, else a snapshot is requested instead.
+
+use std::collections::{BTreeMap, HashMap};
+
+use kvmesh_control::{EventBatch, RankedEvent, SnapshotReply, SnapshotRequest};
+
+/// Live batches kept per instance while its resync is in flight.
+pub(crate) const MAX_BUFFERED: usize = 4096;
+
+/// Why an instance is resynchronised (the `reason` label of `kvmesh_kv_resyncs_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum ResyncReason {
+    /// The first batch seen from the instance.
+    FirstSight,
+    /// Batches were missed.
+    Gap,
+    /// The event bus connection came back (or events started).
+    Reconnect,
+    /// Live batches overflowed the buffer during a resync.
+    Overflow,
+    /// The index reported blocks it could not place (unknown parent, invalid chain).
+    Repair,
+    /// A resync request failed, timed out or got an unreadable answer, and is sent again.
+    Retry,
+}
+
+impl ResyncReason {
+    /// Every reason, for metric handles.
+    pub(crate) const ALL: [Self; 6] = [
+        Self::FirstSight,
+        Self::Gap,
+        Self::Reconnect,
+        Self::Overflow,
+        Self::Repair,
+        Self::Retry,
+    ];
+
+    /// The metric label.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Self::FirstSight => "first_sight",
+            Self::Gap => "gap",
+            Self::Reconnect => "reconnect",
+            Self::Overflow => "overflow",
+            Self::Repair => "repair",
+            Self::Retry => "retry",
+        }
+    }
+}
+
+/// Something the intake must do to the index, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Drop every block of the instance (a snapshot's events follow).
+    Clear,
+    /// Apply one event of a snapshot.
+    Snapshot(RankedEvent),
+    /// Apply a batch.
+    Batch(EventBatch),
+}
+
+/// What one input led to.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Outcome {
+    /// Changes to apply, in order.
+    pub(crate) steps: Vec<Step>,
+    /// A resync to request (at most one in flight per instance).
+    pub(crate) request: Option<(SnapshotRequest, ResyncReason)>,
+    /// Batches dropped as stale.
+    pub(crate) stale: u64,
+    /// Gaps detected.
+    pub(crate) gaps: u64,
+}
+
+/// One instance's position in its agent's batch sequence.
+#[derive(Debug, Default)]
+struct Cursor {
+    /// The last batch number applied (`None`: never synced).
+    last: Option<u64>,
+    /// Whether a resync request is in flight.
+    resyncing: bool,
+    /// Live batches received during the resync, by number.
+    buffer: BTreeMap<u64, EventBatch>,
+    /// The buffer overflowed: resync again once the current reply is applied.
+    overflowed: bool,
+}
+
+/// The cursors of every instance whose batches arrive.
+#[derive(Debug, Default)]
+pub(crate) struct SequenceTracker {
+    cursors: HashMap<u64, Cursor>,
+}
+
+impl SequenceTracker {
+    /// Takes one live batch.
+    pub(crate) fn on_batch(&mut self, batch: EventBatch) -> Outcome {
+        let cursor = self.cursors.entry(batch.instance_id.0).or_default();
+        let mut outcome = Outcome::default();
+        if cursor.resyncing {
+            buffer(cursor, batch);
+            return outcome;
+        }
+        match cursor.last {
+            None => {
+                buffer(cursor, batch);
+                cursor.resyncing = true;
+                outcome.request = Some((SnapshotRequest::full(), ResyncReason::FirstSight));
+            }
+            Some(last) if batch.seq <= last => outcome.stale = 1,
+            Some(last) if batch.seq == last + 1 => {
+                cursor.last = Some(batch.seq);
+                outcome.steps.push(Step::Batch(batch));
+            }
+            Some(last) => {
+                outcome.gaps = 1;
+                buffer(cursor, batch);
+                cursor.resyncing = true;
+                outcome.request = Some((SnapshotRequest::from_seq(last + 1), ResyncReason::Gap));
+            }
+        }
+        outcome
+    }
+
+    /// Takes the answer to instance `instance`'s resync request.
+    pub(crate) fn on_reply(&mut self, instance: u64, reply: SnapshotReply) -> Outcome {
+        let mut outcome = Outcome::default();
+        let Some(cursor) = self.cursors.get_mut(&instance) else {
+            return outcome;
+        };
+        cursor.resyncing = false;
+        match reply {
+            SnapshotReply::Snapshot { events, last_seq } => {
+                outcome.steps.push(Step::Clear);
+                outcome.steps.extend(events.into_iter().map(Step::Snapshot));
+                cursor.last = Some(last_seq);
+            }
+            SnapshotReply::Events { batches, last_seq } => {
+                let Some(mut last) = cursor.last else {
+                    // Replays continue a cursor; without one only a snapshot will do.
+                    cursor.resyncing = true;
+                    outcome.request = Some((SnapshotRequest::full(), ResyncReason::Gap));
+                    return outcome;
+                };
+                for batch in batches {
+                    if batch.seq <= last {
+                        continue;
+                    }
+                    if batch.seq != last + 1 {
+                        outcome.steps.clear();
+                        cursor.resyncing = true;
+                        outcome.request = Some((SnapshotRequest::full(), ResyncReason::Gap));
+                        return outcome;
+                    }
+                    last = batch.seq;
+                    outcome.steps.push(Step::Batch(batch));
+                }
+                cursor.last = Some(last);
+                if last < last_seq {
+                    // The reply promised batches it did not contain.
+                    cursor.resyncing = true;
+                    outcome.request =
+                        Some((SnapshotRequest::from_seq(last + 1), ResyncReason::Gap));
+                    return outcome;
+                }
+            }
+        }
+        if std::mem::take(&mut cursor.overflowed) {
+            cursor.buffer.clear();
+            cursor.resyncing = true;
+            let from = cursor.last.map_or(1, |last| last + 1);
+            outcome.request = Some((SnapshotRequest::from_seq(from), ResyncReason::Overflow));
+            return outcome;
+        }
+        drain(cursor, &mut outcome);
+        outcome
+    }
+
+    /// Starts a full resync of `instance` (first sight by discovery, repair, or after a
+    /// reconnect), superseding any resync in flight: live batches are buffered until
+    /// [`SequenceTracker::on_reply`].
+    pub(crate) fn resync(&mut self, instance: u64) -> SnapshotRequest {
+        self.cursors.entry(instance).or_default().resyncing = true;
+        SnapshotRequest::full()
+    }
+
+    /// Forgets `instance` (it left discovery): a later batch counts as a first sight.
+    pub(crate) fn forget(&mut self, instance: u64) {
+        self.cursors.remove(&instance);
+    }
+
+    /// Whether a resync of `instance` is in flight.
+    pub(crate) fn is_resyncing(&self, instance: u64) -> bool {
+        self.cursors.get(&instance).is_some_and(|c| c.resyncing)
+    }
+}
+
+fn buffer(cursor: &mut Cursor, batch: EventBatch) {
+    if cursor.buffer.len() >= MAX_BUFFERED {
+        cursor.buffer.clear();
+        cursor.overflowed = true;
+        return;
+    }
+    if !cursor.overflowed {
+        cursor.buffer.insert(batch.seq, batch);
+    }
+}
+
+/// Applies buffered batches that continue the cursor; a hole requests a replay.
+fn drain(cursor: &mut Cursor, outcome: &mut Outcome) {
+    let Some(mut last) = cursor.last else {
+        return;
+    };
+    while let Some((&seq, _)) = cursor.buffer.first_key_value() {
+        if seq <= last {
+            cursor.buffer.pop_first();
+            outcome.stale += 1;
+            continue;
+        }
+        if seq != last + 1 {
+            outcome.gaps += 1;
+            cursor.resyncing = true;
+            outcome.request = Some((SnapshotRequest::from_seq(last + 1), ResyncReason::Gap));
+            break;
+        }
+        if let Some((_, batch)) = cursor.buffer.pop_first() {
+            last = seq;
+            outcome.steps.push(Step::Batch(batch));
+        }
+    }
+    cursor.last = Some(last);
+}
+
+#[cfg(test)]
+mod tests {
+    use kvmesh_control::InstanceId;
+    use kvmesh_kv::KvEvent;
+
+    use super::*;
+
+    const ID: u64 = 7;
+
+    fn batch(seq: u64) -> EventBatch {
+        EventBatch {
+            instance_id: InstanceId(ID),
+            dp_rank: 0,
+            seq,
+            events: vec![KvEvent::Cleared],
+        }
+    }
+
+    fn applied(outcome: &Outcome) -> Vec<u64> {
+        outcome
+            .steps
+            .iter()
+            .filter_map(|step| match step {
+                Step::Batch(batch) => Some(batch.seq),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn snapshot(last_seq: u64) -> SnapshotReply {
+        SnapshotReply::Snapshot {
+            events: vec![RankedEvent {
+                dp_rank: 0,
+                event: KvEvent::Cleared,
+            }],
+            last_seq,
+        }
+    }
+
+    #[test]
+    fn a_first_sight_buffers_until_the_snapshot() {
+        let mut tracker = SequenceTracker::default();
+        let first = tracker.on_batch(batch(5));
+        assert_eq!(
+            first.request,
+            Some((SnapshotRequest::full(), ResyncReason::FirstSight))
+        );
+        assert!(first.steps.is_empty());
+        assert!(tracker.is_resyncing(ID));
+        assert_eq!(tracker.on_batch(batch(6)), Outcome::default());
+        assert_eq!(tracker.on_batch(batch(7)), Outcome::default());
+        // The snapshot is valid as of 5: batch 5 is stale, 6 and 7 follow.
+        let reply = tracker.on_reply(ID, snapshot(5));
+        assert_eq!(reply.steps[0], Step::Clear);
+        assert!(matches!(reply.steps[1], Step::Snapshot(_)));
+        assert_eq!(applied(&reply), [6, 7]);
+        assert_eq!(reply.stale, 1);
+        assert_eq!(reply.request, None);
+        assert_eq!(applied(&tracker.on_batch(batch(8))), [8]);
+        assert_eq!(tracker.on_batch(batch(8)).stale, 1);
+    }
+
+    #[test]
+    fn a_gap_requests_the_missing_batches_and_applies_them_in_order() {
+        let mut tracker = SequenceTracker::default();
+        tracker.on_batch(batch(1));
+        tracker.on_reply(ID, snapshot(1));
+        let gap = tracker.on_batch(batch(4));
+        assert_eq!(gap.gaps, 1);
+        assert_eq!(
+            gap.request,
+            Some((SnapshotRequest::from_seq(2), ResyncReason::Gap))
+        );
+        tracker.on_batch(batch(5));
+        let reply = tracker.on_reply(
+            ID,
+            SnapshotReply::Events {
+                batches: vec![batch(2), batch(3), batch(4)],
+                last_seq: 4,
+            },
+        );
+        assert_eq!(applied(&reply), [2, 3, 4, 5]);
+        assert_eq!(reply.stale, 1, "the buffered 4 was covered by the replay");
+        assert_eq!(applied(&tracker.on_batch(batch(6))), [6]);
+    }
+
+    #[test]
+    fn a_replay_with_a_hole_falls_back_to_a_snapshot() {
+        let mut tracker = SequenceTracker::default();
+        tracker.on_batch(batch(1));
+        tracker.on_reply(ID, snapshot(1));
+        tracker.on_batch(batch(5));
+        let reply = tracker.on_reply(
+            ID,
+            SnapshotReply::Events {
+                batches: vec![batch(2), batch(4)],
+                last_seq: 4,
+            },
+        );
+        assert!(reply.steps.is_empty());
+        assert_eq!(
+            reply.request,
+            Some((SnapshotRequest::full(), ResyncReason::Gap))
+        );
+        let snap = tracker.on_reply(ID, snapshot(4));
+        assert_eq!(applied(&snap), [5]);
+    }
+
+    #[test]
+    fn an_overflowing_buffer_is_dropped_and_resynced_again() {
+        let mut tracker = SequenceTracker::default();
+        tracker.on_batch(batch(1));
+        for seq in 2..(MAX_BUFFERED as u64 + 10) {
+            tracker.on_batch(batch(seq));
+        }
+        let reply = tracker.on_reply(ID, snapshot(1));
+        assert_eq!(applied(&reply), Vec::<u64>::new());
+        assert_eq!(
+            reply.request,
+            Some((SnapshotRequest::from_seq(2), ResyncReason::Overflow))
+        );
+    }
+
+    #[test]
+    fn forced_resyncs_buffer_and_forgotten_instances_start_over() {
+        let mut tracker = SequenceTracker::default();
+        assert_eq!(tracker.resync(ID), SnapshotRequest::full());
+        assert!(tracker.is_resyncing(ID));
+        assert_eq!(tracker.on_batch(batch(4)), Outcome::default(), "buffered");
+        assert_eq!(applied(&tracker.on_reply(ID, snapshot(3))), [4]);
+        assert!(!tracker.is_resyncing(ID));
+        tracker.forget(ID);
+        assert!(!tracker.is_resyncing(ID));
+        assert_eq!(
+            tracker.on_batch(batch(9)).request,
+            Some((SnapshotRequest::full(), ResyncReason::FirstSight))
+        );
+        assert!(tracker.on_reply(99, snapshot(1)).steps.is_empty());
+    }
+}

@@ -1,0 +1,121 @@
+//! Building instances and model pools from what a discovery source reports: at startup for
+//! the config's models, and at run time for instances and models that discovery adds.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use kvmesh_preprocess::ModelPreprocessor;
+
+use crate::ProxyError;
+use crate::discovery::{InstanceSpec, ModelSpec};
+use crate::instance::{Instance, PeerSettings};
+use crate::kv_route::KvRouter;
+use crate::metrics::Metrics;
+use crate::policy;
+use crate::pool::{Balancer, ModelPool};
+use crate::server::load_tokenizer;
+
+/// Builds instances and pools; loads each tokenizer directory once.
+#[derive(Debug)]
+pub(crate) struct PoolBuilder {
+    metrics: Metrics,
+    settings: PeerSettings,
+    /// Whether `policy: kv` models take their cached blocks from KV events.
+    kv_events: bool,
+    tokenizers: Mutex<HashMap<PathBuf, Arc<ModelPreprocessor>>>,
+}
+
+impl PoolBuilder {
+    /// A builder registering metrics in `metrics`; `kv_events` says whether KV events feed
+    /// the index of `policy: kv` models.
+    pub(crate) fn new(metrics: Metrics, settings: PeerSettings, kv_events: bool) -> Self {
+        Self {
+            metrics,
+            settings,
+            kv_events,
+            tokenizers: Mutex::default(),
+        }
+    }
+
+    /// An instance of `model` as `spec` describes it.
+    pub(crate) fn instance(&self, model: &str, spec: &InstanceSpec) -> Arc<Instance> {
+        let handles = self.metrics.instance(model, spec.url.as_str());
+        Arc::new(Instance::new(
+            spec.id,
+            spec.url.clone(),
+            spec.address,
+            spec.protocol,
+            self.settings,
+            handles,
+        ))
+    }
+
+    /// The pool of `model` over its listed instances.
+    pub(crate) fn pool(&self, model: &ModelSpec) -> Result<Arc<ModelPool>, ProxyError> {
+        let instances: Vec<Arc<Instance>> = model
+            .instances
+            .iter()
+            .map(|spec| self.instance(&model.name, spec))
+            .collect();
+        let balancer = self.balancer(model)?;
+        Ok(Arc::new(ModelPool::new(
+            model.name.clone(),
+            instances,
+            balancer,
+            self.metrics.model(&model.name),
+        )))
+    }
+
+    /// Loads the tokenizer in `dir` (once per directory).
+    pub(crate) fn tokenizer(
+        &self,
+        model: &str,
+        dir: &Path,
+    ) -> Result<Arc<ModelPreprocessor>, ProxyError> {
+        let mut cache = self
+            .tokenizers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(loaded) = cache.get(dir) {
+            return Ok(Arc::clone(loaded));
+        }
+        let loaded = load_tokenizer(dir).map_err(|reason| ProxyError::Tokenizer {
+            model: model.to_string(),
+            dir: dir.display().to_string(),
+            reason,
+        })?;
+        cache.insert(dir.to_path_buf(), Arc::clone(&loaded));
+        Ok(loaded)
+    }
+
+    /// The model's balancer: its policy, or a KV router (loading its tokenizer).
+    fn balancer(&self, model: &ModelSpec) -> Result<Balancer, ProxyError> {
+        if let Some(policy) = policy::build(model.policy) {
+            return Ok(Balancer::Policy(policy));
+        }
+        let tokenizer = match &model.tokenizer {
+            Some(dir) => Some(self.tokenizer(&model.name, dir)?),
+            None => {
+                tracing::warn!(
+                    model = %model.name,
+                    "policy kv without a tokenizer: chat requests and text prompts are routed by \
+                     load alone (set `tokenizer: DIR`)"
+                );
+                None
+            }
+        };
+        let router = KvRouter::new(
+            &model.kv,
+            tokenizer,
+            model.forward_token_ids,
+            self.kv_events,
+            self.metrics.kv(&model.name),
+        )
+        .map_err(|error| ProxyError::KvSettings {
+            model: model.name.clone(),
+            reason: error.to_string(),
+        })?;
+        Ok(Balancer::Kv(Box::new(router)))
+    }
+}

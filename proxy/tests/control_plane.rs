@@ -1,0 +1,466 @@
+//! The proxy's control-plane intake through the in-process registry and bus: instances come
+//! from records, KV events feed the index, gaps and first sights resync from the agent's
+//! snapshot, a snapshot replaces what the proxy held, malformed messages are counted.
+//! A fake agent answers resync requests; `POST /debug/route` shows the index's view.
+
+// Shared with `tests/proxy.rs`, which uses the parts this file does not.
+#[allow(dead_code)]
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Method;
+use kvmesh_config::Config;
+use kvmesh_control::{
+    EventBatch, EventBus, InProcessBus, InProcessRegistry, InstanceId, InstanceRecord,
+    InstanceState, Namespace, RankedEvent, Registry, SnapshotReply, SnapshotRequest,
+};
+use kvmesh_kv::{BlockHasher, BlockParent, ExternalHash, KvEvent};
+use kvmesh_proxy::{ControlPlane, Proxy};
+use support::{Backend, send};
+use tokio::sync::oneshot;
+
+const MODEL: &str = "m";
+const BLOCK: usize = 4;
+
+/// A proxy with in-process discovery and events, `policy: kv` with block size 4.
+struct Harness {
+    registry: Arc<InProcessRegistry>,
+    bus: Arc<InProcessBus>,
+    namespace: Namespace,
+    main: std::net::SocketAddr,
+    admin: std::net::SocketAddr,
+    _shutdown: oneshot::Sender<()>,
+}
+
+impl Harness {
+    async fn start() -> Self {
+        let yaml = format!(
+            "listeners:\n  - name: main\n    address: 127.0.0.1:0\nadmin:\n  address: 127.0.0.1:0\n\
+             health_check:\n  enabled: false\n\
+             models:\n  - name: {MODEL}\n    policy: kv\n    kv:\n      block_size: {BLOCK}\n    backends: []\n\
+             discovery:\n  kind: in_process\nevents:\n  kind: in_process\n  resync_timeout: 1s\n"
+        );
+        let config = Config::from_yaml_str(&yaml, "test.yaml").unwrap();
+        let registry = Arc::new(InProcessRegistry::new());
+        let bus = Arc::new(InProcessBus::new());
+        let control = ControlPlane {
+            registry: Some(registry.clone() as Arc<dyn Registry>),
+            bus: Some(bus.clone() as Arc<dyn EventBus>),
+        };
+        let proxy = Proxy::bind_with(config, control).await.unwrap();
+        let admin = proxy.admin_address();
+        let main = proxy.listeners()[0].address;
+        let (tx, rx) = oneshot::channel::<()>();
+        tokio::spawn(proxy.run(async move {
+            let _ = rx.await;
+        }));
+        Self {
+            registry,
+            bus,
+            namespace: Namespace::default(),
+            main,
+            admin,
+            _shutdown: tx,
+        }
+    }
+
+    /// Registers instance `id` at `url`.
+    async fn register(&self, id: u64, url: &str) {
+        let record = InstanceRecord {
+            instance_id: InstanceId(id),
+            model: MODEL.to_string(),
+            url: url.to_string(),
+            protocol: "http1".to_string(),
+            block_size: BLOCK as u32,
+            total_blocks: 1000,
+            dp_ranks: 1,
+            labels: Default::default(),
+            event_subject: self.namespace.event_subject(MODEL),
+            snapshot_subject: self.namespace.snapshot_subject(InstanceId(id)),
+            state: InstanceState::Ready,
+        };
+        let key = self.namespace.instance_key(MODEL, InstanceId(id));
+        self.registry.put(&key, &record, None).await.unwrap();
+    }
+
+    async fn publish(&self, batch: &EventBatch) {
+        let subject = self.namespace.event_subject(MODEL);
+        self.bus
+            .publish(&subject, Bytes::from(batch.to_json()))
+            .await
+            .unwrap();
+    }
+
+    /// The ids `GET /v1/models` lists.
+    async fn model_ids(&self) -> Vec<String> {
+        let json = send(self.main, Method::GET, "/v1/models", &[], Bytes::new())
+            .await
+            .json()
+            .await;
+        json["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_string())
+            .collect()
+    }
+
+    async fn metrics(&self) -> String {
+        send(self.admin, Method::GET, "/metrics", &[], Bytes::new())
+            .await
+            .text()
+            .await
+            .unwrap()
+    }
+
+    /// Waits until the metrics text contains `line`.
+    async fn await_metric(&self, line: &str) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let text = self.metrics().await;
+            if text.contains(line) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no {line:?} in\n{text}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Each instance's cached overlap with a token-id prompt, by URL.
+    async fn overlaps(&self, tokens: &[u32]) -> Vec<(String, u64)> {
+        let body = serde_json::json!({"model": MODEL, "prompt": tokens}).to_string();
+        let reply = send(
+            self.admin,
+            Method::POST,
+            "/debug/route?route=completions",
+            &[("content-type", "application/json")],
+            body,
+        )
+        .await;
+        let json = reply.json().await;
+        let mut all: Vec<(String, u64)> = json["instances"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no instances in {json}"))
+            .iter()
+            .map(|i| {
+                (
+                    i["instance"].as_str().unwrap().to_string(),
+                    i["overlap_blocks"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        all.sort();
+        all
+    }
+
+    /// Polls until instance `url` overlaps `tokens` by `blocks`.
+    async fn await_overlap(&self, url: &str, tokens: &[u32], blocks: u64) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let overlaps = self.overlaps(tokens).await;
+            if overlaps.iter().any(|(u, b)| u == url && *b == blocks) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{url} never overlapped {blocks} blocks: {overlaps:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// A fake agent answering resync requests for one instance with scripted replies, recording
+/// the requests.
+struct FakeAgent {
+    requests: Arc<Mutex<Vec<SnapshotRequest>>>,
+    replies: Arc<Mutex<Vec<SnapshotReply>>>,
+}
+
+impl FakeAgent {
+    async fn serve(bus: &Arc<InProcessBus>, subject: &str) -> Self {
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let replies: Arc<Mutex<Vec<SnapshotReply>>> = Arc::new(Mutex::new(Vec::new()));
+        let mut incoming = bus.serve(subject).await.unwrap();
+        let (bus, seen, scripted) = (bus.clone(), requests.clone(), replies.clone());
+        tokio::spawn(async move {
+            while let Some(message) = incoming.next().await {
+                let request = SnapshotRequest::from_json(&message.payload).unwrap();
+                seen.lock().unwrap().push(request);
+                let reply = {
+                    let mut scripted = scripted.lock().unwrap();
+                    if scripted.is_empty() {
+                        None
+                    } else {
+                        Some(scripted.remove(0))
+                    }
+                };
+                if let Some(reply) = reply {
+                    bus.reply(&message, Bytes::from(reply.to_json()))
+                        .await
+                        .unwrap();
+                }
+            }
+        });
+        Self { requests, replies }
+    }
+
+    fn script(&self, reply: SnapshotReply) {
+        self.replies.lock().unwrap().push(reply);
+    }
+
+    fn requests(&self) -> Vec<SnapshotRequest> {
+        self.requests.lock().unwrap().clone()
+    }
+}
+
+/// Stored events for `tokens`' full blocks `from..to`, chained from block `from - 1`, with
+/// engine ids `base + i`.
+fn stored(tokens: &[u32], from: usize, to: usize, base: u64) -> KvEvent {
+    let hashes = BlockHasher::new(BLOCK, None).unwrap().hash(tokens);
+    let parent = from.checked_sub(1).map(|p| BlockParent {
+        external: ExternalHash(base + p as u64),
+        sequence: hashes.sequence[p],
+    });
+    KvEvent::stored(
+        parent,
+        (from..to).map(|i| (ExternalHash(base + i as u64), hashes.local[i])),
+    )
+}
+
+fn batch(id: u64, seq: u64, events: Vec<KvEvent>) -> EventBatch {
+    EventBatch {
+        instance_id: InstanceId(id),
+        dp_rank: 0,
+        seq,
+        events,
+    }
+}
+
+fn prompt(seed: u32, blocks: usize) -> Vec<u32> {
+    (0..(blocks * BLOCK) as u32)
+        .map(|i| seed * 10_000 + i)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_gap_resyncs_from_the_agent_and_the_replay_is_applied_in_order() {
+    let harness = Harness::start().await;
+    let engine = Backend::ok().await;
+    let id = 0xA1;
+    let agent = FakeAgent::serve(
+        &harness.bus,
+        &harness.namespace.snapshot_subject(InstanceId(id)),
+    )
+    .await;
+    let a = prompt(1, 6);
+    // First sight: the proxy asks for a full snapshot, which holds blocks 0..2 as of seq 3.
+    agent.script(SnapshotReply::Snapshot {
+        events: vec![RankedEvent {
+            dp_rank: 0,
+            event: stored(&a, 0, 2, 100),
+        }],
+        last_seq: 3,
+    });
+    harness.register(id, &engine.url).await;
+    harness.await_overlap(&engine.url, &a, 2).await;
+    harness
+        .await_metric("kvmesh_kv_index_source{mode=\"events\",model=\"m\"} 1")
+        .await;
+    assert_eq!(agent.requests(), [SnapshotRequest::full()]);
+
+    // Batch 4 continues the chain; batch 7 arrives after a gap: the proxy asks for 5 on and
+    // applies 5, 6 and then the buffered 7, in order.
+    harness
+        .publish(&batch(id, 4, vec![stored(&a, 2, 3, 100)]))
+        .await;
+    harness.await_overlap(&engine.url, &a, 3).await;
+    agent.script(SnapshotReply::Events {
+        batches: vec![
+            batch(id, 5, vec![stored(&a, 3, 4, 100)]),
+            batch(id, 6, vec![stored(&a, 4, 5, 100)]),
+        ],
+        last_seq: 6,
+    });
+    harness
+        .publish(&batch(id, 7, vec![stored(&a, 5, 6, 100)]))
+        .await;
+    harness.await_overlap(&engine.url, &a, 6).await;
+    assert_eq!(
+        agent.requests(),
+        [SnapshotRequest::full(), SnapshotRequest::from_seq(5)]
+    );
+    harness
+        .await_metric("kvmesh_kv_event_gaps_total{model=\"m\"} 1")
+        .await;
+    harness
+        .await_metric("kvmesh_kv_resyncs_total{reason=\"gap\"} 1")
+        .await;
+
+    // A stale batch changes nothing; a removal applies.
+    harness.publish(&batch(id, 6, vec![KvEvent::Cleared])).await;
+    harness
+        .publish(&batch(
+            id,
+            8,
+            vec![KvEvent::Removed {
+                blocks: vec![ExternalHash(103)],
+            }],
+        ))
+        .await;
+    harness.await_overlap(&engine.url, &a, 3).await;
+    harness
+        .await_metric("kvmesh_kv_event_batches_dropped_total{reason=\"stale\"} 1")
+        .await;
+}
+
+#[tokio::test]
+async fn a_snapshot_replaces_what_the_proxy_held_and_garbage_is_counted() {
+    let harness = Harness::start().await;
+    let engine = Backend::ok().await;
+    let id = 0xB2;
+    let agent = FakeAgent::serve(
+        &harness.bus,
+        &harness.namespace.snapshot_subject(InstanceId(id)),
+    )
+    .await;
+    let old = prompt(2, 4);
+    let new = prompt(3, 4);
+    agent.script(SnapshotReply::Snapshot {
+        events: vec![RankedEvent {
+            dp_rank: 0,
+            event: stored(&old, 0, 4, 200),
+        }],
+        last_seq: 1,
+    });
+    harness.register(id, &engine.url).await;
+    harness.await_overlap(&engine.url, &old, 4).await;
+
+    // A gap whose range left the agent's ring buffer: it answers with a snapshot that no
+    // longer holds `old`; the proxy drops everything it held for the instance first.
+    agent.script(SnapshotReply::Snapshot {
+        events: vec![RankedEvent {
+            dp_rank: 0,
+            event: stored(&new, 0, 3, 300),
+        }],
+        last_seq: 9,
+    });
+    harness.publish(&batch(id, 9, vec![KvEvent::Cleared])).await;
+    harness.await_overlap(&engine.url, &new, 3).await;
+    assert_eq!(harness.overlaps(&old).await, [(engine.url.clone(), 0)]);
+    assert_eq!(
+        agent.requests(),
+        [SnapshotRequest::full(), SnapshotRequest::from_seq(2)]
+    );
+
+    // 1,000 malformed messages and a batch from an unknown instance: counted, never applied.
+    let subject = harness.namespace.event_subject(MODEL);
+    for i in 0..1000u32 {
+        let payload = match i % 4 {
+            0 => Bytes::from_static(b"not json"),
+            1 => Bytes::from_static(b"{\"instance_id\":\"zz\",\"seq\":1,\"events\":[]}"),
+            2 => Bytes::from(vec![0xFF; (i % 64) as usize]),
+            _ => Bytes::from_static(
+                b"{\"instance_id\":\"b2\",\"seq\":10,\"events\":[{\"type\":\"moved\"}]}",
+            ),
+        };
+        harness.bus.publish(&subject, payload).await.unwrap();
+    }
+    harness
+        .publish(&batch(0xDEAD, 1, vec![stored(&old, 0, 4, 1)]))
+        .await;
+    harness
+        .await_metric("kvmesh_kv_events_malformed_total{kind=\"batch\"} 1000")
+        .await;
+    harness
+        .await_metric("kvmesh_kv_event_batches_dropped_total{reason=\"unknown_instance\"} 1")
+        .await;
+    harness
+        .publish(&batch(id, 10, vec![stored(&new, 3, 4, 300)]))
+        .await;
+    harness.await_overlap(&engine.url, &new, 4).await;
+    assert_eq!(harness.overlaps(&old).await, [(engine.url.clone(), 0)]);
+}
+
+#[tokio::test]
+async fn instances_follow_their_records_and_models_appear_and_disappear() {
+    let harness = Harness::start().await;
+    let engine = Backend::ok().await;
+    let key = harness.namespace.instance_key("other", InstanceId(7));
+    let record = InstanceRecord {
+        instance_id: InstanceId(7),
+        model: "other".to_string(),
+        url: engine.url.clone(),
+        protocol: "http1".to_string(),
+        block_size: 16,
+        total_blocks: 0,
+        dp_ranks: 1,
+        labels: Default::default(),
+        event_subject: harness.namespace.event_subject("other"),
+        snapshot_subject: harness.namespace.snapshot_subject(InstanceId(7)),
+        state: InstanceState::Ready,
+    };
+    harness.registry.put(&key, &record, None).await.unwrap();
+    harness
+        .await_metric("kvmesh_discovery_instances{model=\"other\"} 1")
+        .await;
+    assert_eq!(harness.model_ids().await, ["m", "other"]);
+    let health = send(harness.admin, Method::GET, "/health", &[], Bytes::new())
+        .await
+        .json()
+        .await;
+    let other = health["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "other")
+        .unwrap_or_else(|| panic!("no model other in {health}"))
+        .clone();
+    assert_eq!(other["instances"][0]["state"], "ready");
+    let draining = InstanceRecord {
+        state: InstanceState::Draining,
+        ..record.clone()
+    };
+    harness.registry.put(&key, &draining, None).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let health = send(harness.admin, Method::GET, "/health", &[], Bytes::new())
+            .await
+            .json()
+            .await;
+        let state = health["models"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["name"] == "other")
+            .map(|m| m["instances"][0]["state"].clone());
+        if state == Some(serde_json::json!("draining")) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{health}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    harness.registry.delete(&key).await.unwrap();
+    harness
+        .await_metric("kvmesh_discovery_instances{model=\"other\"} 0")
+        .await;
+    let health = send(harness.admin, Method::GET, "/health", &[], Bytes::new())
+        .await
+        .json()
+        .await;
+    assert!(
+        health["models"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|m| m["name"] != "other"),
+        "{health}"
+    );
+    assert_eq!(harness.model_ids().await, ["m"], "configured models stay");
+}

@@ -1,0 +1,215 @@
+//! Building blocks for the control-plane tests: real `etcd` and `nats-server` (through
+//! `kvmesh_control::testing`), `kvmesh-engine-sim` publishing KV events, one `kvmesh-agent`
+//! per engine, and `kvmesh-proxy` replicas with `discovery: etcd` and `events: nats`.
+
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use kvmesh_control::testing::{EtcdServer, NatsServer};
+
+use crate::cluster::MODEL;
+use crate::{HttpClient, ScratchDir, Spawned};
+
+/// Tokens per KV block of the engines and the proxy.
+pub const BLOCK_SIZE: usize = 16;
+
+/// etcd and NATS, with their data under a scratch directory.
+pub struct Servers {
+    /// etcd (`discovery`).
+    pub etcd: EtcdServer,
+    /// nats-server (`events`).
+    pub nats: NatsServer,
+}
+
+impl Servers {
+    /// Starts both on free loopback ports, waiting until they answer.
+    pub async fn start(scratch: &ScratchDir) -> anyhow::Result<Self> {
+        let etcd = EtcdServer::start(&scratch.path().join("etcd"))
+            .await
+            .context("starting etcd (Debian package etcd-server)")?;
+        let nats = NatsServer::start(&scratch.path().join("nats"))
+            .await
+            .context("starting nats-server (Debian package nats-server)")?;
+        Ok(Self { etcd, nats })
+    }
+}
+
+/// One simulated engine and where it publishes its KV events.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    /// `http://ip:port` of its OpenAI API.
+    pub url: String,
+    /// `tcp://ip:port` of its ZMQ PUB socket.
+    pub events: String,
+    /// `tcp://ip:port` of its ZMQ replay socket.
+    pub replay: String,
+}
+
+/// Starts one `kvmesh-engine-sim` process with `engines` engines that publish KV events.
+pub fn start_event_engines(
+    scratch: &ScratchDir,
+    engines: usize,
+) -> anyhow::Result<(Spawned, Vec<Engine>)> {
+    let block_size = BLOCK_SIZE.to_string();
+    let sim = crate::cluster::start_engines(
+        scratch,
+        engines,
+        &[
+            "--no-delay",
+            "--block-size",
+            &block_size,
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:0",
+            "--kv-events-replay-endpoint",
+            "tcp://127.0.0.1:0",
+        ],
+    )?;
+    let listener = |name: String| -> anyhow::Result<std::net::SocketAddr> {
+        sim.listeners()
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, addr)| *addr)
+            .with_context(|| format!("the simulator announced no {name}"))
+    };
+    let mut found = Vec::with_capacity(engines);
+    for i in 0..engines {
+        found.push(Engine {
+            url: format!("http://{}", listener(format!("engine-{i}"))?),
+            events: format!("tcp://{}", listener(format!("kv-events-{i}"))?),
+            replay: format!("tcp://{}", listener(format!("kv-replay-{i}"))?),
+        });
+    }
+    Ok((sim, found))
+}
+
+/// Starts `kvmesh-agent` beside `engine`, with lease TTL `lease_ttl` and drain `drain`.
+pub fn start_agent(
+    scratch: &ScratchDir,
+    servers: &Servers,
+    engine: &Engine,
+    lease_ttl: Duration,
+    drain: Duration,
+) -> anyhow::Result<Spawned> {
+    let args: Vec<String> = [
+        "--engine-url",
+        &engine.url,
+        "--model",
+        MODEL,
+        "--kv-events-endpoint",
+        &engine.events,
+        "--kv-events-replay-endpoint",
+        &engine.replay,
+        "--block-size",
+        &BLOCK_SIZE.to_string(),
+        "--etcd",
+        &servers.etcd.url(),
+        "--nats",
+        &servers.nats.url(),
+        "--lease-ttl",
+        &format!("{}ms", lease_ttl.as_millis()),
+        "--drain",
+        &format!("{}ms", drain.as_millis()),
+        "--load-interval",
+        "100ms",
+        "--health-interval",
+        "200ms",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    Spawned::start("kvmesh-agent", &args, scratch.path())
+}
+
+/// A proxy config serving [`MODEL`] with `policy: kv` from etcd's instances and NATS's
+/// events; `extra` YAML is appended.
+pub fn control_proxy_config(servers: &Servers, extra: &str) -> String {
+    format!(
+        "listeners:\n  - name: main\n    address: 127.0.0.1:0\nadmin:\n  address: 127.0.0.1:0\n\
+         health_check:\n  enabled: false\n\
+         models:\n  - name: {MODEL}\n    policy: kv\n    kv:\n      block_size: {BLOCK_SIZE}\n    backends: []\n\
+         discovery:\n  kind: etcd\n  endpoint: {}\n  initial_sync_timeout: 5s\n\
+         events:\n  kind: nats\n  url: {}\n  resync_timeout: 1s\n{extra}",
+        servers.etcd.url(),
+        servers.nats.url(),
+    )
+}
+
+/// The value of the first sample of `metrics` (Prometheus text) whose line starts with
+/// `series` (name and labels, e.g. `kvmesh_events_connected` or `x{a="b"}`).
+pub fn metric(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .find_map(|line| {
+            let rest = line.strip_prefix(series)?;
+            let value = rest.strip_prefix(' ')?;
+            value.trim().parse().ok()
+        })
+}
+
+/// The sum of every sample of metric `name` (any labels) in `metrics` (Prometheus text).
+pub fn metric_total(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix(name)?;
+            let value = match rest.as_bytes().first() {
+                Some(b'{') => rest.rsplit_once(' ')?.1,
+                Some(b' ') => rest.trim(),
+                _ => return None,
+            };
+            value.parse::<f64>().ok()
+        })
+        .sum()
+}
+
+/// Polls `GET url` (Prometheus text) until `series` satisfies `check`, up to `timeout`;
+/// returns the value.
+pub async fn await_metric(
+    client: &HttpClient,
+    url: &str,
+    series: &str,
+    check: impl Fn(f64) -> bool,
+    timeout: Duration,
+) -> anyhow::Result<f64> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let text = client
+            .get(url)
+            .await
+            .map(|r| String::from_utf8_lossy(&r.body).into_owned());
+        if let Ok(text) = &text
+            && let Some(value) = metric(text, series)
+            && check(value)
+        {
+            return Ok(value);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            let seen = text
+                .ok()
+                .map(|t| {
+                    t.lines()
+                        .filter(|l| l.starts_with(series.split('{').next().unwrap_or(series)))
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                })
+                .unwrap_or_default();
+            bail!(
+                "{series} at {url} never passed its check within {timeout:?}; last seen:\n{seen}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A completions request for [`MODEL`] with token ids `prompt`.
+pub fn token_prompt(prompt: &[u32], max_tokens: u32) -> serde_json::Value {
+    serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})
+}
+
+/// `blocks` full blocks of token ids unique to `seed`.
+pub fn prompt_tokens(seed: u32, blocks: usize) -> Vec<u32> {
+    (0..(blocks * BLOCK_SIZE) as u32)
+        .map(|i| 1000 + seed * 7919 + i * 31)
+        .collect()
+}

@@ -1,0 +1,531 @@
+//! The control plane with real servers (issue 4, §4): `etcd` and `nats-server` on free
+//! loopback ports, `kvmesh-engine-sim` engines publishing vLLM KV events over ZMQ, one
+//! `kvmesh-agent` per engine, and `kvmesh-proxy` replicas with `discovery: etcd` and
+//! `events: nats`.
+//!
+//! - a proxy replica that never routed a prompt sends a request sharing its prefix to the
+//!   engine that cached it (its index came from the events), and 10,000 malformed event
+//!   messages are counted without a panic or a change in routing;
+//! - `kill -9` of an agent removes its instance within the lease TTL; SIGTERM drains first;
+//! - NATS restarted while the engine's cache is cleared: after the resync the proxy holds none
+//!   of the stale blocks;
+//! - etcd restarted: the proxy keeps serving with the last known instances, then watches again.
+//!
+//! Readiness comes from `LISTENING`/`READY` lines and metrics polled against a deadline. The
+//! tests run one at a time (they time leases and restarts on a 2-core machine).
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::Method;
+use kvmesh_control::{EventBus, NatsBus};
+use kvmesh_e2e::cluster::{MODEL, start_proxy};
+use kvmesh_e2e::control_plane::{
+    BLOCK_SIZE, Engine, Servers, await_metric, control_proxy_config, metric, metric_total,
+    prompt_tokens, start_agent, start_event_engines, token_prompt,
+};
+use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
+use tokio::sync::Mutex;
+
+/// Lease TTL of the agents whose removal is timed.
+const SHORT_TTL: Duration = Duration::from_secs(2);
+/// Lease TTL of agents that must outlive a restart of etcd.
+const LONG_TTL: Duration = Duration::from_secs(10);
+/// How long a terminated agent advertises `draining`.
+const DRAIN: Duration = Duration::from_millis(1500);
+/// Deadline for state the proxy reaches through the control plane.
+const CONVERGE: Duration = Duration::from_secs(15);
+
+/// One test at a time.
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+fn instances_series() -> String {
+    format!("kvmesh_discovery_instances{{model=\"{MODEL}\"}}")
+}
+
+fn index_blocks_series(instance: &str) -> String {
+    format!("kvmesh_index_blocks{{instance=\"{instance}\",model=\"{MODEL}\"}}")
+}
+
+fn events_source_series() -> String {
+    format!("kvmesh_kv_index_source{{mode=\"events\",model=\"{MODEL}\"}}")
+}
+
+fn metrics_url(proxy: &Spawned) -> String {
+    format!("{}/metrics", proxy.url("admin"))
+}
+
+/// Sends a token-id completion through `proxy`; returns (status, instance, route header).
+async fn complete(
+    client: &HttpClient,
+    proxy: &Spawned,
+    prompt: &[u32],
+) -> anyhow::Result<(u16, String, String)> {
+    let url = format!("{}/v1/completions", proxy.url("main"));
+    let response = client.post_json(&url, &token_prompt(prompt, 1)).await?;
+    Ok((
+        response.status,
+        response
+            .header("x-kvmesh-instance")
+            .unwrap_or("")
+            .to_string(),
+        response.header("x-kvmesh-route").unwrap_or("").to_string(),
+    ))
+}
+
+/// Sends a token-id completion straight to `engine`.
+async fn complete_on(client: &HttpClient, engine: &Engine, prompt: &[u32]) -> anyhow::Result<()> {
+    let url = format!("{}/v1/completions", engine.url);
+    let response = client.post_json(&url, &token_prompt(prompt, 1)).await?;
+    anyhow::ensure!(
+        response.status == 200,
+        "engine answered {}",
+        response.status
+    );
+    Ok(())
+}
+
+/// The engine's prefix-cache hits so far (vLLM's counter, in tokens).
+async fn prefix_cache_hits(client: &HttpClient, engine_url: &str) -> anyhow::Result<f64> {
+    let text = client.get(&format!("{engine_url}/metrics")).await?;
+    Ok(metric_total(
+        &String::from_utf8_lossy(&text.body),
+        "vllm:prefix_cache_hits_total",
+    ))
+}
+
+/// Fails when a process's log shows a panic.
+fn assert_no_panic(process: &Spawned) {
+    let log = std::fs::read_to_string(process.log_path()).unwrap_or_default();
+    assert!(
+        !log.contains("panicked"),
+        "{} panicked:\n{log}",
+        process.log_path().display()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_never_routed_a_prefix_follows_the_engines_events() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-events")?;
+    let servers = Servers::start(&scratch).await?;
+    let (_sim, engines) = start_event_engines(&scratch, 2)?;
+    let _agents = engines
+        .iter()
+        .map(|engine| start_agent(&scratch, &servers, engine, LONG_TTL, DRAIN))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let config = control_proxy_config(&servers, "");
+    let proxy_a = start_proxy(&scratch, &config)?;
+    let proxy_b = start_proxy(&scratch, &config)?;
+    let client = HttpClient::default();
+    let metrics_b = metrics_url(&proxy_b);
+    await_metric(
+        &client,
+        &metrics_b,
+        &instances_series(),
+        |v| v == 2.0,
+        CONVERGE,
+    )
+    .await?;
+
+    // Three prompts of 8 blocks reach the engines without proxy B: the first through proxy
+    // A, the others straight to a chosen engine.
+    let prompts: Vec<Vec<u32>> = (0..3).map(|seed| prompt_tokens(seed, 8)).collect();
+    let (status, via_a, _) = complete(&client, &proxy_a, &prompts[0]).await?;
+    assert_eq!(status, 200);
+    complete_on(&client, &engines[0], &prompts[1]).await?;
+    complete_on(&client, &engines[1], &prompts[2]).await?;
+    let holders = [via_a, engines[0].url.clone(), engines[1].url.clone()];
+    for holder in &engines {
+        let series = index_blocks_series(&holder.url);
+        let expected = holders.iter().filter(|h| **h == holder.url).count() as f64 * 8.0;
+        await_metric(&client, &metrics_b, &series, |v| v >= expected, CONVERGE).await?;
+    }
+    await_metric(
+        &client,
+        &metrics_b,
+        &events_source_series(),
+        |v| v == 1.0,
+        CONVERGE,
+    )
+    .await?;
+
+    // Proxy B sends each continuation to the engine holding its prefix, which hits its cache.
+    for (prompt, holder) in prompts.iter().zip(&holders) {
+        let mut longer = prompt.clone();
+        longer.extend(prompt_tokens(99, 2));
+        let hits_before = prefix_cache_hits(&client, holder).await?;
+        let (status, instance, route) = complete(&client, &proxy_b, &longer).await?;
+        assert_eq!(status, 200);
+        assert_eq!(&instance, holder, "route: {route}");
+        assert!(route.contains("overlap_blocks=8"), "{route}");
+        let hits_after = prefix_cache_hits(&client, holder).await?;
+        assert!(
+            hits_after >= hits_before + (8 * BLOCK_SIZE) as f64,
+            "{holder}: prefix-cache hits {hits_before} -> {hits_after}"
+        );
+    }
+
+    // 10,000 malformed messages on the event subject: counted, nothing else changes.
+    let bus = NatsBus::connect(&servers.nats.url(), "kvmesh-e2e").await?;
+    let subject = format!("kvmesh.kv.{MODEL}");
+    for i in 0..10_000u32 {
+        let payload = match i % 5 {
+            0 => Bytes::from_static(b"{"),
+            1 => Bytes::from(vec![0xC1; 1 + (i % 300) as usize]),
+            2 => Bytes::from_static(
+                b"{\"instance_id\":\"0000000000000001\",\"seq\":\"x\",\"events\":[]}",
+            ),
+            3 => Bytes::from(format!(
+                "{{\"instance_id\":\"{i:x}\",\"seq\":1,\"events\":[{{\"type\":\"stored\",\"blocks\":[{{\"external\":1}}]}}]}}"
+            )),
+            _ => Bytes::from_static(b"[]"),
+        };
+        bus.publish(&subject, payload).await?;
+    }
+    bus.flush(Duration::from_secs(10)).await?;
+    let malformed = "kvmesh_kv_events_malformed_total{kind=\"batch\"}";
+    for proxy in [&proxy_a, &proxy_b] {
+        await_metric(
+            &client,
+            &metrics_url(proxy),
+            malformed,
+            |v| v == 10_000.0,
+            CONVERGE,
+        )
+        .await?;
+    }
+    for (prompt, holder) in prompts.iter().zip(&holders) {
+        let (status, instance, _) = complete(&client, &proxy_b, prompt).await?;
+        assert_eq!((status, instance.as_str()), (200, holder.as_str()));
+    }
+    let text = client.get(&metrics_b).await?;
+    let text = String::from_utf8_lossy(&text.body);
+    for engine in &engines {
+        let blocks = metric(&text, &index_blocks_series(&engine.url)).unwrap_or(0.0);
+        assert!(
+            blocks >= 8.0,
+            "{}: {blocks} blocks after the garbage",
+            engine.url
+        );
+    }
+    assert_no_panic(&proxy_a);
+    assert_no_panic(&proxy_b);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_agent_leaves_within_its_lease_and_a_terminated_one_drains_first()
+-> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-leases")?;
+    let servers = Servers::start(&scratch).await?;
+    let (_sim, engines) = start_event_engines(&scratch, 2)?;
+    let mut killed = start_agent(&scratch, &servers, &engines[0], SHORT_TTL, DRAIN)?;
+    let mut terminated = start_agent(&scratch, &servers, &engines[1], SHORT_TTL, DRAIN)?;
+    let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    await_metric(
+        &client,
+        &metrics,
+        &instances_series(),
+        |v| v == 2.0,
+        CONVERGE,
+    )
+    .await?;
+
+    // kill -9: the lease is no longer kept alive; etcd drops the record when it expires.
+    let killed_at = Instant::now();
+    killed.kill();
+    await_metric(
+        &client,
+        &metrics,
+        &instances_series(),
+        |v| v == 1.0,
+        CONVERGE,
+    )
+    .await?;
+    let gone_after = killed_at.elapsed();
+    assert!(
+        gone_after <= SHORT_TTL + Duration::from_millis(1500),
+        "removed {gone_after:?} after kill -9 with a {SHORT_TTL:?} lease"
+    );
+    let prompt = prompt_tokens(5, 2);
+    let (status, instance, _) = complete(&client, &proxy, &prompt).await?;
+    assert_eq!((status, instance.as_str()), (200, engines[1].url.as_str()));
+
+    // SIGTERM: the record turns `draining` (no new requests), then disappears.
+    terminated.terminate()?;
+    let health_url = format!("{}/health", proxy.url("admin"));
+    let deadline = tokio::time::Instant::now() + CONVERGE;
+    loop {
+        let health = client.get(&health_url).await?.json()?;
+        let state = health["models"]
+            .as_array()
+            .and_then(|models| models.iter().find(|m| m["name"] == MODEL))
+            .map(|m| m["instances"][0]["state"].clone());
+        if state == Some(serde_json::json!("draining")) {
+            break;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "never saw draining: {health}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, _, _) = complete(&client, &proxy, &prompt).await?;
+    assert_eq!(status, 503, "a draining instance takes no new request");
+    await_metric(
+        &client,
+        &metrics,
+        &instances_series(),
+        |v| v == 0.0,
+        CONVERGE,
+    )
+    .await?;
+    let exit = terminated.wait_exit(CONVERGE)?;
+    assert!(exit.success(), "the agent exited with {exit}");
+    assert_no_panic(&proxy);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_nats_restart_the_proxy_holds_none_of_the_cleared_blocks() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-nats")?;
+    let mut servers = Servers::start(&scratch).await?;
+    let (_sim, engines) = start_event_engines(&scratch, 1)?;
+    let engine = &engines[0];
+    let _agent = start_agent(&scratch, &servers, engine, LONG_TTL, DRAIN)?;
+    let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    await_metric(
+        &client,
+        &metrics,
+        &events_source_series(),
+        |v| v == 1.0,
+        CONVERGE,
+    )
+    .await?;
+    let prompt = prompt_tokens(7, 8);
+    let (status, instance, _) = complete(&client, &proxy, &prompt).await?;
+    assert_eq!((status, instance.as_str()), (200, engine.url.as_str()));
+    let blocks = index_blocks_series(&engine.url);
+    await_metric(&client, &metrics, &blocks, |v| v >= 8.0, CONVERGE).await?;
+
+    // NATS goes away; meanwhile the engine drops its whole cache (the Cleared event cannot
+    // reach the proxy); NATS comes back.
+    servers.nats.kill().await;
+    await_metric(
+        &client,
+        &metrics,
+        "kvmesh_events_connected",
+        |v| v == 0.0,
+        CONVERGE,
+    )
+    .await?;
+    await_metric(
+        &client,
+        &metrics,
+        &events_source_series(),
+        |v| v == 0.0,
+        CONVERGE,
+    )
+    .await?;
+    let reset = client
+        .call(
+            Method::POST,
+            &format!("{}/reset_prefix_cache", engine.url),
+            &[],
+            Bytes::new(),
+        )
+        .await?;
+    assert_eq!(reset.status, 200);
+    servers.nats.restart().await?;
+    await_metric(
+        &client,
+        &metrics,
+        "kvmesh_events_connected",
+        |v| v == 1.0,
+        CONVERGE,
+    )
+    .await?;
+    await_metric(
+        &client,
+        &metrics,
+        "kvmesh_kv_resyncs_total{reason=\"reconnect\"}",
+        |v| v >= 1.0,
+        CONVERGE,
+    )
+    .await?;
+    await_metric(
+        &client,
+        &metrics,
+        &events_source_series(),
+        |v| v == 1.0,
+        CONVERGE,
+    )
+    .await?;
+    await_metric(&client, &metrics, &blocks, |v| v == 0.0, CONVERGE).await?;
+    let explained = client
+        .post_json(
+            &format!("{}/debug/route?route=completions", proxy.url("admin")),
+            &token_prompt(&prompt, 1),
+        )
+        .await?
+        .json()?;
+    assert_eq!(
+        explained["instances"][0]["overlap_blocks"], 0,
+        "{explained}"
+    );
+    assert_no_panic(&proxy);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_an_etcd_restart_the_proxy_keeps_serving_then_watches_again() -> anyhow::Result<()>
+{
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-etcd")?;
+    let mut servers = Servers::start(&scratch).await?;
+    let (_sim, engines) = start_event_engines(&scratch, 2)?;
+    let _first = start_agent(&scratch, &servers, &engines[0], LONG_TTL, DRAIN)?;
+    let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    await_metric(
+        &client,
+        &metrics,
+        &instances_series(),
+        |v| v == 1.0,
+        CONVERGE,
+    )
+    .await?;
+
+    servers.etcd.kill().await;
+    await_metric(
+        &client,
+        &metrics,
+        "kvmesh_discovery_connected",
+        |v| v == 0.0,
+        CONVERGE,
+    )
+    .await?;
+    let prompt = prompt_tokens(11, 2);
+    let (status, instance, _) = complete(&client, &proxy, &prompt).await?;
+    assert_eq!(
+        (status, instance.as_str()),
+        (200, engines[0].url.as_str()),
+        "the last known instance keeps serving"
+    );
+
+    servers.etcd.restart().await?;
+    let _second = start_agent(&scratch, &servers, &engines[1], LONG_TTL, DRAIN)?;
+    await_metric(
+        &client,
+        &metrics,
+        &instances_series(),
+        |v| v == 2.0,
+        CONVERGE,
+    )
+    .await?;
+    await_metric(
+        &client,
+        &metrics,
+        "kvmesh_discovery_connected",
+        |v| v == 1.0,
+        CONVERGE,
+    )
+    .await?;
+    let mut seen = std::collections::BTreeSet::new();
+    for seed in 20..40 {
+        let (status, instance, _) = complete(&client, &proxy, &prompt_tokens(seed, 1)).await?;
+        assert_eq!(status, 200);
+        seen.insert(instance);
+    }
+    assert_eq!(seen.len(), 2, "both instances serve: {seen:?}");
+    assert_no_panic(&proxy);
+    Ok(())
+}
+
+/// Samples of the engine-to-index latency benchmark (after the warm-up).
+const LATENCY_SAMPLES: usize = 300;
+/// Samples discarded first (connections warming up).
+const LATENCY_WARMUP: usize = 20;
+
+/// Benchmark, not a test (`--ignored`): the time from the engine publishing a Stored event
+/// (seen on its ZMQ socket by this test, like the agent sees it) to the stored blocks being
+/// visible in the proxy's index (`POST /debug/route` polled back to back), through the agent
+/// and a real nats-server. Prints p50 / p99 / max. Run against release binaries:
+///
+/// ```text
+/// cargo build --release -p kvmesh-proxy -p kvmesh-agent -p kvmesh-engine-sim
+/// KVMESH_BIN_DIR=$PWD/target/release cargo test --release -p kvmesh-e2e --test control_plane \
+///     engine_to_index_latency -- --ignored --nocapture
+/// ```
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: prints engine-to-index latency percentiles"]
+async fn engine_to_index_latency() -> anyhow::Result<()> {
+    use zeromq::{Socket, SocketRecv, SubSocket};
+
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-latency")?;
+    let servers = Servers::start(&scratch).await?;
+    let (_sim, engines) = start_event_engines(&scratch, 1)?;
+    let engine = &engines[0];
+    let _agent = start_agent(&scratch, &servers, engine, LONG_TTL, DRAIN)?;
+    let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    await_metric(
+        &client,
+        &metrics,
+        &events_source_series(),
+        |v| v == 1.0,
+        CONVERGE,
+    )
+    .await?;
+    let mut events = SubSocket::new();
+    events.connect(&engine.events).await?;
+    events.subscribe("").await?;
+    let explain = format!("{}/debug/route?route=completions", proxy.url("admin"));
+    let mut latencies = Vec::with_capacity(LATENCY_SAMPLES);
+    for sample in 0..(LATENCY_WARMUP + LATENCY_SAMPLES) {
+        let prompt = prompt_tokens(1_000 + sample as u32, 4);
+        let request = token_prompt(&prompt, 1);
+        let (published, answered) = tokio::join!(
+            async {
+                let received = tokio::time::timeout(CONVERGE, events.recv()).await;
+                received.map(|_| Instant::now())
+            },
+            complete_on(&client, engine, &prompt)
+        );
+        answered?;
+        let published = published?;
+        let deadline = published + CONVERGE;
+        loop {
+            let explained = client.post_json(&explain, &request).await?.json()?;
+            if explained["instances"][0]["overlap_blocks"] == 4 {
+                break;
+            }
+            anyhow::ensure!(Instant::now() < deadline, "never visible: {explained}");
+        }
+        if sample >= LATENCY_WARMUP {
+            latencies.push(published.elapsed());
+        }
+    }
+    latencies.sort();
+    let at = |q: f64| {
+        latencies[((latencies.len() as f64 * q).ceil() as usize).clamp(1, latencies.len()) - 1]
+    };
+    println!(
+        "engine-to-index latency over {} samples: p50 {:.3} ms, p99 {:.3} ms, max {:.3} ms",
+        latencies.len(),
+        at(0.50).as_secs_f64() * 1e3,
+        at(0.99).as_secs_f64() * 1e3,
+        at(1.0).as_secs_f64() * 1e3,
+    );
+    Ok(())
+}
