@@ -1,0 +1,394 @@
+"""deploy/: every Kubernetes manifest and Dockerfile, checked so they cannot rot.
+
+The manifests are parsed (PyYAML) and cross-checked: selectors against pod labels,
+Service and probe ports against named container ports, images against the
+Dockerfiles and the workspace version, the proxy's ConfigMap against the real
+`kvmesh-proxy --check-config`, its listener ports against the container ports, the
+probe paths against a running proxy, the agent's arguments against the ZMQ
+endpoints vLLM (or the simulator) is started with and against the etcd / NATS
+Services, and every flag a kvmesh container is given against its binary's `--help`.
+"""
+
+import functools
+import json
+import re
+import shlex
+import subprocess
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from conftest import BIN_DIR, ROOT, Proc
+
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+DOCKER = DEPLOY / "docker"
+WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
+KNOWN_KINDS = WORKLOAD_KINDS | {
+    "Namespace",
+    "ConfigMap",
+    "Service",
+    "PodDisruptionBudget",
+    "HorizontalPodAutoscaler",
+    "Kustomization",
+}
+KVMESH_IMAGE = re.compile(r"^kvmesh/(kvmesh-[a-z-]+):(.+)$")
+PROXY_CONFIG_KEY = "kvmesh.yaml"
+
+
+def manifests():
+    """[(path, document)] of every YAML document under deploy/k8s."""
+    out = []
+    for path in sorted(K8S.rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                out.append((path, doc))
+    return out
+
+
+DOCS = manifests()
+
+
+def objects(kind=None):
+    return [doc for _, doc in DOCS if kind is None or doc["kind"] == kind]
+
+
+def find(kind, name):
+    found = [doc for doc in objects(kind) if doc["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def pod_spec(workload):
+    return workload["spec"]["template"]["spec"]
+
+
+def containers(workload, init=False):
+    spec = pod_spec(workload)
+    return spec.get("containers", []) + (spec.get("initContainers", []) if init else [])
+
+
+def container(workload, name):
+    found = [c for c in containers(workload) if c["name"] == name]
+    assert len(found) == 1, f"{workload['metadata']['name']}: container {name}"
+    return found[0]
+
+
+def flags(args):
+    """`--key=value` and `--key value` arguments as a dict (flags without value map to True)."""
+    out, i = {}, 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--"):
+            if "=" in arg:
+                key, value = arg[2:].split("=", 1)
+            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+                key, value = arg[2:], args[i + 1]
+                i += 1
+            else:
+                key, value = arg[2:], True
+            out[key] = value
+        i += 1
+    return out
+
+
+def positional(args):
+    """Arguments before the first flag."""
+    out = []
+    for arg in args:
+        if arg.startswith("--"):
+            break
+        out.append(arg)
+    return out
+
+
+def port_of(url):
+    return int(url.rsplit(":", 1)[1].split("/")[0])
+
+
+def host_of(url):
+    return url.split("://", 1)[1].rsplit(":", 1)[0]
+
+
+def proxy_config():
+    return yaml.safe_load(find("ConfigMap", "kvmesh-proxy-config")["data"][PROXY_CONFIG_KEY])
+
+
+@functools.cache
+def workspace_packages():
+    out = subprocess.run(
+        ["cargo", "metadata", "--no-deps", "--format-version", "1", "--offline"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    meta = json.loads(out)
+    bins = {pkg["name"]: {t["name"] for t in pkg["targets"] if "bin" in t["kind"]} for pkg in meta["packages"]}
+    version = next(pkg["version"] for pkg in meta["packages"] if pkg["name"] == "kvmesh-proxy")
+    return bins, version
+
+
+def help_text(binary):
+    path = BIN_DIR / binary
+    assert path.exists(), f"{path} missing: run `cargo build --workspace --bins` first"
+    done = subprocess.run([str(path), "--help"], capture_output=True, text=True, timeout=30)
+    return done.stdout + done.stderr
+
+
+def test_every_manifest_is_well_formed_and_listed():
+    seen = set()
+    for path, doc in DOCS:
+        assert doc.get("apiVersion") and doc.get("kind") in KNOWN_KINDS, f"{path}: {doc.get('kind')}"
+        if doc["kind"] == "Kustomization":
+            continue
+        name = doc["metadata"]["name"]
+        assert (doc["kind"], name) not in seen, f"{path}: {doc['kind']}/{name} twice"
+        seen.add((doc["kind"], name))
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvmesh", f"{path}: {name}"
+    kustomization = objects("Kustomization")[0]
+    listed = {K8S / r for r in kustomization["resources"]}
+    top_level = {p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml"}
+    assert listed == top_level, f"kustomization.yaml resources differ: {sorted(map(str, listed ^ top_level))}"
+    assert kustomization["namespace"] == find("Namespace", "kvmesh")["metadata"]["name"]
+
+
+def test_selectors_services_and_probes_point_at_real_pods_and_ports():
+    workloads = objects("Deployment") + objects("StatefulSet")
+    for w in workloads:
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        assert w["spec"]["selector"]["matchLabels"].items() <= labels.items(), w["metadata"]["name"]
+        for c in containers(w):
+            names = {p["name"] for p in c.get("ports", [])}
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                if probe in c:
+                    port = c[probe]["httpGet"]["port"]
+                    assert port in names, f"{w['metadata']['name']}/{c['name']} {probe} port {port}"
+    for service in objects("Service"):
+        selector = service["spec"]["selector"]
+        matched = [w for w in workloads if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert matched, f"Service {service['metadata']['name']} selects no pods"
+        for w in matched:
+            names = {p["name"] for c in containers(w) for p in c.get("ports", [])}
+            for port in service["spec"]["ports"]:
+                assert port["targetPort"] in names, f"Service {service['metadata']['name']}: {port['targetPort']}"
+    for sts in objects("StatefulSet"):
+        headless = find("Service", sts["spec"]["serviceName"])
+        assert headless["spec"]["clusterIP"] == "None"
+    proxy = find("Deployment", "kvmesh-proxy")
+    pdb = find("PodDisruptionBudget", "kvmesh-proxy")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= proxy["spec"]["template"]["metadata"]["labels"].items()
+    assert pdb["spec"]["minAvailable"] < proxy["spec"]["replicas"]
+    hpa = find("HorizontalPodAutoscaler", "kvmesh-proxy")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", "kvmesh-proxy")
+    assert hpa["spec"]["minReplicas"] <= proxy["spec"]["replicas"] <= hpa["spec"]["maxReplicas"]
+    if any(m["resource"]["name"] == "cpu" for m in hpa["spec"]["metrics"]):
+        assert all("cpu" in c["resources"]["requests"] for c in containers(proxy))
+
+
+def test_variables_in_arguments_are_defined():
+    for w in objects("Deployment") + objects("StatefulSet"):
+        for c in containers(w, init=True):
+            defined = {e["name"] for e in c.get("env", [])}
+            for arg in c.get("args", []) + c.get("command", []):
+                for var in re.findall(r"\$\(([A-Z_]+)\)", arg):
+                    assert var in defined, f"{w['metadata']['name']}/{c['name']}: $({var}) undefined"
+
+
+def test_images_are_pinned_and_kvmesh_images_are_built_here():
+    _, version = workspace_packages()
+    entrypoints = {}
+    for dockerfile in DOCKER.glob("*.Dockerfile"):
+        entry = re.search(r'^ENTRYPOINT \["/usr/local/bin/([^"]+)"\]', dockerfile.read_text(), re.M)
+        assert entry, dockerfile
+        entrypoints[entry.group(1)] = dockerfile
+    assert set(entrypoints) == {"kvmesh-proxy", "kvmesh-agent", "kvmesh-engine-sim"}
+    used = set()
+    for w in objects("Deployment") + objects("StatefulSet"):
+        for c in containers(w, init=True):
+            image = c["image"]
+            name, _, tag = image.rpartition(":")
+            assert name and tag and tag != "latest" and "/" not in tag, f"unpinned image {image}"
+            match = KVMESH_IMAGE.match(image)
+            if match:
+                binary, tag = match.groups()
+                assert tag == version, f"{image}: the workspace is {version}"
+                assert binary in entrypoints, f"{image}: no Dockerfile builds {binary}"
+                used.add(binary)
+    assert used == set(entrypoints), f"images never deployed: {set(entrypoints) - used}"
+
+
+@pytest.mark.parametrize("dockerfile", sorted(DOCKER.glob("*.Dockerfile")), ids=lambda p: p.name)
+def test_dockerfile(dockerfile):
+    bins, _ = workspace_packages()
+    text = dockerfile.read_text()
+    stages = re.findall(r"^FROM (\S+)(?: AS (\S+))?$", text, re.M)
+    assert len(stages) >= 2, "multi-stage"
+    assert stages[-1][0] == "debian:bookworm-slim"
+    build = re.search(r"cargo build --release --locked -p (\S+)", text)
+    assert build, "cargo build --release --locked -p PKG"
+    package = build.group(1)
+    assert package in bins, f"{package} is not a workspace package"
+    binary = re.search(r'^ENTRYPOINT \["/usr/local/bin/([^"]+)"\]', text, re.M).group(1)
+    assert binary in bins[package], f"package {package} has no binary {binary}: {bins[package]}"
+    assert f"target/release/{binary}" in text
+    assert re.search(rf"^COPY --from={stages[0][1]} \S*{binary} /usr/local/bin/{binary}$", text, re.M)
+    final = text[text.rindex("FROM ") :]
+    user = re.search(r"^USER (\d+)(?::(\d+))?$", final, re.M)
+    assert user and int(user.group(1)) != 0, "runs as a non-root user"
+    ignore = Path(str(dockerfile) + ".dockerignore").read_text().split()
+    assert "target/" in ignore
+
+
+def test_proxy_config_passes_check_config():
+    text = find("ConfigMap", "kvmesh-proxy-config")["data"][PROXY_CONFIG_KEY]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kvmesh.yaml"
+        path.write_text(text)
+        done = subprocess.run([str(BIN_DIR / "kvmesh-proxy"), "--check-config", str(path)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_proxy_ports_and_probes_match_its_config():
+    config = proxy_config()
+    proxy = find("Deployment", "kvmesh-proxy")
+    c = container(proxy, "kvmesh-proxy")
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    data = {port_of(l["address"]) for l in config["listeners"]}
+    grpc = {port_of(config["grpc"]["address"])} if config.get("grpc", {}).get("address") else set()
+    admin = port_of(config["admin"]["address"])
+    assert set(ports.values()) == data | grpc | {admin}
+    assert config["admin"]["address"].startswith("0.0.0.0:"), "probes reach the admin listener on the pod IP"
+    assert ports[c["livenessProbe"]["httpGet"]["port"]] == admin
+    assert ports[c["readinessProbe"]["httpGet"]["port"]] == admin
+    assert c["livenessProbe"]["httpGet"]["path"] == "/live"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    service = find("Service", "kvmesh-proxy")
+    targets = {ports[p["targetPort"]] for p in service["spec"]["ports"]}
+    assert targets == data | grpc, "the Service exposes the data and gRPC listeners, not admin"
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "config")
+    assert flags(c["args"])["config"] == f"{mount['mountPath']}/{PROXY_CONFIG_KEY}"
+    grace = pod_spec(proxy)["terminationGracePeriodSeconds"]
+    drain = int(config["shutdown"]["drain_timeout"].rstrip("s"))
+    assert grace > drain + c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    for model in config["models"]:
+        if model.get("tokenizer"):
+            mounts = [m["mountPath"] for m in c["volumeMounts"]]
+            assert model["tokenizer"] in mounts, "the tokenizer directory is mounted"
+
+
+def test_probe_paths_exist_on_a_running_proxy(workdir):
+    proxy = find("Deployment", "kvmesh-proxy")
+    c = container(proxy, "kvmesh-proxy")
+    cfg = workdir / "deploy-probes.yaml"
+    cfg.write_text(
+        "listeners:\n  - name: main\n    address: 127.0.0.1:0\nadmin:\n  address: 127.0.0.1:0\n"
+        "models:\n  - name: m\n    backends:\n      - url: http://127.0.0.1:9\n"
+    )
+    proc = Proc("kvmesh-proxy", ["--config", str(cfg)], workdir)
+    try:
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            path = c[probe]["httpGet"]["path"]
+            resp = httpx.get(proc.url("admin") + path)
+            assert resp.status_code in (200, 503), f"{probe} {path}: {resp.status_code}"
+            assert "status" in resp.json()
+        assert httpx.get(proc.url("admin") + "/live").status_code == 200
+    finally:
+        proc.stop()
+
+
+def check_agent(workload, engine):
+    """The agent of `workload` reads the KV events `engine` (its args) publishes and joins the
+    same etcd / NATS / namespace / model as the proxy."""
+    agent = flags(container(workload, "kvmesh-agent")["args"])
+    config = proxy_config()
+    assert agent["kv-events-endpoint"] == f"tcp://127.0.0.1:{engine['events_port']}"
+    assert agent["kv-events-replay-endpoint"] == f"tcp://127.0.0.1:{engine['replay_port']}"
+    assert agent["kv-events-topic"] == engine["topic"]
+    assert agent["engine-url"] == f"http://127.0.0.1:{engine['port']}"
+    assert agent["advertise-url"] == f"http://$(POD_IP):{engine['port']}", "the registered URL must be reachable from the proxy"
+    assert agent["model"] == engine["model"]
+    assert int(agent["block-size"]) == engine["block_size"]
+    for duration in ("lease-ttl", "drain", "startup-timeout"):
+        if duration in agent:
+            assert re.fullmatch(r"\d+(ms|s|m)", agent[duration]), f"--{duration}={agent[duration]}"
+    model = next(m for m in config["models"] if m["name"] == engine["model"])
+    assert model["kv"]["block_size"] == engine["block_size"]
+    assert agent["namespace"] == config["discovery"]["namespace"] == config["events"]["namespace"]
+    assert config["discovery"]["kind"] == "etcd" and agent["etcd"] == config["discovery"]["endpoint"]
+    assert config["events"]["kind"] == "nats" and agent["nats"] == config["events"]["url"]
+    for url, service in ((agent["etcd"], "etcd"), (agent["nats"], "nats")):
+        svc = find("Service", host_of(url))
+        assert svc["metadata"]["name"] == service
+        assert port_of(url) in {p["port"] for p in svc["spec"]["ports"]}
+
+
+def test_gpu_worker_vllm_publishes_what_the_agent_reads():
+    worker = find("Deployment", "kvmesh-worker")
+    vllm = container(worker, "vllm")
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    assert vllm["command"] == ["vllm", "serve"]
+    args = vllm["args"]
+    opts = flags(args)
+    assert opts.get("enable-prefix-caching") is True, "KV events need prefix caching"
+    events = json.loads(opts["kv-events-config"])
+    assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
+    assert events["endpoint"].startswith("tcp://*:") and events["replay_endpoint"].startswith("tcp://*:")
+    ports = {p["containerPort"] for p in vllm["ports"]}
+    engine = {
+        "model": opts.get("served-model-name") or positional(args)[0],
+        "port": int(opts["port"]),
+        "block_size": int(opts["block-size"]),
+        "events_port": port_of(events["endpoint"]),
+        "replay_port": port_of(events["replay_endpoint"]),
+        "topic": events.get("topic", ""),
+    }
+    assert {engine["port"], engine["events_port"], engine["replay_port"]} <= ports
+    check_agent(worker, engine)
+
+
+def test_sim_worker_publishes_what_the_agent_reads():
+    sim_worker = find("Deployment", "kvmesh-sim-worker")
+    opts = flags(container(sim_worker, "engine-sim")["args"])
+    engine = {
+        "model": opts["model"],
+        "port": int(opts["port"]),
+        "block_size": int(opts["block-size"]),
+        "events_port": port_of(opts["kv-events-endpoint"]),
+        "replay_port": port_of(opts["kv-events-replay-endpoint"]),
+        "topic": opts["kv-events-topic"],
+    }
+    assert opts["kv-events-endpoint"].startswith("tcp://127.0.0.1:")
+    check_agent(sim_worker, engine)
+
+
+def test_every_flag_given_to_a_kvmesh_binary_exists():
+    helps = {}
+    for w in objects("Deployment") + objects("StatefulSet"):
+        for c in containers(w, init=True):
+            match = KVMESH_IMAGE.match(c["image"])
+            if not match:
+                continue
+            binary = match.group(1)
+            text = helps.setdefault(binary, help_text(binary))
+            for key in flags(c.get("args", [])):
+                assert f"--{key}" in text, f"{w['metadata']['name']}/{c['name']}: {binary} has no --{key}"
+    for dockerfile in DOCKER.glob("*.Dockerfile"):
+        cmd = re.search(r"^CMD (\[.*\])$", dockerfile.read_text(), re.M)
+        binary = re.search(r'ENTRYPOINT \["/usr/local/bin/([^"]+)"\]', dockerfile.read_text()).group(1)
+        if cmd:
+            text = helps.setdefault(binary, help_text(binary))
+            for key in flags(json.loads(cmd.group(1))):
+                assert f"--{key}" in text, f"{dockerfile.name}: {binary} has no --{key}"
+
+
+def test_deploy_readme_commands_name_real_files():
+    readme = (DEPLOY / "README.md").read_text()
+    for command in re.findall(r"^(?:docker build|kubectl apply) .*$", readme, re.M):
+        for word in shlex.split(command):
+            if word.startswith("deploy/"):
+                assert (ROOT / word).exists(), f"README: {word}"
