@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Proxy-overhead benchmark, in one go: the same closed-loop load against
-#   (1) an engine-sim directly, (2) nginx round robin over two sims, (3) kvmesh-proxy round robin
-# over the same two sims; non-streaming and streaming; then 1,000 concurrent long streams through
-# kvmesh-proxy to read its peak RSS. Writes the `overhead` section of docs/BENCHMARKS.md.
+#   (1) an engine-sim directly, (2) nginx round robin over two sims, (3) kvmesh-proxy round robin,
+#   (4) kvmesh-proxy `policy: kv` (Qwen3 tokenizer: render, tokenize, hash, score every request),
+#   (5) sglang-router 0.3.2 round_robin, (6) sglang-router cache_aware, (7) vllm-router 0.1.17
+#   round_robin, (8) vllm-router cache_aware, all over the same two sims; non-streaming and
+# streaming; then 1,000 concurrent long streams through kvmesh-proxy to read its peak RSS.
+# Writes the `overhead` section of docs/BENCHMARKS.md.
 #
 # Usage: benches/overhead.sh [options]
 #   --duration D       measured time per run (default 10s)
@@ -16,8 +19,12 @@
 #   --no-build         use the binaries already in --bin-dir
 #   --bin-dir DIR      where the binaries are (default target/release)
 #   --doc FILE         document to update (default docs/BENCHMARKS.md)
+#   --setups LIST      comma-separated subset of direct,nginx,kvmesh,kvmesh-kv,sglang-rr,
+#                      sglang-ca,vllm-rr,vllm-ca (default: all)
 #   --keep             keep the work directory (configs, logs, JSON reports)
 # Environment: LOADGEN_CPU (default 0) and SERVER_CPU (default 1) choose the pinning.
+# The peers are installed from PyPI into virtualenvs under .cache/bench/ (once); the Qwen3
+# tokenizer for kvmesh-kv by scripts/fetch-tokenizer.sh.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
@@ -37,6 +44,11 @@ DOC=$BENCH_ROOT/docs/BENCHMARKS.md
 LOADGEN_CPU=${LOADGEN_CPU:-0}
 SERVER_CPU=${SERVER_CPU:-1}
 MODEL=sim-model
+SETUPS_ARG=direct,nginx,kvmesh,kvmesh-kv,sglang-rr,sglang-ca,vllm-rr,vllm-ca
+CACHE_DIR=$BENCH_ROOT/.cache/bench
+TOKENIZER=$BENCH_ROOT/.cache/tokenizers/qwen3
+SGLANG_VERSION=0.3.2
+VLLM_ROUTER_VERSION=0.1.17
 COMMAND="benches/overhead.sh${*:+ $*}"
 
 while (($#)); do
@@ -52,16 +64,36 @@ while (($#)); do
     --no-build) BUILD=0; shift ;;
     --bin-dir) BIN_DIR=$(cd "$2" && pwd); shift 2 ;;
     --doc) DOC=$2; shift 2 ;;
-    --keep) KEEP_WORK_DIR=1; shift ;;
+    --setups) SETUPS_ARG=$2; shift 2 ;;
+    --keep) KEEP_WORK_DIR=1; shift ;; # read by cleanup (common.sh)
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done
 
+IFS=, read -ra SETUPS <<<"$SETUPS_ARG"
+has_setup() { [[ ",$SETUPS_ARG," == *",$1,"* ]]; }
 need_tool jq jq
 need_tool taskset util-linux
 need_tool nginx nginx
+need_tool curl curl
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+# venv NAME PACKAGE: a virtualenv under .cache/bench with PACKAGE installed (once).
+venv() {
+  local dir=$CACHE_DIR/venv-$1
+  if [[ ! -f $dir/.installed-$2 ]]; then
+    log "installing $2 into $dir"
+    rm -rf "$dir"
+    python3 -m venv "$dir"
+    "$dir/bin/pip" install --quiet --disable-pip-version-check "$2" >&2
+    touch "$dir/.installed-$2"
+  fi
+  echo "$dir"
+}
+mkdir -p "$CACHE_DIR"
+{ has_setup sglang-rr || has_setup sglang-ca; } && SGLANG_VENV=$(venv sglang "sglang-router==$SGLANG_VERSION")
+{ has_setup vllm-rr || has_setup vllm-ca; } && VLLM_VENV=$(venv vllm-router "vllm-router==$VLLM_ROUTER_VERSION")
+if has_setup kvmesh-kv; then "$BENCH_ROOT/scripts/fetch-tokenizer.sh" "$TOKENIZER" >&2; fi
 
 if ((BUILD)); then
   log "building release binaries (several minutes on 2 cores)"
@@ -144,9 +176,9 @@ NGINX_VERSION=$("$NGINX" -v 2>&1 | sed 's/^nginx version: //')
 log "$NGINX_VERSION at 127.0.0.1:$NGINX_PORT (pids ${NGINX_PIDS[*]})"
 
 # ---- kvmesh-proxy ---------------------------------------------------------------------------
-write_proxy_config() { # FILE SIM_ADDR...
-  local file=$1 addr
-  shift
+write_proxy_config() { # FILE POLICY SIM_ADDR...
+  local file=$1 policy=$2 addr
+  shift 2
   {
     echo "listeners:"
     echo "  - name: main"
@@ -155,7 +187,8 @@ write_proxy_config() { # FILE SIM_ADDR...
     echo "  address: 127.0.0.1:0"
     echo "models:"
     echo "  - name: $MODEL"
-    echo "    policy: round_robin"
+    echo "    policy: $policy"
+    if [[ $policy == kv ]]; then echo "    tokenizer: $TOKENIZER"; fi
     echo "    backends:"
     for addr in "$@"; do echo "      - url: http://$addr"; done
     echo "upstream:"
@@ -170,10 +203,57 @@ start_proxy() { # VAR_PID OUT CONFIG
   start_bg "$var" "$out" env RUST_LOG=warn taskset -c "$SERVER_CPU" "$PROXY" --config "$config"
   wait_ready "$out" "${!var}"
 }
-write_proxy_config "$WORK_DIR/kvmesh.yaml" "${SIM_ADDRS[@]}"
+write_proxy_config "$WORK_DIR/kvmesh.yaml" round_robin "${SIM_ADDRS[@]}"
 start_proxy PROXY_PID "$WORK_DIR/proxy.out" "$WORK_DIR/kvmesh.yaml"
 PROXY_ADDR=$(listening "$WORK_DIR/proxy.out" main)
 log "kvmesh-proxy at $PROXY_ADDR (pid $PROXY_PID)"
+KV_PROXY_ADDR=
+if has_setup kvmesh-kv; then
+  write_proxy_config "$WORK_DIR/kvmesh-kv.yaml" kv "${SIM_ADDRS[@]}"
+  start_proxy KV_PROXY_PID "$WORK_DIR/proxy-kv.out" "$WORK_DIR/kvmesh-kv.yaml"
+  KV_PROXY_ADDR=$(listening "$WORK_DIR/proxy-kv.out" main)
+  log "kvmesh-proxy (policy kv) at $KV_PROXY_ADDR (pid $KV_PROXY_PID)"
+fi
+
+# ---- sglang-router and vllm-router ----------------------------------------------------------
+# start_peer VAR_PID VAR_URL LOG CMD...: a peer router pinned like the others; waits until it
+# routes a request (they check their workers before serving).
+start_peer() {
+  local var=$1 url_var=$2 out=$3 port=$4
+  shift 4
+  start_bg "$var" "$out" taskset -c "$SERVER_CPU" "$@"
+  printf -v "$url_var" 'http://127.0.0.1:%s' "$port"
+  local deadline=$((SECONDS + 120))
+  until curl -sf -o /dev/null -H 'content-type: application/json' \
+    -d "{\"model\":\"$MODEL\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":1}" \
+    "${!url_var}/v1/chat/completions"; do
+    kill -0 "${!var}" 2>/dev/null || { cat "$out.err" >&2; die "$* exited"; }
+    ((SECONDS < deadline)) || die "$* never answered"
+    sleep 0.2
+  done
+}
+declare -A PEER_PID PEER_URL
+NEW_PEER_PID=
+NEW_PEER_URL=
+for setup in sglang-rr sglang-ca vllm-rr vllm-ca; do
+  has_setup "$setup" || continue
+  case $setup in sglang-*) kind=sglang ;; *) kind=vllm ;; esac
+  [[ $setup == *-rr ]] && policy=round_robin || policy=cache_aware
+  port=$(free_port)
+  prom=$(free_port)
+  if [[ $kind == sglang ]]; then
+    start_peer NEW_PEER_PID NEW_PEER_URL "$WORK_DIR/$setup.out" "$port" "$SGLANG_VENV/bin/python" -m sglang_router.launch_router \
+      --host 127.0.0.1 --port "$port" --worker-urls "${SIM_ADDRS[@]/#/http://}" --policy "$policy" \
+      --prometheus-host 127.0.0.1 --prometheus-port "$prom" --log-level warn
+  else
+    start_peer NEW_PEER_PID NEW_PEER_URL "$WORK_DIR/$setup.out" "$port" "$VLLM_VENV/bin/vllm-router" \
+      --host 127.0.0.1 --port "$port" --worker-urls "${SIM_ADDRS[@]/#/http://}" --policy "$policy" \
+      --prometheus-host 127.0.0.1 --prometheus-port "$prom" --log-level warning
+  fi
+  PEER_PID[$setup]=$NEW_PEER_PID
+  PEER_URL[$setup]=$NEW_PEER_URL
+  log "$setup at $NEW_PEER_URL (pid $NEW_PEER_PID)"
+done
 
 # ---- measurements ---------------------------------------------------------------------------
 # run_load LABEL URL MODE CONCURRENCY DURATION PROXY_PIDS...: a warm-up run, then a measured run
@@ -199,8 +279,8 @@ run_load() {
   sed 's/^/    /' "$out.txt" >&2
 }
 
-declare -A URL=([direct]="http://${SIM_ADDRS[0]}" [nginx]="http://127.0.0.1:$NGINX_PORT" [kvmesh]="http://$PROXY_ADDR")
-SETUPS=(direct nginx kvmesh)
+declare -A URL=([direct]="http://${SIM_ADDRS[0]}" [nginx]="http://127.0.0.1:$NGINX_PORT" [kvmesh]="http://$PROXY_ADDR" [kvmesh-kv]="http://$KV_PROXY_ADDR")
+for setup in "${!PEER_URL[@]}"; do URL[$setup]=${PEER_URL[$setup]}; done
 MODES=(non-stream stream)
 # Rounds interleave the setups, so background load on the shared machine hits them alike.
 for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
@@ -209,6 +289,8 @@ for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
       direct) pids=() ;;
       nginx) pids=("${NGINX_PIDS[@]}") ;;
       kvmesh) pids=("$PROXY_PID") ;;
+      kvmesh-kv) pids=("$KV_PROXY_PID") ;;
+      *) pids=("${PEER_PID[$setup]}") ;;
     esac
     for mode in "${MODES[@]}"; do
       run_load "$setup-$mode-sat" "${URL[$setup]}" "$mode" "$CONCURRENCY" "$DURATION" "${pids[@]}"
@@ -221,11 +303,13 @@ done
 # A fresh proxy (so VmHWM is this test's peak) over sims with the timing model slowed down, so
 # every stream stays open for seconds.
 stop_pid "$PROXY_PID"
+[[ -n $KV_PROXY_ADDR ]] && stop_pid "$KV_PROXY_PID"
+for setup in "${!PEER_PID[@]}"; do stop_pid "${PEER_PID[$setup]}"; done
 stop_pid "$NGINX_PID"
 stop_pid "$SIM_PID"
 start_sims SLOW_SIM_PID "$WORK_DIR/slow-sim.out" --speedup-ratio 0.1 --max-num-seqs "$STREAMS"
 mapfile -t SLOW_ADDRS < <(listening "$WORK_DIR/slow-sim.out" 'engine-[0-9]+')
-write_proxy_config "$WORK_DIR/kvmesh-streams.yaml" "${SLOW_ADDRS[@]}"
+write_proxy_config "$WORK_DIR/kvmesh-streams.yaml" round_robin "${SLOW_ADDRS[@]}"
 start_proxy STREAM_PROXY_PID "$WORK_DIR/stream-proxy.out" "$WORK_DIR/kvmesh-streams.yaml"
 STREAM_PROXY_ADDR=$(listening "$WORK_DIR/stream-proxy.out" main)
 STREAM_PORT=${STREAM_PROXY_ADDR##*:}
@@ -257,9 +341,11 @@ mb() { awk -v k="$1" 'BEGIN { printf "%.1f", k / 1024 }'; }
 of() { local f; for f in "$WORK_DIR/$1".r*.json; do jq -r "($2) // empty" "$f"; done; }
 # saved LABEL EXT: the value of every round's LABEL.rN.EXT file, one a line.
 saved() { cat "$WORK_DIR/$1".r*."$2"; }
-# added LABEL: median p50 of LABEL minus median p50 of the direct run in the same mode and load.
+# added SETUP MODE-LOAD: median p50 of SETUP-MODE-LOAD minus median p50 of the direct run in the
+# same mode and load.
 added() {
-  local direct=direct-${1#*-}
+  local direct=direct-$2
+  set -- "$1-$2"
   awk -v a="$(of "$1" '.e2e_ms.p50' | median)" -v d="$(of "$direct" '.e2e_ms.p50' | median)" \
     'BEGIN { printf "%.3f", a - d }'
 }
@@ -277,7 +363,8 @@ SECTION=$WORK_DIR/section.md
   echo "- $ROUNDS rounds, each running every setup and mode in turn; each cell is the median over the rounds (req/s also shows the range), errors are summed."
   echo "- Pinning: load generator \`taskset -c $LOADGEN_CPU\` with one runtime thread; sims and the proxy under test \`taskset -c $SERVER_CPU\`. Sim and proxy share one core, so saturated req/s measures sim + proxy CPU per request; the generator's CPU use is in its reports."
   echo "- nginx: $NGINX_VERSION, \`worker_processes 1\`, upstream with both sims, \`keepalive 64\`, \`proxy_http_version 1.1\`, \`proxy_set_header Connection \"\"\`, \`proxy_buffering off\`, \`keepalive_requests 1000000\` (client and upstream side, so neither closes connections mid-run), access log off."
-  echo "- kvmesh-proxy: \`policy: round_robin\`, \`upstream.pool_size: 64\`, health checks off (nginx has none either), \`RUST_LOG=warn\` (no per-request log line, like nginx's access log off)."
+  echo "- kvmesh-proxy: \`policy: round_robin\` (*kvmesh*) and \`policy: kv\` with the Qwen3 tokenizer directory (*kvmesh-kv*: every request is rendered with the chat template, tokenized, hashed into 64-token blocks, scored against the KV index and booked), \`upstream.pool_size: 64\`, health checks off (nginx has none either), \`RUST_LOG=warn\` (no per-request log line, like nginx's access log off)."
+  echo "- Peers, from PyPI into \`.cache/bench/venv-*\`, started as in reference/peers.md §7 and pinned like the proxy: sglang-router $SGLANG_VERSION (\`python -m sglang_router.launch_router --policy round_robin|cache_aware\`, *sglang-rr* / *sglang-ca*) and vllm-router $VLLM_ROUTER_VERSION (\`vllm-router --policy round_robin|cache_aware\`, *vllm-rr* / *vllm-ca*), each with its own Prometheus port and its default health checks; all peers run during the whole benchmark. Their process is the Python launcher that hosts the Rust router, so CPU and RSS include the interpreter."
   echo "- CPU per request: utime + stime from \`/proc/PID/stat\` (all threads; nginx master + worker) over the measured run, divided by its successful requests. RSS: \`VmRSS\` after the run."
   echo
   echo "### Saturated: $CONCURRENCY connections, $DURATION per run"
@@ -290,7 +377,7 @@ SECTION=$WORK_DIR/section.md
       if [[ $setup == direct ]]; then proxy_cpu="—"; rss="—"; delta="—"; else
         proxy_cpu=$(saved "$l" proxy_us | median 1)
         rss=$(mb "$(saved "$l" rss | median 0)")
-        delta=$(added "$l")
+        delta=$(added "$setup" "${l#"$setup"-}")
       fi
       printf '| %s | %s | %.0f | %s | %s | %s | %s | %s | %s | %s | %s | %.0f |\n' "$setup" "$mode" \
         "$(of "$l" '.requests_per_s' | median)" "$(of "$l" '.requests_per_s' | span)" \
@@ -309,7 +396,7 @@ SECTION=$WORK_DIR/section.md
       l=$setup-$mode-one
       if [[ $setup == direct ]]; then proxy_cpu="—"; delta="—"; else
         proxy_cpu=$(saved "$l" proxy_us | median 1)
-        delta=$(added "$l")
+        delta=$(added "$setup" "${l#"$setup"-}")
       fi
       printf '| %s | %s | %.0f | %s | %s | %s | %s | %s |\n' "$setup" "$mode" \
         "$(of "$l" '.requests_per_s' | median)" "$(of "$l" '.e2e_ms.p50' | median)" \
@@ -338,12 +425,19 @@ SECTION=$WORK_DIR/section.md
   done
   for mode in "${MODES[@]}"; do
     for load in one sat; do
-      delta=$(added "kvmesh-$mode-$load")
+      delta=$(added kvmesh "$mode-$load")
       verdict=$(awk -v a="$delta" 'BEGIN {
         print (a < -0.05 ? "inconclusive: negative, the direct runs were disturbed" : a <= 0.2 ? "pass" : "FAIL") }')
       [[ $load == one ]] && what="1 connection" || what="$CONCURRENCY connections (saturated)"
       echo "| kvmesh p50 added latency over direct ≤ 0.2 ms, $mode, $what | $delta ms | $verdict |"
     done
+  done
+  for mode in "${MODES[@]}"; do
+    if ! has_setup kvmesh-kv || ! has_setup sglang-ca; then break; fi
+    k=$(of "kvmesh-kv-$mode-sat" '.requests_per_s' | median)
+    g=$(of "sglang-ca-$mode-sat" '.requests_per_s' | median)
+    verdict=$(awk -v k="$k" -v g="$g" 'BEGIN { print (k >= 3 * g ? "pass" : "FAIL") }')
+    printf '| kvmesh KV mode req/s ≥ 3 × sglang-router cache_aware, %s | %.0f vs %.0f (%.1f×) | %s |\n' "$mode" "$k" "$g" "$(awk -v k="$k" -v g="$g" 'BEGIN { print (g > 0 ? k / g : 0) }')" "$verdict"
   done
   verdict=$(awk -v h="$STREAM_HWM" 'BEGIN { print (h < 50 * 1024 ? "pass" : "FAIL") }')
   echo "| kvmesh peak RSS < 50 MB with $STREAMS concurrent streams | $(mb "$STREAM_HWM") MB at $PEAK_CONNS connections | $verdict |"

@@ -1,8 +1,7 @@
-//! Open-loop arrival schedules: Poisson arrivals from a seeded generator.
-//!
-//! A trace-driven schedule (request timestamps from a trace file) would sit beside this one and
-//! hand the open-loop driver the same thing: the gap until the next arrival.
+//! Open-loop arrival schedules: Poisson arrivals from a seeded generator, or fixed offsets from
+//! a trace or a precomputed workload.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::rng::SplitMix64;
@@ -31,6 +30,45 @@ impl PoissonArrivals {
     }
 }
 
+/// When the requests of an open-loop run arrive.
+#[derive(Debug, Clone)]
+pub enum ArrivalPlan {
+    /// Poisson arrivals, endless.
+    Poisson {
+        /// Mean requests per second.
+        rate: f64,
+        /// Seed of the gaps.
+        seed: u64,
+    },
+    /// Request `i` arrives `offsets[i]` after the start (non-decreasing); the plan ends after
+    /// the last one.
+    Offsets(Arc<[Duration]>),
+}
+
+impl ArrivalPlan {
+    /// The arrival times from the start, in order (`None` past the end of a finite plan).
+    pub fn times(&self) -> impl Iterator<Item = Duration> + Send + use<> {
+        let (mut poisson, offsets) = match self {
+            Self::Poisson { rate, seed } => (Some(PoissonArrivals::new(*rate, *seed)), None),
+            Self::Offsets(offsets) => (None, Some(offsets.clone())),
+        };
+        let mut now = Duration::ZERO;
+        let mut index = 0;
+        std::iter::from_fn(move || match (&mut poisson, &offsets) {
+            (Some(gaps), _) => {
+                now += gaps.next_gap();
+                Some(now)
+            }
+            (None, Some(offsets)) => {
+                let at = offsets.get(index).copied();
+                index += 1;
+                at
+            }
+            (None, None) => None,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -50,6 +88,23 @@ mod tests {
         let mut b = PoissonArrivals::new(1000.0, 12);
         let differ = (0..100).filter(|_| a.next_gap() != b.next_gap()).count();
         assert!(differ > 90);
+    }
+
+    #[test]
+    fn plans_yield_cumulative_times() {
+        let offsets: Arc<[Duration]> = [0, 0, 5].map(Duration::from_millis).into();
+        let times: Vec<Duration> = ArrivalPlan::Offsets(offsets.clone()).times().collect();
+        assert_eq!(times, offsets.to_vec());
+        let mut gaps = PoissonArrivals::new(100.0, 3);
+        let mut expected = Duration::ZERO;
+        let poisson = ArrivalPlan::Poisson {
+            rate: 100.0,
+            seed: 3,
+        };
+        for t in poisson.times().take(50) {
+            expected += gaps.next_gap();
+            assert_eq!(t, expected);
+        }
     }
 
     #[test]

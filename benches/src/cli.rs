@@ -5,12 +5,81 @@ use std::time::Duration;
 
 use clap::Parser;
 
-use crate::workload::Endpoint;
+use crate::scheduled::PromptFormat;
+use crate::workload::{Endpoint, WorkloadKind};
 
-/// Load generator for OpenAI-compatible HTTP endpoints: closed or open loop, streaming-aware.
+/// Load generator for OpenAI-compatible HTTP endpoints: closed or open loop, streaming-aware;
+/// fixed prompts, Mooncake trace replay or synthetic multi-turn chat, with engine prefix-cache
+/// hit rates and the oracle's.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "kvmesh-bench", version, about)]
 pub struct Args {
+    /// What to send: `fixed` (one prompt over and over, closed or open loop), `trace` (replay a
+    /// Mooncake trace at its own arrival times) or `chat` (synthetic multi-turn chat sessions,
+    /// Poisson arrivals at `--rate`). `trace` and `chat` send every request once, open loop.
+    #[arg(long, value_enum, default_value_t = WorkloadKind::Fixed)]
+    pub workload: WorkloadKind,
+    /// Trace: the Mooncake JSONL file to replay (token-id prompts to `/v1/completions`).
+    #[arg(long, required_if_eq("workload", "trace"))]
+    pub trace: Option<PathBuf>,
+    /// Trace: arrival times are divided by this (2 replays twice as fast as recorded).
+    #[arg(long, default_value_t = 1.0, value_parser = parse_rate)]
+    pub time_scale: f64,
+    /// Trace: replay only the first N requests.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub slice_requests: Option<u64>,
+    /// Trace: replay only the requests within this long of the first (trace time, e.g. `300s`).
+    #[arg(long, value_parser = parse_duration)]
+    pub slice_seconds: Option<Duration>,
+    /// Trace: tokens per trace hash id.
+    #[arg(long, default_value_t = crate::trace::MOONCAKE_BLOCK_SIZE, value_parser = parse_positive)]
+    pub trace_block_size: usize,
+    /// Trace: send prompts as token-id arrays (`ids`) or as text with one number word per token
+    /// (`text`, for routers that reject token ids; a word-splitting engine tokenizer gives the
+    /// same token count and prefix structure).
+    #[arg(long, value_enum, default_value_t = PromptFormat::Ids)]
+    pub prompt_format: PromptFormat,
+    /// Chat: conversations in total.
+    #[arg(long, default_value_t = 64, value_parser = parse_positive)]
+    pub chat_sessions: usize,
+    /// Chat: conversations open at once; each arrival is the next turn of one of them.
+    #[arg(long, default_value_t = 16, value_parser = parse_positive)]
+    pub chat_active_sessions: usize,
+    /// Chat: user turns per conversation.
+    #[arg(long, default_value_t = 4, value_parser = parse_positive)]
+    pub chat_turns: usize,
+    /// Chat: distinct system prompts, shared round robin by the conversations.
+    #[arg(long, default_value_t = 4, value_parser = parse_positive)]
+    pub chat_system_prompts: usize,
+    /// Chat: words per system prompt.
+    #[arg(long, default_value_t = 1000)]
+    pub chat_system_words: usize,
+    /// Chat: words per user message.
+    #[arg(long, default_value_t = 64)]
+    pub chat_user_words: usize,
+    /// Chat: words per synthetic assistant answer placed in the history.
+    #[arg(long, default_value_t = 64)]
+    pub chat_answer_words: usize,
+    /// Base URLs of the engines behind the target, whose `/metrics` (vLLM names) are read
+    /// before and after the run for per-engine prefix-cache hit rates (comma-separated or
+    /// repeated).
+    #[arg(long, value_delimiter = ',')]
+    pub engine_metrics: Vec<String>,
+    /// Oracle: engines of the fleet (default: the number of `--engine-metrics` URLs; no
+    /// oracle when both are absent).
+    #[arg(long, value_parser = parse_positive)]
+    pub oracle_engines: Option<usize>,
+    /// Oracle: KV capacity of one engine in blocks (vLLM `num_gpu_blocks`).
+    #[arg(long, default_value_t = 16_384, value_parser = parse_positive)]
+    pub oracle_blocks_per_engine: usize,
+    /// Oracle: the engines' KV block size in tokens.
+    #[arg(long, default_value_t = 64, value_parser = parse_positive)]
+    pub block_size: usize,
+    /// Chat oracle: directory with the engines' `tokenizer.json` and `tokenizer_config.json`
+    /// (chat template), to count prompt tokens as the engines do; without it a chat run
+    /// reports no oracle.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
     /// Base URL of the server (plain http; a trailing `/v1` is allowed).
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     pub url: String,
@@ -91,6 +160,14 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         .map_err(|_| format!("invalid duration {text:?}: must be finite and not negative"))
 }
 
+/// Parses a positive integer.
+pub fn parse_positive(text: &str) -> Result<usize, String> {
+    match text.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("invalid value {text:?}: a positive integer")),
+    }
+}
+
 /// Parses a positive, finite rate in requests per second.
 pub fn parse_rate(text: &str) -> Result<f64, String> {
     match text.trim().parse::<f64>() {
@@ -144,5 +221,41 @@ mod tests {
         assert_eq!(args.rate, Some(50.0));
         assert_eq!(args.concurrency, 32);
         assert!(Args::try_parse_from(["kvmesh-bench", "--concurrency", "0"]).is_err());
+        assert_eq!(args.workload, WorkloadKind::Fixed);
+    }
+
+    #[test]
+    fn trace_and_chat_flags_parse() {
+        let args = Args::try_parse_from([
+            "kvmesh-bench",
+            "--workload",
+            "trace",
+            "--trace",
+            "t.jsonl",
+            "--time-scale",
+            "8",
+            "--slice-requests",
+            "200",
+            "--slice-seconds",
+            "60s",
+            "--prompt-format",
+            "text",
+            "--engine-metrics",
+            "http://a:1,http://b:2",
+            "--engine-metrics",
+            "http://c:3",
+        ])
+        .expect("valid arguments");
+        assert_eq!(args.workload, WorkloadKind::Trace);
+        assert_eq!(args.time_scale, 8.0);
+        assert_eq!(args.slice_requests, Some(200));
+        assert_eq!(args.slice_seconds, Some(Duration::from_secs(60)));
+        assert_eq!(args.prompt_format, PromptFormat::Text);
+        assert_eq!(args.engine_metrics.len(), 3);
+        assert_eq!(args.trace_block_size, 512);
+        assert!(Args::try_parse_from(["kvmesh-bench", "--workload", "trace"]).is_err());
+        assert!(Args::try_parse_from(["kvmesh-bench", "--chat-turns", "0"]).is_err());
+        assert_eq!(parse_positive("3"), Ok(3));
+        assert!(parse_positive("0").is_err());
     }
 }

@@ -67,6 +67,27 @@ impl LatencyHistogram {
             max: ms(self.micros.max()),
         })
     }
+
+    /// The distribution as `[quantile, ms]` points (every percent, then 99.5 % and 99.9 %),
+    /// sorted by quantile, for plotting a CDF; empty when nothing was recorded.
+    pub fn cdf(&self) -> Vec<[f64; 2]> {
+        if self.micros.is_empty() {
+            return Vec::new();
+        }
+        let mut points: Vec<[f64; 2]> = cdf_quantiles()
+            .map(|q| [q, self.micros.value_at_quantile(q) as f64 / 1000.0])
+            .collect();
+        points.sort_by(|a, b| a[0].total_cmp(&b[0]));
+        points
+    }
+}
+
+/// Quantiles at which [`LatencyHistogram::cdf`] samples a distribution: every percent, then
+/// the tail at 99.5 % and 99.9 %.
+fn cdf_quantiles() -> impl Iterator<Item = f64> {
+    (0..=100)
+        .map(|p| f64::from(p) / 100.0)
+        .chain([0.995, 0.999])
 }
 
 /// Percentiles of a latency distribution, in milliseconds (µs resolution).
@@ -140,6 +161,23 @@ mod tests {
         assert_eq!(s.count, 2);
         assert_eq!(s.p50, 0.0);
         assert!(s.max >= 3_600_000.0 * 0.999);
+    }
+
+    #[test]
+    fn cdf_points_rise_with_the_quantile() {
+        assert!(LatencyHistogram::new().cdf().is_empty());
+        let mut h = LatencyHistogram::new();
+        for us in 1..=1000 {
+            h.record_micros(us);
+        }
+        let cdf = h.cdf();
+        assert_eq!(cdf.len(), 103);
+        assert!(
+            cdf.windows(2)
+                .all(|w| w[0][0] <= w[1][0] && w[0][1] <= w[1][1])
+        );
+        assert_eq!(cdf[50], [0.5, 0.5]);
+        assert_eq!(cdf.last().copied(), Some([1.0, 1.0]));
     }
 
     #[test]

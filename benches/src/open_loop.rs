@@ -1,5 +1,5 @@
-//! Open loop: requests arrive on a Poisson schedule whatever the server's pace, with a bound on
-//! how many may be outstanding.
+//! Open loop: requests arrive on a schedule (Poisson, or fixed offsets from a trace) whatever
+//! the server's pace, with a bound on how many may be outstanding.
 //!
 //! Arrival times come from a timer on a blocking thread (`std::thread::sleep`, tens of µs of
 //! jitter) rather than the runtime's millisecond timer wheel, which would bunch arrivals into
@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use crate::arrival::PoissonArrivals;
+use crate::arrival::ArrivalPlan;
 use crate::client::Client;
 use crate::lane::{Attempt, Lane};
 use crate::plan::{DriverError, Outcome, Plan, Schedule};
@@ -26,14 +26,12 @@ const TIMER_SLACK: Duration = Duration::from_millis(1);
 const ARRIVAL_QUEUE: usize = 65_536;
 
 /// Shape of an open-loop run.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct OpenLoop {
-    /// Mean arrival rate, requests per second.
-    pub rate: f64,
+    /// When requests arrive.
+    pub arrivals: ArrivalPlan,
     /// Most requests in flight at once; arrivals beyond wait (and their wait counts as latency).
     pub max_outstanding: usize,
-    /// Seed of the arrival gaps.
-    pub seed: u64,
 }
 
 /// One scheduled arrival.
@@ -52,8 +50,9 @@ pub async fn run_open_loop(
 ) -> Result<Outcome, DriverError> {
     let schedule = plan.start();
     let (arrivals_tx, mut arrivals) = mpsc::channel(ARRIVAL_QUEUE);
+    let max_outstanding = shape.max_outstanding;
     let timer = tokio::task::spawn_blocking(move || {
-        emit_arrivals(shape, plan, schedule, Instant::now(), arrivals_tx)
+        emit_arrivals(&shape.arrivals, plan, schedule, Instant::now(), arrivals_tx)
     });
     let idle: Arc<Mutex<Vec<Lane>>> = Arc::new(Mutex::new(Vec::new()));
     let mut in_flight = JoinSet::new();
@@ -63,7 +62,7 @@ pub async fn run_open_loop(
             break;
         };
         index += 1;
-        while in_flight.len() >= shape.max_outstanding {
+        while in_flight.len() >= max_outstanding {
             if let Some(done) = in_flight.join_next().await {
                 done?;
             }
@@ -103,19 +102,18 @@ pub async fn run_open_loop(
     Ok(Outcome::new(&plan, &schedule, recorder))
 }
 
-/// Sleeps until each arrival and sends it; stops at the plan's end or when the receiver is gone.
+/// Sleeps until each arrival and sends it; stops at the plan's end, at the end of a finite
+/// arrival plan, or when the receiver is gone.
 fn emit_arrivals(
-    shape: OpenLoop,
+    arrivals_plan: &ArrivalPlan,
     plan: Plan,
     schedule: Schedule,
     start: Instant,
     arrivals: mpsc::Sender<Arrival>,
 ) {
-    let mut gaps = PoissonArrivals::new(shape.rate, shape.seed);
-    let mut next = start;
     let mut measured = 0u64;
-    loop {
-        next += gaps.next_gap();
+    for offset in arrivals_plan.times() {
+        let next = start + offset;
         if schedule.cutoff.is_some_and(|cutoff| next >= cutoff) {
             return;
         }

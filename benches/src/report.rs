@@ -5,6 +5,7 @@ use std::fmt;
 
 use serde::Serialize;
 
+use crate::cache_report::CacheReport;
 use crate::histogram::Percentiles;
 use crate::plan::Outcome;
 
@@ -23,6 +24,59 @@ pub enum LoadShape {
         rate: f64,
         /// Bound on requests in flight.
         max_outstanding: u64,
+    },
+    /// Each request once, at its scheduled arrival time (trace replay, synthetic chat).
+    Scheduled {
+        /// Requests scheduled.
+        requests: u64,
+        /// From the first to the last arrival, seconds.
+        span_s: f64,
+        /// Bound on requests in flight.
+        max_outstanding: u64,
+    },
+}
+
+/// What was sent, beyond the endpoint.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum WorkloadInfo {
+    /// One deterministic prompt, over and over.
+    Fixed,
+    /// A Mooncake trace replay.
+    Trace {
+        /// The trace file.
+        path: String,
+        /// Requests replayed.
+        requests: u64,
+        /// Trace time from the first to the last request, seconds.
+        trace_span_s: f64,
+        /// Arrival times were divided by this.
+        time_scale: f64,
+        /// `ids` or `text`.
+        prompt_format: &'static str,
+        /// Mean prompt tokens.
+        mean_input_tokens: f64,
+        /// Mean `max_tokens`.
+        mean_output_tokens: f64,
+    },
+    /// Synthetic multi-turn chat.
+    Chat {
+        /// Conversations.
+        sessions: usize,
+        /// Conversations open at once.
+        active_sessions: usize,
+        /// User turns per conversation.
+        turns: usize,
+        /// Distinct system prompts.
+        system_prompts: usize,
+        /// Words per system prompt.
+        system_words: usize,
+        /// Words per user message.
+        user_words: usize,
+        /// Words per synthetic answer in the history.
+        answer_words: usize,
+        /// Mean arrival rate, requests per second.
+        rate: f64,
     },
 }
 
@@ -43,6 +97,8 @@ pub struct RunInfo {
     pub prompt_tokens: usize,
     /// `max_tokens` sent.
     pub max_tokens: u32,
+    /// What was sent.
+    pub workload: WorkloadInfo,
     /// How load was applied.
     pub load: LoadShape,
     /// Warm-up before measuring, seconds.
@@ -78,6 +134,12 @@ pub struct Report {
     /// CPU the load generator used over the whole run, in % of one core (Linux only): near
     /// 100 × its threads means the generator, not the server, was the limit.
     pub client_cpu_percent: Option<f64>,
+    /// The TTFT distribution as `[quantile, ms]` points, for CDF plots (streaming only).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ttft_cdf_ms: Vec<[f64; 2]>,
+    /// Engines' prefix-cache hits and the oracle's (with `--engine-metrics`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CacheReport>,
 }
 
 impl Report {
@@ -105,8 +167,96 @@ impl Report {
             itl_ms: r.itl.summary(),
             e2e_ms: r.e2e.summary(),
             client_cpu_percent,
+            ttft_cdf_ms: r.ttft.cdf(),
+            cache: None,
         }
     }
+
+    /// The report with its prefix-cache results.
+    pub fn with_cache(mut self, cache: Option<CacheReport>) -> Self {
+        self.cache = cache;
+        self
+    }
+}
+
+/// Writes the workload line of the table.
+fn write_workload(f: &mut fmt::Formatter<'_>, workload: &WorkloadInfo) -> fmt::Result {
+    match workload {
+        WorkloadInfo::Fixed => Ok(()),
+        WorkloadInfo::Trace {
+            path,
+            requests,
+            trace_span_s,
+            time_scale,
+            prompt_format,
+            mean_input_tokens,
+            mean_output_tokens,
+        } => writeln!(
+            f,
+            "trace {path}: {requests} requests over {trace_span_s:.1} s of trace time at {time_scale}x, \
+             prompts as {prompt_format}, mean {mean_input_tokens:.0} in / {mean_output_tokens:.0} out tokens"
+        ),
+        WorkloadInfo::Chat {
+            sessions,
+            active_sessions,
+            turns,
+            system_prompts,
+            system_words,
+            user_words,
+            answer_words,
+            rate,
+        } => writeln!(
+            f,
+            "chat: {sessions} sessions × {turns} turns, {active_sessions} open at once, \
+             {system_prompts} system prompts of {system_words} words, user {user_words} words, \
+             answers {answer_words} words, {rate} req/s Poisson"
+        ),
+    }
+}
+
+/// Writes the prefix-cache lines of the table.
+fn write_cache(f: &mut fmt::Formatter<'_>, cache: &CacheReport) -> fmt::Result {
+    write!(
+        f,
+        "prefix cache: fleet hit rate {:.4} ({} of {} prompt tokens), {} preemptions, \
+         requests per engine {}–{}",
+        cache.hit_rate,
+        cache.hit_tokens,
+        cache.query_tokens,
+        cache.preemptions,
+        cache.requests_min,
+        cache.requests_max
+    )?;
+    match (&cache.oracle, cache.fraction_of_oracle) {
+        (Some(o), fraction) => {
+            writeln!(
+                f,
+                "\noracle ({} blocks of {} tokens): hit rate {:.4}, infinite cache {:.4}{}",
+                o.capacity_blocks,
+                o.block_size,
+                o.hit_rate,
+                o.infinite_hit_rate,
+                fraction.map_or(String::new(), |x| format!(
+                    "; measured = {:.1} % of the oracle",
+                    x * 100.0
+                ))
+            )?;
+        }
+        (None, _) => writeln!(f)?,
+    }
+    writeln!(
+        f,
+        "{:<28}{:>10}{:>16}{:>16}{:>10}{:>12}",
+        "engine", "requests", "query tokens", "hit tokens", "hit rate", "preempted"
+    )?;
+    for e in &cache.engines {
+        writeln!(
+            f,
+            "{:<28}{:>10}{:>16}{:>16}{:>10.4}{:>12}",
+            e.url, e.requests, e.query_tokens, e.hit_tokens, e.hit_rate, e.preemptions
+        )?;
+    }
+    Ok(())
 }
 
 impl fmt::Display for Report {
@@ -118,6 +268,13 @@ impl fmt::Display for Report {
                 rate,
                 max_outstanding,
             } => format!("open loop, {rate} req/s offered, at most {max_outstanding} outstanding"),
+            LoadShape::Scheduled {
+                requests,
+                span_s,
+                max_outstanding,
+            } => format!(
+                "scheduled arrivals, {requests} requests over {span_s:.2} s, at most {max_outstanding} outstanding"
+            ),
         };
         writeln!(
             f,
@@ -130,6 +287,7 @@ impl fmt::Display for Report {
             run.prompt_tokens,
             run.max_tokens
         )?;
+        write_workload(f, &run.workload)?;
         writeln!(
             f,
             "{load}; measured {:.2} s after {:.2} s warm-up",
@@ -163,6 +321,9 @@ impl fmt::Display for Report {
                 None => writeln!(f, "{name:<12}{:>10}", "-")?,
             }
         }
+        if let Some(cache) = &self.cache {
+            write_cache(f, cache)?;
+        }
         if let Some(cpu) = self.client_cpu_percent {
             writeln!(f, "load generator CPU: {cpu:.0}% of one core")?;
         }
@@ -194,6 +355,7 @@ mod tests {
             http2: false,
             prompt_tokens: 16,
             max_tokens: 16,
+            workload: WorkloadInfo::Fixed,
             load: LoadShape::Closed { concurrency: 4 },
             warmup_s: 0.0,
         }
@@ -231,6 +393,64 @@ mod tests {
         assert!(table.contains("status_429=1"), "{table}");
         assert!(table.contains("CPU: 40% of one core"), "{table}");
         assert_eq!(json["client_cpu_percent"], 40.0);
+        assert_eq!(json["workload"]["kind"], "fixed");
+        assert_eq!(json["ttft_cdf_ms"][50][1], 0.5);
+        assert!(json.get("cache").is_none());
+    }
+
+    #[test]
+    fn cache_results_appear_in_json_and_table() {
+        use crate::engine_metrics::EngineDelta;
+        let engines = vec![EngineDelta {
+            url: "http://127.0.0.1:9".into(),
+            requests: 3,
+            query_tokens: 1000,
+            hit_tokens: 250,
+            hit_rate: 0.25,
+            preemptions: 0,
+        }];
+        let oracle = crate::oracle::OracleReport {
+            model: "pooled LRU",
+            block_size: 64,
+            capacity_blocks: 128,
+            requests: 3,
+            prompt_tokens: 1000,
+            hit_tokens: 500,
+            hit_rate: 0.5,
+            infinite_hit_tokens: 600,
+            infinite_hit_rate: 0.6,
+        };
+        let outcome = Outcome {
+            recorder: Recorder::new(),
+            window: Duration::from_secs(1),
+        };
+        let mut run = info();
+        run.workload = WorkloadInfo::Trace {
+            path: "t.jsonl".into(),
+            requests: 3,
+            trace_span_s: 2.0,
+            time_scale: 4.0,
+            prompt_format: "ids",
+            mean_input_tokens: 333.0,
+            mean_output_tokens: 10.0,
+        };
+        run.load = LoadShape::Scheduled {
+            requests: 3,
+            span_s: 0.5,
+            max_outstanding: 8,
+        };
+        let report = Report::new(run, &outcome, None)
+            .with_cache(Some(CacheReport::new(engines, Some(oracle))));
+        let json = serde_json::to_value(&report).expect("serialisable");
+        assert_eq!(json["cache"]["hit_rate"], 0.25);
+        assert_eq!(json["cache"]["fraction_of_oracle"], 0.5);
+        assert_eq!(json["cache"]["oracle"]["infinite_hit_rate"], 0.6);
+        assert_eq!(json["workload"]["kind"], "trace");
+        assert_eq!(json["load"]["kind"], "scheduled");
+        let table = report.to_string();
+        assert!(table.contains("fleet hit rate 0.2500"), "{table}");
+        assert!(table.contains("50.0 % of the oracle"), "{table}");
+        assert!(table.contains("trace t.jsonl: 3 requests"), "{table}");
     }
 
     #[test]

@@ -1,9 +1,9 @@
 //! What to send: a source of request bodies indexed by request number.
 //!
 //! [`Workload`] hands out one [`WorkItem`] per request. The synthetic workload returns the same
-//! prebuilt body every time (a reference-counted clone, no per-request work). A trace workload
-//! (e.g. Mooncake JSONL expanded to token-id prompts for `/v1/completions`) implements the same
-//! trait, returns `None` past its last line, and pairs with a trace-driven arrival schedule.
+//! prebuilt body every time (a reference-counted clone, no per-request work). Trace replay and
+//! synthetic chat ([`crate::scheduled::ScheduledWorkload`]) prebuild one body per request,
+//! return `None` past the last, and pair with their own arrival offsets.
 
 use bytes::Bytes;
 use clap::ValueEnum;
@@ -38,6 +38,17 @@ impl Endpoint {
             Self::Completions => "completions",
         }
     }
+}
+
+/// The kind of workload a run sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WorkloadKind {
+    /// One deterministic prompt, over and over.
+    Fixed,
+    /// A Mooncake trace replayed at its arrival times.
+    Trace,
+    /// Synthetic multi-turn chat sessions with shared system prompts.
+    Chat,
 }
 
 /// One request to send.

@@ -1,0 +1,514 @@
+#!/usr/bin/env bash
+# Routing-quality comparison, in one go: the same workloads through six routers in front of the
+# same simulated cluster (8 kvmesh-engine-sim engines with the timing model, fresh for every
+# run, so no run inherits another's cache):
+#   kvmesh-rr        kvmesh-proxy, policy: round_robin
+#   kvmesh-kv        kvmesh-proxy, policy: kv (approximate: predicted from its own decisions)
+#   kvmesh-precise   kvmesh-proxy, policy: kv with KV events: one kvmesh-agent per engine,
+#                    etcd discovery, nats-server events
+#   sglang           sglang-router 0.3.2, --policy cache_aware
+#   vllm-router      vllm-router 0.1.17, --policy cache_aware
+#   nginx            nginx round robin
+# Workloads: a slice of a Mooncake trace (token-id prompts replayed at their timestamps) and
+# synthetic multi-turn chat. Writes the `routing-quality` section of docs/BENCHMARKS.md (table,
+# targets) and one TTFT CDF plot per workload under docs/img/ (beside --doc).
+#
+# Usage: benches/routing-quality.sh [options]
+#   --trace FILE          Mooncake JSONL trace (default: the committed 200-request slice,
+#                         benches/data/conversation_trace_head200.jsonl)
+#   --slice-requests N    replay the first N requests of the trace (default 2000)
+#   --arrival-speedup A   replay the trace A times faster than recorded, in engine time (default 4)
+#   --speedup S           engine-sim --speedup-ratio: the whole run goes S times faster than
+#                         engine time; latencies in the doc are wall time × S (default 4)
+#   --engines N           simulated engines (default 8)
+#   --chat-rate R         chat arrivals per second of wall time (default 48)
+#   --chat-sessions N     chat conversations (default 192; 4 turns each)
+#   --lanes LIST          comma-separated subset of the lanes above (default: all)
+#   --kv-overlap-weight W kvmesh policy: kv overlap_weight (default: the proxy's default)
+#   --workloads LIST      trace,chat (default both)
+#   --no-build            use the binaries already in --bin-dir
+#   --bin-dir DIR         where the binaries are (default target/release)
+#   --doc FILE            document to update (default docs/BENCHMARKS.md)
+#   --keep                keep the work directory (configs, logs, JSON reports)
+# Installs what is missing: jq, nginx, etcd, nats-server (apt); the peers and matplotlib into
+# virtualenvs under .cache/bench/ (pip, from PyPI); the Qwen3 tokenizer (scripts/fetch-tokenizer.sh).
+set -euo pipefail
+# shellcheck source=benches/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+TRACE=$BENCH_ROOT/benches/data/conversation_trace_head200.jsonl
+SLICE_REQUESTS=2000
+ARRIVAL_SPEEDUP=4
+SPEEDUP=4
+ENGINES=8
+CHAT_RATE=48
+CHAT_SESSIONS=192
+CHAT_ACTIVE=48
+CHAT_TURNS=4
+CHAT_SYSTEM_PROMPTS=4
+CHAT_SYSTEM_WORDS=500
+CHAT_USER_WORDS=800
+CHAT_ANSWER_WORDS=100
+LANES=kvmesh-rr,kvmesh-kv,kvmesh-precise,sglang,vllm-router,nginx
+WORKLOADS=trace,chat
+KV_OVERLAP_WEIGHT=
+BUILD=1
+BIN_DIR=$BENCH_ROOT/target/release
+DOC=$BENCH_ROOT/docs/BENCHMARKS.md
+CACHE_DIR=$BENCH_ROOT/.cache/bench
+TOKENIZER=$BENCH_ROOT/.cache/tokenizers/qwen3
+MODEL=sim-model
+SGLANG_VERSION=0.3.2
+VLLM_ROUTER_VERSION=0.1.17
+COMMAND="benches/routing-quality.sh${*:+ $*}"
+
+while (($#)); do
+  case $1 in
+    --trace) TRACE=$(cd "$(dirname "$2")" && pwd)/$(basename "$2"); shift 2 ;;
+    --slice-requests) SLICE_REQUESTS=$2; shift 2 ;;
+    --arrival-speedup) ARRIVAL_SPEEDUP=$2; shift 2 ;;
+    --speedup) SPEEDUP=$2; shift 2 ;;
+    --engines) ENGINES=$2; shift 2 ;;
+    --chat-rate) CHAT_RATE=$2; shift 2 ;;
+    --chat-sessions) CHAT_SESSIONS=$2; shift 2 ;;
+    --lanes) LANES=$2; shift 2 ;;
+    --workloads) WORKLOADS=$2; shift 2 ;;
+    --kv-overlap-weight) KV_OVERLAP_WEIGHT=$2; shift 2 ;;
+    --no-build) BUILD=0; shift ;;
+    --bin-dir) BIN_DIR=$(cd "$2" && pwd); shift 2 ;;
+    --doc) DOC=$2; shift 2 ;;
+    --keep) KEEP_WORK_DIR=1; shift ;; # read by cleanup (common.sh)
+    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown option $1 (see --help)" ;;
+  esac
+done
+# The plots go beside the document, where its section links them.
+IMG_DIR=$(dirname "$DOC")/img
+IFS=, read -ra LANE_LIST <<<"$LANES"
+IFS=, read -ra WORKLOAD_LIST <<<"$WORKLOADS"
+[[ -f $TRACE ]] || die "no trace at $TRACE"
+TIME_SCALE=$(awk -v a="$ARRIVAL_SPEEDUP" -v s="$SPEEDUP" 'BEGIN { print a * s }')
+has_lane() { [[ ",$LANES," == *",$1,"* ]]; }
+
+# ---- tools, binaries, peers -----------------------------------------------------------------
+need_tool jq jq
+need_tool curl curl
+has_lane nginx && need_tool nginx nginx
+if has_lane kvmesh-precise; then
+  need_tool nats-server nats-server
+  need_tool etcd etcd-server
+fi
+NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+
+BINS=(-p kvmesh-proxy -p kvmesh-engine-sim -p kvmesh-bench)
+has_lane kvmesh-precise && [[ -f $BENCH_ROOT/worker-agent/Cargo.toml ]] && BINS+=(-p kvmesh-agent)
+if ((BUILD)); then
+  log "building release binaries (several minutes on 2 cores)"
+  (cd "$BENCH_ROOT" && cargo build --release "${BINS[@]}")
+fi
+SIM=$BIN_DIR/kvmesh-engine-sim
+PROXY=$BIN_DIR/kvmesh-proxy
+BENCH=$BIN_DIR/kvmesh-bench
+AGENT=$BIN_DIR/kvmesh-agent
+for bin in "$SIM" "$PROXY" "$BENCH"; do [[ -x $bin ]] || die "missing $bin"; done
+
+# venv NAME PACKAGE: a virtualenv under .cache/bench with PACKAGE installed (once).
+venv() {
+  local dir=$CACHE_DIR/venv-$1
+  if [[ ! -f $dir/.installed-$2 ]]; then
+    log "installing $2 into $dir"
+    rm -rf "$dir"
+    python3 -m venv "$dir"
+    "$dir/bin/pip" install --quiet --disable-pip-version-check "$2" >&2
+    touch "$dir/.installed-$2"
+  fi
+  echo "$dir"
+}
+mkdir -p "$CACHE_DIR"
+has_lane sglang && SGLANG_VENV=$(venv sglang "sglang-router==$SGLANG_VERSION")
+has_lane vllm-router && VLLM_VENV=$(venv vllm-router "vllm-router==$VLLM_ROUTER_VERSION")
+PLOT_VENV=$(venv plot matplotlib)
+[[ ",$WORKLOADS," == *",chat,"* ]] && "$BENCH_ROOT/scripts/fetch-tokenizer.sh" "$TOKENIZER" >&2
+
+WORK_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvmesh-routing.XXXXXX")
+chmod 755 "$WORK_DIR"
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+LOAD_BEFORE=$(machine_lines)
+DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
+STARTED_AT=$SECONDS
+NOTES=$WORK_DIR/notes.md
+: >"$NOTES"
+note() { grep -qxF -- "- $*" "$NOTES" || echo "- $*" >>"$NOTES"; log "note: $*"; }
+
+# wait_http URL [SECONDS]: waits until GET URL answers 2xx.
+wait_http() {
+  local url=$1 deadline=$((SECONDS + ${2:-60}))
+  until curl -sf -o /dev/null "$url"; do
+    ((SECONDS < deadline)) || { log "$url did not answer within ${2:-60}s"; return 1; }
+    sleep 0.1
+  done
+}
+
+# ---- one run: fresh engines, one router, one workload ----------------------------------------
+# start_sims WORKLOAD LANE: 8 engines in one process; SIM_ADDRS, SIM_URLS, EVENT_ADDRS.
+start_sims() {
+  local args=(--engines "$ENGINES" --port 0 --model "$MODEL" --speedup-ratio "$SPEEDUP")
+  [[ $1 == chat ]] && args+=(--tokenizer "$TOKENIZER/tokenizer.json")
+  [[ $2 == kvmesh-precise ]] && args+=(--kv-events-endpoint tcp://127.0.0.1:0 --kv-events-replay-endpoint tcp://127.0.0.1:0)
+  start_bg SIM_PID "$RUN_DIR/sim.out" "$SIM" "${args[@]}"
+  wait_ready "$RUN_DIR/sim.out" "$SIM_PID"
+  mapfile -t SIM_ADDRS < <(listening "$RUN_DIR/sim.out" 'engine-[0-9]+')
+  mapfile -t EVENT_ADDRS < <(listening "$RUN_DIR/sim.out" 'kv-events-[0-9]+')
+  mapfile -t REPLAY_ADDRS < <(listening "$RUN_DIR/sim.out" 'kv-replay-[0-9]+')
+  ((${#SIM_ADDRS[@]} == ENGINES)) || die "expected $ENGINES engines, got ${SIM_ADDRS[*]}"
+  SIM_URLS=$(printf 'http://%s,' "${SIM_ADDRS[@]}")
+  SIM_URLS=${SIM_URLS%,}
+}
+
+# kvmesh_config FILE POLICY WORKLOAD [CONTROL_PLANE_YAML]: a kvmesh-proxy config over the sims
+# (static backends), or over what discovery finds when CONTROL_PLANE_YAML is given.
+kvmesh_config() {
+  local file=$1 policy=$2 workload=$3 control=${4:-} addr
+  {
+    echo "listeners:"
+    echo "  - name: main"
+    echo "    address: 127.0.0.1:0"
+    echo "admin:"
+    echo "  address: 127.0.0.1:0"
+    echo "models:"
+    echo "  - name: $MODEL"
+    echo "    policy: $policy"
+    if [[ $workload == chat && $policy == kv ]]; then echo "    tokenizer: $TOKENIZER"; fi
+    if [[ $policy == kv && -n $KV_OVERLAP_WEIGHT ]]; then printf '    kv:\n      overlap_weight: %s\n' "$KV_OVERLAP_WEIGHT"; fi
+    if [[ -n $control ]]; then
+      echo "    backends: []"
+    else
+      echo "    backends:"
+      for addr in "${SIM_ADDRS[@]}"; do echo "      - url: http://$addr"; done
+    fi
+    echo "limits:"
+    echo "  first_byte_timeout: 600s"
+    echo "  idle_timeout: 600s"
+    echo "health_check:"
+    echo "  enabled: false"
+    if [[ -n $control ]]; then echo "$control"; fi
+  } >"$file"
+}
+
+start_kvmesh() { # CONFIG
+  "$PROXY" --check-config "$1" >/dev/null || die "kvmesh-proxy rejects $1"
+  start_bg PROXY_PID "$RUN_DIR/proxy.out" env RUST_LOG=warn "$PROXY" --config "$1"
+  wait_ready "$RUN_DIR/proxy.out" "$PROXY_PID"
+  ROUTER_URL=http://$(listening "$RUN_DIR/proxy.out" main)
+  ROUTER_PIDS=("$PROXY_PID")
+}
+
+# start_precise WORKLOAD: etcd, nats-server, one kvmesh-agent per engine, then kvmesh-proxy
+# with etcd discovery and NATS events; waits until the proxy routes to every engine.
+start_precise() {
+  local etcd_port peer_port nats_port i
+  etcd_port=$(free_port)
+  peer_port=$(free_port)
+  nats_port=$(free_port)
+  start_bg ETCD_PID "$RUN_DIR/etcd.out" etcd --name bench --data-dir "$RUN_DIR/etcd" \
+    --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
+    --listen-peer-urls "http://127.0.0.1:$peer_port" --initial-advertise-peer-urls "http://127.0.0.1:$peer_port" \
+    --initial-cluster "bench=http://127.0.0.1:$peer_port"
+  start_bg NATS_PID "$RUN_DIR/nats.out" nats-server -a 127.0.0.1 -p "$nats_port"
+  wait_http "http://127.0.0.1:$etcd_port/health" 30
+  until (exec 3<>"/dev/tcp/127.0.0.1/$nats_port") 2>/dev/null; do sleep 0.05; done
+  ROUTER_PIDS=("$ETCD_PID" "$NATS_PID")
+  for ((i = 0; i < ENGINES; i++)); do
+    start_bg AGENT_PID "$RUN_DIR/agent-$i.out" env RUST_LOG=warn "$AGENT" \
+      --engine-url "http://${SIM_ADDRS[i]}" --model "$MODEL" \
+      --kv-events-endpoint "tcp://${EVENT_ADDRS[i]}" --kv-events-replay-endpoint "tcp://${REPLAY_ADDRS[i]}" \
+      --block-size 64 --total-blocks 16384 \
+      --nats "nats://127.0.0.1:$nats_port" --etcd "http://127.0.0.1:$etcd_port"
+    ROUTER_PIDS+=("$AGENT_PID")
+    wait_ready "$RUN_DIR/agent-$i.out" "$AGENT_PID"
+  done
+  kvmesh_config "$RUN_DIR/kvmesh.yaml" kv "$1" "discovery:
+  kind: etcd
+  endpoint: http://127.0.0.1:$etcd_port
+events:
+  kind: nats
+  url: nats://127.0.0.1:$nats_port"
+  "$PROXY" --check-config "$RUN_DIR/kvmesh.yaml" >/dev/null || die "kvmesh-proxy rejects $RUN_DIR/kvmesh.yaml"
+  start_bg PROXY_PID "$RUN_DIR/proxy.out" env RUST_LOG=warn "$PROXY" --config "$RUN_DIR/kvmesh.yaml"
+  wait_ready "$RUN_DIR/proxy.out" "$PROXY_PID"
+  ROUTER_URL=http://$(listening "$RUN_DIR/proxy.out" main)
+  ROUTER_PIDS+=("$PROXY_PID")
+}
+
+start_sglang() {
+  local port prom
+  port=$(free_port)
+  prom=$(free_port)
+  start_bg PEER_PID "$RUN_DIR/sglang.out" "$SGLANG_VENV/bin/python" -m sglang_router.launch_router \
+    --host 127.0.0.1 --port "$port" --worker-urls "${SIM_ADDRS[@]/#/http://}" --policy cache_aware \
+    --prometheus-host 127.0.0.1 --prometheus-port "$prom" --log-level warn
+  ROUTER_URL=http://127.0.0.1:$port
+  ROUTER_PIDS=("$PEER_PID")
+}
+
+start_vllm_router() {
+  local port prom
+  port=$(free_port)
+  prom=$(free_port)
+  start_bg PEER_PID "$RUN_DIR/vllm-router.out" "$VLLM_VENV/bin/vllm-router" \
+    --host 127.0.0.1 --port "$port" --worker-urls "${SIM_ADDRS[@]/#/http://}" --policy cache_aware \
+    --prometheus-host 127.0.0.1 --prometheus-port "$prom" --log-level warning
+  ROUTER_URL=http://127.0.0.1:$port
+  ROUTER_PIDS=("$PEER_PID")
+}
+
+start_nginx() {
+  local port addr
+  port=$(free_port)
+  mkdir -p "$RUN_DIR/nginx/logs"
+  {
+    echo "worker_processes 1;"
+    echo "daemon off;"
+    echo "pid $RUN_DIR/nginx/nginx.pid;"
+    echo "error_log $RUN_DIR/nginx/logs/error.log warn;"
+    echo "events { worker_connections 8192; }"
+    echo "http {"
+    echo "    access_log off;"
+    for t in client_body proxy fastcgi uwsgi scgi; do echo "    ${t}_temp_path $RUN_DIR/nginx/$t;"; done
+    echo "    client_max_body_size 64m;"
+    echo "    proxy_read_timeout 600s;"
+    echo "    upstream sims {"
+    for addr in "${SIM_ADDRS[@]}"; do echo "        server $addr;"; done
+    echo "        keepalive 64;"
+    echo "    }"
+    echo "    server {"
+    echo "        listen 127.0.0.1:$port;"
+    echo "        location / {"
+    echo "            proxy_pass http://sims;"
+    echo "            proxy_http_version 1.1;"
+    echo "            proxy_set_header Connection \"\";"
+    echo "            proxy_buffering off;"
+    echo "            proxy_request_buffering off;"
+    echo "        }"
+    echo "    }"
+    echo "}"
+  } >"$RUN_DIR/nginx/nginx.conf"
+  start_bg PEER_PID "$RUN_DIR/nginx.out" "$NGINX" -c "$RUN_DIR/nginx/nginx.conf" -p "$RUN_DIR/nginx"
+  ROUTER_URL=http://127.0.0.1:$port
+  ROUTER_PIDS=("$PEER_PID")
+}
+
+# probe_router: one tiny request through the router until it answers 200 (the peers come up
+# asynchronously and check their workers first). Its prompt is shorter than a KV block, so it
+# leaves nothing in any prefix cache.
+probe_router() {
+  local deadline=$((SECONDS + 120))
+  until curl -sf -o /dev/null -H 'content-type: application/json' \
+    -d "{\"model\":\"$MODEL\",\"prompt\":\"ping\",\"max_tokens\":1}" "$ROUTER_URL/v1/completions"; do
+    expect_alive "router start" "${ROUTER_PIDS[@]}" || return 1
+    ((SECONDS < deadline)) || { log "$ROUTER_URL never answered"; return 1; }
+    sleep 0.2
+  done
+}
+
+# metric_sum NAME: the sum of a metric over its label sets in the last proxy scrape.
+metric_sum() {
+  awk -v n="$1" '$1 == n || index($1, n "{") == 1 { s += $NF } END { printf "%.0f", s }' "$RUN_DIR/proxy-metrics.txt" 2>/dev/null || echo 0
+}
+
+# run_one WORKLOAD LANE: fresh sims and router, the workload through it, JSON in $WORK_DIR.
+run_one() {
+  local workload=$1 lane=$2 started=$SECONDS
+  RUN_DIR=$WORK_DIR/$workload-$lane
+  mkdir -p "$RUN_DIR"
+  log "== $workload through $lane"
+  start_sims "$workload" "$lane"
+  case $lane in
+    kvmesh-rr) kvmesh_config "$RUN_DIR/kvmesh.yaml" round_robin "$workload"; start_kvmesh "$RUN_DIR/kvmesh.yaml" ;;
+    kvmesh-kv) kvmesh_config "$RUN_DIR/kvmesh.yaml" kv "$workload"; start_kvmesh "$RUN_DIR/kvmesh.yaml" ;;
+    kvmesh-precise) start_precise "$workload" ;;
+    sglang) start_sglang ;;
+    vllm-router) start_vllm_router ;;
+    nginx) start_nginx ;;
+    *) die "unknown lane $lane" ;;
+  esac
+  probe_router
+  local flags=(--url "$ROUTER_URL" --model "$MODEL" --stream --timeout 600s --max-outstanding 4096
+    --engine-metrics "$SIM_URLS" --oracle-engines "$ENGINES" --json "$RUN_DIR/report.json")
+  if [[ $workload == trace ]]; then
+    flags+=(--workload trace --trace "$TRACE" --slice-requests "$SLICE_REQUESTS" --time-scale "$TIME_SCALE")
+    # sglang-router 0.3.2 answers 422 to token-id prompts (and routes on text anyway).
+    if [[ $lane == sglang ]]; then flags+=(--prompt-format text); fi
+  else
+    flags+=(--workload chat --rate "$CHAT_RATE" --chat-sessions "$CHAT_SESSIONS"
+      --chat-active-sessions "$CHAT_ACTIVE" --chat-turns "$CHAT_TURNS"
+      --chat-system-prompts "$CHAT_SYSTEM_PROMPTS" --chat-system-words "$CHAT_SYSTEM_WORDS"
+      --chat-user-words "$CHAT_USER_WORDS" --chat-answer-words "$CHAT_ANSWER_WORDS"
+      --max-tokens "$CHAT_ANSWER_WORDS" --tokenizer "$TOKENIZER")
+  fi
+  "$BENCH" "${flags[@]}" >"$RUN_DIR/report.txt"
+  expect_alive "$workload through $lane" "$SIM_PID" "${ROUTER_PIDS[@]}"
+  if [[ $lane == kvmesh-* ]]; then
+    curl -sf "http://$(listening "$RUN_DIR/proxy.out" admin)/metrics" >"$RUN_DIR/proxy-metrics.txt" || true
+  fi
+  if [[ $lane == kvmesh-precise ]]; then
+    note "kvmesh-precise, $workload: the proxy applied $(metric_sum kvmesh_kv_events_applied_total) KV events from the agents ($(metric_sum kvmesh_kv_event_gaps_total) gaps, $(metric_sum kvmesh_kv_resyncs_total) resyncs), saw $(metric_sum kvmesh_discovery_instances) instances in etcd, and made $(metric_sum kvmesh_route_fallbacks_total) fallback routing decisions"
+  fi
+  sed 's/^/    /' "$RUN_DIR/report.txt" >&2
+  local pid
+  for pid in "${ROUTER_PIDS[@]}"; do stop_pid "$pid"; done
+  stop_pid "$SIM_PID"
+  echo $((SECONDS - started)) >"$RUN_DIR/seconds"
+}
+
+RAN=()
+for workload in "${WORKLOAD_LIST[@]}"; do
+  for lane in "${LANE_LIST[@]}"; do
+    if [[ $lane == kvmesh-precise ]] && ! { [[ -x $AGENT ]] && "$AGENT" --help >/dev/null 2>&1 &&
+      "$AGENT" --help 2>&1 | grep -q -- '--kv-events-endpoint'; }; then
+      note "kvmesh-precise skipped: no usable kvmesh-agent at $AGENT (the worker-agent is not built yet)"
+      continue
+    fi
+    run_one "$workload" "$lane"
+    RAN+=("$workload-$lane")
+  done
+done
+TOTAL_SECONDS=$((SECONDS - STARTED_AT))
+
+# ---- plots ----------------------------------------------------------------------------------
+mkdir -p "$IMG_DIR"
+for workload in "${WORKLOAD_LIST[@]}"; do
+  series=()
+  for lane in "${LANE_LIST[@]}"; do
+    f=$WORK_DIR/$workload-$lane/report.json
+    [[ -f $f ]] && series+=("$lane=$f")
+  done
+  ((${#series[@]})) || continue
+  "$PLOT_VENV/bin/python" "$BENCH_ROOT/benches/plot_cdf.py" --scale "$SPEEDUP" \
+    --title "TTFT CDF, $workload workload ($ENGINES engine-sims, engine time)" \
+    --out "$IMG_DIR/routing-ttft-$workload.png" "${series[@]}"
+done
+
+# ---- report ---------------------------------------------------------------------------------
+# ms FILE FILTER: a latency of the report in engine-time ms (wall ms × speed-up), rounded.
+ms() { jq -r --argjson s "$SPEEDUP" "($2) as \$v | if \$v == null then \"n/a\" else (\$v * \$s | round) end" "$1"; }
+num() { jq -r "($2) as \$v | if \$v == null then \"n/a\" else \$v end" "$1"; }
+rate() { jq -r "($2) as \$v | if \$v == null then \"n/a\" else (\$v * 1000 | round / 1000) end" "$1"; }
+# versus A B FORMAT SCALE: "A vs B" with both multiplied by SCALE ("n/a" if either is missing).
+versus() {
+  if [[ $1 == n/a || $2 == n/a ]]; then echo "n/a"; return; fi
+  awk -v a="$1" -v b="$2" -v s="$4" -v fmt="$3" 'BEGIN { printf fmt, a * s, b * s }'
+}
+# percent X: X as a percentage with one decimal ("n/a" if missing).
+percent() {
+  if [[ $1 == n/a ]]; then echo "n/a"; return; fi
+  awk -v f="$1" 'BEGIN { printf "%.1f %%", f * 100 }'
+}
+# verdict A B CMP: "pass" if A CMP B numerically, else "FAIL" ("n/a" if either is missing).
+verdict() {
+  [[ $1 == n/a || $2 == n/a ]] && { echo "n/a"; return; }
+  awk -v a="$1" -v b="$2" -v op="$3" 'BEGIN {
+    ok = (op == "<" ? a < b : op == ">=" ? a >= b : 0); print (ok ? "pass" : "**FAIL**") }'
+}
+SECTION=$WORK_DIR/section.md
+declare -A LABEL=([kvmesh-rr]="kvmesh round robin" [kvmesh-kv]="kvmesh kv (approximate)"
+  [kvmesh-precise]="kvmesh kv precise (agents + NATS)" [sglang]="sglang-router $SGLANG_VERSION cache_aware"
+  [vllm-router]="vllm-router $VLLM_ROUTER_VERSION cache_aware" [nginx]="nginx round robin")
+{
+  echo "## Routing quality (\`benches/routing-quality.sh\`)"
+  echo
+  echo "Last run: $DATE, command \`$COMMAND\`, $TOTAL_SECONDS s in all."
+  echo
+  echo "$LOAD_BEFORE"
+  echo "- Load average after the run: \`$(cut -d' ' -f1-3 /proc/loadavg)\`"
+  echo "- Cluster: $ENGINES engines in one \`kvmesh-engine-sim --engines $ENGINES --speedup-ratio $SPEEDUP\` process (Dynamo mocker timing model, 16,384 blocks of 64 tokens each, prefix caching, chunked prefill), started fresh for every run. Every process (load generator, router, sims) shares the 2 cores; nothing is pinned."
+  echo "- **Latencies are engine time**: wall-clock ms × $SPEEDUP (the sims run $SPEEDUP× faster than the timing model), comparable with the model's own numbers; a router's own overhead is magnified by the same factor. Throughput is wall-clock."
+  echo "- Hit rate: the engines' \`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total\` (tokens) over the run, all engines together; *of oracle* = that ÷ the oracle's hit rate."
+  echo "- Oracle (\`kvmesh-bench\`, \`benches/src/oracle.rs\`): the same prompts in arrival order, prefix-chained 64-token blocks; a perfect router that never duplicates a block behaves like one LRU cache of all $ENGINES × 16,384 blocks (pooled LRU, optimistic: a request's blocks count as cached from its arrival, running requests never crowd the cache; vLLM's rule that the last prompt token is always computed is kept). *Infinite* is the bound for any router and any cache size: every block seen before is a hit."
+  echo
+  for workload in "${WORKLOAD_LIST[@]}"; do
+    any=
+    for lane in "${LANE_LIST[@]}"; do [[ -f $WORK_DIR/$workload-$lane/report.json ]] && any=$WORK_DIR/$workload-$lane/report.json; done
+    [[ -n $any ]] || continue
+    if [[ $workload == trace ]]; then
+      echo "### Mooncake conversation trace: first $(num "$any" '.workload.requests') requests"
+      echo
+      echo "\`$(basename "$TRACE")\`, $(num "$any" '.workload.trace_span_s | round') s of trace time replayed at ${ARRIVAL_SPEEDUP}× in engine time (\`--time-scale $TIME_SCALE\` in wall time); mean $(num "$any" '.workload.mean_input_tokens | round') prompt / $(num "$any" '.workload.mean_output_tokens | round') output tokens; token-id prompts to \`/v1/completions\` with \`max_tokens\` = the trace's output length and \`ignore_eos\`."
+    else
+      echo "### Synthetic multi-turn chat"
+      echo
+      echo "$CHAT_SESSIONS conversations × $CHAT_TURNS turns, $((CHAT_ACTIVE < CHAT_SESSIONS ? CHAT_ACTIVE : CHAT_SESSIONS)) open at once, $CHAT_SYSTEM_PROMPTS shared system prompts of $CHAT_SYSTEM_WORDS words, user messages and history answers of $CHAT_USER_WORDS / $CHAT_ANSWER_WORDS words, \`max_tokens\` $CHAT_ANSWER_WORDS, Poisson arrivals at $CHAT_RATE req/s wall ($(awk -v r="$CHAT_RATE" -v s="$SPEEDUP" 'BEGIN { print r / s }') req/s engine time); \`/v1/chat/completions\`, engines and kvmesh tokenizing with Qwen3's tokenizer and chat template."
+    fi
+    echo
+    echo "Oracle hit rate $(rate "$any" '.cache.oracle.hit_rate') (pooled LRU), infinite-cache bound $(rate "$any" '.cache.oracle.infinite_hit_rate'), over $(num "$any" '.cache.oracle.prompt_tokens') prompt tokens."
+    echo
+    echo "| router | ok | errors | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | E2E p50 | E2E p90 | req/s | output tok/s | hit rate | of oracle | requests per engine | preemptions |"
+    echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    for lane in "${LANE_LIST[@]}"; do
+      f=$WORK_DIR/$workload-$lane/report.json
+      [[ -f $f ]] || continue
+      printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n' "${LABEL[$lane]}" \
+        "$(num "$f" '.requests_ok')" "$(num "$f" '.errors_total')" \
+        "$(ms "$f" '.ttft_ms.p50')" "$(ms "$f" '.ttft_ms.p90')" "$(ms "$f" '.ttft_ms.p99')" \
+        "$(jq -r --argjson s "$SPEEDUP" '.itl_ms.p50 * $s * 10 | round / 10' "$f")" \
+        "$(ms "$f" '.e2e_ms.p50')" "$(ms "$f" '.e2e_ms.p90')" \
+        "$(rate "$f" '.requests_per_s * 10 | round / 10')" "$(num "$f" '.output_tokens_per_s | round')" \
+        "$(rate "$f" '.cache.hit_rate')" "$(jq -r '.cache.fraction_of_oracle as $x | if $x == null then "n/a" else "\($x * 1000 | round / 10) %" end' "$f")" \
+        "$(num "$f" '"\(.cache.requests_min)–\(.cache.requests_max)"')" "$(num "$f" '.cache.preemptions')"
+    done
+    echo
+    echo "![TTFT CDF, $workload](img/routing-ttft-$workload.png)"
+    echo
+  done
+  echo "### Targets (issue 6 §4, on the trace slice)"
+  echo
+  t=$WORK_DIR/trace
+  if [[ -f $t-kvmesh-precise/report.json ]]; then P=$t-kvmesh-precise/report.json; else P=; fi
+  get() { if [[ -f $1 ]]; then num "$1" "$2"; else echo n/a; fi; }
+  echo "| target | measured | result |"
+  echo "|---|---|---|"
+  frac=$(get "$P" '.cache.fraction_of_oracle')
+  echo "| kvmesh precise hit rate ≥ 95 % of the oracle's | $(percent "$frac") | $(verdict "$frac" 0.95 '>=') |"
+  for other in kvmesh-kv sglang vllm-router; do
+    for q in p50 p90; do
+      a=$(get "$P" ".ttft_ms.$q")
+      b=$(get "$t-$other/report.json" ".ttft_ms.$q")
+      echo "| kvmesh precise TTFT $q < ${LABEL[$other]} | $(versus "$a" "$b" "%.0f vs %.0f ms" "$SPEEDUP") | $(verdict "$a" "$b" '<') |"
+    done
+  done
+  a=$(get "$P" '.output_tokens_per_s')
+  b=$(get "$t-kvmesh-rr/report.json" '.output_tokens_per_s')
+  echo "| kvmesh precise output tok/s ≥ kvmesh round robin | $(versus "$a" "$b" "%.0f vs %.0f" 1) | $(verdict "$a" "$b" '>=') |"
+  echo
+  echo "The same targets for kvmesh approximate (the lane that needs no agents):"
+  echo
+  echo "| target | measured | result |"
+  echo "|---|---|---|"
+  A=$t-kvmesh-kv/report.json
+  frac=$(get "$A" '.cache.fraction_of_oracle')
+  echo "| kvmesh kv hit rate ≥ 95 % of the oracle's | $(percent "$frac") | $(verdict "$frac" 0.95 '>=') |"
+  for other in sglang vllm-router; do
+    for q in p50 p90; do
+      a=$(get "$A" ".ttft_ms.$q")
+      b=$(get "$t-$other/report.json" ".ttft_ms.$q")
+      echo "| kvmesh kv TTFT $q < ${LABEL[$other]} | $(versus "$a" "$b" "%.0f vs %.0f ms" "$SPEEDUP") | $(verdict "$a" "$b" '<') |"
+    done
+  done
+  a=$(get "$A" '.output_tokens_per_s')
+  b=$(get "$t-kvmesh-rr/report.json" '.output_tokens_per_s')
+  echo "| kvmesh kv output tok/s ≥ kvmesh round robin | $(versus "$a" "$b" "%.0f vs %.0f" 1) | $(verdict "$a" "$b" '>=') |"
+  echo
+  echo "### Setup notes"
+  echo
+  echo "- Peers run with their documented settings (reference/peers.md §7): \`python -m sglang_router.launch_router --policy cache_aware\` and \`vllm-router --policy cache_aware\`, each with its own Prometheus port, installed from PyPI into \`.cache/bench/venv-*\`; nginx from Debian, \`worker_processes 1\`, \`keepalive 64\`, \`proxy_buffering off\`."
+  echo "- Changed for the peers to work: sglang-router $SGLANG_VERSION answers *422 Unprocessable Entity* to token-id prompts (\`prompt: data did not match any variant of untagged enum StringOrArray\`), so on the trace it gets the same prompts as text, one decimal word per token id (\`kvmesh-bench --prompt-format text\`); the sims' word tokenizer turns that into exactly as many tokens with the same prefix structure, so the engines do the same work and the oracle is the same. Everyone else gets token ids. vllm-router $VLLM_ROUTER_VERSION's \`cache_aware\` matches on token ids: those of a token-id prompt, else what the engine's \`/v1/completions/render\` or \`/v1/chat/completions/render\` (vLLM's render API) returns. kvmesh-engine-sim does not serve the render API, so on the **chat** workload vllm-router finds no tokens (\`vllm_router_kv_routing_inputs_total{result=\"render_unavailable\"}\`, \`prefix_routing_decisions_total{outcome=\"missing_tokens\"}\`) and routes by load alone: its chat row is not what it would do in front of a real vLLM. (Sending it text on the trace had the same effect, which is why it gets token ids.) nginx: \`client_max_body_size 64m\` and \`proxy_read_timeout 600s\` (its 1 MB and 60 s defaults reject or cut long prompts and streams)."
+  echo "- kvmesh: \`health_check.enabled: false\`, \`limits.first_byte_timeout\`/\`idle_timeout\` 600 s; \`policy: kv\` with ${KV_OVERLAP_WEIGHT:+\`overlap_weight: $KV_OVERLAP_WEIGHT\` and otherwise }its defaults (\`overlap_weight 1.0\`, \`temperature 0\`, \`approx_ttl 120s\`); chat runs give it the Qwen3 tokenizer directory."
+  cat "$NOTES"
+} >"$SECTION"
+
+mkdir -p "$(dirname "$DOC")"
+replace_section "$DOC" routing-quality "$SECTION"
+log "wrote the routing-quality section of $DOC (runs: ${RAN[*]})"
+cat "$SECTION"
