@@ -1,20 +1,21 @@
-//! Backend base URLs: `http://host:port` (https comes with TLS support).
+//! Backend base URLs: `http://host:port`, or `https://host:port` for TLS to the engine.
 
 use std::fmt;
 
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Visitor};
 
-/// A validated backend base URL of the form `http://host:port`.
+/// A validated backend base URL of the form `http://host:port` or `https://host:port`.
 ///
 /// The host is an IPv4 address, a bracketed IPv6 address or a DNS name; the port
 /// is required. A trailing `/` is accepted and dropped; any other path, a query,
-/// user info or a scheme other than `http` is rejected.
+/// user info or a scheme other than `http` and `https` is rejected.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct BackendUrl {
     text: String,
     host: String,
     port: u16,
+    tls: bool,
 }
 
 /// Why a backend URL was rejected.
@@ -28,20 +29,18 @@ pub struct BackendUrlError {
 }
 
 impl BackendUrl {
-    /// Parses `http://host:port` (optionally with a trailing `/`).
+    /// Parses `http://host:port` or `https://host:port` (optionally with a trailing `/`).
     pub fn parse(text: &str) -> Result<Self, BackendUrlError> {
         let fail = |reason| BackendUrlError {
             url: text.to_string(),
             reason,
         };
-        let rest = if let Some(rest) = text.strip_prefix("http://") {
-            rest
-        } else if text.starts_with("https://") {
-            return Err(fail(
-                "https backends are not supported yet; use http://host:port",
-            ));
+        let (rest, tls) = if let Some(rest) = text.strip_prefix("http://") {
+            (rest, false)
+        } else if let Some(rest) = text.strip_prefix("https://") {
+            (rest, true)
         } else {
-            return Err(fail("expected http://host:port"));
+            return Err(fail("expected http://host:port or https://host:port"));
         };
         let authority = rest.strip_suffix('/').unwrap_or(rest);
         if authority.is_empty() {
@@ -88,14 +87,16 @@ impl BackendUrl {
         if port == 0 {
             return Err(fail("port must be a number from 1 to 65535"));
         }
+        let scheme = if tls { "https" } else { "http" };
         Ok(Self {
-            text: format!("http://{host}:{port}"),
+            text: format!("{scheme}://{host}:{port}"),
             host,
             port,
+            tls,
         })
     }
 
-    /// The URL as `http://host:port` (no trailing slash).
+    /// The URL as `http://host:port` or `https://host:port` (no trailing slash).
     pub fn as_str(&self) -> &str {
         &self.text
     }
@@ -112,7 +113,13 @@ impl BackendUrl {
 
     /// `host:port`, as sent in the `Host` header.
     pub fn authority(&self) -> &str {
-        &self.text["http://".len()..]
+        let scheme = if self.tls { "https://" } else { "http://" };
+        &self.text[scheme.len()..]
+    }
+
+    /// Whether the engine is reached over TLS (`https://`).
+    pub fn is_tls(&self) -> bool {
+        self.tls
     }
 }
 
@@ -142,7 +149,7 @@ impl Visitor<'_> for BackendUrlVisitor {
     type Value = BackendUrl;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a URL of the form http://host:port")
+        f.write_str("a URL of the form http://host:port or https://host:port")
     }
 
     fn visit_str<E: de::Error>(self, value: &str) -> Result<BackendUrl, E> {
@@ -169,6 +176,13 @@ mod tests {
         let url = BackendUrl::parse("http://[::1]:9000").unwrap();
         assert_eq!(url.host(), "[::1]");
         assert_eq!(url.authority(), "[::1]:9000");
+        assert!(!url.is_tls());
+
+        let url = BackendUrl::parse("https://engine-0.svc:8443/").unwrap();
+        assert_eq!(url.as_str(), "https://engine-0.svc:8443");
+        assert_eq!(url.authority(), "engine-0.svc:8443");
+        assert_eq!(url.host(), "engine-0.svc");
+        assert!(url.is_tls());
     }
 
     #[test]
@@ -176,7 +190,11 @@ mod tests {
         for (text, reason) in [
             ("x", "expected http://host:port"),
             ("127.0.0.1:8001", "expected http://host:port"),
-            ("https://a:1", "https backends"),
+            (
+                "ftp://a:1",
+                "expected http://host:port or https://host:port",
+            ),
+            ("https://a", "missing port"),
             ("http://", "missing host and port"),
             ("http://host", "missing port"),
             ("http://host:", "missing port"),

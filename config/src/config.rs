@@ -8,8 +8,9 @@ use serde_saphyr::MessageFormatter;
 use crate::source_map::{SourceMap, position};
 use crate::validate::{Violation, validate};
 use crate::{
-    AdminConfig, ConfigError, FieldPath, HealthCheckConfig, Invalid, LimitsConfig, ListenerConfig,
-    ModelConfig, OutlierDetectionConfig, Segment, ShutdownConfig, UpstreamConfig,
+    AdminConfig, AuthConfig, ConfigError, DiscoveryConfig, EventsConfig, FieldPath, GrpcConfig,
+    HealthCheckConfig, Invalid, LimitsConfig, ListenerConfig, ModelConfig, OutlierDetectionConfig,
+    ReloadConfig, Segment, ShutdownConfig, UpstreamConfig,
 };
 
 /// The whole proxy configuration (one YAML file). Every section is optional and
@@ -21,6 +22,8 @@ pub struct Config {
     pub listeners: Vec<ListenerConfig>,
     /// The admin listener (default 127.0.0.1:9090).
     pub admin: AdminConfig,
+    /// The KServe v2 gRPC listener (default: none).
+    pub grpc: GrpcConfig,
     /// Served models and their backends (at least one).
     pub models: Vec<ModelConfig>,
     /// Body size limit and timeouts.
@@ -33,6 +36,14 @@ pub struct Config {
     pub upstream: UpstreamConfig,
     /// Graceful shutdown.
     pub shutdown: ShutdownConfig,
+    /// API keys and their limits (none: no authentication).
+    pub auth: AuthConfig,
+    /// Watching the config file and certificates for changes.
+    pub reload: ReloadConfig,
+    /// Where instances come from besides `backends` (default: static only).
+    pub discovery: DiscoveryConfig,
+    /// Where KV events and load reports come from (default: none).
+    pub events: EventsConfig,
 }
 
 impl Default for Config {
@@ -40,12 +51,17 @@ impl Default for Config {
         Self {
             listeners: vec![ListenerConfig::default()],
             admin: AdminConfig::default(),
+            grpc: GrpcConfig::default(),
             models: Vec::new(),
             limits: LimitsConfig::default(),
             health_check: HealthCheckConfig::default(),
             outlier_detection: OutlierDetectionConfig::default(),
             upstream: UpstreamConfig::default(),
             shutdown: ShutdownConfig::default(),
+            auth: AuthConfig::default(),
+            reload: ReloadConfig::default(),
+            discovery: DiscoveryConfig::default(),
+            events: EventsConfig::default(),
         }
     }
 }

@@ -5,32 +5,47 @@
 //! and field, e.g. `config.yaml:12:5: models[0].backends[1].url: invalid URL "x"`.
 //! Configs built in code are checked with [`Config::validate`].
 
+mod auth;
 mod backend_url;
+mod concurrency;
 mod config;
+mod discovery;
 mod duration;
 mod error;
+mod events;
 mod field_path;
+mod grpc;
 mod health_check;
 mod kv_routing;
 mod limits;
 mod listener;
 mod model;
 mod outlier;
+mod reload;
 mod shutdown;
 mod source_map;
+mod tls;
 mod upstream;
 mod validate;
+mod validate_control_plane;
 
+pub use auth::{ApiKeyConfig, AuthConfig};
 pub use backend_url::{BackendUrl, BackendUrlError};
+pub use concurrency::ConcurrencyConfig;
 pub use config::Config;
+pub use discovery::{DEFAULT_NAMESPACE, DefaultModelConfig, DiscoveryConfig, DiscoveryKind};
 pub use duration::{DurationError, format_duration, parse_duration};
 pub use error::{ConfigError, Invalid, TextPosition};
+pub use events::{EventsConfig, EventsKind};
 pub use field_path::{FieldPath, Segment};
+pub use grpc::{GRPC_LISTENER, GrpcConfig, MAX_GRPC_MESSAGE_BYTES};
 pub use health_check::HealthCheckConfig;
 pub use kv_routing::{KvQueueConfig, KvRoutingConfig, MAX_APPROX_TTL};
 pub use limits::LimitsConfig;
 pub use listener::{AdminConfig, ListenerConfig};
 pub use model::{BackendConfig, ModelConfig, PolicyKind, Protocol};
 pub use outlier::OutlierDetectionConfig;
+pub use reload::ReloadConfig;
 pub use shutdown::ShutdownConfig;
+pub use tls::{ListenerTlsConfig, UpstreamTlsConfig};
 pub use upstream::UpstreamConfig;

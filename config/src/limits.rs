@@ -4,6 +4,11 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+/// Largest accepted `limits.max_header_bytes` (the HTTP/1 parser's own limit).
+pub(crate) const MAX_HEADER_BYTES: u64 = 1_048_575;
+/// Largest accepted `limits.max_headers` (the HTTP/1 parser's own limit).
+pub(crate) const MAX_HEADERS: usize = 256;
+
 /// Limits applied to every proxied request.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -21,9 +26,15 @@ pub struct LimitsConfig {
     pub idle_timeout: Duration,
     /// Extra instances tried when connecting fails before any response byte.
     pub retries: u32,
-    /// Time a client has to send its request head and body.
+    /// Time a client has to send its request head and body; a slower client is
+    /// answered 408 and disconnected.
     #[serde(deserialize_with = "crate::duration::deserialize")]
     pub client_header_timeout: Duration,
+    /// Largest request head (request line, header names and values) in bytes
+    /// (larger: 431); at most 1048575.
+    pub max_header_bytes: u64,
+    /// Most request header fields (more: 431); at most 256.
+    pub max_headers: usize,
 }
 
 impl Default for LimitsConfig {
@@ -35,6 +46,8 @@ impl Default for LimitsConfig {
             idle_timeout: Duration::from_secs(60),
             retries: 2,
             client_header_timeout: Duration::from_secs(30),
+            max_header_bytes: 64 * 1024,
+            max_headers: 100,
         }
     }
 }

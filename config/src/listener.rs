@@ -4,9 +4,10 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 
 use serde::Deserialize;
 
-/// One data listener (OpenAI HTTP API; HTTP/1.1 and h2c on the same port).
-///
-/// Later versions add per-listener TLS settings here.
+use crate::ListenerTlsConfig;
+
+/// One data listener (OpenAI HTTP API): HTTP/1.1 and h2c on the same port, or
+/// with `tls`, HTTPS with HTTP/2 and HTTP/1.1 by ALPN.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ListenerConfig {
@@ -14,6 +15,8 @@ pub struct ListenerConfig {
     pub name: String,
     /// Address to bind; port 0 picks a free port.
     pub address: SocketAddr,
+    /// TLS termination; `null` (the default): plaintext.
+    pub tls: Option<ListenerTlsConfig>,
 }
 
 impl Default for ListenerConfig {
@@ -21,6 +24,7 @@ impl Default for ListenerConfig {
         Self {
             name: "main".to_string(),
             address: SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 8080)),
+            tls: None,
         }
     }
 }

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
-use crate::{BackendUrl, KvRoutingConfig};
+use crate::{BackendUrl, ConcurrencyConfig, KvRoutingConfig};
 
 /// A model clients can name in the `model` field, and where it is served.
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
@@ -30,6 +30,8 @@ pub struct ModelConfig {
     pub forward_token_ids: bool,
     /// Settings of `policy: kv`.
     pub kv: KvRoutingConfig,
+    /// Requests forwarded to this model at once, and the queue in front.
+    pub concurrency: ConcurrencyConfig,
 }
 
 /// Load-balancing policy among a model's healthy, non-ejected backends.

@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::UpstreamTlsConfig;
+
 /// Keep-alive connections to backends.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -14,6 +16,8 @@ pub struct UpstreamConfig {
     /// How long an idle pooled connection is kept before it is closed.
     #[serde(deserialize_with = "crate::duration::deserialize")]
     pub pool_idle_timeout: Duration,
+    /// TLS to `https://` backends.
+    pub tls: UpstreamTlsConfig,
 }
 
 impl Default for UpstreamConfig {
@@ -21,6 +25,7 @@ impl Default for UpstreamConfig {
         Self {
             pool_size: 128,
             pool_idle_timeout: Duration::from_secs(90),
+            tls: UpstreamTlsConfig::default(),
         }
     }
 }

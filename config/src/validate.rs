@@ -3,8 +3,17 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use crate::auth::check_auth;
+use crate::concurrency::check_concurrency;
 use crate::duration::format_duration;
-use crate::{Config, FieldPath, KvRoutingConfig, MAX_APPROX_TTL, ModelConfig, PolicyKind};
+use crate::grpc::check_grpc;
+use crate::limits::{MAX_HEADER_BYTES, MAX_HEADERS};
+use crate::reload::check_reload;
+use crate::tls::{check_listener_tls, check_upstream_tls};
+use crate::validate_control_plane::check_control_plane;
+use crate::{
+    Config, DiscoveryKind, FieldPath, KvRoutingConfig, MAX_APPROX_TTL, ModelConfig, PolicyKind,
+};
 
 /// The first rule a config breaks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -13,9 +22,11 @@ pub(crate) struct Violation {
     pub(crate) message: String,
 }
 
-type Checked = Result<(), Violation>;
+/// The outcome of one rule.
+pub(crate) type Checked = Result<(), Violation>;
 
-fn fail(path: FieldPath, message: impl Into<String>) -> Checked {
+/// A violation of the rule at `path`.
+pub(crate) fn fail(path: FieldPath, message: impl Into<String>) -> Checked {
     Err(Violation {
         path,
         message: message.into(),
@@ -26,7 +37,9 @@ fn fail(path: FieldPath, message: impl Into<String>) -> Checked {
 pub(crate) fn validate(config: &Config) -> Checked {
     let root = FieldPath::root();
     check_listeners(config, &root)?;
+    check_grpc(config, &root.key("grpc"))?;
     check_models(config, &root)?;
+    check_control_plane(config, &root)?;
     check_limits(config, &root.key("limits"))?;
     check_health_check(config, &root.key("health_check"))?;
     check_outlier_detection(config, &root.key("outlier_detection"))?;
@@ -34,7 +47,9 @@ pub(crate) fn validate(config: &Config) -> Checked {
     positive(
         config.shutdown.drain_timeout,
         root.key("shutdown").key("drain_timeout"),
-    )
+    )?;
+    check_auth(config, &root.key("auth"))?;
+    check_reload(&config.reload, &root.key("reload"))
 }
 
 fn check_listeners(config: &Config, root: &FieldPath) -> Checked {
@@ -70,6 +85,9 @@ fn check_listeners(config: &Config, root: &FieldPath) -> Checked {
                 path.key("name"),
                 format!("duplicate listener name {name:?} (also listeners[{first}])"),
             );
+        }
+        if let Some(tls) = &listener.tls {
+            check_listener_tls(tls, &path.key("tls"))?;
         }
         if listener.address.port() != 0
             && let Some(first) = addresses.insert(listener.address, i)
@@ -108,8 +126,11 @@ fn check_models(config: &Config, root: &FieldPath) -> Checked {
             claim(&mut names, alias, path.key("aliases").index(j))?;
         }
         let backends = path.key("backends");
-        if model.backends.is_empty() {
-            return fail(backends, "at least one backend is required");
+        if model.backends.is_empty() && config.discovery.kind == DiscoveryKind::Static {
+            return fail(
+                backends,
+                "at least one backend is required (or discovery kind etcd or in_process)",
+            );
         }
         let mut urls = HashMap::new();
         for (j, backend) in model.backends.iter().enumerate() {
@@ -121,6 +142,7 @@ fn check_models(config: &Config, root: &FieldPath) -> Checked {
             }
         }
         check_model_routing(model, &path)?;
+        check_concurrency(&model.concurrency, &path.key("concurrency"))?;
     }
     Ok(())
 }
@@ -150,7 +172,7 @@ fn check_model_routing(model: &ModelConfig, path: &FieldPath) -> Checked {
     check_kv(&model.kv, &path.key("kv"))
 }
 
-fn check_kv(kv: &KvRoutingConfig, path: &FieldPath) -> Checked {
+pub(crate) fn check_kv(kv: &KvRoutingConfig, path: &FieldPath) -> Checked {
     if kv.block_size == 0 {
         return fail(path.key("block_size"), "must be at least 1");
     }
@@ -216,7 +238,20 @@ fn check_limits(config: &Config, path: &FieldPath) -> Checked {
     positive(
         limits.client_header_timeout,
         path.key("client_header_timeout"),
-    )
+    )?;
+    if !(1..=MAX_HEADER_BYTES).contains(&limits.max_header_bytes) {
+        return fail(
+            path.key("max_header_bytes"),
+            format!("must be from 1 to {MAX_HEADER_BYTES}"),
+        );
+    }
+    if !(1..=MAX_HEADERS).contains(&limits.max_headers) {
+        return fail(
+            path.key("max_headers"),
+            format!("must be from 1 to {MAX_HEADERS}"),
+        );
+    }
+    Ok(())
 }
 
 fn check_health_check(config: &Config, path: &FieldPath) -> Checked {
@@ -267,13 +302,15 @@ fn check_upstream(config: &Config, path: &FieldPath) -> Checked {
     if config.upstream.pool_size == 0 {
         return fail(path.key("pool_size"), "must be at least 1");
     }
+    check_upstream_tls(&config.upstream.tls, &path.key("tls"))?;
     positive(
         config.upstream.pool_idle_timeout,
         path.key("pool_idle_timeout"),
     )
 }
 
-fn positive(duration: Duration, path: FieldPath) -> Checked {
+/// `duration` is not zero.
+pub(crate) fn positive(duration: Duration, path: FieldPath) -> Checked {
     if duration.is_zero() {
         return fail(path, "must be greater than 0");
     }

@@ -185,9 +185,9 @@ models:
 }
 
 #[test]
-fn https_backend_is_not_supported_yet() {
-    let text = "models:\n  - name: a\n    backends:\n      - url: https://a:1\n";
-    assert_err(text, "models[0].backends[0].url", "https", 4, 14);
+fn https_backend_needs_a_port() {
+    let text = "models:\n  - name: a\n    backends:\n      - url: https://a\n";
+    assert_err(text, "models[0].backends[0].url", "missing port", 4, 14);
 }
 
 #[test]
@@ -207,11 +207,15 @@ models:
         9,
     );
     let top = err("model: x\n");
-    assert_eq!(
-        top.to_string(),
-        "config.yaml:1:1: model: unknown field `model`, expected one of listeners, admin, models, \
-         limits, health_check, outlier_detection, upstream, shutdown"
+    assert!(
+        top.to_string().starts_with(
+            "config.yaml:1:1: model: unknown field `model`, expected one of listeners, admin, "
+        ),
+        "{top}"
     );
+    for section in ["models", "limits", "upstream", "shutdown", "auth", "reload"] {
+        assert!(top.message.contains(section), "{top}");
+    }
     let nested = with_model("limits:\n  retry: 1\n");
     assert_err(&nested, "limits.retry", "unknown field `retry`", 6, 3);
 }
@@ -560,11 +564,16 @@ fn the_example_file_spells_out_the_defaults() {
     let defaults = Config::default();
     assert_eq!(example.listeners, defaults.listeners);
     assert_eq!(example.admin, defaults.admin);
+    assert_eq!(example.grpc, defaults.grpc);
     assert_eq!(example.limits, defaults.limits);
     assert_eq!(example.health_check, defaults.health_check);
     assert_eq!(example.outlier_detection, defaults.outlier_detection);
     assert_eq!(example.upstream, defaults.upstream);
     assert_eq!(example.shutdown, defaults.shutdown);
+    assert_eq!(example.auth, defaults.auth);
+    assert_eq!(example.reload, defaults.reload);
+    assert_eq!(example.discovery, defaults.discovery);
+    assert_eq!(example.events, defaults.events);
     let model = &example.models[0];
     assert_eq!(model.policy, PolicyKind::default());
     assert_eq!(model.backends[0].protocol, Protocol::default());
@@ -572,6 +581,7 @@ fn the_example_file_spells_out_the_defaults() {
     assert_eq!(model.tokenizer, default_model.tokenizer);
     assert_eq!(model.forward_token_ids, default_model.forward_token_ids);
     assert_eq!(model.kv, KvRoutingConfig::default());
+    assert_eq!(model.concurrency, default_model.concurrency);
 }
 
 const KV_MODEL: &str = "\

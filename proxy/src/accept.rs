@@ -1,5 +1,6 @@
 //! The accept loop: our own tokio listener (so port 0 works and shutdown is
-//! ours), TCP_NODELAY on every accepted socket, h2c detection, and draining.
+//! ours), TCP_NODELAY on every accepted socket, TLS termination or h2c
+//! detection, and draining.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,6 +12,8 @@ use pingora_core::server::ShutdownWatch;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep, timeout, timeout_at};
+
+use crate::tls::ListenerTls;
 
 /// The HTTP/2 connection preface (RFC 9113 §3.4).
 const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -31,6 +34,8 @@ pub(crate) struct ListenerApps<A> {
     pub(crate) first_bytes_timeout: Duration,
     /// Longest wait for open connections once shutdown begins.
     pub(crate) drain_timeout: Duration,
+    /// TLS termination (then HTTP/2 or HTTP/1.1 by ALPN, served by `h1`).
+    pub(crate) tls: Option<Arc<ListenerTls>>,
 }
 
 /// Accepts until `shutdown` turns true, then waits for open connections up
@@ -60,6 +65,7 @@ pub(crate) async fn serve<A>(
                         tcp,
                         Arc::clone(&apps.h1),
                         apps.h2c.clone(),
+                        apps.tls.clone(),
                         apps.first_bytes_timeout,
                         shutdown.clone(),
                     ));
@@ -87,16 +93,24 @@ pub(crate) async fn serve<A>(
     }
 }
 
-/// Serves one connection: HTTP/1 or, when it opens with the preface, h2c.
+/// Serves one connection: over TLS (HTTP/2 or HTTP/1.1 by ALPN), or in
+/// plaintext HTTP/1 or, when it opens with the preface, h2c.
 async fn serve_connection<A>(
     tcp: TcpStream,
     h1: Arc<A>,
     h2c: Option<Arc<A>>,
+    tls: Option<Arc<ListenerTls>>,
     first_bytes_timeout: Duration,
     shutdown: ShutdownWatch,
 ) where
     A: ServerApp + Send + Sync + 'static,
 {
+    if let Some(tls) = tls {
+        if let Some(stream) = tls.accept(tcp, first_bytes_timeout).await {
+            let _ = h1.process_new(stream, &shutdown).await;
+        }
+        return;
+    }
     let app = match h2c {
         None => h1,
         Some(h2c) => match timeout(first_bytes_timeout, opens_with_preface(&tcp)).await {

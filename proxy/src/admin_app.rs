@@ -1,8 +1,10 @@
 //! The admin listener: `GET /metrics`, `GET /health`, `GET /live`, and
-//! `POST /debug/route` (how `policy: kv` would route a request; see [`crate::kv_route`]).
+//! `POST /debug/route` (how `policy: kv` would route a request; see [`crate::kv_route`]) and
+//! `POST /reload` (re-read the config file; see [`crate::reload`]).
 
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use bytes::Bytes;
 use http::{HeaderValue, Method, header};
@@ -20,6 +22,7 @@ use crate::kv_route::explain::Explanation;
 use crate::kv_route::offload;
 use crate::kv_route::prepare::InvalidPrompt;
 use crate::pool::Balancer;
+use crate::reload::{Reloader, Trigger};
 use crate::request_body::{BodyError, read_body};
 use crate::request_fields::{FieldsError, extract};
 use crate::respond::{JSON, respond};
@@ -32,22 +35,34 @@ const PROMETHEUS_TEXT: HeaderValue = HeaderValue::from_static("text/plain; versi
 /// Serves the admin endpoints.
 #[derive(Debug)]
 pub(crate) struct AdminApp {
-    state: Arc<State>,
+    /// The current state (replaced by reloads).
+    state: Arc<ArcSwap<State>>,
     /// True once the data listeners drain (health turns 503).
     draining: watch::Receiver<bool>,
+    /// Applies `POST /reload`.
+    reloader: Arc<Reloader>,
 }
 
 impl AdminApp {
     /// The app; `draining` follows the data listeners' shutdown.
-    pub(crate) fn new(state: Arc<State>, draining: watch::Receiver<bool>) -> Self {
-        Self { state, draining }
+    pub(crate) fn new(
+        state: Arc<ArcSwap<State>>,
+        draining: watch::Receiver<bool>,
+        reloader: Arc<Reloader>,
+    ) -> Self {
+        Self {
+            state,
+            draining,
+            reloader,
+        }
     }
 
     fn metrics(&self) -> (u16, HeaderValue, Bytes) {
-        for pool in self.state.registry.pools() {
+        let state = self.state.load();
+        for pool in state.registry.pools() {
             pool.refresh_gauges();
         }
-        match self.state.metrics.render() {
+        match state.metrics.render() {
             Ok(text) => (200, PROMETHEUS_TEXT, Bytes::from(text)),
             Err(error) => (
                 500,
@@ -64,29 +79,26 @@ impl AdminApp {
 
     fn health(&self) -> (u16, HeaderValue, Bytes) {
         let now = now_millis();
-        let models: Vec<ModelHealth<'_>> = self
-            .state
+        let state = self.state.load();
+        let models: Vec<ModelHealth> = state
             .registry
             .pools()
             .iter()
             .map(|pool| {
-                let instances: Vec<InstanceHealth<'_>> = pool
-                    .instances()
+                let current = pool.instances();
+                let instances: Vec<InstanceHealth> = current
                     .iter()
                     .map(|instance| InstanceHealth {
-                        url: instance.url().as_str(),
+                        url: instance.url().to_string(),
+                        state: instance.membership().label(),
                         healthy: instance.is_healthy(),
                         ejected: instance.is_ejected(now),
                         in_flight: instance.in_flight(),
                     })
                     .collect();
                 ModelHealth {
-                    name: pool.name(),
-                    available: pool
-                        .instances()
-                        .iter()
-                        .filter(|i| i.is_available(now))
-                        .count(),
+                    name: pool.name().to_string(),
+                    available: current.iter().filter(|i| i.is_available(now)).count(),
                     instances,
                 }
             })
@@ -137,7 +149,7 @@ async fn debug_route(state: &State, session: &mut ServerSession) -> (u16, Header
     let Some(pool) = state.registry.get(&model) else {
         return api_error(&ApiError::ModelNotFound {
             model,
-            known: state.registry.known().to_string(),
+            known: state.registry.known(),
         });
     };
     let Balancer::Kv(router) = pool.balancer() else {
@@ -158,7 +170,7 @@ async fn debug_route(state: &State, session: &mut ServerSession) -> (u16, Header
     };
     let request = router.lookup(&prepared, std::time::Instant::now());
     let explanation = router.explain(
-        pool.instances(),
+        &pool.instances(),
         &request,
         now_millis(),
         &mut rand::thread_rng(),
@@ -218,21 +230,23 @@ struct Explained<'a> {
 }
 
 #[derive(Serialize)]
-struct Health<'a> {
+struct Health {
     status: &'static str,
-    models: Vec<ModelHealth<'a>>,
+    models: Vec<ModelHealth>,
 }
 
 #[derive(Serialize)]
-struct ModelHealth<'a> {
-    name: &'a str,
+struct ModelHealth {
+    name: String,
     available: usize,
-    instances: Vec<InstanceHealth<'a>>,
+    instances: Vec<InstanceHealth>,
 }
 
 #[derive(Serialize)]
-struct InstanceHealth<'a> {
-    url: &'a str,
+struct InstanceHealth {
+    url: String,
+    /// Discovery state: ready, not_ready, draining.
+    state: &'static str,
     healthy: bool,
     ejected: bool,
     in_flight: u64,
@@ -245,7 +259,8 @@ impl HttpServerApp for AdminApp {
         mut session: ServerSession,
         shutdown: &ShutdownWatch,
     ) -> Option<ReusedHttpStream> {
-        let limit = self.state.limits.client_header_timeout;
+        let state = self.state.load_full();
+        let limit = state.limits.client_header_timeout;
         if !matches!(timeout(limit, session.read_request()).await, Ok(Ok(true))) {
             return None;
         }
@@ -259,9 +274,10 @@ impl HttpServerApp for AdminApp {
             (true, _, "/metrics") => self.metrics(),
             (true, _, "/health") => self.health(),
             (true, _, "/live") => (200, JSON, Bytes::from_static(b"{\"status\":\"live\"}")),
-            (_, true, "/debug/route") => debug_route(&self.state, &mut session).await,
-            (_, _, "/metrics" | "/health" | "/live" | "/debug/route") => {
-                let allow = if path == "/debug/route" {
+            (_, true, "/debug/route") => debug_route(&state, &mut session).await,
+            (_, true, "/reload") => reload(&self.reloader).await,
+            (_, _, "/metrics" | "/health" | "/live" | "/debug/route" | "/reload") => {
+                let allow = if path == "/debug/route" || path == "/reload" {
                     "POST"
                 } else {
                     "GET"
@@ -289,6 +305,23 @@ impl HttpServerApp for AdminApp {
             return None;
         }
         finish(session).await
+    }
+}
+
+/// `POST /reload`: re-reads the config file and applies it; 200
+/// `{"status":"reloaded"}`, or 400 with the reason (the previous config keeps serving).
+async fn reload(reloader: &Reloader) -> (u16, HeaderValue, Bytes) {
+    match reloader.reload(Trigger::Admin).await {
+        Ok(_) => (200, JSON, Bytes::from_static(b"{\"status\":\"reloaded\"}")),
+        Err(error) => {
+            let body = error_json(
+                &error.to_string(),
+                "invalid_request_error",
+                None,
+                "config_rejected",
+            );
+            (400, JSON, Bytes::from(body))
+        }
     }
 }
 

@@ -26,10 +26,20 @@ pub(crate) enum ClientErrorReason {
     RequestTimeout,
     /// The chat template rejected the request, or the chat body is invalid (`policy: kv`).
     InvalidPrompt,
+    /// No API key, or an unknown one (auth on).
+    Unauthorized,
+    /// The API key may not use the model.
+    ModelNotAllowed,
+    /// The API key is over one of its limits.
+    RateLimited,
+    /// The request head is over `limits.max_header_bytes` or `limits.max_headers`.
+    HeadersTooLarge,
+    /// The request head is not valid HTTP.
+    MalformedRequest,
 }
 
 /// Number of [`ClientErrorReason`]s.
-pub(crate) const CLIENT_ERROR_REASONS: usize = 9;
+pub(crate) const CLIENT_ERROR_REASONS: usize = 14;
 
 impl ClientErrorReason {
     /// Every reason, in declaration order.
@@ -43,6 +53,11 @@ impl ClientErrorReason {
         Self::UnknownPath,
         Self::RequestTimeout,
         Self::InvalidPrompt,
+        Self::Unauthorized,
+        Self::ModelNotAllowed,
+        Self::RateLimited,
+        Self::HeadersTooLarge,
+        Self::MalformedRequest,
     ];
 
     /// The metric label.
@@ -57,6 +72,11 @@ impl ClientErrorReason {
             Self::UnknownPath => "unknown_path",
             Self::RequestTimeout => "request_timeout",
             Self::InvalidPrompt => "invalid_prompt",
+            Self::Unauthorized => "unauthorized",
+            Self::ModelNotAllowed => "model_not_allowed",
+            Self::RateLimited => "rate_limited",
+            Self::HeadersTooLarge => "headers_too_large",
+            Self::MalformedRequest => "malformed_request",
         }
     }
 }
@@ -120,6 +140,39 @@ pub(crate) enum ApiError {
         /// What the last attempt saw.
         detail: String,
     },
+    /// 401: no API key, or one that matches none configured (the key is never echoed).
+    Unauthorized {
+        /// No key was presented at all.
+        missing: bool,
+    },
+    /// 403: the API key may not use the model.
+    ModelNotAllowed {
+        /// The requested name.
+        model: String,
+    },
+    /// 429: the API key is over a limit.
+    RateLimited {
+        /// The limit's config field (`requests_per_second`, `tokens_per_minute`, `max_concurrency`).
+        limit: &'static str,
+        /// Seconds to wait before retrying (`Retry-After`).
+        retry_after_secs: u64,
+    },
+    /// 503: the model's concurrency limit is reached and no slot became free.
+    ConcurrencyLimited {
+        /// The model.
+        model: String,
+        /// Why no slot was given.
+        reason: &'static str,
+        /// Seconds to wait before retrying (`Retry-After`).
+        retry_after_secs: u64,
+    },
+    /// 431: the request head is over a limit.
+    HeadersTooLarge {
+        /// Which limit, and by how much.
+        detail: String,
+    },
+    /// 400: the request head is not valid HTTP.
+    MalformedRequest,
 }
 
 #[derive(Serialize)]
@@ -156,13 +209,20 @@ impl ApiError {
             Self::InvalidJson(_)
             | Self::InvalidBody(_)
             | Self::MissingModel
-            | Self::InvalidPrompt(_) => 400,
+            | Self::InvalidPrompt(_)
+            | Self::MalformedRequest => 400,
+            Self::Unauthorized { .. } => 401,
+            Self::ModelNotAllowed { .. } => 403,
             Self::ModelNotFound { .. } | Self::UnknownPath { .. } => 404,
             Self::MethodNotAllowed { .. } => 405,
             Self::RequestTimeout => 408,
             Self::BodyTooLarge { .. } => 413,
+            Self::RateLimited { .. } => 429,
+            Self::HeadersTooLarge { .. } => 431,
             Self::UpstreamUnavailable { .. } => 502,
-            Self::NoHealthyInstance { .. } | Self::Overloaded { .. } => 503,
+            Self::NoHealthyInstance { .. }
+            | Self::Overloaded { .. }
+            | Self::ConcurrencyLimited { .. } => 503,
             Self::UpstreamTimeout => 504,
         }
     }
@@ -176,9 +236,17 @@ impl ApiError {
             | Self::BodyTooLarge { .. }
             | Self::MethodNotAllowed { .. }
             | Self::RequestTimeout
-            | Self::InvalidPrompt(_) => "invalid_request_error",
+            | Self::InvalidPrompt(_)
+            | Self::Unauthorized { .. }
+            | Self::HeadersTooLarge { .. }
+            | Self::MalformedRequest => "invalid_request_error",
+            Self::ModelNotAllowed { .. } => "permission_error",
+            Self::RateLimited { limit, .. } if *limit == "tokens_per_minute" => "tokens",
+            Self::RateLimited { .. } => "requests",
             Self::ModelNotFound { .. } | Self::UnknownPath { .. } => "not_found_error",
-            Self::NoHealthyInstance { .. } | Self::Overloaded { .. } => "service_unavailable",
+            Self::NoHealthyInstance { .. }
+            | Self::Overloaded { .. }
+            | Self::ConcurrencyLimited { .. } => "service_unavailable",
             Self::UpstreamTimeout => "timeout",
             Self::UpstreamUnavailable { .. } => "upstream_error",
         }
@@ -200,13 +268,22 @@ impl ApiError {
             Self::Overloaded { .. } => "all_instances_busy",
             Self::UpstreamTimeout => "upstream_timeout",
             Self::UpstreamUnavailable { .. } => "upstream_unavailable",
+            Self::Unauthorized { missing: true } => "missing_api_key",
+            Self::Unauthorized { missing: false } => "invalid_api_key",
+            Self::ModelNotAllowed { .. } => "model_not_allowed",
+            Self::RateLimited { .. } => "rate_limit_exceeded",
+            Self::ConcurrencyLimited { .. } => "model_concurrency_limit",
+            Self::HeadersTooLarge { .. } => "request_header_fields_too_large",
+            Self::MalformedRequest => "malformed_request",
         }
     }
 
     /// OpenAI `param`: the request field at fault, if one is.
     pub(crate) fn param(&self) -> Option<&'static str> {
         match self {
-            Self::MissingModel | Self::ModelNotFound { .. } => Some("model"),
+            Self::MissingModel | Self::ModelNotFound { .. } | Self::ModelNotAllowed { .. } => {
+                Some("model")
+            }
             Self::InvalidPrompt(_) => Some("messages"),
             _ => None,
         }
@@ -238,6 +315,27 @@ impl ApiError {
             Self::UpstreamUnavailable { detail } => {
                 format!("the engine could not be reached: {detail}")
             }
+            Self::Unauthorized { missing: true } => {
+                "you didn't provide an API key; send it as `Authorization: Bearer <key>`"
+                    .to_string()
+            }
+            Self::Unauthorized { missing: false } => "incorrect API key provided".to_string(),
+            Self::ModelNotAllowed { model } => {
+                format!("this API key may not use the model {model:?}")
+            }
+            Self::RateLimited {
+                limit,
+                retry_after_secs,
+            } => format!(
+                "rate limit reached for this API key ({limit}); retry in {retry_after_secs}s"
+            ),
+            Self::ConcurrencyLimited { model, reason, .. } => {
+                format!("model {model:?} is at capacity: {reason}; retry later")
+            }
+            Self::HeadersTooLarge { detail } => {
+                format!("request header fields too large: {detail}")
+            }
+            Self::MalformedRequest => "the request is not valid HTTP".to_string(),
         }
     }
 
@@ -263,8 +361,14 @@ impl ApiError {
             Self::UnknownPath { .. } => ClientErrorReason::UnknownPath,
             Self::RequestTimeout => ClientErrorReason::RequestTimeout,
             Self::InvalidPrompt(_) => ClientErrorReason::InvalidPrompt,
+            Self::Unauthorized { .. } => ClientErrorReason::Unauthorized,
+            Self::ModelNotAllowed { .. } => ClientErrorReason::ModelNotAllowed,
+            Self::RateLimited { .. } => ClientErrorReason::RateLimited,
+            Self::HeadersTooLarge { .. } => ClientErrorReason::HeadersTooLarge,
+            Self::MalformedRequest => ClientErrorReason::MalformedRequest,
             Self::NoHealthyInstance { .. }
             | Self::Overloaded { .. }
+            | Self::ConcurrencyLimited { .. }
             | Self::UpstreamTimeout
             | Self::UpstreamUnavailable { .. } => return None,
         })
@@ -307,6 +411,22 @@ mod tests {
                 reason: "every instance is busy",
                 retry_after_secs: 1,
             },
+            ApiError::Unauthorized { missing: true },
+            ApiError::Unauthorized { missing: false },
+            ApiError::ModelNotAllowed { model: "m".into() },
+            ApiError::RateLimited {
+                limit: "tokens_per_minute",
+                retry_after_secs: 3,
+            },
+            ApiError::ConcurrencyLimited {
+                model: "m".into(),
+                reason: "queue full",
+                retry_after_secs: 1,
+            },
+            ApiError::HeadersTooLarge {
+                detail: "101 fields".into(),
+            },
+            ApiError::MalformedRequest,
         ];
         for error in &all {
             let json = parse(error);

@@ -74,6 +74,7 @@ impl RouteBench {
                 })?;
                 let handles = metrics.instance("bench", url.as_str());
                 Ok(Arc::new(Instance::new(
+                    i as u64,
                     url,
                     address,
                     Protocol::Http1,
@@ -92,18 +93,15 @@ impl RouteBench {
                     .unwrap_or_default(),
                 reason,
             })?;
-        let urls: Vec<&str> = instances.iter().map(|i| i.url().as_str()).collect();
-        let router = KvRouter::new(
-            config,
-            tokenizer,
-            false,
-            instances.len(),
-            metrics.kv("bench", &urls),
-        )
-        .map_err(|error| ProxyError::KvSettings {
-            model: "bench".to_string(),
-            reason: error.to_string(),
-        })?;
+        let router = KvRouter::new(config, tokenizer, false, false, metrics.kv("bench")).map_err(
+            |error| ProxyError::KvSettings {
+                model: "bench".to_string(),
+                reason: error.to_string(),
+            },
+        )?;
+        for instance in &instances {
+            router.add_instance(instance.id());
+        }
         Ok(Self { router, instances })
     }
 

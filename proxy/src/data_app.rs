@@ -3,43 +3,47 @@
 //! h2c streams alike).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::Instant;
 
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use pingora_core::apps::{
     HttpPersistentSettings, HttpServerApp, HttpServerOptions, ReusedHttpStream,
 };
 use pingora_core::protocols::http::ServerSession;
 use pingora_core::server::ShutdownWatch;
-use tokio::time::timeout;
 
-use crate::api_error::ApiError;
+use crate::api_error::{ApiError, ClientErrorReason};
+use crate::auth::{ApiKey, AuthFailure, KeyPermit, KeyRejection, prompt_tokens};
+use crate::downstream::HttpDownstream;
 use crate::exchange::Exchange;
 use crate::forward::{Picker, forward};
 use crate::headers::{X_REQUEST_ID, content_length, expects_continue};
-use crate::kv_route::offload;
-use crate::kv_route::prepare::InvalidPrompt;
-use crate::pool::Balancer;
+use crate::kv_route::prepare::{InvalidPrompt, RouteInput};
+use crate::limits::{HeadRead, answer_unread_head, check_head, malformed_head_error, read_head};
+use crate::openapi;
 use crate::request_body::{BodyError, read_body};
 use crate::request_fields::{FieldsError, extract, with_model_name};
 use crate::respond::{JSON, respond};
 use crate::route::{Route, RouteMatch, match_route};
 use crate::state::State;
 
-/// How long a connection may still deliver a request head once shutdown began.
-const SHUTDOWN_GRACE: Duration = Duration::from_millis(200);
+/// Marks an HTTP/1 connection that already served a request (a head timeout on
+/// it is an idle keep-alive connection, not a slow client).
+struct KeptAlive;
 
 /// Serves the OpenAI routes of a data listener.
 #[derive(Debug)]
 pub(crate) struct DataApp {
-    state: Arc<State>,
+    /// The current state (replaced by reloads); each request loads it once.
+    state: Arc<ArcSwap<State>>,
     options: Option<HttpServerOptions>,
 }
 
 impl DataApp {
     /// The app; `h2c` makes pingora speak HTTP/2 to clients that open with
     /// the h2 preface.
-    pub(crate) fn new(state: Arc<State>, h2c: bool) -> Self {
+    pub(crate) fn new(state: Arc<ArcSwap<State>>, h2c: bool) -> Self {
         let options = h2c.then(|| {
             let mut options = HttpServerOptions::default();
             options.h2c = true;
@@ -56,26 +60,45 @@ impl HttpServerApp for DataApp {
         mut session: ServerSession,
         shutdown: &ShutdownWatch,
     ) -> Option<ReusedHttpStream> {
-        let limits = &self.state.limits;
-        if !read_head(&mut session, limits.client_header_timeout, shutdown).await {
-            return None;
+        let fresh = session.take_connection_user_context().is_none();
+        let head_timeout = self.state.load().limits.client_header_timeout;
+        match read_head(&mut session, head_timeout, shutdown, fresh).await {
+            HeadRead::Ready => {}
+            HeadRead::Closed => return None,
+            HeadRead::TimedOut => {
+                let state = self.state.load();
+                state
+                    .metrics
+                    .client_error(ClientErrorReason::RequestTimeout);
+                answer_unread_head(session, &ApiError::RequestTimeout).await;
+                return None;
+            }
+            HeadRead::Malformed(error) => {
+                tracing::debug!(%error, "malformed request head");
+                let error = malformed_head_error(&error);
+                if let Some(reason) = error.client_reason() {
+                    self.state.load().metrics.client_error(reason);
+                }
+                answer_unread_head(session, &error).await;
+                return None;
+            }
         }
+        // The state this request runs on to its end, whatever reloads happen meanwhile.
+        let state = self.state.load_full();
         if *shutdown.borrow() {
             session.set_keepalive(None);
         }
-        let request_id = self
-            .state
-            .request_ids
-            .resolve(session.get_header(X_REQUEST_ID));
+        let request_id = state.request_ids.resolve(session.get_header(X_REQUEST_ID));
         let mut exchange = Exchange::new(request_id);
-        let reusable = handle(&self.state, &mut session, &mut exchange).await;
+        let reusable = handle(&state, &mut session, &mut exchange).await;
         let header = session.req_header();
-        exchange.finish(&self.state.registry, &header.method, header.uri.path());
+        exchange.finish(&state.registry, &header.method, header.uri.path());
         if !reusable {
             session.shutdown().await;
             return None;
         }
-        let settings = HttpPersistentSettings::for_session(&session);
+        let mut settings = HttpPersistentSettings::for_session(&session);
+        settings.set_user_context(Box::new(KeptAlive));
         match session.finish().await {
             Ok(Some(stream)) => Some(ReusedHttpStream::from_reusable_stream(stream, settings)),
             _ => None,
@@ -87,26 +110,13 @@ impl HttpServerApp for DataApp {
     }
 }
 
-/// Reads the request head within `limit`; once shutdown begins, a connection
-/// gets a short grace to deliver a head already on its way, then is closed.
-async fn read_head(session: &mut ServerSession, limit: Duration, shutdown: &ShutdownWatch) -> bool {
-    let mut shutdown = shutdown.clone();
-    let read = timeout(limit, session.read_request());
-    tokio::pin!(read);
-    let result = if *shutdown.borrow_and_update() {
-        timeout(SHUTDOWN_GRACE, &mut read).await
-    } else {
-        tokio::select! {
-            result = &mut read => Ok(result),
-            _ = shutdown.changed() => timeout(SHUTDOWN_GRACE, &mut read).await,
-        }
-    };
-    matches!(result, Ok(Ok(Ok(true))))
-}
-
 /// Routes and answers one request; returns whether the connection can be reused.
 async fn handle(state: &State, session: &mut ServerSession, exchange: &mut Exchange) -> bool {
     let header = session.req_header();
+    if let Err(error) = check_head(header, &state.limits) {
+        session.set_keepalive(None);
+        return exchange.reject(session, &state.metrics, &error).await;
+    }
     let route = match match_route(&header.method, header.uri.path()) {
         RouteMatch::Found(route) => route,
         RouteMatch::MethodNotAllowed(allow) => {
@@ -121,17 +131,46 @@ async fn handle(state: &State, session: &mut ServerSession, exchange: &mut Excha
         }
     };
     exchange.route = Some(route);
+    let key = if matches!(route, Route::OpenApi | Route::Docs) {
+        None
+    } else {
+        match state.auth.authenticate(session.req_header()) {
+            Ok(Some(key)) => {
+                // The key is the gateway's: engines never see it.
+                session
+                    .req_header_mut()
+                    .remove_header(&http::header::AUTHORIZATION);
+                Some(key)
+            }
+            Ok(None) => None,
+            Err(failure) => {
+                let missing = failure == AuthFailure::Missing;
+                let error = ApiError::Unauthorized { missing };
+                return exchange.reject(session, &state.metrics, &error).await;
+            }
+        }
+    };
     if !route.is_proxied() {
+        let (content_type, body) = match route {
+            Route::OpenApi => (JSON, openapi::spec()),
+            Route::Docs => (openapi::HTML, openapi::docs_page()),
+            _ => (JSON, state.registry.models_body()),
+        };
         exchange.status = 200;
         let extra = [(X_REQUEST_ID, exchange.request_id.clone())];
-        let body = state.registry.models_body();
-        return respond(session, 200, JSON, &extra, body).await;
+        return respond(session, 200, content_type, &extra, body).await;
     }
-    proxy(state, session, exchange).await
+    proxy(state, session, exchange, key).await
 }
 
-/// Admission (size, JSON, model) and forwarding of a proxied route.
-async fn proxy(state: &State, session: &mut ServerSession, exchange: &mut Exchange) -> bool {
+/// Admission (size, JSON, model, the key's limits, the model's concurrency) and
+/// forwarding of a proxied route.
+async fn proxy(
+    state: &State,
+    session: &mut ServerSession,
+    exchange: &mut Exchange,
+    key: Option<Arc<ApiKey>>,
+) -> bool {
     let limit = state.limits.max_body_bytes;
     let declared = content_length(session.req_header());
     if declared.is_some_and(|length| length > limit) {
@@ -188,13 +227,13 @@ async fn proxy(state: &State, session: &mut ServerSession, exchange: &mut Exchan
                 // canonical name, so only then is the body rewritten.
                 Some(pool) if pool.name() != model.as_str() => {
                     let renamed = with_model_name(&body, &model, pool.name());
-                    (Arc::clone(pool), Some(renamed))
+                    (pool, Some(renamed))
                 }
-                Some(pool) => (Arc::clone(pool), None),
+                Some(pool) => (pool, None),
                 None => {
                     let error = ApiError::ModelNotFound {
                         model: model.as_str().to_string(),
-                        known: state.registry.known().to_string(),
+                        known: state.registry.known(),
                     };
                     return exchange.reject(session, &state.metrics, &error).await;
                 }
@@ -202,35 +241,86 @@ async fn proxy(state: &State, session: &mut ServerSession, exchange: &mut Exchan
         }
     };
     exchange.pool = Some(Arc::clone(&pool));
-    let mut body = renamed.unwrap_or(body);
-    let picker = match pool.balancer() {
-        Balancer::Policy(policy) => Picker::Policy(policy.as_ref()),
-        Balancer::Kv(router) => {
-            let route = exchange.route.unwrap_or(Route::ChatCompletions);
-            let prepared = match offload::prepare(
-                state.preprocess.as_ref(),
-                router.preparer(),
-                route,
-                &body,
-                true,
-            )
-            .await
-            {
-                Ok(prepared) => prepared,
-                Err(InvalidPrompt(message)) => {
-                    let error = ApiError::InvalidPrompt(message);
-                    return exchange.reject(session, &state.metrics, &error).await;
+    let permit = match key.map(|key| key.admit(pool.name(), Instant::now())) {
+        None => None,
+        Some(Ok(permit)) => Some(permit),
+        Some(Err(rejection)) => {
+            let error = key_rejection(state, rejection, pool.name().to_string());
+            return exchange.reject(session, &state.metrics, &error).await;
+        }
+    };
+    let _slot = match state.concurrency.get(pool.name()) {
+        None => None,
+        Some(slots) => {
+            let acquired = tokio::select! {
+                biased;
+                acquired = slots.acquire() => acquired,
+                _ = session.read_body_or_idle(true) => {
+                    exchange.client_gone = true;
+                    return false;
                 }
             };
-            let request = router.request(&prepared, std::time::Instant::now());
-            if let Some(rewritten) = prepared.rewritten {
-                body = rewritten;
-            }
-            Picker::Kv {
-                router: router.as_ref(),
-                request,
+            match acquired {
+                Ok(slot) => Some(slot),
+                Err(rejection) => {
+                    let error = ApiError::ConcurrencyLimited {
+                        model: pool.name().to_string(),
+                        reason: rejection.describe(),
+                        retry_after_secs: slots.retry_after_secs(),
+                    };
+                    return exchange.reject(session, &state.metrics, &error).await;
+                }
             }
         }
     };
-    forward(state, session, &pool, body, picker, exchange).await
+    let mut body = renamed.unwrap_or(body);
+    let route = exchange.route.unwrap_or(Route::ChatCompletions);
+    let picker = match Picker::for_request(state, &pool, route, &mut body).await {
+        Ok(picker) => picker,
+        Err(InvalidPrompt(message)) => {
+            let error = ApiError::InvalidPrompt(message);
+            return exchange.reject(session, &state.metrics, &error).await;
+        }
+    };
+    if let Some(permit) = permit.as_ref() {
+        charge_prompt(permit, &picker, body.len(), exchange);
+    }
+    let mut client = HttpDownstream::new(session);
+    forward(state, &mut client, &pool, body, picker, exchange).await
+}
+
+/// The error for a key refused by its own settings (403 or 429); `model` is the requested name.
+pub(crate) fn key_rejection(state: &State, rejection: KeyRejection, model: String) -> ApiError {
+    match rejection {
+        KeyRejection::ModelNotAllowed => {
+            state.auth.count_model_not_allowed();
+            ApiError::ModelNotAllowed { model }
+        }
+        KeyRejection::Limited(limit, wait) => ApiError::RateLimited {
+            limit: limit.label(),
+            retry_after_secs: wait.as_secs_f64().ceil().max(1.0) as u64,
+        },
+    }
+}
+
+/// Charges the prompt's tokens to the key, and meters the completion when the
+/// key has a tokens-per-minute limit.
+pub(crate) fn charge_prompt(
+    permit: &KeyPermit,
+    picker: &Picker<'_>,
+    body_len: usize,
+    exchange: &mut Exchange,
+) {
+    if !permit.key().meters_tokens() {
+        return;
+    }
+    let tokenized = match picker {
+        Picker::Kv { request, .. } => match &request.input {
+            RouteInput::Tokens(blocks) => Some(blocks.tokens as u64),
+            RouteInput::Fallback(_) => None,
+        },
+        Picker::Policy(_) => None,
+    };
+    permit.charge_prompt(prompt_tokens(tokenized, body_len));
+    exchange.meter = Some(permit.completion_meter());
 }

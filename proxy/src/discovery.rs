@@ -1,7 +1,7 @@
 //! Where a model's instances come from.
 //!
-//! Today only the static list in the config; etcd and the in-process registry
-//! implement the same trait later.
+//! The static list in the config, read once at startup. Instances from etcd or the
+//! in-process registry arrive at run time through [`crate::control_plane`].
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
@@ -13,6 +13,8 @@ use crate::ProxyError;
 /// One instance as a discovery source reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct InstanceSpec {
+    /// Stable id (the KV index's worker id): a static backend's position in `backends`.
+    pub(crate) id: u64,
     /// Base URL (reported in `x-kvmesh-instance` and metrics).
     pub(crate) url: BackendUrl,
     /// Resolved address to connect to.
@@ -68,8 +70,10 @@ impl Discovery for StaticDiscovery<'_> {
                 let instances = model
                     .backends
                     .iter()
-                    .map(|backend| {
+                    .enumerate()
+                    .map(|(position, backend)| {
                         Ok(InstanceSpec {
+                            id: position as u64,
                             address: resolve(&backend.url)?,
                             url: backend.url.clone(),
                             protocol: backend.protocol,
@@ -92,7 +96,7 @@ impl Discovery for StaticDiscovery<'_> {
 
 /// Resolves a backend's host (an IP literal needs no lookup); the first
 /// address wins. Runs once at startup.
-fn resolve(url: &BackendUrl) -> Result<SocketAddr, ProxyError> {
+pub(crate) fn resolve(url: &BackendUrl) -> Result<SocketAddr, ProxyError> {
     let unresolved = || ProxyError::Resolve {
         url: url.to_string(),
         reason: "no address".to_string(),
@@ -130,6 +134,7 @@ mod tests {
         assert_eq!(instances[0].protocol, Protocol::H2c);
         assert_eq!(instances[1].address, "[::1]:10".parse().unwrap());
         assert_eq!(instances[1].url.as_str(), "http://[::1]:10");
+        assert_eq!((instances[0].id, instances[1].id), (0, 1));
     }
 
     #[test]

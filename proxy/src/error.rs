@@ -4,12 +4,17 @@ use std::net::SocketAddr;
 
 use kvmesh_config::ConfigError;
 
+use crate::tls::TlsError;
+
 /// Why the proxy could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
     /// The configuration is invalid.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// A TLS setting's file cannot be used.
+    #[error("TLS config error: {0}")]
+    Tls(#[from] TlsError),
     /// A backend's host name did not resolve.
     #[error("cannot resolve backend {url}: {reason}")]
     Resolve {
@@ -52,4 +57,10 @@ pub enum ProxyError {
     /// The metrics registry rejected a metric (a bug).
     #[error("metrics setup failed: {0}")]
     Metrics(#[from] prometheus::Error),
+    /// Discovery or the event bus could not be set up.
+    #[error("control plane: {0}")]
+    ControlPlane(String),
+    /// The gRPC listener could not be set up or failed.
+    #[error("gRPC listener: {0}")]
+    Grpc(String),
 }

@@ -8,6 +8,7 @@ use pingora_core::protocols::http::ServerSession;
 use tokio::time::Instant;
 
 use crate::api_error::ApiError;
+use crate::auth::CompletionMeter;
 use crate::failure::FailureKind;
 use crate::metrics::Metrics;
 use crate::pool::ModelPool;
@@ -39,6 +40,9 @@ pub(crate) struct Exchange {
     pub(crate) client_gone: bool,
     /// The engine failed after the response started.
     pub(crate) upstream_failure: Option<FailureKind>,
+    /// Charges the response's completion tokens to the API key (a key with a
+    /// tokens-per-minute limit).
+    pub(crate) meter: Option<CompletionMeter>,
 }
 
 impl Exchange {
@@ -54,6 +58,7 @@ impl Exchange {
             stream: false,
             client_gone: false,
             upstream_failure: None,
+            meter: None,
         }
     }
 

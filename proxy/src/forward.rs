@@ -1,12 +1,12 @@
 //! Forwarding one request: pick an instance, send, fail over on errors before
-//! the first response byte, then relay the response.
+//! the first response byte, then relay the response. Protocol-neutral: the client side
+//! (HTTP or gRPC) is a [`Downstream`].
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
 use http::HeaderValue;
-use pingora_core::protocols::http::ServerSession;
 use pingora_core::protocols::http::client::HttpSession;
 use pingora_error::ErrorType;
 use prometheus::IntGauge;
@@ -14,16 +14,20 @@ use tokio::time::timeout;
 
 use crate::api_error::ApiError;
 use crate::clock::now_millis;
+use crate::downstream::Downstream;
 use crate::exchange::Exchange;
 use crate::failure::FailureKind;
-use crate::headers::{ProxyHeaders, downstream_response, is_event_stream, upstream_request};
+use crate::headers::upstream_request;
 use crate::instance::Instance;
 use crate::kv_route::booking::Booking;
 use crate::kv_route::explain::route_header;
+use crate::kv_route::offload;
+use crate::kv_route::prepare::InvalidPrompt;
 use crate::kv_route::{Choice, KvRequest, KvRouter};
 use crate::policy::{Excluded, Policy};
-use crate::pool::ModelPool;
-use crate::relay::{RelayContext, RelayEnd, relay};
+use crate::pool::{Balancer, ModelPool};
+use crate::relay::RelayEnd;
+use crate::route::Route;
 use crate::state::State;
 
 /// Extra attempts after a failure on a pooled keep-alive connection (it may
@@ -64,6 +68,39 @@ pub(crate) enum Picker<'a> {
     },
 }
 
+impl<'a> Picker<'a> {
+    /// How a request on `route` to `pool` picks its instances: the pool's policy, or KV
+    /// routing by the prompt of `body` (prepared here: tokenized and hashed; `body` may be
+    /// rewritten with the prompt's token ids).
+    pub(crate) async fn for_request(
+        state: &State,
+        pool: &'a ModelPool,
+        route: Route,
+        body: &mut Bytes,
+    ) -> Result<Self, InvalidPrompt> {
+        let router = match pool.balancer() {
+            Balancer::Policy(policy) => return Ok(Picker::Policy(policy.as_ref())),
+            Balancer::Kv(router) => router,
+        };
+        let prepared = offload::prepare(
+            state.preprocess.as_ref(),
+            router.preparer(),
+            route,
+            body,
+            true,
+        )
+        .await?;
+        let request = router.request(&prepared, Instant::now());
+        if let Some(rewritten) = prepared.rewritten {
+            *body = rewritten;
+        }
+        Ok(Picker::Kv {
+            router: router.as_ref(),
+            request,
+        })
+    }
+}
+
 /// The instance chosen for one attempt, and what `policy: kv` booked for it.
 struct Pick<'a> {
     index: usize,
@@ -82,10 +119,15 @@ enum Picked<'a> {
     Busy,
 }
 
-/// Picks the next instance not in `excluded`.
-fn pick<'a>(pool: &'a ModelPool, picker: &'a Picker<'a>, excluded: &Excluded) -> Picked<'a> {
+/// Picks the next instance of `instances` (the pool's, loaded once per request) not in
+/// `excluded`.
+fn pick<'a>(
+    instances: &[Arc<Instance>],
+    picker: &'a Picker<'a>,
+    excluded: &Excluded,
+) -> Picked<'a> {
     match picker {
-        Picker::Policy(policy) => match pool.pick(*policy, excluded) {
+        Picker::Policy(policy) => match ModelPool::pick(instances, *policy, excluded) {
             Some((index, instance)) => Picked::Instance(Pick {
                 index,
                 instance: Arc::clone(instance),
@@ -96,7 +138,7 @@ fn pick<'a>(pool: &'a ModelPool, picker: &'a Picker<'a>, excluded: &Excluded) ->
         },
         Picker::Kv { router, request } => {
             let choice = router.choose(
-                pool.instances(),
+                instances,
                 request,
                 excluded,
                 now_millis(),
@@ -104,7 +146,7 @@ fn pick<'a>(pool: &'a ModelPool, picker: &'a Picker<'a>, excluded: &Excluded) ->
             );
             match choice {
                 Choice::Picked(decision) => {
-                    let Some(instance) = pool.instances().get(decision.index) else {
+                    let Some(instance) = instances.get(decision.index) else {
                         return Picked::Nothing;
                     };
                     let booking = router.commit(&decision, request, Instant::now());
@@ -147,29 +189,30 @@ impl Drop for GaugeGuard<'_> {
     }
 }
 
-/// Forwards the request to `pool` and relays the answer. Returns whether the
+/// Forwards the request to `pool` and relays the answer to `client`. Returns whether the
 /// client connection is still in a reusable state.
-pub(crate) async fn forward(
+pub(crate) async fn forward<D: Downstream>(
     state: &State,
-    session: &mut ServerSession,
+    client: &mut D,
     pool: &Arc<ModelPool>,
     body: Bytes,
     picker: Picker<'_>,
     exchange: &mut Exchange,
 ) -> bool {
     let _in_flight = GaugeGuard::new(&pool.metrics().in_flight);
+    let instances = pool.instances();
     if let Picker::Kv { router, .. } = &picker {
         let admitted = tokio::select! {
             biased;
-            admitted = router.admit(pool.instances(), now_millis) => admitted,
-            _ = session.read_body_or_idle(true) => {
+            admitted = router.admit(&instances, now_millis) => admitted,
+            () = client.gone() => {
                 exchange.client_gone = true;
                 return false;
             }
         };
         if let Err(rejected) = admitted {
             let error = overloaded(pool, rejected.describe());
-            return exchange.reject(session, &state.metrics, &error).await;
+            return client.reject(exchange, &state.metrics, &error).await;
         }
     }
     let mut excluded = Excluded::default();
@@ -177,14 +220,14 @@ pub(crate) async fn forward(
     let mut stale_retries_left = STALE_CONNECTION_RETRIES;
     let mut last_failure: Option<String> = None;
     loop {
-        let pick = match pick(pool, &picker, &excluded) {
+        let pick = match pick(&instances, &picker, &excluded) {
             Picked::Instance(pick) => pick,
             Picked::Busy => {
                 if let Picker::Kv { router, .. } = &picker {
                     router.count_busy_rejection();
                 }
                 let error = overloaded(pool, "every remaining instance is busy");
-                return exchange.reject(session, &state.metrics, &error).await;
+                return client.reject(exchange, &state.metrics, &error).await;
             }
             Picked::Nothing => {
                 let error = match last_failure {
@@ -194,7 +237,7 @@ pub(crate) async fn forward(
                     },
                     Some(detail) => ApiError::UpstreamUnavailable { detail },
                 };
-                return exchange.reject(session, &state.metrics, &error).await;
+                return client.reject(exchange, &state.metrics, &error).await;
             }
         };
         let Pick {
@@ -205,14 +248,14 @@ pub(crate) async fn forward(
         } = pick;
         exchange.instance = Some(instance.instance_header().clone());
         let in_flight = instance.start_request();
-        match attempt(state, session, &instance, &body, &exchange.request_id).await {
+        match attempt(state, client, &instance, &body, &exchange.request_id).await {
             Ok(upstream) => {
                 let answer = Answer {
                     instance: &instance,
                     route: route.as_ref(),
                     booking: booking.as_ref(),
                 };
-                let reusable = respond(state, session, pool, answer, upstream, exchange).await;
+                let reusable = respond(state, client, pool, answer, upstream, exchange).await;
                 drop(in_flight);
                 return reusable;
             }
@@ -238,20 +281,20 @@ pub(crate) async fn forward(
                     let error = ApiError::UpstreamUnavailable {
                         detail: last_failure.unwrap_or_default(),
                     };
-                    return exchange.reject(session, &state.metrics, &error).await;
+                    return client.reject(exchange, &state.metrics, &error).await;
                 }
             }
             Err(AttemptError::Timeout) => {
                 drop(in_flight);
                 instance.record_failure(FailureKind::Timeout, &state.outlier, now_millis());
-                return exchange
-                    .reject(session, &state.metrics, &ApiError::UpstreamTimeout)
+                return client
+                    .reject(exchange, &state.metrics, &ApiError::UpstreamTimeout)
                     .await;
             }
             Err(AttemptError::Unforwardable(detail)) => {
                 drop(in_flight);
                 let error = ApiError::UpstreamUnavailable { detail };
-                return exchange.reject(session, &state.metrics, &error).await;
+                return client.reject(exchange, &state.metrics, &error).await;
             }
             Err(AttemptError::ClientGone) => {
                 drop(in_flight);
@@ -263,15 +306,15 @@ pub(crate) async fn forward(
 }
 
 /// Sends the request to `instance` and waits for its response headers.
-async fn attempt(
+async fn attempt<D: Downstream>(
     state: &State,
-    session: &mut ServerSession,
+    client: &mut D,
     instance: &Instance,
     body: &Bytes,
     request_id: &HeaderValue,
 ) -> Result<HttpSession, AttemptError> {
     let request = upstream_request(
-        session.req_header(),
+        client.head(),
         instance.host_header(),
         body.len(),
         request_id,
@@ -306,7 +349,7 @@ async fn attempt(
     let outcome = tokio::select! {
         biased;
         outcome = timeout(state.limits.first_byte_timeout, exchange) => outcome,
-        _ = session.read_body_or_idle(true) => return Err(AttemptError::ClientGone),
+        () = client.gone() => return Err(AttemptError::ClientGone),
     };
     match outcome {
         Err(_) => Err(AttemptError::Timeout),
@@ -330,16 +373,20 @@ async fn attempt(
 }
 
 /// The instance that answers, and what the response needs to know about the decision.
-struct Answer<'a> {
-    instance: &'a Instance,
-    route: Option<&'a HeaderValue>,
-    booking: Option<&'a Booking<'a>>,
+pub(crate) struct Answer<'a> {
+    /// The instance.
+    pub(crate) instance: &'a Instance,
+    /// `x-kvmesh-route` (`policy: kv` only).
+    pub(crate) route: Option<&'a HeaderValue>,
+    /// The load `policy: kv` booked for the request.
+    pub(crate) booking: Option<&'a Booking<'a>>,
 }
 
-/// Writes the engine's response head and relays its body.
-async fn respond(
+/// Judges the engine's response status, has `client` relay the answer, then returns the
+/// upstream connection to the pool or counts the engine's failure.
+async fn respond<D: Downstream>(
     state: &State,
-    session: &mut ServerSession,
+    client: &mut D,
     pool: &ModelPool,
     answer: Answer<'_>,
     mut upstream: HttpSession,
@@ -356,34 +403,10 @@ async fn respond(
     } else {
         instance.record_success();
     }
-    let event_stream = is_event_stream(upstream_header);
-    let client_version = session.req_header().version;
-    let ours = ProxyHeaders {
-        instance: instance.instance_header(),
-        request_id: &exchange.request_id,
-        route: answer.route,
-    };
-    let built = downstream_response(upstream_header, ours, client_version, session.is_http2());
-    let Ok((response, framing)) = built else {
-        return false;
-    };
-    if session
-        .write_response_header(Box::new(response))
+    match client
+        .relay(state, pool, &answer, &mut upstream, exchange)
         .await
-        .is_err()
     {
-        exchange.client_gone = true;
-        return false;
-    }
-    let ctx = RelayContext {
-        started: exchange.started,
-        idle_timeout: state.limits.idle_timeout,
-        event_stream,
-        framing,
-        metrics: pool.metrics(),
-        booking: answer.booking,
-    };
-    match relay(session, &mut upstream, &ctx).await {
         RelayEnd::Complete => {
             state.upstream.release(upstream, instance.peer()).await;
             true

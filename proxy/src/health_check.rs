@@ -10,25 +10,35 @@ use tokio::task::JoinSet;
 use tokio::time::{MissedTickBehavior, interval, timeout};
 
 use crate::health::HealthTracker;
-use crate::instance::Instance;
+use crate::instance::{Instance, Membership};
 use crate::state::State;
 
 /// Spawns a probe task for every instance of every model into `tasks`.
 pub(crate) fn spawn_probes(
     state: &Arc<State>,
-    config: &HealthCheckConfig,
+    config: &Arc<HealthCheckConfig>,
     tasks: &mut JoinSet<()>,
 ) {
-    let config = Arc::new(config.clone());
     for pool in state.registry.pools() {
-        for instance in pool.instances() {
-            tasks.spawn(probe_loop(
-                Arc::clone(state),
-                Arc::clone(instance),
-                Arc::clone(&config),
-            ));
+        for instance in pool.instances().iter() {
+            spawn_probe(state, instance, config, tasks);
         }
     }
+}
+
+/// Spawns the probe task of `instance` into `tasks`; it ends when the instance leaves its
+/// pool.
+pub(crate) fn spawn_probe(
+    state: &Arc<State>,
+    instance: &Arc<Instance>,
+    config: &Arc<HealthCheckConfig>,
+    tasks: &mut JoinSet<()>,
+) {
+    tasks.spawn(probe_loop(
+        Arc::clone(state),
+        Arc::clone(instance),
+        Arc::clone(config),
+    ));
 }
 
 async fn probe_loop(state: Arc<State>, instance: Arc<Instance>, config: Arc<HealthCheckConfig>) {
@@ -37,6 +47,9 @@ async fn probe_loop(state: Arc<State>, instance: Arc<Instance>, config: Arc<Heal
     ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
+        if instance.membership() == Membership::Removed {
+            return;
+        }
         let result = match timeout(config.timeout, probe(&state, &instance, &config.path)).await {
             Ok(result) => result,
             Err(_) => Err(format!("no answer within {:?}", config.timeout)),

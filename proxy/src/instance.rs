@@ -1,8 +1,9 @@
 //! One engine instance and all of its live state, in one place: health,
-//! ejection and in-flight count, each an atomic (no lock on the hot path).
+//! ejection, in-flight count and its discovery state, each an atomic (no lock on
+//! the hot path).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -24,9 +25,46 @@ pub(crate) struct PeerSettings {
     pub(crate) connect_timeout: Duration,
 }
 
+/// Where an instance stands in its discovery source's eyes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Membership {
+    /// Takes requests (a static backend always is).
+    Ready = 0,
+    /// Registered, but its engine is unhealthy: no new requests.
+    NotReady = 1,
+    /// Shutting down: in-flight requests finish, no new ones.
+    Draining = 2,
+    /// Gone from discovery: no new requests, its background tasks stop.
+    Removed = 3,
+}
+
+impl Membership {
+    fn from_u8(value: u8) -> Self {
+        match value {
+            0 => Self::Ready,
+            1 => Self::NotReady,
+            2 => Self::Draining,
+            _ => Self::Removed,
+        }
+    }
+
+    /// The label used in `/health` and logs.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Self::Ready => "ready",
+            Self::NotReady => "not_ready",
+            Self::Draining => "draining",
+            Self::Removed => "removed",
+        }
+    }
+}
+
 /// An engine instance serving one model.
 #[derive(Debug)]
 pub(crate) struct Instance {
+    /// Stable id: the worker id in the KV index (a static backend's position in its
+    /// model's `backends`, a discovered instance's agent-chosen id).
+    id: u64,
     url: BackendUrl,
     peer: HttpPeer,
     /// `x-kvmesh-instance` value (shared bytes: cloning is a refcount).
@@ -35,20 +73,25 @@ pub(crate) struct Instance {
     host_header: HeaderValue,
     in_flight: AtomicU64,
     healthy: AtomicBool,
+    membership: AtomicU8,
     outlier: OutlierState,
     metrics: InstanceMetrics,
 }
 
 impl Instance {
-    /// An instance at `address` (the resolved `url`), healthy until a probe says otherwise.
+    /// Instance `id` at `address` (the resolved `url`), ready and healthy until discovery or
+    /// a probe says otherwise.
     pub(crate) fn new(
+        id: u64,
         url: BackendUrl,
         address: SocketAddr,
         protocol: Protocol,
         settings: PeerSettings,
         metrics: InstanceMetrics,
     ) -> Self {
-        let mut peer = HttpPeer::new(address, false, String::new());
+        // `https://` engines: TLS with the host as SNI and the name checked.
+        let sni = url.host().trim_start_matches('[').trim_end_matches(']');
+        let mut peer = HttpPeer::new(address, url.is_tls(), sni.to_string());
         peer.options.connection_timeout = Some(settings.connect_timeout);
         if protocol == Protocol::H2c {
             peer.options.set_http_version(2, 2);
@@ -57,15 +100,32 @@ impl Instance {
         let instance_header = shared_header(url.as_str());
         let host_header = shared_header(url.authority());
         Self {
+            id,
             url,
             peer,
             instance_header,
             host_header,
             in_flight: AtomicU64::new(0),
             healthy: AtomicBool::new(true),
+            membership: AtomicU8::new(Membership::Ready as u8),
             outlier: OutlierState::default(),
             metrics,
         }
+    }
+
+    /// Its stable id (the KV index's worker id).
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Its discovery state.
+    pub(crate) fn membership(&self) -> Membership {
+        Membership::from_u8(self.membership.load(Ordering::Relaxed))
+    }
+
+    /// Set by discovery.
+    pub(crate) fn set_membership(&self, membership: Membership) {
+        self.membership.store(membership as u8, Ordering::Relaxed);
     }
 
     /// The configured URL (`http://host:port`).
@@ -88,9 +148,11 @@ impl Instance {
         &self.host_header
     }
 
-    /// Healthy by its probes and not ejected.
+    /// Ready by discovery, healthy by its probes and not ejected.
     pub(crate) fn is_available(&self, now_ms: u64) -> bool {
-        self.is_healthy() && !self.outlier.is_ejected(now_ms)
+        self.membership() == Membership::Ready
+            && self.is_healthy()
+            && !self.outlier.is_ejected(now_ms)
     }
 
     /// Healthy by its probes.

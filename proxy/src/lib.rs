@@ -8,7 +8,9 @@
 //! the response is relayed chunk by chunk. Under `policy: kv` the prompt is
 //! tokenized and the instance chosen by cached-prefix overlap and load (see the
 //! `kv_route` module); responses then carry `x-kvmesh-route`, and the admin
-//! listener explains decisions at `POST /debug/route`.
+//! listener explains decisions at `POST /debug/route`. With `grpc.address` set,
+//! a tonic listener serves the KServe v2 gRPC API over the same state and the
+//! same forwarding path (the `grpc` module).
 //!
 //! ```no_run
 //! # async fn demo(config: kvmesh_config::Config) -> Result<(), Box<dyn std::error::Error>> {
@@ -23,26 +25,35 @@
 mod accept;
 mod admin_app;
 mod api_error;
+mod auth;
 #[doc(hidden)]
 pub mod bench_support;
 mod clock;
+mod control_plane;
 mod data_app;
 mod discovery;
+mod downstream;
+mod edge_metrics;
 mod error;
 mod exchange;
 mod failure;
 mod forward;
+mod grpc;
 mod headers;
 mod health;
 mod health_check;
 mod instance;
 mod kv_route;
+mod limits;
 mod metrics;
+mod openapi;
 mod outlier;
 mod policy;
 mod pool;
+mod pool_builder;
 mod registry;
 mod relay;
+mod reload;
 mod request_body;
 mod request_fields;
 mod request_id;
@@ -51,7 +62,13 @@ mod route;
 mod server;
 mod sse;
 mod state;
+mod tls;
+mod token_timing;
 mod upstream;
 
+pub use auth::sha256_hex;
+pub use control_plane::ControlPlane;
 pub use error::ProxyError;
+pub use reload::{ReloadError, ReloadHandle};
 pub use server::{ADMIN_LISTENER, BoundListener, Proxy, serve_until};
+pub use tls::{TlsError, check_config_files};

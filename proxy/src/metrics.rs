@@ -9,7 +9,9 @@ use prometheus::{
 };
 
 use crate::api_error::{CLIENT_ERROR_REASONS, ClientErrorReason};
+use crate::edge_metrics::EdgeMetrics;
 use crate::failure::{FAILURE_KINDS, FailureKind};
+use crate::grpc::rpc::{RPC_COUNT, Rpc};
 use crate::kv_route::prepare::{FALLBACK_REASONS, FallbackReason};
 use crate::route::{ROUTE_COUNT, Route};
 
@@ -42,6 +44,11 @@ pub(crate) const NO_MODEL: &str = "";
 /// Label for requests on no known route.
 const NO_ROUTE: &str = "unknown";
 
+/// `protocol` label of the OpenAI HTTP listeners.
+const HTTP: &str = "http";
+/// `protocol` label of the gRPC listener.
+const GRPC: &str = "grpc";
+
 /// Error while creating or registering metrics (only possible at startup).
 pub(crate) type MetricsError = prometheus::Error;
 
@@ -59,6 +66,8 @@ pub(crate) struct Metrics {
     instance_healthy: IntGaugeVec,
     client_errors: [IntCounter; CLIENT_ERROR_REASONS],
     kv: KvFamilies,
+    /// Authentication, limits, TLS and reload families.
+    pub(crate) edge: EdgeMetrics,
 }
 
 /// The families of `policy: kv`.
@@ -152,9 +161,10 @@ impl Metrics {
         let requests_total = IntCounterVec::new(
             Opts::new(
                 "kvmesh_requests_total",
-                "Requests answered, by model, route and HTTP status.",
+                "Requests answered, by model, protocol (http, grpc), route (gRPC: the RPC) and \
+                 HTTP status (gRPC: the HTTP status of the same outcome).",
             ),
-            &["model", "route", "status"],
+            &["model", "protocol", "route", "status"],
         )?;
         let requests_in_flight = IntGaugeVec::new(
             Opts::new(
@@ -169,7 +179,7 @@ impl Metrics {
                 "Time from the request head to the end of the response.",
             )
             .buckets(DURATION_BUCKETS.to_vec()),
-            &["model", "route"],
+            &["model", "protocol", "route"],
         )?;
         let time_to_first_token = HistogramVec::new(
             HistogramOpts::new(
@@ -227,6 +237,7 @@ impl Metrics {
         registry.register(Box::new(instance_healthy.clone()))?;
         registry.register(Box::new(client_errors_vec))?;
         let kv = KvFamilies::new(&registry)?;
+        let edge = EdgeMetrics::new(&registry)?;
         Ok(Self {
             registry,
             requests_total,
@@ -239,22 +250,21 @@ impl Metrics {
             instance_healthy,
             client_errors,
             kv,
+            edge,
         })
     }
 
-    /// Handles of `policy: kv` for `model`, whose instances are `instances` (in pool order).
-    pub(crate) fn kv(&self, model: &str, instances: &[&str]) -> KvMetrics {
+    /// Handles of `policy: kv` for `model`.
+    pub(crate) fn kv(&self, model: &str) -> KvMetrics {
         let kv = &self.kv;
         KvMetrics {
+            model: model.to_string(),
             overlap_blocks: kv.overlap_blocks.with_label_values(&[model]),
             stages: RouteStage::ALL.map(|stage| {
                 kv.decision_seconds
                     .with_label_values(&[model, stage.label()])
             }),
-            index_blocks: instances
-                .iter()
-                .map(|instance| kv.index_blocks.with_label_values(&[model, instance]))
-                .collect(),
+            index_blocks: kv.index_blocks.clone(),
             index_prunes: kv.index_prunes.with_label_values(&[model]),
             busy_rejections: kv.busy_rejections.with_label_values(&[model]),
             queue_depth: kv.queue_depth.with_label_values(&[model]),
@@ -270,23 +280,42 @@ impl Metrics {
             time_to_first_token: self.time_to_first_token.with_label_values(&[model]),
             inter_token_latency: self.inter_token_latency.with_label_values(&[model]),
             routes: self.routes(model),
+            rpcs: self.rpcs(model),
         }
     }
 
     /// Per-route handles for `model` (`NO_MODEL` for requests that resolve to
     /// none); each series appears on first use.
     pub(crate) fn routes(&self, model: &str) -> RouteTable {
-        let route = |route: &'static str| RouteMetrics {
+        let route = |route| self.route_metrics(model, HTTP, route);
+        RouteTable {
+            routes: Route::ALL.map(|r| route(r.label())),
+            unrouted: route(NO_ROUTE),
+        }
+    }
+
+    /// Per-RPC handles of the gRPC listener for `model` (`NO_MODEL` for requests that
+    /// resolve to none); each series appears on first use.
+    pub(crate) fn rpcs(&self, model: &str) -> RpcTable {
+        RpcTable {
+            rpcs: Rpc::ALL.map(|rpc| self.route_metrics(model, GRPC, rpc.label())),
+        }
+    }
+
+    fn route_metrics(
+        &self,
+        model: &str,
+        protocol: &'static str,
+        route: &'static str,
+    ) -> RouteMetrics {
+        RouteMetrics {
             model: model.to_string(),
+            protocol,
             route,
             requests_total: self.requests_total.clone(),
             request_duration: self.request_duration.clone(),
             ok_total: OnceLock::new(),
             duration: OnceLock::new(),
-        };
-        RouteTable {
-            routes: Route::ALL.map(|r| route(r.label())),
-            unrouted: route(NO_ROUTE),
         }
     }
 
@@ -304,11 +333,36 @@ impl Metrics {
         }
     }
 
+    /// Drops the series of an instance that left `model` (so departed instances do not
+    /// linger in scrapes).
+    pub(crate) fn forget_instance(&self, model: &str, instance: &str) {
+        for kind in FailureKind::ALL {
+            let _ = self
+                .upstream_errors
+                .remove_label_values(&[model, instance, kind.label()]);
+        }
+        let _ = self
+            .instance_in_flight
+            .remove_label_values(&[model, instance]);
+        let _ = self
+            .instance_healthy
+            .remove_label_values(&[model, instance]);
+        let _ = self.kv.index_blocks.remove_label_values(&[model, instance]);
+    }
+
     /// Counts a rejected bad request.
     pub(crate) fn client_error(&self, reason: ClientErrorReason) {
         if let Some(counter) = self.client_errors.get(reason as usize) {
             counter.inc();
         }
+    }
+
+    /// Registers a family defined elsewhere (the control plane's).
+    pub(crate) fn register(
+        &self,
+        collector: Box<dyn prometheus::core::Collector>,
+    ) -> Result<(), MetricsError> {
+        self.registry.register(collector)
     }
 
     /// Prometheus text exposition of every family.
@@ -362,11 +416,12 @@ impl RouteStage {
 /// Handles of one `policy: kv` model.
 #[derive(Debug)]
 pub(crate) struct KvMetrics {
+    model: String,
     /// `kvmesh_route_overlap_blocks{model}`.
     pub(crate) overlap_blocks: Histogram,
     stages: [Histogram; ROUTE_STAGES],
-    /// `kvmesh_index_blocks{model,instance}`, by instance index.
-    pub(crate) index_blocks: Vec<IntGauge>,
+    /// `kvmesh_index_blocks{model,instance}` (instances come and go: resolved per scrape).
+    index_blocks: IntGaugeVec,
     /// `kvmesh_index_prunes_total{model}`.
     pub(crate) index_prunes: IntCounter,
     /// `kvmesh_route_busy_rejections_total{model}`.
@@ -382,6 +437,13 @@ impl KvMetrics {
         if let Some(histogram) = self.stages.get(stage as usize) {
             histogram.observe(elapsed.as_secs_f64());
         }
+    }
+
+    /// Sets `kvmesh_index_blocks` of `instance` (its URL).
+    pub(crate) fn set_index_blocks(&self, instance: &str, blocks: u64) {
+        self.index_blocks
+            .with_label_values(&[self.model.as_str(), instance])
+            .set(i64::try_from(blocks).unwrap_or(i64::MAX));
     }
 
     /// Counts a request routed without tokens.
@@ -403,6 +465,21 @@ pub(crate) struct ModelMetrics {
     pub(crate) inter_token_latency: Histogram,
     /// Per-route request counts and durations.
     pub(crate) routes: RouteTable,
+    /// Per-RPC request counts and durations of the gRPC listener.
+    pub(crate) rpcs: RpcTable,
+}
+
+/// Per-RPC handles of one model on the gRPC listener.
+#[derive(Debug)]
+pub(crate) struct RpcTable {
+    rpcs: [RouteMetrics; RPC_COUNT],
+}
+
+impl RpcTable {
+    /// Handles for `rpc`.
+    pub(crate) fn rpc(&self, rpc: Rpc) -> &RouteMetrics {
+        &self.rpcs[rpc.index()]
+    }
 }
 
 /// Per-route handles of one model.
@@ -425,6 +502,7 @@ impl RouteTable {
 #[derive(Debug)]
 pub(crate) struct RouteMetrics {
     model: String,
+    protocol: &'static str,
     route: &'static str,
     requests_total: IntCounterVec,
     request_duration: HistogramVec,
@@ -438,21 +516,28 @@ impl RouteMetrics {
         if status == 200 {
             self.ok_total
                 .get_or_init(|| {
-                    self.requests_total
-                        .with_label_values(&[self.model.as_str(), self.route, "200"])
+                    self.requests_total.with_label_values(&[
+                        self.model.as_str(),
+                        self.protocol,
+                        self.route,
+                        "200",
+                    ])
                 })
                 .inc();
         } else {
             let code = http::StatusCode::from_u16(status).ok();
             let label = code.as_ref().map_or("other", http::StatusCode::as_str);
             self.requests_total
-                .with_label_values(&[self.model.as_str(), self.route, label])
+                .with_label_values(&[self.model.as_str(), self.protocol, self.route, label])
                 .inc();
         }
         self.duration
             .get_or_init(|| {
-                self.request_duration
-                    .with_label_values(&[self.model.as_str(), self.route])
+                self.request_duration.with_label_values(&[
+                    self.model.as_str(),
+                    self.protocol,
+                    self.route,
+                ])
             })
             .observe(seconds);
     }
@@ -502,6 +587,8 @@ mod tests {
             .route(Some(Route::ChatCompletions))
             .observe(503, 0.001);
         model.routes.route(None).observe(404, 0.001);
+        model.rpcs.rpc(Rpc::ModelStreamInfer).observe(200, 0.2);
+        model.rpcs.rpc(Rpc::ModelInfer).observe(404, 0.001);
         model.in_flight.inc();
         model.time_to_first_token.observe(0.1);
         model.inter_token_latency.observe(0.01);
@@ -511,11 +598,14 @@ mod tests {
         metrics.client_error(ClientErrorReason::MissingModel);
         let out = text(&metrics);
         for line in [
-            "kvmesh_requests_total{model=\"qwen3\",route=\"chat_completions\",status=\"200\"} 1",
-            "kvmesh_requests_total{model=\"qwen3\",route=\"chat_completions\",status=\"503\"} 1",
-            "kvmesh_requests_total{model=\"qwen3\",route=\"unknown\",status=\"404\"} 1",
+            "kvmesh_requests_total{model=\"qwen3\",protocol=\"http\",route=\"chat_completions\",status=\"200\"} 1",
+            "kvmesh_requests_total{model=\"qwen3\",protocol=\"http\",route=\"chat_completions\",status=\"503\"} 1",
+            "kvmesh_requests_total{model=\"qwen3\",protocol=\"http\",route=\"unknown\",status=\"404\"} 1",
+            "kvmesh_requests_total{model=\"qwen3\",protocol=\"grpc\",route=\"model_stream_infer\",status=\"200\"} 1",
+            "kvmesh_requests_total{model=\"qwen3\",protocol=\"grpc\",route=\"model_infer\",status=\"404\"} 1",
+            "kvmesh_request_duration_seconds_count{model=\"qwen3\",protocol=\"grpc\",route=\"model_infer\"} 1",
             "kvmesh_requests_in_flight{model=\"qwen3\"} 1",
-            "kvmesh_request_duration_seconds_count{model=\"qwen3\",route=\"chat_completions\"} 2",
+            "kvmesh_request_duration_seconds_count{model=\"qwen3\",protocol=\"http\",route=\"chat_completions\"} 2",
             "kvmesh_time_to_first_token_seconds_count{model=\"qwen3\"} 1",
             "kvmesh_inter_token_latency_seconds_count{model=\"qwen3\"} 1",
             "kvmesh_upstream_errors_total{instance=\"http://127.0.0.1:1\",kind=\"connect\",model=\"qwen3\"} 1",
@@ -535,15 +625,18 @@ mod tests {
     #[test]
     fn renders_the_kv_families() {
         let metrics = Metrics::new().unwrap();
-        let kv = metrics.kv("qwen3", &["http://a:1", "http://b:2"]);
+        let kv = metrics.kv("qwen3");
         kv.overlap_blocks.observe(12.0);
         kv.observe_stage(RouteStage::Tokenize, std::time::Duration::from_micros(900));
-        kv.index_blocks[1].set(40);
+        kv.set_index_blocks("http://b:2", 40);
+        kv.set_index_blocks("http://a:1", 0);
         kv.index_prunes.inc_by(3);
         kv.busy_rejections.inc();
         kv.queue_depth.set(2);
         kv.count_fallback(FallbackReason::NoTokenizer);
         let out = text(&metrics);
+        metrics.forget_instance("qwen3", "http://b:2");
+        assert!(!text(&metrics).contains("http://b:2"));
         for line in [
             "kvmesh_route_overlap_blocks_count{model=\"qwen3\"} 1",
             "kvmesh_route_decision_seconds_count{model=\"qwen3\",stage=\"tokenize\"} 1",

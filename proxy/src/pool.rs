@@ -1,9 +1,17 @@
-//! A model's pool: its instances, how it balances them and its metric handles, built once.
+//! A model's pool: its instances, how it balances them and its metric handles.
+//!
+//! The instance set can change at run time (discovery): it is an immutable list behind an
+//! [`ArcSwap`], replaced whole on every change. A request loads the current list once and
+//! keeps it for all its attempts, so it never takes a lock and a removed instance stays
+//! alive until its in-flight requests finish.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use arc_swap::ArcSwap;
 
 use crate::clock::now_millis;
-use crate::instance::Instance;
+use crate::instance::{Instance, Membership};
 use crate::kv_route::KvRouter;
 use crate::metrics::ModelMetrics;
 use crate::policy::{Candidates, Excluded, Policy};
@@ -17,13 +25,18 @@ pub(crate) enum Balancer {
     Kv(Box<KvRouter>),
 }
 
+/// The instances of a pool at one moment.
+pub(crate) type Instances = Arc<Vec<Arc<Instance>>>;
+
 /// Everything the request path needs for one model.
 #[derive(Debug)]
 pub(crate) struct ModelPool {
     name: String,
-    instances: Vec<Arc<Instance>>,
+    instances: ArcSwap<Vec<Arc<Instance>>>,
     balancer: Balancer,
     metrics: ModelMetrics,
+    /// Set when the pool left the registry: its background tasks stop.
+    retired: AtomicBool,
 }
 
 impl ModelPool {
@@ -34,11 +47,17 @@ impl ModelPool {
         balancer: Balancer,
         metrics: ModelMetrics,
     ) -> Self {
+        if let Balancer::Kv(router) = &balancer {
+            for instance in &instances {
+                router.add_instance(instance.id());
+            }
+        }
         Self {
             name,
-            instances,
+            instances: ArcSwap::from_pointee(instances),
             balancer,
             metrics,
+            retired: AtomicBool::new(false),
         }
     }
 
@@ -52,9 +71,80 @@ impl ModelPool {
         &self.name
     }
 
-    /// The instances.
-    pub(crate) fn instances(&self) -> &[Arc<Instance>] {
-        &self.instances
+    /// The current instances (a snapshot: later changes do not affect it).
+    pub(crate) fn instances(&self) -> Instances {
+        self.instances.load_full()
+    }
+
+    /// The current instance with id `id`.
+    pub(crate) fn instance(&self, id: u64) -> Option<Arc<Instance>> {
+        self.instances.load().iter().find(|i| i.id() == id).cloned()
+    }
+
+    /// Adds `instance` (replacing one with the same id, which is then removed).
+    pub(crate) fn add_instance(&self, instance: Arc<Instance>) {
+        let id = instance.id();
+        let replaced = self.swap_instances(|current| {
+            let mut next: Vec<Arc<Instance>> = current.to_vec();
+            let old = next
+                .iter()
+                .position(|i| i.id() == id)
+                .map(|at| next.remove(at));
+            next.push(Arc::clone(&instance));
+            (next, old)
+        });
+        if let Some(old) = replaced {
+            old.set_membership(Membership::Removed);
+        }
+        if let Balancer::Kv(router) = &self.balancer {
+            router.add_instance(id);
+        }
+    }
+
+    /// Removes instance `id`: no new requests go to it, in-flight ones finish, and its
+    /// routing state (load, cached blocks) is dropped. Returns it when it was there.
+    pub(crate) fn remove_instance(&self, id: u64) -> Option<Arc<Instance>> {
+        let removed = self.swap_instances(|current| {
+            let mut next: Vec<Arc<Instance>> = current.to_vec();
+            let old = next
+                .iter()
+                .position(|i| i.id() == id)
+                .map(|at| next.remove(at));
+            (next, old)
+        })?;
+        removed.set_membership(Membership::Removed);
+        if let Balancer::Kv(router) = &self.balancer {
+            router.remove_instance(id);
+        }
+        Some(removed)
+    }
+
+    /// Replaces the instance list with what `change` makes of the current one (a single
+    /// writer at a time: discovery).
+    fn swap_instances<T>(
+        &self,
+        change: impl Fn(&[Arc<Instance>]) -> (Vec<Arc<Instance>>, Option<T>),
+    ) -> Option<T> {
+        let mut result = None;
+        self.instances.rcu(|current| {
+            let (next, out) = change(current);
+            result = out;
+            next
+        });
+        result
+    }
+
+    /// Marks the pool as gone from the registry.
+    pub(crate) fn retire(&self) {
+        self.retired.store(true, Ordering::Relaxed);
+        for instance in self.instances.load().iter() {
+            instance.set_membership(Membership::Removed);
+        }
+    }
+
+    /// Whether the pool left the registry.
+    pub(crate) fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Relaxed)
     }
 
     /// Metric handles.
@@ -62,25 +152,26 @@ impl ModelPool {
         &self.metrics
     }
 
-    /// Picks an available instance not in `excluded` with `policy`.
-    pub(crate) fn pick(
-        &self,
+    /// Picks an available instance of `instances` not in `excluded` with `policy`.
+    pub(crate) fn pick<'a>(
+        instances: &'a [Arc<Instance>],
         policy: &dyn Policy,
         excluded: &Excluded,
-    ) -> Option<(usize, &Arc<Instance>)> {
-        let candidates = Candidates::new(&self.instances, excluded, now_millis());
+    ) -> Option<(usize, &'a Arc<Instance>)> {
+        let candidates = Candidates::new(instances, excluded, now_millis());
         let index = policy.pick(&candidates)?;
-        self.instances.get(index).map(|instance| (index, instance))
+        instances.get(index).map(|instance| (index, instance))
     }
 
     /// Copies live state into the pool's gauges (called before a scrape).
     pub(crate) fn refresh_gauges(&self) {
         let now = now_millis();
-        for instance in &self.instances {
+        let instances = self.instances();
+        for instance in instances.iter() {
             instance.refresh_gauges(now);
         }
         if let Balancer::Kv(router) = &self.balancer {
-            router.refresh_gauges();
+            router.refresh_gauges(&instances);
         }
     }
 
@@ -90,6 +181,7 @@ impl ModelPool {
         let now = now_millis();
         let wait_ms = self
             .instances
+            .load()
             .iter()
             .filter(|i| i.is_healthy())
             .map(|i| i.ejection_remaining_ms(now))

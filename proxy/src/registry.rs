@@ -1,24 +1,81 @@
-//! Model name and alias → pool, built once at startup.
+//! Model name and alias → pool. Models can appear and disappear at run time (discovery):
+//! the lookup tables and the `GET /v1/models` body are rebuilt on each change and swapped
+//! in whole, so the request path reads them without a lock.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 use serde::Serialize;
 
 use crate::metrics::{Metrics, NO_MODEL, RouteTable};
 use crate::pool::ModelPool;
 
-/// All served models.
-#[derive(Debug)]
-pub(crate) struct ModelRegistry {
+/// One served model.
+#[derive(Debug, Clone)]
+struct Entry {
+    pool: Arc<ModelPool>,
+    /// Other accepted names.
+    aliases: Vec<String>,
+    /// When it started being served (seconds since the epoch, for `GET /v1/models`).
+    created: u64,
+}
+
+/// The served models at one moment.
+#[derive(Debug, Default)]
+struct View {
+    entries: Vec<Entry>,
     by_name: HashMap<String, Arc<ModelPool>>,
-    pools: Vec<Arc<ModelPool>>,
     /// "a, b, c": every accepted name, for 404 messages.
     known: String,
     /// The `GET /v1/models` response body.
     models_body: Bytes,
+}
+
+impl View {
+    fn new(entries: Vec<Entry>) -> Self {
+        let mut by_name = HashMap::new();
+        let mut names = Vec::new();
+        let mut data = Vec::new();
+        for entry in &entries {
+            let pool = &entry.pool;
+            for name in std::iter::once(pool.name()).chain(entry.aliases.iter().map(String::as_str))
+            {
+                by_name.insert(name.to_string(), Arc::clone(pool));
+                names.push(name.to_string());
+                data.push((name.to_string(), entry.created));
+            }
+        }
+        let list = ModelList {
+            object: "list",
+            data: data
+                .iter()
+                .map(|(id, created)| ModelEntry {
+                    id,
+                    object: "model",
+                    created: *created,
+                    owned_by: "kvmesh",
+                })
+                .collect(),
+        };
+        let models_body = Bytes::from(serde_json::to_vec(&list).unwrap_or_default());
+        Self {
+            entries,
+            by_name,
+            known: names.join(", "),
+            models_body,
+        }
+    }
+}
+
+/// All served models.
+#[derive(Debug)]
+pub(crate) struct ModelRegistry {
+    view: ArcSwap<View>,
+    /// Serialises changes (discovery is the only writer; this keeps it that way).
+    writer: Mutex<()>,
     /// Metrics of requests that resolve to no model.
     unattributed: RouteTable,
 }
@@ -37,65 +94,90 @@ struct ModelEntry<'a> {
     owned_by: &'static str,
 }
 
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 impl ModelRegistry {
     /// Indexes `pools` by name and aliases (`names[i]` are pool `i`'s names,
     /// canonical first; uniqueness is checked by config validation).
     pub(crate) fn new(pools: Vec<(Arc<ModelPool>, Vec<String>)>, metrics: &Metrics) -> Self {
-        let created = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        let mut by_name = HashMap::new();
-        let mut names = Vec::new();
-        for (pool, aliases) in &pools {
-            for name in std::iter::once(pool.name()).chain(aliases.iter().map(String::as_str)) {
-                by_name.insert(name.to_string(), Arc::clone(pool));
-                names.push(name.to_string());
-            }
-        }
-        let list = ModelList {
-            object: "list",
-            data: names
-                .iter()
-                .map(|id| ModelEntry {
-                    id,
-                    object: "model",
-                    created,
-                    owned_by: "kvmesh",
-                })
-                .collect(),
-        };
-        let models_body = Bytes::from(serde_json::to_vec(&list).unwrap_or_default());
+        let created = now_secs();
+        let entries = pools
+            .into_iter()
+            .map(|(pool, aliases)| Entry {
+                pool,
+                aliases,
+                created,
+            })
+            .collect();
         Self {
-            by_name,
-            known: names.join(", "),
-            models_body,
-            pools: pools.into_iter().map(|(pool, _)| pool).collect(),
+            view: ArcSwap::from_pointee(View::new(entries)),
+            writer: Mutex::new(()),
             unattributed: metrics.routes(NO_MODEL),
         }
     }
 
     /// The pool serving `name` (canonical or alias).
-    pub(crate) fn get(&self, name: &str) -> Option<&Arc<ModelPool>> {
-        self.by_name.get(name)
+    pub(crate) fn get(&self, name: &str) -> Option<Arc<ModelPool>> {
+        self.view.load().by_name.get(name).cloned()
     }
 
-    /// Every pool, in config order.
-    pub(crate) fn pools(&self) -> &[Arc<ModelPool>] {
-        &self.pools
+    /// Every pool, in config order, then in order of appearance.
+    pub(crate) fn pools(&self) -> Vec<Arc<ModelPool>> {
+        self.view
+            .load()
+            .entries
+            .iter()
+            .map(|entry| Arc::clone(&entry.pool))
+            .collect()
     }
 
     /// Every accepted name, comma-separated.
-    pub(crate) fn known(&self) -> &str {
-        &self.known
+    pub(crate) fn known(&self) -> String {
+        self.view.load().known.clone()
     }
 
     /// The `GET /v1/models` body.
     pub(crate) fn models_body(&self) -> Bytes {
-        self.models_body.clone()
+        self.view.load().models_body.clone()
     }
 
     /// Metrics for requests that resolve to no model.
     pub(crate) fn unattributed(&self) -> &RouteTable {
         &self.unattributed
+    }
+
+    /// Starts serving `pool` under its name (no aliases). Returns false, changing nothing,
+    /// when the name is taken.
+    pub(crate) fn insert(&self, pool: Arc<ModelPool>) -> bool {
+        let _writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
+        let current = self.view.load();
+        if current.by_name.contains_key(pool.name()) {
+            return false;
+        }
+        let mut entries = current.entries.clone();
+        entries.push(Entry {
+            pool,
+            aliases: Vec::new(),
+            created: now_secs(),
+        });
+        self.view.store(Arc::new(View::new(entries)));
+        true
+    }
+
+    /// Stops serving the model named `name` (canonical) and retires its pool; requests that
+    /// already hold the pool finish. Returns the pool when it was served.
+    pub(crate) fn remove(&self, name: &str) -> Option<Arc<ModelPool>> {
+        let _writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
+        let current = self.view.load();
+        let at = current.entries.iter().position(|e| e.pool.name() == name)?;
+        let mut entries = current.entries.clone();
+        let removed = entries.remove(at).pool;
+        self.view.store(Arc::new(View::new(entries)));
+        removed.retire();
+        Some(removed)
     }
 }

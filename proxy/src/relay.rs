@@ -16,11 +16,13 @@ use pingora_core::protocols::http::client::HttpSession;
 use tokio::time::{Instant, timeout};
 
 use crate::api_error::error_json;
+use crate::auth::CompletionMeter;
 use crate::failure::FailureKind;
 use crate::headers::Framing;
 use crate::kv_route::booking::Booking;
 use crate::metrics::ModelMetrics;
 use crate::sse::SseScanner;
+use crate::token_timing::TokenTiming;
 
 /// Largest incomplete SSE event held back before it is forwarded anyway.
 const MAX_HELD_BYTES: usize = 1 << 20;
@@ -39,6 +41,8 @@ pub(crate) struct RelayContext<'a> {
     pub(crate) metrics: &'a ModelMetrics,
     /// `policy: kv` load of the request, whose prefill ends with the first body chunk.
     pub(crate) booking: Option<&'a Booking<'a>>,
+    /// Charges completion tokens to the API key as the body passes.
+    pub(crate) meter: Option<&'a CompletionMeter>,
 }
 
 /// How a relay ended.
@@ -108,6 +112,9 @@ pub(crate) async fn relay(
             }
             None => Some(chunk),
         };
+        if let (Some(meter), Some(out)) = (ctx.meter, out.as_ref()) {
+            meter.observe(out, ctx.event_stream);
+        }
         if let Some(out) = out
             && downstream.write_response_body(out, false).await.is_err()
         {
@@ -125,31 +132,15 @@ pub(crate) async fn relay(
 #[derive(Debug, Default)]
 struct EventTiming {
     scanner: SseScanner,
-    seen_first_chunk: bool,
-    last_event_at: Option<Instant>,
+    tokens: TokenTiming,
 }
 
 impl EventTiming {
     /// Records timings for `chunk`; returns its last event boundary.
     fn observe(&mut self, chunk: &[u8], ctx: &RelayContext<'_>) -> Option<usize> {
-        let now = Instant::now();
-        if !self.seen_first_chunk {
-            self.seen_first_chunk = true;
-            ctx.metrics
-                .time_to_first_token
-                .observe(now.duration_since(ctx.started).as_secs_f64());
-        }
         let scan = self.scanner.feed(chunk);
-        if scan.data_events > 0 {
-            if let Some(previous) = self.last_event_at {
-                // Events that arrive together share the gap since the last one.
-                let gap = now.duration_since(previous).as_secs_f64() / scan.data_events as f64;
-                for _ in 0..scan.data_events {
-                    ctx.metrics.inter_token_latency.observe(gap);
-                }
-            }
-            self.last_event_at = Some(now);
-        }
+        self.tokens
+            .observe(scan.data_events, ctx.started, ctx.metrics);
         scan.last_boundary
     }
 }

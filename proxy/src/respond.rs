@@ -60,8 +60,17 @@ pub(crate) async fn respond_error(
         }
         | ApiError::Overloaded {
             retry_after_secs, ..
+        }
+        | ApiError::RateLimited {
+            retry_after_secs, ..
+        }
+        | ApiError::ConcurrencyLimited {
+            retry_after_secs, ..
         } => {
             extra.push((header::RETRY_AFTER, HeaderValue::from(*retry_after_secs)));
+        }
+        ApiError::Unauthorized { .. } => {
+            extra.push((header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer")));
         }
         _ => {}
     }

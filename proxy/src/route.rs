@@ -15,10 +15,14 @@ pub(crate) enum Route {
     Responses,
     /// `GET /v1/models`
     Models,
+    /// `GET /openapi.json`: the OpenAPI description of these routes.
+    OpenApi,
+    /// `GET /docs`: an HTML page rendering it.
+    Docs,
 }
 
 /// Number of [`Route`]s (for per-route metric handles).
-pub(crate) const ROUTE_COUNT: usize = 5;
+pub(crate) const ROUTE_COUNT: usize = 7;
 
 impl Route {
     /// Every route, in [`Route::index`] order.
@@ -28,6 +32,8 @@ impl Route {
         Route::Embeddings,
         Route::Responses,
         Route::Models,
+        Route::OpenApi,
+        Route::Docs,
     ];
 
     /// Position in [`Route::ALL`].
@@ -43,12 +49,14 @@ impl Route {
             Self::Embeddings => "embeddings",
             Self::Responses => "responses",
             Self::Models => "models",
+            Self::OpenApi => "openapi",
+            Self::Docs => "docs",
         }
     }
 
     /// Whether requests on this route are forwarded to a model's backend.
     pub(crate) fn is_proxied(self) -> bool {
-        !matches!(self, Self::Models)
+        !matches!(self, Self::Models | Self::OpenApi | Self::Docs)
     }
 }
 
@@ -71,6 +79,8 @@ pub(crate) fn match_route(method: &Method, path: &str) -> RouteMatch {
         "/v1/embeddings" => (Route::Embeddings, Method::POST, "POST"),
         "/v1/responses" => (Route::Responses, Method::POST, "POST"),
         "/v1/models" => (Route::Models, Method::GET, "GET"),
+        "/openapi.json" => (Route::OpenApi, Method::GET, "GET"),
+        "/docs" => (Route::Docs, Method::GET, "GET"),
         _ => return RouteMatch::NotFound,
     };
     if *method == allowed {
@@ -119,6 +129,8 @@ mod tests {
             assert_eq!(route.index(), i);
         }
         assert!(!Route::Models.is_proxied());
+        assert!(!Route::OpenApi.is_proxied());
+        assert!(!Route::Docs.is_proxied());
         assert!(Route::Responses.is_proxied());
     }
 }

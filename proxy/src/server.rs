@@ -3,11 +3,14 @@
 use std::future::Future;
 use std::io::Write;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvmesh_config::{Config, HealthCheckConfig};
+use arc_swap::ArcSwap;
+use kvmesh_config::{
+    Config, DiscoveryKind, EventsKind, GRPC_LISTENER, HealthCheckConfig, PolicyKind,
+};
 use kvmesh_preprocess::ModelPreprocessor;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -16,24 +19,33 @@ use tokio::task::JoinSet;
 use crate::ProxyError;
 use crate::accept::{ListenerApps, serve};
 use crate::admin_app::AdminApp;
+use crate::auth::Authenticator;
+use crate::control_plane::{ControlLoops, ControlPlane, is_dynamic};
 use crate::data_app::DataApp;
-use crate::discovery::{Discovery, ModelSpec, StaticDiscovery};
+use crate::discovery::{Discovery, StaticDiscovery};
+use crate::grpc::GrpcListener;
 use crate::health_check::{interval_ms, spawn_probes};
-use crate::instance::{Instance, PeerSettings};
-use crate::kv_route::KvRouter;
+use crate::instance::PeerSettings;
 use crate::kv_route::offload::PreprocessPool;
 use crate::kv_route::sweeper::spawn_sweepers;
+use crate::limits::ConcurrencyLimits;
 use crate::metrics::Metrics;
 use crate::outlier::OutlierPolicy;
-use crate::policy;
-use crate::pool::{Balancer, ModelPool};
+use crate::pool::Balancer;
+use crate::pool_builder::PoolBuilder;
 use crate::registry::ModelRegistry;
+use crate::reload::{ReloadHandle, Reloader, watch_files};
 use crate::request_id::RequestIds;
 use crate::state::State;
+use crate::tls::{ListenerTls, TlsSettings, TlsTerminator, upstream_ca_file};
 use crate::upstream::Upstream;
 
 /// Name the admin listener is announced under.
 pub const ADMIN_LISTENER: &str = "admin";
+
+/// Idle upstream connections are pooled for at least this many instances when discovery can
+/// add instances at run time (the pool is sized at startup).
+const DYNAMIC_INSTANCES_HINT: usize = 64;
 
 /// How long admin connections may linger after the data listeners drained.
 const ADMIN_DRAIN: Duration = Duration::from_secs(1);
@@ -54,75 +66,65 @@ pub struct BoundListener {
 /// A proxy whose listeners are bound; [`Proxy::run`] serves them.
 #[derive(Debug)]
 pub struct Proxy {
-    state: Arc<State>,
+    /// The current state; reloads replace it.
+    state: Arc<ArcSwap<State>>,
+    /// Swaps configs (SIGHUP, file changes, `POST /reload`).
+    reloader: Arc<Reloader>,
+    /// Each data listener's TLS, in config order.
+    tls: Vec<Option<Arc<ListenerTls>>>,
+    /// How often watched files are polled (`None`: not watched).
+    watch: Option<Duration>,
     data: Vec<TcpListener>,
     listeners: Vec<BoundListener>,
     admin: TcpListener,
     admin_address: SocketAddr,
+    /// The KServe v2 gRPC listener (`grpc.address`).
+    grpc: Option<GrpcListener>,
     health_check: HealthCheckConfig,
     drain_timeout: Duration,
+    control: ControlLoops,
 }
 
 impl Proxy {
     /// Validates `config`, builds the model pools and binds every listener.
     /// Must be called inside a tokio runtime.
     pub async fn bind(config: Config) -> Result<Self, ProxyError> {
+        Self::bind_with(config, ControlPlane::default()).await
+    }
+
+    /// [`Proxy::bind`] with in-process control-plane backends, for `discovery.kind:
+    /// in_process` and `events.kind: in_process` (a program embedding the proxy and its
+    /// agents, like the demo). With `discovery.kind: etcd` the registry's records are listed
+    /// before this returns (up to `discovery.initial_sync_timeout`).
+    pub async fn bind_with(config: Config, control: ControlPlane) -> Result<Self, ProxyError> {
+        Self::bind_config(config, None, control).await
+    }
+
+    /// [`Proxy::bind`] with `config` as read from the file at `path`: reloads
+    /// re-read that file (SIGHUP in `kvmesh-proxy`, `POST /reload`, and with
+    /// `reload.watch` a change of the file).
+    pub async fn bind_file(config: Config, path: impl Into<PathBuf>) -> Result<Self, ProxyError> {
+        Self::bind_config(config, Some(path.into()), ControlPlane::default()).await
+    }
+
+    async fn bind_config(
+        config: Config,
+        path: Option<PathBuf>,
+        control: ControlPlane,
+    ) -> Result<Self, ProxyError> {
         config.validate()?;
-        let models = StaticDiscovery::new(&config).models()?;
         let metrics = Metrics::new()?;
-        let settings = PeerSettings {
-            connect_timeout: config.limits.connect_timeout,
-        };
-        let mut pools = Vec::with_capacity(models.len());
-        let mut instance_count = 0;
-        for model in models {
-            let instances: Vec<Arc<Instance>> = model
-                .instances
-                .iter()
-                .map(|spec| {
-                    let handles = metrics.instance(&model.name, spec.url.as_str());
-                    Arc::new(Instance::new(
-                        spec.url.clone(),
-                        spec.address,
-                        spec.protocol,
-                        settings,
-                        handles,
-                    ))
-                })
-                .collect();
-            instance_count += instances.len();
-            let balancer = balancer(&model, &instances, &metrics)?;
-            let pool = ModelPool::new(
-                model.name.clone(),
-                instances,
-                balancer,
-                metrics.model(&model.name),
-            );
-            pools.push((Arc::new(pool), model.aliases.clone()));
-        }
-        let any_kv = pools
+        let tls = listener_tls(&config, &metrics)?;
+        let (state, builder) = build_state(&config, &metrics, None)?;
+        let state = Arc::new(state);
+        let control =
+            ControlLoops::prepare(&config, control, builder, &state.metrics, &state).await?;
+        let state = Arc::new(ArcSwap::new(state));
+        let terminators = tls
             .iter()
-            .any(|(pool, _)| matches!(pool.balancer(), Balancer::Kv(_)));
-        let preprocess = any_kv
-            .then(PreprocessPool::per_core)
-            .transpose()
-            .map_err(ProxyError::Threads)?;
-        let registry = ModelRegistry::new(pools, &metrics);
-        let upstream = Upstream::new(
-            config.upstream.pool_size,
-            instance_count,
-            config.upstream.pool_idle_timeout,
-        );
-        let state = Arc::new(State {
-            registry,
-            upstream,
-            metrics,
-            request_ids: RequestIds::new(),
-            limits: config.limits.clone(),
-            outlier: OutlierPolicy::new(&config.outlier_detection),
-            health_interval_ms: interval_ms(&config.health_check),
-            preprocess,
-        });
+            .map(|tls| tls.as_ref().map(|tls| Arc::clone(&tls.terminator)))
+            .collect();
+        let watch = config.reload.watch.then_some(config.reload.poll_interval);
         let mut data = Vec::with_capacity(config.listeners.len());
         let mut listeners = Vec::with_capacity(config.listeners.len());
         for listener in &config.listeners {
@@ -135,15 +137,35 @@ impl Proxy {
         }
         let admin = bind(ADMIN_LISTENER, config.admin.address).await?;
         let admin_address = local_address(&admin, ADMIN_LISTENER, config.admin.address)?;
+        let grpc = GrpcListener::bind(&config.grpc).await?;
+        let health_check = config.health_check.clone();
+        let drain_timeout = config.shutdown.drain_timeout;
+        let reloader = Arc::new(Reloader::new(
+            path,
+            Arc::clone(&state),
+            metrics,
+            terminators,
+            config,
+        ));
         Ok(Self {
             state,
+            reloader,
+            tls,
+            watch,
             data,
             listeners,
             admin,
             admin_address,
-            health_check: config.health_check,
-            drain_timeout: config.shutdown.drain_timeout,
+            grpc,
+            health_check,
+            drain_timeout,
+            control,
         })
+    }
+
+    /// Reloads this proxy's config while it runs (SIGHUP does the same).
+    pub fn reload_handle(&self) -> ReloadHandle {
+        ReloadHandle::new(Arc::clone(&self.reloader))
     }
 
     /// The data listeners, in config order.
@@ -156,11 +178,19 @@ impl Proxy {
         self.admin_address
     }
 
+    /// The gRPC listener's address, when `grpc.address` is set.
+    pub fn grpc_address(&self) -> Option<SocketAddr> {
+        self.grpc.as_ref().map(GrpcListener::address)
+    }
+
     /// Writes `LISTENING <name> <addr>` for every data listener, then for
-    /// `admin`, and flushes. (`READY` is the caller's to print.)
+    /// `grpc` (when on) and `admin`, and flushes. (`READY` is the caller's to print.)
     pub fn announce(&self, out: &mut impl Write) -> std::io::Result<()> {
         for listener in &self.listeners {
             writeln!(out, "LISTENING {} {}", listener.name, listener.address)?;
+        }
+        if let Some(grpc) = &self.grpc {
+            writeln!(out, "LISTENING {GRPC_LISTENER} {}", grpc.address())?;
         }
         writeln!(out, "LISTENING {ADMIN_LISTENER} {}", self.admin_address)?;
         out.flush()
@@ -172,27 +202,55 @@ impl Proxy {
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), ProxyError> {
         let (data_tx, data_rx) = watch::channel(false);
         let (admin_tx, admin_rx) = watch::channel(false);
-        let first_bytes_timeout = self.state.limits.client_header_timeout;
+        let initial = self.state.load_full();
+        let first_bytes_timeout = initial.limits.client_header_timeout;
         let mut probes = JoinSet::new();
-        if self.health_check.enabled {
-            spawn_probes(&self.state, &self.health_check, &mut probes);
+        self.reloader.start_tasks().await;
+        let health_check = Arc::new(self.health_check);
+        let new_instance_probes = health_check.enabled.then(|| Arc::clone(&health_check));
+        self.control
+            .start(&initial, new_instance_probes, &mut probes);
+        drop(initial);
+        if let Some(period) = self.watch {
+            let tls = self.tls.iter().flatten().map(Arc::clone).collect();
+            probes.spawn(watch_files(Arc::clone(&self.reloader), tls, period));
         }
-        spawn_sweepers(&self.state, &mut probes);
+        // The gRPC listener speaks TLS with the first TLS data listener's certificate.
+        let grpc_tls = self.tls.iter().flatten().next().cloned();
+        let grpc_loop = self.grpc.map(|grpc| {
+            let mut stopping = data_rx.clone();
+            let shutdown = async move {
+                let _ = stopping.wait_for(|stop| *stop).await;
+            };
+            tokio::spawn(grpc.serve(
+                Arc::clone(&self.state),
+                grpc_tls,
+                first_bytes_timeout,
+                shutdown,
+                self.drain_timeout,
+            ))
+        });
         let mut data_loops = JoinSet::new();
-        for listener in self.data {
+        for (listener, tls) in self.data.into_iter().zip(self.tls) {
             let apps = ListenerApps {
                 h1: Arc::new(DataApp::new(Arc::clone(&self.state), false)),
                 h2c: Some(Arc::new(DataApp::new(Arc::clone(&self.state), true))),
                 first_bytes_timeout,
                 drain_timeout: self.drain_timeout,
+                tls,
             };
             data_loops.spawn(serve(listener, apps, data_rx.clone()));
         }
         let admin_apps = ListenerApps {
-            h1: Arc::new(AdminApp::new(Arc::clone(&self.state), data_rx.clone())),
+            h1: Arc::new(AdminApp::new(
+                Arc::clone(&self.state),
+                data_rx.clone(),
+                Arc::clone(&self.reloader),
+            )),
             h2c: None,
             first_bytes_timeout,
             drain_timeout: ADMIN_DRAIN,
+            tls: None,
         };
         let admin_loop = tokio::spawn(serve(self.admin, admin_apps, admin_rx));
 
@@ -203,11 +261,19 @@ impl Proxy {
         );
         let _ = data_tx.send(true);
         while data_loops.join_next().await.is_some() {}
+        if let Some(grpc_loop) = grpc_loop {
+            match grpc_loop.await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => tracing::warn!(%error, "gRPC listener failed"),
+                Err(error) => tracing::warn!(%error, "gRPC listener task failed"),
+            }
+        }
         let _ = admin_tx.send(true);
         if let Err(error) = admin_loop.await {
             tracing::warn!(%error, "admin listener task failed");
         }
         probes.abort_all();
+        self.reloader.stop().await;
         tracing::info!("shutdown complete");
         Ok(())
     }
@@ -221,49 +287,142 @@ pub async fn serve_until(
     Proxy::bind(config).await?.run(shutdown).await
 }
 
+/// Builds the state of `config`, at startup and on every reload, with the
+/// process's `metrics`. On a reload, `previous` is the state and config in force:
+/// API keys and model concurrency limits whose settings are unchanged keep their
+/// live state, and when the models (and what their instances are built from)
+/// are unchanged, the model registry itself carries over (pools, KV indexes,
+/// health and discovered instances).
+pub(crate) fn build_state(
+    config: &Config,
+    metrics: &Metrics,
+    previous: Option<(&State, &Config)>,
+) -> Result<(State, Arc<PoolBuilder>), ProxyError> {
+    let settings = PeerSettings {
+        connect_timeout: config.limits.connect_timeout,
+    };
+    let dynamic = is_dynamic(config);
+    let builder = Arc::new(PoolBuilder::new(
+        metrics.clone(),
+        settings,
+        config.events.kind != EventsKind::None,
+    ));
+    let default_model = &config.discovery.default_model;
+    let carried = previous
+        .filter(|(_, old)| same_models(old, config))
+        .map(|(state, _)| Arc::clone(&state.registry));
+    let (registry, mut instance_count, any_kv) = match carried {
+        Some(registry) => {
+            let pools = registry.pools();
+            let count = pools.iter().map(|pool| pool.instances().len()).sum();
+            let any_kv = pools
+                .iter()
+                .any(|pool| matches!(pool.balancer(), Balancer::Kv(_)));
+            (registry, count, any_kv)
+        }
+        None => {
+            if dynamic && let Some(dir) = &default_model.tokenizer {
+                builder.tokenizer("discovery.default_model", dir)?;
+            }
+            let models = StaticDiscovery::new(config).models()?;
+            let mut pools = Vec::with_capacity(models.len());
+            let mut count = 0;
+            for model in models {
+                count += model.instances.len();
+                pools.push((builder.pool(&model)?, model.aliases.clone()));
+            }
+            let any_kv = pools
+                .iter()
+                .any(|(pool, _)| matches!(pool.balancer(), Balancer::Kv(_)));
+            (Arc::new(ModelRegistry::new(pools, metrics)), count, any_kv)
+        }
+    };
+    let any_kv = any_kv || (dynamic && default_model.effective_policy() == PolicyKind::Kv);
+    if dynamic {
+        instance_count = instance_count.max(DYNAMIC_INSTANCES_HINT);
+    }
+    let preprocess = any_kv
+        .then(PreprocessPool::per_core)
+        .transpose()
+        .map_err(ProxyError::Threads)?;
+    let upstream = Upstream::new(
+        config.upstream.pool_size,
+        instance_count,
+        config.upstream.pool_idle_timeout,
+        upstream_ca_file(&config.upstream.tls)?,
+    );
+    let previous = previous.map(|(state, _)| state);
+    let state = State {
+        registry,
+        upstream,
+        metrics: metrics.clone(),
+        request_ids: RequestIds::new(),
+        limits: config.limits.clone(),
+        outlier: OutlierPolicy::new(&config.outlier_detection),
+        health_interval_ms: interval_ms(&config.health_check),
+        preprocess,
+        auth: Authenticator::new(config, &metrics.edge, previous.map(|state| &state.auth)),
+        concurrency: ConcurrencyLimits::new(
+            config,
+            &metrics.edge,
+            previous.map(|state| &state.concurrency),
+        ),
+    };
+    Ok((state, builder))
+}
+
+/// Whether the model pools of `old` serve `new` as they are: the same models,
+/// instance settings and control plane.
+pub(crate) fn same_models(old: &Config, new: &Config) -> bool {
+    old.models == new.models
+        && old.limits.connect_timeout == new.limits.connect_timeout
+        && old.discovery == new.discovery
+        && old.events == new.events
+}
+
+/// Whether instances can come and go at run time (their pools cannot be rebuilt by a reload).
+pub(crate) fn has_control_plane(config: &Config) -> bool {
+    config.discovery.kind != DiscoveryKind::Static || config.events.kind != EventsKind::None
+}
+
+/// Starts `state`'s background tasks (health probes of its instances, KV
+/// sweepers); they end when the returned set is dropped or aborted.
+pub(crate) fn spawn_state_tasks(state: &Arc<State>, config: &Config) -> JoinSet<()> {
+    let mut tasks = JoinSet::new();
+    if config.health_check.enabled {
+        spawn_probes(state, &Arc::new(config.health_check.clone()), &mut tasks);
+    }
+    spawn_sweepers(state, &mut tasks);
+    tasks
+}
+
+/// Each data listener's TLS, with its files read and checked.
+fn listener_tls(
+    config: &Config,
+    metrics: &Metrics,
+) -> Result<Vec<Option<Arc<ListenerTls>>>, ProxyError> {
+    config
+        .listeners
+        .iter()
+        .enumerate()
+        .map(|(i, listener)| {
+            let Some(tls) = &listener.tls else {
+                return Ok(None);
+            };
+            let settings = TlsSettings::load(tls, &format!("listeners[{i}].tls"))?;
+            Ok(Some(Arc::new(ListenerTls {
+                listener: listener.name.clone(),
+                terminator: Arc::new(TlsTerminator::new(settings)),
+                metrics: metrics.edge.tls(&listener.name),
+            })))
+        })
+        .collect()
+}
+
 /// Loads a tokenizer directory, with the segment cache on.
 pub(crate) fn load_tokenizer(dir: &Path) -> Result<Arc<ModelPreprocessor>, String> {
     let loaded = ModelPreprocessor::from_dir(dir).map_err(|error| error.to_string())?;
     Ok(Arc::new(loaded.with_segment_cache(SEGMENT_CACHE_TOKENS)))
-}
-
-/// The model's balancer: its policy, or a KV router (loading its tokenizer).
-fn balancer(
-    model: &ModelSpec,
-    instances: &[Arc<Instance>],
-    metrics: &Metrics,
-) -> Result<Balancer, ProxyError> {
-    if let Some(policy) = policy::build(model.policy) {
-        return Ok(Balancer::Policy(policy));
-    }
-    let tokenizer = match &model.tokenizer {
-        Some(dir) => Some(load_tokenizer(dir).map_err(|reason| ProxyError::Tokenizer {
-            model: model.name.clone(),
-            dir: dir.display().to_string(),
-            reason,
-        })?),
-        None => {
-            tracing::warn!(
-                model = %model.name,
-                "policy kv without a tokenizer: chat requests and text prompts are routed by \
-                 load alone (set `tokenizer: DIR`)"
-            );
-            None
-        }
-    };
-    let urls: Vec<&str> = instances.iter().map(|i| i.url().as_str()).collect();
-    let router = KvRouter::new(
-        &model.kv,
-        tokenizer,
-        model.forward_token_ids,
-        instances.len(),
-        metrics.kv(&model.name, &urls),
-    )
-    .map_err(|error| ProxyError::KvSettings {
-        model: model.name.clone(),
-        reason: error.to_string(),
-    })?;
-    Ok(Balancer::Kv(Box::new(router)))
 }
 
 async fn bind(name: &str, address: SocketAddr) -> Result<TcpListener, ProxyError> {

@@ -1,8 +1,14 @@
-//! State shared by every connection, built once at startup.
+//! State shared by every connection, built from the config at startup and
+//! again on every reload (see [`crate::reload`]); each request loads the
+//! current one once, when its head arrives.
+
+use std::sync::Arc;
 
 use kvmesh_config::LimitsConfig;
 
+use crate::auth::Authenticator;
 use crate::kv_route::offload::PreprocessPool;
+use crate::limits::ConcurrencyLimits;
 use crate::metrics::Metrics;
 use crate::outlier::OutlierPolicy;
 use crate::registry::ModelRegistry;
@@ -12,8 +18,9 @@ use crate::upstream::Upstream;
 /// Everything the request path reads; nothing in it is locked.
 #[derive(Debug)]
 pub(crate) struct State {
-    /// Models by name and alias.
-    pub(crate) registry: ModelRegistry,
+    /// Models by name and alias (shared with the next state when a reload keeps
+    /// the models, so their pools, KV indexes and health carry over).
+    pub(crate) registry: Arc<ModelRegistry>,
     /// Connections to engines.
     pub(crate) upstream: Upstream,
     /// Metric families.
@@ -28,4 +35,8 @@ pub(crate) struct State {
     pub(crate) health_interval_ms: u64,
     /// Threads that tokenize long prompts (`None` when no model uses `policy: kv`).
     pub(crate) preprocess: Option<PreprocessPool>,
+    /// API keys and their limits.
+    pub(crate) auth: Authenticator,
+    /// Per-model concurrency limits.
+    pub(crate) concurrency: ConcurrencyLimits,
 }

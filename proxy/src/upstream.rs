@@ -24,9 +24,17 @@ impl std::fmt::Debug for Upstream {
 
 impl Upstream {
     /// A connector keeping up to `pool_size` idle connections per instance
-    /// (one shared LRU of `pool_size × instances`).
-    pub(crate) fn new(pool_size: usize, instances: usize, pool_idle_timeout: Duration) -> Self {
-        let options = ConnectorOptions::new(pool_size.saturating_mul(instances.max(1)));
+    /// (one shared LRU of `pool_size × instances`); `https://` engines are
+    /// checked against the CAs in `ca_file` (checked beforehand; `None`: the
+    /// system's roots).
+    pub(crate) fn new(
+        pool_size: usize,
+        instances: usize,
+        pool_idle_timeout: Duration,
+        ca_file: Option<String>,
+    ) -> Self {
+        let mut options = ConnectorOptions::new(pool_size.saturating_mul(instances.max(1)));
+        options.ca_file = ca_file;
         Self {
             connector: Connector::new(Some(options)),
             pool_idle_timeout,

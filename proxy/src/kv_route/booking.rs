@@ -8,20 +8,24 @@ use crate::kv_route::router::KvRouter;
 #[derive(Debug)]
 pub(crate) struct Booking<'a> {
     router: &'a KvRouter,
-    index: usize,
+    instance: u64,
     id: Option<u64>,
 }
 
 impl<'a> Booking<'a> {
-    /// The booking `id` (`None`: nothing was booked) on instance `index`.
-    pub(crate) fn new(router: &'a KvRouter, index: usize, id: Option<u64>) -> Self {
-        Self { router, index, id }
+    /// The booking `id` (`None`: nothing was booked) on instance `instance` (its id).
+    pub(crate) fn new(router: &'a KvRouter, instance: u64, id: Option<u64>) -> Self {
+        Self {
+            router,
+            instance,
+            id,
+        }
     }
 
     /// The first response byte arrived: the prefill part of the load ends.
     pub(crate) fn prefill_done(&self) {
         if let Some(id) = self.id {
-            self.router.prefill_done(self.index, id);
+            self.router.prefill_done(self.instance, id);
         }
     }
 }
@@ -29,7 +33,7 @@ impl<'a> Booking<'a> {
 impl Drop for Booking<'_> {
     fn drop(&mut self) {
         if let Some(id) = self.id {
-            self.router.release(self.index, id);
+            self.router.release(self.instance, id);
         }
     }
 }

@@ -93,6 +93,7 @@ mod tests {
     fn the_header_names_instance_overlap_size_and_cost() {
         let decision = Decision {
             index: 1,
+            instance_id: 1,
             overlap_blocks: 12,
             cost: Cost {
                 value: 31.5,

@@ -7,18 +7,25 @@
 //!   per request for a trailing partial block (or for a request without tokens). Held until
 //!   the request ends or its client leaves.
 //!
+//! Beside its own bookings, an instance may carry its engine's **reported** load (a
+//! worker-agent's load report, [`ReportedLoad`]): KV blocks in use and queued requests, which
+//! include what other proxy replicas sent it. Scoring folds them in (see
+//! [`crate::kv_route::router`]) until the report expires.
+//!
 //! Requests older than `stale_request_timeout` are dropped by [`ActiveLoads::expire_stale`]
 //! (a sweeper calls it), so a lost release cannot inflate a load forever.
 //!
 //! One mutex per instance, held for one short, synchronous map operation at a time (never
 //! across an `.await`): a booking or a release touches one instance, scoring reads each
-//! candidate once. Time is passed in, so tests control the clock.
+//! candidate once. Instances are keyed by their stable id, so discovery can add and remove
+//! them at run time. Time is passed in, so tests control the clock.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
+use arc_swap::ArcSwap;
 use kvmesh_kv::SequenceHash;
 
 use crate::kv_route::prepare::PromptBlocks;
@@ -34,6 +41,22 @@ pub(crate) struct LoadSnapshot {
     pub(crate) prefix_blocks: u32,
     /// Requests booked on the instance.
     pub(crate) requests: usize,
+    /// Blocks in use as the engine last reported them (0 without a fresh report).
+    pub(crate) reported_blocks: u64,
+    /// Requests waiting in the engine's queue as it last reported them (0 without a fresh
+    /// report).
+    pub(crate) reported_waiting: u64,
+}
+
+/// An instance's own view of its load (a worker-agent's load report).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ReportedLoad {
+    /// KV blocks in use (`kv_usage × total blocks`).
+    pub(crate) blocks: u64,
+    /// Requests waiting in the engine's queue.
+    pub(crate) waiting: u64,
+    /// When the report stops counting.
+    pub(crate) until: Instant,
 }
 
 /// A request to book on an instance.
@@ -70,6 +93,7 @@ struct InstanceLoad {
     blocks: HashMap<SequenceHash, u32>,
     tail_blocks: u64,
     requests: HashMap<u64, ActiveRequest>,
+    reported: Option<ReportedLoad>,
 }
 
 impl InstanceLoad {
@@ -100,47 +124,84 @@ impl InstanceLoad {
     }
 }
 
-/// The in-flight load of every instance of one model.
+/// The in-flight load of every instance of one model, keyed by instance id so instances can
+/// come and go without shifting the others. The id → load map is replaced whole (copy on
+/// write) when an instance is added or removed, and read without a lock.
 #[derive(Debug)]
 pub(crate) struct ActiveLoads {
-    instances: Box<[Mutex<InstanceLoad>]>,
+    instances: ArcSwap<HashMap<u64, Arc<Mutex<InstanceLoad>>>>,
     next_id: AtomicU64,
 }
 
 impl ActiveLoads {
-    /// Empty loads for `instances` instances (indices `0..instances`).
-    pub(crate) fn new(instances: usize) -> Self {
+    /// Empty loads for no instance.
+    pub(crate) fn new() -> Self {
         Self {
-            instances: (0..instances).map(|_| Mutex::default()).collect(),
+            instances: ArcSwap::from_pointee(HashMap::new()),
             next_id: AtomicU64::new(1),
         }
     }
 
-    fn lock(&self, index: usize) -> Option<MutexGuard<'_, InstanceLoad>> {
-        self.instances
-            .get(index)
-            .map(|load| load.lock().unwrap_or_else(PoisonError::into_inner))
+    /// Starts accounting for instance `instance` (no-op when it already is).
+    pub(crate) fn add(&self, instance: u64) {
+        self.instances.rcu(|current| {
+            let mut next = HashMap::clone(current);
+            next.entry(instance).or_default();
+            next
+        });
     }
 
-    /// Instance `index`'s load; `prefix_blocks` is measured against `query` (a prompt's
+    /// Stops accounting for instance `instance`; its late releases become no-ops.
+    pub(crate) fn remove(&self, instance: u64) {
+        self.instances.rcu(|current| {
+            let mut next = HashMap::clone(current);
+            next.remove(&instance);
+            next
+        });
+    }
+
+    fn cell(&self, instance: u64) -> Option<Arc<Mutex<InstanceLoad>>> {
+        self.instances.load().get(&instance).cloned()
+    }
+
+    fn lock(cell: &Mutex<InstanceLoad>) -> MutexGuard<'_, InstanceLoad> {
+        cell.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Instance `instance`'s load; `prefix_blocks` is measured against `query` (a prompt's
     /// sequence hashes). Active block sets are prefix-closed (a request holding a block holds
     /// every block before it), so the depth is found by bisection.
-    pub(crate) fn snapshot(&self, index: usize, query: &[SequenceHash]) -> LoadSnapshot {
-        let Some(load) = self.lock(index) else {
+    pub(crate) fn snapshot(&self, instance: u64, query: &[SequenceHash]) -> LoadSnapshot {
+        let Some(cell) = self.cell(instance) else {
             return LoadSnapshot::default();
         };
+        let load = Self::lock(&cell);
         let depth = query.partition_point(|hash| load.blocks.contains_key(hash));
+        let (reported_blocks, reported_waiting) = match load.reported {
+            Some(report) if report.until > Instant::now() => (report.blocks, report.waiting),
+            _ => (0, 0),
+        };
         LoadSnapshot {
             prefill_tokens: load.prefill_tokens,
             blocks: load.blocks.len() as u64 + load.tail_blocks,
             prefix_blocks: u32::try_from(depth).unwrap_or(u32::MAX),
             requests: load.requests.len(),
+            reported_blocks,
+            reported_waiting,
         }
     }
 
-    /// Books `request` on instance `index` at `now`; returns its booking id (`None` for an
-    /// unknown index).
-    pub(crate) fn book(&self, index: usize, request: NewRequest, now: Instant) -> Option<u64> {
+    /// Records instance `instance`'s own report of its load (ignored for an unknown one).
+    pub(crate) fn report(&self, instance: u64, report: ReportedLoad) {
+        if let Some(cell) = self.cell(instance) {
+            Self::lock(&cell).reported = Some(report);
+        }
+    }
+
+    /// Books `request` on instance `instance` at `now`; returns its booking id (`None` for an
+    /// unknown instance).
+    pub(crate) fn book(&self, instance: u64, request: NewRequest, now: Instant) -> Option<u64> {
+        let cell = self.cell(instance)?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let tail_block = request.prompt.as_deref().is_none_or(PromptBlocks::has_tail);
         let active = ActiveRequest {
@@ -149,16 +210,17 @@ impl ActiveLoads {
             tail_block,
             started: now,
         };
-        self.lock(index)?.add(id, active);
+        Self::lock(&cell).add(id, active);
         Some(id)
     }
 
     /// The request's first response byte arrived: its prefill tokens stop counting. Returns
     /// whether the load changed.
-    pub(crate) fn prefill_done(&self, index: usize, id: u64) -> bool {
-        let Some(mut load) = self.lock(index) else {
+    pub(crate) fn prefill_done(&self, instance: u64, id: u64) -> bool {
+        let Some(cell) = self.cell(instance) else {
             return false;
         };
+        let mut load = Self::lock(&cell);
         let Some(request) = load.requests.get_mut(&id) else {
             return false;
         };
@@ -169,17 +231,16 @@ impl ActiveLoads {
 
     /// The request ended (or its client left): all its load is released. Returns whether it
     /// was still booked.
-    pub(crate) fn release(&self, index: usize, id: u64) -> bool {
-        self.lock(index).is_some_and(|mut load| load.remove(id))
+    pub(crate) fn release(&self, instance: u64, id: u64) -> bool {
+        self.cell(instance)
+            .is_some_and(|cell| Self::lock(&cell).remove(id))
     }
 
     /// Drops every request booked before `cutoff`; returns how many.
     pub(crate) fn expire_stale(&self, cutoff: Instant) -> usize {
         let mut expired = 0;
-        for index in 0..self.instances.len() {
-            let Some(mut load) = self.lock(index) else {
-                continue;
-            };
+        for cell in self.instances.load().values() {
+            let mut load = Self::lock(cell);
             let stale: Vec<u64> = load
                 .requests
                 .iter()
@@ -220,17 +281,26 @@ mod tests {
         ))
     }
 
-    fn book(loads: &ActiveLoads, index: usize, prompt: &Arc<PromptBlocks>, prefill: u64) -> u64 {
+    fn book(loads: &ActiveLoads, instance: u64, prompt: &Arc<PromptBlocks>, prefill: u64) -> u64 {
         let request = NewRequest {
             prompt: Some(Arc::clone(prompt)),
             prefill_tokens: prefill,
         };
-        loads.book(index, request, Instant::now()).unwrap()
+        loads.book(instance, request, Instant::now()).unwrap()
+    }
+
+    /// Loads accounting for instances `0..n`.
+    fn loads(n: u64) -> ActiveLoads {
+        let loads = ActiveLoads::new();
+        for instance in 0..n {
+            loads.add(instance);
+        }
+        loads
     }
 
     #[test]
     fn prefill_is_released_at_the_first_byte_and_blocks_at_the_end() {
-        let loads = ActiveLoads::new(2);
+        let loads = loads(2);
         let p = prompt(18, 0, 1); // 4 full blocks + a partial one
         let id = book(&loads, 1, &p, 10);
         let snap = loads.snapshot(1, &p.hashes.sequence);
@@ -240,7 +310,8 @@ mod tests {
                 prefill_tokens: 10,
                 blocks: 5,
                 prefix_blocks: 4,
-                requests: 1
+                requests: 1,
+                ..LoadSnapshot::default()
             }
         );
         assert_eq!(
@@ -261,7 +332,7 @@ mod tests {
 
     #[test]
     fn shared_prefixes_count_once_and_stay_until_the_last_holder_ends() {
-        let loads = ActiveLoads::new(1);
+        let loads = loads(1);
         let a = prompt(16, 12, 1); // blocks: s0 s1 s2 a3
         let b = prompt(20, 12, 2); // blocks: s0 s1 s2 b3 b4
         let id_a = book(&loads, 0, &a, 16);
@@ -284,7 +355,7 @@ mod tests {
 
     #[test]
     fn requests_without_tokens_hold_one_block() {
-        let loads = ActiveLoads::new(1);
+        let loads = loads(1);
         let request = NewRequest {
             prompt: None,
             prefill_tokens: 0,
@@ -301,8 +372,63 @@ mod tests {
     }
 
     #[test]
+    fn reports_count_until_they_expire() {
+        let loads = loads(1);
+        let now = Instant::now();
+        loads.report(
+            0,
+            ReportedLoad {
+                blocks: 30,
+                waiting: 2,
+                until: now + Duration::from_secs(60),
+            },
+        );
+        let snap = loads.snapshot(0, &[]);
+        assert_eq!((snap.reported_blocks, snap.reported_waiting), (30, 2));
+        loads.report(
+            0,
+            ReportedLoad {
+                blocks: 30,
+                waiting: 2,
+                until: now,
+            },
+        );
+        assert_eq!(loads.snapshot(0, &[]), LoadSnapshot::default());
+        loads.report(
+            9,
+            ReportedLoad {
+                blocks: 1,
+                waiting: 1,
+                until: now + Duration::from_secs(60),
+            },
+        );
+        assert_eq!(loads.snapshot(9, &[]), LoadSnapshot::default());
+    }
+
+    #[test]
+    fn removing_an_instance_keeps_the_others_and_voids_its_late_releases() {
+        let loads = loads(3);
+        let p = prompt(8, 8, 0);
+        let on_0 = book(&loads, 0, &p, 8);
+        let on_2 = book(&loads, 2, &p, 8);
+        loads.remove(0);
+        assert_eq!(loads.snapshot(0, &[]), LoadSnapshot::default());
+        assert!(!loads.release(0, on_0), "released after removal: a no-op");
+        assert_eq!(loads.snapshot(2, &[]).requests, 1, "others keep their load");
+        loads.add(7);
+        loads.add(2);
+        assert_eq!(
+            loads.snapshot(2, &[]).requests,
+            1,
+            "adding again keeps the load"
+        );
+        assert!(book(&loads, 7, &p, 1) > on_2);
+        assert!(loads.release(2, on_2));
+    }
+
+    #[test]
     fn stale_requests_expire_on_an_injected_clock() {
-        let loads = ActiveLoads::new(2);
+        let loads = loads(2);
         let start = Instant::now();
         let p = prompt(8, 8, 0);
         let old = NewRequest {

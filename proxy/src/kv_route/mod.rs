@@ -9,9 +9,10 @@
 //!    ([`kvmesh_kv::BlockHasher`]). Long prompts are tokenized off the reactor
 //!    ([`offload`]). Requests without usable tokens (no tokenizer, embeddings, responses,
 //!    multimodal content) are routed by load alone ([`prepare::FallbackReason`]).
-//! 2. **Lookup** ([`overlap`]): how many leading blocks each instance already caches. Today
-//!    the cache is *predicted* from the proxy's own decisions (approximate mode, with a TTL
-//!    and a size bound); the worker-agent's KV events will feed the same seam.
+//! 2. **Lookup** ([`overlap`]): how many leading blocks each instance already caches: what
+//!    the engines report through the worker-agent's KV events ([`event_feed`], when
+//!    `events` is configured and flowing), else *predicted* from the proxy's own decisions
+//!    (approximate mode, with a TTL and a size bound).
 //! 3. **Score** ([`cost`], [`busy`]): per instance, the load it would have with this request
 //!    (active prefill tokens and active blocks from [`load`], plus this request's part),
 //!    turned into `overlap_weight × prefill_blocks + decode_blocks`. Busy instances are left
@@ -29,6 +30,7 @@ pub(crate) mod admission;
 pub(crate) mod booking;
 pub(crate) mod busy;
 pub(crate) mod cost;
+pub(crate) mod event_feed;
 pub(crate) mod explain;
 pub(crate) mod load;
 pub(crate) mod offload;

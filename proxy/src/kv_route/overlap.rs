@@ -7,7 +7,10 @@
 //! its `record` does nothing (the engines report what they cache). The router only talks to
 //! this trait, so nothing else changes.
 //!
-//! Instance `i` of a model is worker `(i, 0)` in the index.
+//! Workers are keyed by the instance's stable id ([`crate::instance::Instance::id`]): a
+//! static backend's position in `backends`, a discovered instance's agent-chosen id. Routing
+//! decisions are recorded under rank 0; KV events name their data-parallel rank, and an
+//! instance's overlap is its deepest rank ([`instance_depth`]).
 
 use std::fmt;
 use std::time::Instant;
@@ -28,11 +31,27 @@ pub(crate) trait OverlapSource: Send + Sync + fmt::Debug {
     fn expire(&self, now: Instant);
     /// Every worker with cached blocks, with how many.
     fn cached_blocks(&self) -> Vec<(WorkerKey, u64)>;
+    /// Forgets every block of instance `instance` (it left the pool).
+    fn remove_instance(&self, instance: u64);
 }
 
-/// The worker key of instance `index`.
-pub(crate) fn worker_key(index: usize) -> WorkerKey {
-    WorkerKey::new(index as u64, 0)
+/// The worker key under which routing decisions for instance `instance` are recorded.
+pub(crate) fn worker_key(instance: u64) -> WorkerKey {
+    WorkerKey::new(instance, 0)
+}
+
+/// Instance `instance`'s overlap in `scores`: its deepest data-parallel rank (the engine
+/// places a request on a rank itself).
+pub(crate) fn instance_depth(scores: &OverlapScores, instance: u64) -> u32 {
+    let start = scores
+        .workers
+        .partition_point(|overlap| overlap.worker.instance_id < instance);
+    scores.workers[start..]
+        .iter()
+        .take_while(|overlap| overlap.worker.instance_id == instance)
+        .map(|overlap| overlap.depth)
+        .max()
+        .unwrap_or(0)
 }
 
 /// Approximate mode: caches predicted from routing decisions.
@@ -66,6 +85,10 @@ impl OverlapSource for Approximate {
     fn cached_blocks(&self) -> Vec<(WorkerKey, u64)> {
         self.index.cached_blocks()
     }
+
+    fn remove_instance(&self, instance: u64) {
+        self.index.remove_worker(instance);
+    }
 }
 
 #[cfg(test)]
@@ -93,12 +116,38 @@ mod tests {
         assert_eq!(scores.depth(worker_key(2)), 4);
         assert_eq!(scores.depth(worker_key(0)), 0);
         assert_eq!(source.cached_blocks(), [(worker_key(2), 4)]);
+        source.remove_instance(2);
+        assert!(source.cached_blocks().is_empty());
+        assert_eq!(source.record(worker_key(2), &prompt, start), 0);
         source.expire(start + Duration::from_secs(11));
         assert!(
             source
                 .find_matches(&longer.sequence, start + Duration::from_secs(11))
                 .is_empty()
         );
+    }
+
+    #[test]
+    fn an_instance_overlap_is_its_deepest_rank() {
+        use kvmesh_kv::WorkerOverlap;
+        let overlap = |instance, rank, depth| WorkerOverlap {
+            worker: WorkerKey::new(instance, rank),
+            depth,
+            cached_blocks: 0,
+        };
+        let scores = OverlapScores {
+            workers: vec![
+                overlap(1, 0, 2),
+                overlap(3, 0, 1),
+                overlap(3, 1, 5),
+                overlap(9, 2, 4),
+            ],
+        };
+        assert_eq!(instance_depth(&scores, 1), 2);
+        assert_eq!(instance_depth(&scores, 3), 5);
+        assert_eq!(instance_depth(&scores, 9), 4);
+        assert_eq!(instance_depth(&scores, 2), 0);
+        assert_eq!(instance_depth(&scores, 10), 0);
     }
 
     #[test]

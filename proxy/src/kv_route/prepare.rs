@@ -178,10 +178,12 @@ impl Preparer {
         match route {
             Route::ChatCompletions => self.chat(body),
             Route::Completions => Ok(self.completion(body, forward)),
-            Route::Embeddings | Route::Responses | Route::Models => Ok(Prepared::fallback(
-                FallbackReason::Route,
-                StageTimes::default(),
-            )),
+            Route::Embeddings | Route::Responses | Route::Models | Route::OpenApi | Route::Docs => {
+                Ok(Prepared::fallback(
+                    FallbackReason::Route,
+                    StageTimes::default(),
+                ))
+            }
         }
     }
 

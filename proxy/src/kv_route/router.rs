@@ -1,5 +1,6 @@
 //! [`KvRouter`]: one model's KV-aware routing state and the decision itself.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,9 +14,10 @@ use crate::kv_route::admission::{Admission, Rejected};
 use crate::kv_route::booking::Booking;
 use crate::kv_route::busy::BusyThresholds;
 use crate::kv_route::cost::{CandidateLoad, Cost, CostModel, RequestShape};
+use crate::kv_route::event_feed::{EventFed, EventFeed};
 use crate::kv_route::explain::{Explanation, InstanceExplanation};
-use crate::kv_route::load::{ActiveLoads, LoadSnapshot, NewRequest};
-use crate::kv_route::overlap::{Approximate, OverlapSource, worker_key};
+use crate::kv_route::load::{ActiveLoads, LoadSnapshot, NewRequest, ReportedLoad};
+use crate::kv_route::overlap::{Approximate, OverlapSource, instance_depth, worker_key};
 use crate::kv_route::prepare::{Prepared, Preparer, RouteInput};
 use crate::kv_route::select::{Scored, probabilities, select};
 use crate::metrics::{KvMetrics, RouteStage};
@@ -41,8 +43,10 @@ pub(crate) struct KvRequest {
 /// The outcome of a routing decision.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Decision {
-    /// The chosen instance.
+    /// The chosen instance's position in the instances it was chosen from.
     pub(crate) index: usize,
+    /// The chosen instance's id.
+    pub(crate) instance_id: u64,
     /// Its cached overlap in blocks.
     pub(crate) overlap_blocks: u32,
     /// Its cost with this request.
@@ -79,27 +83,37 @@ pub(crate) struct KvRouter {
     temperature: f64,
     busy: BusyThresholds,
     overlap: Box<dyn OverlapSource>,
+    /// The event-fed index (`None`: no KV events, predictions only).
+    events: Option<Arc<EventFeed>>,
     loads: ActiveLoads,
     admission: Admission,
     stale_after: Duration,
+    /// KV capacity of an instance when its record does not say (`kv.total_kv_blocks`).
+    total_kv_blocks: Option<u64>,
     metrics: KvMetrics,
 }
 
 impl KvRouter {
-    /// A router over `instances` instances with `config`; `tokenizer` prepares chat and text
-    /// prompts. Predictions start empty (approximate mode).
+    /// A router with `config` and no instance yet ([`KvRouter::add_instance`]); `tokenizer`
+    /// prepares chat and text prompts. Predictions start empty (approximate mode); with
+    /// `kv_events`, an event-fed index takes over while events flow ([`EventFeed`]).
     pub(crate) fn new(
         config: &KvRoutingConfig,
         tokenizer: Option<Arc<ModelPreprocessor>>,
         forward_token_ids: bool,
-        instances: usize,
+        kv_events: bool,
         metrics: KvMetrics,
     ) -> Result<Self, ApproxConfigError> {
-        let overlap = Approximate::new(ApproxConfig {
+        let predicted = Approximate::new(ApproxConfig {
             ttl: config.approx_ttl,
             max_blocks: config.approx_max_blocks,
             prune_target_ratio: config.approx_prune_ratio,
         })?;
+        let events = kv_events.then(|| Arc::new(EventFeed::default()));
+        let overlap: Box<dyn OverlapSource> = match &events {
+            Some(feed) => Box::new(EventFed::new(Arc::clone(feed), predicted)),
+            None => Box::new(predicted),
+        };
         Ok(Self {
             preparer: Preparer::new(tokenizer, config.block_size, forward_token_ids),
             cost: CostModel {
@@ -108,16 +122,82 @@ impl KvRouter {
             },
             temperature: config.temperature,
             busy: BusyThresholds::from_config(config),
-            overlap: Box::new(overlap),
-            loads: ActiveLoads::new(instances),
+            overlap,
+            events,
+            loads: ActiveLoads::new(),
             admission: Admission::new(
                 config.queue.max_size,
                 config.queue.timeout,
                 metrics.queue_depth.clone(),
             ),
             stale_after: config.stale_request_timeout,
+            total_kv_blocks: config.total_kv_blocks.filter(|&total| total > 0),
             metrics,
         })
+    }
+
+    /// Starts accounting load for instance `instance` (it joined the pool).
+    pub(crate) fn add_instance(&self, instance: u64) {
+        self.loads.add(instance);
+    }
+
+    /// Forgets instance `instance` (it left the pool): its load and its cached blocks. Its
+    /// in-flight requests finish; their late releases are no-ops.
+    pub(crate) fn remove_instance(&self, instance: u64) {
+        self.loads.remove(instance);
+        self.overlap.remove_instance(instance);
+        self.admission.wake();
+    }
+
+    /// `load` with the engine's reported load folded in: its reported KV blocks in use are a
+    /// floor under the active blocks (they include other proxies' requests), and each request
+    /// it reports waiting adds one block of prefill tokens.
+    fn folded(&self, mut load: LoadSnapshot) -> LoadSnapshot {
+        load.blocks = load.blocks.max(load.reported_blocks);
+        load.prefill_tokens = load
+            .prefill_tokens
+            .saturating_add(load.reported_waiting.saturating_mul(self.cost.block_size));
+        load
+    }
+
+    /// Records instance `instance`'s load report: `waiting` queued requests and `kv_usage`
+    /// (0 to 1) of `total_blocks` KV blocks in use (0: unknown, then `kv.total_kv_blocks`),
+    /// counting for `ttl`.
+    pub(crate) fn report_load(
+        &self,
+        instance: u64,
+        waiting: u64,
+        kv_usage: f64,
+        total_blocks: u64,
+        ttl: Duration,
+    ) {
+        let total = Some(total_blocks)
+            .filter(|&total| total > 0)
+            .or(self.total_kv_blocks)
+            .unwrap_or(0);
+        let usage = if kv_usage.is_finite() {
+            kv_usage.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        self.loads.report(
+            instance,
+            ReportedLoad {
+                blocks: (usage * total as f64).round() as u64,
+                waiting,
+                until: Instant::now() + ttl,
+            },
+        );
+    }
+
+    /// The event-fed index, when KV events feed this model.
+    pub(crate) fn event_feed(&self) -> Option<&Arc<EventFeed>> {
+        self.events.as_ref()
+    }
+
+    /// Tokens per block.
+    pub(crate) fn block_size(&self) -> u64 {
+        self.cost.block_size
     }
 
     /// How requests are turned into blocks.
@@ -164,19 +244,13 @@ impl KvRouter {
         }
     }
 
-    fn evaluate(
-        &self,
-        index: usize,
-        instance: &Instance,
-        request: &KvRequest,
-        eligible: bool,
-    ) -> Evaluated {
+    fn evaluate(&self, instance: &Instance, request: &KvRequest, eligible: bool) -> Evaluated {
         let query = match &request.input {
             RouteInput::Tokens(prompt) => &prompt.hashes.sequence[..],
             RouteInput::Fallback(_) => &[],
         };
-        let load = self.loads.snapshot(index, query);
-        let overlap_blocks = request.scores.depth(worker_key(index));
+        let load = self.folded(self.loads.snapshot(instance.id(), query));
+        let overlap_blocks = instance_depth(&request.scores, instance.id());
         let cost = self.cost.cost(
             &request.shape,
             &CandidateLoad {
@@ -214,7 +288,7 @@ impl KvRouter {
                 continue;
             }
             eligible += 1;
-            let evaluated = self.evaluate(index, instance, request, true);
+            let evaluated = self.evaluate(instance, request, true);
             if !evaluated.busy {
                 candidates.push((index, evaluated));
             }
@@ -231,6 +305,7 @@ impl KvRouter {
                 let (index, evaluated) = candidates[at];
                 Choice::Picked(Decision {
                     index,
+                    instance_id: instances[index].id(),
                     overlap_blocks: evaluated.overlap_blocks,
                     cost: evaluated.cost,
                 })
@@ -248,12 +323,12 @@ impl KvRouter {
     /// "busy").
     pub(crate) fn admissible(&self, instances: &[Arc<Instance>], now_ms: u64) -> bool {
         let mut any_available = false;
-        for (index, instance) in instances.iter().enumerate() {
+        for instance in instances {
             if !instance.is_available(now_ms) {
                 continue;
             }
             any_available = true;
-            let load = self.loads.snapshot(index, &[]);
+            let load = self.folded(self.loads.snapshot(instance.id(), &[]));
             if !self.busy.is_busy(load.blocks, load.prefill_tokens) {
                 return true;
             }
@@ -294,9 +369,9 @@ impl KvRouter {
     ) -> Booking<'_> {
         let prompt = match &request.input {
             RouteInput::Tokens(prompt) => {
-                let pruned = self
-                    .overlap
-                    .record(worker_key(decision.index), &prompt.hashes, now);
+                let pruned =
+                    self.overlap
+                        .record(worker_key(decision.instance_id), &prompt.hashes, now);
                 self.metrics.index_prunes.inc_by(pruned);
                 self.metrics
                     .overlap_blocks
@@ -309,20 +384,20 @@ impl KvRouter {
             prompt,
             prefill_tokens: decision.cost.new_prefill_tokens,
         };
-        let id = self.loads.book(decision.index, booked, now);
-        Booking::new(self, decision.index, id)
+        let id = self.loads.book(decision.instance_id, booked, now);
+        Booking::new(self, decision.instance_id, id)
     }
 
-    /// The prefill of booking `id` on instance `index` ended.
-    pub(crate) fn prefill_done(&self, index: usize, id: u64) {
-        if self.loads.prefill_done(index, id) {
+    /// The prefill of booking `id` on instance `instance` ended.
+    pub(crate) fn prefill_done(&self, instance: u64, id: u64) {
+        if self.loads.prefill_done(instance, id) {
             self.admission.wake();
         }
     }
 
-    /// Booking `id` on instance `index` ended.
-    pub(crate) fn release(&self, index: usize, id: u64) {
-        if self.loads.release(index, id) {
+    /// Booking `id` on instance `instance` ended.
+    pub(crate) fn release(&self, instance: u64, id: u64) {
+        if self.loads.release(instance, id) {
             self.admission.wake();
         }
     }
@@ -338,10 +413,7 @@ impl KvRouter {
     ) -> Explanation {
         let evaluated: Vec<Evaluated> = instances
             .iter()
-            .enumerate()
-            .map(|(index, instance)| {
-                self.evaluate(index, instance, request, instance.is_available(now_ms))
-            })
+            .map(|instance| self.evaluate(instance, request, instance.is_available(now_ms)))
             .collect();
         let open: Vec<usize> = (0..evaluated.len())
             .filter(|&i| evaluated[i].eligible && !evaluated[i].busy)
@@ -413,19 +485,17 @@ impl KvRouter {
         expired
     }
 
-    /// Copies the index size per instance into `kvmesh_index_blocks`.
-    pub(crate) fn refresh_gauges(&self) {
-        let mut counts = vec![0u64; self.metrics.index_blocks.len()];
+    /// Copies the index size of each of `instances` (all its ranks) into
+    /// `kvmesh_index_blocks`.
+    pub(crate) fn refresh_gauges(&self, instances: &[Arc<Instance>]) {
+        let mut counts: HashMap<u64, u64> = HashMap::with_capacity(instances.len());
         for (worker, blocks) in self.overlap.cached_blocks() {
-            if let Some(count) = usize::try_from(worker.instance_id)
-                .ok()
-                .and_then(|i| counts.get_mut(i))
-            {
-                *count += blocks;
-            }
+            *counts.entry(worker.instance_id).or_default() += blocks;
         }
-        for (gauge, count) in self.metrics.index_blocks.iter().zip(counts) {
-            gauge.set(i64::try_from(count).unwrap_or(i64::MAX));
+        for instance in instances {
+            let blocks = counts.get(&instance.id()).copied().unwrap_or(0);
+            self.metrics
+                .set_index_blocks(instance.url().as_str(), blocks);
         }
     }
 }

@@ -26,6 +26,7 @@ fn instances(n: usize) -> (Metrics, Vec<Arc<Instance>>) {
                 connect_timeout: Duration::from_secs(1),
             };
             Arc::new(Instance::new(
+                i as u64,
                 url,
                 address,
                 Protocol::Http1,
@@ -38,11 +39,20 @@ fn instances(n: usize) -> (Metrics, Vec<Arc<Instance>>) {
 }
 
 fn router_with(config: KvRoutingConfig, n: usize) -> (KvRouter, Vec<Arc<Instance>>) {
-    let (metrics, instances) = instances(n);
-    let urls: Vec<&str> = instances.iter().map(|i| i.url().as_str()).collect();
-    let kv = metrics.kv("m", &urls);
-    let router = KvRouter::new(&config, None, false, n, kv).unwrap();
+    let (router, instances, _) = router_and_metrics(config, n);
     (router, instances)
+}
+
+fn router_and_metrics(
+    config: KvRoutingConfig,
+    n: usize,
+) -> (KvRouter, Vec<Arc<Instance>>, Metrics) {
+    let (metrics, instances) = instances(n);
+    let router = KvRouter::new(&config, None, false, false, metrics.kv("m")).unwrap();
+    for instance in &instances {
+        router.add_instance(instance.id());
+    }
+    (router, instances, metrics)
 }
 
 fn config() -> KvRoutingConfig {
@@ -115,14 +125,14 @@ fn bookings_hold_load_until_dropped_and_prefill_until_the_first_byte() {
     let long = request(&router, &conversation(1, 64)); // 16 blocks
     let decision = picked(choose(&router, &instances, &long, 3));
     let booking = router.commit(&decision, &long, Instant::now());
-    let busy_one = decision.index;
+    let busy_one = decision.instance_id;
     let load = router.loads.snapshot(busy_one, &[]);
     assert_eq!((load.prefill_tokens, load.blocks), (64, 16));
     // A different prompt goes to the idle instance: the other one has 16 blocks of prefill
     // and 16 of decode ahead of it.
     let other = request(&router, &conversation(2, 8));
     assert_ne!(
-        picked(choose(&router, &instances, &other, 3)).index,
+        picked(choose(&router, &instances, &other, 3)).instance_id,
         busy_one
     );
     booking.prefill_done();
@@ -155,6 +165,7 @@ fn requests_without_tokens_go_to_the_least_loaded_instance() {
     let _on_0 = router.commit(
         &Decision {
             index: 0,
+            instance_id: 0,
             ..picked(choose(&router, &instances, &heavy, 0))
         },
         &heavy,
@@ -163,6 +174,7 @@ fn requests_without_tokens_go_to_the_least_loaded_instance() {
     let _on_2 = router.commit(
         &Decision {
             index: 2,
+            instance_id: 2,
             ..picked(choose(&router, &instances, &light, 0))
         },
         &light,
@@ -184,6 +196,7 @@ fn excluded_instances_fail_over_to_the_next_best() {
     let warm = request(&router, &conversation(1, 40));
     let mut decision = picked(choose(&router, &instances, &warm, 0));
     decision.index = 2;
+    decision.instance_id = 2;
     drop(router.commit(&decision, &warm, Instant::now()));
     let next = request(&router, &conversation(1, 48));
     assert_eq!(picked(choose(&router, &instances, &next, 0)).index, 2);
@@ -340,11 +353,82 @@ fn the_sweeper_drops_stale_bookings() {
 
 #[test]
 fn index_gauges_follow_the_predictions() {
-    let (router, instances) = router_with(config(), 2);
+    let (router, instances, metrics) = router_and_metrics(config(), 2);
     let warm = request(&router, &conversation(1, 40));
     let decision = picked(choose(&router, &instances, &warm, 0));
     drop(router.commit(&decision, &warm, Instant::now()));
-    router.refresh_gauges();
-    assert_eq!(router.metrics.index_blocks[decision.index].get(), 10);
-    assert_eq!(router.metrics.index_blocks[1 - decision.index].get(), 0);
+    router.refresh_gauges(&instances);
+    let text = String::from_utf8(metrics.render().unwrap()).unwrap();
+    let gauge = |index: usize| {
+        format!(
+            "kvmesh_index_blocks{{instance=\"{}\",model=\"m\"}} ",
+            instances[index].url()
+        )
+    };
+    assert!(
+        text.contains(&format!("{}10", gauge(decision.index))),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("{}0", gauge(1 - decision.index))),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_removed_instance_loses_its_load_and_its_predictions() {
+    let (router, instances) = router_with(config(), 2);
+    let warm = request(&router, &conversation(1, 40));
+    let decision = picked(choose(&router, &instances, &warm, 0));
+    let booking = router.commit(&decision, &warm, Instant::now());
+    let gone = decision.instance_id;
+    router.remove_instance(gone);
+    assert_eq!(router.loads.snapshot(gone, &[]), LoadSnapshot::default());
+    assert!(router.overlap.cached_blocks().is_empty());
+    drop(booking);
+    let rest: Vec<Arc<Instance>> = instances
+        .iter()
+        .filter(|i| i.id() != gone)
+        .cloned()
+        .collect();
+    let next = request(&router, &conversation(1, 48));
+    let again = picked(choose(&router, &rest, &next, 0));
+    assert_ne!(again.instance_id, gone);
+    assert_eq!(again.overlap_blocks, 0);
+}
+
+#[test]
+fn engine_reports_raise_the_load_of_their_instance() {
+    let config = KvRoutingConfig {
+        total_kv_blocks: Some(100),
+        ..config()
+    };
+    let (router, instances) = router_with(config, 2);
+    let fresh = request(&router, &conversation(3, 16));
+    router.report_load(0, 0, 0.5, 0, Duration::from_secs(60));
+    for seed in 0..10 {
+        assert_eq!(
+            picked(choose(&router, &instances, &fresh, seed)).instance_id,
+            1,
+            "50 blocks in use on instance 0"
+        );
+    }
+    router.report_load(0, 0, 0.0, 0, Duration::from_secs(60));
+    router.report_load(1, 3, 0.0, 0, Duration::from_secs(60));
+    let decision = picked(choose(&router, &instances, &fresh, 0));
+    assert_eq!(decision.instance_id, 0, "3 requests queued on instance 1");
+    let explanation = router.explain(&instances, &fresh, 0, &mut StdRng::seed_from_u64(0));
+    assert_eq!(
+        explanation.instances[1].active_prefill_tokens,
+        3 * BLOCK as u64
+    );
+    router.report_load(1, 0, 0.9, 1000, Duration::ZERO);
+    assert_eq!(
+        router
+            .explain(&instances, &fresh, 0, &mut StdRng::seed_from_u64(0))
+            .instances[1]
+            .active_blocks,
+        0,
+        "expired at once"
+    );
 }
