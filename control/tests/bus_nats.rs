@@ -20,9 +20,8 @@ async fn recv(sub: &mut kvmesh_control::Subscription) -> kvmesh_control::Message
 
 #[tokio::test]
 async fn publish_subscribe_request_and_reconnect() {
-    let mut server = NatsServer::start(&temp_dir("nats"))
-        .await
-        .expect("nats starts");
+    let dir = temp_dir("nats");
+    let mut server = NatsServer::start(&dir).await.expect("nats starts");
     let a = NatsBus::connect(&server.url(), "test-a")
         .await
         .expect("connect a");

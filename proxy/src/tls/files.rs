@@ -52,5 +52,6 @@ mod tests {
         let gone = first.now();
         assert_ne!(gone, first);
         assert_eq!(gone.now(), gone);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -22,8 +22,25 @@ pub const MODEL: &str = "test/model.v1";
 /// Tokens per block.
 pub const BLOCK: usize = 16;
 
-/// A fresh directory under the system temp dir.
-pub fn temp_dir(name: &str) -> PathBuf {
+/// A fresh directory under the system temp dir, removed with everything in it on drop.
+pub struct TempDir(PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = std::path::Path;
+
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A fresh directory under the system temp dir, removed on drop.
+pub fn temp_dir(name: &str) -> TempDir {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
@@ -33,14 +50,15 @@ pub fn temp_dir(name: &str) -> PathBuf {
         std::process::id()
     ));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
+    TempDir(dir)
 }
 
 /// etcd + NATS for one test.
 pub struct Servers {
-    pub dir: PathBuf,
     pub etcd: EtcdServer,
     pub nats: NatsServer,
+    /// Dropped last: the servers stop before their data goes.
+    pub dir: TempDir,
 }
 
 impl Servers {
@@ -52,7 +70,7 @@ impl Servers {
         let nats = NatsServer::start(&dir.join("nats"))
             .await
             .expect("nats starts");
-        Self { dir, etcd, nats }
+        Self { etcd, nats, dir }
     }
 
     pub async fn bus(&self) -> NatsBus {
