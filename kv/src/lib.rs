@@ -66,7 +66,7 @@
 //! that lookups never take: they read only atomic counters. A lookup concurrent with writes
 //! sees each block at some moment during the lookup.
 //!
-//! Measured on the 2-core development machine (`kv/BENCH_RESULTS.md`, `--bench contention`),
+//! Measured on the 2-core development machine (`docs/BENCHMARKS.md`, `--bench contention`),
 //! for a 512-block query over 64 workers and 1M cached blocks while another thread applies
 //! events non-stop (p50 / p99 of single calls; idle: ≈ 3.0 / 3.1 µs):
 //!

@@ -6,7 +6,7 @@
 //! dispatch cost).
 //!
 //! Needs `scripts/fetch-tokenizer.sh`. Run with `cargo bench -p kvmesh-proxy --bench offload`;
-//! the results and the choice they led to are in `proxy/BENCH_RESULTS.md` and the docs of
+//! the results and the choice they led to are in `docs/BENCHMARKS.md` and the docs of
 //! `proxy/src/kv_route/offload.rs`.
 
 mod common;

@@ -4,7 +4,7 @@
 //!
 //! Needs `scripts/fetch-tokenizer.sh`. Run with `cargo bench -p kvmesh-proxy --bench route`.
 //! After criterion's groups it prints the p50 per stage of 200 single decisions per case
-//! (criterion reports means of batches). Results: `proxy/BENCH_RESULTS.md`.
+//! (criterion reports means of batches). Results: `docs/BENCHMARKS.md`.
 
 mod common;
 

@@ -4,7 +4,7 @@
 //!
 //! Measured with `cargo bench -p kvmesh-proxy --bench offload` (release, Qwen3 tokenizer,
 //! 2-worker runtime, 2 pool threads, on the shared 2-core VM; full table and command in
-//! `proxy/BENCH_RESULTS.md`):
+//! `docs/BENCHMARKS.md`):
 //!
 //! | job (parse + template + tokenize) | inline | `spawn_blocking` | dedicated pool |
 //! |---|---|---|---|
