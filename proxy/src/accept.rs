@@ -5,9 +5,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use pingora_core::apps::ServerApp;
-use pingora_core::protocols::Stream;
+use pingora_core::apps::{HttpServerApp, ReusedHttpStream, ServerApp};
+use pingora_core::protocols::http::ServerSession;
 use pingora_core::protocols::l4::stream::Stream as L4Stream;
+use pingora_core::protocols::{ALPN, Stream};
 use pingora_core::server::ShutdownWatch;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
@@ -23,6 +24,9 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(20);
 
 /// Poll interval while a client has sent only part of the h2 preface.
 const PREFACE_POLL: Duration = Duration::from_millis(1);
+
+/// Keep-alive timeout of HTTP/1 client connections, in seconds (pingora's default).
+const H1_KEEPALIVE_SECS: u64 = 60;
 
 /// What one listener serves.
 pub(crate) struct ListenerApps<A> {
@@ -45,7 +49,7 @@ pub(crate) async fn serve<A>(
     apps: ListenerApps<A>,
     mut shutdown: ShutdownWatch,
 ) where
-    A: ServerApp + Send + Sync + 'static,
+    A: HttpServerApp + Send + Sync + 'static,
 {
     let mut connections = JoinSet::new();
     loop {
@@ -94,7 +98,8 @@ pub(crate) async fn serve<A>(
 }
 
 /// Serves one connection: over TLS (HTTP/2 or HTTP/1.1 by ALPN), or in
-/// plaintext HTTP/1 or, when it opens with the preface, h2c.
+/// plaintext HTTP/1 or, when it opens with the preface, h2c. HTTP/2 goes through
+/// pingora's [`ServerApp::process_new`]; HTTP/1 through [`serve_h1`].
 async fn serve_connection<A>(
     tcp: TcpStream,
     h1: Arc<A>,
@@ -103,25 +108,60 @@ async fn serve_connection<A>(
     first_bytes_timeout: Duration,
     shutdown: ShutdownWatch,
 ) where
-    A: ServerApp + Send + Sync + 'static,
+    A: HttpServerApp + Send + Sync + 'static,
 {
     if let Some(tls) = tls {
-        if let Some(stream) = tls.accept(tcp, first_bytes_timeout).await {
-            let _ = h1.process_new(stream, &shutdown).await;
+        // The handshake future is about 7 KiB: boxed, it is allocated only for TLS
+        // connections and only while they handshake, instead of being part of every
+        // connection's task for its whole life.
+        if let Some(stream) = Box::pin(tls.accept(tcp, first_bytes_timeout)).await {
+            if stream.selected_alpn_proto() == Some(ALPN::H2) {
+                let _ = h1.process_new(stream, &shutdown).await;
+            } else {
+                serve_h1(&h1, stream, &shutdown).await;
+            }
         }
         return;
     }
-    let app = match h2c {
-        None => h1,
+    let h2c = match h2c {
+        None => None,
         Some(h2c) => match timeout(first_bytes_timeout, opens_with_preface(&tcp)).await {
-            Ok(Some(true)) => h2c,
-            Ok(Some(false)) => h1,
+            Ok(Some(true)) => Some(h2c),
+            Ok(Some(false)) => None,
             Ok(None) | Err(_) => return,
         },
     };
     let stream: Stream = Box::new(L4Stream::from(tcp));
-    // Pingora hands back a stream only for protocols it does not finish itself.
-    let _ = app.process_new(stream, &shutdown).await;
+    if let Some(h2c) = h2c {
+        // Pingora hands back a stream only for protocols it does not finish itself.
+        let _ = h2c.process_new(stream, &shutdown).await;
+    } else {
+        serve_h1(&h1, stream, &shutdown).await;
+    }
+}
+
+/// Serves an HTTP/1 connection, request after request while it is kept alive: what
+/// pingora's [`ServerApp::process_new`] does for HTTP/1, without its boxed future
+/// (about 4 KiB, most of it the HTTP/2 handshake), which would otherwise stay allocated
+/// for the whole life of every HTTP/1 connection.
+async fn serve_h1<A>(app: &Arc<A>, stream: Stream, shutdown: &ShutdownWatch)
+where
+    A: HttpServerApp + Send + Sync + 'static,
+{
+    let mut session = ServerSession::new_http1(stream);
+    session.set_keepalive((!*shutdown.borrow()).then_some(H1_KEEPALIVE_SECS));
+    session.set_keepalive_reuses_remaining(
+        app.server_options()
+            .and_then(|options| options.keepalive_request_limit),
+    );
+    let mut reused = app.process_new_http(session, shutdown).await;
+    while let Some((stream, settings)) = reused.map(ReusedHttpStream::consume) {
+        let mut session = ServerSession::new_http1(stream);
+        if let Some(settings) = settings {
+            settings.apply_to_session(&mut session);
+        }
+        reused = app.process_new_http(session, shutdown).await;
+    }
 }
 
 /// Peeks at the first bytes: `Some(true)` for the h2 preface, `Some(false)`

@@ -43,17 +43,26 @@ impl Upstream {
 
     /// A session to `peer`: pooled when one is idle, else a new connection.
     /// The flag says whether it was reused.
+    ///
+    /// Pingora's connect future (TCP and TLS handshakes inline) is about 8 KiB; it is boxed so
+    /// that it lives only while connecting instead of enlarging, for the whole stream, the
+    /// future of every request that awaits it.
     pub(crate) async fn session(
         &self,
         peer: &HttpPeer,
     ) -> pingora_error::Result<(HttpSession, bool)> {
-        self.connector.get_http_session(peer).await
+        Box::pin(self.connector.get_http_session(peer)).await
     }
 
     /// Returns a finished session to the pool (closed if it cannot be reused).
+    ///
+    /// Boxed for the same reason as [`Upstream::session`]: the release future holds the session
+    /// by value, twice.
     pub(crate) async fn release(&self, session: HttpSession, peer: &HttpPeer) {
-        self.connector
-            .release_http_session(session, peer, Some(self.pool_idle_timeout))
-            .await;
+        Box::pin(
+            self.connector
+                .release_http_session(session, peer, Some(self.pool_idle_timeout)),
+        )
+        .await;
     }
 }
