@@ -11,7 +11,7 @@ use std::sync::Arc;
 use kvmesh_proto::inference::{ModelInferRequest, ModelInferResponse, ModelStreamInferResponse};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
-use tokio::time::sleep_until;
+use tokio::time::{Instant, sleep_until};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
 
@@ -91,10 +91,14 @@ async fn dispatch(
     // passes first; then the stream ends.
     if !ended {
         let expired_first = tokio::select! {
-            () = async { while running.join_next().await.is_some() {} } => false,
+            biased;
             () = &mut expired => true,
+            () = async { while running.join_next().await.is_some() {} } => false,
         };
-        if expired_first {
+        // A request that saw the deadline itself ends quietly, at the same instant:
+        // the stream still ends with DEADLINE_EXCEEDED, not as if every answer came.
+        let past_deadline = call.deadline.is_some_and(|at| Instant::now() >= at);
+        if expired_first || past_deadline {
             let _ = tx.send(Err(Failure::Deadline.status())).await;
             running.abort_all();
         }
