@@ -1,0 +1,121 @@
+//! README's run command: `kvmesh-demo` (what `scripts/demo.sh` runs) answers the printed
+//! request, explains its route, and routes a prompt whose prefix an engine reported
+//! caching (through its in-process agent and event bus) to that engine.
+//!
+//! Needs the Qwen3 tokenizer fetched by `scripts/fetch-tokenizer.sh` (the demo's default
+//! tokenizer directory).
+
+use std::time::{Duration, Instant};
+
+use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
+use serde_json::{Value, json};
+
+/// The demo's model name.
+const MODEL: &str = "qwen3";
+
+/// A chat body with a long system prompt (many KV blocks) and `question`.
+fn chat_body(question: &str) -> Value {
+    let system: String = (0..600)
+        .map(|i| format!("rule {i} of the house style is to be precise. "))
+        .collect();
+    json!({
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": 8,
+    })
+}
+
+/// The `overlap_blocks=` field of an `x-kvmesh-route` header.
+fn overlap_blocks(route: &str) -> u64 {
+    route
+        .split(';')
+        .map(str::trim)
+        .find_map(|part| part.strip_prefix("overlap_blocks="))
+        .unwrap_or_else(|| panic!("overlap_blocks missing from x-kvmesh-route: {route}"))
+        .parse()
+        .expect("overlap_blocks is a number")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_answers_and_routes_a_cached_prefix_to_its_engine() -> anyhow::Result<()> {
+    let scratch = ScratchDir::new("demo")?;
+    let args: Vec<String> = [
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+        "--grpc",
+        "127.0.0.1:0",
+        "--speedup-ratio",
+        "100",
+    ]
+    .map(String::from)
+    .to_vec();
+    let demo = Spawned::start("kvmesh-demo", &args, scratch.path())?;
+    let client = HttpClient::http1();
+    let chat_url = format!("{}/v1/chat/completions", demo.url("main"));
+
+    // The request README's curl sends.
+    let hello = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hello!"}],
+        "max_tokens": 16,
+    });
+    let reply = client.post_json(&chat_url, &hello).await?;
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    let body = reply.json()?;
+    assert!(
+        body["choices"][0]["message"]["content"].is_string(),
+        "{body}"
+    );
+    assert!(reply.header("x-kvmesh-instance").is_some());
+    assert!(reply.header("x-kvmesh-route").is_some());
+
+    // A long prompt: its engine caches the prefix and reports it through its agent.
+    let first = client
+        .post_json(&chat_url, &chat_body("What is rule 1?"))
+        .await?;
+    assert_eq!(first.status, 200);
+    let first_instance = first
+        .header("x-kvmesh-instance")
+        .expect("x-kvmesh-instance")
+        .to_string();
+
+    // Readiness signal: the admin explanation shows the shared prefix cached somewhere.
+    let explain_url = format!("{}/debug/route", demo.url("admin"));
+    let next = chat_body("And what is rule 2?");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let explained = client.post_json(&explain_url, &next).await?.json()?;
+        let cached = explained["instances"]
+            .as_array()
+            .is_some_and(|all| all.iter().any(|i| i["overlap_blocks"].as_u64() > Some(0)));
+        if cached {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the engine's KV events never reached the index: {explained}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let second = client.post_json(&chat_url, &next).await?;
+    assert_eq!(second.status, 200);
+    let overlap = overlap_blocks(second.header("x-kvmesh-route").expect("x-kvmesh-route"));
+    assert!(overlap > 0, "the shared system prompt was not found cached");
+    assert_eq!(
+        second.header("x-kvmesh-instance"),
+        Some(first_instance.as_str()),
+        "the request sharing the prefix went elsewhere"
+    );
+    Ok(())
+}
