@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::broadcast;
 
-use super::watch::{RawChange, RawStream, WatchSource, spawn_watch};
+use super::watch::{RawChange, RawStream, WatchSource, list_records, spawn_watch};
 use super::{LeaseId, Listing, Registry, Watch};
 use crate::error::ControlError;
 use crate::instance::InstanceRecord;
@@ -199,12 +199,7 @@ impl Registry for InProcessRegistry {
     }
 
     async fn list(&self, prefix: &str) -> Result<Listing, ControlError> {
-        let (raw, revision) = self.list_raw(prefix).await?;
-        let records = raw
-            .into_iter()
-            .filter_map(|(key, value)| Some((key, InstanceRecord::from_json(&value).ok()?)))
-            .collect();
-        Ok(Listing { records, revision })
+        list_records(self, prefix).await
     }
 
     fn watch(&self, prefix: &str) -> Watch {

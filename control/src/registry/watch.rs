@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
-use super::{Watch, WatchEvent};
+use super::{Listing, Watch, WatchEvent};
 use crate::backoff::Backoff;
 use crate::error::ControlError;
 use crate::instance::InstanceRecord;
@@ -115,6 +115,19 @@ impl Emitter {
         }
         true
     }
+}
+
+/// The valid records under `prefix` in `source` now, as [`super::Registry::list`] returns them.
+pub(crate) async fn list_records<S: WatchSource>(
+    source: &S,
+    prefix: &str,
+) -> Result<Listing, ControlError> {
+    let (raw, revision) = source.list_raw(prefix).await?;
+    let records = raw
+        .into_iter()
+        .filter_map(|(key, value)| Some((key, InstanceRecord::from_json(&value).ok()?)))
+        .collect();
+    Ok(Listing { records, revision })
 }
 
 /// Runs the reconnecting watch loop of `source` over `prefix` in a task.
