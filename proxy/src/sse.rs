@@ -106,7 +106,7 @@ impl SseScanner {
 }
 
 /// The value of a `data` field line (`data`, `data:` or `data: x`), if it is one.
-fn data_value(line: &[u8]) -> Option<&[u8]> {
+pub(crate) fn data_value(line: &[u8]) -> Option<&[u8]> {
     let rest = line.strip_prefix(b"data")?;
     if rest.is_empty() {
         return Some(rest);

@@ -2,6 +2,8 @@
 //! cut anywhere. (The HTTP relay only counts events, see `crate::sse`; the gRPC listener
 //! needs their data.)
 
+use crate::sse::data_value;
+
 /// The data of an event that ended the stream: `[DONE]`.
 pub(crate) const DONE: &[u8] = b"[DONE]";
 
@@ -64,16 +66,6 @@ impl SseData {
         }
         self.line.clear();
     }
-}
-
-/// The value of a `data` field line (`data`, `data:` or `data: x`), if it is one.
-fn data_value(line: &[u8]) -> Option<&[u8]> {
-    let rest = line.strip_prefix(b"data")?;
-    if rest.is_empty() {
-        return Some(rest);
-    }
-    let value = rest.strip_prefix(b":")?;
-    Some(value.strip_prefix(b" ").unwrap_or(value))
 }
 
 #[cfg(test)]
