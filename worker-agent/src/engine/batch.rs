@@ -251,28 +251,35 @@ impl Fields {
         })
     }
 
-    fn into_event(self) -> Result<EngineEvent> {
-        let Some(tag) = self.tag else {
-            return malformed("event without a type");
-        };
+    /// Why the event's blocks are not tracked, if they are not: a KV-cache group other than
+    /// the main one, or a medium other than the GPU.
+    fn untracked_placement(&self) -> Option<IgnoreReason> {
         let main_group = match &self.spec_kind {
             Some(kind) => MAIN_KINDS.contains(&kind.as_str()),
             None => self.group_idx.unwrap_or(0) == 0,
         };
+        if !main_group {
+            return Some(IgnoreReason::KvGroup);
+        }
         let on_gpu = self
             .medium
             .as_deref()
             .is_none_or(|m| m.eq_ignore_ascii_case("gpu") || m.eq_ignore_ascii_case("device"));
+        (!on_gpu).then_some(IgnoreReason::Medium)
+    }
+
+    fn into_event(self) -> Result<EngineEvent> {
+        let untracked = self.untracked_placement();
+        let Some(tag) = self.tag else {
+            return malformed("event without a type");
+        };
         match tag.as_str() {
             "BlockStored" => {
                 let Some(block_hashes) = self.block_hashes else {
                     return malformed("BlockStored without block_hashes");
                 };
-                if !main_group {
-                    return Ok(EngineEvent::Ignored(IgnoreReason::KvGroup));
-                }
-                if !on_gpu {
-                    return Ok(EngineEvent::Ignored(IgnoreReason::Medium));
+                if let Some(reason) = untracked {
+                    return Ok(EngineEvent::Ignored(reason));
                 }
                 let token_ids = self.token_ids.unwrap_or_default();
                 let block_size = self.block_size.unwrap_or(0) as usize;
@@ -292,11 +299,8 @@ impl Fields {
                 let Some(block_hashes) = self.block_hashes else {
                     return malformed("BlockRemoved without block_hashes");
                 };
-                if !main_group {
-                    return Ok(EngineEvent::Ignored(IgnoreReason::KvGroup));
-                }
-                if !on_gpu {
-                    return Ok(EngineEvent::Ignored(IgnoreReason::Medium));
+                if let Some(reason) = untracked {
+                    return Ok(EngineEvent::Ignored(reason));
                 }
                 Ok(EngineEvent::Removed { block_hashes })
             }
