@@ -2,7 +2,10 @@
 //! (cargo feature `testing`). Readiness is polled (etcd's `/health`, NATS's `INFO` greeting),
 //! never slept for. The binaries are looked up as `$KVMESH_ETCD_BIN` / `$KVMESH_NATS_BIN`, else
 //! `etcd` / `nats-server` on `PATH` (Debian: `etcd-server`, `nats-server`; nats-server is in
-//! `/usr/sbin`, which is searched too).
+//! `/usr/sbin`, which is searched too). [`temp_dir()`] gives each test a directory for their
+//! data.
+
+mod temp_dir;
 
 use std::io;
 use std::net::TcpListener;
@@ -13,6 +16,8 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
+
+pub use temp_dir::{TempDir, temp_dir};
 
 /// How long a server may take to become ready.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);

@@ -1,12 +1,9 @@
 //! `NatsBus` against a real nats-server process.
 
-mod common;
-
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::temp_dir;
-use kvmesh_control::testing::NatsServer;
+use kvmesh_control::testing::{NatsServer, temp_dir};
 use kvmesh_control::{ConnectionState, ControlError, EventBus, NatsBus};
 
 const SECOND: Duration = Duration::from_secs(1);
@@ -20,7 +17,7 @@ async fn recv(sub: &mut kvmesh_control::Subscription) -> kvmesh_control::Message
 
 #[tokio::test]
 async fn publish_subscribe_request_and_reconnect() {
-    let dir = temp_dir("nats");
+    let dir = temp_dir("control-nats");
     let mut server = NatsServer::start(&dir).await.expect("nats starts");
     let a = NatsBus::connect(&server.url(), "test-a")
         .await

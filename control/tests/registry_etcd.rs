@@ -4,13 +4,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::{next_event, record, temp_dir};
-use kvmesh_control::testing::EtcdServer;
+use common::{next_event, record};
+use kvmesh_control::testing::{EtcdServer, temp_dir};
 use kvmesh_control::{ControlError, EtcdRegistry, InstanceState, Namespace, Registry, WatchEvent};
 
 #[tokio::test]
 async fn records_leases_and_watch_against_real_etcd() {
-    let dir = temp_dir("etcd");
+    let dir = temp_dir("control-etcd");
     let mut etcd = EtcdServer::start(&dir).await.expect("etcd starts");
     let reg = EtcdRegistry::new(&etcd.url()).expect("client");
     let ns = Namespace::default();

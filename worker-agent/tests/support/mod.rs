@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
-use kvmesh_control::testing::{EtcdServer, NatsServer};
+use kvmesh_control::testing::{EtcdServer, NatsServer, TempDir, temp_dir};
 use kvmesh_control::{EventBatch, Namespace, NatsBus, Subscription};
 use kvmesh_engine_sim::{EngineHandle, KvEventEncoding, KvEventHash, SimConfig};
 use kvmesh_kv::KvEvent;
@@ -22,37 +22,6 @@ pub const MODEL: &str = "test/model.v1";
 /// Tokens per block.
 pub const BLOCK: usize = 16;
 
-/// A fresh directory under the system temp dir, removed with everything in it on drop.
-pub struct TempDir(PathBuf);
-
-impl std::ops::Deref for TempDir {
-    type Target = std::path::Path;
-
-    fn deref(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A fresh directory under the system temp dir, removed on drop.
-pub fn temp_dir(name: &str) -> TempDir {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
-    let dir = std::env::temp_dir().join(format!(
-        "kvmesh-agent-{name}-{}-{nanos}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    TempDir(dir)
-}
-
 /// etcd + NATS for one test.
 pub struct Servers {
     pub etcd: EtcdServer,
@@ -63,7 +32,7 @@ pub struct Servers {
 
 impl Servers {
     pub async fn start(name: &str) -> Self {
-        let dir = temp_dir(name);
+        let dir = temp_dir(&format!("agent-{name}"));
         let etcd = EtcdServer::start(&dir.join("etcd"))
             .await
             .expect("etcd starts");
