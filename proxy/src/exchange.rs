@@ -34,6 +34,8 @@ pub(crate) struct Exchange {
     pub(crate) status: u16,
     /// The instance that answered (its `x-kvmesh-instance` value).
     pub(crate) instance: Option<HeaderValue>,
+    /// Why `policy: kv` chose that instance (its `x-kvmesh-route` value).
+    pub(crate) kv_route: Option<HeaderValue>,
     /// The client asked for a stream (`"stream": true`).
     pub(crate) stream: bool,
     /// The client disconnected before the exchange finished.
@@ -55,6 +57,7 @@ impl Exchange {
             pool: None,
             status: 0,
             instance: None,
+            kv_route: None,
             stream: false,
             client_gone: false,
             upstream_failure: None,

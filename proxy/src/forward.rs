@@ -247,6 +247,7 @@ pub(crate) async fn forward<D: Downstream>(
             route,
         } = pick;
         exchange.instance = Some(instance.instance_header().clone());
+        exchange.kv_route.clone_from(&route);
         let in_flight = instance.start_request();
         match attempt(state, client, &instance, &body, &exchange.request_id).await {
             Ok(upstream) => {

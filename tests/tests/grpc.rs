@@ -778,6 +778,18 @@ async fn kv_aware_routing_on_the_grpc_path() {
             .and_then(|v| v.to_str().ok())
             .unwrap()
             .to_string();
+        // The route explanation, as on HTTP: after the first turn, the prefix's 8 blocks
+        // are found cached on the engine that served it.
+        let route = answer
+            .metadata()
+            .get("x-kvmesh-route")
+            .and_then(|v| v.to_str().ok())
+            .expect("x-kvmesh-route metadata")
+            .to_string();
+        assert!(route.contains(&format!("instance={instance}")), "{route}");
+        if turn > 0 {
+            assert!(route.contains("overlap_blocks=8;"), "{route}");
+        }
         served_by.push(instance);
     }
     assert!(

@@ -78,6 +78,8 @@ pub(crate) struct Served {
     pub(crate) request_id: HeaderValue,
     /// The instance that answered.
     pub(crate) instance: Option<HeaderValue>,
+    /// Why `policy: kv` chose it (`x-kvmesh-route`).
+    pub(crate) kv_route: Option<HeaderValue>,
 }
 
 /// What a call carries besides its requests.
@@ -126,6 +128,7 @@ pub(crate) async fn infer(
     Ok(Served {
         request_id: record.exchange.request_id.clone(),
         instance: record.exchange.instance.clone(),
+        kv_route: record.exchange.kv_route.clone(),
     })
 }
 

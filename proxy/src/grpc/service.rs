@@ -91,7 +91,8 @@ fn unimplemented(rpc: &str) -> Status {
     ))
 }
 
-/// `x-request-id` and `x-kvmesh-instance`, as on the HTTP side.
+/// `x-request-id`, `x-kvmesh-instance` and (`policy: kv`) `x-kvmesh-route`, as on the
+/// HTTP side.
 fn served_metadata(metadata: &mut MetadataMap, served: &Served) {
     let ascii = |value: &http::HeaderValue| {
         value
@@ -104,6 +105,9 @@ fn served_metadata(metadata: &mut MetadataMap, served: &Served) {
     }
     if let Some(instance) = served.instance.as_ref().and_then(ascii) {
         metadata.insert("x-kvmesh-instance", instance);
+    }
+    if let Some(route) = served.kv_route.as_ref().and_then(ascii) {
+        metadata.insert("x-kvmesh-route", route);
     }
 }
 
