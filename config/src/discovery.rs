@@ -47,8 +47,10 @@ impl DiscoveryKind {
 pub struct DiscoveryConfig {
     /// `static` (default), `etcd` or `in_process`.
     pub kind: DiscoveryKind,
-    /// The etcd endpoint (`http://host:port`, its v3 JSON gateway); `kind: etcd` only. A broken
-    /// watch reconnects by itself (backoff from 100 ms doubling to 5 s) and re-lists.
+    /// The etcd endpoint (`http://host:port`, its v3 JSON gateway), or the members of one
+    /// cluster separated by commas (calls move to the next member when one does not answer);
+    /// `kind: etcd` only. A broken watch reconnects by itself (backoff from 100 ms doubling
+    /// to 5 s) and re-lists.
     pub endpoint: String,
     /// Key prefix: records live under `/{namespace}/instances/`. Letters, digits, `-`, `_`.
     pub namespace: String,

@@ -124,3 +124,35 @@ async fn records_leases_and_watch_against_real_etcd() {
     };
     assert_eq!(deleted, WatchEvent::Delete { key: key_c });
 }
+
+#[tokio::test]
+async fn a_member_that_does_not_answer_hands_over_to_the_next() {
+    let dir = temp_dir("control-etcd-members");
+    let etcd = EtcdServer::start(&dir).await.expect("etcd starts");
+    // A port nothing listens on: connections to it are refused.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr");
+    let reg = EtcdRegistry::new(&format!("http://{dead},{}", etcd.url())).expect("client");
+    let ns = Namespace::default();
+    let model = "org/model.v1";
+    let a = record(&ns, model, 1);
+    let key_a = ns.instance_key(model, a.instance_id);
+
+    // The first call finds the dead member, moves on and succeeds; later calls and the
+    // watch stay on the live one.
+    reg.put(&key_a, &a, None)
+        .await
+        .expect("put through the live member");
+    let listing = reg.list(&ns.instances_prefix()).await.expect("list");
+    assert_eq!(listing.records, vec![(key_a.clone(), a.clone())]);
+    let mut watch = reg.watch(&ns.instances_prefix());
+    assert!(matches!(next_event(&mut watch, 5).await, WatchEvent::Put { key, .. } if key == key_a));
+    assert_eq!(next_event(&mut watch, 5).await, WatchEvent::Synced);
+    reg.delete(&key_a).await.expect("delete");
+    assert_eq!(
+        next_event(&mut watch, 5).await,
+        WatchEvent::Delete { key: key_a }
+    );
+}

@@ -98,7 +98,7 @@ pub struct Cli {
     /// Control-plane namespace.
     #[arg(long, env = "KVMESH_AGENT_NAMESPACE", default_value = "kvmesh", value_parser = parse_namespace)]
     pub namespace: Namespace,
-    /// etcd client URL.
+    /// etcd client URL, or the members of one cluster separated by commas.
     #[arg(long, env = "KVMESH_AGENT_ETCD")]
     pub etcd: String,
     /// NATS server URL.

@@ -2,6 +2,7 @@
 //! streaming `/v3/watch`; keys and values base64, 64-bit integers as strings), over hyper.
 //! Tested against etcd 3.4.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -16,6 +17,7 @@ use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use super::etcd_endpoints::Endpoints;
 use super::watch::{RawChange, RawStream, WatchSource, list_records, spawn_watch};
 use super::{LeaseId, Listing, Registry, Watch};
 use crate::error::ControlError;
@@ -85,20 +87,36 @@ impl Kv {
 /// The etcd client shared by the registry and its watches.
 #[derive(Clone, Debug)]
 struct EtcdClient {
-    base: String,
+    endpoints: Arc<Endpoints>,
     http: Client<HttpConnector, Full<Bytes>>,
 }
 
 impl EtcdClient {
-    fn request(
+    /// Sends `body` to `path` and waits for the response head: on the current endpoint,
+    /// then on each next one while they fail to answer.
+    async fn send(
         &self,
         path: &str,
         body: &Value,
-    ) -> Result<http::Request<Full<Bytes>>, ControlError> {
-        http::Request::post(format!("{}{path}", self.base))
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(body.to_string())))
-            .map_err(|e| ControlError::InvalidName(format!("etcd URL {:?}: {e}", self.base)))
+        what: &'static str,
+    ) -> Result<http::Response<Incoming>, ControlError> {
+        let body = Bytes::from(body.to_string());
+        let mut last = None;
+        for _ in 0..self.endpoints.len() {
+            let (index, base) = self.endpoints.current();
+            let request = http::Request::post(format!("{base}{path}"))
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(Full::new(body.clone()))
+                .map_err(|e| ControlError::InvalidName(format!("etcd URL {base:?}: {e}")))?;
+            let error = match tokio::time::timeout(CALL_TIMEOUT, self.http.request(request)).await {
+                Ok(Ok(response)) => return Ok(response),
+                Ok(Err(e)) => transport(format!("{base}: {e}")),
+                Err(_) => ControlError::Timeout(what),
+            };
+            self.endpoints.failed(index);
+            last = Some(error);
+        }
+        Err(last.unwrap_or(ControlError::Timeout(what)))
     }
 
     /// POSTs `body` to `path` and returns the JSON answer; gateway errors become
@@ -109,21 +127,13 @@ impl EtcdClient {
         body: Value,
         lease: Option<i64>,
     ) -> Result<Value, ControlError> {
-        let request = self.request(path, &body)?;
-        let fut = async {
-            let response = self.http.request(request).await.map_err(transport)?;
-            let status = response.status();
-            let bytes = response
-                .into_body()
-                .collect()
-                .await
-                .map_err(transport)?
-                .to_bytes();
-            Ok::<_, ControlError>((status, bytes))
-        };
-        let (status, bytes) = tokio::time::timeout(CALL_TIMEOUT, fut)
+        let response = self.send(path, &body, "etcd call").await?;
+        let status = response.status();
+        let bytes = tokio::time::timeout(CALL_TIMEOUT, response.into_body().collect())
             .await
-            .map_err(|_| ControlError::Timeout("etcd call"))??;
+            .map_err(|_| ControlError::Timeout("etcd call"))?
+            .map_err(transport)?
+            .to_bytes();
         let value: Value = serde_json::from_slice(&bytes).map_err(|e| ControlError::Server {
             backend: BACKEND,
             message: format!("{status}: {e}"),
@@ -156,21 +166,12 @@ pub struct EtcdRegistry {
 }
 
 impl EtcdRegistry {
-    /// A client of the etcd at `url` (`http://host:port`; the scheme may be left out). No
+    /// A client of the etcd cluster at `urls`: one endpoint (`http://host:port`; the scheme
+    /// may be left out) or several separated by commas, the members of one cluster. Calls
+    /// go to one endpoint at a time and move to the next when it does not answer. No
     /// connection is made until the first call.
-    pub fn new(url: &str) -> Result<Self, ControlError> {
-        let base = if url.contains("://") {
-            url.trim_end_matches('/').to_owned()
-        } else {
-            format!("http://{}", url.trim_end_matches('/'))
-        };
-        if !base.starts_with("http://") {
-            return Err(ControlError::InvalidName(format!(
-                "etcd URL {url:?}: only http:// is supported"
-            )));
-        }
-        base.parse::<http::Uri>()
-            .map_err(|e| ControlError::InvalidName(format!("etcd URL {url:?}: {e}")))?;
+    pub fn new(urls: &str) -> Result<Self, ControlError> {
+        let endpoints = Arc::new(Endpoints::parse(urls)?);
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_secs(2)));
         connector.set_nodelay(true);
@@ -178,7 +179,7 @@ impl EtcdRegistry {
             .pool_idle_timeout(Duration::from_secs(30))
             .build(connector);
         Ok(Self {
-            client: EtcdClient { base, http },
+            client: EtcdClient { endpoints, http },
         })
     }
 }
@@ -281,11 +282,7 @@ impl WatchSource for EtcdRegistry {
             "range_end": B64.encode(prefix_end(prefix.as_bytes())),
             "start_revision": revision.to_string(),
         }});
-        let request = self.client.request("/v3/watch", &body)?;
-        let response = tokio::time::timeout(CALL_TIMEOUT, self.client.http.request(request))
-            .await
-            .map_err(|_| ControlError::Timeout("etcd watch"))?
-            .map_err(transport)?;
+        let response = self.client.send("/v3/watch", &body, "etcd watch").await?;
         if !response.status().is_success() {
             return Err(ControlError::Server {
                 backend: BACKEND,

@@ -2,6 +2,7 @@
 //! etcd and in-process implementations.
 
 mod etcd;
+mod etcd_endpoints;
 mod in_process;
 mod watch;
 
