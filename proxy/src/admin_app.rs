@@ -157,7 +157,7 @@ async fn debug_route(state: &State, session: &mut ServerSession) -> (u16, Header
         return invalid(&message, "not_kv_routed");
     };
     let prepared = match offload::prepare(
-        state.preprocess.as_ref(),
+        state.preprocess.as_deref(),
         router.preparer(),
         route,
         &body,

@@ -83,7 +83,7 @@ impl<'a> Picker<'a> {
             Balancer::Kv(router) => router,
         };
         let prepared = offload::prepare(
-            state.preprocess.as_ref(),
+            state.preprocess.as_deref(),
             router.preparer(),
             route,
             body,

@@ -38,7 +38,7 @@ use crate::reload::{ReloadHandle, Reloader, watch_files};
 use crate::request_id::RequestIds;
 use crate::state::State;
 use crate::tls::{ListenerTls, TlsSettings, TlsTerminator, upstream_ca_file};
-use crate::upstream::Upstream;
+use crate::upstream::{Upstream, UpstreamSettings};
 
 /// Name the admin listener is announced under.
 pub const ADMIN_LISTENER: &str = "admin";
@@ -341,17 +341,27 @@ pub(crate) fn build_state(
     if dynamic {
         instance_count = instance_count.max(DYNAMIC_INSTANCES_HINT);
     }
-    let preprocess = any_kv
-        .then(PreprocessPool::per_core)
-        .transpose()
-        .map_err(ProxyError::Threads)?;
-    let upstream = Upstream::new(
+    let previous = previous.map(|(state, _)| state);
+    // A reload keeps the tokenizer threads and, with the same settings, the engine
+    // connections: swapping them would make every request after it reconnect.
+    let preprocess = match previous.and_then(|state| state.preprocess.as_ref()) {
+        Some(pool) if any_kv => Some(Arc::clone(pool)),
+        _ => any_kv
+            .then(PreprocessPool::per_core)
+            .transpose()
+            .map_err(ProxyError::Threads)?
+            .map(Arc::new),
+    };
+    let settings = UpstreamSettings::new(
         config.upstream.pool_size,
         instance_count,
         config.upstream.pool_idle_timeout,
         upstream_ca_file(&config.upstream.tls)?,
     );
-    let previous = previous.map(|(state, _)| state);
+    let upstream = match previous {
+        Some(state) if *state.upstream.settings() == settings => Arc::clone(&state.upstream),
+        _ => Arc::new(Upstream::new(settings)),
+    };
     let state = State {
         registry,
         upstream,
@@ -445,4 +455,52 @@ fn local_address(
         address,
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: &str) -> Config {
+        let yaml = format!(
+            "models:\n  - name: m\n    backends:\n      - url: http://127.0.0.1:9\n{extra}"
+        );
+        Config::from_yaml_str(&yaml, "test.yaml").expect("config")
+    }
+
+    #[test]
+    fn a_reload_keeps_the_engine_connections_unless_the_upstream_settings_change() {
+        let metrics = Metrics::new().expect("metrics");
+        let first = config("");
+        let (state, _) = build_state(&first, &metrics, None).expect("state");
+
+        let limits = config("limits:\n  max_body_bytes: 1000\n");
+        let (kept, _) = build_state(&limits, &metrics, Some((&state, &first))).expect("reload");
+        assert!(Arc::ptr_eq(&state.upstream, &kept.upstream));
+
+        let resized = config("upstream:\n  pool_size: 7\n");
+        let (rebuilt, _) = build_state(&resized, &metrics, Some((&state, &first))).expect("reload");
+        assert!(!Arc::ptr_eq(&state.upstream, &rebuilt.upstream));
+    }
+
+    #[test]
+    fn a_reload_keeps_the_tokenizer_threads() {
+        let metrics = Metrics::new().expect("metrics");
+        let kv = |extra: &str| {
+            let yaml = format!(
+                "models:\n  - name: m\n    policy: kv\n    backends:\n      - url: http://127.0.0.1:9\n{extra}"
+            );
+            Config::from_yaml_str(&yaml, "test.yaml").expect("config")
+        };
+        let first = kv("");
+        let (state, _) = build_state(&first, &metrics, None).expect("state");
+        let old = state.preprocess.as_ref().expect("a pool for policy kv");
+        let (next, _) = build_state(
+            &kv("limits:\n  max_body_bytes: 1000\n"),
+            &metrics,
+            Some((&state, &first)),
+        )
+        .expect("reload");
+        assert!(Arc::ptr_eq(old, next.preprocess.as_ref().expect("kept")));
+    }
 }

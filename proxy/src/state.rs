@@ -21,8 +21,9 @@ pub(crate) struct State {
     /// Models by name and alias (shared with the next state when a reload keeps
     /// the models, so their pools, KV indexes and health carry over).
     pub(crate) registry: Arc<ModelRegistry>,
-    /// Connections to engines.
-    pub(crate) upstream: Upstream,
+    /// Connections to engines (shared with the next state when a reload keeps the
+    /// upstream settings, so pooled connections carry over).
+    pub(crate) upstream: Arc<Upstream>,
     /// Metric families.
     pub(crate) metrics: Metrics,
     /// Request id generator.
@@ -34,7 +35,8 @@ pub(crate) struct State {
     /// Health-check interval (for `Retry-After`).
     pub(crate) health_interval_ms: u64,
     /// Threads that tokenize long prompts (`None` when no model uses `policy: kv`).
-    pub(crate) preprocess: Option<PreprocessPool>,
+    /// Shared with the next state across reloads.
+    pub(crate) preprocess: Option<Arc<PreprocessPool>>,
     /// API keys and their limits.
     pub(crate) auth: Authenticator,
     /// Per-model concurrency limits.

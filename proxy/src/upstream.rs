@@ -8,37 +8,69 @@ use pingora_core::connectors::http::Connector;
 use pingora_core::protocols::http::client::HttpSession;
 use pingora_core::upstreams::peer::HttpPeer;
 
-/// Connections to engines.
-pub(crate) struct Upstream {
-    connector: Connector,
+/// What an [`Upstream`] is built from: two equal settings give interchangeable connectors,
+/// so a reload that keeps them keeps the pooled connections too.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct UpstreamSettings {
+    /// Idle connections pooled in all (one shared LRU).
+    capacity: usize,
+    /// How long an idle pooled connection is kept.
     pool_idle_timeout: Duration,
+    /// CA bundle for `https://` engines (`None`: the system's roots).
+    ca_file: Option<String>,
+    /// The bundle's bytes when the settings were taken, so a bundle rewritten in place
+    /// counts as a change.
+    ca_pem: Option<Vec<u8>>,
 }
 
-impl std::fmt::Debug for Upstream {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Upstream")
-            .field("pool_idle_timeout", &self.pool_idle_timeout)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Upstream {
-    /// A connector keeping up to `pool_size` idle connections per instance
-    /// (one shared LRU of `pool_size × instances`); `https://` engines are
-    /// checked against the CAs in `ca_file` (checked beforehand; `None`: the
-    /// system's roots).
+impl UpstreamSettings {
+    /// Up to `pool_size` idle connections per instance (one shared LRU of
+    /// `pool_size × instances`); `https://` engines are checked against the CAs in
+    /// `ca_file` (checked beforehand; `None`: the system's roots).
     pub(crate) fn new(
         pool_size: usize,
         instances: usize,
         pool_idle_timeout: Duration,
         ca_file: Option<String>,
     ) -> Self {
-        let mut options = ConnectorOptions::new(pool_size.saturating_mul(instances.max(1)));
-        options.ca_file = ca_file;
+        let ca_pem = ca_file.as_ref().and_then(|path| std::fs::read(path).ok());
+        Self {
+            capacity: pool_size.saturating_mul(instances.max(1)),
+            pool_idle_timeout,
+            ca_file,
+            ca_pem,
+        }
+    }
+}
+
+/// Connections to engines.
+pub(crate) struct Upstream {
+    connector: Connector,
+    settings: UpstreamSettings,
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upstream")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Upstream {
+    /// A connector with `settings`.
+    pub(crate) fn new(settings: UpstreamSettings) -> Self {
+        let mut options = ConnectorOptions::new(settings.capacity);
+        options.ca_file.clone_from(&settings.ca_file);
         Self {
             connector: Connector::new(Some(options)),
-            pool_idle_timeout,
+            settings,
         }
+    }
+
+    /// The settings this connector was built from.
+    pub(crate) fn settings(&self) -> &UpstreamSettings {
+        &self.settings
     }
 
     /// A session to `peer`: pooled when one is idle, else a new connection.
@@ -59,10 +91,11 @@ impl Upstream {
     /// Boxed for the same reason as [`Upstream::session`]: the release future holds the session
     /// by value, twice.
     pub(crate) async fn release(&self, session: HttpSession, peer: &HttpPeer) {
-        Box::pin(
-            self.connector
-                .release_http_session(session, peer, Some(self.pool_idle_timeout)),
-        )
+        Box::pin(self.connector.release_http_session(
+            session,
+            peer,
+            Some(self.settings.pool_idle_timeout),
+        ))
         .await;
     }
 }
