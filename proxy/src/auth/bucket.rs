@@ -39,9 +39,11 @@ impl TokenBucket {
         f(&mut level.tokens)
     }
 
-    /// Time until the level reaches `target` from `tokens`.
+    /// Time until the level reaches `target` from `tokens` (`Duration::MAX` past what a
+    /// `Duration` holds, as with a vanishingly small rate).
     fn wait(&self, tokens: f64, target: f64) -> Duration {
-        Duration::from_secs_f64(((target - tokens) / self.rate_per_sec).max(0.0))
+        Duration::try_from_secs_f64(((target - tokens) / self.rate_per_sec).max(0.0))
+            .unwrap_or(Duration::MAX)
     }
 
     /// Takes `n` tokens when the bucket holds them; otherwise how long until it will.
@@ -78,6 +80,14 @@ impl TokenBucket {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_vanishing_rate_waits_forever_instead_of_panicking() {
+        let start = Instant::now();
+        let bucket = TokenBucket::new(1e-300, 1.0, start);
+        assert_eq!(bucket.try_take(1.0, start), Ok(()));
+        assert_eq!(bucket.try_take(1.0, start), Err(Duration::MAX));
+    }
 
     #[test]
     fn takes_until_empty_then_refills() {
