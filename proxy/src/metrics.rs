@@ -315,6 +315,7 @@ impl Metrics {
             requests_total: self.requests_total.clone(),
             request_duration: self.request_duration.clone(),
             ok_total: OnceLock::new(),
+            error_totals: Default::default(),
             duration: OnceLock::new(),
         }
     }
@@ -498,6 +499,10 @@ impl RouteTable {
     }
 }
 
+/// The error statuses kvmesh answers most (client errors, limits, engine failures), whose
+/// request counters are cached like the 200 one.
+const COMMON_ERRORS: [u16; 12] = [400, 401, 403, 404, 408, 413, 429, 499, 500, 502, 503, 504];
+
 /// Per-(model, route) handles, resolved on first use and cached.
 #[derive(Debug)]
 pub(crate) struct RouteMetrics {
@@ -507,6 +512,8 @@ pub(crate) struct RouteMetrics {
     requests_total: IntCounterVec,
     request_duration: HistogramVec,
     ok_total: OnceLock<IntCounter>,
+    /// `requests_total` of each of [`COMMON_ERRORS`], in that order.
+    error_totals: [OnceLock<IntCounter>; COMMON_ERRORS.len()],
     duration: OnceLock<Histogram>,
 }
 
@@ -524,12 +531,12 @@ impl RouteMetrics {
                     ])
                 })
                 .inc();
-        } else {
-            let code = http::StatusCode::from_u16(status).ok();
-            let label = code.as_ref().map_or("other", http::StatusCode::as_str);
-            self.requests_total
-                .with_label_values(&[self.model.as_str(), self.protocol, self.route, label])
+        } else if let Some(slot) = COMMON_ERRORS.iter().position(|&code| code == status) {
+            self.error_totals[slot]
+                .get_or_init(|| self.total_for(status))
                 .inc();
+        } else {
+            self.total_for(status).inc();
         }
         self.duration
             .get_or_init(|| {
@@ -540,6 +547,18 @@ impl RouteMetrics {
                 ])
             })
             .observe(seconds);
+    }
+
+    /// The `requests_total` counter of `status` (label `other` when it is not a status).
+    fn total_for(&self, status: u16) -> IntCounter {
+        let code = http::StatusCode::from_u16(status).ok();
+        let label = code.as_ref().map_or("other", http::StatusCode::as_str);
+        self.requests_total.with_label_values(&[
+            self.model.as_str(),
+            self.protocol,
+            self.route,
+            label,
+        ])
     }
 }
 
