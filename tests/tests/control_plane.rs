@@ -290,34 +290,59 @@ async fn a_killed_agent_leaves_within_its_lease_and_a_terminated_one_drains_firs
     Ok(())
 }
 
+/// One engine publishing KV events, its agent, and a proxy whose event intake is up, over
+/// real etcd and NATS. Fields drop in order: the proxy first, the scratch directory last.
+struct OneEngine {
+    proxy: Spawned,
+    _agent: Spawned,
+    engine: Engine,
+    _sim: Spawned,
+    servers: Servers,
+    _scratch: ScratchDir,
+}
+
+impl OneEngine {
+    async fn start(label: &str) -> anyhow::Result<Self> {
+        let scratch = ScratchDir::new(label)?;
+        let servers = Servers::start(&scratch).await?;
+        let (sim, mut engines) = start_event_engines(&scratch, 1)?;
+        let engine = engines.remove(0);
+        let agent = start_agent(&scratch, &servers, &engine, LONG_TTL, DRAIN)?;
+        let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
+        await_metric(
+            &HttpClient::default(),
+            &metrics_url(&proxy),
+            &events_source_series(),
+            |v| v == 1.0,
+            CONVERGE,
+        )
+        .await?;
+        Ok(Self {
+            proxy,
+            _agent: agent,
+            engine,
+            _sim: sim,
+            servers,
+            _scratch: scratch,
+        })
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_nats_restart_the_proxy_holds_none_of_the_cleared_blocks() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let scratch = ScratchDir::new("cp-nats")?;
-    let mut servers = Servers::start(&scratch).await?;
-    let (_sim, engines) = start_event_engines(&scratch, 1)?;
-    let engine = &engines[0];
-    let _agent = start_agent(&scratch, &servers, engine, LONG_TTL, DRAIN)?;
-    let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
-    let client = HttpClient::default();
-    let metrics = metrics_url(&proxy);
-    await_metric(
-        &client,
-        &metrics,
-        &events_source_series(),
-        |v| v == 1.0,
-        CONVERGE,
-    )
-    .await?;
+    let mut setup = OneEngine::start("cp-nats").await?;
+    let (engine, proxy, client) = (&setup.engine, &setup.proxy, HttpClient::default());
+    let metrics = metrics_url(proxy);
     let prompt = prompt_tokens(7, 8);
-    let (status, instance, _) = complete(&client, &proxy, &prompt).await?;
+    let (status, instance, _) = complete(&client, proxy, &prompt).await?;
     assert_eq!((status, instance.as_str()), (200, engine.url.as_str()));
     let blocks = index_blocks_series(&engine.url);
     await_metric(&client, &metrics, &blocks, |v| v >= 8.0, CONVERGE).await?;
 
     // NATS goes away; meanwhile the engine drops its whole cache (the Cleared event cannot
     // reach the proxy); NATS comes back.
-    servers.nats.kill().await;
+    setup.servers.nats.kill().await;
     await_metric(
         &client,
         &metrics,
@@ -343,7 +368,7 @@ async fn after_a_nats_restart_the_proxy_holds_none_of_the_cleared_blocks() -> an
         )
         .await?;
     assert_eq!(reset.status, 200);
-    servers.nats.restart().await?;
+    setup.servers.nats.restart().await?;
     await_metric(
         &client,
         &metrics,
@@ -380,7 +405,7 @@ async fn after_a_nats_restart_the_proxy_holds_none_of_the_cleared_blocks() -> an
         explained["instances"][0]["overlap_blocks"], 0,
         "{explained}"
     );
-    assert_no_panic(&proxy);
+    assert_no_panic(proxy);
     Ok(())
 }
 
@@ -471,22 +496,8 @@ async fn engine_to_index_latency() -> anyhow::Result<()> {
     use zeromq::{Socket, SocketRecv, SubSocket};
 
     let _serial = SERIAL.lock().await;
-    let scratch = ScratchDir::new("cp-latency")?;
-    let servers = Servers::start(&scratch).await?;
-    let (_sim, engines) = start_event_engines(&scratch, 1)?;
-    let engine = &engines[0];
-    let _agent = start_agent(&scratch, &servers, engine, LONG_TTL, DRAIN)?;
-    let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
-    let client = HttpClient::default();
-    let metrics = metrics_url(&proxy);
-    await_metric(
-        &client,
-        &metrics,
-        &events_source_series(),
-        |v| v == 1.0,
-        CONVERGE,
-    )
-    .await?;
+    let setup = OneEngine::start("cp-latency").await?;
+    let (engine, proxy, client) = (&setup.engine, &setup.proxy, HttpClient::default());
     let mut events = SubSocket::new();
     events.connect(&engine.events).await?;
     events.subscribe("").await?;
