@@ -679,6 +679,17 @@ async fn every_error_has_its_code() {
     assert!(metrics.contains(dead), "{metrics}");
 }
 
+/// Reads `responses` to their end: the status that ended the stream (it must end with one).
+async fn ending_status(responses: &mut Streaming<ModelStreamInferResponse>) -> tonic::Status {
+    loop {
+        match responses.message().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the stream ended without an error"),
+            Err(status) => return status,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_a_stream_releases_the_engine_request() {
     let cluster = Cluster::start("grpc-cancel", 1, &[], "", "policy: round_robin");
@@ -720,13 +731,7 @@ async fn cancelling_a_stream_releases_the_engine_request() {
     tx.send(text_request("late", "Another long story.", 2000, true))
         .await
         .unwrap();
-    let status = loop {
-        match responses.message().await {
-            Ok(Some(_)) => continue,
-            Ok(None) => panic!("the stream ended without an error"),
-            Err(status) => break status,
-        }
-    };
+    let status = ending_status(&mut responses).await;
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
     await_engines_idle(&engines).await;
 
@@ -743,13 +748,7 @@ async fn cancelling_a_stream_releases_the_engine_request() {
         .await
         .unwrap()
         .into_inner();
-    let status = loop {
-        match responses.message().await {
-            Ok(Some(_)) => continue,
-            Ok(None) => panic!("the stream ended without an error"),
-            Err(status) => break status,
-        }
-    };
+    let status = ending_status(&mut responses).await;
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
     await_engines_idle(&engines).await;
 }
