@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use edge_support::{EdgeProxy, Reply, plain};
-use http::{Method, Response};
+use http::Method;
 use kvmesh_proxy::sha256_hex;
-use support::{Backend, channel_body, full};
+use support::{Backend, held_first};
 
 const KEY_A: &str = "sk-test-a";
 const KEY_B: &str = "sk-test-b";
@@ -170,21 +170,7 @@ async fn over_the_request_rate_is_429_with_retry_after() {
 
 #[tokio::test]
 async fn completion_tokens_are_charged_while_the_response_streams() {
-    let (tx, body) = channel_body();
-    let body = std::sync::Mutex::new(Some(body));
-    let backend = Backend::start(move |_| {
-        let body = body.lock().unwrap().take();
-        async move {
-            match body {
-                Some(body) => Response::builder()
-                    .header("content-type", "text/event-stream")
-                    .body(body)
-                    .unwrap(),
-                None => Response::new(full("{}")),
-            }
-        }
-    })
-    .await;
+    let (tx, backend) = held_first(Some("text/event-stream")).await;
     // 60 tokens a minute: the prompt (estimated from its ~100-byte body) and a
     // few streamed events leave the bucket in debt.
     let keys = key("a", KEY_A, "      tokens_per_minute: 60\n");
@@ -241,18 +227,7 @@ async fn completion_tokens_are_charged_while_the_response_streams() {
 
 #[tokio::test]
 async fn over_max_concurrency_is_429() {
-    let (tx, body) = channel_body();
-    let body = std::sync::Mutex::new(Some(body));
-    let backend = Backend::start(move |_| {
-        let body = body.lock().unwrap().take();
-        async move {
-            match body {
-                Some(body) => Response::new(body),
-                None => Response::new(full("{}")),
-            }
-        }
-    })
-    .await;
+    let (tx, backend) = held_first(None).await;
     let keys = key("a", KEY_A, "      max_concurrency: 1\n");
     let proxy = EdgeProxy::from_yaml(&yaml(&backend.url, &keys)).await;
     let held = tokio::spawn({

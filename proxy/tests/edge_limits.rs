@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use edge_support::{EdgeProxy, plain};
-use http::{Method, Response};
-use support::{Backend, channel_body, full};
+use http::Method;
+use support::{Backend, held_first};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout};
@@ -140,18 +140,7 @@ async fn slow_clients_are_cut_off_with_408_and_counted() {
 
 #[tokio::test]
 async fn a_models_queue_is_bounded_and_times_out_with_503() {
-    let (tx, body) = channel_body();
-    let body = std::sync::Mutex::new(Some(body));
-    let backend = Backend::start(move |_| {
-        let body = body.lock().unwrap().take();
-        async move {
-            match body {
-                Some(body) => Response::new(body),
-                None => Response::new(full("{}")),
-            }
-        }
-    })
-    .await;
+    let (tx, backend) = held_first(None).await;
     let model = "    concurrency:\n      max_in_flight: 1\n      queue_size: 1\n      queue_timeout: 300ms\n";
     let proxy = EdgeProxy::from_yaml(&yaml(&backend.url, "  retries: 0\n", model)).await;
     let post = |main| async move {

@@ -16,10 +16,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use edge_support::{CountingBackend, EdgeProxy, Reply, chat, plain};
 use http::Method;
-use http::Response;
 use kvmesh_e2e::ScratchDir;
 use kvmesh_proxy::ReloadError;
-use support::{Backend, channel_body, full};
+use support::held_first;
 use tokio::time::Instant;
 
 fn yaml(backend: &CountingBackend, extra: &str) -> String {
@@ -243,21 +242,7 @@ async fn file_changes_and_post_reload_trigger_reloads() {
 #[tokio::test]
 async fn a_request_in_flight_finishes_on_the_config_it_started_with() {
     let scratch = ScratchDir::new("reload-in-flight").unwrap();
-    let (tx, body) = channel_body();
-    let body = std::sync::Mutex::new(Some(body));
-    let held = Backend::start(move |_| {
-        let body = body.lock().unwrap().take();
-        async move {
-            match body {
-                Some(body) => Response::builder()
-                    .header("content-type", "text/event-stream")
-                    .body(body)
-                    .unwrap(),
-                None => Response::new(full("{}")),
-            }
-        }
-    })
-    .await;
+    let (tx, held) = held_first(Some("text/event-stream")).await;
     let b = CountingBackend::start("b").await;
     let config = |url: &str| {
         format!(

@@ -1,5 +1,6 @@
 //! The proxy through its library entry point, in front of in-test hyper backends.
 
+#[allow(dead_code)]
 mod support;
 
 use std::time::Duration;

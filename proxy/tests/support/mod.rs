@@ -58,6 +58,31 @@ impl Body for ChannelBody {
     }
 }
 
+/// A backend whose first response streams a body fed through the returned sender (drop it
+/// to end that response), with `content-type: content_type` when given; every later request
+/// gets `{}` at once.
+pub async fn held_first(
+    content_type: Option<&'static str>,
+) -> (mpsc::Sender<io::Result<Bytes>>, Backend) {
+    let (tx, body) = channel_body();
+    let body = Mutex::new(Some(body));
+    let backend = Backend::start(move |_| {
+        let body = body.lock().unwrap().take();
+        async move {
+            match (body, content_type) {
+                (Some(body), Some(kind)) => Response::builder()
+                    .header("content-type", kind)
+                    .body(body)
+                    .unwrap(),
+                (Some(body), None) => Response::new(body),
+                (None, _) => Response::new(full("{}")),
+            }
+        }
+    })
+    .await;
+    (tx, backend)
+}
+
 /// What a backend received.
 #[derive(Debug, Clone)]
 pub struct Recorded {
