@@ -134,8 +134,11 @@ async fn propagates_the_client_request_id_and_routes_aliases() {
 async fn relays_sse_chunk_by_chunk() {
     let (seen_first_tx, seen_first_rx) = oneshot::channel::<()>();
     let seen_first = std::sync::Mutex::new(Some(seen_first_rx));
-    let backend = Backend::start(move |_| {
-        let gate = seen_first.lock().unwrap().take();
+    let backend = Backend::start(move |request| {
+        // Health probes reach the handler too: only the chat request takes the gate.
+        let gate = (request.path == "/v1/chat/completions")
+            .then(|| seen_first.lock().unwrap().take())
+            .flatten();
         async move {
             let (tx, body) = channel_body();
             tokio::spawn(async move {
