@@ -1,10 +1,11 @@
 //! The accept loop: our own tokio listener (so port 0 works and shutdown is
 //! ours), TCP_NODELAY on every accepted socket, TLS termination or h2c
-//! detection, and draining.
+//! detection, the HTTP/1 fast path for plaintext data connections, and draining.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use pingora_core::apps::{HttpServerApp, ReusedHttpStream, ServerApp};
 use pingora_core::protocols::http::ServerSession;
 use pingora_core::protocols::l4::stream::Stream as L4Stream;
@@ -14,6 +15,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep, timeout, timeout_at};
 
+use crate::h1::server::{Served, serve as serve_fast};
+use crate::state::State;
 use crate::tls::ListenerTls;
 
 /// The HTTP/2 connection preface (RFC 9113 §3.4).
@@ -34,6 +37,9 @@ pub(crate) struct ListenerApps<A> {
     pub(crate) h1: Arc<A>,
     /// App for connections opening with the h2 preface (`None`: HTTP/1 only).
     pub(crate) h2c: Option<Arc<A>>,
+    /// Serve plaintext HTTP/1 connections on our own fast path first, with this state
+    /// (`None`: pingora serves them, through `h1`).
+    pub(crate) fast: Option<Arc<ArcSwap<State>>>,
     /// Time a new connection has to send its first bytes.
     pub(crate) first_bytes_timeout: Duration,
     /// Longest wait for open connections once shutdown begins.
@@ -69,6 +75,7 @@ pub(crate) async fn serve<A>(
                         tcp,
                         Arc::clone(&apps.h1),
                         apps.h2c.clone(),
+                        apps.fast.clone(),
                         apps.tls.clone(),
                         apps.first_bytes_timeout,
                         shutdown.clone(),
@@ -99,11 +106,13 @@ pub(crate) async fn serve<A>(
 
 /// Serves one connection: over TLS (HTTP/2 or HTTP/1.1 by ALPN), or in
 /// plaintext HTTP/1 or, when it opens with the preface, h2c. HTTP/2 goes through
-/// pingora's [`ServerApp::process_new`]; HTTP/1 through [`serve_h1`].
+/// pingora's [`ServerApp::process_new`]; plaintext HTTP/1 through the fast path when the
+/// listener has one, and the rest (or what the fast path hands over) through [`serve_h1`].
 async fn serve_connection<A>(
     tcp: TcpStream,
     h1: Arc<A>,
     h2c: Option<Arc<A>>,
+    fast: Option<Arc<ArcSwap<State>>>,
     tls: Option<Arc<ListenerTls>>,
     first_bytes_timeout: Duration,
     shutdown: ShutdownWatch,
@@ -131,13 +140,25 @@ async fn serve_connection<A>(
             Ok(None) | Err(_) => return,
         },
     };
-    let stream: Stream = Box::new(L4Stream::from(tcp));
     if let Some(h2c) = h2c {
         // Pingora hands back a stream only for protocols it does not finish itself.
-        let _ = h2c.process_new(stream, &shutdown).await;
-    } else {
-        serve_h1(&h1, stream, &shutdown).await;
+        let _ = h2c
+            .process_new(Box::new(L4Stream::from(tcp)), &shutdown)
+            .await;
+        return;
     }
+    let stream = match fast {
+        None => L4Stream::from(tcp),
+        Some(states) => match serve_fast(tcp, &states, &shutdown).await {
+            Served::Done => return,
+            Served::Handover { tcp, read } => {
+                let mut stream = L4Stream::from(tcp);
+                stream.rewind(&read);
+                stream
+            }
+        },
+    };
+    serve_h1(&h1, Box::new(stream), &shutdown).await;
 }
 
 /// Serves an HTTP/1 connection, request after request while it is kept alive: what

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
+use bytes::Bytes;
 use pingora_core::apps::{
     HttpPersistentSettings, HttpServerApp, HttpServerOptions, ReusedHttpStream,
 };
@@ -15,7 +16,7 @@ use pingora_core::server::ShutdownWatch;
 
 use crate::api_error::{ApiError, ClientErrorReason};
 use crate::auth::{ApiKey, AuthFailure, KeyPermit, KeyRejection, prompt_tokens};
-use crate::downstream::HttpDownstream;
+use crate::downstream::{Downstream, HttpDownstream};
 use crate::exchange::Exchange;
 use crate::forward::{Picker, forward};
 use crate::headers::{X_REQUEST_ID, content_length, expects_continue};
@@ -204,22 +205,35 @@ async fn proxy(
             return false;
         }
     };
+    let mut client = HttpDownstream::new(session);
+    admit_and_forward(state, &mut client, exchange, key, body).await
+}
+
+/// Admission of a read request body (JSON, model, the key's limits, the model's
+/// concurrency), then forwarding; returns whether the client connection can be reused.
+pub(crate) async fn admit_and_forward<D: Downstream>(
+    state: &State,
+    client: &mut D,
+    exchange: &mut Exchange,
+    key: Option<Arc<ApiKey>>,
+    body: Bytes,
+) -> bool {
     let (pool, renamed) = match extract(&body) {
         Err(FieldsError::InvalidJson(detail)) => {
-            return exchange
-                .reject(session, &state.metrics, &ApiError::InvalidJson(detail))
+            return client
+                .reject(exchange, &state.metrics, &ApiError::InvalidJson(detail))
                 .await;
         }
         Err(FieldsError::InvalidShape(detail)) => {
-            return exchange
-                .reject(session, &state.metrics, &ApiError::InvalidBody(detail))
+            return client
+                .reject(exchange, &state.metrics, &ApiError::InvalidBody(detail))
                 .await;
         }
         Ok(fields) => {
             exchange.stream = fields.stream.unwrap_or(false);
             let Some(model) = fields.model else {
-                return exchange
-                    .reject(session, &state.metrics, &ApiError::MissingModel)
+                return client
+                    .reject(exchange, &state.metrics, &ApiError::MissingModel)
                     .await;
             };
             match state.registry.get(model.as_str()) {
@@ -235,7 +249,7 @@ async fn proxy(
                         model: model.as_str().to_string(),
                         known: state.registry.known(),
                     };
-                    return exchange.reject(session, &state.metrics, &error).await;
+                    return client.reject(exchange, &state.metrics, &error).await;
                 }
             }
         }
@@ -246,7 +260,7 @@ async fn proxy(
         Some(Ok(permit)) => Some(permit),
         Some(Err(rejection)) => {
             let error = key_rejection(state, rejection, pool.name().to_string());
-            return exchange.reject(session, &state.metrics, &error).await;
+            return client.reject(exchange, &state.metrics, &error).await;
         }
     };
     let _slot = match state.concurrency.get(pool.name()) {
@@ -255,7 +269,7 @@ async fn proxy(
             let acquired = tokio::select! {
                 biased;
                 acquired = slots.acquire() => acquired,
-                _ = session.read_body_or_idle(true) => {
+                () = client.gone() => {
                     exchange.client_gone = true;
                     return false;
                 }
@@ -268,7 +282,7 @@ async fn proxy(
                         reason: rejection.describe(),
                         retry_after_secs: slots.retry_after_secs(),
                     };
-                    return exchange.reject(session, &state.metrics, &error).await;
+                    return client.reject(exchange, &state.metrics, &error).await;
                 }
             }
         }
@@ -279,14 +293,13 @@ async fn proxy(
         Ok(picker) => picker,
         Err(InvalidPrompt(message)) => {
             let error = ApiError::InvalidPrompt(message);
-            return exchange.reject(session, &state.metrics, &error).await;
+            return client.reject(exchange, &state.metrics, &error).await;
         }
     };
     if let Some(permit) = permit.as_ref() {
         charge_prompt(permit, &picker, body.len(), exchange);
     }
-    let mut client = HttpDownstream::new(session);
-    forward(state, &mut client, &pool, body, picker, exchange).await
+    forward(state, client, &pool, body, picker, exchange).await
 }
 
 /// The error for a key refused by its own settings (403 or 429); `model` is the requested name.

@@ -7,17 +7,16 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use http::HeaderValue;
-use pingora_core::protocols::http::client::HttpSession;
 use pingora_error::ErrorType;
 use prometheus::IntGauge;
 use tokio::time::timeout;
 
 use crate::api_error::ApiError;
 use crate::clock::now_millis;
-use crate::downstream::Downstream;
+use crate::downstream::{Downstream, UpstreamTarget};
 use crate::exchange::Exchange;
 use crate::failure::FailureKind;
-use crate::headers::upstream_request;
+use crate::h1::upstream::{Exchange as H1Exchange, ExchangeError};
 use crate::instance::Instance;
 use crate::kv_route::booking::Booking;
 use crate::kv_route::explain::route_header;
@@ -29,6 +28,7 @@ use crate::pool::{Balancer, ModelPool};
 use crate::relay::RelayEnd;
 use crate::route::Route;
 use crate::state::State;
+use crate::upstream_session::UpstreamSession;
 
 /// Extra attempts after a failure on a pooled keep-alive connection (it may
 /// have gone stale while idle); they count neither as failures towards
@@ -313,14 +313,73 @@ async fn attempt<D: Downstream>(
     instance: &Instance,
     body: &Bytes,
     request_id: &HeaderValue,
-) -> Result<HttpSession, AttemptError> {
-    let request = upstream_request(
-        client.head(),
-        instance.host_header(),
-        body.len(),
+) -> Result<UpstreamSession, AttemptError> {
+    let target = UpstreamTarget {
+        host: instance.host_header(),
+        body_len: body.len(),
         request_id,
-    )
-    .map_err(|error| AttemptError::Unforwardable(error.to_string()))?;
+    };
+    match instance.h1_address() {
+        Some(address) => attempt_h1(state, client, instance, address, body, &target).await,
+        None => attempt_pingora(state, client, instance, body, &target).await,
+    }
+}
+
+/// [`attempt`] on our HTTP/1.1 client: head and body in one write.
+async fn attempt_h1<D: Downstream>(
+    state: &State,
+    client: &mut D,
+    instance: &Instance,
+    address: std::net::SocketAddr,
+    body: &Bytes,
+    target: &UpstreamTarget<'_>,
+) -> Result<UpstreamSession, AttemptError> {
+    let mut head = Vec::with_capacity(512);
+    client
+        .write_upstream_request(target, &mut head)
+        .map_err(|error| AttemptError::Unforwardable(error.to_string()))?;
+    let pool = state.upstream.h1();
+    let (mut upstream, reused) = H1Exchange::open(pool, address, instance.connect_timeout())
+        .await
+        .map_err(|error| AttemptError::Retryable {
+            kind: FailureKind::Connect,
+            detail: format!("connect to {}: {error}", instance.url()),
+            reused: false,
+        })?;
+    let exchange = async {
+        upstream.send(&head, body).await?;
+        upstream.read_head().await
+    };
+    let outcome = tokio::select! {
+        biased;
+        outcome = timeout(state.limits.first_byte_timeout, exchange) => outcome,
+        () = client.gone() => return Err(AttemptError::ClientGone),
+    };
+    match outcome {
+        Err(_) => Err(AttemptError::Timeout),
+        Ok(Err(error)) => Err(AttemptError::Retryable {
+            kind: match error {
+                ExchangeError::Connect(_) => FailureKind::Connect,
+                ExchangeError::Broken(_) => FailureKind::Reset,
+            },
+            detail: format!("{} before the response: {error}", instance.url()),
+            reused,
+        }),
+        Ok(Ok(())) => Ok(UpstreamSession::H1(upstream)),
+    }
+}
+
+/// [`attempt`] on pingora's client (h2c and `https://` engines).
+async fn attempt_pingora<D: Downstream>(
+    state: &State,
+    client: &mut D,
+    instance: &Instance,
+    body: &Bytes,
+    target: &UpstreamTarget<'_>,
+) -> Result<UpstreamSession, AttemptError> {
+    let request = client
+        .upstream_request(target)
+        .map_err(|error| AttemptError::Unforwardable(error.to_string()))?;
     let (mut upstream, reused) =
         state
             .upstream
@@ -369,7 +428,7 @@ async fn attempt<D: Downstream>(
                 reused,
             })
         }
-        Ok(Ok(())) => Ok(upstream),
+        Ok(Ok(())) => Ok(UpstreamSession::Pingora(Box::new(upstream))),
     }
 }
 
@@ -390,14 +449,13 @@ async fn respond<D: Downstream>(
     client: &mut D,
     pool: &ModelPool,
     answer: Answer<'_>,
-    mut upstream: HttpSession,
+    mut upstream: UpstreamSession,
     exchange: &mut Exchange,
 ) -> bool {
     let instance = answer.instance;
-    let Some(upstream_header) = upstream.response_header() else {
+    let Some(status) = upstream.status() else {
         return false;
     };
-    let status = upstream_header.status.as_u16();
     exchange.status = status;
     if status >= 500 {
         instance.record_failure(FailureKind::Status5xx, &state.outlier, now_millis());

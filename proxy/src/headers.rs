@@ -7,6 +7,8 @@ use http::{HeaderMap, HeaderValue, Version};
 use pingora_error::Result;
 use pingora_http::{RequestHeader, ResponseHeader};
 
+use crate::downstream::UpstreamTarget;
+
 /// `x-request-id`.
 pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// `x-kvmesh-instance`: which backend answered.
@@ -15,37 +17,37 @@ pub(crate) const X_KVMESH_INSTANCE: HeaderName = HeaderName::from_static("x-kvme
 pub(crate) const X_KVMESH_ROUTE: HeaderName = HeaderName::from_static("x-kvmesh-route");
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1),
-/// plus `expect`, which the proxy answers itself.
-fn is_hop_by_hop(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "connection"
-            | "keep-alive"
-            | "proxy-connection"
-            | "proxy-authenticate"
-            | "proxy-authorization"
-            | "te"
-            | "trailer"
-            | "transfer-encoding"
-            | "upgrade"
-            | "expect"
-    )
+/// plus `expect`, which the proxy answers itself. `name` in any case.
+pub(crate) fn is_hop_by_hop(name: &[u8]) -> bool {
+    const HOP_BY_HOP: [&[u8]; 10] = [
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"expect",
+    ];
+    HOP_BY_HOP.iter().any(|hop| hop.eq_ignore_ascii_case(name))
 }
 
-/// Whether `name` is listed in a `Connection` header of `headers`.
-fn named_by_connection(headers: &HeaderMap, name: &HeaderName) -> bool {
-    headers.get_all(header::CONNECTION).iter().any(|value| {
-        value.to_str().is_ok_and(|list| {
-            list.split(',')
-                .any(|token| token.trim().eq_ignore_ascii_case(name.as_str()))
-        })
-    })
+/// Whether `name` is one of the comma-separated tokens of a `Connection` value.
+pub(crate) fn listed_in_connection(connection: &[u8], name: &[u8]) -> bool {
+    connection
+        .split(|&byte| byte == b',')
+        .any(|token| token.trim_ascii().eq_ignore_ascii_case(name))
 }
 
 /// Whether a header is end-to-end (forwarded).
 fn is_forwarded(headers: &HeaderMap, name: &HeaderName) -> bool {
-    !is_hop_by_hop(name)
-        && (!headers.contains_key(header::CONNECTION) || !named_by_connection(headers, name))
+    !is_hop_by_hop(name.as_str().as_bytes())
+        && headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .all(|value| !listed_in_connection(value.as_bytes(), name.as_str().as_bytes()))
 }
 
 /// The request sent to a backend: the client's method, path and end-to-end
@@ -53,9 +55,7 @@ fn is_forwarded(headers: &HeaderMap, name: &HeaderName) -> bool {
 /// request id.
 pub(crate) fn upstream_request(
     client: &RequestHeader,
-    host: &HeaderValue,
-    body_len: usize,
-    request_id: &HeaderValue,
+    target: &UpstreamTarget<'_>,
 ) -> Result<RequestHeader> {
     let path = client
         .uri
@@ -76,9 +76,9 @@ pub(crate) fn upstream_request(
         }
         request.append_header(name.clone(), value.clone())?;
     }
-    request.insert_header(header::HOST, host.clone())?;
-    request.insert_header(header::CONTENT_LENGTH, body_len)?;
-    request.insert_header(X_REQUEST_ID, request_id.clone())?;
+    request.insert_header(header::HOST, target.host.clone())?;
+    request.insert_header(header::CONTENT_LENGTH, target.body_len)?;
+    request.insert_header(X_REQUEST_ID, target.request_id.clone())?;
     Ok(request)
 }
 
@@ -140,18 +140,12 @@ pub(crate) fn downstream_response(
     Ok((response, framing))
 }
 
-/// Whether a response is a server-sent-event stream.
-pub(crate) fn is_event_stream(response: &ResponseHeader) -> bool {
-    response
-        .headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|value| value.to_str().ok())
-        .is_some_and(|value| {
-            value
-                .trim_start()
-                .get(..17)
-                .is_some_and(|essence| essence.eq_ignore_ascii_case("text/event-stream"))
-        })
+/// Whether a `Content-Type` value is `text/event-stream` (parameters allowed).
+pub(crate) fn is_event_stream_type(content_type: &[u8]) -> bool {
+    content_type
+        .trim_ascii_start()
+        .get(..17)
+        .is_some_and(|essence| essence.eq_ignore_ascii_case(b"text/event-stream"))
 }
 
 /// The request's `Content-Length`, when present and numeric.
@@ -212,7 +206,12 @@ mod tests {
     fn upstream_request_drops_hop_by_hop_and_sets_host_and_length() {
         let host = HeaderValue::from_static("127.0.0.1:8001");
         let id = HeaderValue::from_static("rid");
-        let request = upstream_request(&client_request(), &host, 42, &id).unwrap();
+        let target = UpstreamTarget {
+            host: &host,
+            body_len: 42,
+            request_id: &id,
+        };
+        let request = upstream_request(&client_request(), &target).unwrap();
         assert_eq!(request.method, "POST");
         assert_eq!(request.uri.to_string(), "/v1/chat/completions?x=1");
         let headers = &request.headers;
@@ -262,7 +261,7 @@ mod tests {
         assert_eq!(response.headers["x-engine"], "vllm");
         assert_eq!(response.headers["transfer-encoding"], "chunked");
         assert!(!response.headers.contains_key("connection"));
-        assert!(is_event_stream(&response));
+        assert_eq!(response.headers["content-type"], "text/event-stream");
 
         let (h2, _) =
             downstream_response(&upstream, ours(&instance, &id), Version::HTTP_2, true).unwrap();
@@ -321,16 +320,10 @@ mod tests {
 
     #[test]
     fn recognises_event_streams() {
-        let mut response = ResponseHeader::build(200, None).unwrap();
-        assert!(!is_event_stream(&response));
-        response
-            .insert_header("content-type", "Text/Event-Stream; charset=utf-8")
-            .unwrap();
-        assert!(is_event_stream(&response));
-        response
-            .insert_header("content-type", "application/json")
-            .unwrap();
-        assert!(!is_event_stream(&response));
+        assert!(is_event_stream_type(b"Text/Event-Stream; charset=utf-8"));
+        assert!(is_event_stream_type(b" text/event-stream"));
+        assert!(!is_event_stream_type(b"application/json"));
+        assert!(!is_event_stream_type(b""));
     }
 
     #[test]

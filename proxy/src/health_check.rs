@@ -12,6 +12,7 @@ use tokio::time::{MissedTickBehavior, interval, timeout};
 use crate::health::HealthTracker;
 use crate::instance::{Instance, Membership};
 use crate::state::State;
+use crate::upstream_session::UpstreamSession;
 
 /// Spawns a probe task for every instance of every model into `tasks`.
 pub(crate) fn spawn_probes(
@@ -107,7 +108,10 @@ async fn probe(state: &State, instance: &Instance, path: &str) -> Result<(), Str
         .map_err(|error| error.to_string())?
         .is_some()
     {}
-    state.upstream.release(session, instance.peer()).await;
+    state
+        .upstream
+        .release(UpstreamSession::Pingora(Box::new(session)), instance.peer())
+        .await;
     if status.is_success() {
         Ok(())
     } else {

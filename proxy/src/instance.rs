@@ -67,6 +67,8 @@ pub(crate) struct Instance {
     id: u64,
     url: BackendUrl,
     peer: HttpPeer,
+    /// The address of a plaintext HTTP/1.1 engine (spoken to by our own client).
+    h1_address: Option<SocketAddr>,
     /// `x-kvmesh-instance` value (shared bytes: cloning is a refcount).
     instance_header: HeaderValue,
     /// `Host` value sent upstream.
@@ -97,12 +99,14 @@ impl Instance {
             peer.options.set_http_version(2, 2);
             peer.options.max_h2_streams = MAX_H2_STREAMS;
         }
+        let h1_address = (!url.is_tls() && protocol != Protocol::H2c).then_some(address);
         let instance_header = shared_header(url.as_str());
         let host_header = shared_header(url.authority());
         Self {
             id,
             url,
             peer,
+            h1_address,
             instance_header,
             host_header,
             in_flight: AtomicU64::new(0),
@@ -136,6 +140,16 @@ impl Instance {
     /// Where to connect.
     pub(crate) fn peer(&self) -> &HttpPeer {
         &self.peer
+    }
+
+    /// The address of a plaintext HTTP/1.1 engine; `None` for h2c and `https://` engines.
+    pub(crate) fn h1_address(&self) -> Option<SocketAddr> {
+        self.h1_address
+    }
+
+    /// How long connecting to the engine may take.
+    pub(crate) fn connect_timeout(&self) -> Option<std::time::Duration> {
+        self.peer.options.connection_timeout
     }
 
     /// `x-kvmesh-instance` header value.

@@ -39,6 +39,7 @@ mod exchange;
 mod failure;
 mod forward;
 mod grpc;
+mod h1;
 mod headers;
 mod health;
 mod health_check;
@@ -65,6 +66,7 @@ mod state;
 mod tls;
 mod token_timing;
 mod upstream;
+mod upstream_session;
 
 pub use auth::sha256_hex;
 pub use control_plane::ControlPlane;

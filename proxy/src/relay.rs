@@ -8,11 +8,10 @@
 //! when an engine dies mid-stream the client never sees half an event before
 //! the proxy's error event.
 
+use std::future::Future;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use pingora_core::protocols::http::ServerSession;
-use pingora_core::protocols::http::client::HttpSession;
 use tokio::time::{Instant, timeout};
 
 use crate::api_error::error_json;
@@ -23,6 +22,17 @@ use crate::kv_route::booking::Booking;
 use crate::metrics::ModelMetrics;
 use crate::sse::SseScanner;
 use crate::token_timing::TokenTiming;
+use crate::upstream_session::UpstreamSession;
+
+/// Where the relayed body goes: the client's side of an HTTP exchange.
+pub(crate) trait BodySink: Send {
+    /// Writes a piece of the response body (`end`: the last one); `false` when the client
+    /// is gone.
+    fn write_body(&mut self, data: Bytes, end: bool) -> impl Future<Output = bool> + Send;
+
+    /// Completes when the client has gone away; stays pending while it waits.
+    fn client_gone(&mut self) -> impl Future<Output = ()> + Send;
+}
 
 /// Largest incomplete SSE event held back before it is forwarded anyway.
 const MAX_HELD_BYTES: usize = 1 << 20;
@@ -64,9 +74,9 @@ pub(crate) enum RelayEnd {
 }
 
 /// Relays the body; on `Complete` the client body is finished.
-pub(crate) async fn relay(
-    downstream: &mut ServerSession,
-    upstream: &mut HttpSession,
+pub(crate) async fn relay<S: BodySink>(
+    downstream: &mut S,
+    upstream: &mut UpstreamSession,
     ctx: &RelayContext<'_>,
 ) -> RelayEnd {
     let mut events = ctx.event_stream.then(EventTiming::default);
@@ -75,8 +85,8 @@ pub(crate) async fn relay(
     loop {
         let read = tokio::select! {
             biased;
-            read = timeout(ctx.idle_timeout, upstream.read_response_body()) => read,
-            _ = downstream.read_body_or_idle(true) => return RelayEnd::ClientGone,
+            read = timeout(ctx.idle_timeout, upstream.read_body()) => read,
+            () = downstream.client_gone() => return RelayEnd::ClientGone,
         };
         let chunk = match read {
             Err(_) => {
@@ -116,13 +126,13 @@ pub(crate) async fn relay(
             meter.observe(out, ctx.event_stream);
         }
         if let Some(out) = out
-            && downstream.write_response_body(out, false).await.is_err()
+            && !downstream.write_body(out, false).await
         {
             return RelayEnd::ClientGone;
         }
     }
     let rest = held.split().freeze();
-    if downstream.write_response_body(rest, true).await.is_err() {
+    if !downstream.write_body(rest, true).await {
         return RelayEnd::ClientGone;
     }
     RelayEnd::Complete
@@ -170,8 +180,8 @@ fn hold_back(held: &mut BytesMut, chunk: Bytes, boundary: Option<usize>) -> Opti
 
 /// Ends the client's body after an upstream failure: an SSE error event when
 /// the framing allows one, otherwise nothing (the caller cuts the connection).
-async fn fail(
-    downstream: &mut ServerSession,
+async fn fail<S: BodySink>(
+    downstream: &mut S,
     ctx: &RelayContext<'_>,
     events: Option<&EventTiming>,
     held: &mut BytesMut,
@@ -185,7 +195,7 @@ async fn fail(
     let partial_sent = held.is_empty() && timing.scanner.mid_event();
     held.clear();
     let event = error_event(kind, partial_sent);
-    let clean = downstream.write_response_body(event, true).await.is_ok();
+    let clean = downstream.write_body(event, true).await;
     RelayEnd::UpstreamFailed { kind, clean }
 }
 

@@ -50,6 +50,16 @@ pub(crate) async fn respond_error(
     error: &ApiError,
     request_id: &HeaderValue,
 ) -> bool {
+    let extra = error_headers(error, request_id);
+    respond(session, error.status(), JSON, &extra, error.body()).await
+}
+
+/// The headers an error response carries besides its content type and length:
+/// `x-request-id`, and `Allow`, `Retry-After` or `WWW-Authenticate` where they apply.
+pub(crate) fn error_headers(
+    error: &ApiError,
+    request_id: &HeaderValue,
+) -> Vec<(header::HeaderName, HeaderValue)> {
     let mut extra = vec![(X_REQUEST_ID, request_id.clone())];
     match error {
         ApiError::MethodNotAllowed { allow } => {
@@ -74,5 +84,5 @@ pub(crate) async fn respond_error(
         }
         _ => {}
     }
-    respond(session, error.status(), JSON, &extra, error.body()).await
+    extra
 }

@@ -235,6 +235,7 @@ impl Proxy {
             let apps = ListenerApps {
                 h1: Arc::new(DataApp::new(Arc::clone(&self.state), false)),
                 h2c: Some(Arc::new(DataApp::new(Arc::clone(&self.state), true))),
+                fast: Some(Arc::clone(&self.state)),
                 first_bytes_timeout,
                 drain_timeout: self.drain_timeout,
                 tls,
@@ -248,6 +249,7 @@ impl Proxy {
                 Arc::clone(&self.reloader),
             )),
             h2c: None,
+            fast: None,
             first_bytes_timeout,
             drain_timeout: ADMIN_DRAIN,
             tls: None,

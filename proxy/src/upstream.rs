@@ -1,5 +1,6 @@
-//! The upstream side: one pingora connector with a keep-alive pool, shared
-//! by every instance, and the per-request timeouts.
+//! The upstream side, shared by every instance: our HTTP/1.1 connection pool for plaintext
+//! HTTP/1.1 engines, and one pingora connector with its keep-alive pool for h2c and
+//! `https://` engines.
 
 use std::time::Duration;
 
@@ -8,12 +9,17 @@ use pingora_core::connectors::http::Connector;
 use pingora_core::protocols::http::client::HttpSession;
 use pingora_core::upstreams::peer::HttpPeer;
 
+use crate::h1::upstream::ConnectionPool;
+use crate::upstream_session::UpstreamSession;
+
 /// What an [`Upstream`] is built from: two equal settings give interchangeable connectors,
 /// so a reload that keeps them keeps the pooled connections too.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct UpstreamSettings {
     /// Idle connections pooled in all (one shared LRU).
     capacity: usize,
+    /// Idle HTTP/1.1 connections pooled per engine.
+    per_peer: usize,
     /// How long an idle pooled connection is kept.
     pool_idle_timeout: Duration,
     /// CA bundle for `https://` engines (`None`: the system's roots).
@@ -36,6 +42,7 @@ impl UpstreamSettings {
         let ca_pem = ca_file.as_ref().and_then(|path| std::fs::read(path).ok());
         Self {
             capacity: pool_size.saturating_mul(instances.max(1)),
+            per_peer: pool_size,
             pool_idle_timeout,
             ca_file,
             ca_pem,
@@ -46,6 +53,7 @@ impl UpstreamSettings {
 /// Connections to engines.
 pub(crate) struct Upstream {
     connector: Connector,
+    h1: ConnectionPool,
     settings: UpstreamSettings,
 }
 
@@ -64,6 +72,7 @@ impl Upstream {
         options.ca_file.clone_from(&settings.ca_file);
         Self {
             connector: Connector::new(Some(options)),
+            h1: ConnectionPool::new(settings.per_peer, settings.pool_idle_timeout),
             settings,
         }
     }
@@ -86,16 +95,26 @@ impl Upstream {
         Box::pin(self.connector.get_http_session(peer)).await
     }
 
-    /// Returns a finished session to the pool (closed if it cannot be reused).
+    /// The pool of plaintext HTTP/1.1 engine connections.
+    pub(crate) fn h1(&self) -> &ConnectionPool {
+        &self.h1
+    }
+
+    /// Returns a finished session to its pool (closed if it cannot be reused).
     ///
-    /// Boxed for the same reason as [`Upstream::session`]: the release future holds the session
-    /// by value, twice.
-    pub(crate) async fn release(&self, session: HttpSession, peer: &HttpPeer) {
-        Box::pin(self.connector.release_http_session(
-            session,
-            peer,
-            Some(self.settings.pool_idle_timeout),
-        ))
-        .await;
+    /// Pingora's release is boxed for the same reason as [`Upstream::session`]: its future
+    /// holds the session by value, twice.
+    pub(crate) async fn release(&self, session: UpstreamSession, peer: &HttpPeer) {
+        match session {
+            UpstreamSession::H1(exchange) => exchange.release(&self.h1),
+            UpstreamSession::Pingora(session) => {
+                Box::pin(self.connector.release_http_session(
+                    *session,
+                    peer,
+                    Some(self.settings.pool_idle_timeout),
+                ))
+                .await;
+            }
+        }
     }
 }

@@ -69,10 +69,20 @@ impl Authenticator {
         &self,
         request: &RequestHeader,
     ) -> Result<Option<Arc<ApiKey>>, AuthFailure> {
+        let authorization = request.headers.get(header::AUTHORIZATION);
+        self.authenticate_value(authorization.map(http::HeaderValue::as_bytes))
+    }
+
+    /// The key an `Authorization` value (`None`: no such header) presents; `Ok(None)` when
+    /// authentication is off.
+    pub(crate) fn authenticate_value(
+        &self,
+        authorization: Option<&[u8]>,
+    ) -> Result<Option<Arc<ApiKey>>, AuthFailure> {
         if !self.enabled() {
             return Ok(None);
         }
-        let result = match bearer_token(request) {
+        let result = match authorization.and_then(bearer_token) {
             None => Err(AuthFailure::Missing),
             Some(token) => self
                 .keys
@@ -92,9 +102,8 @@ impl Authenticator {
     }
 }
 
-/// The token of an `Authorization: Bearer <token>` header.
-fn bearer_token(request: &RequestHeader) -> Option<&[u8]> {
-    let value = request.headers.get(header::AUTHORIZATION)?.as_bytes();
+/// The token of an `Authorization: Bearer <token>` value.
+fn bearer_token(value: &[u8]) -> Option<&[u8]> {
     let (scheme, token) = value.split_at_checked(7)?;
     if !scheme.eq_ignore_ascii_case(b"bearer ") {
         return None;

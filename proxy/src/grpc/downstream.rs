@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use kvmesh_proto::inference::{ModelInferResponse, ModelStreamInferResponse};
-use pingora_core::protocols::http::client::HttpSession;
 use pingora_http::RequestHeader;
 use tokio::sync::mpsc;
 use tokio::time::{Instant, timeout};
@@ -14,7 +13,7 @@ use tonic::Status;
 
 use crate::api_error::ApiError;
 use crate::auth::CompletionMeter;
-use crate::downstream::Downstream;
+use crate::downstream::{Downstream, UpstreamTarget};
 use crate::exchange::Exchange;
 use crate::failure::FailureKind;
 use crate::forward::Answer;
@@ -22,13 +21,14 @@ use crate::grpc::engine_json::{error_message, parse_completion};
 use crate::grpc::failure::Failure;
 use crate::grpc::outputs::{Piece, Reply};
 use crate::grpc::sse::{DONE, SseData};
-use crate::headers::is_event_stream;
+use crate::headers::upstream_request;
 use crate::kv_route::booking::Booking;
 use crate::metrics::{Metrics, ModelMetrics};
 use crate::pool::ModelPool;
 use crate::relay::RelayEnd;
 use crate::state::State;
 use crate::token_timing::TokenTiming;
+use crate::upstream_session::UpstreamSession;
 
 /// Most bytes of an engine error body kept for the message.
 const MAX_ERROR_BODY: usize = 64 * 1024;
@@ -94,10 +94,10 @@ enum Read {
 }
 
 /// Reads the next chunk of the engine's body within `idle`, unless the client leaves.
-async fn read(upstream: &mut HttpSession, sink: &Sink, idle: Duration) -> Read {
+async fn read(upstream: &mut UpstreamSession, sink: &Sink, idle: Duration) -> Read {
     tokio::select! {
         biased;
-        read = timeout(idle, upstream.read_response_body()) => match read {
+        read = timeout(idle, upstream.read_body()) => match read {
             Err(_) => Read::Failed(FailureKind::Timeout),
             Ok(Err(_)) => Read::Failed(FailureKind::Reset),
             Ok(Ok(None)) => Read::Done,
@@ -171,7 +171,7 @@ impl<'a> GrpcDownstream<'a> {
     /// the connection can be reused.
     async fn engine_error(
         &mut self,
-        upstream: &mut HttpSession,
+        upstream: &mut UpstreamSession,
         status: u16,
         idle: Duration,
     ) -> RelayEnd {
@@ -201,7 +201,11 @@ impl<'a> GrpcDownstream<'a> {
     }
 
     /// A whole (non-streamed) completion: one response.
-    async fn relay_whole(&mut self, upstream: &mut HttpSession, mut relay: Relay<'_>) -> RelayEnd {
+    async fn relay_whole(
+        &mut self,
+        upstream: &mut UpstreamSession,
+        mut relay: Relay<'_>,
+    ) -> RelayEnd {
         let mut first: Option<Bytes> = None;
         let mut joined: Option<BytesMut> = None;
         let mut total = 0usize;
@@ -251,7 +255,11 @@ impl<'a> GrpcDownstream<'a> {
     /// A streamed completion: a response per chunk (or one folded response). The final
     /// chunk is held until the usage chunk after it, so the last response carries the
     /// token counts.
-    async fn relay_events(&mut self, upstream: &mut HttpSession, mut relay: Relay<'_>) -> RelayEnd {
+    async fn relay_events(
+        &mut self,
+        upstream: &mut UpstreamSession,
+        mut relay: Relay<'_>,
+    ) -> RelayEnd {
         let mut parser = SseData::default();
         let mut timing = TokenTiming::default();
         let mut held: Option<Piece> = None;
@@ -340,8 +348,11 @@ impl<'a> GrpcDownstream<'a> {
 }
 
 impl Downstream for GrpcDownstream<'_> {
-    fn head(&self) -> &RequestHeader {
-        self.head
+    fn upstream_request(
+        &self,
+        target: &UpstreamTarget<'_>,
+    ) -> pingora_error::Result<RequestHeader> {
+        upstream_request(self.head, target)
     }
 
     async fn gone(&mut self) {
@@ -365,14 +376,14 @@ impl Downstream for GrpcDownstream<'_> {
         state: &State,
         pool: &ModelPool,
         answer: &Answer<'_>,
-        upstream: &mut HttpSession,
+        upstream: &mut UpstreamSession,
         exchange: &mut Exchange,
     ) -> RelayEnd {
         let idle = state.limits.idle_timeout;
         if exchange.status != 200 {
             return self.engine_error(upstream, exchange.status, idle).await;
         }
-        let streamed = upstream.response_header().is_some_and(is_event_stream);
+        let streamed = upstream.is_event_stream();
         let relay = Relay {
             started: exchange.started,
             idle,

@@ -11,6 +11,7 @@ use pingora_http::{RequestHeader, ResponseHeader};
 use proptest::prelude::*;
 use tokio::io::AsyncWriteExt;
 
+use crate::downstream::UpstreamTarget;
 use crate::headers::{ProxyHeaders, content_length, downstream_response, upstream_request};
 use crate::limits::{check_head, malformed_head_error, read_head};
 use crate::request_body::read_body;
@@ -111,7 +112,8 @@ proptest! {
         let _ = content_length(&request);
         let host = HeaderValue::from_static("127.0.0.1:1");
         let id = HeaderValue::from_static("rid");
-        let _ = upstream_request(&request, &host, 3, &id);
+        let target = UpstreamTarget { host: &host, body_len: 3, request_id: &id };
+        let _ = upstream_request(&request, &target);
         let ours = ProxyHeaders { instance: &host, request_id: &id, route: None };
         for (version, h2) in [(Version::HTTP_11, false), (Version::HTTP_10, false), (Version::HTTP_2, true)] {
             let _ = downstream_response(&response, ours, version, h2);

@@ -9,13 +9,13 @@ use kvmesh_config::LimitsConfig;
 use pingora_core::protocols::http::ServerSession;
 use pingora_core::server::ShutdownWatch;
 use pingora_http::RequestHeader;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::time::timeout;
 
 use crate::api_error::ApiError;
 
 /// How long a connection may still deliver a request head once shutdown began.
-const SHUTDOWN_GRACE: Duration = Duration::from_millis(200);
+pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_millis(200);
 
 /// Longest time spent writing an answer to a head that was never parsed.
 const RAW_ANSWER_TIMEOUT: Duration = Duration::from_secs(1);
@@ -69,25 +69,38 @@ pub(crate) async fn read_head(
 
 /// The error for a head over `limits` (431), if it is.
 pub(crate) fn check_head(request: &RequestHeader, limits: &LimitsConfig) -> Result<(), ApiError> {
-    let fields = request.headers.len();
-    if fields > limits.max_headers {
-        return Err(ApiError::HeadersTooLarge {
-            detail: format!(
-                "{fields} header fields, more than the limit of {}",
-                limits.max_headers
-            ),
-        });
-    }
     let line = request.method.as_str().len()
         + request
             .uri
             .path_and_query()
-            .map_or(1, |path| path.as_str().len())
-        + "HTTP/1.1".len()
-        + FIELD_OVERHEAD;
-    let bytes = request.headers.iter().fold(line, |total, (name, value)| {
-        total + name.as_str().len() + value.len() + FIELD_OVERHEAD
-    });
+            .map_or(1, |path| path.as_str().len());
+    let field_bytes = request
+        .headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len())
+        .sum();
+    check_head_size(line, request.headers.len(), field_bytes, limits)
+}
+
+/// The error for a head over `limits` (431), if it is: `line` is the length of the method
+/// and target, `count` the number of fields and `field_bytes` the length of their names
+/// and values.
+pub(crate) fn check_head_size(
+    line: usize,
+    count: usize,
+    field_bytes: usize,
+    limits: &LimitsConfig,
+) -> Result<(), ApiError> {
+    if count > limits.max_headers {
+        return Err(ApiError::HeadersTooLarge {
+            detail: format!(
+                "{count} header fields, more than the limit of {}",
+                limits.max_headers
+            ),
+        });
+    }
+    let line = line + "HTTP/1.1".len() + FIELD_OVERHEAD;
+    let bytes = line + field_bytes + count * FIELD_OVERHEAD;
     if bytes as u64 > limits.max_header_bytes {
         return Err(ApiError::HeadersTooLarge {
             detail: format!(
@@ -106,7 +119,12 @@ pub(crate) async fn answer_unread_head(session: ServerSession, error: &ApiError)
     let ServerSession::H1(h1) = session else {
         return;
     };
-    let mut stream = h1.into_inner();
+    answer_raw(&mut h1.into_inner(), error).await;
+}
+
+/// Writes `error` as a whole HTTP/1.1 response with `connection: close` straight to
+/// `stream`, then shuts its sending side down.
+pub(crate) async fn answer_raw<S: AsyncWrite + Unpin>(stream: &mut S, error: &ApiError) {
     let body = error.body();
     let status =
         http::StatusCode::from_u16(error.status()).unwrap_or(http::StatusCode::BAD_REQUEST);
@@ -120,7 +138,7 @@ pub(crate) async fn answer_unread_head(session: ServerSession, error: &ApiError)
         stream.write_all(head.as_bytes()).await?;
         stream.write_all(&body).await?;
         stream.flush().await?;
-        AsyncWriteExt::shutdown(&mut stream).await
+        stream.shutdown().await
     })
     .await;
     if !matches!(written, Ok(Ok(()))) {

@@ -7,5 +7,8 @@ mod fuzz;
 mod head;
 mod model_slots;
 
-pub(crate) use head::{HeadRead, answer_unread_head, check_head, malformed_head_error, read_head};
+pub(crate) use head::{
+    HeadRead, SHUTDOWN_GRACE, answer_raw, answer_unread_head, check_head, check_head_size,
+    malformed_head_error, read_head,
+};
 pub(crate) use model_slots::ConcurrencyLimits;

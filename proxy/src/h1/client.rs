@@ -1,0 +1,284 @@
+//! The client side of a request on the fast path: its parsed head, the connection, and the
+//! response written back with as few writes as the framing allows (head and body together
+//! when the engine's whole answer is already here).
+
+use std::io::{IoSlice, Write as _};
+
+use bytes::{Bytes, BytesMut};
+use http::header::HeaderName;
+use http::{HeaderValue, Method};
+use pingora_http::RequestHeader;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::{Instant, timeout_at};
+
+use super::head::{Fields, RequestHead};
+use super::response::{write_error, write_relayed_head};
+use crate::api_error::ApiError;
+use crate::downstream::{Downstream, UpstreamTarget};
+use crate::exchange::Exchange;
+use crate::failure::FailureKind;
+use crate::forward::Answer;
+use crate::headers::{
+    Framing, ProxyHeaders, X_REQUEST_ID, is_hop_by_hop, listed_in_connection, upstream_request,
+};
+use crate::metrics::Metrics;
+use crate::pool::ModelPool;
+use crate::relay::{BodySink, RelayContext, RelayEnd, relay};
+use crate::state::State;
+use crate::upstream_session::UpstreamSession;
+
+/// Bytes a client may send ahead (pipelined) while its request is served.
+const MAX_READ_AHEAD: usize = 1 << 20;
+
+/// Room reserved in the read buffer before each read.
+pub(crate) const READ_RESERVE: usize = 8 * 1024;
+
+/// Why a request body could not be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BodyRead {
+    /// The deadline passed.
+    Timeout,
+    /// The client closed the connection.
+    Gone,
+}
+
+/// One request's client on the fast path.
+pub(crate) struct FastClient<'a> {
+    tcp: &'a mut TcpStream,
+    /// Bytes read from the client and not yet consumed.
+    buf: &'a mut BytesMut,
+    /// Response bytes not yet written.
+    out: &'a mut Vec<u8>,
+    head: &'a RequestHead,
+    /// The `Authorization` field is the gateway's (an API key): engines never see it.
+    pub(crate) strip_authorization: bool,
+    /// The connection closes after this response.
+    pub(crate) close: bool,
+    /// The response body is chunk-encoded.
+    chunked: bool,
+}
+
+impl<'a> FastClient<'a> {
+    /// The client of `head`, read from `tcp` (with `buf` read ahead).
+    pub(crate) fn new(
+        tcp: &'a mut TcpStream,
+        buf: &'a mut BytesMut,
+        out: &'a mut Vec<u8>,
+        head: &'a RequestHead,
+        close: bool,
+    ) -> Self {
+        Self {
+            tcp,
+            buf,
+            out,
+            head,
+            strip_authorization: false,
+            close,
+            chunked: false,
+        }
+    }
+
+    /// Reads a body of `length` bytes by `deadline`.
+    pub(crate) async fn read_body(
+        &mut self,
+        length: usize,
+        deadline: Instant,
+    ) -> Result<Bytes, BodyRead> {
+        while self.buf.len() < length {
+            self.buf.reserve(length - self.buf.len());
+            match timeout_at(deadline, self.tcp.read_buf(self.buf)).await {
+                Err(_) => return Err(BodyRead::Timeout),
+                Ok(Ok(0) | Err(_)) => return Err(BodyRead::Gone),
+                Ok(Ok(_)) => {}
+            }
+        }
+        Ok(self.buf.split_to(length).freeze())
+    }
+
+    /// Writes what is pending; `false` when the client is gone.
+    async fn flush(&mut self) -> bool {
+        let written = write_all(self.tcp, [self.out.as_slice(), b"", b""]).await;
+        self.out.clear();
+        written
+    }
+
+    /// Whether a client field is passed on to the engine.
+    fn forwards(&self, name: &[u8]) -> bool {
+        let ours = name.eq_ignore_ascii_case(b"host")
+            || name.eq_ignore_ascii_case(b"content-length")
+            || name.eq_ignore_ascii_case(X_REQUEST_ID.as_str().as_bytes())
+            || (self.strip_authorization && name.eq_ignore_ascii_case(b"authorization"));
+        !ours && !is_hop_by_hop(name) && !named_by_connection(&self.head.fields, name)
+    }
+}
+
+/// Whether a `Connection` field of `fields` lists `name`.
+fn named_by_connection(fields: &Fields, name: &[u8]) -> bool {
+    fields.iter().any(|(field, value)| {
+        field.eq_ignore_ascii_case(b"connection") && listed_in_connection(value, name)
+    })
+}
+
+impl Downstream for FastClient<'_> {
+    fn upstream_request(
+        &self,
+        target: &UpstreamTarget<'_>,
+    ) -> pingora_error::Result<RequestHeader> {
+        let mut client = RequestHeader::build(
+            Method::POST,
+            self.head.target(),
+            Some(self.head.fields.len()),
+        )?;
+        for (name, value) in self.head.fields.iter() {
+            if !self.forwards(name) {
+                continue;
+            }
+            if let (Ok(name), Ok(value)) =
+                (HeaderName::from_bytes(name), HeaderValue::from_bytes(value))
+            {
+                client.append_header(name, value)?;
+            }
+        }
+        upstream_request(&client, target)
+    }
+
+    fn write_upstream_request(
+        &self,
+        target: &UpstreamTarget<'_>,
+        out: &mut Vec<u8>,
+    ) -> pingora_error::Result<()> {
+        out.extend_from_slice(self.head.method());
+        out.push(b' ');
+        out.extend_from_slice(self.head.target());
+        out.extend_from_slice(b" HTTP/1.1\r\n");
+        for (name, value) in self.head.fields.iter() {
+            if self.forwards(name) {
+                out.extend_from_slice(name);
+                out.extend_from_slice(b": ");
+                out.extend_from_slice(value);
+                out.extend_from_slice(b"\r\n");
+            }
+        }
+        out.extend_from_slice(b"host: ");
+        out.extend_from_slice(target.host.as_bytes());
+        let _ = write!(
+            out,
+            "\r\ncontent-length: {}\r\nx-request-id: ",
+            target.body_len
+        );
+        out.extend_from_slice(target.request_id.as_bytes());
+        out.extend_from_slice(b"\r\n\r\n");
+        Ok(())
+    }
+
+    async fn gone(&mut self) {
+        loop {
+            if self.tcp.readable().await.is_err() {
+                return;
+            }
+            self.buf.reserve(READ_RESERVE);
+            match self.tcp.try_read_buf(self.buf) {
+                Ok(0) => return,
+                Ok(_) if self.buf.len() > MAX_READ_AHEAD => return,
+                Ok(_) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => return,
+            }
+        }
+    }
+
+    async fn reject(
+        &mut self,
+        exchange: &mut Exchange,
+        metrics: &Metrics,
+        error: &ApiError,
+    ) -> bool {
+        exchange.status = error.status();
+        if let Some(reason) = error.client_reason() {
+            metrics.client_error(reason);
+        }
+        write_error(self.out, error, &exchange.request_id, self.close);
+        let written = self.flush().await;
+        exchange.client_gone |= !written;
+        written && !self.close
+    }
+
+    async fn relay(
+        &mut self,
+        state: &State,
+        pool: &ModelPool,
+        answer: &Answer<'_>,
+        upstream: &mut UpstreamSession,
+        exchange: &mut Exchange,
+    ) -> RelayEnd {
+        let ours = ProxyHeaders {
+            instance: answer.instance.instance_header(),
+            request_id: &exchange.request_id,
+            route: answer.route,
+        };
+        let Some(framing) = write_relayed_head(self.out, upstream, ours, self.close) else {
+            self.out.clear();
+            return RelayEnd::UpstreamFailed {
+                kind: FailureKind::Reset,
+                clean: false,
+            };
+        };
+        self.chunked = framing == Framing::Open;
+        // The head waits for the body only when the body is already here.
+        if !upstream.body_ready() && !self.flush().await {
+            return RelayEnd::ClientGone;
+        }
+        let ctx = RelayContext {
+            started: exchange.started,
+            idle_timeout: state.limits.idle_timeout,
+            event_stream: upstream.is_event_stream(),
+            framing,
+            metrics: pool.metrics(),
+            booking: answer.booking,
+            meter: exchange.meter.as_ref(),
+        };
+        relay(self, upstream, &ctx).await
+    }
+}
+
+impl BodySink for FastClient<'_> {
+    async fn write_body(&mut self, data: Bytes, end: bool) -> bool {
+        let mut tail: &[u8] = b"";
+        if self.chunked {
+            if !data.is_empty() {
+                let _ = write!(self.out, "{:x}\r\n", data.len());
+                tail = if end { b"\r\n0\r\n\r\n" } else { b"\r\n" };
+            } else if end {
+                tail = b"0\r\n\r\n";
+            }
+        }
+        let written = write_all(self.tcp, [self.out.as_slice(), &data, tail]).await;
+        self.out.clear();
+        written
+    }
+
+    async fn client_gone(&mut self) {
+        self.gone().await;
+    }
+}
+
+/// Writes every byte of `parts`, in order, with vectored writes; `false` on failure.
+async fn write_all(tcp: &mut TcpStream, mut parts: [&[u8]; 3]) -> bool {
+    loop {
+        let Some(first) = parts.iter().position(|part| !part.is_empty()) else {
+            return true;
+        };
+        let slices = parts.map(IoSlice::new);
+        let written = match tcp.write_vectored(&slices[first..]).await {
+            Ok(0) | Err(_) => return false,
+            Ok(written) => written,
+        };
+        let mut left = written;
+        for part in &mut parts[first..] {
+            let taken = left.min(part.len());
+            *part = &part[taken..];
+            left -= taken;
+        }
+    }
+}

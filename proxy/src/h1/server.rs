@@ -1,0 +1,241 @@
+//! The fast path's connection loop: reads request heads and bodies itself, serves the
+//! proxied OpenAI routes through the same admission and forwarding as pingora's path, and
+//! hands the connection (with every byte already read) to pingora for anything else.
+
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use bytes::{Bytes, BytesMut};
+use http::{HeaderValue, Method};
+use kvmesh_config::LimitsConfig;
+use pingora_core::server::ShutdownWatch;
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpStream;
+use tokio::time::{Instant, timeout_at};
+
+use super::client::{BodyRead, FastClient, READ_RESERVE};
+use super::head::{Parsed, RequestHead, parse_request};
+use crate::api_error::{ApiError, ClientErrorReason};
+use crate::auth::AuthFailure;
+use crate::data_app::admit_and_forward;
+use crate::downstream::Downstream;
+use crate::exchange::Exchange;
+use crate::headers::listed_in_connection;
+use crate::limits::{SHUTDOWN_GRACE, answer_raw, check_head_size};
+use crate::route::{Route, RouteMatch, match_route};
+use crate::state::State;
+
+/// Longest partial head read before the connection goes to pingora (which answers 431).
+const MAX_HEAD: usize = 64 * 1024;
+
+/// How a fast-path connection ended.
+pub(crate) enum Served {
+    /// It is closed (or to be closed).
+    Done,
+    /// Pingora serves the rest: `read` holds the bytes already read, unparsed.
+    Handover {
+        /// The client connection.
+        tcp: TcpStream,
+        /// What was read from it and not served.
+        read: Bytes,
+    },
+}
+
+/// How reading a head ended.
+enum HeadRead {
+    Head(RequestHead),
+    Closed,
+    TimedOut,
+    /// Not something the fast path parses (invalid, or too large): pingora answers it.
+    Handover,
+}
+
+/// A request the fast path serves.
+struct FastRequest {
+    route: Route,
+    length: usize,
+    /// The client asked to close the connection after the response.
+    close: bool,
+}
+
+/// Serves `tcp` until it closes, or until a request the fast path does not serve.
+pub(crate) async fn serve(
+    mut tcp: TcpStream,
+    states: &ArcSwap<State>,
+    shutdown: &ShutdownWatch,
+) -> Served {
+    let mut buf = BytesMut::with_capacity(READ_RESERVE);
+    let mut out = Vec::with_capacity(1024);
+    let mut fresh = true;
+    loop {
+        let head_timeout = states.load().limits.client_header_timeout;
+        let head = match read_head(&mut tcp, &mut buf, head_timeout, shutdown, fresh).await {
+            HeadRead::Head(head) => head,
+            HeadRead::Closed => return Served::Done,
+            HeadRead::TimedOut => {
+                let state = states.load();
+                state
+                    .metrics
+                    .client_error(ClientErrorReason::RequestTimeout);
+                answer_raw(&mut tcp, &ApiError::RequestTimeout).await;
+                return Served::Done;
+            }
+            HeadRead::Handover => {
+                return Served::Handover {
+                    tcp,
+                    read: buf.freeze(),
+                };
+            }
+        };
+        // The state this request runs on to its end, whatever reloads happen meanwhile.
+        let state = states.load_full();
+        let Some(request) = fast_request(&head, &state.limits) else {
+            let mut read = BytesMut::with_capacity(head.raw().len() + buf.len());
+            read.extend_from_slice(head.raw());
+            read.extend_from_slice(&buf);
+            return Served::Handover {
+                tcp,
+                read: read.freeze(),
+            };
+        };
+        let close = request.close || *shutdown.borrow();
+        let client_id = head
+            .fields
+            .get("x-request-id")
+            .and_then(|id| HeaderValue::from_bytes(id).ok());
+        let mut exchange = Exchange::new(state.request_ids.resolve(client_id.as_ref()));
+        exchange.route = Some(request.route);
+        let mut client = FastClient::new(&mut tcp, &mut buf, &mut out, &head, close);
+        let reusable = serve_request(&state, &mut client, &mut exchange, &head, &request).await;
+        let close = client.close;
+        exchange.finish(&state.registry, &Method::POST, head.path());
+        if !reusable || close || *shutdown.borrow() {
+            return Served::Done;
+        }
+        fresh = false;
+    }
+}
+
+/// Authentication, the body, then admission and forwarding; returns whether the connection
+/// can serve another request.
+async fn serve_request(
+    state: &State,
+    client: &mut FastClient<'_>,
+    exchange: &mut Exchange,
+    head: &RequestHead,
+    request: &FastRequest,
+) -> bool {
+    let key = match state
+        .auth
+        .authenticate_value(head.fields.get("authorization"))
+    {
+        Ok(Some(key)) => {
+            client.strip_authorization = true;
+            Some(key)
+        }
+        Ok(None) => None,
+        Err(failure) => {
+            // The body is left unread: the connection cannot serve another request.
+            client.close = true;
+            let error = ApiError::Unauthorized {
+                missing: failure == AuthFailure::Missing,
+            };
+            return client.reject(exchange, &state.metrics, &error).await;
+        }
+    };
+    let deadline = exchange.started + state.limits.client_header_timeout;
+    let body = match client.read_body(request.length, deadline).await {
+        Ok(body) => body,
+        Err(BodyRead::Timeout) => {
+            client.close = true;
+            return client
+                .reject(exchange, &state.metrics, &ApiError::RequestTimeout)
+                .await;
+        }
+        Err(BodyRead::Gone) => {
+            exchange.client_gone = true;
+            return false;
+        }
+    };
+    admit_and_forward(state, client, exchange, key, body).await
+}
+
+/// The request, when the fast path serves it: `POST` to a proxied route over HTTP/1.1 with
+/// a `Content-Length` body within the limits and no `Expect` or `Transfer-Encoding`.
+fn fast_request(head: &RequestHead, limits: &LimitsConfig) -> Option<FastRequest> {
+    if head.method() != b"POST" || head.minor_version != 1 {
+        return None;
+    }
+    let RouteMatch::Found(route) = match_route(&Method::POST, head.path()) else {
+        return None;
+    };
+    if !route.is_proxied()
+        || head.fields.contains("transfer-encoding")
+        || head.fields.contains("expect")
+    {
+        return None;
+    }
+    let length: u64 = std::str::from_utf8(head.fields.get("content-length")?)
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    if length > limits.max_body_bytes {
+        return None;
+    }
+    let line = head.method().len() + head.target().len();
+    let field_bytes = head
+        .fields
+        .iter()
+        .map(|(name, value)| name.len() + value.len())
+        .sum();
+    check_head_size(line, head.fields.len(), field_bytes, limits).ok()?;
+    let close = head
+        .fields
+        .get("connection")
+        .is_some_and(|value| listed_in_connection(value, b"close"));
+    Some(FastRequest {
+        route,
+        length: usize::try_from(length).ok()?,
+        close,
+    })
+}
+
+/// Reads a request head within `limit`. Once shutdown begins, a connection gets a short
+/// grace to deliver a head already on its way. `fresh`: the connection's first request (a
+/// timeout is then a slow client, not an idle keep-alive connection).
+async fn read_head(
+    tcp: &mut TcpStream,
+    buf: &mut BytesMut,
+    limit: Duration,
+    shutdown: &ShutdownWatch,
+    fresh: bool,
+) -> HeadRead {
+    let mut shutdown = shutdown.clone();
+    let mut draining = *shutdown.borrow_and_update();
+    let mut deadline = Instant::now() + if draining { SHUTDOWN_GRACE } else { limit };
+    loop {
+        if !buf.is_empty() {
+            match parse_request(buf) {
+                Parsed::Complete(head) => return HeadRead::Head(head),
+                Parsed::Invalid => return HeadRead::Handover,
+                Parsed::Partial if buf.len() > MAX_HEAD => return HeadRead::Handover,
+                Parsed::Partial => {}
+            }
+        }
+        buf.reserve(READ_RESERVE);
+        let read = tokio::select! {
+            read = timeout_at(deadline, tcp.read_buf(buf)) => read,
+            _ = shutdown.changed(), if !draining => {
+                draining = true;
+                deadline = deadline.min(Instant::now() + SHUTDOWN_GRACE);
+                continue;
+            }
+        };
+        match read {
+            Err(_) if fresh && !draining => return HeadRead::TimedOut,
+            Err(_) | Ok(Ok(0) | Err(_)) => return HeadRead::Closed,
+            Ok(Ok(_)) => {}
+        }
+    }
+}

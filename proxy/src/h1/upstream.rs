@@ -1,0 +1,386 @@
+//! Plaintext HTTP/1.1 engines, spoken to directly: a keep-alive pool of TCP connections per
+//! engine address, the request head and body written in one `writev`, the response head
+//! parsed in place and the body read by its framing.
+
+use std::collections::HashMap;
+use std::io::{self, IoSlice};
+use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::{Instant, timeout};
+
+use super::body::{BadFraming, ChunkState, Decoded, Framing};
+use super::head::{Parsed, ResponseHead, parse_response};
+use crate::headers::listed_in_connection;
+
+/// Longest response head accepted from an engine.
+const MAX_RESPONSE_HEAD: usize = 64 * 1024;
+
+/// Room reserved in a connection's buffer before each read.
+const READ_RESERVE: usize = 16 * 1024;
+
+/// An open connection to an engine and what it has read ahead.
+#[derive(Debug)]
+pub(crate) struct Connection {
+    tcp: TcpStream,
+    buf: BytesMut,
+}
+
+/// Idle engine connections, per engine address.
+#[derive(Debug)]
+pub(crate) struct ConnectionPool {
+    idle: Mutex<HashMap<SocketAddr, Vec<(Connection, Instant)>>>,
+    per_peer: usize,
+    idle_timeout: Duration,
+}
+
+impl ConnectionPool {
+    /// Keeps up to `per_peer` idle connections per engine, each for up to `idle_timeout`.
+    pub(crate) fn new(per_peer: usize, idle_timeout: Duration) -> Self {
+        Self {
+            idle: Mutex::new(HashMap::new()),
+            per_peer,
+            idle_timeout,
+        }
+    }
+
+    /// The most recently returned idle connection to `addr` that has not idled out.
+    fn take(&self, addr: SocketAddr) -> Option<Connection> {
+        let mut idle = self
+            .idle
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        let connections = idle.get_mut(&addr)?;
+        let now = Instant::now();
+        while let Some((connection, since)) = connections.pop() {
+            if now.duration_since(since) < self.idle_timeout {
+                return Some(connection);
+            }
+        }
+        None
+    }
+
+    /// Keeps `connection` for reuse (closed when the pool for `addr` is full).
+    fn put(&self, addr: SocketAddr, connection: Connection) {
+        let mut idle = self
+            .idle
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        let connections = idle.entry(addr).or_default();
+        if connections.len() < self.per_peer {
+            connections.push((connection, Instant::now()));
+        }
+    }
+}
+
+/// Why an exchange with an engine failed.
+#[derive(Debug)]
+pub(crate) enum ExchangeError {
+    /// Connecting failed or timed out.
+    Connect(io::Error),
+    /// The connection broke, or the engine sent something that is not HTTP/1.
+    Broken(String),
+}
+
+impl std::fmt::Display for ExchangeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExchangeError::Connect(error) => write!(f, "connect: {error}"),
+            ExchangeError::Broken(detail) => f.write_str(detail),
+        }
+    }
+}
+
+/// One request/response exchange on an engine connection.
+#[derive(Debug)]
+pub(crate) struct Exchange {
+    connection: Connection,
+    addr: SocketAddr,
+    head: Option<ResponseHead>,
+    framing: Framing,
+    /// The engine lets the connection be reused after this response.
+    keep_alive: bool,
+    /// The engine closed the connection.
+    eof: bool,
+}
+
+impl Exchange {
+    /// An exchange on a pooled connection to `addr` (the flag is true) or a new one.
+    pub(crate) async fn open(
+        pool: &ConnectionPool,
+        addr: SocketAddr,
+        connect_timeout: Option<Duration>,
+    ) -> Result<(Self, bool), ExchangeError> {
+        let (connection, reused) = match pool.take(addr) {
+            Some(connection) => (connection, true),
+            None => (connect(addr, connect_timeout).await?, false),
+        };
+        let exchange = Self {
+            connection,
+            addr,
+            head: None,
+            framing: Framing::Length(0),
+            keep_alive: false,
+            eof: false,
+        };
+        Ok((exchange, reused))
+    }
+
+    /// Writes the request head and body (one `writev` when the socket takes it all).
+    pub(crate) async fn send(&mut self, head: &[u8], body: &[u8]) -> Result<(), ExchangeError> {
+        let tcp = &mut self.connection.tcp;
+        let mut written = 0;
+        let total = head.len() + body.len();
+        while written < total {
+            let slices = if written < head.len() {
+                [IoSlice::new(&head[written..]), IoSlice::new(body)]
+            } else {
+                [
+                    IoSlice::new(&body[written - head.len()..]),
+                    IoSlice::new(&[]),
+                ]
+            };
+            match tcp.write_vectored(&slices).await {
+                Ok(0) => {
+                    return Err(ExchangeError::Broken(
+                        "the engine closed the connection".into(),
+                    ));
+                }
+                Ok(n) => written += n,
+                Err(error) => return Err(ExchangeError::Broken(format!("write: {error}"))),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the response head (skipping `1xx` interim responses).
+    pub(crate) async fn read_head(&mut self) -> Result<(), ExchangeError> {
+        loop {
+            let head = loop {
+                match parse_response(&mut self.connection.buf) {
+                    Parsed::Complete(head) => break head,
+                    Parsed::Invalid => {
+                        return Err(ExchangeError::Broken("invalid response head".into()));
+                    }
+                    Parsed::Partial if self.connection.buf.len() > MAX_RESPONSE_HEAD => {
+                        return Err(ExchangeError::Broken("response head too large".into()));
+                    }
+                    Parsed::Partial => {
+                        if self.fill().await? == 0 {
+                            return Err(ExchangeError::Broken(
+                                "the engine closed the connection before responding".into(),
+                            ));
+                        }
+                    }
+                }
+            };
+            if (100..200).contains(&head.status) {
+                continue;
+            }
+            self.framing = framing(&head).map_err(|()| {
+                ExchangeError::Broken("invalid Content-Length or Transfer-Encoding".into())
+            })?;
+            self.keep_alive = keeps_alive(&head) && self.framing != Framing::Close;
+            self.head = Some(head);
+            return Ok(());
+        }
+    }
+
+    /// The response head, once read.
+    pub(crate) fn head(&self) -> Option<&ResponseHead> {
+        self.head.as_ref()
+    }
+
+    /// Whether body bytes (or the body's end) are already buffered, so that reading the
+    /// body's first piece will not wait.
+    pub(crate) fn body_ready(&self) -> bool {
+        !self.connection.buf.is_empty() || self.framing.is_done()
+    }
+
+    /// The next piece of the body; `None` at its end.
+    pub(crate) async fn read_body(&mut self) -> Result<Option<Bytes>, ExchangeError> {
+        loop {
+            match self.framing.decode(&mut self.connection.buf, self.eof) {
+                Ok(Decoded::Data(data)) => return Ok(Some(data)),
+                Ok(Decoded::End) => return Ok(None),
+                Ok(Decoded::NeedMore) => {
+                    if self.fill().await? == 0 {
+                        self.eof = true;
+                    }
+                }
+                Err(BadFraming) => {
+                    return Err(ExchangeError::Broken(
+                        "the engine's body ended early or is badly framed".into(),
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Returns the connection to `pool` when the whole response was read and the engine
+    /// keeps it open; otherwise closes it.
+    pub(crate) fn release(self, pool: &ConnectionPool) {
+        if self.keep_alive && !self.eof && self.framing.is_done() && self.connection.buf.is_empty()
+        {
+            pool.put(self.addr, self.connection);
+        }
+    }
+
+    /// Reads more from the engine; the number of bytes (0 at EOF).
+    async fn fill(&mut self) -> Result<usize, ExchangeError> {
+        let connection = &mut self.connection;
+        connection.buf.reserve(READ_RESERVE);
+        connection
+            .tcp
+            .read_buf(&mut connection.buf)
+            .await
+            .map_err(|error| ExchangeError::Broken(format!("read: {error}")))
+    }
+}
+
+/// A new connection to `addr`, with `TCP_NODELAY`.
+async fn connect(addr: SocketAddr, limit: Option<Duration>) -> Result<Connection, ExchangeError> {
+    let connecting = TcpStream::connect(addr);
+    let tcp = match limit {
+        Some(limit) => timeout(limit, connecting).await.map_err(|_| {
+            ExchangeError::Connect(io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))
+        })?,
+        None => connecting.await,
+    }
+    .map_err(ExchangeError::Connect)?;
+    tcp.set_nodelay(true).map_err(ExchangeError::Connect)?;
+    Ok(Connection {
+        tcp,
+        buf: BytesMut::with_capacity(READ_RESERVE),
+    })
+}
+
+/// How the response body is delimited (RFC 9112 §6.3).
+fn framing(head: &ResponseHead) -> Result<Framing, ()> {
+    if matches!(head.status, 204 | 304) {
+        return Ok(Framing::Length(0));
+    }
+    if let Some(coding) = head.fields.get("transfer-encoding") {
+        let chunked = coding
+            .rsplit(|&byte| byte == b',')
+            .next()
+            .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+        return Ok(if chunked {
+            Framing::Chunked(ChunkState::Size)
+        } else {
+            Framing::Close
+        });
+    }
+    match head.fields.get("content-length") {
+        Some(length) => std::str::from_utf8(length)
+            .ok()
+            .and_then(|text| text.trim().parse().ok())
+            .map(Framing::Length)
+            .ok_or(()),
+        None => Ok(Framing::Close),
+    }
+}
+
+/// Whether the engine keeps the connection open after this response.
+fn keeps_alive(head: &ResponseHead) -> bool {
+    let connection = head.fields.get("connection");
+    if head.minor_version == 0 {
+        connection.is_some_and(|value| listed_in_connection(value, b"keep-alive"))
+    } else {
+        !connection.is_some_and(|value| listed_in_connection(value, b"close"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    /// An engine that answers each request on a connection with `responses`, in turn.
+    async fn engine(responses: Vec<&'static [u8]>) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            for response in responses {
+                let mut buf = vec![0; 4096];
+                let mut read = Vec::new();
+                while !read.windows(4).any(|window| window == b"\r\n\r\n") {
+                    let n = tcp.read(&mut buf).await.unwrap();
+                    read.extend_from_slice(&buf[..n]);
+                }
+                tcp.write_all(response).await.unwrap();
+            }
+        });
+        addr
+    }
+
+    async fn body(exchange: &mut Exchange) -> Vec<u8> {
+        let mut body = Vec::new();
+        while let Some(piece) = exchange.read_body().await.unwrap() {
+            body.extend_from_slice(&piece);
+        }
+        body
+    }
+
+    #[tokio::test]
+    async fn connections_are_reused_after_whole_responses() {
+        let addr = engine(vec![
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
+        ])
+        .await;
+        let pool = ConnectionPool::new(4, Duration::from_secs(60));
+        for expected in [&b"ok"[..], b"hi"] {
+            let (mut exchange, _) = Exchange::open(&pool, addr, None).await.unwrap();
+            exchange.send(b"GET / HTTP/1.1\r\n\r\n", b"").await.unwrap();
+            exchange.read_head().await.unwrap();
+            assert_eq!(exchange.head().unwrap().status, 200);
+            assert_eq!(body(&mut exchange).await, expected);
+            exchange.release(&pool);
+        }
+        let (_, reused) = Exchange::open(&pool, addr, None).await.unwrap();
+        assert!(reused, "the second response left the connection reusable");
+    }
+
+    #[tokio::test]
+    async fn close_delimited_and_closing_responses_are_not_pooled() {
+        let addr = engine(vec![
+            b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 1\r\n\r\nx",
+        ])
+        .await;
+        let pool = ConnectionPool::new(4, Duration::from_secs(60));
+        let (mut exchange, reused) = Exchange::open(&pool, addr, None).await.unwrap();
+        assert!(!reused);
+        exchange.send(b"GET / HTTP/1.1\r\n", b"\r\n").await.unwrap();
+        exchange.read_head().await.unwrap();
+        assert_eq!(body(&mut exchange).await, b"x");
+        exchange.release(&pool);
+        assert!(pool.take(addr).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_body_cut_short_is_an_error() {
+        let addr = engine(vec![b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc"]).await;
+        let pool = ConnectionPool::new(4, Duration::from_secs(60));
+        let (mut exchange, _) = Exchange::open(&pool, addr, None).await.unwrap();
+        exchange.send(b"GET / HTTP/1.1\r\n\r\n", b"").await.unwrap();
+        exchange.read_head().await.unwrap();
+        assert_eq!(exchange.read_body().await.unwrap().unwrap(), &b"abc"[..]);
+        assert!(exchange.read_body().await.is_err());
+    }
+
+    #[tokio::test]
+    async fn refused_connections_are_connect_errors() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let pool = ConnectionPool::new(4, Duration::from_secs(60));
+        let opened = Exchange::open(&pool, addr, Some(Duration::from_secs(1))).await;
+        assert!(matches!(opened, Err(ExchangeError::Connect(_))));
+    }
+}

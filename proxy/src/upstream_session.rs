@@ -1,0 +1,93 @@
+//! An engine's response in progress, whichever client speaks to the engine: our own
+//! HTTP/1.1 client for plaintext HTTP/1.1 engines, pingora's for h2c and `https://` ones.
+
+use std::borrow::Cow;
+
+use bytes::Bytes;
+use http::header::HeaderName;
+use pingora_core::protocols::http::client::HttpSession;
+use pingora_http::ResponseHeader;
+
+use crate::h1::upstream::Exchange;
+use crate::headers::is_event_stream_type;
+
+/// The engine side of a forwarded request, once the response head has been read.
+pub(crate) enum UpstreamSession {
+    /// Pingora's client (h2c and `https://` engines), boxed: it is several times the size
+    /// of ours.
+    Pingora(Box<HttpSession>),
+    /// Our HTTP/1.1 client (plaintext HTTP/1.1 engines).
+    H1(Exchange),
+}
+
+impl UpstreamSession {
+    /// The response status.
+    pub(crate) fn status(&self) -> Option<u16> {
+        match self {
+            UpstreamSession::Pingora(session) => {
+                session.response_header().map(|head| head.status.as_u16())
+            }
+            UpstreamSession::H1(exchange) => exchange.head().map(|head| head.status),
+        }
+    }
+
+    /// Whether the response is a server-sent-event stream.
+    pub(crate) fn is_event_stream(&self) -> bool {
+        let content_type = match self {
+            UpstreamSession::Pingora(session) => session
+                .response_header()
+                .and_then(|head| head.headers.get(http::header::CONTENT_TYPE))
+                .map(http::HeaderValue::as_bytes),
+            UpstreamSession::H1(exchange) => exchange
+                .head()
+                .and_then(|head| head.fields.get("content-type")),
+        };
+        content_type.is_some_and(is_event_stream_type)
+    }
+
+    /// The response head as pingora's type (built for our client's responses; fields
+    /// that are not valid header names or values are left out).
+    pub(crate) fn response_header(&self) -> Option<Cow<'_, ResponseHeader>> {
+        match self {
+            UpstreamSession::Pingora(session) => session.response_header().map(Cow::Borrowed),
+            UpstreamSession::H1(exchange) => {
+                let head = exchange.head()?;
+                let mut header =
+                    ResponseHeader::build(head.status, Some(head.fields.len())).ok()?;
+                for (name, value) in head.fields.iter() {
+                    let (Ok(name), Ok(value)) = (
+                        HeaderName::from_bytes(name),
+                        http::HeaderValue::from_bytes(value),
+                    ) else {
+                        continue;
+                    };
+                    header.append_header(name, value).ok()?;
+                }
+                Some(Cow::Owned(header))
+            }
+        }
+    }
+
+    /// Whether the body's first piece is already buffered (reading it will not wait).
+    pub(crate) fn body_ready(&self) -> bool {
+        match self {
+            UpstreamSession::Pingora(_) => false,
+            UpstreamSession::H1(exchange) => exchange.body_ready(),
+        }
+    }
+
+    /// The next piece of the response body; `None` at its end; `Err` when the engine broke
+    /// off or framed the body wrongly.
+    pub(crate) async fn read_body(&mut self) -> Result<Option<Bytes>, String> {
+        match self {
+            UpstreamSession::Pingora(session) => session
+                .read_response_body()
+                .await
+                .map_err(|error| error.to_string()),
+            UpstreamSession::H1(exchange) => exchange
+                .read_body()
+                .await
+                .map_err(|error| error.to_string()),
+        }
+    }
+}
