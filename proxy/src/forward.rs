@@ -325,6 +325,15 @@ async fn attempt<D: Downstream>(
     }
 }
 
+/// A failed connect to `instance`: retryable elsewhere.
+fn connect_failed(instance: &Instance, error: impl std::fmt::Display) -> AttemptError {
+    AttemptError::Retryable {
+        kind: FailureKind::Connect,
+        detail: format!("connect to {}: {error}", instance.url()),
+        reused: false,
+    }
+}
+
 /// [`attempt`] on our HTTP/1.1 client: head and body in one write.
 async fn attempt_h1<D: Downstream>(
     state: &State,
@@ -341,11 +350,7 @@ async fn attempt_h1<D: Downstream>(
     let pool = state.upstream.h1();
     let (mut upstream, reused) = H1Exchange::open(pool, address, instance.connect_timeout())
         .await
-        .map_err(|error| AttemptError::Retryable {
-            kind: FailureKind::Connect,
-            detail: format!("connect to {}: {error}", instance.url()),
-            reused: false,
-        })?;
+        .map_err(|error| connect_failed(instance, error))?;
     let exchange = async {
         upstream.send(&head, body).await?;
         upstream.read_head().await
@@ -380,16 +385,11 @@ async fn attempt_pingora<D: Downstream>(
     let request = client
         .upstream_request(target)
         .map_err(|error| AttemptError::Unforwardable(error.to_string()))?;
-    let (mut upstream, reused) =
-        state
-            .upstream
-            .session(instance.peer())
-            .await
-            .map_err(|error| AttemptError::Retryable {
-                kind: FailureKind::Connect,
-                detail: format!("connect to {}: {error}", instance.url()),
-                reused: false,
-            })?;
+    let (mut upstream, reused) = state
+        .upstream
+        .session(instance.peer())
+        .await
+        .map_err(|error| connect_failed(instance, error))?;
     let exchange = async {
         upstream.write_request_header(Box::new(request)).await?;
         if !body.is_empty() {

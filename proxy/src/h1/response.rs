@@ -31,6 +31,14 @@ fn status_line(out: &mut Vec<u8>, status: u16) {
     let _ = write!(out, "HTTP/1.1 {status} {reason}\r\n");
 }
 
+/// Ends a head, with `connection: close` when the connection closes after the response.
+fn end_head(out: &mut Vec<u8>, close: bool) {
+    if close {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
 /// Appends the proxy's fields and the end of the head.
 fn finish(out: &mut Vec<u8>, ours: ProxyHeaders<'_>, close: bool) {
     field(
@@ -46,10 +54,7 @@ fn finish(out: &mut Vec<u8>, ours: ProxyHeaders<'_>, close: bool) {
     if let Some(route) = ours.route {
         field(out, X_KVMESH_ROUTE.as_str().as_bytes(), route.as_bytes());
     }
-    if close {
-        out.extend_from_slice(b"connection: close\r\n");
-    }
-    out.extend_from_slice(b"\r\n");
+    end_head(out, close);
 }
 
 /// Appends the head relaying `upstream`'s response to an HTTP/1.1 client (`close`: the
@@ -103,10 +108,7 @@ fn write_pingora_head(out: &mut Vec<u8>, response: &ResponseHeader, close: bool)
     for (name, value) in &response.headers {
         field(out, name.as_str().as_bytes(), value.as_bytes());
     }
-    if close {
-        out.extend_from_slice(b"connection: close\r\n");
-    }
-    out.extend_from_slice(b"\r\n");
+    end_head(out, close);
 }
 
 /// Appends a whole OpenAI-shaped error response.
@@ -123,9 +125,6 @@ pub(crate) fn write_error(
     for (name, value) in error_headers(error, request_id) {
         field(out, name.as_str().as_bytes(), value.as_bytes());
     }
-    if close {
-        out.extend_from_slice(b"connection: close\r\n");
-    }
-    out.extend_from_slice(b"\r\n");
+    end_head(out, close);
     out.extend_from_slice(&body);
 }
