@@ -82,11 +82,18 @@ pub(crate) async fn relay<S: BodySink>(
     let mut events = ctx.event_stream.then(EventTiming::default);
     let mut held = BytesMut::new();
     let mut prefill = ctx.booking;
+    // What the engine had already sent after the last piece (looked at to end the client's
+    // body with that piece when nothing follows).
+    let mut next = None;
     loop {
-        let read = tokio::select! {
-            biased;
-            read = timeout(ctx.idle_timeout, upstream.read_body()) => read,
-            () = downstream.client_gone() => return RelayEnd::ClientGone,
+        // A piece already buffered is taken without arming the idle timer.
+        let read = match next.take().or_else(|| upstream.take_buffered()) {
+            Some(read) => Ok(read),
+            None => tokio::select! {
+                biased;
+                read = timeout(ctx.idle_timeout, upstream.read_body()) => read,
+                () = downstream.client_gone() => return RelayEnd::ClientGone,
+            },
         };
         let chunk = match read {
             Err(_) => {
@@ -125,10 +132,13 @@ pub(crate) async fn relay<S: BodySink>(
         if let (Some(meter), Some(out)) = (ctx.meter, out.as_ref()) {
             meter.observe(out, ctx.event_stream);
         }
-        if let Some(out) = out
-            && !downstream.write_body(out, false).await
-        {
+        next = upstream.take_buffered();
+        let last = matches!(next, Some(Ok(None))) && held.is_empty();
+        if (out.is_some() || last) && !downstream.write_body(out.unwrap_or_default(), last).await {
             return RelayEnd::ClientGone;
+        }
+        if last {
+            return RelayEnd::Complete;
         }
     }
     let rest = held.split().freeze();

@@ -8,6 +8,7 @@ use http::header::HeaderName;
 use pingora_core::protocols::http::client::HttpSession;
 use pingora_http::ResponseHeader;
 
+use crate::h1::head::Known;
 use crate::h1::upstream::Exchange;
 use crate::headers::is_event_stream_type;
 
@@ -40,7 +41,7 @@ impl UpstreamSession {
                 .map(http::HeaderValue::as_bytes),
             UpstreamSession::H1(exchange) => exchange
                 .head()
-                .and_then(|head| head.fields.get("content-type")),
+                .and_then(|head| head.fields.get(Known::ContentType)),
         };
         content_type.is_some_and(is_event_stream_type)
     }
@@ -73,6 +74,17 @@ impl UpstreamSession {
         match self {
             UpstreamSession::Pingora(_) => false,
             UpstreamSession::H1(exchange) => exchange.body_ready(),
+        }
+    }
+
+    /// The next piece of the response body when our client has it buffered (`None`: reading
+    /// must wait, or the engine is spoken to by pingora).
+    pub(crate) fn take_buffered(&mut self) -> Option<Result<Option<Bytes>, String>> {
+        match self {
+            UpstreamSession::Pingora(_) => None,
+            UpstreamSession::H1(exchange) => exchange
+                .take_buffered()
+                .map(|read| read.map_err(|error| error.to_string())),
         }
     }
 

@@ -2,7 +2,7 @@
 //! response written back with as few writes as the framing allows (head and body together
 //! when the engine's whole answer is already here).
 
-use std::io::{IoSlice, Write as _};
+use std::io::IoSlice;
 
 use bytes::{Bytes, BytesMut};
 use http::header::HeaderName;
@@ -12,7 +12,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout_at};
 
-use super::head::{Fields, RequestHead};
+use super::digits::{push_decimal, push_hex};
+use super::head::{Known, RequestHead};
 use super::response::{write_error, write_relayed_head};
 use crate::api_error::ApiError;
 use crate::downstream::{Downstream, UpstreamTarget};
@@ -109,15 +110,12 @@ impl<'a> FastClient<'a> {
             || name.eq_ignore_ascii_case(b"content-length")
             || name.eq_ignore_ascii_case(X_REQUEST_ID.as_str().as_bytes())
             || (self.strip_authorization && name.eq_ignore_ascii_case(b"authorization"));
-        !ours && !is_hop_by_hop(name) && !named_by_connection(&self.head.fields, name)
+        // The fast path serves heads with at most one `Connection` field.
+        let connection = self.head.fields.get(Known::Connection);
+        !ours
+            && !is_hop_by_hop(name)
+            && !connection.is_some_and(|list| listed_in_connection(list, name))
     }
-}
-
-/// Whether a `Connection` field of `fields` lists `name`.
-fn named_by_connection(fields: &Fields, name: &[u8]) -> bool {
-    fields.iter().any(|(field, value)| {
-        field.eq_ignore_ascii_case(b"connection") && listed_in_connection(value, name)
-    })
 }
 
 impl Downstream for FastClient<'_> {
@@ -162,11 +160,9 @@ impl Downstream for FastClient<'_> {
         }
         out.extend_from_slice(b"host: ");
         out.extend_from_slice(target.host.as_bytes());
-        let _ = write!(
-            out,
-            "\r\ncontent-length: {}\r\nx-request-id: ",
-            target.body_len
-        );
+        out.extend_from_slice(b"\r\ncontent-length: ");
+        push_decimal(out, target.body_len);
+        out.extend_from_slice(b"\r\nx-request-id: ");
         out.extend_from_slice(target.request_id.as_bytes());
         out.extend_from_slice(b"\r\n\r\n");
         Ok(())
@@ -247,7 +243,8 @@ impl BodySink for FastClient<'_> {
         let mut tail: &[u8] = b"";
         if self.chunked {
             if !data.is_empty() {
-                let _ = write!(self.out, "{:x}\r\n", data.len());
+                push_hex(self.out, data.len());
+                self.out.extend_from_slice(b"\r\n");
                 tail = if end { b"\r\n0\r\n\r\n" } else { b"\r\n" };
             } else if end {
                 tail = b"0\r\n\r\n";

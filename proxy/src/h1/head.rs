@@ -15,11 +15,52 @@ struct Field {
     value: Range<usize>,
 }
 
+/// Fields the proxy looks at, found once per head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Known {
+    /// `Content-Length`.
+    ContentLength,
+    /// `Transfer-Encoding`.
+    TransferEncoding,
+    /// `Expect`.
+    Expect,
+    /// `Connection`.
+    Connection,
+    /// `X-Request-Id`.
+    RequestId,
+    /// `Authorization`.
+    Authorization,
+    /// `Content-Type`.
+    ContentType,
+}
+
+/// The names of [`Known`] fields, in its order.
+const KNOWN_NAMES: [&[u8]; 7] = [
+    b"content-length",
+    b"transfer-encoding",
+    b"expect",
+    b"connection",
+    b"x-request-id",
+    b"authorization",
+    b"content-type",
+];
+
+/// Which known field `name` is (any case).
+fn known(name: &[u8]) -> Option<usize> {
+    KNOWN_NAMES
+        .iter()
+        .position(|known| known.len() == name.len() && known.eq_ignore_ascii_case(name))
+}
+
 /// The fields of one head, over the head's bytes.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Fields {
     bytes: Bytes,
     fields: Vec<Field>,
+    /// Index in `fields` of each [`Known`] field's first occurrence.
+    first: [Option<u8>; KNOWN_NAMES.len()],
+    /// Bit `k`: [`Known`] field `k` occurs more than once.
+    repeated: u8,
 }
 
 /// The position of `part` (a slice of the buffer at `base`) in that buffer.
@@ -28,15 +69,29 @@ fn span(base: usize, part: &[u8]) -> Range<usize> {
     start..start + part.len()
 }
 
-/// The positions of httparse's fields in the buffer at `base`.
-fn spans(base: usize, parsed: &[httparse::Header<'_>]) -> Vec<Field> {
-    parsed
-        .iter()
-        .map(|field| Field {
+/// The positions of httparse's fields in the buffer at `base` (whose bytes the caller sets).
+fn index(base: usize, parsed: &[httparse::Header<'_>]) -> Fields {
+    let mut first = [None; KNOWN_NAMES.len()];
+    let mut repeated = 0u8;
+    let mut fields = Vec::with_capacity(parsed.len());
+    for (position, field) in parsed.iter().enumerate() {
+        if let Some(k) = known(field.name.as_bytes()) {
+            match first[k] {
+                None => first[k] = u8::try_from(position).ok(),
+                Some(_) => repeated |= 1 << k,
+            }
+        }
+        fields.push(Field {
             name: span(base, field.name.as_bytes()),
             value: span(base, field.value),
-        })
-        .collect()
+        });
+    }
+    Fields {
+        bytes: Bytes::new(),
+        fields,
+        first,
+        repeated,
+    }
 }
 
 impl Fields {
@@ -50,16 +105,17 @@ impl Fields {
         })
     }
 
-    /// The value of the first field called `name` (ASCII case-insensitive).
-    pub(crate) fn get(&self, name: &str) -> Option<&[u8]> {
-        self.iter()
-            .find(|(field, _)| field.eq_ignore_ascii_case(name.as_bytes()))
-            .map(|(_, value)| value)
+    /// The value of the first `field`.
+    pub(crate) fn get(&self, field: Known) -> Option<&[u8]> {
+        let position = usize::from(self.first[field as usize]?);
+        self.fields
+            .get(position)
+            .map(|field| &self.bytes[field.value.clone()])
     }
 
-    /// Whether any field is called `name`.
-    pub(crate) fn contains(&self, name: &str) -> bool {
-        self.get(name).is_some()
+    /// Whether `field` occurs more than once.
+    pub(crate) fn repeated(&self, field: Known) -> bool {
+        self.repeated & (1 << field as u8) != 0
     }
 
     /// How many fields there are.
@@ -115,6 +171,19 @@ pub(crate) struct ResponseHead {
     pub(crate) fields: Fields,
 }
 
+/// A `Content-Length` value: decimal digits only (optional surrounding blanks).
+pub(crate) fn parse_decimal(value: &[u8]) -> Option<u64> {
+    let digits = value.trim_ascii();
+    if digits.is_empty() || digits.len() > 19 {
+        return None;
+    }
+    digits.iter().try_fold(0u64, |n, &digit| {
+        digit
+            .is_ascii_digit()
+            .then(|| n * 10 + u64::from(digit - b'0'))
+    })
+}
+
 /// What parsing a buffer's start found.
 #[derive(Debug)]
 pub(crate) enum Parsed<T> {
@@ -143,14 +212,14 @@ pub(crate) fn parse_request(buf: &mut BytesMut) -> Parsed<RequestHead> {
     };
     let method = span(base, method.as_bytes());
     let target = span(base, target.as_bytes());
-    let fields = spans(base, request.headers);
+    let mut fields = index(base, request.headers);
     // Splitting keeps the bytes where they are, so the positions stay valid.
-    let bytes = buf.split_to(length).freeze();
+    fields.bytes = buf.split_to(length).freeze();
     Parsed::Complete(RequestHead {
         method,
         target,
         minor_version,
-        fields: Fields { bytes, fields },
+        fields,
     })
 }
 
@@ -167,12 +236,12 @@ pub(crate) fn parse_response(buf: &mut BytesMut) -> Parsed<ResponseHead> {
     let (Some(status), Some(minor_version)) = (response.code, response.version) else {
         return Parsed::Invalid;
     };
-    let fields = spans(base, response.headers);
-    let bytes = buf.split_to(length).freeze();
+    let mut fields = index(base, response.headers);
+    fields.bytes = buf.split_to(length).freeze();
     Parsed::Complete(ResponseHead {
         status,
         minor_version,
-        fields: Fields { bytes, fields },
+        fields,
     })
 }
 
@@ -194,9 +263,37 @@ mod tests {
         assert_eq!(head.path(), "/v1/chat/completions");
         assert_eq!(head.target(), b"/v1/chat/completions?x=1");
         assert_eq!(head.minor_version, 1);
-        assert_eq!(head.fields.get("content-length"), Some(&b"2"[..]));
+        assert_eq!(head.fields.get(Known::ContentLength), Some(&b"2"[..]));
         assert_eq!(head.fields.len(), 2);
-        assert!(head.fields.get("x-missing").is_none());
+        assert!(head.fields.get(Known::RequestId).is_none());
+        assert!(!head.fields.repeated(Known::ContentLength));
+    }
+
+    #[test]
+    fn lengths_are_plain_decimals() {
+        assert_eq!(parse_decimal(b" 42 "), Some(42));
+        assert_eq!(parse_decimal(b"0"), Some(0));
+        for bad in [
+            &b""[..],
+            b"+1",
+            b"-1",
+            b"1a",
+            b"0x10",
+            b"99999999999999999999",
+        ] {
+            assert_eq!(parse_decimal(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn repeated_known_fields_are_flagged() {
+        let raw = b"POST / HTTP/1.1\r\nContent-Length: 2\r\nx: 1\r\ncontent-length: 3\r\n\r\n";
+        let Parsed::Complete(head) = parse_request(&mut BytesMut::from(&raw[..])) else {
+            panic!("not parsed");
+        };
+        assert_eq!(head.fields.get(Known::ContentLength), Some(&b"2"[..]));
+        assert!(head.fields.repeated(Known::ContentLength));
+        assert!(!head.fields.repeated(Known::Connection));
     }
 
     #[test]
@@ -221,6 +318,6 @@ mod tests {
         };
         assert_eq!((head.status, head.minor_version), (200, 1));
         assert_eq!(&buf[..], b"hello");
-        assert_eq!(head.fields.get("Content-Length"), Some(&b"5"[..]));
+        assert_eq!(head.fields.get(Known::ContentLength), Some(&b"5"[..]));
     }
 }

@@ -7,6 +7,7 @@
 
 pub(crate) mod body;
 pub(crate) mod client;
+mod digits;
 #[cfg(test)]
 mod fuzz;
 pub(crate) mod head;

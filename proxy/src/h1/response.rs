@@ -1,11 +1,11 @@
 //! Response heads written for HTTP/1.1 clients: the engine's status and end-to-end fields
 //! plus the proxy's own, serialised straight into the output buffer.
 
-use std::io::Write as _;
-
 use http::{HeaderValue, StatusCode, Version};
 use pingora_http::ResponseHeader;
 
+use super::digits::push_decimal;
+use super::head::Known;
 use crate::api_error::ApiError;
 use crate::headers::{
     Framing, ProxyHeaders, X_KVMESH_INSTANCE, X_KVMESH_ROUTE, X_REQUEST_ID, downstream_response,
@@ -28,7 +28,11 @@ fn status_line(out: &mut Vec<u8>, status: u16) {
         .ok()
         .and_then(|status| status.canonical_reason())
         .unwrap_or("");
-    let _ = write!(out, "HTTP/1.1 {status} {reason}\r\n");
+    out.extend_from_slice(b"HTTP/1.1 ");
+    push_decimal(out, usize::from(status));
+    out.push(b' ');
+    out.extend_from_slice(reason.as_bytes());
+    out.extend_from_slice(b"\r\n");
 }
 
 /// Ends a head, with `connection: close` when the connection closes after the response.
@@ -66,8 +70,8 @@ pub(crate) fn write_relayed_head(
     ours: ProxyHeaders<'_>,
     close: bool,
 ) -> Option<Framing> {
-    let head = match upstream {
-        UpstreamSession::H1(exchange) => exchange.head()?,
+    let (head, length_framed) = match upstream {
+        UpstreamSession::H1(exchange) => (exchange.head()?, exchange.length_framed()),
         UpstreamSession::Pingora(_) => {
             let header = upstream.response_header()?;
             let (response, framing) =
@@ -77,8 +81,7 @@ pub(crate) fn write_relayed_head(
         }
     };
     status_line(out, head.status);
-    let connection = head.fields.get("connection");
-    let mut has_length = false;
+    let connection = head.fields.get(Known::Connection);
     for (name, value) in head.fields.iter() {
         let ours = name.eq_ignore_ascii_case(X_REQUEST_ID.as_str().as_bytes())
             || name.eq_ignore_ascii_case(X_KVMESH_ROUTE.as_str().as_bytes())
@@ -89,10 +92,14 @@ pub(crate) fn write_relayed_head(
         {
             continue;
         }
-        has_length |= name.eq_ignore_ascii_case(b"content-length");
+        // The engine's length holds only for a body it framed by length (a chunked one
+        // may carry a stale Content-Length beside its Transfer-Encoding).
+        if !length_framed && name.eq_ignore_ascii_case(b"content-length") {
+            continue;
+        }
         field(out, name, value);
     }
-    let framing = if matches!(head.status, 204 | 304) || has_length {
+    let framing = if length_framed {
         Framing::Length
     } else {
         out.extend_from_slice(b"transfer-encoding: chunked\r\n");
@@ -121,7 +128,9 @@ pub(crate) fn write_error(
     let body = error.body();
     status_line(out, error.status());
     field(out, b"content-type", b"application/json");
-    let _ = write!(out, "content-length: {}\r\n", body.len());
+    out.extend_from_slice(b"content-length: ");
+    push_decimal(out, body.len());
+    out.extend_from_slice(b"\r\n");
     for (name, value) in error_headers(error, request_id) {
         field(out, name.as_str().as_bytes(), value.as_bytes());
     }

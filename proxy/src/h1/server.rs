@@ -14,7 +14,7 @@ use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout_at};
 
 use super::client::{BodyRead, FastClient, READ_RESERVE};
-use super::head::{Parsed, RequestHead, parse_request};
+use super::head::{Known, Parsed, RequestHead, parse_decimal, parse_request};
 use crate::api_error::{ApiError, ClientErrorReason};
 use crate::auth::AuthFailure;
 use crate::data_app::admit_and_forward;
@@ -101,7 +101,7 @@ pub(crate) async fn serve(
         let close = request.close || *shutdown.borrow();
         let client_id = head
             .fields
-            .get("x-request-id")
+            .get(Known::RequestId)
             .and_then(|id| HeaderValue::from_bytes(id).ok());
         let mut exchange = Exchange::new(state.request_ids.resolve(client_id.as_ref()));
         exchange.route = Some(request.route);
@@ -127,7 +127,7 @@ async fn serve_request(
 ) -> bool {
     let key = match state
         .auth
-        .authenticate_value(head.fields.get("authorization"))
+        .authenticate_value(head.fields.get(Known::Authorization))
     {
         Ok(Some(key)) => {
             client.strip_authorization = true;
@@ -161,7 +161,7 @@ async fn serve_request(
 }
 
 /// The request, when the fast path serves it: `POST` to a proxied route over HTTP/1.1 with
-/// a `Content-Length` body within the limits and no `Expect` or `Transfer-Encoding`.
+/// one `Content-Length` within the limits and no `Expect` or `Transfer-Encoding`.
 fn fast_request(head: &RequestHead, limits: &LimitsConfig) -> Option<FastRequest> {
     if head.method() != b"POST" || head.minor_version != 1 {
         return None;
@@ -169,17 +169,17 @@ fn fast_request(head: &RequestHead, limits: &LimitsConfig) -> Option<FastRequest
     let RouteMatch::Found(route) = match_route(&Method::POST, head.path()) else {
         return None;
     };
+    // Several lengths (even equal ones) or `Connection` fields are pingora's to judge.
+    let fields = &head.fields;
     if !route.is_proxied()
-        || head.fields.contains("transfer-encoding")
-        || head.fields.contains("expect")
+        || fields.get(Known::TransferEncoding).is_some()
+        || fields.get(Known::Expect).is_some()
+        || fields.repeated(Known::ContentLength)
+        || fields.repeated(Known::Connection)
     {
         return None;
     }
-    let length: u64 = std::str::from_utf8(head.fields.get("content-length")?)
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
+    let length = parse_decimal(fields.get(Known::ContentLength)?)?;
     if length > limits.max_body_bytes {
         return None;
     }
@@ -190,9 +190,8 @@ fn fast_request(head: &RequestHead, limits: &LimitsConfig) -> Option<FastRequest
         .map(|(name, value)| name.len() + value.len())
         .sum();
     check_head_size(line, head.fields.len(), field_bytes, limits).ok()?;
-    let close = head
-        .fields
-        .get("connection")
+    let close = fields
+        .get(Known::Connection)
         .is_some_and(|value| listed_in_connection(value, b"close"));
     Some(FastRequest {
         route,
@@ -224,6 +223,13 @@ async fn read_head(
             }
         }
         buf.reserve(READ_RESERVE);
+        // Bytes already waiting are taken without arming the timers.
+        match tcp.try_read_buf(buf) {
+            Ok(0) => return HeadRead::Closed,
+            Ok(_) => continue,
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => return HeadRead::Closed,
+        }
         let read = tokio::select! {
             read = timeout_at(deadline, tcp.read_buf(buf)) => read,
             _ = shutdown.changed(), if !draining => {

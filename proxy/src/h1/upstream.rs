@@ -14,7 +14,7 @@ use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout};
 
 use super::body::{BadFraming, ChunkState, Decoded, Framing};
-use super::head::{Parsed, ResponseHead, parse_response};
+use super::head::{Known, Parsed, ResponseHead, parse_decimal, parse_response};
 use crate::headers::listed_in_connection;
 
 /// Longest response head accepted from an engine.
@@ -195,6 +195,11 @@ impl Exchange {
         self.head.as_ref()
     }
 
+    /// Whether the body is delimited by its `Content-Length` (or has none by its status).
+    pub(crate) fn length_framed(&self) -> bool {
+        matches!(self.framing, Framing::Length(_))
+    }
+
     /// Whether body bytes (or the body's end) are already buffered, so that reading the
     /// body's first piece will not wait.
     pub(crate) fn body_ready(&self) -> bool {
@@ -204,20 +209,24 @@ impl Exchange {
     /// The next piece of the body; `None` at its end.
     pub(crate) async fn read_body(&mut self) -> Result<Option<Bytes>, ExchangeError> {
         loop {
-            match self.framing.decode(&mut self.connection.buf, self.eof) {
-                Ok(Decoded::Data(data)) => return Ok(Some(data)),
-                Ok(Decoded::End) => return Ok(None),
-                Ok(Decoded::NeedMore) => {
-                    if self.fill().await? == 0 {
-                        self.eof = true;
-                    }
-                }
-                Err(BadFraming) => {
-                    return Err(ExchangeError::Broken(
-                        "the engine's body ended early or is badly framed".into(),
-                    ));
-                }
+            if let Some(read) = self.take_buffered() {
+                return read;
             }
+            if self.fill().await? == 0 {
+                self.eof = true;
+            }
+        }
+    }
+
+    /// The next piece of the body when it is already read (`None`: reading must wait).
+    pub(crate) fn take_buffered(&mut self) -> Option<Result<Option<Bytes>, ExchangeError>> {
+        match self.framing.decode(&mut self.connection.buf, self.eof) {
+            Ok(Decoded::Data(data)) => Some(Ok(Some(data))),
+            Ok(Decoded::End) => Some(Ok(None)),
+            Ok(Decoded::NeedMore) => None,
+            Err(BadFraming) => Some(Err(ExchangeError::Broken(
+                "the engine's body ended early or is badly framed".into(),
+            ))),
         }
     }
 
@@ -264,7 +273,7 @@ fn framing(head: &ResponseHead) -> Result<Framing, ()> {
     if matches!(head.status, 204 | 304) {
         return Ok(Framing::Length(0));
     }
-    if let Some(coding) = head.fields.get("transfer-encoding") {
+    if let Some(coding) = head.fields.get(Known::TransferEncoding) {
         let chunked = coding
             .rsplit(|&byte| byte == b',')
             .next()
@@ -275,19 +284,18 @@ fn framing(head: &ResponseHead) -> Result<Framing, ()> {
             Framing::Close
         });
     }
-    match head.fields.get("content-length") {
-        Some(length) => std::str::from_utf8(length)
-            .ok()
-            .and_then(|text| text.trim().parse().ok())
-            .map(Framing::Length)
-            .ok_or(()),
+    if head.fields.repeated(Known::ContentLength) {
+        return Err(());
+    }
+    match head.fields.get(Known::ContentLength) {
+        Some(length) => parse_decimal(length).map(Framing::Length).ok_or(()),
         None => Ok(Framing::Close),
     }
 }
 
 /// Whether the engine keeps the connection open after this response.
 fn keeps_alive(head: &ResponseHead) -> bool {
-    let connection = head.fields.get("connection");
+    let connection = head.fields.get(Known::Connection);
     if head.minor_version == 0 {
         connection.is_some_and(|value| listed_in_connection(value, b"keep-alive"))
     } else {
