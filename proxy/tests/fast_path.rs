@@ -55,54 +55,85 @@ async fn raw_engine(response: &'static [u8]) -> (SocketAddr, mpsc::UnboundedRece
     (addr, rx)
 }
 
-/// Reads one whole response (Content-Length or chunked) from `tcp`; returns its head and
-/// decoded body, and how many reads it took.
-async fn read_response(tcp: &mut TcpStream) -> (String, String, usize) {
-    let mut raw = Vec::new();
-    let mut reads = 0;
-    let mut buf = vec![0; 64 * 1024];
-    loop {
-        if let Some(end) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8(raw[..end + 4].to_vec()).unwrap();
-            let rest = &raw[end + 4..];
-            let lower = head.to_ascii_lowercase();
-            if let Some(length) = lower
-                .lines()
-                .find_map(|line| line.strip_prefix("content-length: "))
-            {
-                let length: usize = length.trim().parse().unwrap();
-                if rest.len() >= length {
-                    let body = String::from_utf8(rest[..length].to_vec()).unwrap();
-                    return (head, body, reads);
-                }
-            } else if lower.contains("transfer-encoding: chunked")
-                && let Some(body) = dechunk(rest)
-            {
+/// A client connection that keeps what it read past one response for the next.
+struct Client {
+    tcp: TcpStream,
+    read: Vec<u8>,
+}
+
+impl Client {
+    async fn connect(addr: SocketAddr) -> Self {
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        tcp.set_nodelay(true).unwrap();
+        Self {
+            tcp,
+            read: Vec::new(),
+        }
+    }
+
+    async fn send(&mut self, request: &str) {
+        self.tcp.write_all(request.as_bytes()).await.unwrap();
+    }
+
+    /// Reads one whole response (Content-Length or chunked); returns its head and decoded
+    /// body, and how many reads it took.
+    async fn response(&mut self) -> (String, String, usize) {
+        let mut reads = 0;
+        let mut buf = vec![0; 64 * 1024];
+        loop {
+            if let Some((head, body, used)) = parse_response(&self.read) {
+                self.read.drain(..used);
                 return (head, body, reads);
             }
+            let n = self.tcp.read(&mut buf).await.unwrap();
+            assert!(
+                n > 0,
+                "connection closed mid-response: {:?}",
+                String::from_utf8_lossy(&self.read)
+            );
+            self.read.extend_from_slice(&buf[..n]);
+            reads += 1;
         }
-        let n = tcp.read(&mut buf).await.unwrap();
-        assert!(
-            n > 0,
-            "connection closed mid-response: {:?}",
-            String::from_utf8_lossy(&raw)
-        );
-        raw.extend_from_slice(&buf[..n]);
-        reads += 1;
     }
 }
 
-/// The body of a complete chunked encoding, `None` while incomplete.
-fn dechunk(mut raw: &[u8]) -> Option<String> {
+/// The head, decoded body and length of the whole response at the start of `raw`, if it
+/// is all there.
+fn parse_response(raw: &[u8]) -> Option<(String, String, usize)> {
+    let end = raw.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+    let head = String::from_utf8(raw[..end].to_vec()).unwrap();
+    let rest = &raw[end..];
+    let lower = head.to_ascii_lowercase();
+    if let Some(length) = lower
+        .lines()
+        .find_map(|line| line.strip_prefix("content-length: "))
+    {
+        let length: usize = length.trim().parse().unwrap();
+        let body = rest.get(..length)?;
+        return Some((
+            head,
+            String::from_utf8(body.to_vec()).unwrap(),
+            end + length,
+        ));
+    }
+    assert!(lower.contains("transfer-encoding: chunked"), "{head}");
+    let (body, used) = dechunk(rest)?;
+    Some((head, body, end + used))
+}
+
+/// The body of a complete chunked encoding and its encoded length, `None` while incomplete.
+fn dechunk(all: &[u8]) -> Option<(String, usize)> {
+    let mut raw = all;
     let mut body = Vec::new();
     loop {
         let line_end = raw.windows(2).position(|w| w == b"\r\n")?;
         let size = usize::from_str_radix(std::str::from_utf8(&raw[..line_end]).ok()?, 16).ok()?;
         raw = &raw[line_end + 2..];
         if size == 0 {
+            let used = all.len() - raw.len() + 2;
             return raw
                 .starts_with(b"\r\n")
-                .then(|| String::from_utf8(body).unwrap());
+                .then(|| (String::from_utf8(body).unwrap(), used));
         }
         if raw.len() < size + 2 {
             return None;
@@ -119,14 +150,13 @@ async fn head_and_body_travel_together_in_both_directions() {
     )
     .await;
     let proxy = proxy_for(engine).await;
-    let mut client = TcpStream::connect(proxy.main).await.unwrap();
-    client.set_nodelay(true).unwrap();
+    let mut client = Client::connect(proxy.main).await;
     for i in 0..3 {
         let request = chat_request(&format!(
             "x-request-id: req-{i}\r\nconnection: keep-alive\r\n"
         ));
-        client.write_all(request.as_bytes()).await.unwrap();
-        let (head, body, reads) = read_response(&mut client).await;
+        client.send(&request).await;
+        let (head, body, reads) = client.response().await;
         assert_eq!(body, "{\"ok\":true}");
         assert_eq!(
             reads, 1,
@@ -169,35 +199,34 @@ async fn head_and_body_travel_together_in_both_directions() {
 async fn one_connection_moves_to_pingora_for_other_requests() {
     let (engine, _seen) = raw_engine(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
     let proxy = proxy_for(engine).await;
-    let mut client = TcpStream::connect(proxy.main).await.unwrap();
+    let mut client = Client::connect(proxy.main).await;
     // Fast path, then a model list (handed over with the bytes already read), then pingora
     // serves the rest of the connection.
-    client.write_all(chat_request("").as_bytes()).await.unwrap();
-    assert_eq!(read_response(&mut client).await.1, "ok");
+    client.send(&chat_request("")).await;
+    assert_eq!(client.response().await.1, "ok");
     client
-        .write_all(b"GET /v1/models HTTP/1.1\r\nhost: proxy\r\n\r\n")
-        .await
-        .unwrap();
-    let (head, models, _) = read_response(&mut client).await;
+        .send("GET /v1/models HTTP/1.1\r\nhost: proxy\r\n\r\n")
+        .await;
+    let (head, models, _) = client.response().await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert!(models.contains("\"id\":\"m\""), "{models}");
-    client.write_all(chat_request("").as_bytes()).await.unwrap();
-    assert_eq!(read_response(&mut client).await.1, "ok");
+    client.send(&chat_request("")).await;
+    assert_eq!(client.response().await.1, "ok");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pipelined_requests_are_answered_in_order() {
     let (engine, _seen) = raw_engine(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
     let proxy = proxy_for(engine).await;
-    let mut client = TcpStream::connect(proxy.main).await.unwrap();
+    let mut client = Client::connect(proxy.main).await;
     let two = format!(
         "{}{}",
         chat_request("x-request-id: first\r\n"),
         chat_request("x-request-id: second\r\n")
     );
-    client.write_all(two.as_bytes()).await.unwrap();
+    client.send(&two).await;
     for id in ["first", "second"] {
-        let (head, body, _) = read_response(&mut client).await;
+        let (head, body, _) = client.response().await;
         assert_eq!(body, "ok");
         assert!(head.contains(&format!("x-request-id: {id}\r\n")), "{head}");
     }
@@ -223,12 +252,32 @@ async fn close_delimited_engine_bodies_reach_clients_chunked() {
         }
     });
     let proxy = proxy_for(engine).await;
-    let mut client = TcpStream::connect(proxy.main).await.unwrap();
+    let mut client = Client::connect(proxy.main).await;
     for _ in 0..2 {
-        client.write_all(chat_request("").as_bytes()).await.unwrap();
-        let (head, body, _) = read_response(&mut client).await;
+        client.send(&chat_request("")).await;
+        let (head, body, _) = client.response().await;
         assert!(head.contains("transfer-encoding: chunked\r\n"), "{head}");
         assert_eq!(body, "{\"part\":1,\"end\":true}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_engine_bodies_drop_a_stale_length() {
+    let (engine, _seen) = raw_engine(
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    )
+    .await;
+    let proxy = proxy_for(engine).await;
+    let mut client = Client::connect(proxy.main).await;
+    for _ in 0..2 {
+        client.send(&chat_request("")).await;
+        let (head, body, _) = client.response().await;
+        assert!(
+            !head.to_ascii_lowercase().contains("content-length"),
+            "{head}"
+        );
+        assert!(head.contains("transfer-encoding: chunked\r\n"), "{head}");
+        assert_eq!(body, "hello");
     }
 }
 
@@ -249,17 +298,17 @@ async fn http10_and_expect_requests_are_served_by_pingora() {
     );
     assert!(answer.ends_with("ok"), "{answer}");
 
-    let mut expecting = TcpStream::connect(proxy.main).await.unwrap();
+    let mut expecting = Client::connect(proxy.main).await;
     let head = chat_request("expect: 100-continue\r\n");
     let (head, body) = head.split_at(head.len() - BODY.len());
-    expecting.write_all(head.as_bytes()).await.unwrap();
+    expecting.send(head).await;
     let mut buf = vec![0; 1024];
-    let n = expecting.read(&mut buf).await.unwrap();
+    let n = expecting.tcp.read(&mut buf).await.unwrap();
     assert!(
         buf[..n].starts_with(b"HTTP/1.1 100"),
         "{:?}",
         String::from_utf8_lossy(&buf[..n])
     );
-    expecting.write_all(body.as_bytes()).await.unwrap();
-    assert_eq!(read_response(&mut expecting).await.1, "ok");
+    expecting.send(body).await;
+    assert_eq!(expecting.response().await.1, "ok");
 }
