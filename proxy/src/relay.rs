@@ -141,7 +141,12 @@ pub(crate) async fn relay<S: BodySink>(
             return RelayEnd::Complete;
         }
     }
+    // An event the engine never finished with a blank line still reaches the client, and
+    // is charged like the rest.
     let rest = held.split().freeze();
+    if let Some(meter) = ctx.meter.filter(|_| !rest.is_empty()) {
+        meter.observe(&rest, ctx.event_stream);
+    }
     if !downstream.write_body(rest, true).await {
         return RelayEnd::ClientGone;
     }

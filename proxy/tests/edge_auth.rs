@@ -168,6 +168,50 @@ async fn over_the_request_rate_is_429_with_retry_after() {
     proxy.stop().await;
 }
 
+/// A streamed chat request with key A, answered in a task.
+fn stream_with_key_a(proxy: &EdgeProxy) -> tokio::task::JoinHandle<Reply> {
+    let main = proxy.main;
+    tokio::spawn(async move {
+        let bearer = format!("Bearer {KEY_A}");
+        let body = r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+        plain(
+            main,
+            Method::POST,
+            "/v1/chat/completions",
+            &[
+                ("content-type", "application/json"),
+                ("authorization", &bearer),
+            ],
+            Bytes::from(body),
+        )
+        .await
+    })
+}
+
+#[tokio::test]
+async fn a_last_usage_event_without_its_blank_line_is_charged() {
+    let (tx, backend) = held_first(Some("text/event-stream")).await;
+    let keys = key("a", KEY_A, "      tokens_per_minute: 100000\n");
+    let proxy = EdgeProxy::from_yaml(&yaml(&backend.url, &keys)).await;
+    let streaming = stream_with_key_a(&proxy);
+    let usage = r#"data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":500}}"#;
+    tx.send(Ok(Bytes::from_static(b"data: {\"choices\":[]}\n\n")))
+        .await
+        .unwrap();
+    tx.send(Ok(Bytes::from(usage))).await.unwrap();
+    drop(tx);
+    let finished = streaming.await.unwrap();
+    assert_eq!(finished.status, 200);
+    assert!(
+        finished.body.ends_with(usage.as_bytes()),
+        "{:?}",
+        finished.body
+    );
+    let series = r#"kvmesh_key_tokens_total{key="a",kind="completion"}"#;
+    assert_eq!(proxy.metric(series).await, 500.0);
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn completion_tokens_are_charged_while_the_response_streams() {
     let (tx, backend) = held_first(Some("text/event-stream")).await;
@@ -175,24 +219,7 @@ async fn completion_tokens_are_charged_while_the_response_streams() {
     // few streamed events leave the bucket in debt.
     let keys = key("a", KEY_A, "      tokens_per_minute: 60\n");
     let proxy = EdgeProxy::from_yaml(&yaml(&backend.url, &keys)).await;
-    let streaming = tokio::spawn({
-        let main = proxy.main;
-        async move {
-            let bearer = format!("Bearer {KEY_A}");
-            let body = r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
-            plain(
-                main,
-                Method::POST,
-                "/v1/chat/completions",
-                &[
-                    ("content-type", "application/json"),
-                    ("authorization", &bearer),
-                ],
-                Bytes::from(body),
-            )
-            .await
-        }
-    });
+    let streaming = stream_with_key_a(&proxy);
     for i in 0..60 {
         let event = format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{i}\"}}}}]}}\n\n");
         tx.send(Ok(Bytes::from(event))).await.unwrap();
