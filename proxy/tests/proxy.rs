@@ -614,8 +614,11 @@ async fn speaks_h2c_to_clients_and_engines() {
 async fn shutdown_drains_a_stream_in_flight() {
     let (release_tx, release_rx) = oneshot::channel::<()>();
     let release = std::sync::Mutex::new(Some(release_rx));
-    let backend = Backend::start(move |_| {
-        let gate = release.lock().unwrap().take();
+    let backend = Backend::start(move |request| {
+        // Health probes reach the handler too: only the chat request takes the gate.
+        let gate = (request.path == "/v1/chat/completions")
+            .then(|| release.lock().unwrap().take())
+            .flatten();
         async move {
             let (tx, body) = channel_body();
             tokio::spawn(async move {

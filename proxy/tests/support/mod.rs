@@ -58,7 +58,7 @@ impl Body for ChannelBody {
     }
 }
 
-/// A backend whose first response streams a body fed through the returned sender (drop it
+/// A backend whose first response (health probes aside) streams a body fed through the returned sender (drop it
 /// to end that response), with `content-type: content_type` when given; every later request
 /// gets `{}` at once.
 pub async fn held_first(
@@ -66,8 +66,11 @@ pub async fn held_first(
 ) -> (mpsc::Sender<io::Result<Bytes>>, Backend) {
     let (tx, body) = channel_body();
     let body = Mutex::new(Some(body));
-    let backend = Backend::start(move |_| {
-        let body = body.lock().unwrap().take();
+    let backend = Backend::start(move |request| {
+        // Health probes reach the handler too: they never take the held body.
+        let body = (request.path != "/health")
+            .then(|| body.lock().unwrap().take())
+            .flatten();
         async move {
             match (body, content_type) {
                 (Some(body), Some(kind)) => Response::builder()
