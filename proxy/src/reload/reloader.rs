@@ -126,10 +126,15 @@ impl Reloader {
             return Err(ReloadError::NoFile);
         };
         let mut applied = self.applied.lock().await;
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        });
+        // The file is read off the runtime threads: a slow disk must not stall requests.
+        let reading = path.clone();
+        let text = tokio::task::spawn_blocking(move || std::fs::read_to_string(reading))
+            .await
+            .unwrap_or_else(|join| Err(std::io::Error::other(join.to_string())))
+            .map_err(|source| ConfigError::Read {
+                path: path.display().to_string(),
+                source,
+            });
         let result = match text {
             Ok(text) if trigger == Trigger::FileChange && applied.text.as_ref() == Some(&text) => {
                 return Ok(false);
