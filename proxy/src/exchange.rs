@@ -72,13 +72,19 @@ impl Exchange {
         metrics: &Metrics,
         error: &ApiError,
     ) -> bool {
+        self.answered_with(metrics, error);
+        let written = respond_error(session, error, &self.request_id).await;
+        self.client_gone |= !written;
+        written
+    }
+
+    /// Records that the proxy answers with `error`: its status, and the client-error
+    /// metric when it is the client's fault.
+    pub(crate) fn answered_with(&mut self, metrics: &Metrics, error: &ApiError) {
         self.status = error.status();
         if let Some(reason) = error.client_reason() {
             metrics.client_error(reason);
         }
-        let written = respond_error(session, error, &self.request_id).await;
-        self.client_gone |= !written;
-        written
     }
 
     /// Records metrics and writes the request's log line.

@@ -325,6 +325,22 @@ async fn attempt<D: Downstream>(
     }
 }
 
+/// Runs `exchange` (sending the request and reading the response head) within the
+/// first-byte timeout, unless the client leaves first.
+async fn within_first_byte<D: Downstream, T>(
+    state: &State,
+    client: &mut D,
+    exchange: impl Future<Output = T>,
+) -> Result<T, AttemptError> {
+    tokio::select! {
+        biased;
+        outcome = timeout(state.limits.first_byte_timeout, exchange) => {
+            outcome.map_err(|_| AttemptError::Timeout)
+        }
+        () = client.gone() => Err(AttemptError::ClientGone),
+    }
+}
+
 /// A failed connect to `instance`: retryable elsewhere.
 fn connect_failed(instance: &Instance, error: impl std::fmt::Display) -> AttemptError {
     AttemptError::Retryable {
@@ -355,14 +371,8 @@ async fn attempt_h1<D: Downstream>(
         upstream.send(&head, body).await?;
         upstream.read_head().await
     };
-    let outcome = tokio::select! {
-        biased;
-        outcome = timeout(state.limits.first_byte_timeout, exchange) => outcome,
-        () = client.gone() => return Err(AttemptError::ClientGone),
-    };
-    match outcome {
-        Err(_) => Err(AttemptError::Timeout),
-        Ok(Err(error)) => Err(AttemptError::Retryable {
+    match within_first_byte(state, client, exchange).await? {
+        Err(error) => Err(AttemptError::Retryable {
             kind: match error {
                 ExchangeError::Connect(_) => FailureKind::Connect,
                 ExchangeError::Broken(_) => FailureKind::Reset,
@@ -370,7 +380,7 @@ async fn attempt_h1<D: Downstream>(
             detail: format!("{} before the response: {error}", instance.url()),
             reused,
         }),
-        Ok(Ok(())) => Ok(UpstreamSession::H1(upstream)),
+        Ok(()) => Ok(UpstreamSession::H1(upstream)),
     }
 }
 
@@ -406,14 +416,8 @@ async fn attempt_pingora<D: Downstream>(
             }
         }
     };
-    let outcome = tokio::select! {
-        biased;
-        outcome = timeout(state.limits.first_byte_timeout, exchange) => outcome,
-        () = client.gone() => return Err(AttemptError::ClientGone),
-    };
-    match outcome {
-        Err(_) => Err(AttemptError::Timeout),
-        Ok(Err(error)) => {
+    match within_first_byte(state, client, exchange).await? {
+        Err(error) => {
             let kind = match error.etype() {
                 ErrorType::ConnectTimedout
                 | ErrorType::ConnectRefused
@@ -428,7 +432,7 @@ async fn attempt_pingora<D: Downstream>(
                 reused,
             })
         }
-        Ok(Ok(())) => Ok(UpstreamSession::Pingora(Box::new(upstream))),
+        Ok(()) => Ok(UpstreamSession::Pingora(Box::new(upstream))),
     }
 }
 

@@ -170,10 +170,15 @@ async fn over_the_request_rate_is_429_with_retry_after() {
 
 /// A streamed chat request with key A, answered in a task.
 fn stream_with_key_a(proxy: &EdgeProxy) -> tokio::task::JoinHandle<Reply> {
+    let body = r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    chat_with_key_a(proxy, body)
+}
+
+/// A chat request with key A and `body`, answered in a task.
+fn chat_with_key_a(proxy: &EdgeProxy, body: &'static str) -> tokio::task::JoinHandle<Reply> {
     let main = proxy.main;
     tokio::spawn(async move {
         let bearer = format!("Bearer {KEY_A}");
-        let body = r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
         plain(
             main,
             Method::POST,
@@ -257,23 +262,7 @@ async fn over_max_concurrency_is_429() {
     let (tx, backend) = held_first(None).await;
     let keys = key("a", KEY_A, "      max_concurrency: 1\n");
     let proxy = EdgeProxy::from_yaml(&yaml(&backend.url, &keys)).await;
-    let held = tokio::spawn({
-        let main = proxy.main;
-        async move {
-            let bearer = format!("Bearer {KEY_A}");
-            plain(
-                main,
-                Method::POST,
-                "/v1/chat/completions",
-                &[
-                    ("content-type", "application/json"),
-                    ("authorization", &bearer),
-                ],
-                Bytes::from(r#"{"model":"m"}"#),
-            )
-            .await
-        }
-    });
+    let held = chat_with_key_a(&proxy, r#"{"model":"m"}"#);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while proxy.metric(r#"kvmesh_key_in_flight{key="a"}"#).await < 1.0 {
         assert!(tokio::time::Instant::now() < deadline);

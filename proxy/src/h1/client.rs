@@ -190,10 +190,7 @@ impl Downstream for FastClient<'_> {
         metrics: &Metrics,
         error: &ApiError,
     ) -> bool {
-        exchange.status = error.status();
-        if let Some(reason) = error.client_reason() {
-            metrics.client_error(reason);
-        }
+        exchange.answered_with(metrics, error);
         write_error(self.out, error, &exchange.request_id, self.close);
         let written = self.flush().await;
         exchange.client_gone |= !written;
