@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvmesh_control::testing::{NatsServer, temp_dir};
-use kvmesh_control::{ConnectionState, ControlError, EventBus, NatsBus};
+use kvmesh_control::{ConnectionState, ControlError, EventBus, NatsBus, SUBSCRIPTION_BUFFER};
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -121,4 +121,31 @@ async fn publish_subscribe_request_and_reconnect() {
         .await
         .expect("reply after restart");
     assert_eq!(&reply[..], b"re:again");
+}
+
+#[tokio::test]
+async fn a_subscriber_too_far_behind_loses_messages_and_counts_them() {
+    let dir = temp_dir("control-nats-overflow");
+    let server = NatsServer::start(&dir).await.expect("nats starts");
+    let bus = NatsBus::connect(&server.url(), "test-overflow")
+        .await
+        .expect("connect");
+    let mut slow = bus.subscribe("ns.kv.m").await.expect("subscribe");
+    let mut marker = bus.subscribe("ns.marker").await.expect("subscribe");
+    let extra = 25;
+    for i in 0..SUBSCRIPTION_BUFFER + extra {
+        bus.publish("ns.kv.m", Bytes::from(i.to_string()))
+            .await
+            .expect("publish");
+    }
+    // One connection delivers in order: once the marker is here, every message before it
+    // has been handed to (or dropped by) the slow subscription.
+    bus.publish("ns.marker", Bytes::from_static(b"end"))
+        .await
+        .expect("publish");
+    assert_eq!(&recv(&mut marker).await.payload[..], b"end");
+    assert_eq!(slow.dropped(), extra as u64);
+    for i in 0..SUBSCRIPTION_BUFFER {
+        assert_eq!(recv(&mut slow).await.payload, Bytes::from(i.to_string()));
+    }
 }

@@ -7,7 +7,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::{next_event, record};
 use kvmesh_control::{
-    ControlError, EventBus, InProcessBus, InProcessRegistry, Namespace, Registry, WatchEvent,
+    ControlError, EventBus, InProcessBus, InProcessRegistry, Namespace, Registry,
+    SUBSCRIPTION_BUFFER, WatchEvent,
 };
 
 #[tokio::test]
@@ -123,4 +124,24 @@ async fn bus_routes_wildcards_and_requests() {
     assert!(request.reply.is_some());
     assert_eq!(all.next().await.expect("all").subject, "ns.snapshot.2");
     assert_eq!(&all.next().await.expect("all").payload[..], b"3");
+}
+
+#[tokio::test]
+async fn a_full_subscriber_loses_only_its_own_messages_and_counts_them() {
+    let bus = InProcessBus::new();
+    let mut slow = bus.subscribe("ns.kv.m").await.expect("subscribe");
+    let mut other = bus.subscribe("ns.kv.*").await.expect("subscribe");
+    for i in 0..SUBSCRIPTION_BUFFER + 3 {
+        bus.publish("ns.kv.m", Bytes::from(i.to_string()))
+            .await
+            .expect("publish");
+        // The other subscriber keeps up and loses nothing.
+        assert_eq!(
+            other.next().await.unwrap().payload,
+            Bytes::from(i.to_string())
+        );
+    }
+    assert_eq!((slow.dropped(), other.dropped()), (3, 0));
+    let first = slow.next().await.unwrap();
+    assert_eq!(&first.payload[..], b"0");
 }

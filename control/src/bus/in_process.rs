@@ -7,17 +7,19 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 
 use super::subject::{subject_matches, validate_subject};
-use super::{ConnectionState, EventBus, Message, SUBSCRIPTION_BUFFER, Subscription};
+use super::{
+    ConnectionState, EventBus, Inbox, Message, SUBSCRIPTION_BUFFER, Subscription, SubscriptionEnd,
+};
 use crate::error::ControlError;
 
 #[derive(Debug)]
 struct Sub {
     sid: u64,
     pattern: String,
-    tx: mpsc::Sender<Message>,
+    inbox: Inbox,
 }
 
 #[derive(Debug)]
@@ -36,24 +38,22 @@ impl Inner {
                 reply: reply.map(str::to_owned),
                 payload: payload.clone(),
             };
-            if sub.tx.try_send(msg).is_err() && !sub.tx.is_closed() {
-                tracing::warn!(subject, pattern = %sub.pattern, "subscriber is full; message dropped");
-            }
+            sub.inbox.deliver(msg);
         }
     }
 
-    fn add(&self, pattern: &str) -> (u64, mpsc::Receiver<Message>) {
+    fn add(&self, pattern: &str) -> (u64, SubscriptionEnd) {
         let sid = self.next_sid.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel(SUBSCRIPTION_BUFFER);
+        let (inbox, end) = Inbox::new(SUBSCRIPTION_BUFFER);
         self.subs
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .push(Sub {
                 sid,
                 pattern: pattern.to_owned(),
-                tx,
+                inbox,
             });
-        (sid, rx)
+        (sid, end)
     }
 }
 

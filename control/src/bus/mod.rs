@@ -6,6 +6,8 @@ mod nats;
 mod subject;
 
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -51,9 +53,65 @@ pub enum ConnectionState {
 /// Unsubscribes when a [`Subscription`] is dropped.
 pub(crate) type Unsubscribe = Box<dyn FnOnce() + Send + Sync>;
 
+/// The bus's side of a subscription: hands messages over without waiting, and counts those
+/// dropped because the subscriber fell `capacity` messages behind.
+#[derive(Debug)]
+pub(crate) struct Inbox {
+    tx: mpsc::Sender<Message>,
+    dropped: Arc<AtomicU64>,
+}
+
+/// What became of a message handed to an [`Inbox`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Delivery {
+    /// Queued for the subscriber.
+    Queued,
+    /// Dropped: the subscriber's buffer is full.
+    Dropped,
+    /// The subscription is gone.
+    Closed,
+}
+
+impl Inbox {
+    /// An inbox of `capacity` messages and the subscription end of it.
+    pub(crate) fn new(capacity: usize) -> (Self, SubscriptionEnd) {
+        let (tx, rx) = mpsc::channel(capacity);
+        let dropped = Arc::new(AtomicU64::new(0));
+        let end = SubscriptionEnd {
+            rx,
+            dropped: Arc::clone(&dropped),
+        };
+        (Self { tx, dropped }, end)
+    }
+
+    /// Queues `message`; when the subscriber is full it is dropped, counted, and logged at
+    /// the 1st, 2nd, 4th, 8th... drop (a flood of drops is not a flood of log lines).
+    pub(crate) fn deliver(&self, message: Message) -> Delivery {
+        match self.tx.try_send(message) {
+            Ok(()) => Delivery::Queued,
+            Err(mpsc::error::TrySendError::Full(message)) => {
+                let dropped = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+                if dropped.is_power_of_two() {
+                    tracing::warn!(subject = %message.subject, dropped, "subscriber is full; messages dropped");
+                }
+                Delivery::Dropped
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => Delivery::Closed,
+        }
+    }
+}
+
+/// The subscriber's end of an [`Inbox`], made into a [`Subscription`].
+#[derive(Debug)]
+pub(crate) struct SubscriptionEnd {
+    rx: mpsc::Receiver<Message>,
+    dropped: Arc<AtomicU64>,
+}
+
 /// The messages of one subscription (or of [`EventBus::serve`]), until dropped.
 pub struct Subscription {
     rx: mpsc::Receiver<Message>,
+    dropped: Arc<AtomicU64>,
     unsubscribe: Option<Unsubscribe>,
 }
 
@@ -64,9 +122,10 @@ impl std::fmt::Debug for Subscription {
 }
 
 impl Subscription {
-    pub(crate) fn new(rx: mpsc::Receiver<Message>, unsubscribe: Unsubscribe) -> Self {
+    pub(crate) fn new(end: SubscriptionEnd, unsubscribe: Unsubscribe) -> Self {
         Self {
-            rx,
+            rx: end.rx,
+            dropped: end.dropped,
             unsubscribe: Some(unsubscribe),
         }
     }
@@ -74,6 +133,12 @@ impl Subscription {
     /// The next message; `None` once the bus is shut down.
     pub async fn next(&mut self) -> Option<Message> {
         self.rx.recv().await
+    }
+
+    /// Messages dropped so far because this subscriber was [`SUBSCRIPTION_BUFFER`] messages
+    /// behind (delivery is at most once; consumers of numbered batches see the gap too).
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
     }
 }
 

@@ -122,6 +122,15 @@ struct ModelSync {
     members: HashSet<u64>,
 }
 
+/// Counts the batches `events` dropped since `counted` (the bus drops what a subscriber
+/// too far behind cannot take; the sequence numbers then show a gap and trigger a resync);
+/// returns the new total.
+fn count_overflow(metrics: &ControlMetrics, events: &Subscription, counted: u64) -> u64 {
+    let dropped = events.dropped();
+    metrics.dropped(Dropped::Overflow, dropped.saturating_sub(counted));
+    dropped
+}
+
 /// A resync request in flight.
 struct Pending {
     generation: u64,
@@ -185,10 +194,14 @@ impl Intake {
         };
         let initial = *connection.borrow_and_update();
         actor.on_connection(initial);
+        let mut overflowed = 0;
         loop {
             tokio::select! {
                 message = events.next() => match message {
-                    Some(message) => actor.on_batch(&message),
+                    Some(message) => {
+                        overflowed = count_overflow(&actor.metrics, &events, overflowed);
+                        actor.on_batch(&message);
+                    }
                     None => break,
                 },
                 Some(message) = loads.next() => actor.on_load(&message),

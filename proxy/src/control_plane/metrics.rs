@@ -60,6 +60,8 @@ pub(crate) enum Dropped {
     UnknownInstance,
     /// Already applied, or covered by a snapshot.
     Stale,
+    /// Never reached the intake: it fell a whole subscription buffer behind the bus.
+    Overflow,
 }
 
 impl Dropped {
@@ -67,6 +69,7 @@ impl Dropped {
         match self {
             Self::UnknownInstance => "unknown_instance",
             Self::Stale => "stale",
+            Self::Overflow => "overflow",
         }
     }
 }
@@ -120,7 +123,7 @@ impl ControlMetrics {
         let dropped = IntCounterVec::new(
             Opts::new(
                 "kvmesh_kv_event_batches_dropped_total",
-                "Well-formed KV event batches not applied, by reason (unknown_instance, stale).",
+                "KV event batches not applied, by reason (unknown_instance, stale, overflow).",
             ),
             &["reason"],
         )?;

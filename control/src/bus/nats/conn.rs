@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use super::proto::{self, ServerOp};
 use crate::backoff::Backoff;
-use crate::bus::{ConnectionState, Message};
+use crate::bus::{ConnectionState, Delivery, Inbox, Message};
 use crate::error::ControlError;
 
 /// Deadline of the TCP connect and of the INFO / CONNECT / PONG handshake.
@@ -36,7 +36,7 @@ pub(crate) enum Command {
     Subscribe {
         sid: u64,
         subject: String,
-        tx: mpsc::Sender<Message>,
+        inbox: Inbox,
     },
     /// Remove a subscription.
     Unsubscribe { sid: u64 },
@@ -62,7 +62,7 @@ enum End {
 /// A subscription as the task keeps it.
 struct Sub {
     subject: String,
-    tx: mpsc::Sender<Message>,
+    inbox: Inbox,
 }
 
 struct Session {
@@ -139,8 +139,12 @@ async fn handshake(addr: &str, name: &str) -> Result<(Session, Option<usize>), C
 /// Applies a command while disconnected: subscriptions are remembered, the rest dropped.
 fn offline(cmd: Command, subs: &mut HashMap<u64, Sub>) {
     match cmd {
-        Command::Subscribe { sid, subject, tx } => {
-            subs.insert(sid, Sub { subject, tx });
+        Command::Subscribe {
+            sid,
+            subject,
+            inbox,
+        } => {
+            subs.insert(sid, Sub { subject, inbox });
         }
         Command::Unsubscribe { sid } => {
             subs.remove(&sid);
@@ -158,9 +162,13 @@ impl Session {
                 reply,
                 payload,
             } => proto::write_pub(&mut self.wbuf, &subject, reply.as_deref(), &payload),
-            Command::Subscribe { sid, subject, tx } => {
+            Command::Subscribe {
+                sid,
+                subject,
+                inbox,
+            } => {
                 proto::write_sub(&mut self.wbuf, &subject, sid);
-                subs.insert(sid, Sub { subject, tx });
+                subs.insert(sid, Sub { subject, inbox });
             }
             Command::Unsubscribe { sid } => {
                 if subs.remove(&sid).is_some() {
@@ -195,15 +203,9 @@ impl Session {
                     reply,
                     payload,
                 };
-                match sub.tx.try_send(msg) {
-                    Ok(()) => {}
-                    Err(mpsc::error::TrySendError::Full(_)) => {
-                        tracing::warn!(subject = %sub.subject, "NATS subscriber is full; message dropped");
-                    }
-                    Err(mpsc::error::TrySendError::Closed(_)) => {
-                        subs.remove(&sid);
-                        proto::write_unsub(&mut self.wbuf, sid);
-                    }
+                if sub.inbox.deliver(msg) == Delivery::Closed {
+                    subs.remove(&sid);
+                    proto::write_unsub(&mut self.wbuf, sid);
                 }
             }
             ServerOp::Ping => self.wbuf.extend_from_slice(b"PONG\r\n"),

@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 
 use self::conn::{Command, Shared};
 use super::subject::validate_subject;
-use super::{ConnectionState, EventBus, SUBSCRIPTION_BUFFER, Subscription};
+use super::{ConnectionState, EventBus, Inbox, SUBSCRIPTION_BUFFER, Subscription};
 use crate::error::ControlError;
 
 /// NATS's default port.
@@ -195,16 +195,16 @@ impl EventBus for NatsBus {
     async fn subscribe(&self, subject: &str) -> Result<Subscription, ControlError> {
         validate_subject(subject, true)?;
         let sid = self.client.next_sid.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel(SUBSCRIPTION_BUFFER);
+        let (inbox, end) = Inbox::new(SUBSCRIPTION_BUFFER);
         self.send(Command::Subscribe {
             sid,
             subject: subject.to_owned(),
-            tx,
+            inbox,
         })
         .await?;
         let cmds = self.client.cmds.clone();
         let subscription = Subscription::new(
-            rx,
+            end,
             Box::new(move || {
                 // If the queue is full the task drops the subscription when it finds the
                 // receiver closed.
@@ -234,18 +234,18 @@ impl EventBus for NatsBus {
             self.client.next_sid.fetch_add(1, Ordering::Relaxed)
         );
         let sid = self.client.next_sid.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel(1);
+        let (replies_inbox, end) = Inbox::new(1);
         // No confirmation round trip: the SUB reaches the server before the PUB on the same
         // connection.
         self.send(Command::Subscribe {
             sid,
             subject: inbox.clone(),
-            tx,
+            inbox: replies_inbox,
         })
         .await?;
         let cmds = self.client.cmds.clone();
         let mut replies = Subscription::new(
-            rx,
+            end,
             Box::new(move || {
                 let _ = cmds.try_send(Command::Unsubscribe { sid });
             }),
