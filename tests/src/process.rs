@@ -38,6 +38,25 @@ impl Spawned {
     /// Starts `bin` (a binary of the workspace) with `args`, logs its stderr to
     /// `log_dir`, and waits until it prints `READY`.
     pub fn start(bin: &str, args: &[String], log_dir: &std::path::Path) -> anyhow::Result<Self> {
+        Self::launch(bin, &[], args, log_dir)
+    }
+
+    /// [`Spawned::start`] under `taskset -c 0`: the process sees a machine of one CPU.
+    pub fn start_on_one_cpu(
+        bin: &str,
+        args: &[String],
+        log_dir: &std::path::Path,
+    ) -> anyhow::Result<Self> {
+        Self::launch(bin, &["taskset", "-c", "0"], args, log_dir)
+    }
+
+    /// Starts `bin` through `wrapper` (a command that execs it, or nothing).
+    fn launch(
+        bin: &str,
+        wrapper: &[&str],
+        args: &[String],
+        log_dir: &std::path::Path,
+    ) -> anyhow::Result<Self> {
         let path = bin_dir().join(bin);
         if !path.exists() {
             bail!(
@@ -48,7 +67,15 @@ impl Spawned {
         let log = log_dir.join(format!("{bin}.{}.log", std::process::id()));
         let log = unique_path(log);
         let stderr = std::fs::File::create(&log).context("creating log file")?;
-        let mut child = Command::new(&path)
+        let mut command = match wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut command = Command::new(program);
+                command.args(rest).arg(&path);
+                command
+            }
+            None => Command::new(&path),
+        };
+        let mut child = command
             .args(args)
             .env(
                 "RUST_LOG",
