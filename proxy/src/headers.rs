@@ -18,7 +18,7 @@ pub(crate) const X_KVMESH_ROUTE: HeaderName = HeaderName::from_static("x-kvmesh-
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1),
 /// plus `expect`, which the proxy answers itself. `name` in any case.
-pub(crate) fn is_hop_by_hop(name: &[u8]) -> bool {
+fn is_hop_by_hop(name: &[u8]) -> bool {
     const HOP_BY_HOP: [&[u8]; 10] = [
         b"connection",
         b"keep-alive",
@@ -39,6 +39,12 @@ pub(crate) fn listed_in_connection(connection: &[u8], name: &[u8]) -> bool {
     connection
         .split(|&byte| byte == b',')
         .any(|token| token.trim_ascii().eq_ignore_ascii_case(name))
+}
+
+/// Whether a field called `name` of a raw head, whose `Connection` value is `connection`, is
+/// end-to-end (forwarded).
+pub(crate) fn is_end_to_end(name: &[u8], connection: Option<&[u8]>) -> bool {
+    !is_hop_by_hop(name) && !connection.is_some_and(|list| listed_in_connection(list, name))
 }
 
 /// Whether a header is end-to-end (forwarded).

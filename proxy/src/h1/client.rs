@@ -20,9 +20,7 @@ use crate::downstream::{Downstream, UpstreamTarget};
 use crate::exchange::Exchange;
 use crate::failure::FailureKind;
 use crate::forward::Answer;
-use crate::headers::{
-    Framing, ProxyHeaders, X_REQUEST_ID, is_hop_by_hop, listed_in_connection, upstream_request,
-};
+use crate::headers::{Framing, ProxyHeaders, X_REQUEST_ID, is_end_to_end, upstream_request};
 use crate::metrics::Metrics;
 use crate::pool::ModelPool;
 use crate::relay::{BodySink, RelayContext, RelayEnd, relay};
@@ -112,9 +110,7 @@ impl<'a> FastClient<'a> {
             || (self.strip_authorization && name.eq_ignore_ascii_case(b"authorization"));
         // The fast path serves heads with at most one `Connection` field.
         let connection = self.head.fields.get(Known::Connection);
-        !ours
-            && !is_hop_by_hop(name)
-            && !connection.is_some_and(|list| listed_in_connection(list, name))
+        !ours && is_end_to_end(name, connection)
     }
 }
 

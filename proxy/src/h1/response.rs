@@ -9,7 +9,7 @@ use super::head::Known;
 use crate::api_error::ApiError;
 use crate::headers::{
     Framing, ProxyHeaders, X_KVMESH_INSTANCE, X_KVMESH_ROUTE, X_REQUEST_ID, downstream_response,
-    is_hop_by_hop, listed_in_connection,
+    is_end_to_end,
 };
 use crate::respond::error_headers;
 use crate::upstream_session::UpstreamSession;
@@ -86,10 +86,7 @@ pub(crate) fn write_relayed_head(
         let ours = name.eq_ignore_ascii_case(X_REQUEST_ID.as_str().as_bytes())
             || name.eq_ignore_ascii_case(X_KVMESH_ROUTE.as_str().as_bytes())
             || name.eq_ignore_ascii_case(X_KVMESH_INSTANCE.as_str().as_bytes());
-        if ours
-            || is_hop_by_hop(name)
-            || connection.is_some_and(|list| listed_in_connection(list, name))
-        {
+        if ours || !is_end_to_end(name, connection) {
             continue;
         }
         // The engine's length holds only for a body it framed by length (a chunked one
