@@ -1,5 +1,7 @@
 //! The `policy: kv` routing decision without a network, for the proxy's benchmarks
-//! (`benches/route.rs`). Not a stable API.
+//! (`benches/route.rs`); the relay's per-piece work in [`relay`]. Not a stable API.
+
+pub mod relay;
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::Path;
