@@ -37,41 +37,51 @@ pub(crate) struct SseScanner {
 }
 
 impl SseScanner {
-    /// Scans the next chunk of the stream.
+    /// Scans the next chunk of the stream. Line contents are skipped to the next line
+    /// ending at once (`memchr`); only line endings and the first bytes of a line are
+    /// looked at one by one.
     pub(crate) fn feed(&mut self, chunk: &[u8]) -> ChunkScan {
         let mut scan = ChunkScan::default();
-        for (offset, &byte) in chunk.iter().enumerate() {
-            match byte {
-                b'\n' if self.after_cr => {
-                    self.after_cr = false;
-                    // The line already ended at the `\r`; a boundary found there
-                    // now extends over this `\n`.
-                    if scan.last_boundary == Some(offset) {
-                        scan.last_boundary = Some(offset + 1);
-                    }
+        let mut at = 0;
+        while at < chunk.len() {
+            let ending =
+                memchr::memchr2(b'\r', b'\n', &chunk[at..]).map_or(chunk.len(), |i| at + i);
+            if ending > at {
+                self.line_bytes(&chunk[at..ending]);
+            }
+            let Some(&byte) = chunk.get(ending) else {
+                break;
+            };
+            if byte == b'\n' && self.after_cr {
+                self.after_cr = false;
+                // The line already ended at the `\r`; a boundary found there now
+                // extends over this `\n`.
+                if scan.last_boundary == Some(ending) {
+                    scan.last_boundary = Some(ending + 1);
                 }
-                b'\r' | b'\n' => {
-                    self.after_cr = byte == b'\r';
-                    if self.end_line() {
-                        scan.last_boundary = Some(offset + 1);
-                        if self.dispatch() {
-                            scan.data_events += 1;
-                        }
-                    }
-                }
-                _ => {
-                    self.after_cr = false;
-                    self.line_started = true;
-                    if self.prefix_len < PREFIX_CAPACITY {
-                        self.prefix[self.prefix_len] = byte;
-                        self.prefix_len += 1;
-                    } else {
-                        self.long_line = true;
+            } else {
+                self.after_cr = byte == b'\r';
+                if self.end_line() {
+                    scan.last_boundary = Some(ending + 1);
+                    if self.dispatch() {
+                        scan.data_events += 1;
                     }
                 }
             }
+            at = ending + 1;
         }
         scan
+    }
+
+    /// Takes `bytes` (no line ending among them) as more of the current line.
+    fn line_bytes(&mut self, bytes: &[u8]) {
+        self.after_cr = false;
+        self.line_started = true;
+        let room = PREFIX_CAPACITY - self.prefix_len;
+        let kept = room.min(bytes.len());
+        self.prefix[self.prefix_len..self.prefix_len + kept].copy_from_slice(&bytes[..kept]);
+        self.prefix_len += kept;
+        self.long_line |= bytes.len() > room;
     }
 
     /// Whether the stream currently sits inside an unfinished event or line.
@@ -224,5 +234,86 @@ mod tests {
         let (events, boundaries) = scan_split(long.as_bytes(), &[3, 5000]);
         assert_eq!(events, 1);
         assert_eq!(boundaries, vec![long.len()]);
+    }
+
+    /// The whole stream read line by line, the plain way: the number of data events and,
+    /// for each blank line, where it ends (and where its `\r` ends, when it ends `\r\n`).
+    fn reference(stream: &[u8]) -> (usize, Vec<(usize, Option<usize>)>) {
+        let (mut events, mut boundaries) = (0, Vec::new());
+        let (mut has_data, mut all_done) = (false, true);
+        let mut start = 0;
+        let mut at = 0;
+        while at < stream.len() {
+            if stream[at] != b'\r' && stream[at] != b'\n' {
+                at += 1;
+                continue;
+            }
+            let line = &stream[start..at];
+            let crlf = stream[at] == b'\r' && stream.get(at + 1) == Some(&b'\n');
+            let end = at + 1 + usize::from(crlf);
+            if line.is_empty() {
+                if has_data && !all_done {
+                    events += 1;
+                }
+                (has_data, all_done) = (false, true);
+                boundaries.push((end, crlf.then_some(at + 1)));
+            } else if let Some(value) = data_value(line) {
+                has_data = true;
+                all_done &= value == b"[DONE]";
+            }
+            start = end;
+            at = end;
+        }
+        (events, boundaries)
+    }
+
+    /// Pieces SSE streams are made of.
+    const PIECES: &[&str] = &[
+        "data: ",
+        "data:",
+        "data",
+        "[DONE]",
+        "{\"x\":1}",
+        ": keep-alive",
+        "event: y",
+        "\r",
+        "\n",
+        "\r\n",
+        "d",
+        "abcdefghijklmnop",
+    ];
+
+    proptest::proptest! {
+        #[test]
+        fn chunks_scan_as_the_whole_stream_reads(
+            pieces in proptest::collection::vec(proptest::sample::select(PIECES), 0..40),
+            cuts in proptest::collection::vec(0usize..400, 0..8),
+        ) {
+            let stream = pieces.concat().into_bytes();
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|cut| cut % (stream.len() + 1)).collect();
+            cuts.sort_unstable();
+            let (events, boundaries) = reference(&stream);
+            let mut scanner = SseScanner::default();
+            let mut seen = 0;
+            let mut start = 0;
+            for end in cuts.into_iter().chain(std::iter::once(stream.len())) {
+                let scan = scanner.feed(&stream[start..end]);
+                seen += scan.data_events;
+                // The last blank line ending in this chunk; one whose `\r` came in an
+                // earlier chunk already counted there.
+                let expected = boundaries
+                    .iter()
+                    .filter_map(|&(at, cr)| match cr {
+                        Some(cr) if cr <= start => None,
+                        Some(cr) if at > end => Some(cr),
+                        _ => Some(at),
+                    })
+                    .filter(|&at| at > start && at <= end)
+                    .max();
+                proptest::prop_assert_eq!(scan.last_boundary.map(|b| start + b), expected);
+                start = end;
+            }
+            proptest::prop_assert_eq!(seen, events);
+        }
     }
 }

@@ -24,7 +24,7 @@ impl SseData {
     /// Feeds the next chunk; `on_event` gets the data of every event it completes.
     pub(crate) fn feed(&mut self, chunk: &[u8], mut on_event: impl FnMut(&[u8])) {
         let mut rest = chunk;
-        while let Some(at) = rest.iter().position(|&b| b == b'\n' || b == b'\r') {
+        while let Some(at) = memchr::memchr2(b'\n', b'\r', rest) {
             let (line, tail) = rest.split_at(at);
             let ending = tail[0];
             rest = &tail[1..];
