@@ -1,7 +1,7 @@
 //! Reading an engine's response body out of the connection's buffer, by its framing:
 //! `Content-Length`, chunked transfer coding, or until the connection closes.
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 
 /// Longest chunk-size or trailer line accepted.
 const MAX_LINE: usize = 4096;
@@ -112,10 +112,11 @@ fn decode_chunks(state: &mut ChunkState, buf: &mut BytesMut) -> Result<Decoded, 
     let ended = loop {
         match *state {
             ChunkState::Size => {
-                let Some(line) = take_line(buf)? else {
+                let Some(line) = line_length(buf)? else {
                     break false;
                 };
-                let size = chunk_size(&line)?;
+                let size = chunk_size(&buf[..line])?;
+                buf.advance(line + 2);
                 *state = if size == 0 {
                     ChunkState::Trailers
                 } else {
@@ -142,14 +143,15 @@ fn decode_chunks(state: &mut ChunkState, buf: &mut BytesMut) -> Result<Decoded, 
                 if &buf[..2] != b"\r\n" {
                     return Err(BadFraming);
                 }
-                let _ = buf.split_to(2);
+                buf.advance(2);
                 *state = ChunkState::Size;
             }
             ChunkState::Trailers => {
-                let Some(line) = take_line(buf)? else {
+                let Some(line) = line_length(buf)? else {
                     break false;
                 };
-                if line.is_empty() {
+                buf.advance(line + 2);
+                if line == 0 {
                     *state = ChunkState::Done;
                     break true;
                 }
@@ -165,14 +167,11 @@ fn decode_chunks(state: &mut ChunkState, buf: &mut BytesMut) -> Result<Decoded, 
     })
 }
 
-/// Splits one CRLF-terminated line (without the CRLF) off `buf`.
-fn take_line(buf: &mut BytesMut) -> Result<Option<BytesMut>, BadFraming> {
+/// The length of the CRLF-terminated line at the start of `buf` (without the CRLF), once
+/// it is all there.
+fn line_length(buf: &[u8]) -> Result<Option<usize>, BadFraming> {
     match buf.windows(2).position(|pair| pair == b"\r\n") {
-        Some(end) => {
-            let line = buf.split_to(end);
-            let _ = buf.split_to(2);
-            Ok(Some(line))
-        }
+        Some(end) => Ok(Some(end)),
         None if buf.len() > MAX_LINE => Err(BadFraming),
         None => Ok(None),
     }
