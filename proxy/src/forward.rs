@@ -16,7 +16,7 @@ use crate::clock::now_millis;
 use crate::downstream::{Downstream, UpstreamTarget};
 use crate::exchange::Exchange;
 use crate::failure::FailureKind;
-use crate::h1::upstream::{Exchange as H1Exchange, ExchangeError};
+use crate::h1::upstream::{Exchange as H1Exchange, ExchangeError, TimedOut};
 use crate::instance::Instance;
 use crate::kv_route::booking::Booking;
 use crate::kv_route::explain::route_header;
@@ -332,11 +332,19 @@ async fn within_first_byte<D: Downstream, T>(
     client: &mut D,
     exchange: impl Future<Output = T>,
 ) -> Result<T, AttemptError> {
+    unless_client_leaves(client, timeout(state.limits.first_byte_timeout, exchange))
+        .await?
+        .map_err(|_| AttemptError::Timeout)
+}
+
+/// Runs `work` unless the client leaves first.
+async fn unless_client_leaves<D: Downstream, T>(
+    client: &mut D,
+    work: impl Future<Output = T>,
+) -> Result<T, AttemptError> {
     tokio::select! {
         biased;
-        outcome = timeout(state.limits.first_byte_timeout, exchange) => {
-            outcome.map_err(|_| AttemptError::Timeout)
-        }
+        output = work => Ok(output),
         () = client.gone() => Err(AttemptError::ClientGone),
     }
 }
@@ -359,20 +367,18 @@ async fn attempt_h1<D: Downstream>(
     body: &Bytes,
     target: &UpstreamTarget<'_>,
 ) -> Result<UpstreamSession, AttemptError> {
-    let mut head = Vec::with_capacity(512);
-    client
-        .write_upstream_request(target, &mut head)
-        .map_err(|error| AttemptError::Unforwardable(error.to_string()))?;
     let pool = state.upstream.h1();
     let (mut upstream, reused) = H1Exchange::open(pool, address, instance.connect_timeout())
         .await
         .map_err(|error| connect_failed(instance, error))?;
-    let exchange = async {
-        upstream.send(&head, body).await?;
-        upstream.read_head().await
-    };
-    match within_first_byte(state, client, exchange).await? {
-        Err(error) => Err(AttemptError::Retryable {
+    client
+        .write_upstream_request(target, upstream.request_head())
+        .map_err(|error| AttemptError::Unforwardable(error.to_string()))?;
+    // The first-byte deadline runs on the connection's own timer.
+    let exchange = upstream.request(body, state.limits.first_byte_timeout);
+    match unless_client_leaves(client, exchange).await? {
+        Err(TimedOut) => Err(AttemptError::Timeout),
+        Ok(Err(error)) => Err(AttemptError::Retryable {
             kind: match error {
                 ExchangeError::Connect(_) => FailureKind::Connect,
                 ExchangeError::Broken(_) => FailureKind::Reset,
@@ -380,7 +386,7 @@ async fn attempt_h1<D: Downstream>(
             detail: format!("{} before the response: {error}", instance.url()),
             reused,
         }),
-        Ok(()) => Ok(UpstreamSession::H1(upstream)),
+        Ok(Ok(())) => Ok(UpstreamSession::H1(upstream)),
     }
 }
 

@@ -12,7 +12,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use tokio::time::{Instant, timeout};
+use tokio::time::Instant;
 
 use crate::api_error::error_json;
 use crate::auth::CompletionMeter;
@@ -91,7 +91,7 @@ pub(crate) async fn relay<S: BodySink>(
             Some(read) => Ok(read),
             None => tokio::select! {
                 biased;
-                read = timeout(ctx.idle_timeout, upstream.read_body()) => read,
+                read = upstream.read_body_within(ctx.idle_timeout) => read,
                 () = downstream.client_gone() => return RelayEnd::ClientGone,
             },
         };

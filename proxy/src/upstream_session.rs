@@ -2,17 +2,23 @@
 //! HTTP/1.1 client for plaintext HTTP/1.1 engines, pingora's for h2c and `https://` ones.
 
 use std::borrow::Cow;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::HeaderName;
 use pingora_core::protocols::http::client::HttpSession;
 use pingora_http::ResponseHeader;
+use tokio::time::timeout;
 
 use crate::h1::head::Known;
-use crate::h1::upstream::Exchange;
+use crate::h1::upstream::{Exchange, TimedOut};
 use crate::headers::is_event_stream_type;
 
 /// The engine side of a forwarded request, once the response head has been read.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "our client's exchange is the common case: boxing it would cost an allocation per request"
+)]
 pub(crate) enum UpstreamSession {
     /// Pingora's client (h2c and `https://` engines), boxed: it is several times the size
     /// of ours.
@@ -88,18 +94,21 @@ impl UpstreamSession {
         }
     }
 
-    /// The next piece of the response body; `None` at its end; `Err` when the engine broke
-    /// off or framed the body wrongly.
-    pub(crate) async fn read_body(&mut self) -> Result<Option<Bytes>, String> {
+    /// The next piece of the response body within `limit`; `None` at its end; `Err` when
+    /// the engine broke off or framed the body wrongly.
+    pub(crate) async fn read_body_within(
+        &mut self,
+        limit: Duration,
+    ) -> Result<Result<Option<Bytes>, String>, TimedOut> {
         match self {
-            UpstreamSession::Pingora(session) => session
-                .read_response_body()
+            UpstreamSession::Pingora(session) => timeout(limit, session.read_response_body())
                 .await
-                .map_err(|error| error.to_string()),
+                .map(|read| read.map_err(|error| error.to_string()))
+                .map_err(|_| TimedOut),
             UpstreamSession::H1(exchange) => exchange
-                .read_body()
+                .read_body_within(limit)
                 .await
-                .map_err(|error| error.to_string()),
+                .map(|read| read.map_err(|error| error.to_string())),
         }
     }
 }

@@ -8,7 +8,7 @@ use bytes::{Bytes, BytesMut};
 use kvmesh_proto::inference::{ModelInferResponse, ModelStreamInferResponse};
 use pingora_http::RequestHeader;
 use tokio::sync::mpsc;
-use tokio::time::{Instant, timeout};
+use tokio::time::Instant;
 use tonic::Status;
 
 use crate::api_error::ApiError;
@@ -97,7 +97,7 @@ enum Read {
 async fn read(upstream: &mut UpstreamSession, sink: &Sink, idle: Duration) -> Read {
     tokio::select! {
         biased;
-        read = timeout(idle, upstream.read_body()) => match read {
+        read = upstream.read_body_within(idle) => match read {
             Err(_) => Read::Failed(FailureKind::Timeout),
             Ok(Err(_)) => Read::Failed(FailureKind::Reset),
             Ok(Ok(None)) => Read::Done,

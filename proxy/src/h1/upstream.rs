@@ -13,6 +13,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout};
 
+use crate::lazy_timer::{Elapsed, LazyTimer};
+
 use super::body::{BadFraming, ChunkState, Decoded, Framing};
 use super::head::{Known, Parsed, ResponseHead, parse_decimal, parse_response};
 use crate::headers::listed_in_connection;
@@ -23,11 +25,17 @@ const MAX_RESPONSE_HEAD: usize = 64 * 1024;
 /// Room reserved in a connection's buffer before each read.
 const READ_RESERVE: usize = 16 * 1024;
 
-/// An open connection to an engine and what it has read ahead.
+/// Initial room for a connection's request heads.
+const HEAD_CAPACITY: usize = 512;
+
+/// An open connection to an engine, what it has read ahead, and what its requests reuse:
+/// the buffer request heads are written into, and the timer of their deadlines.
 #[derive(Debug)]
 pub(crate) struct Connection {
     tcp: TcpStream,
     buf: BytesMut,
+    head: Vec<u8>,
+    timer: LazyTimer,
 }
 
 /// Idle engine connections, per engine address.
@@ -108,6 +116,10 @@ pub(crate) struct Exchange {
     eof: bool,
 }
 
+/// No response head (`first_byte`) or no body piece (`idle`) within its time limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TimedOut;
+
 impl Exchange {
     /// An exchange on a pooled connection to `addr` (the flag is true) or a new one.
     pub(crate) async fn open(
@@ -130,9 +142,15 @@ impl Exchange {
         Ok((exchange, reused))
     }
 
-    /// Writes the request head and body (one `writev` when the socket takes it all).
-    pub(crate) async fn send(&mut self, head: &[u8], body: &[u8]) -> Result<(), ExchangeError> {
-        let tcp = &mut self.connection.tcp;
+    /// The request head to send, empty: written by the caller, sent by [`Exchange::send`].
+    pub(crate) fn request_head(&mut self) -> &mut Vec<u8> {
+        self.connection.head.clear();
+        &mut self.connection.head
+    }
+
+    /// Writes the request head and `body` (one `writev` when the socket takes it all).
+    pub(crate) async fn send(&mut self, body: &[u8]) -> Result<(), ExchangeError> {
+        let Connection { tcp, head, .. } = &mut self.connection;
         let mut written = 0;
         let total = head.len() + body.len();
         while written < total {
@@ -155,6 +173,40 @@ impl Exchange {
             }
         }
         Ok(())
+    }
+
+    /// Sends the request (head and `body`) and reads the response head, within `limit`.
+    pub(crate) async fn request(
+        &mut self,
+        body: &[u8],
+        limit: Duration,
+    ) -> Result<Result<(), ExchangeError>, TimedOut> {
+        let mut timer = self.take_timer();
+        let outcome = timer
+            .within(limit, async {
+                self.send(body).await?;
+                self.read_head().await
+            })
+            .await;
+        self.connection.timer = timer;
+        outcome.map_err(|Elapsed| TimedOut)
+    }
+
+    /// The next piece of the body within `limit` (see [`Exchange::read_body`]).
+    pub(crate) async fn read_body_within(
+        &mut self,
+        limit: Duration,
+    ) -> Result<Result<Option<Bytes>, ExchangeError>, TimedOut> {
+        let mut timer = self.take_timer();
+        let outcome = timer.within(limit, self.read_body()).await;
+        self.connection.timer = timer;
+        outcome.map_err(|Elapsed| TimedOut)
+    }
+
+    /// The connection's timer, to run a future of this exchange against (put back after;
+    /// an exchange cancelled meanwhile is not reused: its connection closes).
+    fn take_timer(&mut self) -> LazyTimer {
+        std::mem::take(&mut self.connection.timer)
     }
 
     /// Reads the response head (skipping `1xx` interim responses).
@@ -265,6 +317,8 @@ async fn connect(addr: SocketAddr, limit: Option<Duration>) -> Result<Connection
     Ok(Connection {
         tcp,
         buf: BytesMut::with_capacity(READ_RESERVE),
+        head: Vec::with_capacity(HEAD_CAPACITY),
+        timer: LazyTimer::default(),
     })
 }
 
@@ -345,7 +399,10 @@ mod tests {
         let pool = ConnectionPool::new(4, Duration::from_secs(60));
         for expected in [&b"ok"[..], b"hi"] {
             let (mut exchange, _) = Exchange::open(&pool, addr, None).await.unwrap();
-            exchange.send(b"GET / HTTP/1.1\r\n\r\n", b"").await.unwrap();
+            exchange
+                .request_head()
+                .extend_from_slice(b"GET / HTTP/1.1\r\n\r\n");
+            exchange.send(b"").await.unwrap();
             exchange.read_head().await.unwrap();
             assert_eq!(exchange.head().unwrap().status, 200);
             assert_eq!(body(&mut exchange).await, expected);
@@ -364,7 +421,10 @@ mod tests {
         let pool = ConnectionPool::new(4, Duration::from_secs(60));
         let (mut exchange, reused) = Exchange::open(&pool, addr, None).await.unwrap();
         assert!(!reused);
-        exchange.send(b"GET / HTTP/1.1\r\n", b"\r\n").await.unwrap();
+        exchange
+            .request_head()
+            .extend_from_slice(b"GET / HTTP/1.1\r\n");
+        exchange.send(b"\r\n").await.unwrap();
         exchange.read_head().await.unwrap();
         assert_eq!(body(&mut exchange).await, b"x");
         exchange.release(&pool);
@@ -376,7 +436,10 @@ mod tests {
         let addr = engine(vec![b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc"]).await;
         let pool = ConnectionPool::new(4, Duration::from_secs(60));
         let (mut exchange, _) = Exchange::open(&pool, addr, None).await.unwrap();
-        exchange.send(b"GET / HTTP/1.1\r\n\r\n", b"").await.unwrap();
+        exchange
+            .request_head()
+            .extend_from_slice(b"GET / HTTP/1.1\r\n\r\n");
+        exchange.send(b"").await.unwrap();
         exchange.read_head().await.unwrap();
         assert_eq!(exchange.read_body().await.unwrap().unwrap(), &b"abc"[..]);
         assert!(exchange.read_body().await.is_err());
