@@ -14,3 +14,4 @@ pub(crate) mod head;
 pub(crate) mod response;
 pub(crate) mod server;
 pub(crate) mod upstream;
+mod waits;

@@ -2,6 +2,8 @@
 //! proxied OpenAI routes through the same admission and forwarding as pingora's path, and
 //! hands the connection (with every byte already read) to pingora for anything else.
 
+use std::future::Future;
+use std::pin::pin;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -11,10 +13,12 @@ use kvmesh_config::LimitsConfig;
 use pingora_core::server::ShutdownWatch;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
-use tokio::time::{Instant, timeout_at};
+use tokio::sync::watch::error::RecvError;
+use tokio::time::Instant;
 
 use super::client::{BodyRead, FastClient, READ_RESERVE};
 use super::head::{Known, Parsed, RequestHead, parse_decimal, parse_request};
+use super::waits::{Waits, Woken};
 use crate::api_error::{ApiError, ClientErrorReason};
 use crate::auth::AuthFailure;
 use crate::data_app::admit_and_forward;
@@ -67,9 +71,13 @@ pub(crate) async fn serve(
     let mut buf = BytesMut::with_capacity(READ_RESERVE);
     let mut out = Vec::with_capacity(1024);
     let mut fresh = true;
+    let mut signal = shutdown.clone();
+    let draining = *signal.borrow_and_update();
+    let changed = pin!(signal.changed());
+    let mut waits = Waits::new(changed, draining);
     loop {
         let head_timeout = states.load().limits.client_header_timeout;
-        let head = match read_head(&mut tcp, &mut buf, head_timeout, shutdown, fresh).await {
+        let head = match read_head(&mut tcp, &mut buf, head_timeout, &mut waits, fresh).await {
             HeadRead::Head(head) => head,
             HeadRead::Closed => return Served::Done,
             HeadRead::TimedOut => {
@@ -203,16 +211,15 @@ fn fast_request(head: &RequestHead, limits: &LimitsConfig) -> Option<FastRequest
 /// Reads a request head within `limit`. Once shutdown begins, a connection gets a short
 /// grace to deliver a head already on its way. `fresh`: the connection's first request (a
 /// timeout is then a slow client, not an idle keep-alive connection).
-async fn read_head(
+async fn read_head<C: Future<Output = Result<(), RecvError>>>(
     tcp: &mut TcpStream,
     buf: &mut BytesMut,
     limit: Duration,
-    shutdown: &ShutdownWatch,
+    waits: &mut Waits<'_, C>,
     fresh: bool,
 ) -> HeadRead {
-    let mut shutdown = shutdown.clone();
-    let mut draining = *shutdown.borrow_and_update();
-    let mut deadline = Instant::now() + if draining { SHUTDOWN_GRACE } else { limit };
+    // Set when the head is not all here yet (a request already read costs no clock read).
+    let mut deadline = None;
     loop {
         if !buf.is_empty() {
             match parse_request(buf) {
@@ -230,18 +237,29 @@ async fn read_head(
             Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(_) => return HeadRead::Closed,
         }
+        let until = *deadline.get_or_insert_with(|| {
+            Instant::now()
+                + if waits.draining {
+                    SHUTDOWN_GRACE
+                } else {
+                    limit
+                }
+        });
         let read = tokio::select! {
-            read = timeout_at(deadline, tcp.read_buf(buf)) => read,
-            _ = shutdown.changed(), if !draining => {
-                draining = true;
-                deadline = deadline.min(Instant::now() + SHUTDOWN_GRACE);
-                continue;
-            }
+            biased;
+            read = tcp.read_buf(buf) => read,
+            woken = waits.wait(until) => match woken {
+                Woken::Shutdown => {
+                    deadline = Some(until.min(Instant::now() + SHUTDOWN_GRACE));
+                    continue;
+                }
+                Woken::Deadline if fresh && !waits.draining => return HeadRead::TimedOut,
+                Woken::Deadline => return HeadRead::Closed,
+            },
         };
         match read {
-            Err(_) if fresh && !draining => return HeadRead::TimedOut,
-            Err(_) | Ok(Ok(0) | Err(_)) => return HeadRead::Closed,
-            Ok(Ok(_)) => {}
+            Ok(0) | Err(_) => return HeadRead::Closed,
+            Ok(_) => {}
         }
     }
 }
