@@ -2,7 +2,9 @@
 //! response written back with as few writes as the framing allows (head and body together
 //! when the engine's whole answer is already here).
 
+use std::future::poll_fn;
 use std::io::IoSlice;
+use std::task::{Poll, ready};
 
 use bytes::{Bytes, BytesMut};
 use http::header::HeaderName;
@@ -165,19 +167,25 @@ impl Downstream for FastClient<'_> {
     }
 
     async fn gone(&mut self) {
-        loop {
-            if self.tcp.readable().await.is_err() {
-                return;
+        // The socket's own read-readiness slot (nothing else reads the client while a
+        // request is served), not `readable()`, which queues and unqueues a waiter each
+        // time this future is created and dropped: once per request and per body piece.
+        poll_fn(|cx| {
+            loop {
+                if ready!(self.tcp.poll_read_ready(cx)).is_err() {
+                    return Poll::Ready(());
+                }
+                self.buf.reserve(READ_RESERVE);
+                match self.tcp.try_read_buf(self.buf) {
+                    Ok(0) => return Poll::Ready(()),
+                    Ok(_) if self.buf.len() > MAX_READ_AHEAD => return Poll::Ready(()),
+                    Ok(_) => {}
+                    Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(_) => return Poll::Ready(()),
+                }
             }
-            self.buf.reserve(READ_RESERVE);
-            match self.tcp.try_read_buf(self.buf) {
-                Ok(0) => return,
-                Ok(_) if self.buf.len() > MAX_READ_AHEAD => return,
-                Ok(_) => {}
-                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(_) => return,
-            }
-        }
+        })
+        .await;
     }
 
     async fn reject(
