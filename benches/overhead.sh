@@ -21,6 +21,9 @@
 #   --doc FILE         document to update (default docs/BENCHMARKS.md)
 #   --setups LIST      comma-separated subset of direct,nginx,kvmesh,kvmesh-kv,sglang-rr,
 #                      sglang-ca,vllm-rr,vllm-ca (default: all)
+#   --baseline FILE    another kvmesh-proxy binary (e.g. built from an earlier commit), run as
+#                      setup kvmesh-baseline with kvmesh's config, to measure a change before
+#                      and after in the same run
 #   --keep             keep the work directory (configs, logs, JSON reports)
 # Environment: LOADGEN_CPU (default 0) and SERVER_CPU (default 1) choose the pinning.
 # The peers are installed from PyPI into virtualenvs under .cache/bench/ (once); the Qwen3
@@ -49,6 +52,7 @@ CACHE_DIR=$BENCH_ROOT/.cache/bench
 TOKENIZER=$BENCH_ROOT/.cache/tokenizers/qwen3
 SGLANG_VERSION=0.3.2
 VLLM_ROUTER_VERSION=0.1.17
+BASELINE=
 COMMAND="benches/overhead.sh${*:+ $*}"
 
 while (($#)); do
@@ -65,12 +69,19 @@ while (($#)); do
     --bin-dir) BIN_DIR=$(cd "$2" && pwd); shift 2 ;;
     --doc) DOC=$2; shift 2 ;;
     --setups) SETUPS_ARG=$2; shift 2 ;;
+    --baseline) BASELINE=$(realpath "$2"); shift 2 ;;
     --keep) KEEP_WORK_DIR=1; shift ;; # read by cleanup (common.sh)
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done
 
+if [[ -n $BASELINE ]]; then
+  [[ -x $BASELINE ]] || die "--baseline $BASELINE is not an executable"
+  # Right after kvmesh, so the two run back to back in every round.
+  SETUPS_ARG=$(sed -E 's/(^|,)kvmesh(,|$)/\1kvmesh,kvmesh-baseline\2/' <<<"$SETUPS_ARG")
+  [[ ,$SETUPS_ARG, == *,kvmesh-baseline,* ]] || SETUPS_ARG+=,kvmesh-baseline
+fi
 IFS=, read -ra SETUPS <<<"$SETUPS_ARG"
 has_setup() { [[ ",$SETUPS_ARG," == *",$1,"* ]]; }
 need_tool jq jq
@@ -197,16 +208,22 @@ write_proxy_config() { # FILE POLICY SIM_ADDR...
     echo "  enabled: false"
   } >"$file"
 }
-start_proxy() { # VAR_PID OUT CONFIG
-  local var=$1 out=$2 config=$3
-  "$PROXY" --check-config "$config" >/dev/null || die "kvmesh-proxy rejects $config"
-  start_bg "$var" "$out" env RUST_LOG=warn taskset -c "$SERVER_CPU" "$PROXY" --config "$config"
+start_proxy() { # VAR_PID OUT CONFIG [BINARY]
+  local var=$1 out=$2 config=$3 binary=${4:-$PROXY}
+  "$binary" --check-config "$config" >/dev/null || die "$binary rejects $config"
+  start_bg "$var" "$out" env RUST_LOG=warn taskset -c "$SERVER_CPU" "$binary" --config "$config"
   wait_ready "$out" "${!var}"
 }
 write_proxy_config "$WORK_DIR/kvmesh.yaml" round_robin "${SIM_ADDRS[@]}"
 start_proxy PROXY_PID "$WORK_DIR/proxy.out" "$WORK_DIR/kvmesh.yaml"
 PROXY_ADDR=$(listening "$WORK_DIR/proxy.out" main)
 log "kvmesh-proxy at $PROXY_ADDR (pid $PROXY_PID)"
+BASELINE_ADDR=
+if [[ -n $BASELINE ]]; then
+  start_proxy BASELINE_PID "$WORK_DIR/proxy-baseline.out" "$WORK_DIR/kvmesh.yaml" "$BASELINE"
+  BASELINE_ADDR=$(listening "$WORK_DIR/proxy-baseline.out" main)
+  log "kvmesh-proxy baseline $BASELINE at $BASELINE_ADDR (pid $BASELINE_PID)"
+fi
 KV_PROXY_ADDR=
 if has_setup kvmesh-kv; then
   write_proxy_config "$WORK_DIR/kvmesh-kv.yaml" kv "${SIM_ADDRS[@]}"
@@ -279,7 +296,7 @@ run_load() {
   sed 's/^/    /' "$out.txt" >&2
 }
 
-declare -A URL=([direct]="http://${SIM_ADDRS[0]}" [nginx]="http://127.0.0.1:$NGINX_PORT" [kvmesh]="http://$PROXY_ADDR" [kvmesh-kv]="http://$KV_PROXY_ADDR")
+declare -A URL=([direct]="http://${SIM_ADDRS[0]}" [nginx]="http://127.0.0.1:$NGINX_PORT" [kvmesh]="http://$PROXY_ADDR" [kvmesh-baseline]="http://$BASELINE_ADDR" [kvmesh-kv]="http://$KV_PROXY_ADDR")
 for setup in "${!PEER_URL[@]}"; do URL[$setup]=${PEER_URL[$setup]}; done
 MODES=(non-stream stream)
 # Rounds interleave the setups, so background load on the shared machine hits them alike.
@@ -289,6 +306,7 @@ for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
       direct) pids=() ;;
       nginx) pids=("${NGINX_PIDS[@]}") ;;
       kvmesh) pids=("$PROXY_PID") ;;
+      kvmesh-baseline) pids=("$BASELINE_PID") ;;
       kvmesh-kv) pids=("$KV_PROXY_PID") ;;
       *) pids=("${PEER_PID[$setup]}") ;;
     esac
@@ -303,6 +321,7 @@ done
 # A fresh proxy (so VmHWM is this test's peak) over sims with the timing model slowed down, so
 # every stream stays open for seconds.
 stop_pid "$PROXY_PID"
+[[ -n $BASELINE_ADDR ]] && stop_pid "$BASELINE_PID"
 [[ -n $KV_PROXY_ADDR ]] && stop_pid "$KV_PROXY_PID"
 for setup in "${!PEER_PID[@]}"; do stop_pid "${PEER_PID[$setup]}"; done
 stop_pid "$NGINX_PID"
@@ -364,6 +383,9 @@ SECTION=$WORK_DIR/section.md
   echo "- Pinning: load generator \`taskset -c $LOADGEN_CPU\` with one runtime thread; sims and the proxy under test \`taskset -c $SERVER_CPU\`. Sim and proxy share one core, so saturated req/s measures sim + proxy CPU per request; the generator's CPU use is in its reports."
   echo "- nginx: $NGINX_VERSION, \`worker_processes 1\`, upstream with both sims, \`keepalive 64\`, \`proxy_http_version 1.1\`, \`proxy_set_header Connection \"\"\`, \`proxy_buffering off\`, \`keepalive_requests 1000000\` (client and upstream side, so neither closes connections mid-run), access log off."
   echo "- kvmesh-proxy: \`policy: round_robin\` (*kvmesh*) and \`policy: kv\` with the Qwen3 tokenizer directory (*kvmesh-kv*: every request is rendered with the chat template, tokenized, hashed into 64-token blocks, scored against the KV index and booked), \`upstream.pool_size: 64\`, health checks off (nginx has none either), \`RUST_LOG=warn\` (no per-request log line, like nginx's access log off); pinned to one CPU, the proxy runs a single-threaded tokio runtime (it chooses one whenever it may use one CPU), as nginx runs \`worker_processes 1\`."
+  if [[ -n $BASELINE ]]; then
+    echo "- *kvmesh-baseline*: the binary \`$BASELINE\` with *kvmesh*'s configuration, run right after *kvmesh* in every round, to compare a change with what it changes."
+  fi
   echo "- Peers, from PyPI into \`.cache/bench/venv-*\`, started as in reference/peers.md §7 and pinned like the proxy: sglang-router $SGLANG_VERSION (\`python -m sglang_router.launch_router --policy round_robin|cache_aware\`, *sglang-rr* / *sglang-ca*) and vllm-router $VLLM_ROUTER_VERSION (\`vllm-router --policy round_robin|cache_aware\`, *vllm-rr* / *vllm-ca*), each with its own Prometheus port and its default health checks; all peers run during the whole benchmark. Their process is the Python launcher that hosts the Rust router, so CPU and RSS include the interpreter."
   echo "- CPU per request: utime + stime from \`/proc/PID/stat\` (all threads; nginx master + worker) over the measured run, divided by its successful requests. RSS: \`VmRSS\` after the run."
   echo
