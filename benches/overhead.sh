@@ -451,7 +451,9 @@ SECTION=$WORK_DIR/section.md
       verdict=$(awk -v a="$delta" 'BEGIN {
         print (a < -0.05 ? "inconclusive: negative, the direct runs were disturbed" : a <= 0.2 ? "pass" : "FAIL") }')
       [[ $load == one ]] && what="1 connection" || what="$CONCURRENCY connections (saturated)"
-      echo "| kvmesh p50 added latency over direct ≤ 0.2 ms, $mode, $what | $delta ms | $verdict |"
+      measured="$delta ms"
+      has_setup nginx && measured+=" (nginx: $(added nginx "$mode-$load") ms)"
+      echo "| kvmesh p50 added latency over direct ≤ 0.2 ms, $mode, $what | $measured | $verdict |"
     done
   done
   for mode in "${MODES[@]}"; do
