@@ -181,15 +181,11 @@ impl Exchange {
         body: &[u8],
         limit: Duration,
     ) -> Result<Result<(), ExchangeError>, TimedOut> {
-        let mut timer = self.take_timer();
-        let outcome = timer
-            .within(limit, async {
-                self.send(body).await?;
-                self.read_head().await
-            })
-            .await;
-        self.connection.timer = timer;
-        outcome.map_err(|Elapsed| TimedOut)
+        self.within(limit, async |exchange| {
+            exchange.send(body).await?;
+            exchange.read_head().await
+        })
+        .await
     }
 
     /// The next piece of the body within `limit` (see [`Exchange::read_body`]).
@@ -197,16 +193,22 @@ impl Exchange {
         &mut self,
         limit: Duration,
     ) -> Result<Result<Option<Bytes>, ExchangeError>, TimedOut> {
-        let mut timer = self.take_timer();
-        let outcome = timer.within(limit, self.read_body()).await;
-        self.connection.timer = timer;
-        outcome.map_err(|Elapsed| TimedOut)
+        self.within(limit, async |exchange| exchange.read_body().await)
+            .await
     }
 
-    /// The connection's timer, to run a future of this exchange against (put back after;
-    /// an exchange cancelled meanwhile is not reused: its connection closes).
-    fn take_timer(&mut self) -> LazyTimer {
-        std::mem::take(&mut self.connection.timer)
+    /// Runs `work` on this exchange for at most `limit`, on the connection's timer (taken
+    /// out meanwhile and put back after; an exchange cancelled meanwhile is not reused: its
+    /// connection closes).
+    async fn within<T>(
+        &mut self,
+        limit: Duration,
+        work: impl AsyncFnOnce(&mut Self) -> T,
+    ) -> Result<T, TimedOut> {
+        let mut timer = std::mem::take(&mut self.connection.timer);
+        let outcome = timer.within(limit, work(self)).await;
+        self.connection.timer = timer;
+        outcome.map_err(|Elapsed| TimedOut)
     }
 
     /// Reads the response head (skipping `1xx` interim responses).
