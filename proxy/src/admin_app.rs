@@ -19,12 +19,12 @@ use crate::api_error::{ApiError, error_json};
 use crate::clock::now_millis;
 use crate::headers::content_length;
 use crate::kv_route::explain::Explanation;
-use crate::kv_route::offload;
 use crate::kv_route::prepare::InvalidPrompt;
 use crate::pool::Balancer;
 use crate::reload::{Reloader, Trigger};
+use crate::request::admit::resolve_model;
+use crate::request::prepare::prepare_prompt;
 use crate::request_body::{BodyError, read_body};
-use crate::request_fields::{FieldsError, extract};
 use crate::respond::{JSON, respond};
 use crate::route::Route;
 use crate::state::State;
@@ -136,35 +136,15 @@ async fn debug_route(state: &State, session: &mut ServerSession) -> (u16, Header
         Err(BodyError::Timeout) => return api_error(&ApiError::RequestTimeout),
         Err(BodyError::Client(error)) => return invalid(&error.to_string(), "invalid_body"),
     };
-    let model = match extract(&body) {
-        Ok(fields) => match fields.model {
-            Some(model) => model.as_str().to_string(),
-            None => return api_error(&ApiError::MissingModel),
-        },
-        Err(FieldsError::InvalidJson(detail)) => return api_error(&ApiError::InvalidJson(detail)),
-        Err(FieldsError::InvalidShape(detail)) => {
-            return api_error(&ApiError::InvalidBody(detail));
-        }
-    };
-    let Some(pool) = state.registry.get(&model) else {
-        return api_error(&ApiError::ModelNotFound {
-            model,
-            known: state.registry.known(),
-        });
+    let (pool, body) = match resolve_model(state, body) {
+        Ok(resolved) => (resolved.pool, resolved.body),
+        Err(error) => return api_error(&error),
     };
     let Balancer::Kv(router) = pool.balancer() else {
-        let message = format!("model {model:?} does not use policy kv");
+        let message = format!("model {:?} does not use policy kv", pool.name());
         return invalid(&message, "not_kv_routed");
     };
-    let prepared = match offload::prepare(
-        state.preprocess.as_deref(),
-        router.preparer(),
-        route,
-        &body,
-        false,
-    )
-    .await
-    {
+    let prepared = match prepare_prompt(state, router, route, &body, false).await {
         Ok(prepared) => prepared,
         Err(InvalidPrompt(message)) => return api_error(&ApiError::InvalidPrompt(message)),
     };

@@ -86,7 +86,7 @@ impl RouteBench {
             })
             .collect::<Result<_, ProxyError>>()?;
         let tokenizer = tokenizer
-            .map(crate::server::load_tokenizer)
+            .map(crate::pool_builder::load_tokenizer)
             .transpose()
             .map_err(|reason| ProxyError::Tokenizer {
                 model: "bench".to_string(),

@@ -1,9 +1,10 @@
-//! The data listener's application: OpenAI routes, admission checks, then
-//! forwarding. Pingora drives it once per request (HTTP/1.1 keep-alive and
-//! h2c streams alike).
+//! The pingora front end of the data listeners (h2c, TLS, and HTTP/1.1 the fast path hands
+//! over): pingora drives it once per request (HTTP/1.1 keep-alive and h2c streams alike).
+//! It checks the head, matches the route, authenticates, answers the routes the proxy
+//! serves itself, reads the body and hands proxied requests to the spine
+//! ([`crate::request::proxy`]) through [`PingoraClient`].
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
@@ -13,21 +14,26 @@ use pingora_core::apps::{
 };
 use pingora_core::protocols::http::ServerSession;
 use pingora_core::server::ShutdownWatch;
+use pingora_http::RequestHeader;
 
 use crate::api_error::{ApiError, ClientErrorReason};
-use crate::auth::{ApiKey, AuthFailure, KeyPermit, KeyRejection, prompt_tokens};
-use crate::downstream::{Downstream, HttpDownstream};
-use crate::exchange::Exchange;
-use crate::forward::{Picker, forward};
-use crate::headers::{X_REQUEST_ID, content_length, expects_continue};
-use crate::kv_route::prepare::{InvalidPrompt, RouteInput};
+use crate::auth::{ApiKey, AuthFailure};
+use crate::headers::EngineTarget;
+use crate::headers::{
+    Framing, ProxyHeaders, X_REQUEST_ID, content_length, downstream_response, expects_continue,
+    upstream_request,
+};
 use crate::limits::{HeadRead, answer_unread_head, check_head, malformed_head_error, read_head};
+use crate::metrics::Metrics;
 use crate::openapi;
+use crate::request::frontend::{Frontend, Unrelayable};
+use crate::request::proxy;
+use crate::request::record::Record;
 use crate::request_body::{BodyError, read_body};
-use crate::request_fields::{FieldsError, extract, with_model_name};
-use crate::respond::{JSON, respond};
+use crate::respond::{JSON, reject, respond};
 use crate::route::{Route, RouteMatch, match_route};
 use crate::state::State;
+use crate::upstream_session::UpstreamSession;
 
 /// Marks an HTTP/1 connection that already served a request (a head timeout on
 /// it is an idle keep-alive connection, not a slow client).
@@ -90,10 +96,10 @@ impl HttpServerApp for DataApp {
             session.set_keepalive(None);
         }
         let request_id = state.request_ids.resolve(session.get_header(X_REQUEST_ID));
-        let mut exchange = Exchange::new(request_id);
-        let reusable = handle(&state, &mut session, &mut exchange).await;
+        let mut record = Record::new(request_id);
+        let reusable = handle(&state, &mut session, &mut record).await;
         let header = session.req_header();
-        exchange.finish(&state.registry, &header.method, header.uri.path());
+        record.finish(&state.registry, &header.method, header.uri.path());
         if !reusable {
             session.shutdown().await;
             return None;
@@ -112,26 +118,26 @@ impl HttpServerApp for DataApp {
 }
 
 /// Routes and answers one request; returns whether the connection can be reused.
-async fn handle(state: &State, session: &mut ServerSession, exchange: &mut Exchange) -> bool {
+async fn handle(state: &State, session: &mut ServerSession, record: &mut Record) -> bool {
     let header = session.req_header();
     if let Err(error) = check_head(header, &state.limits) {
         session.set_keepalive(None);
-        return exchange.reject(session, &state.metrics, &error).await;
+        return reject(session, record, &state.metrics, &error).await;
     }
     let route = match match_route(&header.method, header.uri.path()) {
         RouteMatch::Found(route) => route,
         RouteMatch::MethodNotAllowed(allow) => {
             let error = ApiError::MethodNotAllowed { allow };
-            return exchange.reject(session, &state.metrics, &error).await;
+            return reject(session, record, &state.metrics, &error).await;
         }
         RouteMatch::NotFound => {
             let error = ApiError::UnknownPath {
                 path: header.uri.path().to_string(),
             };
-            return exchange.reject(session, &state.metrics, &error).await;
+            return reject(session, record, &state.metrics, &error).await;
         }
     };
-    exchange.route = Some(route);
+    record.route = Some(route);
     let key = if matches!(route, Route::OpenApi | Route::Docs) {
         None
     } else {
@@ -147,7 +153,7 @@ async fn handle(state: &State, session: &mut ServerSession, exchange: &mut Excha
             Err(failure) => {
                 let missing = failure == AuthFailure::Missing;
                 let error = ApiError::Unauthorized { missing };
-                return exchange.reject(session, &state.metrics, &error).await;
+                return reject(session, record, &state.metrics, &error).await;
             }
         }
     };
@@ -157,27 +163,26 @@ async fn handle(state: &State, session: &mut ServerSession, exchange: &mut Excha
             Route::Docs => (openapi::HTML, openapi::docs_page()),
             _ => (JSON, state.registry.models_body()),
         };
-        exchange.status = 200;
-        let extra = [(X_REQUEST_ID, exchange.request_id.clone())];
+        record.status = 200;
+        let extra = [(X_REQUEST_ID, record.request_id.clone())];
         return respond(session, 200, content_type, &extra, body).await;
     }
-    proxy(state, session, exchange, key).await
+    read_and_proxy(state, session, record, key).await
 }
 
-/// Admission (size, JSON, model, the key's limits, the model's concurrency) and
-/// forwarding of a proxied route.
-async fn proxy(
+/// Reads the body of a proxied route (within the size limit and the client deadline) and
+/// hands the request to the spine.
+async fn read_and_proxy(
     state: &State,
     session: &mut ServerSession,
-    exchange: &mut Exchange,
+    record: &mut Record,
     key: Option<Arc<ApiKey>>,
 ) -> bool {
     let limit = state.limits.max_body_bytes;
     let declared = content_length(session.req_header());
     if declared.is_some_and(|length| length > limit) {
-        return exchange
-            .reject(session, &state.metrics, &ApiError::BodyTooLarge { limit })
-            .await;
+        let error = ApiError::BodyTooLarge { limit };
+        return reject(session, record, &state.metrics, &error).await;
     }
     if expects_continue(session.req_header())
         && !session.is_http2()
@@ -185,155 +190,64 @@ async fn proxy(
     {
         return false;
     }
-    let deadline = exchange.started + state.limits.client_header_timeout;
+    let deadline = record.started + state.limits.client_header_timeout;
     let body = match read_body(session, limit, declared, deadline).await {
         Ok(body) => body,
         Err(BodyError::TooLarge) => {
-            return exchange
-                .reject(session, &state.metrics, &ApiError::BodyTooLarge { limit })
-                .await;
+            let error = ApiError::BodyTooLarge { limit };
+            return reject(session, record, &state.metrics, &error).await;
         }
         Err(BodyError::Timeout) => {
             session.set_keepalive(None);
-            return exchange
-                .reject(session, &state.metrics, &ApiError::RequestTimeout)
-                .await;
+            return reject(session, record, &state.metrics, &ApiError::RequestTimeout).await;
         }
         Err(BodyError::Client(error)) => {
             tracing::debug!(%error, "reading the request body failed");
-            exchange.client_gone = true;
+            record.client_gone = true;
             return false;
         }
     };
-    let mut client = HttpDownstream::new(session);
-    admit_and_forward(state, &mut client, exchange, key, body).await
+    proxy(state, &mut PingoraClient { session }, record, key, body).await
 }
 
-/// Admission of a read request body (JSON, model, the key's limits, the model's
-/// concurrency), then forwarding; returns whether the client connection can be reused.
-pub(crate) async fn admit_and_forward<D: Downstream>(
-    state: &State,
-    client: &mut D,
-    exchange: &mut Exchange,
-    key: Option<Arc<ApiKey>>,
-    body: Bytes,
-) -> bool {
-    let (pool, renamed) = match extract(&body) {
-        Err(FieldsError::InvalidJson(detail)) => {
-            return client
-                .reject(exchange, &state.metrics, &ApiError::InvalidJson(detail))
-                .await;
-        }
-        Err(FieldsError::InvalidShape(detail)) => {
-            return client
-                .reject(exchange, &state.metrics, &ApiError::InvalidBody(detail))
-                .await;
-        }
-        Ok(fields) => {
-            exchange.stream = fields.stream.unwrap_or(false);
-            let Some(model) = fields.model else {
-                return client
-                    .reject(exchange, &state.metrics, &ApiError::MissingModel)
-                    .await;
-            };
-            match state.registry.get(model.as_str()) {
-                // An alias is a gateway name: engines know the model by its
-                // canonical name, so only then is the body rewritten.
-                Some(pool) if pool.name() != model.as_str() => {
-                    let renamed = with_model_name(&body, &model, pool.name());
-                    (pool, Some(renamed))
-                }
-                Some(pool) => (pool, None),
-                None => {
-                    let error = ApiError::ModelNotFound {
-                        model: model.as_str().to_string(),
-                        known: state.registry.known(),
-                    };
-                    return client.reject(exchange, &state.metrics, &error).await;
-                }
-            }
-        }
-    };
-    exchange.pool = Some(Arc::clone(&pool));
-    let permit = match key.map(|key| key.admit(pool.name(), Instant::now())) {
-        None => None,
-        Some(Ok(permit)) => Some(permit),
-        Some(Err(rejection)) => {
-            let error = key_rejection(state, rejection, pool.name().to_string());
-            return client.reject(exchange, &state.metrics, &error).await;
-        }
-    };
-    let _slot = match state.concurrency.get(pool.name()) {
-        None => None,
-        Some(slots) => {
-            let acquired = tokio::select! {
-                biased;
-                acquired = slots.acquire() => acquired,
-                () = client.gone() => {
-                    exchange.client_gone = true;
-                    return false;
-                }
-            };
-            match acquired {
-                Ok(slot) => Some(slot),
-                Err(rejection) => {
-                    let error = ApiError::ConcurrencyLimited {
-                        model: pool.name().to_string(),
-                        reason: rejection.describe(),
-                        retry_after_secs: slots.retry_after_secs(),
-                    };
-                    return client.reject(exchange, &state.metrics, &error).await;
-                }
-            }
-        }
-    };
-    let mut body = renamed.unwrap_or(body);
-    let route = exchange.route.unwrap_or(Route::ChatCompletions);
-    let picker = match Picker::for_request(state, &pool, route, &mut body).await {
-        Ok(picker) => picker,
-        Err(InvalidPrompt(message)) => {
-            let error = ApiError::InvalidPrompt(message);
-            return client.reject(exchange, &state.metrics, &error).await;
-        }
-    };
-    if let Some(permit) = permit.as_ref() {
-        charge_prompt(permit, &picker, body.len(), exchange);
-    }
-    forward(state, client, &pool, body, picker, exchange).await
+/// A request's client on a pingora session: the engine's answer is relayed as it is.
+struct PingoraClient<'a> {
+    session: &'a mut ServerSession,
 }
 
-/// The error for a key refused by its own settings (403 or 429); `model` is the requested name.
-pub(crate) fn key_rejection(state: &State, rejection: KeyRejection, model: String) -> ApiError {
-    match rejection {
-        KeyRejection::ModelNotAllowed => {
-            state.auth.count_model_not_allowed();
-            ApiError::ModelNotAllowed { model }
-        }
-        KeyRejection::Limited(limit, wait) => ApiError::RateLimited {
-            limit: limit.label(),
-            retry_after_secs: wait.as_secs_f64().ceil().max(1.0) as u64,
-        },
+impl Frontend for PingoraClient<'_> {
+    fn engine_request(&self, target: &EngineTarget<'_>) -> pingora_error::Result<RequestHeader> {
+        upstream_request(self.session.req_header(), target)
     }
-}
 
-/// Charges the prompt's tokens to the key, and meters the completion when the
-/// key has a tokens-per-minute limit.
-pub(crate) fn charge_prompt(
-    permit: &KeyPermit,
-    picker: &Picker<'_>,
-    body_len: usize,
-    exchange: &mut Exchange,
-) {
-    if !permit.key().meters_tokens() {
-        return;
+    async fn gone(&mut self) {
+        let _ = self.session.read_body_or_idle(true).await;
     }
-    let tokenized = match picker {
-        Picker::Kv { request, .. } => match &request.input {
-            RouteInput::Tokens(blocks) => Some(blocks.tokens as u64),
-            RouteInput::Fallback(_) => None,
-        },
-        Picker::Policy(_) => None,
-    };
-    permit.charge_prompt(prompt_tokens(tokenized, body_len));
-    exchange.meter = Some(permit.completion_meter());
+
+    async fn reject(&mut self, record: &mut Record, metrics: &Metrics, error: &ApiError) -> bool {
+        reject(self.session, record, metrics, error).await
+    }
+
+    /// Writes the engine's response head with the proxy's fields.
+    async fn start_response(
+        &mut self,
+        engine: &UpstreamSession,
+        ours: ProxyHeaders<'_>,
+    ) -> Result<Framing, Unrelayable> {
+        let session = &mut *self.session;
+        let engine_head = engine.response_header().ok_or(Unrelayable::EngineHead)?;
+        let client_version = session.req_header().version;
+        let built = downstream_response(&engine_head, ours, client_version, session.is_http2());
+        drop(engine_head);
+        let (response, framing) = built.map_err(|_| Unrelayable::EngineHead)?;
+        session
+            .write_response_header(Box::new(response))
+            .await
+            .map_err(|_| Unrelayable::ClientGone)?;
+        Ok(framing)
+    }
+
+    async fn write_body(&mut self, data: Bytes, end: bool) -> bool {
+        self.session.write_response_body(data, end).await.is_ok()
+    }
 }

@@ -5,7 +5,6 @@
 use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
 use crate::auth::{AuthFailure, LIMITS, Limit};
-use crate::metrics::MetricsError;
 
 /// The edge's metric families.
 #[derive(Debug, Clone)]
@@ -25,16 +24,16 @@ pub(crate) struct EdgeMetrics {
 
 impl EdgeMetrics {
     /// Creates the families and registers them in `registry`.
-    pub(crate) fn new(registry: &Registry) -> Result<Self, MetricsError> {
+    pub(crate) fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
         let counter = |name: &str, help: &str, labels: &[&str]| {
             let family = IntCounterVec::new(Opts::new(name, help), labels)?;
             registry.register(Box::new(family.clone()))?;
-            Ok::<_, MetricsError>(family)
+            Ok::<_, prometheus::Error>(family)
         };
         let gauge = |name: &str, help: &str, labels: &[&str]| {
             let family = IntGaugeVec::new(Opts::new(name, help), labels)?;
             registry.register(Box::new(family.clone()))?;
-            Ok::<_, MetricsError>(family)
+            Ok::<_, prometheus::Error>(family)
         };
         let config_last_reload_ok = IntGauge::new(
             "kvmesh_config_last_reload_successful",

@@ -7,8 +7,6 @@ use http::{HeaderMap, HeaderValue, Version};
 use pingora_error::Result;
 use pingora_http::{RequestHeader, ResponseHeader};
 
-use crate::downstream::UpstreamTarget;
-
 /// `x-request-id`.
 pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// `x-kvmesh-instance`: which backend answered.
@@ -56,12 +54,24 @@ fn is_forwarded(headers: &HeaderMap, name: &HeaderName) -> bool {
             .all(|value| !listed_in_connection(value.as_bytes(), name.as_str().as_bytes()))
 }
 
+/// What the engine request adds to the client's: the engine's `Host`, the body's length
+/// and the request id.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct EngineTarget<'a> {
+    /// `Host` of the engine.
+    pub(crate) host: &'a HeaderValue,
+    /// Length of the body sent.
+    pub(crate) body_len: usize,
+    /// `x-request-id`.
+    pub(crate) request_id: &'a HeaderValue,
+}
+
 /// The request sent to a backend: the client's method, path and end-to-end
 /// headers, `Host` set to the backend, the body's exact length and the
 /// request id.
 pub(crate) fn upstream_request(
     client: &RequestHeader,
-    target: &UpstreamTarget<'_>,
+    target: &EngineTarget<'_>,
 ) -> Result<RequestHeader> {
     let path = client
         .uri
@@ -212,7 +222,7 @@ mod tests {
     fn upstream_request_drops_hop_by_hop_and_sets_host_and_length() {
         let host = HeaderValue::from_static("127.0.0.1:8001");
         let id = HeaderValue::from_static("rid");
-        let target = UpstreamTarget {
+        let target = EngineTarget {
             host: &host,
             body_len: 42,
             request_id: &id,

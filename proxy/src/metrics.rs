@@ -585,6 +585,23 @@ impl InstanceMetrics {
     }
 }
 
+/// Keeps a gauge incremented while alive.
+pub(crate) struct GaugeGuard<'a>(&'a IntGauge);
+
+impl<'a> GaugeGuard<'a> {
+    /// Increments `gauge` until the guard drops.
+    pub(crate) fn new(gauge: &'a IntGauge) -> Self {
+        gauge.inc();
+        Self(gauge)
+    }
+}
+
+impl Drop for GaugeGuard<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

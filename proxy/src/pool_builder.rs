@@ -14,7 +14,6 @@ use crate::kv_route::KvRouter;
 use crate::metrics::Metrics;
 use crate::policy;
 use crate::pool::{Balancer, ModelPool};
-use crate::server::load_tokenizer;
 
 /// Builds instances and pools; loads each tokenizer directory once.
 #[derive(Debug)]
@@ -118,4 +117,14 @@ impl PoolBuilder {
         })?;
         Ok(Balancer::Kv(Box::new(router)))
     }
+}
+
+/// Token ids the tokenizer's segment cache keeps per model (about 5 bytes each: ~10 MB), so
+/// the history of multi-turn conversations is not tokenized again on every turn.
+const SEGMENT_CACHE_TOKENS: usize = 2_000_000;
+
+/// Loads a tokenizer directory, with the segment cache on.
+pub(crate) fn load_tokenizer(dir: &Path) -> Result<Arc<ModelPreprocessor>, String> {
+    let loaded = ModelPreprocessor::from_dir(dir).map_err(|error| error.to_string())?;
+    Ok(Arc::new(loaded.with_segment_cache(SEGMENT_CACHE_TOKENS)))
 }

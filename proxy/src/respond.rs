@@ -8,6 +8,8 @@ use pingora_http::ResponseHeader;
 
 use crate::api_error::ApiError;
 use crate::headers::X_REQUEST_ID;
+use crate::metrics::Metrics;
+use crate::request::record::Record;
 
 /// `application/json`.
 pub(crate) const JSON: HeaderValue = HeaderValue::from_static("application/json");
@@ -52,6 +54,20 @@ pub(crate) async fn respond_error(
 ) -> bool {
     let extra = error_headers(error, request_id);
     respond(session, error.status(), JSON, &extra, error.body()).await
+}
+
+/// Answers `record`'s request with a proxy-generated error; returns whether the write
+/// worked.
+pub(crate) async fn reject(
+    session: &mut ServerSession,
+    record: &mut Record,
+    metrics: &Metrics,
+    error: &ApiError,
+) -> bool {
+    record.answered_with(metrics, error);
+    let written = respond_error(session, error, &record.request_id).await;
+    record.client_gone |= !written;
+    written
 }
 
 /// The headers an error response carries besides its content type and length:

@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::io::Write;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,7 +11,6 @@ use arc_swap::ArcSwap;
 use kvmesh_config::{
     Config, DiscoveryKind, EventsKind, GRPC_LISTENER, HealthCheckConfig, PolicyKind,
 };
-use kvmesh_preprocess::ModelPreprocessor;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -49,10 +48,6 @@ const DYNAMIC_INSTANCES_HINT: usize = 64;
 
 /// How long admin connections may linger after the data listeners drained.
 const ADMIN_DRAIN: Duration = Duration::from_secs(1);
-
-/// Token ids the tokenizer's segment cache keeps per model (about 5 bytes each: ~10 MB), so
-/// the history of multi-turn conversations is not tokenized again on every turn.
-const SEGMENT_CACHE_TOKENS: usize = 2_000_000;
 
 /// A bound data listener.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -429,12 +424,6 @@ fn listener_tls(
             })))
         })
         .collect()
-}
-
-/// Loads a tokenizer directory, with the segment cache on.
-pub(crate) fn load_tokenizer(dir: &Path) -> Result<Arc<ModelPreprocessor>, String> {
-    let loaded = ModelPreprocessor::from_dir(dir).map_err(|error| error.to_string())?;
-    Ok(Arc::new(loaded.with_segment_cache(SEGMENT_CACHE_TOKENS)))
 }
 
 async fn bind(name: &str, address: SocketAddr) -> Result<TcpListener, ProxyError> {

@@ -1,7 +1,6 @@
-//! One inference request through the shared path: model lookup, translation to an
-//! OpenAI completion, the same preprocessing and routing as the HTTP listeners
-//! ([`Picker::for_request`]), forwarding with failover ([`forward`]), and the answer
-//! translated back ([`GrpcDownstream`]).
+//! One inference request: the API key, the model and version checked, the request
+//! translated to an OpenAI completion, then the spine ([`crate::request::proxy`]), as for
+//! the HTTP listeners, with the answer translated back ([`GrpcClient`]).
 
 use std::sync::Arc;
 
@@ -13,20 +12,18 @@ use pingora_http::RequestHeader;
 use tokio::time::{Instant, timeout_at};
 
 use crate::api_error::ApiError;
-use crate::data_app::charge_prompt;
-use crate::exchange::Exchange;
-use crate::forward::{Picker, forward};
-use crate::grpc::admission::{Credentials, admit_key, authenticate, model_slot};
+use crate::auth::{ApiKey, AuthFailure};
 use crate::grpc::catalog::is_served_version;
 use crate::grpc::completion::completion;
-use crate::grpc::downstream::{GrpcDownstream, Sink};
 use crate::grpc::failure::Failure;
+use crate::grpc::frontend::{GrpcClient, Sink};
 use crate::grpc::invalid::InvalidInput;
 use crate::grpc::outputs::Reply;
-use crate::grpc::record::Record;
 use crate::grpc::rpc::Rpc;
-use crate::kv_route::prepare::InvalidPrompt;
+use crate::grpc::rpc_record::RpcRecord;
 use crate::metrics::{NO_MODEL, RpcTable};
+use crate::request::proxy;
+use crate::request::record::Record;
 use crate::respond::JSON;
 use crate::route::Route;
 use crate::state::State;
@@ -82,6 +79,9 @@ pub(crate) struct Served {
     pub(crate) kv_route: Option<HeaderValue>,
 }
 
+/// The call's `authorization` metadata value, if any.
+pub(crate) type Credentials = Option<Arc<[u8]>>;
+
 /// What a call carries besides its requests.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Call {
@@ -103,8 +103,8 @@ pub(crate) async fn infer(
     let state = shared.state.load_full();
     let client_id = HeaderValue::from_str(&request.id).ok();
     let request_id = state.request_ids.resolve(client_id.as_ref());
-    let mut record = Record::new(
-        Exchange::new(request_id),
+    let mut record = RpcRecord::new(
+        Record::new(request_id),
         rpc,
         &state.metrics,
         &shared.unattributed,
@@ -117,7 +117,7 @@ pub(crate) async fn infer(
         rpc,
         sink,
         call,
-        &mut record.exchange,
+        &mut record.record,
     );
     let outcome = match call.deadline {
         Some(at) => timeout_at(at, work).await.unwrap_or(Err(Failure::Deadline)),
@@ -126,12 +126,13 @@ pub(crate) async fn infer(
     record.finish(outcome.as_ref().map(|_| ()));
     outcome?;
     Ok(Served {
-        request_id: record.exchange.request_id.clone(),
-        instance: record.exchange.instance.clone(),
-        kv_route: record.exchange.kv_route.clone(),
+        request_id: record.record.request_id.clone(),
+        instance: record.record.instance.clone(),
+        kv_route: record.record.kv_route.clone(),
     })
 }
 
+/// Checks and translates `request`, then hands it to the spine.
 async fn serve(
     shared: &Shared,
     state: &State,
@@ -139,7 +140,7 @@ async fn serve(
     rpc: Rpc,
     sink: &mut Sink,
     call: &Call,
-    exchange: &mut Exchange,
+    record: &mut Record,
 ) -> Result<(), Failure> {
     let key = authenticate(state, &call.credentials)?;
     if request.model_name.is_empty() {
@@ -151,7 +152,7 @@ async fn serve(
             known: state.registry.known(),
         }));
     };
-    exchange.pool = Some(Arc::clone(&pool));
+    record.pool = Some(Arc::clone(&pool));
     if !is_served_version(&request.model_version) {
         return Err(Failure::NoSuchVersion {
             model: request.model_name.clone(),
@@ -165,30 +166,32 @@ async fn serve(
             "ModelInfer answers once: send streaming requests on ModelStreamInfer",
         )));
     }
-    exchange.route = Some(Route::Completions);
-    exchange.stream = completion.stream;
-    let permit = admit_key(state, key, pool.name())?;
-    let _slot = model_slot(state, pool.name(), sink).await?;
-    let mut body = completion.body;
-    let picker = Picker::for_request(state, &pool, Route::Completions, &mut body)
-        .await
-        .map_err(|InvalidPrompt(message)| Failure::Api(ApiError::InvalidPrompt(message)))?;
-    if let Some(permit) = permit.as_ref() {
-        charge_prompt(permit, &picker, body.len(), exchange);
-    }
-    let mut client = GrpcDownstream::new(
+    record.route = Some(Route::Completions);
+    let mut client = GrpcClient::new(
         &shared.head,
         sink,
         &reply,
         completion.stream,
         shared.max_message_bytes,
     );
-    forward(state, &mut client, &pool, body, picker, exchange).await;
+    proxy(state, &mut client, record, key, completion.body).await;
     if let Some(failure) = client.into_failure() {
         return Err(failure);
     }
-    if exchange.client_gone {
+    if record.client_gone {
         return Err(Failure::Cancelled);
     }
     Ok(())
+}
+
+/// The key `credentials` present; `None` when authentication is off.
+fn authenticate(state: &State, credentials: &Credentials) -> Result<Option<Arc<ApiKey>>, Failure> {
+    state
+        .auth
+        .authenticate_value(credentials.as_deref())
+        .map_err(|failure| {
+            Failure::Api(ApiError::Unauthorized {
+                missing: failure == AuthFailure::Missing,
+            })
+        })
 }

@@ -6,33 +6,32 @@
 //! ModelStreamInfer requests become OpenAI `/v1/completions` requests ([`completion`]):
 //! `text_input` or `input_ids` is the prompt, `streaming` asks for a stream, request
 //! parameters (or the `sampling_parameters` input) give the sampling fields. Each goes
-//! through the same preprocessing, routing and forwarding as an HTTP request
-//! ([`infer`]), and the engine's JSON or server-sent events come back as
-//! `ModelInferResponse`s with `text_output` and `finish_reason` ([`downstream`]).
-//! ModelStreamInfer runs the requests of a stream concurrently ([`stream`]).
+//! through the spine ([`crate::request`]) as an HTTP request does ([`infer`]), and the
+//! engine's JSON or server-sent events come back as `ModelInferResponse`s with
+//! `text_output` and `finish_reason` ([`frontend`]). ModelStreamInfer runs the requests of
+//! a stream concurrently ([`stream`]).
 //!
-//! The edge checks apply as on HTTP ([`admission`]): the API key (`authorization: Bearer`
-//! metadata), its limits and the model's concurrency limit. Failures map to gRPC codes
+//! The edge checks apply as on HTTP: the API key (`authorization: Bearer` metadata), its
+//! limits and the model's concurrency limit. Failures map to gRPC codes
 //! ([`failure`]): unknown model NOT_FOUND, malformed tensor or parameter INVALID_ARGUMENT,
 //! no instance UNAVAILABLE, every instance busy or a limit reached RESOURCE_EXHAUSTED,
 //! deadline DEADLINE_EXCEEDED, engine failure INTERNAL, missing or unknown key
 //! UNAUTHENTICATED. A client that cancels, or whose `grpc-timeout` passes, drops its
 //! engine request.
 
-mod admission;
 mod catalog;
 mod completion;
 mod deadline;
-mod downstream;
 mod engine_json;
 mod failure;
+mod frontend;
 mod incoming;
 mod infer;
 mod invalid;
 mod outputs;
 mod params;
-mod record;
 pub(crate) mod rpc;
+mod rpc_record;
 mod server;
 mod service;
 mod sse;

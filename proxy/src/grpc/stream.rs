@@ -16,8 +16,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
 
 use crate::grpc::catalog::MODEL_VERSION;
-use crate::grpc::downstream::{Sink, StreamItem};
 use crate::grpc::failure::Failure;
+use crate::grpc::frontend::{Sink, StreamItem};
 use crate::grpc::infer::{Call, Shared, infer};
 use crate::grpc::rpc::Rpc;
 

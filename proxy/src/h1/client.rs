@@ -18,15 +18,11 @@ use super::digits::{push_decimal, push_hex};
 use super::head::{Known, RequestHead};
 use super::response::{write_error, write_relayed_head};
 use crate::api_error::ApiError;
-use crate::downstream::{Downstream, UpstreamTarget};
-use crate::exchange::Exchange;
-use crate::failure::FailureKind;
-use crate::forward::Answer;
+use crate::headers::EngineTarget;
 use crate::headers::{Framing, ProxyHeaders, X_REQUEST_ID, is_end_to_end, upstream_request};
 use crate::metrics::Metrics;
-use crate::pool::ModelPool;
-use crate::relay::{BodySink, RelayContext, RelayEnd, relay};
-use crate::state::State;
+use crate::request::frontend::{Frontend, Unrelayable};
+use crate::request::record::Record;
 use crate::upstream_session::UpstreamSession;
 
 /// Bytes a client may send ahead (pipelined) while its request is served.
@@ -45,7 +41,7 @@ pub(crate) enum BodyRead {
 }
 
 /// One request's client on the fast path.
-pub(crate) struct FastClient<'a> {
+pub(crate) struct FastConnection<'a> {
     tcp: &'a mut TcpStream,
     /// Bytes read from the client and not yet consumed.
     buf: &'a mut BytesMut,
@@ -60,7 +56,7 @@ pub(crate) struct FastClient<'a> {
     chunked: bool,
 }
 
-impl<'a> FastClient<'a> {
+impl<'a> FastConnection<'a> {
     /// The client of `head`, read from `tcp` (with `buf` read ahead).
     pub(crate) fn new(
         tcp: &'a mut TcpStream,
@@ -116,11 +112,8 @@ impl<'a> FastClient<'a> {
     }
 }
 
-impl Downstream for FastClient<'_> {
-    fn upstream_request(
-        &self,
-        target: &UpstreamTarget<'_>,
-    ) -> pingora_error::Result<RequestHeader> {
+impl Frontend for FastConnection<'_> {
+    fn engine_request(&self, target: &EngineTarget<'_>) -> pingora_error::Result<RequestHeader> {
         let mut client = RequestHeader::build(
             Method::POST,
             self.head.target(),
@@ -139,9 +132,9 @@ impl Downstream for FastClient<'_> {
         upstream_request(&client, target)
     }
 
-    fn write_upstream_request(
+    fn write_engine_request(
         &self,
-        target: &UpstreamTarget<'_>,
+        target: &EngineTarget<'_>,
         out: &mut Vec<u8>,
     ) -> pingora_error::Result<()> {
         out.extend_from_slice(self.head.method());
@@ -188,58 +181,32 @@ impl Downstream for FastClient<'_> {
         .await;
     }
 
-    async fn reject(
-        &mut self,
-        exchange: &mut Exchange,
-        metrics: &Metrics,
-        error: &ApiError,
-    ) -> bool {
-        exchange.answered_with(metrics, error);
-        write_error(self.out, error, &exchange.request_id, self.close);
+    async fn reject(&mut self, record: &mut Record, metrics: &Metrics, error: &ApiError) -> bool {
+        record.answered_with(metrics, error);
+        write_error(self.out, error, &record.request_id, self.close);
         let written = self.flush().await;
-        exchange.client_gone |= !written;
+        record.client_gone |= !written;
         written && !self.close
     }
 
-    async fn relay(
+    /// Writes the head into the output buffer; it leaves at once unless the body is
+    /// already here, which then goes with it in one write.
+    async fn start_response(
         &mut self,
-        state: &State,
-        pool: &ModelPool,
-        answer: &Answer<'_>,
-        upstream: &mut UpstreamSession,
-        exchange: &mut Exchange,
-    ) -> RelayEnd {
-        let ours = ProxyHeaders {
-            instance: answer.instance.instance_header(),
-            request_id: &exchange.request_id,
-            route: answer.route,
-        };
-        let Some(framing) = write_relayed_head(self.out, upstream, ours, self.close) else {
+        engine: &UpstreamSession,
+        ours: ProxyHeaders<'_>,
+    ) -> Result<Framing, Unrelayable> {
+        let Some(framing) = write_relayed_head(self.out, engine, ours, self.close) else {
             self.out.clear();
-            return RelayEnd::UpstreamFailed {
-                kind: FailureKind::Reset,
-                clean: false,
-            };
+            return Err(Unrelayable::EngineHead);
         };
         self.chunked = framing == Framing::Open;
-        // The head waits for the body only when the body is already here.
-        if !upstream.body_ready() && !self.flush().await {
-            return RelayEnd::ClientGone;
+        if !engine.body_ready() && !self.flush().await {
+            return Err(Unrelayable::ClientGone);
         }
-        let ctx = RelayContext {
-            started: exchange.started,
-            idle_timeout: state.limits.idle_timeout,
-            event_stream: upstream.is_event_stream(),
-            framing,
-            metrics: pool.metrics(),
-            booking: answer.booking,
-            meter: exchange.meter.as_ref(),
-        };
-        relay(self, upstream, &ctx).await
+        Ok(framing)
     }
-}
 
-impl BodySink for FastClient<'_> {
     async fn write_body(&mut self, data: Bytes, end: bool) -> bool {
         let mut tail: &[u8] = b"";
         if self.chunked {
@@ -254,10 +221,6 @@ impl BodySink for FastClient<'_> {
         let written = write_all(self.tcp, [self.out.as_slice(), &data, tail]).await;
         self.out.clear();
         written
-    }
-
-    async fn client_gone(&mut self) {
-        self.gone().await;
     }
 }
 

@@ -1,5 +1,5 @@
-//! The fast path's connection loop: reads request heads and bodies itself, serves the
-//! proxied OpenAI routes through the same admission and forwarding as pingora's path, and
+//! The fast path's connection loop: reads request heads and bodies itself, hands the
+//! proxied OpenAI routes to the spine ([`crate::request::proxy`]) as pingora's path does, and
 //! hands the connection (with every byte already read) to pingora for anything else.
 
 use std::future::Future;
@@ -16,16 +16,16 @@ use tokio::net::TcpStream;
 use tokio::sync::watch::error::RecvError;
 use tokio::time::Instant;
 
-use super::client::{BodyRead, FastClient, READ_RESERVE};
+use super::client::{BodyRead, FastConnection, READ_RESERVE};
 use super::head::{Known, Parsed, RequestHead, parse_decimal, parse_request};
 use super::waits::{Waits, Woken};
 use crate::api_error::{ApiError, ClientErrorReason};
 use crate::auth::AuthFailure;
-use crate::data_app::admit_and_forward;
-use crate::downstream::Downstream;
-use crate::exchange::Exchange;
 use crate::headers::listed_in_connection;
 use crate::limits::{SHUTDOWN_GRACE, answer_raw, check_head_size};
+use crate::request::frontend::Frontend;
+use crate::request::proxy;
+use crate::request::record::Record;
 use crate::route::{Route, RouteMatch, match_route};
 use crate::state::State;
 
@@ -111,12 +111,12 @@ pub(crate) async fn serve(
             .fields
             .get(Known::RequestId)
             .and_then(|id| HeaderValue::from_bytes(id).ok());
-        let mut exchange = Exchange::new(state.request_ids.resolve(client_id.as_ref()));
-        exchange.route = Some(request.route);
-        let mut client = FastClient::new(&mut tcp, &mut buf, &mut out, &head, close);
-        let reusable = serve_request(&state, &mut client, &mut exchange, &head, &request).await;
+        let mut record = Record::new(state.request_ids.resolve(client_id.as_ref()));
+        record.route = Some(request.route);
+        let mut client = FastConnection::new(&mut tcp, &mut buf, &mut out, &head, close);
+        let reusable = serve_request(&state, &mut client, &mut record, &head, &request).await;
         let close = client.close;
-        exchange.finish(&state.registry, &Method::POST, head.path());
+        record.finish(&state.registry, &Method::POST, head.path());
         if !reusable || close || *shutdown.borrow() {
             return Served::Done;
         }
@@ -124,12 +124,12 @@ pub(crate) async fn serve(
     }
 }
 
-/// Authentication, the body, then admission and forwarding; returns whether the connection
+/// Authentication and the body, then the spine; returns whether the connection
 /// can serve another request.
 async fn serve_request(
     state: &State,
-    client: &mut FastClient<'_>,
-    exchange: &mut Exchange,
+    client: &mut FastConnection<'_>,
+    record: &mut Record,
     head: &RequestHead,
     request: &FastRequest,
 ) -> bool {
@@ -148,24 +148,24 @@ async fn serve_request(
             let error = ApiError::Unauthorized {
                 missing: failure == AuthFailure::Missing,
             };
-            return client.reject(exchange, &state.metrics, &error).await;
+            return client.reject(record, &state.metrics, &error).await;
         }
     };
-    let deadline = exchange.started + state.limits.client_header_timeout;
+    let deadline = record.started + state.limits.client_header_timeout;
     let body = match client.read_body(request.length, deadline).await {
         Ok(body) => body,
         Err(BodyRead::Timeout) => {
             client.close = true;
             return client
-                .reject(exchange, &state.metrics, &ApiError::RequestTimeout)
+                .reject(record, &state.metrics, &ApiError::RequestTimeout)
                 .await;
         }
         Err(BodyRead::Gone) => {
-            exchange.client_gone = true;
+            record.client_gone = true;
             return false;
         }
     };
-    admit_and_forward(state, client, exchange, key, body).await
+    proxy(state, client, record, key, body).await
 }
 
 /// The request, when the fast path serves it: `POST` to a proxied route over HTTP/1.1 with

@@ -11,7 +11,7 @@ use pingora_http::{RequestHeader, ResponseHeader};
 use proptest::prelude::*;
 use tokio::io::AsyncWriteExt;
 
-use crate::downstream::UpstreamTarget;
+use crate::headers::EngineTarget;
 use crate::headers::{ProxyHeaders, content_length, downstream_response, upstream_request};
 use crate::limits::{check_head, malformed_head_error, read_head};
 use crate::request_body::read_body;
@@ -112,7 +112,7 @@ proptest! {
         let _ = content_length(&request);
         let host = HeaderValue::from_static("127.0.0.1:1");
         let id = HeaderValue::from_static("rid");
-        let target = UpstreamTarget { host: &host, body_len: 3, request_id: &id };
+        let target = EngineTarget { host: &host, body_len: 3, request_id: &id };
         let _ = upstream_request(&request, &target);
         let ours = ProxyHeaders { instance: &host, request_id: &id, route: None };
         for (version, h2) in [(Version::HTTP_11, false), (Version::HTTP_10, false), (Version::HTTP_2, true)] {

@@ -1,4 +1,5 @@
-//! Relaying the engine's response body to the client as it arrives.
+//! Relaying the engine's response to the client as it arrives (phase 7 of
+//! [`crate::request`]), for every front end.
 //!
 //! Non-SSE bodies pass through chunk for chunk. SSE bodies are scanned on the
 //! way (time to first token, inter-token gaps) and cut at event boundaries: a
@@ -8,7 +9,6 @@
 //! when an engine dies mid-stream the client never sees half an event before
 //! the proxy's error event.
 
-use std::future::Future;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -17,27 +17,20 @@ use tokio::time::Instant;
 use crate::api_error::error_json;
 use crate::auth::CompletionMeter;
 use crate::failure::FailureKind;
-use crate::headers::Framing;
+use crate::headers::{Framing, ProxyHeaders};
 use crate::kv_route::booking::Booking;
 use crate::metrics::ModelMetrics;
+use crate::request::frontend::{Frontend, Unrelayable};
+use crate::request::pick::Pick;
+use crate::request::record::Record;
 use crate::sse::SseScanner;
 use crate::token_timing::TokenTiming;
 use crate::upstream_session::UpstreamSession;
 
-/// Where the relayed body goes: the client's side of an HTTP exchange.
-pub(crate) trait BodySink: Send {
-    /// Writes a piece of the response body (`end`: the last one); `false` when the client
-    /// is gone.
-    fn write_body(&mut self, data: Bytes, end: bool) -> impl Future<Output = bool> + Send;
-
-    /// Completes when the client has gone away; stays pending while it waits.
-    fn client_gone(&mut self) -> impl Future<Output = ()> + Send;
-}
-
 /// Largest incomplete SSE event held back before it is forwarded anyway.
 const MAX_HELD_BYTES: usize = 1 << 20;
 
-/// What the relay needs to know about the exchange.
+/// What the relay needs to know about the request.
 pub(crate) struct RelayContext<'a> {
     /// When the request head arrived (time-to-first-token origin).
     pub(crate) started: Instant,
@@ -73,9 +66,46 @@ pub(crate) enum RelayEnd {
     ClientGone,
 }
 
+/// Starts the client's answer to the engine response `engine` from `pick`, then relays its
+/// body within `idle_timeout` between pieces.
+pub(crate) async fn relay<F: Frontend>(
+    frontend: &mut F,
+    engine: &mut UpstreamSession,
+    pick: &Pick<'_>,
+    record: &Record,
+    metrics: &ModelMetrics,
+    idle_timeout: Duration,
+) -> RelayEnd {
+    let ours = ProxyHeaders {
+        instance: pick.instance.instance_header(),
+        request_id: &record.request_id,
+        route: pick.route.as_ref(),
+    };
+    let framing = match frontend.start_response(engine, ours).await {
+        Ok(framing) => framing,
+        Err(Unrelayable::ClientGone) => return RelayEnd::ClientGone,
+        Err(Unrelayable::EngineHead) => {
+            return RelayEnd::UpstreamFailed {
+                kind: FailureKind::Reset,
+                clean: false,
+            };
+        }
+    };
+    let ctx = RelayContext {
+        started: record.started,
+        idle_timeout,
+        event_stream: engine.is_event_stream(),
+        framing,
+        metrics,
+        booking: pick.booking.as_ref(),
+        meter: record.meter.as_ref(),
+    };
+    relay_body(frontend, engine, &ctx).await
+}
+
 /// Relays the body; on `Complete` the client body is finished.
-pub(crate) async fn relay<S: BodySink>(
-    downstream: &mut S,
+pub(crate) async fn relay_body<F: Frontend>(
+    frontend: &mut F,
     upstream: &mut UpstreamSession,
     ctx: &RelayContext<'_>,
 ) -> RelayEnd {
@@ -92,13 +122,13 @@ pub(crate) async fn relay<S: BodySink>(
             None => tokio::select! {
                 biased;
                 read = upstream.read_body_within(ctx.idle_timeout) => read,
-                () = downstream.client_gone() => return RelayEnd::ClientGone,
+                () = frontend.gone() => return RelayEnd::ClientGone,
             },
         };
         let chunk = match read {
             Err(_) => {
                 return fail(
-                    downstream,
+                    frontend,
                     ctx,
                     events.as_ref(),
                     &mut held,
@@ -108,7 +138,7 @@ pub(crate) async fn relay<S: BodySink>(
             }
             Ok(Err(_)) => {
                 return fail(
-                    downstream,
+                    frontend,
                     ctx,
                     events.as_ref(),
                     &mut held,
@@ -134,7 +164,7 @@ pub(crate) async fn relay<S: BodySink>(
         }
         next = upstream.take_buffered();
         let last = matches!(next, Some(Ok(None))) && held.is_empty();
-        if (out.is_some() || last) && !downstream.write_body(out.unwrap_or_default(), last).await {
+        if (out.is_some() || last) && !frontend.write_body(out.unwrap_or_default(), last).await {
             return RelayEnd::ClientGone;
         }
         if last {
@@ -147,7 +177,7 @@ pub(crate) async fn relay<S: BodySink>(
     if let Some(meter) = ctx.meter.filter(|_| !rest.is_empty()) {
         meter.observe(&rest, ctx.event_stream);
     }
-    if !downstream.write_body(rest, true).await {
+    if !frontend.write_body(rest, true).await {
         return RelayEnd::ClientGone;
     }
     RelayEnd::Complete
@@ -193,24 +223,25 @@ fn hold_back(held: &mut BytesMut, chunk: Bytes, boundary: Option<usize>) -> Opti
     }
 }
 
-/// Ends the client's body after an upstream failure: an SSE error event when
-/// the framing allows one, otherwise nothing (the caller cuts the connection).
-async fn fail<S: BodySink>(
-    downstream: &mut S,
+/// Ends the client's answer after an upstream failure: with an SSE error event when the
+/// framing allows one, else as the front end's protocol allows.
+async fn fail<F: Frontend>(
+    frontend: &mut F,
     ctx: &RelayContext<'_>,
     events: Option<&EventTiming>,
     held: &mut BytesMut,
     kind: FailureKind,
 ) -> RelayEnd {
-    let Some(timing) = events.filter(|_| ctx.framing == Framing::Open) else {
-        return RelayEnd::UpstreamFailed { kind, clean: false };
-    };
-    // An event cut short and still held is dropped; one already forwarded
-    // (over the hold-back limit) is terminated so the error stands alone.
-    let partial_sent = held.is_empty() && timing.scanner.mid_event();
-    held.clear();
-    let event = error_event(kind, partial_sent);
-    let clean = downstream.write_body(event, true).await;
+    let event = events
+        .filter(|_| ctx.framing == Framing::Open)
+        .map(|timing| {
+            // An event cut short and still held is dropped; one already forwarded
+            // (over the hold-back limit) is terminated so the error stands alone.
+            let partial_sent = held.is_empty() && timing.scanner.mid_event();
+            held.clear();
+            error_event(kind, partial_sent)
+        });
+    let clean = frontend.end_broken(kind, event).await;
     RelayEnd::UpstreamFailed { kind, clean }
 }
 

@@ -1,10 +1,9 @@
-//! The record of one request/response exchange: what it resolved to and how
-//! it ended, turned into metrics and one log line at the end.
+//! The record of one proxied request (phase 9 of [`crate::request`]): what it resolved to
+//! and how it ended, turned into metrics and one log line at the end.
 
 use std::sync::Arc;
 
 use http::{HeaderValue, Method};
-use pingora_core::protocols::http::ServerSession;
 use tokio::time::Instant;
 
 use crate::api_error::ApiError;
@@ -13,15 +12,14 @@ use crate::failure::FailureKind;
 use crate::metrics::Metrics;
 use crate::pool::ModelPool;
 use crate::registry::ModelRegistry;
-use crate::respond::respond_error;
 use crate::route::Route;
 
 /// Status logged when the client left before a response was written.
 const CLIENT_CLOSED: u16 = 499;
 
-/// One exchange in progress.
+/// One request in progress.
 #[derive(Debug)]
-pub(crate) struct Exchange {
+pub(crate) struct Record {
     /// `x-request-id` (the client's or generated).
     pub(crate) request_id: HeaderValue,
     /// When the request head was read.
@@ -38,7 +36,7 @@ pub(crate) struct Exchange {
     pub(crate) kv_route: Option<HeaderValue>,
     /// The client asked for a stream (`"stream": true`).
     pub(crate) stream: bool,
-    /// The client disconnected before the exchange finished.
+    /// The client disconnected before the request finished.
     pub(crate) client_gone: bool,
     /// The engine failed after the response started.
     pub(crate) upstream_failure: Option<FailureKind>,
@@ -47,8 +45,8 @@ pub(crate) struct Exchange {
     pub(crate) meter: Option<CompletionMeter>,
 }
 
-impl Exchange {
-    /// A new exchange starting now.
+impl Record {
+    /// A new record of a request starting now.
     pub(crate) fn new(request_id: HeaderValue) -> Self {
         Self {
             request_id,
@@ -63,19 +61,6 @@ impl Exchange {
             upstream_failure: None,
             meter: None,
         }
-    }
-
-    /// Answers with a proxy-generated error; returns whether the write worked.
-    pub(crate) async fn reject(
-        &mut self,
-        session: &mut ServerSession,
-        metrics: &Metrics,
-        error: &ApiError,
-    ) -> bool {
-        self.answered_with(metrics, error);
-        let written = respond_error(session, error, &self.request_id).await;
-        self.client_gone |= !written;
-        written
     }
 
     /// Records that the proxy answers with `error`: its status, and the client-error

@@ -5,16 +5,16 @@
 use tokio::time::Instant;
 use tonic::Code;
 
-use crate::exchange::Exchange;
 use crate::grpc::failure::{Failure, code_name};
 use crate::grpc::rpc::Rpc;
 use crate::metrics::{Metrics, RpcTable};
 use crate::pool::ModelPool;
+use crate::request::record::Record;
 
 /// One inference request in progress; written once, at the latest when dropped.
-pub(crate) struct Record<'a> {
-    /// What the shared forwarding path records about the exchange.
-    pub(crate) exchange: Exchange,
+pub(crate) struct RpcRecord<'a> {
+    /// What the spine records about the request.
+    pub(crate) record: Record,
     rpc: Rpc,
     metrics: &'a Metrics,
     unattributed: &'a RpcTable,
@@ -22,18 +22,18 @@ pub(crate) struct Record<'a> {
     written: bool,
 }
 
-impl<'a> Record<'a> {
-    /// A record of `exchange` on `rpc`; requests that name no served model count under
-    /// `unattributed`.
+impl<'a> RpcRecord<'a> {
+    /// A record of `record`'s request on `rpc`; requests that name no served model count
+    /// under `unattributed`.
     pub(crate) fn new(
-        exchange: Exchange,
+        record: Record,
         rpc: Rpc,
         metrics: &'a Metrics,
         unattributed: &'a RpcTable,
         deadline: Option<Instant>,
     ) -> Self {
         Self {
-            exchange,
+            record,
             rpc,
             metrics,
             unattributed,
@@ -57,26 +57,23 @@ impl<'a> Record<'a> {
 
     fn write(&mut self, status: u16, code: Code) {
         self.written = true;
-        self.exchange.status = status;
-        let elapsed = self.exchange.started.elapsed();
+        self.record.status = status;
+        let elapsed = self.record.started.elapsed();
         let rpcs = self
-            .exchange
+            .record
             .pool
             .as_deref()
             .map_or(self.unattributed, |pool| &pool.metrics().rpcs);
         rpcs.rpc(self.rpc).observe(status, elapsed.as_secs_f64());
-        let model = self.exchange.pool.as_deref().map_or("", ModelPool::name);
+        let model = self.record.pool.as_deref().map_or("", ModelPool::name);
         let instance = self
-            .exchange
+            .record
             .instance
             .as_ref()
             .and_then(|value| value.to_str().ok())
             .unwrap_or("");
-        let request_id = self.exchange.request_id.to_str().unwrap_or("");
-        let upstream_error = self
-            .exchange
-            .upstream_failure
-            .map_or("", |kind| kind.label());
+        let request_id = self.record.request_id.to_str().unwrap_or("");
+        let upstream_error = self.record.upstream_failure.map_or("", |kind| kind.label());
         tracing::info!(
             rpc = self.rpc.label(),
             model,
@@ -85,14 +82,14 @@ impl<'a> Record<'a> {
             instance,
             duration_ms = elapsed.as_secs_f64() * 1e3,
             request_id,
-            stream = self.exchange.stream,
+            stream = self.record.stream,
             upstream_error,
             "grpc request"
         );
     }
 }
 
-impl Drop for Record<'_> {
+impl Drop for RpcRecord<'_> {
     fn drop(&mut self) {
         if self.written {
             return;

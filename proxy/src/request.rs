@@ -1,0 +1,149 @@
+//! The spine: one proxied request, from a read body to the end of its answer, for every
+//! front end (the HTTP/1.1 fast path, pingora's h2/TLS/fallback path and KServe gRPC).
+//! The front end parses the request, authenticates it, reads the body and calls
+//! [`proxy`]; it writes what the spine hands it through its [`Frontend`]. In order:
+//!
+//! 1. **admit** ([`admit`]): `model` and `stream` from the body, the model's pool (an
+//!    alias rewritten), the API key's own limits, the model's concurrency slot.
+//! 2. **prepare** ([`prepare`]): the model's policy, or under `policy: kv` the prompt
+//!    rendered, tokenized and hashed into blocks; the prompt charged to the key.
+//! 3. **queue** ([`pick::queue`]): under `policy: kv`, a bounded wait while every instance
+//!    is busy.
+//! 4. **pick** ([`pick`]): the next instance not tried yet (`policy: kv` books the load).
+//! 5. **attempt** ([`attempt`]): send, read the response head within the first-byte
+//!    timeout; a failure before it picks again ([`attempt::Failover`]).
+//! 6. **respond** ([`respond`]): the engine's status judged (5xx counts towards
+//!    ejection).
+//! 7. **relay** ([`relay`]): the response head, then the body piece by piece (SSE timing,
+//!    metering, an error event if the engine breaks off).
+//! 8. **release** ([`release`]): the engine connection back to its pool, or its failure
+//!    counted; the booking, in-flight count and slot guards dropped.
+//! 9. **record** ([`record`]): metrics and the log line, written by the front end that
+//!    owns the [`Record`] once the spine returns (it also records what it refused before
+//!    admission).
+
+pub(crate) mod admit;
+pub(crate) mod attempt;
+pub(crate) mod frontend;
+pub(crate) mod pick;
+pub(crate) mod prepare;
+pub(crate) mod record;
+pub(crate) mod relay;
+pub(crate) mod release;
+pub(crate) mod respond;
+pub(crate) mod stop;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use crate::auth::ApiKey;
+use crate::kv_route::prepare::InvalidPrompt;
+use crate::metrics::GaugeGuard;
+use crate::route::Route;
+use crate::state::State;
+use admit::{admit_key, model_slot, resolve_model};
+use attempt::{Failover, attempt};
+use frontend::Frontend;
+use pick::{pick, queue};
+use prepare::{charge_prompt, prepare};
+use record::Record;
+use relay::relay;
+use release::release;
+use respond::judge;
+use stop::Stop;
+
+/// Proxies one request whose `body` its front end has read (`key`: the API key it
+/// authenticated); returns whether the client connection can serve another request.
+pub(crate) async fn proxy<F: Frontend>(
+    state: &State,
+    frontend: &mut F,
+    record: &mut Record,
+    key: Option<Arc<ApiKey>>,
+    body: Bytes,
+) -> bool {
+    match run(state, frontend, record, key, body).await {
+        Ok(reusable) => reusable,
+        Err(Stop::Answer(error)) => frontend.reject(record, &state.metrics, &error).await,
+        Err(Stop::ClientGone) => {
+            record.client_gone = true;
+            false
+        }
+    }
+}
+
+/// The phases, in order; `Err` when the request stops before the engine's answer.
+async fn run<F: Frontend>(
+    state: &State,
+    frontend: &mut F,
+    record: &mut Record,
+    key: Option<Arc<ApiKey>>,
+    body: Bytes,
+) -> Result<bool, Stop> {
+    // 1. admit
+    let resolved = resolve_model(state, body)?;
+    record.stream = resolved.stream;
+    let pool = resolved.pool;
+    record.pool = Some(Arc::clone(&pool));
+    let permit = admit_key(state, key, pool.name())?;
+    let _slot = unless_gone(frontend, model_slot(state, &pool)).await??;
+    // 2. prepare
+    let mut body = resolved.body;
+    let route = record.route.unwrap_or(Route::ChatCompletions);
+    let picker = prepare(state, &pool, route, &mut body)
+        .await
+        .map_err(|InvalidPrompt(message)| crate::api_error::ApiError::InvalidPrompt(message))?;
+    if let Some(permit) = permit.as_ref() {
+        charge_prompt(permit, &picker, body.len(), record);
+    }
+    let _in_flight = GaugeGuard::new(&pool.metrics().in_flight);
+    let instances = pool.instances();
+    // 3. queue
+    unless_gone(frontend, queue(&pool, &instances, &picker)).await??;
+    let mut failover = Failover::new(state.limits.retries);
+    loop {
+        // 4. pick
+        let pick = match pick(&instances, &picker, &failover.excluded) {
+            Ok(pick) => pick,
+            Err(why) => return Err(failover.exhausted(state, &pool, why).into()),
+        };
+        record.instance = Some(pick.instance.instance_header().clone());
+        record.kv_route.clone_from(&pick.route);
+        let in_flight = pick.instance.start_request();
+        // 5. attempt
+        let mut engine =
+            match attempt(state, frontend, &pick.instance, &body, &record.request_id).await {
+                Ok(engine) => engine,
+                Err(error) => {
+                    drop(in_flight);
+                    failover.failed(state, &pick, error)?;
+                    continue;
+                }
+            };
+        // 6. respond
+        if !judge(state, &pick.instance, &engine, record) {
+            return Ok(false);
+        }
+        // 7. relay
+        let metrics = pool.metrics();
+        let idle_timeout = state.limits.idle_timeout;
+        let end = relay(frontend, &mut engine, &pick, record, metrics, idle_timeout).await;
+        // 8. release
+        let reusable = release(state, &pick.instance, engine, end, record).await;
+        drop(in_flight);
+        return Ok(reusable);
+    }
+}
+
+/// Runs `work` unless the client leaves first.
+async fn unless_gone<F: Frontend, T>(
+    frontend: &mut F,
+    work: impl Future<Output = T>,
+) -> Result<T, Stop> {
+    tokio::select! {
+        biased;
+        output = work => Ok(output),
+        () = frontend.gone() => Err(Stop::ClientGone),
+    }
+}

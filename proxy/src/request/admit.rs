@@ -1,0 +1,97 @@
+//! Admission (phase 1 of [`crate::request`]): the body's `model` and `stream`, the model's
+//! pool (an alias rewritten to the canonical name), the API key's own limits and the
+//! model's concurrency slot. The admin port's `POST /debug/route` resolves the model the
+//! same way ([`resolve_model`]).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use tokio::sync::OwnedSemaphorePermit;
+
+use crate::api_error::ApiError;
+use crate::auth::{ApiKey, KeyPermit, KeyRejection};
+use crate::pool::ModelPool;
+use crate::request_fields::{FieldsError, extract, with_model_name};
+use crate::state::State;
+
+/// A request's model, resolved from its body.
+pub(crate) struct Resolved {
+    /// The model's pool.
+    pub(crate) pool: Arc<ModelPool>,
+    /// The body to forward (rewritten when it named the model by an alias).
+    pub(crate) body: Bytes,
+    /// The client asked for a stream (`"stream": true`).
+    pub(crate) stream: bool,
+}
+
+/// Reads `model` and `stream` from `body` and finds the model's pool. An alias is a
+/// gateway name: engines know the model by its canonical name, so only then is the body
+/// rewritten.
+pub(crate) fn resolve_model(state: &State, body: Bytes) -> Result<Resolved, ApiError> {
+    let fields = extract(&body).map_err(|error| match error {
+        FieldsError::InvalidJson(detail) => ApiError::InvalidJson(detail),
+        FieldsError::InvalidShape(detail) => ApiError::InvalidBody(detail),
+    })?;
+    let stream = fields.stream.unwrap_or(false);
+    let model = fields.model.ok_or(ApiError::MissingModel)?;
+    let Some(pool) = state.registry.get(model.as_str()) else {
+        return Err(ApiError::ModelNotFound {
+            model: model.as_str().to_string(),
+            known: state.registry.known(),
+        });
+    };
+    let body = if pool.name() == model.as_str() {
+        body
+    } else {
+        with_model_name(&body, &model, pool.name())
+    };
+    Ok(Resolved { pool, body, stream })
+}
+
+/// Admits a request for `model` under `key`'s own limits (`None`: authentication is off).
+pub(crate) fn admit_key(
+    state: &State,
+    key: Option<Arc<ApiKey>>,
+    model: &str,
+) -> Result<Option<KeyPermit>, ApiError> {
+    let Some(key) = key else {
+        return Ok(None);
+    };
+    key.admit(model, Instant::now())
+        .map(Some)
+        .map_err(|rejection| key_rejection(state, rejection, model.to_string()))
+}
+
+/// The error for a key refused by its own settings (403 or 429); `model` is the requested
+/// name.
+fn key_rejection(state: &State, rejection: KeyRejection, model: String) -> ApiError {
+    match rejection {
+        KeyRejection::ModelNotAllowed => {
+            state.auth.count_model_not_allowed();
+            ApiError::ModelNotAllowed { model }
+        }
+        KeyRejection::Limited(limit, wait) => ApiError::RateLimited {
+            limit: limit.label(),
+            retry_after_secs: wait.as_secs_f64().ceil().max(1.0) as u64,
+        },
+    }
+}
+
+/// A slot of the model's concurrency limit, when it has one (waiting for it, bounded).
+pub(crate) async fn model_slot(
+    state: &State,
+    pool: &ModelPool,
+) -> Result<Option<OwnedSemaphorePermit>, ApiError> {
+    let Some(slots) = state.concurrency.get(pool.name()) else {
+        return Ok(None);
+    };
+    match slots.acquire().await {
+        Ok(slot) => Ok(Some(slot)),
+        Err(rejection) => Err(ApiError::ConcurrencyLimited {
+            model: pool.name().to_string(),
+            reason: rejection.describe(),
+            retry_after_secs: slots.retry_after_secs(),
+        }),
+    }
+}

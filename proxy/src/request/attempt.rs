@@ -1,0 +1,256 @@
+//! One attempt on one instance (phase 5 of [`crate::request`]): the request sent, and the
+//! engine's response head read within the first-byte timeout, over our HTTP/1.1 client
+//! (plaintext HTTP/1.1 engines: head and body in one write) or pingora's (h2c and
+//! `https://` engines).
+
+use bytes::Bytes;
+use http::HeaderValue;
+use pingora_error::ErrorType;
+use tokio::time::timeout;
+
+use crate::api_error::ApiError;
+use crate::clock::now_millis;
+use crate::failure::FailureKind;
+use crate::h1::upstream::{Exchange as H1Exchange, ExchangeError, TimedOut};
+use crate::headers::EngineTarget;
+use crate::instance::Instance;
+use crate::policy::Excluded;
+use crate::pool::ModelPool;
+use crate::request::frontend::Frontend;
+use crate::request::pick::{NoPick, Pick, overloaded};
+use crate::request::stop::Stop;
+use crate::state::State;
+use crate::upstream_session::UpstreamSession;
+
+/// How one attempt on one instance ended before any response byte reached the client.
+pub(crate) enum AttemptError {
+    /// Nothing usable came back; another instance may be tried.
+    Retryable {
+        kind: FailureKind,
+        detail: String,
+        /// The connection came from the pool (it may just have been stale).
+        reused: bool,
+    },
+    /// No response headers within the first-byte timeout.
+    Timeout,
+    /// The request could not be rebuilt for the engine (not the engine's fault).
+    Unforwardable(String),
+    /// The client went away while waiting.
+    ClientGone,
+}
+
+/// Extra attempts after a failure on a pooled keep-alive connection (it may
+/// have gone stale while idle); they count neither as failures towards
+/// ejection nor against `limits.retries`.
+const STALE_CONNECTION_RETRIES: u32 = 2;
+
+/// What one request has tried so far, and how many more attempts it may make.
+pub(crate) struct Failover {
+    /// Instances that failed before the first byte.
+    pub(crate) excluded: Excluded,
+    attempts_left: u32,
+    stale_retries_left: u32,
+    last_failure: Option<String>,
+}
+
+impl Failover {
+    /// A request that may retry `retries` times on other instances.
+    pub(crate) fn new(retries: u32) -> Self {
+        Self {
+            excluded: Excluded::default(),
+            attempts_left: retries.saturating_add(1),
+            stale_retries_left: STALE_CONNECTION_RETRIES,
+            last_failure: None,
+        }
+    }
+
+    /// The error when no instance is left to pick.
+    pub(crate) fn exhausted(&mut self, state: &State, pool: &ModelPool, why: NoPick) -> ApiError {
+        match (why, self.last_failure.take()) {
+            (NoPick::Busy, _) => overloaded(pool, "every remaining instance is busy"),
+            (NoPick::Nothing, None) => ApiError::NoHealthyInstance {
+                model: pool.name().to_string(),
+                retry_after_secs: pool.retry_after_secs(state.health_interval_ms),
+            },
+            (NoPick::Nothing, Some(detail)) => ApiError::UpstreamUnavailable { detail },
+        }
+    }
+
+    /// Judges the failed attempt on `pick`: `Ok` to try again, `Err` to stop. Failures
+    /// count towards the instance's ejection, except a first stale pooled connection.
+    pub(crate) fn failed(
+        &mut self,
+        state: &State,
+        pick: &Pick<'_>,
+        error: AttemptError,
+    ) -> Result<(), Stop> {
+        let instance = &pick.instance;
+        match error {
+            AttemptError::Retryable {
+                kind,
+                detail,
+                reused,
+            } => {
+                if reused && self.stale_retries_left > 0 {
+                    self.stale_retries_left -= 1;
+                    instance.count_error(kind);
+                    tracing::debug!(instance = %instance.url(), %detail, "stale pooled connection, retrying");
+                    return Ok(());
+                }
+                instance.record_failure(kind, &state.outlier, now_millis());
+                tracing::debug!(instance = %instance.url(), %detail, "attempt failed before the first byte");
+                self.excluded.insert(pick.index);
+                self.attempts_left -= 1;
+                if self.attempts_left == 0 {
+                    return Err(Stop::Answer(ApiError::UpstreamUnavailable { detail }));
+                }
+                self.last_failure = Some(detail);
+                Ok(())
+            }
+            AttemptError::Timeout => {
+                instance.record_failure(FailureKind::Timeout, &state.outlier, now_millis());
+                Err(Stop::Answer(ApiError::UpstreamTimeout))
+            }
+            AttemptError::Unforwardable(detail) => {
+                Err(Stop::Answer(ApiError::UpstreamUnavailable { detail }))
+            }
+            AttemptError::ClientGone => Err(Stop::ClientGone),
+        }
+    }
+}
+
+/// Sends the request to `instance` and waits for its response headers.
+pub(crate) async fn attempt<F: Frontend>(
+    state: &State,
+    client: &mut F,
+    instance: &Instance,
+    body: &Bytes,
+    request_id: &HeaderValue,
+) -> Result<UpstreamSession, AttemptError> {
+    let target = EngineTarget {
+        host: instance.host_header(),
+        body_len: body.len(),
+        request_id,
+    };
+    match instance.h1_address() {
+        Some(address) => attempt_h1(state, client, instance, address, body, &target).await,
+        None => attempt_pingora(state, client, instance, body, &target).await,
+    }
+}
+
+/// Runs `exchange` (sending the request and reading the response head) within the
+/// first-byte timeout, unless the client leaves first.
+async fn within_first_byte<F: Frontend, T>(
+    state: &State,
+    client: &mut F,
+    exchange: impl Future<Output = T>,
+) -> Result<T, AttemptError> {
+    unless_client_leaves(client, timeout(state.limits.first_byte_timeout, exchange))
+        .await?
+        .map_err(|_| AttemptError::Timeout)
+}
+
+/// Runs `work` unless the client leaves first.
+async fn unless_client_leaves<F: Frontend, T>(
+    client: &mut F,
+    work: impl Future<Output = T>,
+) -> Result<T, AttemptError> {
+    tokio::select! {
+        biased;
+        output = work => Ok(output),
+        () = client.gone() => Err(AttemptError::ClientGone),
+    }
+}
+
+/// A failed connect to `instance`: retryable elsewhere.
+fn connect_failed(instance: &Instance, error: impl std::fmt::Display) -> AttemptError {
+    AttemptError::Retryable {
+        kind: FailureKind::Connect,
+        detail: format!("connect to {}: {error}", instance.url()),
+        reused: false,
+    }
+}
+
+/// [`attempt`] on our HTTP/1.1 client: head and body in one write.
+async fn attempt_h1<F: Frontend>(
+    state: &State,
+    client: &mut F,
+    instance: &Instance,
+    address: std::net::SocketAddr,
+    body: &Bytes,
+    target: &EngineTarget<'_>,
+) -> Result<UpstreamSession, AttemptError> {
+    let pool = state.upstream.h1();
+    let (mut upstream, reused) = H1Exchange::open(pool, address, instance.connect_timeout())
+        .await
+        .map_err(|error| connect_failed(instance, error))?;
+    client
+        .write_engine_request(target, upstream.request_head())
+        .map_err(|error| AttemptError::Unforwardable(error.to_string()))?;
+    // The first-byte deadline runs on the connection's own timer.
+    let exchange = upstream.request(body, state.limits.first_byte_timeout);
+    match unless_client_leaves(client, exchange).await? {
+        Err(TimedOut) => Err(AttemptError::Timeout),
+        Ok(Err(error)) => Err(AttemptError::Retryable {
+            kind: match error {
+                ExchangeError::Connect(_) => FailureKind::Connect,
+                ExchangeError::Broken(_) => FailureKind::Reset,
+            },
+            detail: format!("{} before the response: {error}", instance.url()),
+            reused,
+        }),
+        Ok(Ok(())) => Ok(UpstreamSession::H1(upstream)),
+    }
+}
+
+/// [`attempt`] on pingora's client (h2c and `https://` engines).
+async fn attempt_pingora<F: Frontend>(
+    state: &State,
+    client: &mut F,
+    instance: &Instance,
+    body: &Bytes,
+    target: &EngineTarget<'_>,
+) -> Result<UpstreamSession, AttemptError> {
+    let request = client
+        .engine_request(target)
+        .map_err(|error| AttemptError::Unforwardable(error.to_string()))?;
+    let (mut upstream, reused) = state
+        .upstream
+        .session(instance.peer())
+        .await
+        .map_err(|error| connect_failed(instance, error))?;
+    let exchange = async {
+        upstream.write_request_header(Box::new(request)).await?;
+        if !body.is_empty() {
+            upstream.write_request_body(body.clone(), true).await?;
+        }
+        upstream.finish_request_body().await?;
+        loop {
+            upstream.read_response_header().await?;
+            let informational = upstream
+                .response_header()
+                .is_some_and(|header| header.status.is_informational());
+            if !informational {
+                return Ok::<(), Box<pingora_error::Error>>(());
+            }
+        }
+    };
+    match within_first_byte(state, client, exchange).await? {
+        Err(error) => {
+            let kind = match error.etype() {
+                ErrorType::ConnectTimedout
+                | ErrorType::ConnectRefused
+                | ErrorType::ConnectNoRoute
+                | ErrorType::ConnectError => FailureKind::Connect,
+                ErrorType::ReadTimedout | ErrorType::WriteTimedout => FailureKind::Timeout,
+                _ => FailureKind::Reset,
+            };
+            Err(AttemptError::Retryable {
+                kind,
+                detail: format!("{} before the response: {error}", instance.url()),
+                reused,
+            })
+        }
+        Ok(()) => Ok(UpstreamSession::Pingora(Box::new(upstream))),
+    }
+}

@@ -1,0 +1,106 @@
+//! The client side of a proxied request, as the spine ([`crate::request`]) sees it: the
+//! head the engine request is built from, a signal that the client left, and where errors
+//! and the engine's answer go. Each front end implements [`Frontend`]: the fast path
+//! (`h1::client`), pingora's HTTP sessions (`data_app`) and the KServe gRPC listener
+//! (`grpc::frontend`).
+
+use std::future::Future;
+
+use bytes::Bytes;
+use pingora_http::RequestHeader;
+
+use crate::api_error::ApiError;
+use crate::failure::FailureKind;
+use crate::headers::{EngineTarget, Framing, ProxyHeaders};
+use crate::metrics::Metrics;
+use crate::request::record::Record;
+use crate::upstream_session::UpstreamSession;
+
+/// Writes `request` as an HTTP/1.1 head.
+pub(crate) fn write_request_head(request: &RequestHeader, out: &mut Vec<u8>) {
+    out.extend_from_slice(request.method.as_str().as_bytes());
+    out.push(b' ');
+    let target = request
+        .uri
+        .path_and_query()
+        .map_or("/", |path| path.as_str());
+    out.extend_from_slice(target.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    for (name, value) in &request.headers {
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// A front end's client of one proxied request: where it came from and where its answer
+/// goes. Front ends parse and write; everything in between is the spine's.
+pub(crate) trait Frontend: Send {
+    /// The engine request's head, for pingora's client (h2c and `https://` engines).
+    fn engine_request(&self, target: &EngineTarget<'_>) -> pingora_error::Result<RequestHeader>;
+
+    /// The engine request's head written as HTTP/1.1 into `out`, for plaintext HTTP/1.1
+    /// engines.
+    fn write_engine_request(
+        &self,
+        target: &EngineTarget<'_>,
+        out: &mut Vec<u8>,
+    ) -> pingora_error::Result<()> {
+        write_request_head(&self.engine_request(target)?, out);
+        Ok(())
+    }
+
+    /// Completes when the client has gone away; stays pending while it waits.
+    fn gone(&mut self) -> impl Future<Output = ()> + Send;
+
+    /// Answers with a proxy-generated error; returns whether the client can still be
+    /// served (an HTTP connection reused).
+    fn reject(
+        &mut self,
+        record: &mut Record,
+        metrics: &Metrics,
+        error: &ApiError,
+    ) -> impl Future<Output = bool> + Send;
+
+    /// Starts the answer to the engine's response, whose head `engine` has read (with the
+    /// proxy's own fields `ours`), and says how its body is framed towards the client.
+    /// `Err`: the relay cannot start (the engine's head cannot be relayed, or the client
+    /// is gone).
+    fn start_response(
+        &mut self,
+        engine: &UpstreamSession,
+        ours: ProxyHeaders<'_>,
+    ) -> impl Future<Output = Result<Framing, Unrelayable>> + Send;
+
+    /// Writes a piece of the response body (`end`: the last one); `false` when the client
+    /// is gone. Server-sent events arrive whole, except one larger than the relay holds.
+    fn write_body(&mut self, data: Bytes, end: bool) -> impl Future<Output = bool> + Send;
+
+    /// The engine broke off mid-body: ends the client's answer as its protocol allows,
+    /// with `error_event` when the relay made one (an SSE stream with open framing).
+    /// Returns whether the answer ended cleanly (else the connection or stream is cut).
+    fn end_broken(
+        &mut self,
+        kind: FailureKind,
+        error_event: Option<Bytes>,
+    ) -> impl Future<Output = bool> + Send {
+        let _ = kind;
+        async move {
+            match error_event {
+                Some(event) => self.write_body(event, true).await,
+                None => false,
+            }
+        }
+    }
+}
+
+/// Why a response could not be started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Unrelayable {
+    /// The engine's response head cannot be relayed.
+    EngineHead,
+    /// The client went away.
+    ClientGone,
+}
