@@ -5,12 +5,7 @@
 //! one write. Anything else (TLS, h2c, `Expect`, chunked request bodies, other routes,
 //! heads the limits refuse) is handed to pingora with the bytes already read.
 
-pub(crate) mod body;
 pub(crate) mod client;
-mod digits;
-#[cfg(test)]
-mod fuzz;
-pub(crate) mod head;
 pub(crate) mod response;
 pub(crate) mod server;
 pub(crate) mod upstream;
