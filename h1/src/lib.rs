@@ -8,6 +8,9 @@
 //! - [`fields`]: what header fields mean between hops: hop-by-hop and end-to-end fields,
 //!   `Connection` tokens, event-stream content types.
 //! - [`digits`]: numbers written into heads and chunk-size lines.
+//! - [`lazy_timer`]: a timer for deadlines that keep moving later, re-armed lazily.
+//! - [`waits`]: what a server connection waits on while it reads a request head (the head
+//!   deadline and the shutdown signal).
 //!
 //! The proxy's HTTP/1.1 fast path is built on it (client connections on the data listeners,
 //! plaintext HTTP/1.1 engines); the worker-agent's inbound sidecar will speak it too. It
@@ -21,3 +24,5 @@ pub mod fields;
 #[cfg(test)]
 mod fuzz;
 pub mod head;
+pub mod lazy_timer;
+pub mod waits;

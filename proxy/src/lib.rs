@@ -45,7 +45,6 @@ mod health;
 mod health_check;
 mod instance;
 mod kv_route;
-mod lazy_timer;
 mod limits;
 mod metrics;
 mod openapi;

@@ -9,4 +9,3 @@ pub(crate) mod client;
 pub(crate) mod response;
 pub(crate) mod server;
 pub(crate) mod upstream;
-mod waits;

@@ -12,6 +12,7 @@ use http::{HeaderValue, Method};
 use kvmesh_config::LimitsConfig;
 use kvmesh_h1::fields::listed_in_connection;
 use kvmesh_h1::head::{Known, Parsed, RequestHead, parse_decimal, parse_request};
+use kvmesh_h1::waits::{Waits, Woken};
 use pingora_core::server::ShutdownWatch;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
@@ -19,7 +20,6 @@ use tokio::sync::watch::error::RecvError;
 use tokio::time::Instant;
 
 use super::client::{BodyRead, FastClient, READ_RESERVE};
-use super::waits::{Waits, Woken};
 use crate::api_error::{ApiError, ClientErrorReason};
 use crate::auth::AuthFailure;
 use crate::data_app::admit_and_forward;

@@ -12,11 +12,10 @@ use bytes::{Bytes, BytesMut};
 use kvmesh_h1::body::{BadFraming, ChunkState, Decoded, Framing};
 use kvmesh_h1::fields::listed_in_connection;
 use kvmesh_h1::head::{Known, Parsed, ResponseHead, parse_decimal, parse_response};
+use kvmesh_h1::lazy_timer::{Elapsed, LazyTimer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout};
-
-use crate::lazy_timer::{Elapsed, LazyTimer};
 
 /// Longest response head accepted from an engine.
 const MAX_RESPONSE_HEAD: usize = 64 * 1024;
