@@ -12,18 +12,18 @@ use tokio::time::{Instant, Sleep, sleep_until};
 
 /// A deadline passed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Elapsed;
+pub(crate) struct Elapsed;
 
 /// A reusable, lazily re-armed timer; the default one is unarmed and costs nothing until
 /// its first wait (which needs a tokio runtime with time enabled).
 #[derive(Debug, Default)]
-pub struct LazyTimer {
+pub(crate) struct LazyTimer {
     sleep: Option<Pin<Box<Sleep>>>,
 }
 
 impl LazyTimer {
     /// Completes at `deadline` (or a little after it).
-    pub async fn until(&mut self, deadline: Instant) {
+    pub(crate) async fn until(&mut self, deadline: Instant) {
         let sleep = self
             .sleep
             .get_or_insert_with(|| Box::pin(sleep_until(deadline)));
@@ -40,7 +40,7 @@ impl LazyTimer {
     }
 
     /// Runs `future` for at most `limit`.
-    pub async fn within<F: Future>(
+    pub(crate) async fn within<F: Future>(
         &mut self,
         limit: Duration,
         future: F,

@@ -8,9 +8,14 @@
 //! - [`fields`]: what header fields mean between hops: hop-by-hop and end-to-end fields,
 //!   `Connection` tokens, event-stream content types.
 //! - [`digits`]: numbers written into heads and chunk-size lines.
-//! - [`lazy_timer`]: a timer for deadlines that keep moving later, re-armed lazily.
+//! - [`client`]: the keep-alive client of HTTP/1.1 engines: a pool of idle connections per
+//!   engine and one [`client::Roundtrip`] (a request and its response) at a time on each.
 //! - [`waits`]: what a server connection waits on while it reads a request head (the head
 //!   deadline and the shutdown signal).
+//!
+//! Deadlines that keep moving later (per request on a keep-alive connection) run on a timer
+//! that is re-armed lazily, so a busy connection touches tokio's timer wheel about once per
+//! timeout period.
 //!
 //! The proxy's HTTP/1.1 fast path is built on it (client connections on the data listeners,
 //! plaintext HTTP/1.1 engines); the worker-agent's inbound sidecar will speak it too. It
@@ -19,10 +24,11 @@
 #![warn(missing_docs)]
 
 pub mod body;
+pub mod client;
 pub mod digits;
 pub mod fields;
 #[cfg(test)]
 mod fuzz;
 pub mod head;
-pub mod lazy_timer;
+mod lazy_timer;
 pub mod waits;

@@ -1,6 +1,6 @@
 //! What a server connection waits on while it reads a request head: the head deadline and
 //! the shutdown signal, each set up once per connection rather than once per request
-//! (the deadline on a [`LazyTimer`], the signal's `changed()` future kept registered).
+//! (the deadline on a lazily re-armed timer, the signal's `changed()` future kept registered).
 
 use std::future::Future;
 use std::pin::Pin;

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use http::HeaderValue;
+use kvmesh_h1::client::{Roundtrip, RoundtripError, TimedOut};
 use pingora_error::ErrorType;
 use prometheus::IntGauge;
 use tokio::time::timeout;
@@ -16,7 +17,6 @@ use crate::clock::now_millis;
 use crate::downstream::{Downstream, UpstreamTarget};
 use crate::exchange::Exchange;
 use crate::failure::FailureKind;
-use crate::h1::upstream::{Exchange as H1Exchange, ExchangeError, TimedOut};
 use crate::instance::Instance;
 use crate::kv_route::booking::Booking;
 use crate::kv_route::explain::route_header;
@@ -368,7 +368,7 @@ async fn attempt_h1<D: Downstream>(
     target: &UpstreamTarget<'_>,
 ) -> Result<UpstreamSession, AttemptError> {
     let pool = state.upstream.h1();
-    let (mut upstream, reused) = H1Exchange::open(pool, address, instance.connect_timeout())
+    let (mut upstream, reused) = Roundtrip::open(pool, address, instance.connect_timeout())
         .await
         .map_err(|error| connect_failed(instance, error))?;
     client
@@ -380,8 +380,8 @@ async fn attempt_h1<D: Downstream>(
         Err(TimedOut) => Err(AttemptError::Timeout),
         Ok(Err(error)) => Err(AttemptError::Retryable {
             kind: match error {
-                ExchangeError::Connect(_) => FailureKind::Connect,
-                ExchangeError::Broken(_) => FailureKind::Reset,
+                RoundtripError::Connect(_) => FailureKind::Connect,
+                RoundtripError::Broken(_) => FailureKind::Reset,
             },
             detail: format!("{} before the response: {error}", instance.url()),
             reused,
