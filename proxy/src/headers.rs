@@ -4,6 +4,7 @@
 
 use http::header::{self, HeaderName};
 use http::{HeaderMap, HeaderValue, Version};
+use kvmesh_h1::fields::{is_end_to_end, listed_in_connection};
 use pingora_error::Result;
 use pingora_http::{RequestHeader, ResponseHeader};
 
@@ -14,44 +15,14 @@ pub(crate) const X_KVMESH_INSTANCE: HeaderName = HeaderName::from_static("x-kvme
 /// `x-kvmesh-route`: why `policy: kv` chose that backend.
 pub(crate) const X_KVMESH_ROUTE: HeaderName = HeaderName::from_static("x-kvmesh-route");
 
-/// Headers that describe one connection, not the message (RFC 9110 §7.6.1),
-/// plus `expect`, which the proxy answers itself. `name` in any case.
-fn is_hop_by_hop(name: &[u8]) -> bool {
-    const HOP_BY_HOP: [&[u8]; 10] = [
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"expect",
-    ];
-    HOP_BY_HOP.iter().any(|hop| hop.eq_ignore_ascii_case(name))
-}
-
-/// Whether `name` is one of the comma-separated tokens of a `Connection` value.
-pub(crate) fn listed_in_connection(connection: &[u8], name: &[u8]) -> bool {
-    connection
-        .split(|&byte| byte == b',')
-        .any(|token| token.trim_ascii().eq_ignore_ascii_case(name))
-}
-
-/// Whether a field called `name` of a raw head, whose `Connection` value is `connection`, is
-/// end-to-end (forwarded).
-pub(crate) fn is_end_to_end(name: &[u8], connection: Option<&[u8]>) -> bool {
-    !is_hop_by_hop(name) && !connection.is_some_and(|list| listed_in_connection(list, name))
-}
-
 /// Whether a header is end-to-end (forwarded).
 fn is_forwarded(headers: &HeaderMap, name: &HeaderName) -> bool {
-    !is_hop_by_hop(name.as_str().as_bytes())
+    let name = name.as_str().as_bytes();
+    is_end_to_end(name, None)
         && headers
             .get_all(header::CONNECTION)
             .iter()
-            .all(|value| !listed_in_connection(value.as_bytes(), name.as_str().as_bytes()))
+            .all(|value| !listed_in_connection(value.as_bytes(), name))
 }
 
 /// What the engine request adds to the client's: the engine's `Host`, the body's length
@@ -154,14 +125,6 @@ pub(crate) fn downstream_response(
         Framing::Open
     };
     Ok((response, framing))
-}
-
-/// Whether a `Content-Type` value is `text/event-stream` (parameters allowed).
-pub(crate) fn is_event_stream_type(content_type: &[u8]) -> bool {
-    content_type
-        .trim_ascii_start()
-        .get(..17)
-        .is_some_and(|essence| essence.eq_ignore_ascii_case(b"text/event-stream"))
 }
 
 /// The request's `Content-Length`, when present and numeric.
@@ -332,14 +295,6 @@ mod tests {
             assert_eq!(framing, Framing::Length);
             assert!(!response.headers.contains_key("transfer-encoding"));
         }
-    }
-
-    #[test]
-    fn recognises_event_streams() {
-        assert!(is_event_stream_type(b"Text/Event-Stream; charset=utf-8"));
-        assert!(is_event_stream_type(b" text/event-stream"));
-        assert!(!is_event_stream_type(b"application/json"));
-        assert!(!is_event_stream_type(b""));
     }
 
     #[test]

@@ -43,7 +43,6 @@ mod health_check;
 mod instance;
 mod kv_route;
 mod layering;
-mod lazy_timer;
 mod limits;
 mod metrics;
 mod openapi;

@@ -4,12 +4,12 @@
 
 use std::time::Duration;
 
+use kvmesh_h1::client::ConnectionPool;
 use pingora_core::connectors::ConnectorOptions;
 use pingora_core::connectors::http::Connector;
 use pingora_core::protocols::http::client::HttpSession;
 use pingora_core::upstreams::peer::HttpPeer;
 
-use crate::h1::upstream::ConnectionPool;
 use crate::upstream_session::UpstreamSession;
 
 /// What an [`Upstream`] is built from: two equal settings give interchangeable connectors,

@@ -6,13 +6,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::HeaderName;
+use kvmesh_h1::client::{Roundtrip, TimedOut};
+use kvmesh_h1::fields::is_event_stream_type;
+use kvmesh_h1::head::Known;
 use pingora_core::protocols::http::client::HttpSession;
 use pingora_http::ResponseHeader;
 use tokio::time::timeout;
-
-use crate::h1::head::Known;
-use crate::h1::upstream::{Exchange, TimedOut};
-use crate::headers::is_event_stream_type;
 
 /// The engine side of a forwarded request, once the response head has been read.
 #[expect(
@@ -24,7 +23,7 @@ pub(crate) enum UpstreamSession {
     /// of ours.
     Pingora(Box<HttpSession>),
     /// Our HTTP/1.1 client (plaintext HTTP/1.1 engines).
-    H1(Exchange),
+    H1(Roundtrip),
 }
 
 impl UpstreamSession {

@@ -4,8 +4,8 @@
 
 use bytes::BytesMut;
 
-use crate::h1::body::{ChunkState, Decoded, Framing};
 use crate::sse::SseScanner;
+use kvmesh_h1::body::{ChunkState, Decoded, Framing};
 
 /// Relays one chunked SSE body as the engine sent it (`wire`), read from the connection
 /// `read` bytes at a time; returns the data events seen and the data bytes decoded.

@@ -1,17 +1,12 @@
-//! Our own HTTP/1.1 for the common case, where pingora's general machinery costs more than
-//! the work itself: plaintext client connections on the data listeners ([`server`]) and
-//! plaintext HTTP/1.1 engines ([`upstream`]). Heads are parsed in place, the request head
-//! and body go to the engine in one write and the response head and body to the client in
-//! one write. Anything else (TLS, h2c, `Expect`, chunked request bodies, other routes,
-//! heads the limits refuse) is handed to pingora with the bytes already read.
+//! The fast path's front end: our own HTTP/1.1 for the common case, where pingora's general
+//! machinery costs more than the work itself, on plaintext client connections of the data
+//! listeners ([`server`]). Its requests go to plaintext HTTP/1.1 engines through the
+//! keep-alive client of `kvmesh_h1`, the crate that also holds the codec these modules use
+//! (heads parsed in place, body framing, field helpers). The request head and body go to
+//! the engine in one write and the response head and body to the client in one write.
+//! Anything else (TLS, h2c, `Expect`, chunked request bodies, other routes, heads the
+//! limits refuse) is handed to pingora with the bytes already read.
 
-pub(crate) mod body;
 pub(crate) mod client;
-mod digits;
-#[cfg(test)]
-mod fuzz;
-pub(crate) mod head;
 pub(crate) mod response;
 pub(crate) mod server;
-pub(crate) mod upstream;
-mod waits;

@@ -2,14 +2,14 @@
 //! plus the proxy's own, serialised straight into the output buffer.
 
 use http::{HeaderValue, StatusCode, Version};
+use kvmesh_h1::digits::push_decimal;
+use kvmesh_h1::fields::is_end_to_end;
+use kvmesh_h1::head::Known;
 use pingora_http::ResponseHeader;
 
-use super::digits::push_decimal;
-use super::head::Known;
 use crate::api_error::ApiError;
 use crate::headers::{
     Framing, ProxyHeaders, X_KVMESH_INSTANCE, X_KVMESH_ROUTE, X_REQUEST_ID, downstream_response,
-    is_end_to_end,
 };
 use crate::respond::error_headers;
 use crate::upstream_session::UpstreamSession;

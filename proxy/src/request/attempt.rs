@@ -11,7 +11,6 @@ use tokio::time::timeout;
 use crate::api_error::ApiError;
 use crate::clock::now_millis;
 use crate::failure::FailureKind;
-use crate::h1::upstream::{Exchange as H1Exchange, ExchangeError, TimedOut};
 use crate::headers::EngineTarget;
 use crate::instance::Instance;
 use crate::policy::Excluded;
@@ -21,6 +20,7 @@ use crate::request::pick::{NoPick, Pick, overloaded};
 use crate::request::stop::Stop;
 use crate::state::State;
 use crate::upstream_session::UpstreamSession;
+use kvmesh_h1::client::{Roundtrip, RoundtripError, TimedOut};
 
 /// How one attempt on one instance ended before any response byte reached the client.
 pub(crate) enum AttemptError {
@@ -181,7 +181,7 @@ async fn attempt_h1<F: Frontend>(
     target: &EngineTarget<'_>,
 ) -> Result<UpstreamSession, AttemptError> {
     let pool = state.upstream.h1();
-    let (mut upstream, reused) = H1Exchange::open(pool, address, instance.connect_timeout())
+    let (mut upstream, reused) = Roundtrip::open(pool, address, instance.connect_timeout())
         .await
         .map_err(|error| connect_failed(instance, error))?;
     client
@@ -193,8 +193,8 @@ async fn attempt_h1<F: Frontend>(
         Err(TimedOut) => Err(AttemptError::Timeout),
         Ok(Err(error)) => Err(AttemptError::Retryable {
             kind: match error {
-                ExchangeError::Connect(_) => FailureKind::Connect,
-                ExchangeError::Broken(_) => FailureKind::Reset,
+                RoundtripError::Connect(_) => FailureKind::Connect,
+                RoundtripError::Broken(_) => FailureKind::Reset,
             },
             detail: format!("{} before the response: {error}", instance.url()),
             reused,

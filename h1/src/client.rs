@@ -1,6 +1,7 @@
-//! Plaintext HTTP/1.1 engines, spoken to directly: a keep-alive pool of TCP connections per
-//! engine address, the request head and body written in one `writev`, the response head
-//! parsed in place and the body read by its framing.
+//! The keep-alive client of plaintext HTTP/1.1 engines: a pool of idle TCP connections per
+//! engine address ([`ConnectionPool`]) and one round trip on a connection ([`Roundtrip`]):
+//! the request head and body written in one `writev`, the response head parsed in place and
+//! the body read by its framing.
 
 use std::collections::HashMap;
 use std::io::{self, IoSlice};
@@ -13,11 +14,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout};
 
+use crate::body::{BadFraming, ChunkState, Decoded, Framing};
+use crate::fields::listed_in_connection;
+use crate::head::{Known, Parsed, ResponseHead, parse_decimal, parse_response};
 use crate::lazy_timer::{Elapsed, LazyTimer};
-
-use super::body::{BadFraming, ChunkState, Decoded, Framing};
-use super::head::{Known, Parsed, ResponseHead, parse_decimal, parse_response};
-use crate::headers::listed_in_connection;
 
 /// Longest response head accepted from an engine.
 const MAX_RESPONSE_HEAD: usize = 64 * 1024;
@@ -31,7 +31,7 @@ const HEAD_CAPACITY: usize = 512;
 /// An open connection to an engine, what it has read ahead, and what its requests reuse:
 /// the buffer request heads are written into, and the timer of their deadlines.
 #[derive(Debug)]
-pub(crate) struct Connection {
+struct Connection {
     tcp: TcpStream,
     buf: BytesMut,
     head: Vec<u8>,
@@ -40,7 +40,7 @@ pub(crate) struct Connection {
 
 /// Idle engine connections, per engine address.
 #[derive(Debug)]
-pub(crate) struct ConnectionPool {
+pub struct ConnectionPool {
     idle: Mutex<HashMap<SocketAddr, Vec<(Connection, Instant)>>>,
     per_peer: usize,
     idle_timeout: Duration,
@@ -48,7 +48,7 @@ pub(crate) struct ConnectionPool {
 
 impl ConnectionPool {
     /// Keeps up to `per_peer` idle connections per engine, each for up to `idle_timeout`.
-    pub(crate) fn new(per_peer: usize, idle_timeout: Duration) -> Self {
+    pub fn new(per_peer: usize, idle_timeout: Duration) -> Self {
         Self {
             idle: Mutex::new(HashMap::new()),
             per_peer,
@@ -85,27 +85,27 @@ impl ConnectionPool {
     }
 }
 
-/// Why an exchange with an engine failed.
+/// Why a round trip with an engine failed.
 #[derive(Debug)]
-pub(crate) enum ExchangeError {
+pub enum RoundtripError {
     /// Connecting failed or timed out.
     Connect(io::Error),
     /// The connection broke, or the engine sent something that is not HTTP/1.
     Broken(String),
 }
 
-impl std::fmt::Display for ExchangeError {
+impl std::fmt::Display for RoundtripError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ExchangeError::Connect(error) => write!(f, "connect: {error}"),
-            ExchangeError::Broken(detail) => f.write_str(detail),
+            RoundtripError::Connect(error) => write!(f, "connect: {error}"),
+            RoundtripError::Broken(detail) => f.write_str(detail),
         }
     }
 }
 
-/// One request/response exchange on an engine connection.
+/// One round trip on an engine connection: a request, then its response.
 #[derive(Debug)]
-pub(crate) struct Exchange {
+pub struct Roundtrip {
     connection: Connection,
     addr: SocketAddr,
     head: Option<ResponseHead>,
@@ -118,20 +118,20 @@ pub(crate) struct Exchange {
 
 /// No response head (`first_byte`) or no body piece (`idle`) within its time limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct TimedOut;
+pub struct TimedOut;
 
-impl Exchange {
-    /// An exchange on a pooled connection to `addr` (the flag is true) or a new one.
-    pub(crate) async fn open(
+impl Roundtrip {
+    /// A round trip on a pooled connection to `addr` (the flag is true) or a new one.
+    pub async fn open(
         pool: &ConnectionPool,
         addr: SocketAddr,
         connect_timeout: Option<Duration>,
-    ) -> Result<(Self, bool), ExchangeError> {
+    ) -> Result<(Self, bool), RoundtripError> {
         let (connection, reused) = match pool.take(addr) {
             Some(connection) => (connection, true),
             None => (connect(addr, connect_timeout).await?, false),
         };
-        let exchange = Self {
+        let roundtrip = Self {
             connection,
             addr,
             head: None,
@@ -139,17 +139,18 @@ impl Exchange {
             keep_alive: false,
             eof: false,
         };
-        Ok((exchange, reused))
+        Ok((roundtrip, reused))
     }
 
-    /// The request head to send, empty: written by the caller, sent by [`Exchange::send`].
-    pub(crate) fn request_head(&mut self) -> &mut Vec<u8> {
+    /// The request head to send, empty: written by the caller, sent by [`Roundtrip::request`].
+    #[inline]
+    pub fn request_head(&mut self) -> &mut Vec<u8> {
         self.connection.head.clear();
         &mut self.connection.head
     }
 
     /// Writes the request head and `body` (one `writev` when the socket takes it all).
-    pub(crate) async fn send(&mut self, body: &[u8]) -> Result<(), ExchangeError> {
+    async fn send(&mut self, body: &[u8]) -> Result<(), RoundtripError> {
         let Connection { tcp, head, .. } = &mut self.connection;
         let mut written = 0;
         let total = head.len() + body.len();
@@ -164,41 +165,41 @@ impl Exchange {
             };
             match tcp.write_vectored(&slices).await {
                 Ok(0) => {
-                    return Err(ExchangeError::Broken(
+                    return Err(RoundtripError::Broken(
                         "the engine closed the connection".into(),
                     ));
                 }
                 Ok(n) => written += n,
-                Err(error) => return Err(ExchangeError::Broken(format!("write: {error}"))),
+                Err(error) => return Err(RoundtripError::Broken(format!("write: {error}"))),
             }
         }
         Ok(())
     }
 
     /// Sends the request (head and `body`) and reads the response head, within `limit`.
-    pub(crate) async fn request(
+    pub async fn request(
         &mut self,
         body: &[u8],
         limit: Duration,
-    ) -> Result<Result<(), ExchangeError>, TimedOut> {
-        self.within(limit, async |exchange| {
-            exchange.send(body).await?;
-            exchange.read_head().await
+    ) -> Result<Result<(), RoundtripError>, TimedOut> {
+        self.within(limit, async |roundtrip| {
+            roundtrip.send(body).await?;
+            roundtrip.read_head().await
         })
         .await
     }
 
-    /// The next piece of the body within `limit` (see [`Exchange::read_body`]).
-    pub(crate) async fn read_body_within(
+    /// The next piece of the body within `limit`; `None` at its end.
+    pub async fn read_body_within(
         &mut self,
         limit: Duration,
-    ) -> Result<Result<Option<Bytes>, ExchangeError>, TimedOut> {
-        self.within(limit, async |exchange| exchange.read_body().await)
+    ) -> Result<Result<Option<Bytes>, RoundtripError>, TimedOut> {
+        self.within(limit, async |roundtrip| roundtrip.read_body().await)
             .await
     }
 
-    /// Runs `work` on this exchange for at most `limit`, on the connection's timer (taken
-    /// out meanwhile and put back after; an exchange cancelled meanwhile is not reused: its
+    /// Runs `work` on this round trip for at most `limit`, on the connection's timer (taken
+    /// out meanwhile and put back after; a round trip cancelled meanwhile is not reused: its
     /// connection closes).
     async fn within<T>(
         &mut self,
@@ -212,20 +213,20 @@ impl Exchange {
     }
 
     /// Reads the response head (skipping `1xx` interim responses).
-    pub(crate) async fn read_head(&mut self) -> Result<(), ExchangeError> {
+    async fn read_head(&mut self) -> Result<(), RoundtripError> {
         loop {
             let head = loop {
                 match parse_response(&mut self.connection.buf) {
                     Parsed::Complete(head) => break head,
                     Parsed::Invalid => {
-                        return Err(ExchangeError::Broken("invalid response head".into()));
+                        return Err(RoundtripError::Broken("invalid response head".into()));
                     }
                     Parsed::Partial if self.connection.buf.len() > MAX_RESPONSE_HEAD => {
-                        return Err(ExchangeError::Broken("response head too large".into()));
+                        return Err(RoundtripError::Broken("response head too large".into()));
                     }
                     Parsed::Partial => {
                         if self.fill().await? == 0 {
-                            return Err(ExchangeError::Broken(
+                            return Err(RoundtripError::Broken(
                                 "the engine closed the connection before responding".into(),
                             ));
                         }
@@ -236,7 +237,7 @@ impl Exchange {
                 continue;
             }
             self.framing = framing(&head).map_err(|()| {
-                ExchangeError::Broken("invalid Content-Length or Transfer-Encoding".into())
+                RoundtripError::Broken("invalid Content-Length or Transfer-Encoding".into())
             })?;
             self.keep_alive = keeps_alive(&head) && self.framing != Framing::Close;
             self.head = Some(head);
@@ -245,23 +246,26 @@ impl Exchange {
     }
 
     /// The response head, once read.
-    pub(crate) fn head(&self) -> Option<&ResponseHead> {
+    #[inline]
+    pub fn head(&self) -> Option<&ResponseHead> {
         self.head.as_ref()
     }
 
     /// Whether the body is delimited by its `Content-Length` (or has none by its status).
-    pub(crate) fn length_framed(&self) -> bool {
+    #[inline]
+    pub fn length_framed(&self) -> bool {
         matches!(self.framing, Framing::Length(_))
     }
 
     /// Whether body bytes (or the body's end) are already buffered, so that reading the
     /// body's first piece will not wait.
-    pub(crate) fn body_ready(&self) -> bool {
+    #[inline]
+    pub fn body_ready(&self) -> bool {
         !self.connection.buf.is_empty() || self.framing.is_done()
     }
 
     /// The next piece of the body; `None` at its end.
-    pub(crate) async fn read_body(&mut self) -> Result<Option<Bytes>, ExchangeError> {
+    async fn read_body(&mut self) -> Result<Option<Bytes>, RoundtripError> {
         loop {
             if let Some(read) = self.take_buffered() {
                 return read;
@@ -273,12 +277,13 @@ impl Exchange {
     }
 
     /// The next piece of the body when it is already read (`None`: reading must wait).
-    pub(crate) fn take_buffered(&mut self) -> Option<Result<Option<Bytes>, ExchangeError>> {
+    #[inline]
+    pub fn take_buffered(&mut self) -> Option<Result<Option<Bytes>, RoundtripError>> {
         match self.framing.decode(&mut self.connection.buf, self.eof) {
             Ok(Decoded::Data(data)) => Some(Ok(Some(data))),
             Ok(Decoded::End) => Some(Ok(None)),
             Ok(Decoded::NeedMore) => None,
-            Err(BadFraming) => Some(Err(ExchangeError::Broken(
+            Err(BadFraming) => Some(Err(RoundtripError::Broken(
                 "the engine's body ended early or is badly framed".into(),
             ))),
         }
@@ -286,7 +291,7 @@ impl Exchange {
 
     /// Returns the connection to `pool` when the whole response was read and the engine
     /// keeps it open; otherwise closes it.
-    pub(crate) fn release(self, pool: &ConnectionPool) {
+    pub fn release(self, pool: &ConnectionPool) {
         if self.keep_alive && !self.eof && self.framing.is_done() && self.connection.buf.is_empty()
         {
             pool.put(self.addr, self.connection);
@@ -294,28 +299,28 @@ impl Exchange {
     }
 
     /// Reads more from the engine; the number of bytes (0 at EOF).
-    async fn fill(&mut self) -> Result<usize, ExchangeError> {
+    async fn fill(&mut self) -> Result<usize, RoundtripError> {
         let connection = &mut self.connection;
         connection.buf.reserve(READ_RESERVE);
         connection
             .tcp
             .read_buf(&mut connection.buf)
             .await
-            .map_err(|error| ExchangeError::Broken(format!("read: {error}")))
+            .map_err(|error| RoundtripError::Broken(format!("read: {error}")))
     }
 }
 
 /// A new connection to `addr`, with `TCP_NODELAY`.
-async fn connect(addr: SocketAddr, limit: Option<Duration>) -> Result<Connection, ExchangeError> {
+async fn connect(addr: SocketAddr, limit: Option<Duration>) -> Result<Connection, RoundtripError> {
     let connecting = TcpStream::connect(addr);
     let tcp = match limit {
         Some(limit) => timeout(limit, connecting).await.map_err(|_| {
-            ExchangeError::Connect(io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))
+            RoundtripError::Connect(io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))
         })?,
         None => connecting.await,
     }
-    .map_err(ExchangeError::Connect)?;
-    tcp.set_nodelay(true).map_err(ExchangeError::Connect)?;
+    .map_err(RoundtripError::Connect)?;
+    tcp.set_nodelay(true).map_err(RoundtripError::Connect)?;
     Ok(Connection {
         tcp,
         buf: BytesMut::with_capacity(READ_RESERVE),
@@ -383,9 +388,9 @@ mod tests {
         addr
     }
 
-    async fn body(exchange: &mut Exchange) -> Vec<u8> {
+    async fn body(roundtrip: &mut Roundtrip) -> Vec<u8> {
         let mut body = Vec::new();
-        while let Some(piece) = exchange.read_body().await.unwrap() {
+        while let Some(piece) = roundtrip.read_body().await.unwrap() {
             body.extend_from_slice(&piece);
         }
         body
@@ -400,17 +405,17 @@ mod tests {
         .await;
         let pool = ConnectionPool::new(4, Duration::from_secs(60));
         for expected in [&b"ok"[..], b"hi"] {
-            let (mut exchange, _) = Exchange::open(&pool, addr, None).await.unwrap();
-            exchange
+            let (mut roundtrip, _) = Roundtrip::open(&pool, addr, None).await.unwrap();
+            roundtrip
                 .request_head()
                 .extend_from_slice(b"GET / HTTP/1.1\r\n\r\n");
-            exchange.send(b"").await.unwrap();
-            exchange.read_head().await.unwrap();
-            assert_eq!(exchange.head().unwrap().status, 200);
-            assert_eq!(body(&mut exchange).await, expected);
-            exchange.release(&pool);
+            roundtrip.send(b"").await.unwrap();
+            roundtrip.read_head().await.unwrap();
+            assert_eq!(roundtrip.head().unwrap().status, 200);
+            assert_eq!(body(&mut roundtrip).await, expected);
+            roundtrip.release(&pool);
         }
-        let (_, reused) = Exchange::open(&pool, addr, None).await.unwrap();
+        let (_, reused) = Roundtrip::open(&pool, addr, None).await.unwrap();
         assert!(reused, "the second response left the connection reusable");
     }
 
@@ -421,15 +426,15 @@ mod tests {
         ])
         .await;
         let pool = ConnectionPool::new(4, Duration::from_secs(60));
-        let (mut exchange, reused) = Exchange::open(&pool, addr, None).await.unwrap();
+        let (mut roundtrip, reused) = Roundtrip::open(&pool, addr, None).await.unwrap();
         assert!(!reused);
-        exchange
+        roundtrip
             .request_head()
             .extend_from_slice(b"GET / HTTP/1.1\r\n");
-        exchange.send(b"\r\n").await.unwrap();
-        exchange.read_head().await.unwrap();
-        assert_eq!(body(&mut exchange).await, b"x");
-        exchange.release(&pool);
+        roundtrip.send(b"\r\n").await.unwrap();
+        roundtrip.read_head().await.unwrap();
+        assert_eq!(body(&mut roundtrip).await, b"x");
+        roundtrip.release(&pool);
         assert!(pool.take(addr).is_none());
     }
 
@@ -437,14 +442,14 @@ mod tests {
     async fn a_body_cut_short_is_an_error() {
         let addr = engine(vec![b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc"]).await;
         let pool = ConnectionPool::new(4, Duration::from_secs(60));
-        let (mut exchange, _) = Exchange::open(&pool, addr, None).await.unwrap();
-        exchange
+        let (mut roundtrip, _) = Roundtrip::open(&pool, addr, None).await.unwrap();
+        roundtrip
             .request_head()
             .extend_from_slice(b"GET / HTTP/1.1\r\n\r\n");
-        exchange.send(b"").await.unwrap();
-        exchange.read_head().await.unwrap();
-        assert_eq!(exchange.read_body().await.unwrap().unwrap(), &b"abc"[..]);
-        assert!(exchange.read_body().await.is_err());
+        roundtrip.send(b"").await.unwrap();
+        roundtrip.read_head().await.unwrap();
+        assert_eq!(roundtrip.read_body().await.unwrap().unwrap(), &b"abc"[..]);
+        assert!(roundtrip.read_body().await.is_err());
     }
 
     #[tokio::test]
@@ -453,7 +458,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         drop(listener);
         let pool = ConnectionPool::new(4, Duration::from_secs(60));
-        let opened = Exchange::open(&pool, addr, Some(Duration::from_secs(1))).await;
-        assert!(matches!(opened, Err(ExchangeError::Connect(_))));
+        let opened = Roundtrip::open(&pool, addr, Some(Duration::from_secs(1))).await;
+        assert!(matches!(opened, Err(RoundtripError::Connect(_))));
     }
 }

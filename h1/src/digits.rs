@@ -1,15 +1,19 @@
 //! Numbers written into heads and chunk lines without `fmt` machinery.
 
 /// Appends `n` in decimal.
-pub(crate) fn push_decimal(out: &mut Vec<u8>, n: usize) {
+#[inline]
+pub fn push_decimal(out: &mut Vec<u8>, n: usize) {
     push_radix(out, n, 10);
 }
 
 /// Appends `n` in lowercase hexadecimal (chunk sizes).
-pub(crate) fn push_hex(out: &mut Vec<u8>, n: usize) {
+#[inline]
+pub fn push_hex(out: &mut Vec<u8>, n: usize) {
     push_radix(out, n, 16);
 }
 
+/// Appends `n` in base `radix` (at most 16).
+#[inline]
 fn push_radix(out: &mut Vec<u8>, mut n: usize, radix: usize) {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut buf = [0u8; 20];

@@ -1,6 +1,6 @@
-//! What a fast-path connection waits on while it reads a request head: the head deadline
-//! and the shutdown signal, each set up once per connection rather than once per request
-//! (the deadline on a [`LazyTimer`], the signal's `changed()` future kept registered).
+//! What a server connection waits on while it reads a request head: the head deadline and
+//! the shutdown signal, each set up once per connection rather than once per request
+//! (the deadline on a lazily re-armed timer, the signal's `changed()` future kept registered).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -11,16 +11,16 @@ use tokio::time::Instant;
 use crate::lazy_timer::LazyTimer;
 
 /// The connection's head timer and shutdown signal.
-pub(crate) struct Waits<'a, C> {
+pub struct Waits<'a, C> {
     timer: LazyTimer,
     shutdown: Pin<&'a mut C>,
     /// Shutdown has begun (the signal fired, or had fired before the connection started).
-    pub(crate) draining: bool,
+    pub draining: bool,
 }
 
 /// What ended a [`Waits::wait`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Woken {
+pub enum Woken {
     /// The deadline passed.
     Deadline,
     /// Shutdown began.
@@ -30,7 +30,7 @@ pub(crate) enum Woken {
 impl<'a, C: Future<Output = Result<(), RecvError>>> Waits<'a, C> {
     /// Waits on `shutdown` (the signal's `changed()` future); `draining` when shutdown has
     /// already begun.
-    pub(crate) fn new(shutdown: Pin<&'a mut C>, draining: bool) -> Self {
+    pub fn new(shutdown: Pin<&'a mut C>, draining: bool) -> Self {
         Self {
             timer: LazyTimer::default(),
             shutdown,
@@ -39,7 +39,7 @@ impl<'a, C: Future<Output = Result<(), RecvError>>> Waits<'a, C> {
     }
 
     /// Completes at `deadline` (or a little after it), or when shutdown begins.
-    pub(crate) async fn wait(&mut self, deadline: Instant) -> Woken {
+    pub async fn wait(&mut self, deadline: Instant) -> Woken {
         let draining = self.draining;
         tokio::select! {
             biased;

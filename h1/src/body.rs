@@ -1,5 +1,5 @@
-//! Reading an engine's response body out of the connection's buffer, by its framing:
-//! `Content-Length`, chunked transfer coding, or until the connection closes.
+//! Reading a body out of a connection's buffer, by its framing: `Content-Length`,
+//! chunked transfer coding, or until the connection closes.
 
 use bytes::{Buf, Bytes, BytesMut};
 
@@ -8,18 +8,18 @@ const MAX_LINE: usize = 4096;
 
 /// How the body is delimited.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Framing {
+pub enum Framing {
     /// This many bytes are still to come.
     Length(u64),
     /// Chunked, in the given state.
     Chunked(ChunkState),
-    /// Everything until the engine closes the connection.
+    /// Everything until the peer closes the connection.
     Close,
 }
 
 /// Where a chunked body is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ChunkState {
+pub enum ChunkState {
     /// Before a chunk-size line.
     Size,
     /// Inside a chunk with this many data bytes to come.
@@ -34,7 +34,7 @@ pub(crate) enum ChunkState {
 
 /// What the buffer held.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Decoded {
+pub enum Decoded {
     /// Body bytes.
     Data(Bytes),
     /// Nothing complete yet: read more.
@@ -45,13 +45,13 @@ pub(crate) enum Decoded {
 
 /// The body is not framed as it says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct BadFraming;
+pub struct BadFraming;
 
 impl Framing {
     /// Takes the body bytes at the start of `buf`: every complete piece there (chunked data
     /// of several chunks joined), or [`Decoded::End`] once the body is over. `eof`: the
-    /// engine closed the connection.
-    pub(crate) fn decode(&mut self, buf: &mut BytesMut, eof: bool) -> Result<Decoded, BadFraming> {
+    /// peer closed the connection.
+    pub fn decode(&mut self, buf: &mut BytesMut, eof: bool) -> Result<Decoded, BadFraming> {
         match self {
             Framing::Length(0) => Ok(Decoded::End),
             Framing::Length(remaining) => {
@@ -87,7 +87,7 @@ impl Framing {
     }
 
     /// Whether the body has been read to its end.
-    pub(crate) fn is_done(&self) -> bool {
+    pub fn is_done(&self) -> bool {
         matches!(
             self,
             Framing::Length(0) | Framing::Chunked(ChunkState::Done)

@@ -5,8 +5,8 @@ use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
 
-/// Most header fields a head may have on the fast path (more: pingora's path answers it).
-pub(crate) const MAX_FIELDS: usize = 64;
+/// Most header fields a head may have (a head with more is [`Parsed::Invalid`]).
+const MAX_FIELDS: usize = 64;
 
 /// A header field: the positions of its name and value in the head's bytes.
 #[derive(Debug, Clone)]
@@ -15,9 +15,9 @@ struct Field {
     value: Range<usize>,
 }
 
-/// Fields the proxy looks at, found once per head.
+/// The fields kvmesh looks at, found once per head (a lookup is an array index).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Known {
+pub enum Known {
     /// `Content-Length`.
     ContentLength,
     /// `Transfer-Encoding`.
@@ -54,7 +54,7 @@ fn known(name: &[u8]) -> Option<usize> {
 
 /// The fields of one head, over the head's bytes.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Fields {
+pub struct Fields {
     bytes: Bytes,
     fields: Vec<Field>,
     /// Index in `fields` of each [`Known`] field's first occurrence.
@@ -96,7 +96,8 @@ fn index(base: usize, parsed: &[httparse::Header<'_>]) -> Fields {
 
 impl Fields {
     /// Every field as (name, value), in order.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+    #[inline]
+    pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
         self.fields.iter().map(|field| {
             (
                 &self.bytes[field.name.clone()],
@@ -106,7 +107,8 @@ impl Fields {
     }
 
     /// The value of the first `field`.
-    pub(crate) fn get(&self, field: Known) -> Option<&[u8]> {
+    #[inline]
+    pub fn get(&self, field: Known) -> Option<&[u8]> {
         let position = usize::from(self.first[field as usize]?);
         self.fields
             .get(position)
@@ -114,45 +116,57 @@ impl Fields {
     }
 
     /// Whether `field` occurs more than once.
-    pub(crate) fn repeated(&self, field: Known) -> bool {
+    #[inline]
+    pub fn repeated(&self, field: Known) -> bool {
         self.repeated & (1 << field as u8) != 0
     }
 
     /// How many fields there are.
-    pub(crate) fn len(&self) -> usize {
+    #[inline]
+    pub fn len(&self) -> usize {
         self.fields.len()
+    }
+
+    /// Whether the head has no fields.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.fields.is_empty()
     }
 }
 
 /// A parsed HTTP/1 request head.
 #[derive(Debug, Clone)]
-pub(crate) struct RequestHead {
+pub struct RequestHead {
     method: Range<usize>,
     target: Range<usize>,
     /// The minor version (`1` for HTTP/1.1).
-    pub(crate) minor_version: u8,
+    pub minor_version: u8,
     /// The header fields.
-    pub(crate) fields: Fields,
+    pub fields: Fields,
 }
 
 impl RequestHead {
     /// The method, as sent.
-    pub(crate) fn method(&self) -> &[u8] {
+    #[inline]
+    pub fn method(&self) -> &[u8] {
         &self.fields.bytes[self.method.clone()]
     }
 
     /// The request target (path and query), as sent.
-    pub(crate) fn target(&self) -> &[u8] {
+    #[inline]
+    pub fn target(&self) -> &[u8] {
         &self.fields.bytes[self.target.clone()]
     }
 
     /// The whole head, as received.
-    pub(crate) fn raw(&self) -> &Bytes {
+    #[inline]
+    pub fn raw(&self) -> &Bytes {
         &self.fields.bytes
     }
 
     /// The path: the target without its query.
-    pub(crate) fn path(&self) -> &str {
+    #[inline]
+    pub fn path(&self) -> &str {
         let target = self.target();
         let end = target.iter().position(|&byte| byte == b'?');
         // httparse accepts only visible ASCII in the target.
@@ -162,17 +176,18 @@ impl RequestHead {
 
 /// A parsed HTTP/1 response head.
 #[derive(Debug, Clone)]
-pub(crate) struct ResponseHead {
+pub struct ResponseHead {
     /// The status code.
-    pub(crate) status: u16,
+    pub status: u16,
     /// The minor version (`0` for HTTP/1.0).
-    pub(crate) minor_version: u8,
+    pub minor_version: u8,
     /// The header fields.
-    pub(crate) fields: Fields,
+    pub fields: Fields,
 }
 
 /// A `Content-Length` value: decimal digits only (optional surrounding blanks).
-pub(crate) fn parse_decimal(value: &[u8]) -> Option<u64> {
+#[inline]
+pub fn parse_decimal(value: &[u8]) -> Option<u64> {
     let digits = value.trim_ascii();
     if digits.is_empty() || digits.len() > 19 {
         return None;
@@ -186,17 +201,17 @@ pub(crate) fn parse_decimal(value: &[u8]) -> Option<u64> {
 
 /// What parsing a buffer's start found.
 #[derive(Debug)]
-pub(crate) enum Parsed<T> {
+pub enum Parsed<T> {
     /// A whole head.
     Complete(T),
     /// Not all of the head has arrived.
     Partial,
-    /// Not a valid head, or more than [`MAX_FIELDS`] fields.
+    /// Not a valid head, or more than `MAX_FIELDS` (64) fields.
     Invalid,
 }
 
 /// Parses the request head at the start of `buf`; a complete head is split off it.
-pub(crate) fn parse_request(buf: &mut BytesMut) -> Parsed<RequestHead> {
+pub fn parse_request(buf: &mut BytesMut) -> Parsed<RequestHead> {
     let base = buf.as_ptr() as usize;
     let mut parsed = [httparse::EMPTY_HEADER; MAX_FIELDS];
     let mut request = httparse::Request::new(&mut parsed);
@@ -224,7 +239,7 @@ pub(crate) fn parse_request(buf: &mut BytesMut) -> Parsed<RequestHead> {
 }
 
 /// Parses the response head at the start of `buf`; a complete head is split off it.
-pub(crate) fn parse_response(buf: &mut BytesMut) -> Parsed<ResponseHead> {
+pub fn parse_response(buf: &mut BytesMut) -> Parsed<ResponseHead> {
     let base = buf.as_ptr() as usize;
     let mut parsed = [httparse::EMPTY_HEADER; MAX_FIELDS];
     let mut response = httparse::Response::new(&mut parsed);

@@ -1,11 +1,11 @@
-//! Fuzz-style tests (proptest) of the fast path's codec: whatever bytes arrive as a head or
+//! Fuzz-style tests (proptest) of the codec: whatever bytes arrive as a head or
 //! as a chunked body, nothing panics, and a body decodes the same however it is split.
 
 use bytes::BytesMut;
 use proptest::prelude::*;
 
-use super::body::{ChunkState, Decoded, Framing};
-use super::head::{parse_request, parse_response};
+use crate::body::{ChunkState, Decoded, Framing};
+use crate::head::{parse_request, parse_response};
 
 /// Decodes `parts` in turn with `framing`; the body so far and whether it ended, or `None`
 /// on a framing error.
