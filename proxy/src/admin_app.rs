@@ -15,12 +15,12 @@ use serde::Serialize;
 use tokio::sync::watch;
 use tokio::time::timeout;
 
+use kvmesh_route::kv::Explanation;
+use kvmesh_route::prepare::InvalidPrompt;
+
 use crate::api_error::{ApiError, error_json};
 use crate::clock::now_millis;
 use crate::headers::content_length;
-use crate::kv_route::explain::Explanation;
-use crate::kv_route::prepare::InvalidPrompt;
-use crate::pool::Balancer;
 use crate::reload::{Reloader, Trigger};
 use crate::request::admit::resolve_model;
 use crate::request::prepare::prepare_prompt;
@@ -140,11 +140,11 @@ async fn debug_route(state: &State, session: &mut ServerSession) -> (u16, Header
         Ok(resolved) => (resolved.pool, resolved.body),
         Err(error) => return api_error(&error),
     };
-    let Balancer::Kv(router) = pool.balancer() else {
+    let Some(router) = pool.balancer().kv_router() else {
         let message = format!("model {:?} does not use policy kv", pool.name());
         return invalid(&message, "not_kv_routed");
     };
-    let prepared = match prepare_prompt(state, router, route, &body, false).await {
+    let prepared = match prepare_prompt(state, router.preparer(), route, &body, false).await {
         Ok(prepared) => prepared,
         Err(InvalidPrompt(message)) => return api_error(&ApiError::InvalidPrompt(message)),
     };

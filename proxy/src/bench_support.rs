@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvmesh_config::{BackendUrl, KvRoutingConfig, Protocol};
+use kvmesh_route::kv::{Choice, KvRouter};
+use kvmesh_route::prepare::RouteInput;
+use kvmesh_route::{Candidates, Excluded};
 
 use crate::ProxyError;
 use crate::instance::{Instance, PeerSettings};
-use crate::kv_route::prepare::RouteInput;
-use crate::kv_route::{Choice, KvRouter};
 use crate::metrics::Metrics;
-use crate::policy::Excluded;
 use crate::route::Route;
 
 /// Time spent in each stage of one routing decision.
@@ -120,7 +120,11 @@ impl RouteBench {
     }
 
     fn route(&self, route: Route, body: &Bytes) -> (Option<usize>, StageSplit) {
-        let Ok(prepared) = self.router.preparer().prepare(route, body, true) else {
+        let Ok(prepared) = self
+            .router
+            .preparer()
+            .prepare(route.prompt_kind(), body, true)
+        else {
             return (None, StageSplit::default());
         };
         let times = prepared.times;
@@ -139,11 +143,10 @@ impl RouteBench {
         let request = self.router.lookup(&prepared, start);
         split.lookup = start.elapsed();
         let start = Instant::now();
+        let excluded = Excluded::default();
         let choice = self.router.choose(
-            &self.instances,
+            &Candidates::new(&self.instances, &excluded, 0),
             &request,
-            &Excluded::default(),
-            0,
             &mut rand::thread_rng(),
         );
         split.score = start.elapsed();

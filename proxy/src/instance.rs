@@ -9,6 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::HeaderValue;
 use kvmesh_config::{BackendUrl, Protocol};
+use kvmesh_route::Candidate;
 use pingora_core::upstreams::peer::HttpPeer;
 
 use crate::failure::FailureKind;
@@ -78,6 +79,28 @@ pub(crate) struct Instance {
     membership: AtomicU8,
     outlier: OutlierState,
     metrics: InstanceMetrics,
+}
+
+impl Candidate for Instance {
+    #[inline]
+    fn id(&self) -> u64 {
+        Instance::id(self)
+    }
+
+    #[inline]
+    fn url(&self) -> &str {
+        Instance::url(self).as_str()
+    }
+
+    #[inline]
+    fn in_flight(&self) -> u64 {
+        Instance::in_flight(self)
+    }
+
+    #[inline]
+    fn is_available(&self, now_ms: u64) -> bool {
+        Instance::is_available(self, now_ms)
+    }
 }
 
 impl Instance {

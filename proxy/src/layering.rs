@@ -23,8 +23,6 @@ const LAYERS: &[(&str, &[&str])] = &[
             "grpc::rpc",
             "headers",
             "limits",
-            "kv_route::prepare",
-            "kv_route::prompt",
             "metrics",
             "openapi",
             "request_fields",
@@ -41,9 +39,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "discovery",
             "health",
             "instance",
-            "kv_route",
             "outlier",
-            "policy",
             "pool",
             "pool_builder",
             "registry",
@@ -51,7 +47,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "upstream_session",
         ],
     ),
-    ("state", &["health_check", "kv_route::sweeper", "state"]),
+    ("state", &["health_check", "kv_sweeper", "state"]),
     ("request", &["request"]),
     (
         "frontends",
@@ -234,9 +230,9 @@ fn an_import_from_above_is_found() {
     assert_eq!(found, ["server::go", "state"]);
     let layer_of = |module| layer(module).map(|(index, _)| index);
     assert!(layer_of("server::go") > layer_of("state"));
-    assert!(layer_of("kv_route::prepare::Prepared") < layer_of("kv_route::router"));
+    assert!(layer_of("grpc::rpc::Rpc") < layer_of("grpc::service"));
     assert_eq!(
-        layer("kv_route::prepare::Prepared").map(|(_, listed)| listed),
-        Some("kv_route::prepare")
+        layer("grpc::rpc::Rpc").map(|(_, listed)| listed),
+        Some("grpc::rpc")
     );
 }

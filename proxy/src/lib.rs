@@ -7,7 +7,7 @@
 //! forwarded byte-identical to an instance chosen by the model's policy, and
 //! the response is relayed chunk by chunk. Under `policy: kv` the prompt is
 //! tokenized and the instance chosen by cached-prefix overlap and load (see the
-//! `kv_route` module); responses then carry `x-kvmesh-route`, and the admin
+//! `kvmesh-route` crate); responses then carry `x-kvmesh-route`, and the admin
 //! listener explains decisions at `POST /debug/route`. With `grpc.address` set,
 //! a tonic listener serves the KServe v2 gRPC API over the same state and the
 //! same forwarding path (the `grpc` module).
@@ -41,13 +41,12 @@ mod headers;
 mod health;
 mod health_check;
 mod instance;
-mod kv_route;
+mod kv_sweeper;
 mod layering;
 mod limits;
 mod metrics;
 mod openapi;
 mod outlier;
-mod policy;
 mod pool;
 mod pool_builder;
 mod registry;

@@ -3,6 +3,7 @@
 
 use std::sync::OnceLock;
 
+use kvmesh_route::metrics::{KvFamilies, KvMetrics};
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -12,7 +13,6 @@ use crate::api_error::{CLIENT_ERROR_REASONS, ClientErrorReason};
 use crate::edge_metrics::EdgeMetrics;
 use crate::failure::{FAILURE_KINDS, FailureKind};
 use crate::grpc::rpc::{RPC_COUNT, Rpc};
-use crate::kv_route::prepare::{FALLBACK_REASONS, FallbackReason};
 use crate::route::{ROUTE_COUNT, Route};
 
 /// Request duration buckets (seconds): from a cached answer to a long generation.
@@ -26,16 +26,6 @@ const TTFT_BUCKETS: &[f64] = &[
 /// Inter-token latency buckets (seconds).
 const ITL_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
-];
-
-/// Routing-decision stage buckets (seconds): from a hash lookup to a long tokenization.
-const STAGE_BUCKETS: &[f64] = &[
-    0.000_001, 0.000_005, 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001,
-    0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-];
-/// Overlap buckets (blocks).
-const OVERLAP_BUCKETS: &[f64] = &[
-    0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0,
 ];
 
 /// Model label used for requests that name no served model.
@@ -68,90 +58,6 @@ pub(crate) struct Metrics {
     kv: KvFamilies,
     /// Authentication, limits, TLS and reload families.
     pub(crate) edge: EdgeMetrics,
-}
-
-/// The families of `policy: kv`.
-#[derive(Debug, Clone)]
-struct KvFamilies {
-    overlap_blocks: HistogramVec,
-    decision_seconds: HistogramVec,
-    index_blocks: IntGaugeVec,
-    index_prunes: IntCounterVec,
-    busy_rejections: IntCounterVec,
-    queue_depth: IntGaugeVec,
-    fallbacks: IntCounterVec,
-}
-
-impl KvFamilies {
-    fn new(registry: &Registry) -> Result<Self, MetricsError> {
-        let overlap_blocks = HistogramVec::new(
-            HistogramOpts::new(
-                "kvmesh_route_overlap_blocks",
-                "policy kv: cached prefix blocks of the chosen instance, per routing decision.",
-            )
-            .buckets(OVERLAP_BUCKETS.to_vec()),
-            &["model"],
-        )?;
-        let decision_seconds = HistogramVec::new(
-            HistogramOpts::new(
-                "kvmesh_route_decision_seconds",
-                "policy kv: time per routing stage (template: body parsing and chat template, tokenize, hash, lookup, score).",
-            )
-            .buckets(STAGE_BUCKETS.to_vec()),
-            &["model", "stage"],
-        )?;
-        let index_blocks = IntGaugeVec::new(
-            Opts::new(
-                "kvmesh_index_blocks",
-                "policy kv: blocks the KV index holds per instance.",
-            ),
-            &["model", "instance"],
-        )?;
-        let index_prunes = IntCounterVec::new(
-            Opts::new(
-                "kvmesh_index_prunes_total",
-                "policy kv: predicted blocks pruned to stay under kv.approx_max_blocks.",
-            ),
-            &["model"],
-        )?;
-        let busy_rejections = IntCounterVec::new(
-            Opts::new(
-                "kvmesh_route_busy_rejections_total",
-                "policy kv: requests answered 503 because every instance was busy.",
-            ),
-            &["model"],
-        )?;
-        let queue_depth = IntGaugeVec::new(
-            Opts::new(
-                "kvmesh_route_queue_depth",
-                "policy kv: requests waiting for a non-busy instance.",
-            ),
-            &["model"],
-        )?;
-        let fallbacks = IntCounterVec::new(
-            Opts::new(
-                "kvmesh_route_fallbacks_total",
-                "policy kv: requests routed by load alone, without tokens, by reason.",
-            ),
-            &["model", "reason"],
-        )?;
-        registry.register(Box::new(overlap_blocks.clone()))?;
-        registry.register(Box::new(decision_seconds.clone()))?;
-        registry.register(Box::new(index_blocks.clone()))?;
-        registry.register(Box::new(index_prunes.clone()))?;
-        registry.register(Box::new(busy_rejections.clone()))?;
-        registry.register(Box::new(queue_depth.clone()))?;
-        registry.register(Box::new(fallbacks.clone()))?;
-        Ok(Self {
-            overlap_blocks,
-            decision_seconds,
-            index_blocks,
-            index_prunes,
-            busy_rejections,
-            queue_depth,
-            fallbacks,
-        })
-    }
 }
 
 impl Metrics {
@@ -236,7 +142,7 @@ impl Metrics {
         registry.register(Box::new(instance_in_flight.clone()))?;
         registry.register(Box::new(instance_healthy.clone()))?;
         registry.register(Box::new(client_errors_vec))?;
-        let kv = KvFamilies::new(&registry)?;
+        let kv = KvFamilies::register(&registry)?;
         let edge = EdgeMetrics::new(&registry)?;
         Ok(Self {
             registry,
@@ -256,21 +162,7 @@ impl Metrics {
 
     /// Handles of `policy: kv` for `model`.
     pub(crate) fn kv(&self, model: &str) -> KvMetrics {
-        let kv = &self.kv;
-        KvMetrics {
-            model: model.to_string(),
-            overlap_blocks: kv.overlap_blocks.with_label_values(&[model]),
-            stages: RouteStage::ALL.map(|stage| {
-                kv.decision_seconds
-                    .with_label_values(&[model, stage.label()])
-            }),
-            index_blocks: kv.index_blocks.clone(),
-            index_prunes: kv.index_prunes.with_label_values(&[model]),
-            busy_rejections: kv.busy_rejections.with_label_values(&[model]),
-            queue_depth: kv.queue_depth.with_label_values(&[model]),
-            fallbacks: FallbackReason::ALL
-                .map(|reason| kv.fallbacks.with_label_values(&[model, reason.label()])),
-        }
+        self.kv.model(model)
     }
 
     /// Handles for a served model.
@@ -348,7 +240,7 @@ impl Metrics {
         let _ = self
             .instance_healthy
             .remove_label_values(&[model, instance]);
-        let _ = self.kv.index_blocks.remove_label_values(&[model, instance]);
+        self.kv.forget_instance(model, instance);
     }
 
     /// Counts a rejected bad request.
@@ -371,87 +263,6 @@ impl Metrics {
         let mut out = Vec::with_capacity(16 * 1024);
         TextEncoder::new().encode(&self.registry.gather(), &mut out)?;
         Ok(out)
-    }
-}
-
-/// A stage of a `policy: kv` routing decision.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum RouteStage {
-    /// Parsing the body (chat: and rendering its template; completions: reading the prompt).
-    Template,
-    /// Tokenizing the prompt.
-    Tokenize,
-    /// Hashing its blocks.
-    Hash,
-    /// Looking the blocks up in the KV index.
-    Lookup,
-    /// Reading loads, costing and selecting.
-    Score,
-}
-
-/// Number of [`RouteStage`]s.
-const ROUTE_STAGES: usize = 5;
-
-impl RouteStage {
-    /// Every stage, in declaration order.
-    pub(crate) const ALL: [RouteStage; ROUTE_STAGES] = [
-        Self::Template,
-        Self::Tokenize,
-        Self::Hash,
-        Self::Lookup,
-        Self::Score,
-    ];
-
-    /// The `stage` label.
-    pub(crate) fn label(self) -> &'static str {
-        match self {
-            Self::Template => "template",
-            Self::Tokenize => "tokenize",
-            Self::Hash => "hash",
-            Self::Lookup => "lookup",
-            Self::Score => "score",
-        }
-    }
-}
-
-/// Handles of one `policy: kv` model.
-#[derive(Debug)]
-pub(crate) struct KvMetrics {
-    model: String,
-    /// `kvmesh_route_overlap_blocks{model}`.
-    pub(crate) overlap_blocks: Histogram,
-    stages: [Histogram; ROUTE_STAGES],
-    /// `kvmesh_index_blocks{model,instance}` (instances come and go: resolved per scrape).
-    index_blocks: IntGaugeVec,
-    /// `kvmesh_index_prunes_total{model}`.
-    pub(crate) index_prunes: IntCounter,
-    /// `kvmesh_route_busy_rejections_total{model}`.
-    pub(crate) busy_rejections: IntCounter,
-    /// `kvmesh_route_queue_depth{model}`.
-    pub(crate) queue_depth: IntGauge,
-    fallbacks: [IntCounter; FALLBACK_REASONS],
-}
-
-impl KvMetrics {
-    /// Records the time one stage took.
-    pub(crate) fn observe_stage(&self, stage: RouteStage, elapsed: std::time::Duration) {
-        if let Some(histogram) = self.stages.get(stage as usize) {
-            histogram.observe(elapsed.as_secs_f64());
-        }
-    }
-
-    /// Sets `kvmesh_index_blocks` of `instance` (its URL).
-    pub(crate) fn set_index_blocks(&self, instance: &str, blocks: u64) {
-        self.index_blocks
-            .with_label_values(&[self.model.as_str(), instance])
-            .set(i64::try_from(blocks).unwrap_or(i64::MAX));
-    }
-
-    /// Counts a request routed without tokens.
-    pub(crate) fn count_fallback(&self, reason: FallbackReason) {
-        if let Some(counter) = self.fallbacks.get(reason.index()) {
-            counter.inc();
-        }
     }
 }
 
@@ -656,38 +467,5 @@ mod tests {
             !out.contains("route=\"embeddings\""),
             "unused routes stay absent"
         );
-    }
-
-    #[test]
-    fn renders_the_kv_families() {
-        let metrics = Metrics::new().unwrap();
-        let kv = metrics.kv("qwen3");
-        kv.overlap_blocks.observe(12.0);
-        kv.observe_stage(RouteStage::Tokenize, std::time::Duration::from_micros(900));
-        kv.set_index_blocks("http://b:2", 40);
-        kv.set_index_blocks("http://a:1", 0);
-        kv.index_prunes.inc_by(3);
-        kv.busy_rejections.inc();
-        kv.queue_depth.set(2);
-        kv.count_fallback(FallbackReason::NoTokenizer);
-        let out = text(&metrics);
-        metrics.forget_instance("qwen3", "http://b:2");
-        assert!(!text(&metrics).contains("http://b:2"));
-        for line in [
-            "kvmesh_route_overlap_blocks_count{model=\"qwen3\"} 1",
-            "kvmesh_route_decision_seconds_count{model=\"qwen3\",stage=\"tokenize\"} 1",
-            "kvmesh_route_decision_seconds_count{model=\"qwen3\",stage=\"score\"} 0",
-            "kvmesh_index_blocks{instance=\"http://b:2\",model=\"qwen3\"} 40",
-            "kvmesh_index_blocks{instance=\"http://a:1\",model=\"qwen3\"} 0",
-            "kvmesh_index_prunes_total{model=\"qwen3\"} 3",
-            "kvmesh_route_busy_rejections_total{model=\"qwen3\"} 1",
-            "kvmesh_route_queue_depth{model=\"qwen3\"} 2",
-            "kvmesh_route_fallbacks_total{model=\"qwen3\",reason=\"no_tokenizer\"} 1",
-        ] {
-            assert!(out.contains(line), "missing {line:?} in\n{out}");
-        }
-        let mut labels: Vec<_> = RouteStage::ALL.iter().map(|s| s.label()).collect();
-        labels.dedup();
-        assert_eq!(labels.len(), ROUTE_STAGES);
     }
 }

@@ -9,21 +9,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use arc_swap::ArcSwap;
+use kvmesh_route::Balancer;
 
 use crate::clock::now_millis;
 use crate::instance::{Instance, Membership};
-use crate::kv_route::KvRouter;
 use crate::metrics::ModelMetrics;
-use crate::policy::{Candidates, Excluded, Policy};
-
-/// How a model spreads requests over its instances.
-#[derive(Debug)]
-pub(crate) enum Balancer {
-    /// A policy that looks at the instances only.
-    Policy(Box<dyn Policy>),
-    /// `policy: kv`, which looks at each request's prompt too.
-    Kv(Box<KvRouter>),
-}
 
 /// The instances of a pool at one moment.
 pub(crate) type Instances = Arc<Vec<Arc<Instance>>>;
@@ -47,10 +37,8 @@ impl ModelPool {
         balancer: Balancer,
         metrics: ModelMetrics,
     ) -> Self {
-        if let Balancer::Kv(router) = &balancer {
-            for instance in &instances {
-                router.add_instance(instance.id());
-            }
+        for instance in &instances {
+            balancer.add_instance(instance.id());
         }
         Self {
             name,
@@ -96,9 +84,7 @@ impl ModelPool {
         if let Some(old) = replaced {
             old.set_membership(Membership::Removed);
         }
-        if let Balancer::Kv(router) = &self.balancer {
-            router.add_instance(id);
-        }
+        self.balancer.add_instance(id);
     }
 
     /// Removes instance `id`: no new requests go to it, in-flight ones finish, and its
@@ -113,9 +99,7 @@ impl ModelPool {
             (next, old)
         })?;
         removed.set_membership(Membership::Removed);
-        if let Balancer::Kv(router) = &self.balancer {
-            router.remove_instance(id);
-        }
+        self.balancer.remove_instance(id);
         Some(removed)
     }
 
@@ -152,17 +136,6 @@ impl ModelPool {
         &self.metrics
     }
 
-    /// Picks an available instance of `instances` not in `excluded` with `policy`.
-    pub(crate) fn pick<'a>(
-        instances: &'a [Arc<Instance>],
-        policy: &dyn Policy,
-        excluded: &Excluded,
-    ) -> Option<(usize, &'a Arc<Instance>)> {
-        let candidates = Candidates::new(instances, excluded, now_millis());
-        let index = policy.pick(&candidates)?;
-        instances.get(index).map(|instance| (index, instance))
-    }
-
     /// Copies live state into the pool's gauges (called before a scrape).
     pub(crate) fn refresh_gauges(&self) {
         let now = now_millis();
@@ -170,9 +143,7 @@ impl ModelPool {
         for instance in instances.iter() {
             instance.refresh_gauges(now);
         }
-        if let Balancer::Kv(router) = &self.balancer {
-            router.refresh_gauges(&instances);
-        }
+        self.balancer.refresh_gauges(&instances);
     }
 
     /// Seconds a client should wait before retrying when nothing is available:

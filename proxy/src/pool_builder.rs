@@ -6,14 +6,14 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use kvmesh_preprocess::ModelPreprocessor;
+use kvmesh_route::Balancer;
+use kvmesh_route::kv::KvRouter;
 
 use crate::ProxyError;
 use crate::discovery::{InstanceSpec, ModelSpec};
 use crate::instance::{Instance, PeerSettings};
-use crate::kv_route::KvRouter;
 use crate::metrics::Metrics;
-use crate::policy;
-use crate::pool::{Balancer, ModelPool};
+use crate::pool::ModelPool;
 
 /// Builds instances and pools; loads each tokenizer directory once.
 #[derive(Debug)]
@@ -90,8 +90,8 @@ impl PoolBuilder {
 
     /// The model's balancer: its policy, or a KV router (loading its tokenizer).
     fn balancer(&self, model: &ModelSpec) -> Result<Balancer, ProxyError> {
-        if let Some(policy) = policy::build(model.policy) {
-            return Ok(Balancer::Policy(policy));
+        if let Some(balancer) = Balancer::load_only(model.policy) {
+            return Ok(balancer);
         }
         let tokenizer = match &model.tokenizer {
             Some(dir) => Some(self.tokenizer(&model.name, dir)?),

@@ -39,13 +39,13 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use crate::auth::ApiKey;
-use crate::kv_route::prepare::InvalidPrompt;
 use crate::metrics::GaugeGuard;
 use crate::route::Route;
 use crate::state::State;
 use admit::{admit_key, model_slot, resolve_model};
 use attempt::{Failover, attempt};
 use frontend::Frontend;
+use kvmesh_route::prepare::InvalidPrompt;
 use pick::{pick, queue};
 use prepare::{charge_prompt, prepare};
 use record::Record;

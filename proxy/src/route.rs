@@ -1,6 +1,7 @@
 //! The data listener's routes.
 
 use http::Method;
+use kvmesh_route::prepare::PromptKind;
 
 /// An OpenAI API endpoint the proxy serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +26,17 @@ pub(crate) enum Route {
 pub(crate) const ROUTE_COUNT: usize = 7;
 
 impl Route {
+    /// What kind of prompt a body sent to this route carries (what routing reads).
+    pub(crate) fn prompt_kind(self) -> PromptKind {
+        match self {
+            Route::ChatCompletions => PromptKind::Chat,
+            Route::Completions => PromptKind::Completion,
+            Route::Embeddings | Route::Responses | Route::Models | Route::OpenApi | Route::Docs => {
+                PromptKind::Other
+            }
+        }
+    }
+
     /// Every route, in [`Route::index`] order.
     pub(crate) const ALL: [Route; ROUTE_COUNT] = [
         Route::ChatCompletions,

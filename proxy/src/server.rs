@@ -15,6 +15,8 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
+use kvmesh_route::prepare::offload::PreprocessPool;
+
 use crate::ProxyError;
 use crate::accept::{ListenerApps, serve};
 use crate::admin_app::AdminApp;
@@ -25,12 +27,10 @@ use crate::discovery::{Discovery, StaticDiscovery};
 use crate::grpc::GrpcListener;
 use crate::health_check::{interval_ms, spawn_probes};
 use crate::instance::PeerSettings;
-use crate::kv_route::offload::PreprocessPool;
-use crate::kv_route::sweeper::spawn_sweepers;
+use crate::kv_sweeper::spawn_sweepers;
 use crate::limits::ConcurrencyLimits;
 use crate::metrics::Metrics;
 use crate::outlier::OutlierPolicy;
-use crate::pool::Balancer;
 use crate::pool_builder::PoolBuilder;
 use crate::registry::ModelRegistry;
 use crate::reload::{ReloadHandle, Reloader, watch_files};
@@ -314,7 +314,7 @@ pub(crate) fn build_state(
             let count = pools.iter().map(|pool| pool.instances().len()).sum();
             let any_kv = pools
                 .iter()
-                .any(|pool| matches!(pool.balancer(), Balancer::Kv(_)));
+                .any(|pool| pool.balancer().kv_router().is_some());
             (registry, count, any_kv)
         }
         None => {
@@ -330,7 +330,7 @@ pub(crate) fn build_state(
             }
             let any_kv = pools
                 .iter()
-                .any(|(pool, _)| matches!(pool.balancer(), Balancer::Kv(_)));
+                .any(|(pool, _)| pool.balancer().kv_router().is_some());
             (Arc::new(ModelRegistry::new(pools, metrics)), count, any_kv)
         }
     };

@@ -6,8 +6,9 @@ use std::sync::Arc;
 
 use kvmesh_config::LimitsConfig;
 
+use kvmesh_route::prepare::offload::PreprocessPool;
+
 use crate::auth::Authenticator;
-use crate::kv_route::offload::PreprocessPool;
 use crate::limits::ConcurrencyLimits;
 use crate::metrics::Metrics;
 use crate::outlier::OutlierPolicy;

@@ -21,7 +21,7 @@
 //!   instance is resynced from a full snapshot, and a model switches back to its event-fed
 //!   index once all its instances have answered.
 //! - Load reports refresh the reporting instance's reported load (see
-//!   [`crate::kv_route::load`]), valid for `events.load_report_ttl`.
+//!   `kvmesh_route::kv`), valid for `events.load_report_ttl`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -36,10 +36,11 @@ use kvmesh_kv::{KvEvent, WorkerKey};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::AbortHandle;
 
+use kvmesh_route::kv::EventFeed;
+
 use crate::control_plane::metrics::{ControlMetrics, Dropped, Malformed};
 use crate::control_plane::sequence::{Outcome, ResyncReason, SequenceTracker, Step};
-use crate::kv_route::event_feed::EventFeed;
-use crate::pool::{Balancer, ModelPool};
+use crate::pool::ModelPool;
 
 /// Resync requests in flight at once.
 pub(crate) const MAX_CONCURRENT_RESYNCS: usize = 16;
@@ -269,7 +270,7 @@ impl Actor {
         let Some(member) = self.members.get(&id) else {
             return;
         };
-        if let Balancer::Kv(router) = member.pool.balancer() {
+        if let Some(router) = member.pool.balancer().kv_router() {
             router.report_load(
                 id,
                 report.waiting,
@@ -297,7 +298,7 @@ impl Actor {
     }
 
     fn join(&mut self, id: u64, pool: Arc<ModelPool>, snapshot_subject: String, total_blocks: u64) {
-        let Balancer::Kv(router) = pool.balancer() else {
+        let Some(router) = pool.balancer().kv_router() else {
             return;
         };
         let Some(feed) = router.event_feed().cloned() else {

@@ -27,8 +27,8 @@ use crate::control_plane::metrics::ControlMetrics;
 use crate::discovery::{InstanceSpec, ModelSpec};
 use crate::health_check::spawn_probe;
 use crate::instance::Membership;
-use crate::kv_route::sweeper::spawn_sweeper;
-use crate::pool::{Balancer, ModelPool};
+use crate::kv_sweeper::spawn_sweeper;
+use crate::pool::ModelPool;
 use crate::pool_builder::PoolBuilder;
 use crate::state::State;
 
@@ -147,7 +147,7 @@ impl MembershipApplier {
         let Some(pool) = self.pool_for(state, &record) else {
             return;
         };
-        if let Balancer::Kv(router) = pool.balancer()
+        if let Some(router) = pool.balancer().kv_router()
             && u64::from(record.block_size) != router.block_size()
         {
             tracing::warn!(

@@ -13,14 +13,14 @@ use crate::clock::now_millis;
 use crate::failure::FailureKind;
 use crate::headers::EngineTarget;
 use crate::instance::Instance;
-use crate::policy::Excluded;
 use crate::pool::ModelPool;
 use crate::request::frontend::Frontend;
-use crate::request::pick::{NoPick, Pick, overloaded};
+use crate::request::pick::{Pick, overloaded};
 use crate::request::stop::Stop;
 use crate::state::State;
 use crate::upstream_session::UpstreamSession;
 use kvmesh_h1::client::{Roundtrip, RoundtripError, TimedOut};
+use kvmesh_route::{Excluded, NoPick};
 
 /// How one attempt on one instance ended before any response byte reached the client.
 pub(crate) enum AttemptError {

@@ -1,19 +1,17 @@
-//! Queueing and picking (phases 3 and 4 of [`crate::request`]): under `policy: kv` a
-//! request waits in the bounded queue while every instance is busy; then the picker names
-//! the next instance not tried yet, and `policy: kv` books the request's load on it.
+//! Queueing and picking (phases 3 and 4 of [`crate::request`]): a request waits in the
+//! policy's bounded queue while every instance is busy (`policy: kv`); then the policy names
+//! the next instance not tried yet, booking the request's load on it (`policy: kv`).
 
 use std::sync::Arc;
-use std::time::Instant;
 
+use bytes::Bytes;
 use http::HeaderValue;
+use kvmesh_route::kv::Booking;
+use kvmesh_route::{Candidates, Excluded, NoPick, Policy};
 
 use crate::api_error::ApiError;
 use crate::clock::now_millis;
 use crate::instance::Instance;
-use crate::kv_route::Choice;
-use crate::kv_route::booking::Booking;
-use crate::kv_route::explain::route_header;
-use crate::policy::Excluded;
 use crate::pool::ModelPool;
 use crate::request::prepare::Picker;
 
@@ -32,25 +30,14 @@ pub(crate) struct Pick<'a> {
     pub(crate) route: Option<HeaderValue>,
 }
 
-/// Why no instance was picked.
-pub(crate) enum NoPick {
-    /// Nothing is available.
-    Nothing,
-    /// Every available instance is busy.
-    Busy,
-}
-
-/// Under `policy: kv`, waits (bounded) while every instance is busy; `Err`: the 503 to
-/// answer.
+/// Waits (bounded) while every instance is busy; `Err`: the 503 to answer.
 pub(crate) async fn queue(
     pool: &ModelPool,
     instances: &[Arc<Instance>],
     picker: &Picker<'_>,
 ) -> Result<(), ApiError> {
-    let Picker::Kv { router, .. } = picker else {
-        return Ok(());
-    };
-    router
+    picker
+        .balancer
         .admit(instances, now_millis)
         .await
         .map_err(|rejected| overloaded(pool, rejected.describe()))
@@ -63,45 +50,21 @@ pub(crate) fn pick<'a>(
     picker: &'a Picker<'a>,
     excluded: &Excluded,
 ) -> Result<Pick<'a>, NoPick> {
-    match picker {
-        Picker::Policy(policy) => match ModelPool::pick(instances, *policy, excluded) {
-            Some((index, instance)) => Ok(Pick {
-                index,
-                instance: Arc::clone(instance),
-                booking: None,
-                route: None,
-            }),
-            None => Err(NoPick::Nothing),
-        },
-        Picker::Kv { router, request } => {
-            let choice = router.choose(
-                instances,
-                request,
-                excluded,
-                now_millis(),
-                &mut rand::thread_rng(),
-            );
-            match choice {
-                Choice::Picked(decision) => {
-                    let Some(instance) = instances.get(decision.index) else {
-                        return Err(NoPick::Nothing);
-                    };
-                    let booking = router.commit(&decision, request, Instant::now());
-                    Ok(Pick {
-                        index: decision.index,
-                        route: Some(route_header(instance.url().as_str(), &decision, request)),
-                        instance: Arc::clone(instance),
-                        booking: Some(booking),
-                    })
-                }
-                Choice::AllBusy => {
-                    router.count_busy_rejection();
-                    Err(NoPick::Busy)
-                }
-                Choice::NoneEligible => Err(NoPick::Nothing),
-            }
-        }
-    }
+    let candidates = Candidates::new(instances, excluded, now_millis());
+    let picked = picker.balancer.pick(&candidates, &picker.input)?;
+    let instance = instances.get(picked.index).ok_or(NoPick::Nothing)?;
+    Ok(Pick {
+        index: picked.index,
+        instance: Arc::clone(instance),
+        booking: picked.booking,
+        route: picked.explanation.map(route_header),
+    })
+}
+
+/// `x-kvmesh-route` with `explanation` as its value.
+fn route_header(explanation: String) -> HeaderValue {
+    HeaderValue::from_maybe_shared(Bytes::from(explanation))
+        .unwrap_or_else(|_| HeaderValue::from_static("invalid"))
 }
 
 /// The 503 for a model whose instances are all busy.

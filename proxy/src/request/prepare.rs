@@ -1,36 +1,29 @@
-//! Preparing a request for routing (phase 2 of [`crate::request`]): the model's policy,
-//! or under `policy: kv` the prompt rendered, tokenized and hashed into blocks; and the
-//! prompt's tokens charged to the API key.
+//! Preparing a request for routing (phase 2 of [`crate::request`]): what the model's policy
+//! needs to know about the request (under `policy: kv`, the prompt rendered, tokenized and
+//! hashed into blocks), and the prompt's tokens charged to the API key.
 
 use std::time::Instant;
 
 use bytes::Bytes;
+use kvmesh_route::prepare::{InvalidPrompt, Prepared, Preparer, offload};
+use kvmesh_route::{Balancer, PolicyInput};
 
 use crate::auth::{KeyPermit, prompt_tokens};
-use crate::kv_route::offload;
-use crate::kv_route::prepare::{InvalidPrompt, Prepared, RouteInput};
-use crate::kv_route::{KvRequest, KvRouter};
-use crate::policy::Policy;
-use crate::pool::{Balancer, ModelPool};
+use crate::pool::ModelPool;
 use crate::request::record::Record;
 use crate::route::Route;
 use crate::state::State;
 
-/// How one request picks its instances.
-pub(crate) enum Picker<'a> {
-    /// A policy over the instances.
-    Policy(&'a dyn Policy),
-    /// `policy: kv` with the request's prompt.
-    Kv {
-        /// The model's router.
-        router: &'a KvRouter,
-        /// The request as routing sees it.
-        request: KvRequest,
-    },
+/// How one request picks its instances: the model's policy and its input for the request.
+pub(crate) struct Picker<'a> {
+    /// The model's policy.
+    pub(crate) balancer: &'a Balancer,
+    /// What the policy knows about the request.
+    pub(crate) input: PolicyInput,
 }
 
-/// How a request on `route` to `pool` picks its instances: the pool's policy, or KV
-/// routing by the prompt of `body` (prepared here: tokenized and hashed; `body` may be
+/// How a request on `route` to `pool` picks its instances: the pool's policy, with the
+/// prompt of `body` prepared when the policy wants it (tokenized and hashed; `body` may be
 /// rewritten with the prompt's token ids).
 pub(crate) async fn prepare<'a>(
     state: &State,
@@ -38,35 +31,35 @@ pub(crate) async fn prepare<'a>(
     route: Route,
     body: &mut Bytes,
 ) -> Result<Picker<'a>, InvalidPrompt> {
-    let router = match pool.balancer() {
-        Balancer::Policy(policy) => return Ok(Picker::Policy(policy.as_ref())),
-        Balancer::Kv(router) => router,
+    let balancer = pool.balancer();
+    let Some(preparer) = balancer.preparer() else {
+        return Ok(Picker {
+            balancer,
+            input: PolicyInput::None,
+        });
     };
-    let prepared = prepare_prompt(state, router, route, body, true).await?;
-    let request = router.request(&prepared, Instant::now());
+    let prepared = prepare_prompt(state, preparer, route, body, true).await?;
+    let input = balancer.input(&prepared, Instant::now());
     if let Some(rewritten) = prepared.rewritten {
         *body = rewritten;
     }
-    Ok(Picker::Kv {
-        router: router.as_ref(),
-        request,
-    })
+    Ok(Picker { balancer, input })
 }
 
-/// The prompt of `body` on `route` as `router` sees it: rendered, tokenized and hashed
+/// The prompt of `body` on `route` as `preparer` sees it: rendered, tokenized and hashed
 /// (off the reactor when long). `forward`: the body will be sent, so a rewrite with the
 /// prompt's token ids is wanted.
 pub(crate) async fn prepare_prompt(
     state: &State,
-    router: &KvRouter,
+    preparer: &Preparer,
     route: Route,
     body: &Bytes,
     forward: bool,
 ) -> Result<Prepared, InvalidPrompt> {
     offload::prepare(
         state.preprocess.as_deref(),
-        router.preparer(),
-        route,
+        preparer,
+        route.prompt_kind(),
         body,
         forward,
     )
@@ -84,13 +77,7 @@ pub(crate) fn charge_prompt(
     if !permit.key().meters_tokens() {
         return;
     }
-    let tokenized = match picker {
-        Picker::Kv { request, .. } => match &request.input {
-            RouteInput::Tokens(blocks) => Some(blocks.tokens as u64),
-            RouteInput::Fallback(_) => None,
-        },
-        Picker::Policy(_) => None,
-    };
+    let tokenized = picker.input.prompt_tokens().map(|tokens| tokens as u64);
     permit.charge_prompt(prompt_tokens(tokenized, body_len));
     record.meter = Some(permit.completion_meter());
 }

@@ -14,11 +14,12 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use tokio::time::Instant;
 
+use kvmesh_route::kv::Booking;
+
 use crate::api_error::error_json;
 use crate::auth::CompletionMeter;
 use crate::failure::FailureKind;
 use crate::headers::{Framing, ProxyHeaders};
-use crate::kv_route::booking::Booking;
 use crate::metrics::ModelMetrics;
 use crate::request::frontend::{Frontend, Unrelayable};
 use crate::request::pick::Pick;

@@ -5,12 +5,12 @@
 //!   invalid chat body is the client's fault: 400 with its message. Content the preprocessor
 //!   cannot turn into the engine's exact tokens (images, audio) routes without tokens.
 //! - Completions: a string prompt is tokenized (`add_special_tokens = true`); token ids are
-//!   used as given; a list routes by its first element ([`crate::kv_route::prompt`]). With
+//!   used as given; a list routes by its first element ([`prompt`]). With
 //!   `forward_token_ids`, a single string prompt is replaced by its ids in the forwarded body.
 //! - Embeddings and responses route without tokens: embeddings leave no KV cache behind, and
 //!   the responses API's input is not rendered by the preprocessor yet.
 //!
-//! Everything here is synchronous; [`crate::kv_route::offload`] decides where it runs.
+//! Everything here is synchronous; [`offload`] decides where it runs.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,23 +19,36 @@ use bytes::Bytes;
 use kvmesh_kv::{BlockHasher, BlockHashes};
 use kvmesh_preprocess::{ChatRequest, ModelPreprocessor, PreprocessError};
 
-use crate::kv_route::prompt::{Prompt, completion_prompt, with_token_prompt};
-use crate::route::Route;
+pub mod offload;
+mod prompt;
+
+use prompt::{Prompt, completion_prompt, with_token_prompt};
+
+/// What kind of prompt a request body carries, by the endpoint it was sent to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptKind {
+    /// A chat-completions body: `messages`, rendered with the chat template.
+    Chat,
+    /// A completions body: `prompt`, a string or token ids.
+    Completion,
+    /// No prompt to route by (embeddings, responses, anything else): routed by load alone.
+    Other,
+}
 
 /// A prompt's size and block hashes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct PromptBlocks {
+pub struct PromptBlocks {
     /// Prompt tokens.
-    pub(crate) tokens: usize,
+    pub tokens: usize,
     /// Hashes of the full blocks.
-    pub(crate) hashes: BlockHashes,
+    pub hashes: BlockHashes,
     /// Tokens per block.
-    pub(crate) block_size: usize,
+    pub block_size: usize,
 }
 
 impl PromptBlocks {
     /// Hashes `ids` with `hasher`.
-    pub(crate) fn hash(ids: &[u32], hasher: &mut BlockHasher) -> Self {
+    pub fn hash(ids: &[u32], hasher: &mut BlockHasher) -> Self {
         Self {
             tokens: ids.len(),
             hashes: hasher.hash(ids),
@@ -44,14 +57,14 @@ impl PromptBlocks {
     }
 
     /// Whether the prompt ends in a partial block.
-    pub(crate) fn has_tail(&self) -> bool {
+    pub fn has_tail(&self) -> bool {
         self.tokens > self.hashes.len() * self.block_size
     }
 }
 
 /// Why a request is routed by load alone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum FallbackReason {
+pub enum FallbackReason {
     /// The model has no `tokenizer` configured.
     NoTokenizer,
     /// The route has no prompt to route by (embeddings, responses).
@@ -67,11 +80,11 @@ pub(crate) enum FallbackReason {
 }
 
 /// Number of [`FallbackReason`]s.
-pub(crate) const FALLBACK_REASONS: usize = 6;
+pub const FALLBACK_REASONS: usize = 6;
 
 impl FallbackReason {
     /// Every reason, in [`FallbackReason::index`] order.
-    pub(crate) const ALL: [FallbackReason; FALLBACK_REASONS] = [
+    pub const ALL: [FallbackReason; FALLBACK_REASONS] = [
         Self::NoTokenizer,
         Self::Route,
         Self::UnsupportedContent,
@@ -81,12 +94,12 @@ impl FallbackReason {
     ];
 
     /// Position in [`FallbackReason::ALL`].
-    pub(crate) fn index(self) -> usize {
+    pub fn index(self) -> usize {
         self as usize
     }
 
     /// Label in metrics, logs and `x-kvmesh-route`.
-    pub(crate) fn label(self) -> &'static str {
+    pub fn label(self) -> &'static str {
         match self {
             Self::NoTokenizer => "no_tokenizer",
             Self::Route => "route",
@@ -100,7 +113,7 @@ impl FallbackReason {
 
 /// What routing knows about a request's prompt.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum RouteInput {
+pub enum RouteInput {
     /// Its blocks.
     Tokens(Arc<PromptBlocks>),
     /// No tokens: routed by load alone.
@@ -109,30 +122,30 @@ pub(crate) enum RouteInput {
 
 /// Time spent per stage (`None`: the stage did not run).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) struct StageTimes {
+pub struct StageTimes {
     /// Parsing the body: for chat, rendering its template too; for completions, reading
     /// the prompt.
-    pub(crate) template: Option<Duration>,
+    pub template: Option<Duration>,
     /// Tokenizing.
-    pub(crate) tokenize: Option<Duration>,
+    pub tokenize: Option<Duration>,
     /// Hashing the blocks.
-    pub(crate) hash: Option<Duration>,
+    pub hash: Option<Duration>,
 }
 
 /// A prepared request.
 #[derive(Debug)]
-pub(crate) struct Prepared {
+pub struct Prepared {
     /// Routing input.
-    pub(crate) input: RouteInput,
+    pub input: RouteInput,
     /// Stage timings.
-    pub(crate) times: StageTimes,
+    pub times: StageTimes,
     /// The body to forward when it was rewritten (`forward_token_ids`).
-    pub(crate) rewritten: Option<Bytes>,
+    pub rewritten: Option<Bytes>,
 }
 
 impl Prepared {
     /// A request routed without tokens.
-    pub(crate) fn fallback(reason: FallbackReason, times: StageTimes) -> Self {
+    pub fn fallback(reason: FallbackReason, times: StageTimes) -> Self {
         Self {
             input: RouteInput::Fallback(reason),
             times,
@@ -143,11 +156,11 @@ impl Prepared {
 
 /// The request is invalid; answered with 400 and this message.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct InvalidPrompt(pub(crate) String);
+pub struct InvalidPrompt(pub String);
 
 /// A model's preprocessing settings (cheap to clone: the tokenizer is shared).
 #[derive(Debug, Clone)]
-pub(crate) struct Preparer {
+pub struct Preparer {
     tokenizer: Option<Arc<ModelPreprocessor>>,
     block_size: usize,
     forward_token_ids: bool,
@@ -155,7 +168,7 @@ pub(crate) struct Preparer {
 
 impl Preparer {
     /// Preprocessing with `tokenizer` (if any) into blocks of `block_size` tokens.
-    pub(crate) fn new(
+    pub fn new(
         tokenizer: Option<Arc<ModelPreprocessor>>,
         block_size: usize,
         forward_token_ids: bool,
@@ -167,23 +180,21 @@ impl Preparer {
         }
     }
 
-    /// Prepares a request on `route` with `body`; `forward` allows the `forward_token_ids`
-    /// rewrite (the admin explain endpoint forwards nothing).
-    pub(crate) fn prepare(
+    /// Prepares a request carrying a `kind` prompt in `body`; `forward` allows the
+    /// `forward_token_ids` rewrite (the admin explain endpoint forwards nothing).
+    pub fn prepare(
         &self,
-        route: Route,
+        kind: PromptKind,
         body: &Bytes,
         forward: bool,
     ) -> Result<Prepared, InvalidPrompt> {
-        match route {
-            Route::ChatCompletions => self.chat(body),
-            Route::Completions => Ok(self.completion(body, forward)),
-            Route::Embeddings | Route::Responses | Route::Models | Route::OpenApi | Route::Docs => {
-                Ok(Prepared::fallback(
-                    FallbackReason::Route,
-                    StageTimes::default(),
-                ))
-            }
+        match kind {
+            PromptKind::Chat => self.chat(body),
+            PromptKind::Completion => Ok(self.completion(body, forward)),
+            PromptKind::Other => Ok(Prepared::fallback(
+                FallbackReason::Route,
+                StageTimes::default(),
+            )),
         }
     }
 
@@ -304,7 +315,7 @@ mod tests {
     fn token_id_prompts_need_no_tokenizer() {
         let body = Bytes::from_static(br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9]}"#);
         let prepared = preparer(false)
-            .prepare(Route::Completions, &body, true)
+            .prepare(PromptKind::Completion, &body, true)
             .unwrap();
         let blocks = tokens(&prepared);
         assert_eq!(blocks.tokens, 9);
@@ -323,31 +334,30 @@ mod tests {
         let p = preparer(false);
         let cases = [
             (
-                Route::ChatCompletions,
+                PromptKind::Chat,
                 r#"{"messages":[]}"#,
                 FallbackReason::NoTokenizer,
             ),
             (
-                Route::Completions,
+                PromptKind::Completion,
                 r#"{"prompt":"text"}"#,
                 FallbackReason::NoTokenizer,
             ),
             (
-                Route::Completions,
+                PromptKind::Completion,
                 r#"{"prompt":[]}"#,
                 FallbackReason::NoPrompt,
             ),
             (
-                Route::Completions,
+                PromptKind::Completion,
                 r#"{"prompt":{"x":1}}"#,
                 FallbackReason::NoPrompt,
             ),
-            (Route::Embeddings, r#"{"input":"x"}"#, FallbackReason::Route),
-            (Route::Responses, r#"{"input":"x"}"#, FallbackReason::Route),
+            (PromptKind::Other, r#"{"input":"x"}"#, FallbackReason::Route),
         ];
-        for (route, body, reason) in cases {
+        for (kind, body, reason) in cases {
             let prepared = p
-                .prepare(route, &Bytes::from_static(body.as_bytes()), true)
+                .prepare(kind, &Bytes::from_static(body.as_bytes()), true)
                 .unwrap();
             assert_eq!(prepared.input, RouteInput::Fallback(reason), "{body}");
         }

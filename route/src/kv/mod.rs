@@ -3,12 +3,13 @@
 //!
 //! One request's way through it:
 //!
-//! 1. **Prepare** ([`prepare`]): the prompt's token ids — chat: template + tokenizer;
+//! 1. **Prepare** ([`crate::prepare`]): the prompt's token ids — chat: template + tokenizer;
 //!    completions: the string prompt tokenized, or the token-id prompt as given; a list
 //!    prompt routes by its first element — cut into blocks of `kv.block_size` and hashed
 //!    ([`kvmesh_kv::BlockHasher`]). Long prompts are tokenized off the reactor
-//!    ([`offload`]). Requests without usable tokens (no tokenizer, embeddings, responses,
-//!    multimodal content) are routed by load alone ([`prepare::FallbackReason`]).
+//!    ([`crate::prepare::offload`]). Requests without usable tokens (no tokenizer, embeddings,
+//!    responses, multimodal content) are routed by load alone
+//!    ([`crate::prepare::FallbackReason`]).
 //! 2. **Lookup** ([`overlap`]): how many leading blocks each instance already caches: what
 //!    the engines report through the worker-agent's KV events ([`event_feed`], when
 //!    `events` is configured and flowing), else *predicted* from the proxy's own decisions
@@ -19,26 +20,30 @@
 //!    out; when all are, the request waits in the bounded [`admission`] queue or gets 503.
 //! 4. **Select** ([`select`]): argmin with a tie-break on in-flight requests then random, or a
 //!    softmax draw when `temperature > 0`.
-//! 5. **Commit** ([`router::KvRouter::commit`]): book the load (a [`booking::Booking`] guard
+//! 5. **Commit** ([`KvRouter::commit`]): book the load (a [`booking::Booking`] guard
 //!    releases prefill at the first response byte and blocks at the end) and record the
 //!    prediction. A connect failure drops the booking and routes again without that instance.
 //!
 //! Every routed response carries `x-kvmesh-route` ([`explain`]); `POST /debug/route` on the
 //! admin listener explains a request without forwarding it.
 
-pub(crate) mod admission;
-pub(crate) mod booking;
-pub(crate) mod busy;
-pub(crate) mod cost;
-pub(crate) mod event_feed;
-pub(crate) mod explain;
-pub(crate) mod load;
-pub(crate) mod offload;
-pub(crate) mod overlap;
-pub(crate) mod prepare;
-pub(crate) mod prompt;
-pub(crate) mod router;
-pub(crate) mod select;
-pub(crate) mod sweeper;
+mod admission;
+mod booking;
+mod busy;
+mod cost;
+mod decision;
+mod event_feed;
+mod explain;
+mod load;
+mod overlap;
+mod router;
+mod select;
 
-pub(crate) use router::{Choice, KvRequest, KvRouter};
+pub use admission::Rejected;
+pub use booking::Booking;
+pub use cost::{Cost, RequestShape};
+pub use decision::{Choice, Decision, KvRequest};
+pub use event_feed::EventFeed;
+pub(crate) use explain::route_header;
+pub use explain::{Explanation, InstanceExplanation};
+pub use router::KvRouter;

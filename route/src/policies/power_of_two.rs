@@ -2,18 +2,24 @@
 
 use rand::Rng;
 
-use super::{CandidateSet, Policy};
+use super::picked;
+use crate::candidates::CandidateSet;
+use crate::policy::{NoPick, Picked, Policy, PolicyInput};
 
 /// Samples two distinct eligible instances and takes the one with fewer
 /// requests in flight.
 #[derive(Debug, Default)]
-pub(crate) struct PowerOfTwo;
+pub struct PowerOfTwo;
 
 impl Policy for PowerOfTwo {
-    fn pick(&self, candidates: &dyn CandidateSet) -> Option<usize> {
+    fn pick<S: CandidateSet + ?Sized>(
+        &self,
+        candidates: &S,
+        _input: &PolicyInput,
+    ) -> Result<Picked<'_>, NoPick> {
         let count = candidates.eligible_count();
         let mut rng = rand::thread_rng();
-        match count {
+        picked(match count {
             0 => None,
             1 => candidates.nth_eligible(0),
             _ => {
@@ -22,21 +28,24 @@ impl Policy for PowerOfTwo {
                 if second >= first {
                     second += 1;
                 }
-                let a = candidates.nth_eligible(first)?;
-                let b = candidates.nth_eligible(second)?;
-                if candidates.in_flight(b) < candidates.in_flight(a) {
-                    Some(b)
-                } else {
-                    Some(a)
+                match (
+                    candidates.nth_eligible(first),
+                    candidates.nth_eligible(second),
+                ) {
+                    (Some(a), Some(b)) if candidates.in_flight(b) < candidates.in_flight(a) => {
+                        Some(b)
+                    }
+                    (Some(a), Some(_)) => Some(a),
+                    _ => None,
                 }
             }
-        }
+        })
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_support::{Fake, histogram};
+    use super::super::test_support::{Fake, histogram, pick};
     use super::*;
 
     #[test]
@@ -58,6 +67,6 @@ mod tests {
     #[test]
     fn a_single_eligible_instance_is_picked() {
         let set = Fake(vec![(false, 0), (true, 100)]);
-        assert_eq!(PowerOfTwo.pick(&set), Some(1));
+        assert_eq!(pick(&PowerOfTwo, &set), Some(1));
     }
 }

@@ -7,7 +7,7 @@
 //! its `record` does nothing (the engines report what they cache). The router only talks to
 //! this trait, so nothing else changes.
 //!
-//! Workers are keyed by the instance's stable id ([`crate::instance::Instance::id`]): a
+//! Workers are keyed by the instance's stable id ([`crate::Candidate::id`]): a
 //! static backend's position in `backends`, a discovered instance's agent-chosen id. Routing
 //! decisions are recorded under rank 0; KV events name their data-parallel rank, and an
 //! instance's overlap is its deepest rank ([`instance_depth`]).

@@ -31,25 +31,24 @@ use std::sync::{Arc, Mutex, PoisonError};
 use bytes::Bytes;
 use tokio::sync::oneshot;
 
-use crate::kv_route::prepare::{FallbackReason, InvalidPrompt, Prepared, Preparer};
-use crate::route::Route;
+use crate::prepare::{FallbackReason, InvalidPrompt, Prepared, Preparer, PromptKind};
 
 /// Bodies up to this size are prepared inline: a chat request this small (a few dozen tokens)
 /// preprocesses in ≈ 45 µs, a stall short enough for the reactor, and saves the pool's hop.
-pub(crate) const INLINE_MAX_BYTES: usize = 512;
+pub const INLINE_MAX_BYTES: usize = 512;
 
 type Job = Box<dyn FnOnce() + Send>;
 
 /// A fixed set of threads running preprocessing jobs in arrival order. Dropping it lets the
 /// threads finish their current job and exit.
 #[derive(Debug)]
-pub(crate) struct PreprocessPool {
+pub struct PreprocessPool {
     jobs: Mutex<mpsc::Sender<Job>>,
 }
 
 impl PreprocessPool {
     /// A pool of `threads` threads (at least one).
-    pub(crate) fn new(threads: usize) -> std::io::Result<Self> {
+    pub fn new(threads: usize) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
         for i in 0..threads.max(1) {
@@ -64,12 +63,12 @@ impl PreprocessPool {
     }
 
     /// A pool with one thread per available core.
-    pub(crate) fn per_core() -> std::io::Result<Self> {
+    pub fn per_core() -> std::io::Result<Self> {
         Self::new(std::thread::available_parallelism().map_or(1, usize::from))
     }
 
     /// Runs `job` on the pool; `None` when it panicked.
-    pub(crate) async fn run<T: Send + 'static>(
+    pub async fn run<T: Send + 'static>(
         &self,
         job: impl FnOnce() -> T + Send + 'static,
     ) -> Option<T> {
@@ -102,20 +101,20 @@ fn work(rx: &Mutex<mpsc::Receiver<Job>>) {
 
 /// Prepares `body` (see [`Preparer::prepare`]) inline when it is small or needs no parsing,
 /// else on `pool` (inline too when there is none).
-pub(crate) async fn prepare(
+pub async fn prepare(
     pool: Option<&PreprocessPool>,
     preparer: &Preparer,
-    route: Route,
+    kind: PromptKind,
     body: &Bytes,
     forward: bool,
 ) -> Result<Prepared, InvalidPrompt> {
-    let parses = matches!(route, Route::ChatCompletions | Route::Completions);
+    let parses = kind != PromptKind::Other;
     let Some(pool) = pool.filter(|_| parses && body.len() > INLINE_MAX_BYTES) else {
-        return preparer.prepare(route, body, forward);
+        return preparer.prepare(kind, body, forward);
     };
     let (preparer, body) = (preparer.clone(), body.clone());
     match pool
-        .run(move || preparer.prepare(route, &body, forward))
+        .run(move || preparer.prepare(kind, &body, forward))
         .await
     {
         Some(prepared) => prepared,
@@ -160,11 +159,11 @@ mod tests {
         let ids: Vec<u32> = (0..400).collect();
         let body = Bytes::from(serde_json::json!({ "prompt": ids }).to_string());
         assert!(body.len() > INLINE_MAX_BYTES);
-        let prepared = prepare(Some(&pool), &preparer, Route::Completions, &body, true)
+        let prepared = prepare(Some(&pool), &preparer, PromptKind::Completion, &body, true)
             .await
             .unwrap();
         match prepared.input {
-            crate::kv_route::prepare::RouteInput::Tokens(blocks) => assert_eq!(blocks.tokens, 400),
+            crate::prepare::RouteInput::Tokens(blocks) => assert_eq!(blocks.tokens, 400),
             other => panic!("{other:?}"),
         }
     }

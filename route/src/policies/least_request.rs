@@ -2,15 +2,21 @@
 
 use rand::Rng;
 
-use super::{CandidateSet, Policy};
+use super::picked;
+use crate::candidates::CandidateSet;
+use crate::policy::{NoPick, Picked, Policy, PolicyInput};
 
 /// The eligible instance with the fewest requests in flight; ties are broken
 /// at random so idle fleets do not pile onto the first instance.
 #[derive(Debug, Default)]
-pub(crate) struct LeastRequest;
+pub struct LeastRequest;
 
 impl Policy for LeastRequest {
-    fn pick(&self, candidates: &dyn CandidateSet) -> Option<usize> {
+    fn pick<S: CandidateSet + ?Sized>(
+        &self,
+        candidates: &S,
+        _input: &PolicyInput,
+    ) -> Result<Picked<'_>, NoPick> {
         let mut rng = rand::thread_rng();
         let mut best: Option<(usize, u64)> = None;
         let mut ties = 0u32;
@@ -30,7 +36,7 @@ impl Policy for LeastRequest {
                 }
             }
         }
-        best.map(|(i, _)| i)
+        picked(best.map(|(i, _)| i))
     }
 }
 

@@ -15,7 +15,7 @@ use tokio::time::{Instant, timeout_at};
 
 /// Why a request was not admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Rejected {
+pub enum Rejected {
     /// Every instance is busy and the queue is off.
     Busy,
     /// Every instance is busy and the queue is full.
@@ -26,7 +26,7 @@ pub(crate) enum Rejected {
 
 impl Rejected {
     /// Why, for the error message.
-    pub(crate) fn describe(self) -> &'static str {
+    pub fn describe(self) -> &'static str {
         match self {
             Self::Busy => "every instance is busy",
             Self::QueueFull => "every instance is busy and the admission queue is full",

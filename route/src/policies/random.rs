@@ -1,14 +1,20 @@
 //! Random: a uniformly random eligible instance.
 
-use super::{CandidateSet, Policy, random_eligible};
+use super::{picked, random_eligible};
+use crate::candidates::CandidateSet;
+use crate::policy::{NoPick, Picked, Policy, PolicyInput};
 
 /// A uniformly random eligible instance.
 #[derive(Debug, Default)]
-pub(crate) struct Random;
+pub struct Random;
 
 impl Policy for Random {
-    fn pick(&self, candidates: &dyn CandidateSet) -> Option<usize> {
-        random_eligible(candidates, &mut rand::thread_rng())
+    fn pick<S: CandidateSet + ?Sized>(
+        &self,
+        candidates: &S,
+        _input: &PolicyInput,
+    ) -> Result<Picked<'_>, NoPick> {
+        picked(random_eligible(candidates, &mut rand::thread_rng()))
     }
 }
 

@@ -1,58 +1,95 @@
 //! The router end to end on fake instances: decisions, bookings, thresholds, explanations.
 
-use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use bytes::Bytes;
-use kvmesh_config::{BackendUrl, KvRoutingConfig, Protocol};
+use kvmesh_config::KvRoutingConfig;
+use prometheus::{Encoder, Registry, TextEncoder};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
 use super::*;
-use crate::instance::PeerSettings;
-use crate::kv_route::prepare::FallbackReason;
-use crate::metrics::Metrics;
-use crate::route::Route;
+use crate::candidates::{Candidates, Excluded};
+use crate::metrics::KvFamilies;
+use crate::prepare::{FallbackReason, PromptKind};
 
 const BLOCK: usize = 4;
 
-fn instances(n: usize) -> (Metrics, Vec<Arc<Instance>>) {
-    let metrics = Metrics::new().unwrap();
-    let instances = (0..n)
-        .map(|i| {
-            let url = BackendUrl::parse(&format!("http://127.0.0.1:{}", 9000 + i)).unwrap();
-            let address: SocketAddr = format!("127.0.0.1:{}", 9000 + i).parse().unwrap();
-            let handles = metrics.instance("m", url.as_str());
-            let settings = PeerSettings {
-                connect_timeout: Duration::from_secs(1),
-            };
-            Arc::new(Instance::new(
-                i as u64,
-                url,
-                address,
-                Protocol::Http1,
-                settings,
-                handles,
-            ))
-        })
-        .collect();
-    (metrics, instances)
+/// An instance that is never contacted.
+#[derive(Debug)]
+struct Fake {
+    id: u64,
+    url: String,
+    in_flight: AtomicU64,
+    healthy: AtomicBool,
 }
 
-fn router_with(config: KvRoutingConfig, n: usize) -> (KvRouter, Vec<Arc<Instance>>) {
+impl Fake {
+    /// Counts a request in flight until the guard drops.
+    fn start_request(&self) -> InFlight<'_> {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(self)
+    }
+
+    fn set_healthy(&self, healthy: bool) {
+        self.healthy.store(healthy, Ordering::Relaxed);
+    }
+}
+
+impl Candidate for Fake {
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    fn is_available(&self, _now_ms: u64) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+}
+
+/// One request in flight on a [`Fake`].
+struct InFlight<'a>(&'a Fake);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn instances(n: usize) -> Vec<Arc<Fake>> {
+    (0..n)
+        .map(|i| {
+            Arc::new(Fake {
+                id: i as u64,
+                url: format!("http://127.0.0.1:{}", 9000 + i),
+                in_flight: AtomicU64::new(0),
+                healthy: AtomicBool::new(true),
+            })
+        })
+        .collect()
+}
+
+fn router_with(config: KvRoutingConfig, n: usize) -> (KvRouter, Vec<Arc<Fake>>) {
     let (router, instances, _) = router_and_metrics(config, n);
     (router, instances)
 }
 
-fn router_and_metrics(
-    config: KvRoutingConfig,
-    n: usize,
-) -> (KvRouter, Vec<Arc<Instance>>, Metrics) {
-    let (metrics, instances) = instances(n);
-    let router = KvRouter::new(&config, None, false, false, metrics.kv("m")).unwrap();
+fn router_and_metrics(config: KvRoutingConfig, n: usize) -> (KvRouter, Vec<Arc<Fake>>, Registry) {
+    let registry = Registry::new();
+    let families = KvFamilies::register(&registry).unwrap();
+    let instances = instances(n);
+    let router = KvRouter::new(&config, None, false, false, families.model("m")).unwrap();
     for instance in &instances {
         router.add_instance(instance.id());
     }
-    (router, instances, metrics)
+    (router, instances, registry)
 }
 
 fn config() -> KvRoutingConfig {
@@ -67,7 +104,7 @@ fn request(router: &KvRouter, ids: &[u32]) -> KvRequest {
     let body = serde_json::json!({"model": "m", "prompt": ids}).to_string();
     let prepared = router
         .preparer()
-        .prepare(Route::Completions, &Bytes::from(body), true)
+        .prepare(PromptKind::Completion, &Bytes::from(body), true)
         .unwrap();
     router.request(&prepared, Instant::now())
 }
@@ -75,7 +112,7 @@ fn request(router: &KvRouter, ids: &[u32]) -> KvRequest {
 fn fallback(router: &KvRouter) -> KvRequest {
     let prepared = router
         .preparer()
-        .prepare(Route::Embeddings, &Bytes::from_static(b"{}"), true)
+        .prepare(PromptKind::Other, &Bytes::from_static(b"{}"), true)
         .unwrap();
     router.request(&prepared, Instant::now())
 }
@@ -91,14 +128,10 @@ fn picked(choice: Choice) -> Decision {
     }
 }
 
-fn choose(
-    router: &KvRouter,
-    instances: &[Arc<Instance>],
-    request: &KvRequest,
-    seed: u64,
-) -> Choice {
+fn choose(router: &KvRouter, instances: &[Arc<Fake>], request: &KvRequest, seed: u64) -> Choice {
     let mut rng = StdRng::seed_from_u64(seed);
-    router.choose(instances, request, &Excluded::default(), 0, &mut rng)
+    let excluded = Excluded::default();
+    router.choose(&Candidates::new(instances, &excluded, 0), request, &mut rng)
 }
 
 #[test]
@@ -203,13 +236,14 @@ fn excluded_instances_fail_over_to_the_next_best() {
     let mut excluded = Excluded::default();
     excluded.insert(2);
     let mut rng = StdRng::seed_from_u64(0);
-    let failover = picked(router.choose(&instances, &next, &excluded, 0, &mut rng));
+    let failover =
+        picked(router.choose(&Candidates::new(&instances, &excluded, 0), &next, &mut rng));
     assert_ne!(failover.index, 2);
     assert_eq!(failover.overlap_blocks, 0);
     excluded.insert(0);
     excluded.insert(1);
     assert_eq!(
-        router.choose(&instances, &next, &excluded, 0, &mut rng),
+        router.choose(&Candidates::new(&instances, &excluded, 0), &next, &mut rng),
         Choice::NoneEligible
     );
 }
@@ -353,12 +387,16 @@ fn the_sweeper_drops_stale_bookings() {
 
 #[test]
 fn index_gauges_follow_the_predictions() {
-    let (router, instances, metrics) = router_and_metrics(config(), 2);
+    let (router, instances, registry) = router_and_metrics(config(), 2);
     let warm = request(&router, &conversation(1, 40));
     let decision = picked(choose(&router, &instances, &warm, 0));
     drop(router.commit(&decision, &warm, Instant::now()));
     router.refresh_gauges(&instances);
-    let text = String::from_utf8(metrics.render().unwrap()).unwrap();
+    let mut out = Vec::new();
+    TextEncoder::new()
+        .encode(&registry.gather(), &mut out)
+        .unwrap();
+    let text = String::from_utf8(out).unwrap();
     let gauge = |index: usize| {
         format!(
             "kvmesh_index_blocks{{instance=\"{}\",model=\"m\"}} ",
@@ -386,7 +424,7 @@ fn a_removed_instance_loses_its_load_and_its_predictions() {
     assert_eq!(router.loads.snapshot(gone, &[]), LoadSnapshot::default());
     assert!(router.overlap.cached_blocks().is_empty());
     drop(booking);
-    let rest: Vec<Arc<Instance>> = instances
+    let rest: Vec<Arc<Fake>> = instances
         .iter()
         .filter(|i| i.id() != gone)
         .cloned()

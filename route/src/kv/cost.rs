@@ -11,7 +11,7 @@
 
 /// The request's size, the same for every candidate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) struct RequestShape {
+pub struct RequestShape {
     /// Prompt tokens (isl).
     pub(crate) tokens: u64,
     /// Full blocks of the prompt (the hashed ones).
@@ -48,7 +48,7 @@ pub(crate) struct CandidateLoad {
 
 /// The cost of one candidate and its parts.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub(crate) struct Cost {
+pub struct Cost {
     /// Prompt tokens this request would have to prefill there.
     pub(crate) new_prefill_tokens: u64,
     /// Active prefill tokens with this request.

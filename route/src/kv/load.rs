@@ -10,7 +10,7 @@
 //! Beside its own bookings, an instance may carry its engine's **reported** load (a
 //! worker-agent's load report, [`ReportedLoad`]): KV blocks in use and queued requests, which
 //! include what other proxy replicas sent it. Scoring folds them in (see
-//! [`crate::kv_route::router`]) until the report expires.
+//! [`crate::kv::KvRouter`]) until the report expires.
 //!
 //! Requests older than `stale_request_timeout` are dropped by [`ActiveLoads::expire_stale`]
 //! (a sweeper calls it), so a lost release cannot inflate a load forever.
@@ -28,7 +28,7 @@ use std::time::Instant;
 use arc_swap::ArcSwap;
 use kvmesh_kv::SequenceHash;
 
-use crate::kv_route::prepare::PromptBlocks;
+use crate::prepare::PromptBlocks;
 
 /// One instance's current load, as scoring reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -1,5 +1,5 @@
 //! The overlap source of a `policy: kv` model whose engines publish KV events: a
-//! [`KvIndex`] fed by the event intake ([`crate::control_plane`]), with approximate mode as
+//! [`KvIndex`] fed by the event intake (the proxy's control plane), with approximate mode as
 //! the fallback while events do not flow.
 //!
 //! - **Events live** (the event bus is connected and the intake subscribed): lookups read the
@@ -17,28 +17,28 @@ use std::time::Instant;
 
 use kvmesh_kv::{BlockHashes, KvIndex, OverlapScores, SequenceHash, WorkerKey};
 
-use crate::kv_route::overlap::{Approximate, OverlapSource};
+use crate::kv::overlap::{Approximate, OverlapSource};
 
 /// The event-fed index of one model and whether it is trusted now.
 #[derive(Debug, Default)]
-pub(crate) struct EventFeed {
+pub struct EventFeed {
     index: KvIndex,
     live: AtomicBool,
 }
 
 impl EventFeed {
     /// The index the intake applies events to.
-    pub(crate) fn index(&self) -> &KvIndex {
+    pub fn index(&self) -> &KvIndex {
         &self.index
     }
 
     /// Whether lookups read the event-fed index (else the predictions).
-    pub(crate) fn is_live(&self) -> bool {
+    pub fn is_live(&self) -> bool {
         self.live.load(Ordering::Acquire)
     }
 
     /// Switches lookups to the event-fed index (`true`) or to the predictions.
-    pub(crate) fn set_live(&self, live: bool) {
+    pub fn set_live(&self, live: bool) {
         self.live.store(live, Ordering::Release);
     }
 }

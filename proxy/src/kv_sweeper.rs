@@ -8,7 +8,7 @@ use std::time::Instant;
 use tokio::task::JoinSet;
 use tokio::time::{MissedTickBehavior, interval};
 
-use crate::pool::{Balancer, ModelPool};
+use crate::pool::ModelPool;
 use crate::state::State;
 
 /// Spawns a sweeper for every `policy: kv` model into `tasks`.
@@ -21,13 +21,13 @@ pub(crate) fn spawn_sweepers(state: &State, tasks: &mut JoinSet<()>) {
 /// Spawns the sweeper of `pool` into `tasks` when it uses `policy: kv`; it ends when the
 /// pool leaves the registry.
 pub(crate) fn spawn_sweeper(pool: &Arc<ModelPool>, tasks: &mut JoinSet<()>) {
-    if matches!(pool.balancer(), Balancer::Kv(_)) {
+    if pool.balancer().kv_router().is_some() {
         tasks.spawn(sweep_loop(Arc::clone(pool)));
     }
 }
 
 async fn sweep_loop(pool: Arc<ModelPool>) {
-    let Balancer::Kv(router) = pool.balancer() else {
+    let Some(router) = pool.balancer().kv_router() else {
         return;
     };
     let mut ticks = interval(router.sweep_interval());

@@ -1,20 +1,14 @@
 //! Why a request went where it went: the `x-kvmesh-route` response header and the body of the
 //! admin `POST /debug/route` endpoint.
 
-use bytes::Bytes;
-use http::HeaderValue;
 use serde::Serialize;
 
-use crate::kv_route::prepare::RouteInput;
-use crate::kv_route::router::{Decision, KvRequest};
+use crate::kv::decision::{Decision, KvRequest};
+use crate::prepare::RouteInput;
 
-/// `x-kvmesh-route`: `instance=http://…; overlap_blocks=12; prompt_blocks=20; cost=31.5`, with
-/// `; fallback=<reason>` for a request routed without tokens.
-pub(crate) fn route_header(
-    instance: &str,
-    decision: &Decision,
-    request: &KvRequest,
-) -> HeaderValue {
+/// The value of `x-kvmesh-route`: `instance=http://…; overlap_blocks=12; prompt_blocks=20;
+/// cost=31.5`, with `; fallback=<reason>` for a request routed without tokens.
+pub(crate) fn route_header(instance: &str, decision: &Decision, request: &KvRequest) -> String {
     let mut text = format!(
         "instance={instance}; overlap_blocks={}; prompt_blocks={}; cost={:.1}",
         decision.overlap_blocks, request.shape.full_blocks, decision.cost.value
@@ -23,13 +17,12 @@ pub(crate) fn route_header(
         text.push_str("; fallback=");
         text.push_str(reason.label());
     }
-    HeaderValue::from_maybe_shared(Bytes::from(text))
-        .unwrap_or_else(|_| HeaderValue::from_static("invalid"))
+    text
 }
 
 /// How a request would be routed now (`POST /debug/route`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub(crate) struct Explanation {
+pub struct Explanation {
     /// Tokens per block.
     pub(crate) block_size: u64,
     /// `kv.overlap_weight`.
@@ -52,7 +45,7 @@ pub(crate) struct Explanation {
 
 /// One instance in an [`Explanation`].
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub(crate) struct InstanceExplanation {
+pub struct InstanceExplanation {
     /// Its URL.
     pub(crate) instance: String,
     /// Healthy and not ejected.
@@ -86,8 +79,8 @@ mod tests {
     use kvmesh_kv::OverlapScores;
 
     use super::*;
-    use crate::kv_route::cost::{Cost, RequestShape};
-    use crate::kv_route::prepare::{FallbackReason, PromptBlocks};
+    use crate::kv::cost::{Cost, RequestShape};
+    use crate::prepare::{FallbackReason, PromptBlocks};
 
     #[test]
     fn the_header_names_instance_overlap_size_and_cost() {
@@ -121,6 +114,6 @@ mod tests {
             scores: OverlapScores::default(),
         };
         let header = route_header("http://h:1", &decision, &fallback);
-        assert!(header.to_str().unwrap().ends_with("; fallback=route"));
+        assert!(header.ends_with("; fallback=route"));
     }
 }

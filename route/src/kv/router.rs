@@ -9,60 +9,24 @@ use kvmesh_kv::{ApproxConfig, ApproxConfigError, OverlapScores};
 use kvmesh_preprocess::ModelPreprocessor;
 use rand::Rng;
 
-use crate::instance::Instance;
-use crate::kv_route::admission::{Admission, Rejected};
-use crate::kv_route::booking::Booking;
-use crate::kv_route::busy::BusyThresholds;
-use crate::kv_route::cost::{CandidateLoad, Cost, CostModel, RequestShape};
-use crate::kv_route::event_feed::{EventFed, EventFeed};
-use crate::kv_route::explain::{Explanation, InstanceExplanation};
-use crate::kv_route::load::{ActiveLoads, LoadSnapshot, NewRequest, ReportedLoad};
-use crate::kv_route::overlap::{Approximate, OverlapSource, instance_depth, worker_key};
-use crate::kv_route::prepare::{Prepared, Preparer, RouteInput};
-use crate::kv_route::select::{Scored, probabilities, select};
+use crate::candidates::{Candidate, CandidateSet};
+use crate::kv::admission::{Admission, Rejected};
+use crate::kv::booking::Booking;
+use crate::kv::busy::BusyThresholds;
+use crate::kv::cost::{CandidateLoad, Cost, CostModel, RequestShape};
+use crate::kv::decision::{Choice, Decision, KvRequest};
+use crate::kv::event_feed::{EventFed, EventFeed};
+use crate::kv::explain::{Explanation, InstanceExplanation};
+use crate::kv::load::{ActiveLoads, LoadSnapshot, NewRequest, ReportedLoad};
+use crate::kv::overlap::{Approximate, OverlapSource, instance_depth, worker_key};
+use crate::kv::select::{Scored, probabilities, select};
 use crate::metrics::{KvMetrics, RouteStage};
-use crate::policy::Excluded;
+use crate::prepare::{Prepared, Preparer, RouteInput};
 
 /// Longest pause between two sweeps of stale loads and expired predictions.
 const MAX_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 /// Shortest pause between two sweeps.
 const MIN_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
-
-/// One request as routing sees it, computed once (the lookup included) and reused when a
-/// failed attempt is routed again.
-#[derive(Debug)]
-pub(crate) struct KvRequest {
-    /// The prompt's blocks, or why there are none.
-    pub(crate) input: RouteInput,
-    /// Its size in tokens and blocks.
-    pub(crate) shape: RequestShape,
-    /// Each instance's cached overlap.
-    pub(crate) scores: OverlapScores,
-}
-
-/// The outcome of a routing decision.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Decision {
-    /// The chosen instance's position in the instances it was chosen from.
-    pub(crate) index: usize,
-    /// The chosen instance's id.
-    pub(crate) instance_id: u64,
-    /// Its cached overlap in blocks.
-    pub(crate) overlap_blocks: u32,
-    /// Its cost with this request.
-    pub(crate) cost: Cost,
-}
-
-/// What [`KvRouter::choose`] found.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) enum Choice {
-    /// An instance.
-    Picked(Decision),
-    /// Every eligible instance is busy.
-    AllBusy,
-    /// No instance is eligible (all unhealthy, ejected or already tried).
-    NoneEligible,
-}
 
 /// One instance evaluated for a request.
 #[derive(Debug, Clone, Copy)]
@@ -77,7 +41,7 @@ struct Evaluated {
 
 /// The KV-aware router of one model.
 #[derive(Debug)]
-pub(crate) struct KvRouter {
+pub struct KvRouter {
     preparer: Preparer,
     cost: CostModel,
     temperature: f64,
@@ -97,7 +61,7 @@ impl KvRouter {
     /// A router with `config` and no instance yet ([`KvRouter::add_instance`]); `tokenizer`
     /// prepares chat and text prompts. Predictions start empty (approximate mode); with
     /// `kv_events`, an event-fed index takes over while events flow ([`EventFeed`]).
-    pub(crate) fn new(
+    pub fn new(
         config: &KvRoutingConfig,
         tokenizer: Option<Arc<ModelPreprocessor>>,
         forward_token_ids: bool,
@@ -137,13 +101,13 @@ impl KvRouter {
     }
 
     /// Starts accounting load for instance `instance` (it joined the pool).
-    pub(crate) fn add_instance(&self, instance: u64) {
+    pub fn add_instance(&self, instance: u64) {
         self.loads.add(instance);
     }
 
     /// Forgets instance `instance` (it left the pool): its load and its cached blocks. Its
     /// in-flight requests finish; their late releases are no-ops.
-    pub(crate) fn remove_instance(&self, instance: u64) {
+    pub fn remove_instance(&self, instance: u64) {
         self.loads.remove(instance);
         self.overlap.remove_instance(instance);
         self.admission.wake();
@@ -163,7 +127,7 @@ impl KvRouter {
     /// Records instance `instance`'s load report: `waiting` queued requests and `kv_usage`
     /// (0 to 1) of `total_blocks` KV blocks in use (0: unknown, then `kv.total_kv_blocks`),
     /// counting for `ttl`.
-    pub(crate) fn report_load(
+    pub fn report_load(
         &self,
         instance: u64,
         waiting: u64,
@@ -191,22 +155,22 @@ impl KvRouter {
     }
 
     /// The event-fed index, when KV events feed this model.
-    pub(crate) fn event_feed(&self) -> Option<&Arc<EventFeed>> {
+    pub fn event_feed(&self) -> Option<&Arc<EventFeed>> {
         self.events.as_ref()
     }
 
     /// Tokens per block.
-    pub(crate) fn block_size(&self) -> u64 {
+    pub fn block_size(&self) -> u64 {
         self.cost.block_size
     }
 
     /// How requests are turned into blocks.
-    pub(crate) fn preparer(&self) -> &Preparer {
+    pub fn preparer(&self) -> &Preparer {
         &self.preparer
     }
 
     /// Looks a prepared request up in the index, recording the stage timings and fallbacks.
-    pub(crate) fn request(&self, prepared: &Prepared, now: Instant) -> KvRequest {
+    pub fn request(&self, prepared: &Prepared, now: Instant) -> KvRequest {
         let times = prepared.times;
         for (stage, time) in [
             (RouteStage::Template, times.template),
@@ -229,7 +193,7 @@ impl KvRouter {
     }
 
     /// Looks a prepared request up in the index (nothing recorded).
-    pub(crate) fn lookup(&self, prepared: &Prepared, now: Instant) -> KvRequest {
+    pub fn lookup(&self, prepared: &Prepared, now: Instant) -> KvRequest {
         match &prepared.input {
             RouteInput::Tokens(prompt) => KvRequest {
                 input: prepared.input.clone(),
@@ -244,13 +208,14 @@ impl KvRouter {
         }
     }
 
-    fn evaluate(&self, instance: &Instance, request: &KvRequest, eligible: bool) -> Evaluated {
+    /// Instance `id` (with `in_flight` requests) scored for `request`.
+    fn evaluate(&self, id: u64, in_flight: u64, request: &KvRequest, eligible: bool) -> Evaluated {
         let query = match &request.input {
             RouteInput::Tokens(prompt) => &prompt.hashes.sequence[..],
             RouteInput::Fallback(_) => &[],
         };
-        let load = self.folded(self.loads.snapshot(instance.id(), query));
-        let overlap_blocks = instance_depth(&request.scores, instance.id());
+        let load = self.folded(self.loads.snapshot(id, query));
+        let overlap_blocks = instance_depth(&request.scores, id);
         let cost = self.cost.cost(
             &request.shape,
             &CandidateLoad {
@@ -266,34 +231,37 @@ impl KvRouter {
             overlap_blocks: overlap_blocks.min(request.shape.full_blocks),
             load,
             cost,
-            in_flight: instance.in_flight(),
+            in_flight,
         }
     }
 
-    /// Chooses an instance for `request` among those available at `now_ms` and not in
-    /// `excluded`; busy instances are left out.
-    pub(crate) fn choose(
+    /// Chooses an eligible instance of `candidates` for `request`; busy instances are left
+    /// out.
+    pub fn choose<S: CandidateSet + ?Sized>(
         &self,
-        instances: &[Arc<Instance>],
+        candidates: &S,
         request: &KvRequest,
-        excluded: &Excluded,
-        now_ms: u64,
         rng: &mut impl Rng,
     ) -> Choice {
         let start = Instant::now();
         let mut eligible = 0;
-        let mut candidates: Vec<(usize, Evaluated)> = Vec::with_capacity(instances.len());
-        for (index, instance) in instances.iter().enumerate() {
-            if excluded.contains(index) || !instance.is_available(now_ms) {
+        let mut open: Vec<(usize, Evaluated)> = Vec::with_capacity(candidates.len());
+        for index in 0..candidates.len() {
+            if !candidates.is_eligible(index) {
                 continue;
             }
             eligible += 1;
-            let evaluated = self.evaluate(instance, request, true);
+            let evaluated = self.evaluate(
+                candidates.id(index),
+                candidates.in_flight(index),
+                request,
+                true,
+            );
             if !evaluated.busy {
-                candidates.push((index, evaluated));
+                open.push((index, evaluated));
             }
         }
-        let scored: Vec<Scored> = candidates
+        let scored: Vec<Scored> = open
             .iter()
             .map(|(_, e)| Scored {
                 cost: e.cost.value,
@@ -302,10 +270,10 @@ impl KvRouter {
             .collect();
         let choice = match select(&scored, self.temperature, rng) {
             Some(at) => {
-                let (index, evaluated) = candidates[at];
+                let (index, evaluated) = open[at];
                 Choice::Picked(Decision {
                     index,
-                    instance_id: instances[index].id(),
+                    instance_id: candidates.id(index),
                     overlap_blocks: evaluated.overlap_blocks,
                     cost: evaluated.cost,
                 })
@@ -321,7 +289,7 @@ impl KvRouter {
     /// Whether a request may be routed now: some instance available at `now_ms` is not
     /// busy, or none is available at all (then routing answers "no healthy instance", not
     /// "busy").
-    pub(crate) fn admissible(&self, instances: &[Arc<Instance>], now_ms: u64) -> bool {
+    pub fn admissible<C: Candidate>(&self, instances: &[Arc<C>], now_ms: u64) -> bool {
         let mut any_available = false;
         for instance in instances {
             if !instance.is_available(now_ms) {
@@ -337,9 +305,9 @@ impl KvRouter {
     }
 
     /// Waits (bounded) until the request is [`admissible`](Self::admissible).
-    pub(crate) async fn admit(
+    pub async fn admit<C: Candidate>(
         &self,
-        instances: &[Arc<Instance>],
+        instances: &[Arc<C>],
         now_ms: impl Fn() -> u64,
     ) -> Result<(), Rejected> {
         let admitted = self
@@ -353,7 +321,7 @@ impl KvRouter {
     }
 
     /// Counts a request answered 503 because every instance was busy after admission.
-    pub(crate) fn count_busy_rejection(&self) {
+    pub fn count_busy_rejection(&self) {
         self.metrics.busy_rejections.inc();
     }
 
@@ -361,12 +329,7 @@ impl KvRouter {
     /// load when dropped. The prediction is recorded before the request is sent (as Dynamo
     /// does, so concurrent requests with the same prefix see it); if the attempt then fails to
     /// connect, it stays until its TTL ends, and the failing instance is ejected or skipped.
-    pub(crate) fn commit(
-        &self,
-        decision: &Decision,
-        request: &KvRequest,
-        now: Instant,
-    ) -> Booking<'_> {
+    pub fn commit(&self, decision: &Decision, request: &KvRequest, now: Instant) -> Booking<'_> {
         let prompt = match &request.input {
             RouteInput::Tokens(prompt) => {
                 let pruned =
@@ -385,35 +348,28 @@ impl KvRouter {
             prefill_tokens: decision.cost.new_prefill_tokens,
         };
         let id = self.loads.book(decision.instance_id, booked, now);
-        Booking::new(self, decision.instance_id, id)
-    }
-
-    /// The prefill of booking `id` on instance `instance` ended.
-    pub(crate) fn prefill_done(&self, instance: u64, id: u64) {
-        if self.loads.prefill_done(instance, id) {
-            self.admission.wake();
-        }
-    }
-
-    /// Booking `id` on instance `instance` ended.
-    pub(crate) fn release(&self, instance: u64, id: u64) {
-        if self.loads.release(instance, id) {
-            self.admission.wake();
-        }
+        Booking::new(&self.loads, &self.admission, decision.instance_id, id)
     }
 
     /// How each instance would be scored for `request` now, and which one would be chosen;
     /// books nothing and records nothing.
-    pub(crate) fn explain(
+    pub fn explain<C: Candidate>(
         &self,
-        instances: &[Arc<Instance>],
+        instances: &[Arc<C>],
         request: &KvRequest,
         now_ms: u64,
         rng: &mut impl Rng,
     ) -> Explanation {
         let evaluated: Vec<Evaluated> = instances
             .iter()
-            .map(|instance| self.evaluate(instance, request, instance.is_available(now_ms)))
+            .map(|instance| {
+                self.evaluate(
+                    instance.id(),
+                    instance.in_flight(),
+                    request,
+                    instance.is_available(now_ms),
+                )
+            })
             .collect();
         let open: Vec<usize> = (0..evaluated.len())
             .filter(|&i| evaluated[i].eligible && !evaluated[i].busy)
@@ -468,12 +424,12 @@ impl KvRouter {
     }
 
     /// How often the sweeper should run.
-    pub(crate) fn sweep_interval(&self) -> Duration {
+    pub fn sweep_interval(&self) -> Duration {
         (self.stale_after / 10).clamp(MIN_SWEEP_INTERVAL, MAX_SWEEP_INTERVAL)
     }
 
     /// Drops stale bookings and expired predictions at `now`; returns how many bookings.
-    pub(crate) fn sweep(&self, now: Instant) -> usize {
+    pub fn sweep(&self, now: Instant) -> usize {
         self.overlap.expire(now);
         let expired = now
             .checked_sub(self.stale_after)
@@ -487,15 +443,14 @@ impl KvRouter {
 
     /// Copies the index size of each of `instances` (all its ranks) into
     /// `kvmesh_index_blocks`.
-    pub(crate) fn refresh_gauges(&self, instances: &[Arc<Instance>]) {
+    pub fn refresh_gauges<C: Candidate>(&self, instances: &[Arc<C>]) {
         let mut counts: HashMap<u64, u64> = HashMap::with_capacity(instances.len());
         for (worker, blocks) in self.overlap.cached_blocks() {
             *counts.entry(worker.instance_id).or_default() += blocks;
         }
         for instance in instances {
             let blocks = counts.get(&instance.id()).copied().unwrap_or(0);
-            self.metrics
-                .set_index_blocks(instance.url().as_str(), blocks);
+            self.metrics.set_index_blocks(instance.url(), blocks);
         }
     }
 }

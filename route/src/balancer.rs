@@ -1,0 +1,164 @@
+//! [`Balancer`]: the policy a model's config names, one of every [`Policy`] (static dispatch:
+//! the request path matches on it instead of calling through a vtable).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvmesh_config::PolicyKind;
+
+use crate::candidates::{Candidate, CandidateSet};
+use crate::kv::{KvRouter, Rejected};
+use crate::policies::{LeastRequest, PowerOfTwo, Random, RoundRobin};
+use crate::policy::{NoPick, Picked, Policy, PolicyInput};
+use crate::prepare::{Prepared, Preparer};
+
+/// How a model spreads requests over its instances.
+#[derive(Debug)]
+pub enum Balancer {
+    /// `policy: round_robin`.
+    RoundRobin(RoundRobin),
+    /// `policy: random`.
+    Random(Random),
+    /// `policy: least_request`.
+    LeastRequest(LeastRequest),
+    /// `policy: power_of_two`.
+    PowerOfTwo(PowerOfTwo),
+    /// `policy: kv`, which looks at each request's prompt too.
+    Kv(Box<KvRouter>),
+}
+
+impl Balancer {
+    /// The policy `kind` names when it looks at the instances only; `None` for `kv`, which
+    /// needs a [`KvRouter`] ([`Balancer::Kv`]).
+    pub fn load_only(kind: PolicyKind) -> Option<Self> {
+        Some(match kind {
+            PolicyKind::RoundRobin => Self::RoundRobin(RoundRobin::default()),
+            PolicyKind::Random => Self::Random(Random),
+            PolicyKind::LeastRequest => Self::LeastRequest(LeastRequest),
+            PolicyKind::PowerOfTwo => Self::PowerOfTwo(PowerOfTwo),
+            PolicyKind::Kv => return None,
+        })
+    }
+
+    /// The KV router (`policy: kv` only).
+    #[inline]
+    pub fn kv_router(&self) -> Option<&KvRouter> {
+        match self {
+            Self::Kv(router) => Some(router),
+            _ => None,
+        }
+    }
+
+    /// How a request's prompt is turned into blocks, when the policy wants it (`policy: kv`);
+    /// `None`: nothing needs preparing ([`PolicyInput::None`]).
+    #[inline]
+    pub fn preparer(&self) -> Option<&Preparer> {
+        self.kv_router().map(KvRouter::preparer)
+    }
+
+    /// The policy's input for a request whose prompt was `prepared` (looked up in the KV
+    /// index at `now`, recording the stage timings and fallbacks).
+    pub fn input(&self, prepared: &Prepared, now: Instant) -> PolicyInput {
+        match self.kv_router() {
+            Some(router) => PolicyInput::Kv(router.request(prepared, now)),
+            None => PolicyInput::None,
+        }
+    }
+
+    /// Waits (bounded) while every instance is busy (`policy: kv`; other policies admit at
+    /// once).
+    pub async fn admit<C: Candidate>(
+        &self,
+        instances: &[Arc<C>],
+        now_ms: impl Fn() -> u64,
+    ) -> Result<(), Rejected> {
+        match self.kv_router() {
+            Some(router) => router.admit(instances, now_ms).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Instance `id` joined the pool.
+    pub fn add_instance(&self, id: u64) {
+        if let Some(router) = self.kv_router() {
+            router.add_instance(id);
+        }
+    }
+
+    /// Instance `id` left the pool.
+    pub fn remove_instance(&self, id: u64) {
+        if let Some(router) = self.kv_router() {
+            router.remove_instance(id);
+        }
+    }
+
+    /// Copies live routing state of `instances` into the gauges (called before a scrape).
+    pub fn refresh_gauges<C: Candidate>(&self, instances: &[Arc<C>]) {
+        if let Some(router) = self.kv_router() {
+            router.refresh_gauges(instances);
+        }
+    }
+}
+
+impl Policy for Balancer {
+    #[inline]
+    fn pick<S: CandidateSet + ?Sized>(
+        &self,
+        candidates: &S,
+        input: &PolicyInput,
+    ) -> Result<Picked<'_>, NoPick> {
+        match self {
+            Self::RoundRobin(policy) => policy.pick(candidates, input),
+            Self::Random(policy) => policy.pick(candidates, input),
+            Self::LeastRequest(policy) => policy.pick(candidates, input),
+            Self::PowerOfTwo(policy) => policy.pick(candidates, input),
+            Self::Kv(router) => router.pick(candidates, input),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policies::test_support::{Fake, pick};
+
+    const LOAD_ONLY: [PolicyKind; 4] = [
+        PolicyKind::RoundRobin,
+        PolicyKind::Random,
+        PolicyKind::LeastRequest,
+        PolicyKind::PowerOfTwo,
+    ];
+
+    #[test]
+    fn kv_is_not_a_load_only_policy() {
+        assert!(Balancer::load_only(PolicyKind::Kv).is_none());
+    }
+
+    #[test]
+    fn every_policy_returns_none_without_eligible_instances() {
+        let set = Fake(vec![(false, 0), (false, 0)]);
+        for kind in LOAD_ONLY {
+            let policy = Balancer::load_only(kind).unwrap();
+            assert_eq!(pick(&policy, &set), None, "{kind:?}");
+            assert_eq!(pick(&policy, &Fake(Vec::new())), None, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn every_policy_picks_only_eligible_instances() {
+        let set = Fake(vec![
+            (false, 0),
+            (true, 9),
+            (false, 0),
+            (true, 3),
+            (false, 0),
+        ]);
+        for kind in LOAD_ONLY {
+            let policy = Balancer::load_only(kind).unwrap();
+            for _ in 0..200 {
+                let picked = pick(&policy, &set).unwrap();
+                assert!(picked == 1 || picked == 3, "{kind:?} picked {picked}");
+            }
+        }
+    }
+}

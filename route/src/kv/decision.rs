@@ -1,0 +1,54 @@
+//! What routing works on and what it finds: one request as the KV policy sees it
+//! ([`KvRequest`]), and the decision ([`Choice`], [`Decision`]).
+
+use kvmesh_kv::OverlapScores;
+
+use crate::kv::cost::{Cost, RequestShape};
+use crate::prepare::{FallbackReason, RouteInput};
+
+/// One request as routing sees it, computed once (the lookup included) and reused when a
+/// failed attempt is routed again.
+#[derive(Debug)]
+pub struct KvRequest {
+    /// The prompt's blocks, or why there are none.
+    pub(crate) input: RouteInput,
+    /// Its size in tokens and blocks.
+    pub(crate) shape: RequestShape,
+    /// Each instance's cached overlap.
+    pub(crate) scores: OverlapScores,
+}
+
+/// The outcome of a routing decision.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decision {
+    /// The chosen instance's position in the instances it was chosen from.
+    pub index: usize,
+    /// The chosen instance's id.
+    pub instance_id: u64,
+    /// Its cached overlap in blocks.
+    pub overlap_blocks: u32,
+    /// Its cost with this request.
+    pub cost: Cost,
+}
+
+/// What [`KvRouter::choose`](crate::kv::KvRouter::choose) found.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Choice {
+    /// An instance.
+    Picked(Decision),
+    /// Every eligible instance is busy.
+    AllBusy,
+    /// No instance is eligible (all unhealthy, ejected or already tried).
+    NoneEligible,
+}
+
+impl KvRequest {
+    /// A request routed by load alone because it carries no prompt.
+    pub(crate) fn without_prompt() -> Self {
+        Self {
+            input: RouteInput::Fallback(FallbackReason::NoPrompt),
+            shape: RequestShape::default(),
+            scores: OverlapScores::default(),
+        }
+    }
+}

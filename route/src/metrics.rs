@@ -1,0 +1,260 @@
+//! The metric families of `policy: kv` (prefix `kvmesh_`), registered into the caller's
+//! registry; each model resolves its label children once ([`KvFamilies::model`]) so routing
+//! touches only atomics.
+
+use std::time::Duration;
+
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
+};
+
+use crate::prepare::{FALLBACK_REASONS, FallbackReason};
+
+/// Routing-decision stage buckets (seconds): from a hash lookup to a long tokenization.
+const STAGE_BUCKETS: &[f64] = &[
+    0.000_001, 0.000_005, 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001,
+    0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+];
+/// Overlap buckets (blocks).
+const OVERLAP_BUCKETS: &[f64] = &[
+    0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0,
+];
+
+/// The families of `policy: kv`.
+#[derive(Debug, Clone)]
+pub struct KvFamilies {
+    overlap_blocks: HistogramVec,
+    decision_seconds: HistogramVec,
+    index_blocks: IntGaugeVec,
+    index_prunes: IntCounterVec,
+    busy_rejections: IntCounterVec,
+    queue_depth: IntGaugeVec,
+    fallbacks: IntCounterVec,
+}
+
+impl KvFamilies {
+    /// Creates the families and registers them in `registry`.
+    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let overlap_blocks = HistogramVec::new(
+            HistogramOpts::new(
+                "kvmesh_route_overlap_blocks",
+                "policy kv: cached prefix blocks of the chosen instance, per routing decision.",
+            )
+            .buckets(OVERLAP_BUCKETS.to_vec()),
+            &["model"],
+        )?;
+        let decision_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "kvmesh_route_decision_seconds",
+                "policy kv: time per routing stage (template: body parsing and chat template, tokenize, hash, lookup, score).",
+            )
+            .buckets(STAGE_BUCKETS.to_vec()),
+            &["model", "stage"],
+        )?;
+        let index_blocks = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_index_blocks",
+                "policy kv: blocks the KV index holds per instance.",
+            ),
+            &["model", "instance"],
+        )?;
+        let index_prunes = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_index_prunes_total",
+                "policy kv: predicted blocks pruned to stay under kv.approx_max_blocks.",
+            ),
+            &["model"],
+        )?;
+        let busy_rejections = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_route_busy_rejections_total",
+                "policy kv: requests answered 503 because every instance was busy.",
+            ),
+            &["model"],
+        )?;
+        let queue_depth = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_route_queue_depth",
+                "policy kv: requests waiting for a non-busy instance.",
+            ),
+            &["model"],
+        )?;
+        let fallbacks = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_route_fallbacks_total",
+                "policy kv: requests routed by load alone, without tokens, by reason.",
+            ),
+            &["model", "reason"],
+        )?;
+        registry.register(Box::new(overlap_blocks.clone()))?;
+        registry.register(Box::new(decision_seconds.clone()))?;
+        registry.register(Box::new(index_blocks.clone()))?;
+        registry.register(Box::new(index_prunes.clone()))?;
+        registry.register(Box::new(busy_rejections.clone()))?;
+        registry.register(Box::new(queue_depth.clone()))?;
+        registry.register(Box::new(fallbacks.clone()))?;
+        Ok(Self {
+            overlap_blocks,
+            decision_seconds,
+            index_blocks,
+            index_prunes,
+            busy_rejections,
+            queue_depth,
+            fallbacks,
+        })
+    }
+
+    /// Handles of `model`.
+    pub fn model(&self, model: &str) -> KvMetrics {
+        KvMetrics {
+            model: model.to_string(),
+            overlap_blocks: self.overlap_blocks.with_label_values(&[model]),
+            stages: RouteStage::ALL.map(|stage| {
+                self.decision_seconds
+                    .with_label_values(&[model, stage.label()])
+            }),
+            index_blocks: self.index_blocks.clone(),
+            index_prunes: self.index_prunes.with_label_values(&[model]),
+            busy_rejections: self.busy_rejections.with_label_values(&[model]),
+            queue_depth: self.queue_depth.with_label_values(&[model]),
+            fallbacks: FallbackReason::ALL
+                .map(|reason| self.fallbacks.with_label_values(&[model, reason.label()])),
+        }
+    }
+
+    /// Drops the series of instance `instance` (its URL) of `model`: it left the pool.
+    pub fn forget_instance(&self, model: &str, instance: &str) {
+        let _ = self.index_blocks.remove_label_values(&[model, instance]);
+    }
+}
+
+/// A stage of a `policy: kv` routing decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouteStage {
+    /// Parsing the body (chat: and rendering its template; completions: reading the prompt).
+    Template,
+    /// Tokenizing the prompt.
+    Tokenize,
+    /// Hashing its blocks.
+    Hash,
+    /// Looking the blocks up in the KV index.
+    Lookup,
+    /// Reading loads, costing and selecting.
+    Score,
+}
+
+/// Number of [`RouteStage`]s.
+const ROUTE_STAGES: usize = 5;
+
+impl RouteStage {
+    /// Every stage, in declaration order.
+    pub const ALL: [RouteStage; ROUTE_STAGES] = [
+        Self::Template,
+        Self::Tokenize,
+        Self::Hash,
+        Self::Lookup,
+        Self::Score,
+    ];
+
+    /// The `stage` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Template => "template",
+            Self::Tokenize => "tokenize",
+            Self::Hash => "hash",
+            Self::Lookup => "lookup",
+            Self::Score => "score",
+        }
+    }
+}
+
+/// Handles of one `policy: kv` model.
+#[derive(Debug)]
+pub struct KvMetrics {
+    model: String,
+    /// `kvmesh_route_overlap_blocks{model}`.
+    pub(crate) overlap_blocks: Histogram,
+    stages: [Histogram; ROUTE_STAGES],
+    /// `kvmesh_index_blocks{model,instance}` (instances come and go: resolved per scrape).
+    index_blocks: IntGaugeVec,
+    /// `kvmesh_index_prunes_total{model}`.
+    pub(crate) index_prunes: IntCounter,
+    /// `kvmesh_route_busy_rejections_total{model}`.
+    pub(crate) busy_rejections: IntCounter,
+    /// `kvmesh_route_queue_depth{model}`.
+    pub(crate) queue_depth: IntGauge,
+    fallbacks: [IntCounter; FALLBACK_REASONS],
+}
+
+impl KvMetrics {
+    /// Records the time one stage took.
+    pub fn observe_stage(&self, stage: RouteStage, elapsed: Duration) {
+        if let Some(histogram) = self.stages.get(stage as usize) {
+            histogram.observe(elapsed.as_secs_f64());
+        }
+    }
+
+    /// Sets `kvmesh_index_blocks` of `instance` (its URL).
+    pub fn set_index_blocks(&self, instance: &str, blocks: u64) {
+        self.index_blocks
+            .with_label_values(&[self.model.as_str(), instance])
+            .set(i64::try_from(blocks).unwrap_or(i64::MAX));
+    }
+
+    /// Counts a request routed without tokens.
+    pub fn count_fallback(&self, reason: FallbackReason) {
+        if let Some(counter) = self.fallbacks.get(reason.index()) {
+            counter.inc();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus::{Encoder, TextEncoder};
+
+    use super::*;
+
+    fn text(registry: &Registry) -> String {
+        let mut out = Vec::new();
+        TextEncoder::new()
+            .encode(&registry.gather(), &mut out)
+            .unwrap();
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn renders_the_kv_families() {
+        let registry = Registry::new();
+        let families = KvFamilies::register(&registry).unwrap();
+        let kv = families.model("qwen3");
+        kv.overlap_blocks.observe(12.0);
+        kv.observe_stage(RouteStage::Tokenize, Duration::from_micros(900));
+        kv.set_index_blocks("http://b:2", 40);
+        kv.set_index_blocks("http://a:1", 0);
+        kv.index_prunes.inc_by(3);
+        kv.busy_rejections.inc();
+        kv.queue_depth.set(2);
+        kv.count_fallback(FallbackReason::NoTokenizer);
+        let out = text(&registry);
+        families.forget_instance("qwen3", "http://b:2");
+        assert!(!text(&registry).contains("http://b:2"));
+        for line in [
+            "kvmesh_route_overlap_blocks_count{model=\"qwen3\"} 1",
+            "kvmesh_route_decision_seconds_count{model=\"qwen3\",stage=\"tokenize\"} 1",
+            "kvmesh_route_decision_seconds_count{model=\"qwen3\",stage=\"score\"} 0",
+            "kvmesh_index_blocks{instance=\"http://b:2\",model=\"qwen3\"} 40",
+            "kvmesh_index_blocks{instance=\"http://a:1\",model=\"qwen3\"} 0",
+            "kvmesh_index_prunes_total{model=\"qwen3\"} 3",
+            "kvmesh_route_busy_rejections_total{model=\"qwen3\"} 1",
+            "kvmesh_route_queue_depth{model=\"qwen3\"} 2",
+            "kvmesh_route_fallbacks_total{model=\"qwen3\",reason=\"no_tokenizer\"} 1",
+        ] {
+            assert!(out.contains(line), "missing {line:?} in\n{out}");
+        }
+        let mut labels: Vec<_> = RouteStage::ALL.iter().map(|s| s.label()).collect();
+        labels.dedup();
+        assert_eq!(labels.len(), ROUTE_STAGES);
+    }
+}
