@@ -7,7 +7,7 @@
 //!
 //! Needs `scripts/fetch-tokenizer.sh`. Run with `cargo bench -p kvmesh-proxy --bench offload`;
 //! the results and the choice they led to are in `docs/BENCHMARKS.md` and the docs of
-//! `proxy/src/kv_route/offload.rs`.
+//! `route/src/prepare/offload.rs`.
 
 mod common;
 
