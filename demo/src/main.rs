@@ -92,6 +92,8 @@ async fn main() -> anyhow::Result<()> {
         model: cli.model.clone(),
         speedup_ratio: cli.speedup_ratio,
         tokenizer: Some(cli.tokenizer.join("tokenizer.json")),
+        // Benchmark tools read prompt-cache hits from here.
+        prompt_tokens_details: true,
         kv_events: KvEventsConfig {
             endpoint: Some("tcp://127.0.0.1:0".to_string()),
             replay_endpoint: Some("tcp://127.0.0.1:0".to_string()),

@@ -59,6 +59,10 @@ pub struct Cli {
     /// Disable automatic prefix caching.
     #[arg(long)]
     pub no_prefix_caching: bool,
+    /// Report cached prompt tokens in `usage.prompt_tokens_details.cached_tokens`, as vLLM
+    /// does with the same flag.
+    #[arg(long)]
+    pub enable_prompt_tokens_details: bool,
     /// Which running request to preempt when KV blocks run out.
     #[arg(long, value_enum, default_value_t = PreemptionArg::Lifo)]
     pub preemption_mode: PreemptionArg,
@@ -103,6 +107,7 @@ impl Cli {
             decode_speedup_ratio: self.decode_speedup_ratio,
             no_delay: self.no_delay,
             enable_prefix_caching: !self.no_prefix_caching,
+            prompt_tokens_details: self.enable_prompt_tokens_details,
             preemption_mode: match self.preemption_mode {
                 PreemptionArg::Lifo => PreemptionMode::Lifo,
                 PreemptionArg::Fifo => PreemptionMode::Fifo,

@@ -115,6 +115,9 @@ pub struct SimConfig {
     pub no_delay: bool,
     /// Reuse cached full blocks across requests (vLLM's automatic prefix caching).
     pub enable_prefix_caching: bool,
+    /// Report the prompt tokens served from the prefix cache in
+    /// `usage.prompt_tokens_details.cached_tokens` (vLLM's `--enable-prompt-tokens-details`).
+    pub prompt_tokens_details: bool,
     /// Which sequence to preempt when decode runs out of KV blocks.
     pub preemption_mode: PreemptionMode,
     /// Path to a Hugging Face `tokenizer.json`; `None` uses the built-in fallback tokenizer.
@@ -138,6 +141,7 @@ impl Default for SimConfig {
             decode_speedup_ratio: 1.0,
             no_delay: false,
             enable_prefix_caching: true,
+            prompt_tokens_details: false,
             preemption_mode: PreemptionMode::Lifo,
             tokenizer: None,
             embedding_dim: 16,

@@ -355,6 +355,64 @@ async fn repeated_prompt_registers_prefix_cache_hits() {
 }
 
 #[tokio::test]
+async fn usage_reports_cached_prompt_tokens_when_asked() {
+    // 40 token ids with block size 16: the second time, two full blocks (32 tokens) hit.
+    let prompt: Vec<u32> = (2000..2040).collect();
+    let sim = engine(SimConfig {
+        prompt_tokens_details: true,
+        ..fast()
+    })
+    .await;
+    let addr = sim.local_addr();
+    let mut cached = Vec::new();
+    for _ in 0..2 {
+        let v = post(
+            Proto::H1,
+            addr,
+            "/v1/completions",
+            json!({"prompt": prompt, "max_tokens": 1}),
+        )
+        .await
+        .json();
+        assert_eq!(v["usage"]["prompt_tokens"], 40);
+        cached.push(v["usage"]["prompt_tokens_details"]["cached_tokens"].clone());
+    }
+    assert_eq!(cached, [json!(0), json!(32)]);
+    let r = post(
+        Proto::H1,
+        addr,
+        "/v1/completions",
+        json!({"prompt": prompt, "max_tokens": 2, "stream": true,
+               "stream_options": {"include_usage": true}}),
+    )
+    .await;
+    let usage: Vec<Value> = sse_events(&r.text())
+        .iter()
+        .filter(|data| *data != "[DONE]")
+        .map(|data| serde_json::from_str::<Value>(data).expect("json event"))
+        .filter(|event| !event["usage"].is_null())
+        .map(|event| event["usage"].clone())
+        .collect();
+    assert_eq!(usage.len(), 1, "{usage:?}");
+    assert_eq!(usage[0]["prompt_tokens_details"]["cached_tokens"], 32);
+    sim.stop().await;
+
+    // Without the flag (vLLM's default) the field is absent.
+    let sim = engine(fast()).await;
+    let v = post(
+        Proto::H1,
+        sim.local_addr(),
+        "/v1/completions",
+        json!({"prompt": prompt, "max_tokens": 1}),
+    )
+    .await
+    .json();
+    assert_eq!(v["usage"]["prompt_tokens"], 40);
+    assert!(v["usage"].get("prompt_tokens_details").is_none(), "{v}");
+    sim.stop().await;
+}
+
+#[tokio::test]
 async fn kv_events_announce_stored_blocks() {
     let engine = engine(fast()).await;
     let mut events = engine.subscribe_kv_events();

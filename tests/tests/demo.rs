@@ -119,3 +119,86 @@ async fn the_demo_answers_and_routes_a_cached_prefix_to_its_engine() -> anyhow::
     );
     Ok(())
 }
+
+/// Sequential multi-turn chats, each with its own long system prompt, as a user tries the
+/// demo: every turn of a conversation goes to the engine that served its first turn and
+/// caches it, although that engine's load reports lag behind (a report scraped while the
+/// previous turn ran must not count that turn once it ended).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequential_conversations_stay_on_the_engine_that_caches_them() -> anyhow::Result<()> {
+    let scratch = ScratchDir::new("demo-turns")?;
+    let args: Vec<String> = [
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+        "--speedup-ratio",
+        "20",
+    ]
+    .map(String::from)
+    .to_vec();
+    let demo = Spawned::start("kvmesh-demo", &args, scratch.path())?;
+    let client = HttpClient::http1();
+    let chat_url = format!("{}/v1/chat/completions", demo.url("main"));
+    let explain_url = format!("{}/debug/route", demo.url("admin"));
+    let mut moved = Vec::new();
+    for conversation in 0..12 {
+        let system: String = (0..150)
+            .map(|i| format!("Conversation {conversation} keeps house rule {i} in mind. "))
+            .collect();
+        let mut messages = vec![json!({"role": "system", "content": system})];
+        let mut home: Option<String> = None;
+        for turn in 0..5 {
+            messages.push(json!({"role": "user", "content": format!("Question {turn}?")}));
+            let body = json!({"model": MODEL, "messages": messages, "max_tokens": 16});
+            if let Some(home) = &home {
+                // Readiness: the previous turn's blocks reached the index (KV events).
+                let deadline = Instant::now() + Duration::from_secs(10);
+                loop {
+                    let explained = client.post_json(&explain_url, &body).await?.json()?;
+                    let cached = explained["instances"].as_array().is_some_and(|all| {
+                        all.iter().any(|i| {
+                            i["instance"].as_str() == Some(home.as_str())
+                                && i["overlap_blocks"].as_u64() > Some(0)
+                        })
+                    });
+                    if cached {
+                        break;
+                    }
+                    assert!(
+                        Instant::now() < deadline,
+                        "turn {turn} of conversation {conversation}: the home engine's blocks never reached the index: {explained}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+            let reply = client.post_json(&chat_url, &body).await?;
+            assert_eq!(
+                reply.status,
+                200,
+                "{}",
+                String::from_utf8_lossy(&reply.body)
+            );
+            let instance = reply
+                .header("x-kvmesh-instance")
+                .expect("x-kvmesh-instance")
+                .to_string();
+            match &home {
+                None => home = Some(instance),
+                Some(home) if *home != instance => moved.push((
+                    conversation,
+                    turn,
+                    reply
+                        .header("x-kvmesh-route")
+                        .unwrap_or_default()
+                        .to_string(),
+                )),
+                Some(_) => {}
+            }
+            let answer = reply.json()?["choices"][0]["message"]["content"].clone();
+            messages.push(json!({"role": "assistant", "content": answer}));
+        }
+    }
+    assert!(moved.is_empty(), "turns that left their engine: {moved:?}");
+    Ok(())
+}

@@ -47,7 +47,7 @@ fn run(state: &EngineState, body: &[u8]) -> Result<Response<ResponseBody>, ApiEr
             ))
             .with_param("input"));
         }
-        usage.add(tokens.len(), 0);
+        usage.add(tokens.len(), 0, 0);
         let vector = embed(tokens, state.config.embedding_dim);
         let embedding = if base64 {
             EmbeddingValue::Base64(to_base64(&vector))

@@ -107,9 +107,9 @@ async fn run(
         return Ok(sse_response(SseBody::new(rx, count, formatter)));
     }
     let outcomes = collect(rx, count).await?;
-    let mut usage = Usage::default();
+    let mut usage = Usage::new(state.config.prompt_tokens_details);
     for o in &outcomes {
-        usage.add(o.prompt_tokens, o.completion_tokens);
+        usage.add(o.prompt_tokens, o.cached_tokens, o.completion_tokens);
     }
     let model = state.config.model.as_str();
     Ok(match endpoint {
@@ -188,12 +188,13 @@ struct CompletionStream {
 
 impl CompletionStream {
     fn new(state: Arc<EngineState>, id: String, created: u64, include_usage: bool) -> Self {
+        let usage = Usage::new(state.config.prompt_tokens_details);
         Self {
             state,
             id,
             created,
             include_usage,
-            usage: Usage::default(),
+            usage,
         }
     }
 
@@ -219,7 +220,8 @@ impl StreamFormatter for CompletionStream {
             SeqEvent::Delta { text, .. } if text.is_empty() => return,
             SeqEvent::Delta { index, text } => (*index, text.as_str(), None, None),
             SeqEvent::Finished(o) => {
-                self.usage.add(o.prompt_tokens, o.completion_tokens);
+                self.usage
+                    .add(o.prompt_tokens, o.cached_tokens, o.completion_tokens);
                 (
                     o.index,
                     o.text.as_str(),
@@ -265,12 +267,13 @@ impl ChatStream {
         include_usage: bool,
         choices: usize,
     ) -> Self {
+        let usage = Usage::new(state.config.prompt_tokens_details);
         Self {
             state,
             id,
             created,
             include_usage,
-            usage: Usage::default(),
+            usage,
             started: vec![false; choices],
         }
     }
@@ -333,7 +336,8 @@ impl StreamFormatter for ChatStream {
             }
             SeqEvent::Finished(o) => {
                 self.start(o.index, out);
-                self.usage.add(o.prompt_tokens, o.completion_tokens);
+                self.usage
+                    .add(o.prompt_tokens, o.cached_tokens, o.completion_tokens);
                 let content = (!o.text.is_empty()).then_some(o.text.as_str());
                 let delta = ChatDelta {
                     role: None,

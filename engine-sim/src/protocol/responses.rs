@@ -11,14 +11,36 @@ pub(crate) struct Usage {
     pub total_tokens: usize,
     /// Generated tokens.
     pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache, as vLLM reports them with
+    /// `--enable-prompt-tokens-details` (absent without it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub(crate) struct PromptTokensDetails {
+    /// Prompt tokens whose KV blocks were already cached.
+    pub cached_tokens: usize,
 }
 
 impl Usage {
-    /// Adds one sequence's counts.
-    pub(crate) fn add(&mut self, prompt: usize, completion: usize) {
+    /// Empty counts; `details`: report `prompt_tokens_details`.
+    pub(crate) fn new(details: bool) -> Self {
+        Self {
+            prompt_tokens_details: details.then(PromptTokensDetails::default),
+            ..Self::default()
+        }
+    }
+
+    /// Adds one sequence's counts (`cached`: its prompt tokens served from the cache).
+    pub(crate) fn add(&mut self, prompt: usize, cached: usize, completion: usize) {
         self.prompt_tokens += prompt;
         self.completion_tokens += completion;
         self.total_tokens = self.prompt_tokens + self.completion_tokens;
+        if let Some(details) = self.prompt_tokens_details.as_mut() {
+            details.cached_tokens += cached;
+        }
     }
 }
 

@@ -25,7 +25,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kvmesh_control::{
@@ -271,11 +271,18 @@ impl Actor {
             return;
         };
         if let Some(router) = member.pool.balancer().kv_router() {
+            // The engine was scraped at `at_ms` on the agent's clock (0 when unknown).
+            let now_ms = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |now| now.as_millis() as u64);
+            let age = Duration::from_millis(now_ms.saturating_sub(report.at_ms))
+                .min(self.settings.load_report_ttl);
             router.report_load(
                 id,
                 report.waiting,
                 report.kv_usage,
                 member.total_blocks,
+                age,
                 self.settings.load_report_ttl,
             );
             self.metrics

@@ -8,9 +8,13 @@
 //!   the request ends or its client leaves.
 //!
 //! Beside its own bookings, an instance may carry its engine's **reported** load (a
-//! worker-agent's load report, [`ReportedLoad`]): KV blocks in use and queued requests, which
-//! include what other proxy replicas sent it. Scoring folds them in (see
-//! [`crate::kv::KvRouter`]) until the report expires.
+//! worker-agent's load report, [`ReportedLoad`]): KV blocks in use and queued requests. The
+//! proxy's bookings are exact for its own requests, so only what a report holds beyond them
+//! counts (the **foreign** load: other proxy replicas' requests, the engine's real queue):
+//! the report minus the proxy's own load when it arrived, minus what the proxy released
+//! after the engine was scraped (a report taken while a request ran never re-counts it once
+//! it ended). Scoring adds the foreign load to its own (see [`crate::kv::KvRouter`]) until
+//! the report expires.
 //!
 //! Requests older than `stale_request_timeout` are dropped by [`ActiveLoads::expire_stale`]
 //! (a sweeper calls it), so a lost release cannot inflate a load forever.
@@ -20,10 +24,10 @@
 //! candidate once. Instances are keyed by their stable id, so discovery can add and remove
 //! them at run time. Time is passed in, so tests control the clock.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use kvmesh_kv::SequenceHash;
@@ -41,11 +45,12 @@ pub(crate) struct LoadSnapshot {
     pub(crate) prefix_blocks: u32,
     /// Requests booked on the instance.
     pub(crate) requests: usize,
-    /// Blocks in use as the engine last reported them (0 without a fresh report).
-    pub(crate) reported_blocks: u64,
-    /// Requests waiting in the engine's queue as it last reported them (0 without a fresh
-    /// report).
-    pub(crate) reported_waiting: u64,
+    /// Blocks in use at the engine beyond the proxy's own, as it last reported them (0
+    /// without a fresh report).
+    pub(crate) foreign_blocks: u64,
+    /// Requests waiting in the engine's queue beyond the proxy's own, as it last reported
+    /// them (0 without a fresh report).
+    pub(crate) foreign_waiting: u64,
 }
 
 /// An instance's own view of its load (a worker-agent's load report).
@@ -55,9 +60,25 @@ pub(crate) struct ReportedLoad {
     pub(crate) blocks: u64,
     /// Requests waiting in the engine's queue.
     pub(crate) waiting: u64,
+    /// How long before its arrival the engine was scraped.
+    pub(crate) age: Duration,
     /// When the report stops counting.
     pub(crate) until: Instant,
 }
+
+/// What a report holds beyond the proxy's own load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ForeignLoad {
+    blocks: u64,
+    waiting: u64,
+    until: Instant,
+}
+
+/// Releases remembered to discount from reports scraped before them.
+const RELEASE_MEMORY: Duration = Duration::from_secs(5);
+
+/// Most releases remembered per instance.
+const MAX_RELEASES: usize = 1024;
 
 /// A request to book on an instance.
 #[derive(Debug, Clone)]
@@ -93,7 +114,9 @@ struct InstanceLoad {
     blocks: HashMap<SequenceHash, u32>,
     tail_blocks: u64,
     requests: HashMap<u64, ActiveRequest>,
-    reported: Option<ReportedLoad>,
+    foreign: Option<ForeignLoad>,
+    /// Recent releases: when, and how many blocks each freed.
+    released: VecDeque<(Instant, u64)>,
 }
 
 impl InstanceLoad {
@@ -112,15 +135,57 @@ impl InstanceLoad {
         };
         self.prefill_tokens -= request.prefill_tokens;
         self.tail_blocks -= u64::from(request.tail_block);
+        let mut freed = u64::from(request.tail_block);
         for hash in request.full_blocks() {
             if let Some(count) = self.blocks.get_mut(hash) {
                 *count -= 1;
                 if *count == 0 {
                     self.blocks.remove(hash);
+                    freed += 1;
                 }
             }
         }
+        let now = Instant::now();
+        while self.released.len() >= MAX_RELEASES
+            || self
+                .released
+                .front()
+                .is_some_and(|(at, _)| now.duration_since(*at) > RELEASE_MEMORY)
+        {
+            self.released.pop_front();
+        }
+        self.released.push_back((now, freed));
         true
+    }
+
+    /// Blocks the proxy's own requests hold.
+    fn own_blocks(&self) -> u64 {
+        self.blocks.len() as u64 + self.tail_blocks
+    }
+
+    /// Takes in `report`, arriving at `now`: keeps what it holds beyond the proxy's own load
+    /// (own requests now, and those released since the engine was scraped).
+    fn take_report(&mut self, report: ReportedLoad, now: Instant) {
+        let scraped = now.checked_sub(report.age).unwrap_or(now);
+        let released_since: u64 = self
+            .released
+            .iter()
+            .filter(|(at, _)| *at >= scraped)
+            .map(|(_, freed)| freed)
+            .sum();
+        let own_waiting = self
+            .requests
+            .values()
+            .filter(|request| request.prefill_tokens > 0)
+            .count() as u64;
+        self.foreign = Some(ForeignLoad {
+            blocks: report
+                .blocks
+                .saturating_sub(self.own_blocks())
+                .saturating_sub(released_since),
+            waiting: report.waiting.saturating_sub(own_waiting),
+            until: report.until,
+        });
     }
 }
 
@@ -177,24 +242,25 @@ impl ActiveLoads {
         };
         let load = Self::lock(&cell);
         let depth = query.partition_point(|hash| load.blocks.contains_key(hash));
-        let (reported_blocks, reported_waiting) = match load.reported {
-            Some(report) if report.until > Instant::now() => (report.blocks, report.waiting),
+        let (foreign_blocks, foreign_waiting) = match load.foreign {
+            Some(foreign) if foreign.until > Instant::now() => (foreign.blocks, foreign.waiting),
             _ => (0, 0),
         };
         LoadSnapshot {
             prefill_tokens: load.prefill_tokens,
-            blocks: load.blocks.len() as u64 + load.tail_blocks,
+            blocks: load.own_blocks(),
             prefix_blocks: u32::try_from(depth).unwrap_or(u32::MAX),
             requests: load.requests.len(),
-            reported_blocks,
-            reported_waiting,
+            foreign_blocks,
+            foreign_waiting,
         }
     }
 
-    /// Records instance `instance`'s own report of its load (ignored for an unknown one).
+    /// Records instance `instance`'s own report of its load, arriving now (ignored for an
+    /// unknown one).
     pub(crate) fn report(&self, instance: u64, report: ReportedLoad) {
         if let Some(cell) = self.cell(instance) {
-            Self::lock(&cell).reported = Some(report);
+            Self::lock(&cell).take_report(report, Instant::now());
         }
     }
 
@@ -372,6 +438,44 @@ mod tests {
     }
 
     #[test]
+    fn reports_never_recount_the_proxys_own_requests() {
+        let loads = loads(1);
+        let until = Instant::now() + Duration::from_secs(60);
+        let report = |blocks, waiting, age| ReportedLoad {
+            blocks,
+            waiting,
+            age,
+            until,
+        };
+        // Four full blocks of 4 tokens and a tail, its prefill not done yet.
+        let held = prompt(4 * 4 + 3, 0, 1);
+        let id = book(&loads, 0, &held, 19);
+        assert_eq!(loads.snapshot(0, &[]).blocks, 5);
+        // A report taken while it runs holds it, and 2 blocks and a queued request of others.
+        loads.report(0, report(7, 2, Duration::ZERO));
+        let snap = loads.snapshot(0, &[]);
+        assert_eq!(
+            (snap.blocks, snap.foreign_blocks, snap.foreign_waiting),
+            (5, 2, 1)
+        );
+        // It ends: its blocks go, the others' stay.
+        assert!(loads.release(0, id));
+        let snap = loads.snapshot(0, &[]);
+        assert_eq!((snap.blocks, snap.foreign_blocks), (0, 2));
+        // A report scraped while it still ran, arriving after its release: only the others.
+        loads.report(0, report(7, 1, Duration::from_secs(1)));
+        let snap = loads.snapshot(0, &[]);
+        assert_eq!(
+            (snap.blocks, snap.foreign_blocks, snap.foreign_waiting),
+            (0, 2, 1)
+        );
+        // With nothing of the proxy's held or released since the scrape, it is all foreign.
+        let loads = self::loads(1);
+        loads.report(0, report(5, 0, Duration::from_secs(1)));
+        assert_eq!(loads.snapshot(0, &[]).foreign_blocks, 5);
+    }
+
+    #[test]
     fn reports_count_until_they_expire() {
         let loads = loads(1);
         let now = Instant::now();
@@ -380,16 +484,18 @@ mod tests {
             ReportedLoad {
                 blocks: 30,
                 waiting: 2,
+                age: Duration::ZERO,
                 until: now + Duration::from_secs(60),
             },
         );
         let snap = loads.snapshot(0, &[]);
-        assert_eq!((snap.reported_blocks, snap.reported_waiting), (30, 2));
+        assert_eq!((snap.foreign_blocks, snap.foreign_waiting), (30, 2));
         loads.report(
             0,
             ReportedLoad {
                 blocks: 30,
                 waiting: 2,
+                age: Duration::ZERO,
                 until: now,
             },
         );
@@ -399,6 +505,7 @@ mod tests {
             ReportedLoad {
                 blocks: 1,
                 waiting: 1,
+                age: Duration::ZERO,
                 until: now + Duration::from_secs(60),
             },
         );

@@ -113,26 +113,27 @@ impl KvRouter {
         self.admission.wake();
     }
 
-    /// `load` with the engine's reported load folded in: its reported KV blocks in use are a
-    /// floor under the active blocks (they include other proxies' requests), and each request
-    /// it reports waiting adds one block of prefill tokens.
+    /// `load` with the engine's foreign load (what its report holds beyond the proxy's own
+    /// requests) added: its blocks to the active blocks, and one block of prefill tokens per
+    /// request waiting.
     fn folded(&self, mut load: LoadSnapshot) -> LoadSnapshot {
-        load.blocks = load.blocks.max(load.reported_blocks);
+        load.blocks = load.blocks.saturating_add(load.foreign_blocks);
         load.prefill_tokens = load
             .prefill_tokens
-            .saturating_add(load.reported_waiting.saturating_mul(self.cost.block_size));
+            .saturating_add(load.foreign_waiting.saturating_mul(self.cost.block_size));
         load
     }
 
-    /// Records instance `instance`'s load report: `waiting` queued requests and `kv_usage`
-    /// (0 to 1) of `total_blocks` KV blocks in use (0: unknown, then `kv.total_kv_blocks`),
-    /// counting for `ttl`.
+    /// Records instance `instance`'s load report, scraped `age` before now: `waiting` queued
+    /// requests and `kv_usage` (0 to 1) of `total_blocks` KV blocks in use (0: unknown, then
+    /// `kv.total_kv_blocks`), counting for `ttl`.
     pub fn report_load(
         &self,
         instance: u64,
         waiting: u64,
         kv_usage: f64,
         total_blocks: u64,
+        age: Duration,
         ttl: Duration,
     ) {
         let total = Some(total_blocks)
@@ -149,6 +150,7 @@ impl KvRouter {
             ReportedLoad {
                 blocks: (usage * total as f64).round() as u64,
                 waiting,
+                age,
                 until: Instant::now() + ttl,
             },
         );

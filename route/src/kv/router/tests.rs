@@ -443,7 +443,7 @@ fn engine_reports_raise_the_load_of_their_instance() {
     };
     let (router, instances) = router_with(config, 2);
     let fresh = request(&router, &conversation(3, 16));
-    router.report_load(0, 0, 0.5, 0, Duration::from_secs(60));
+    router.report_load(0, 0, 0.5, 0, Duration::ZERO, Duration::from_secs(60));
     for seed in 0..10 {
         assert_eq!(
             picked(choose(&router, &instances, &fresh, seed)).instance_id,
@@ -451,8 +451,8 @@ fn engine_reports_raise_the_load_of_their_instance() {
             "50 blocks in use on instance 0"
         );
     }
-    router.report_load(0, 0, 0.0, 0, Duration::from_secs(60));
-    router.report_load(1, 3, 0.0, 0, Duration::from_secs(60));
+    router.report_load(0, 0, 0.0, 0, Duration::ZERO, Duration::from_secs(60));
+    router.report_load(1, 3, 0.0, 0, Duration::ZERO, Duration::from_secs(60));
     let decision = picked(choose(&router, &instances, &fresh, 0));
     assert_eq!(decision.instance_id, 0, "3 requests queued on instance 1");
     let explanation = router.explain(&instances, &fresh, 0, &mut StdRng::seed_from_u64(0));
@@ -460,7 +460,7 @@ fn engine_reports_raise_the_load_of_their_instance() {
         explanation.instances[1].active_prefill_tokens,
         3 * BLOCK as u64
     );
-    router.report_load(1, 0, 0.9, 1000, Duration::ZERO);
+    router.report_load(1, 0, 0.9, 1000, Duration::ZERO, Duration::ZERO);
     assert_eq!(
         router
             .explain(&instances, &fresh, 0, &mut StdRng::seed_from_u64(0))
