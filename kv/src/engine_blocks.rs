@@ -3,10 +3,29 @@
 
 use std::collections::HashMap;
 
-use crate::error::TranslateError;
+use thiserror::Error;
+
 use crate::event::{BlockParent, KvEvent, StoredBlock};
 use crate::hash::{BlockHasher, ExternalHash, LocalBlockHash, SequenceHash, sequence_hash};
 use crate::keyed_hasher::KeyedState;
+
+/// An engine event that cannot be translated into kvmesh's hash space.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum TranslateError {
+    /// The event's parent block was never reported (or was removed): events were missed.
+    #[error("parent block {0:?} is unknown for this worker")]
+    UnknownParent(ExternalHash),
+    /// The token ids do not fill exactly one block per block id.
+    #[error("{tokens} tokens for {blocks} blocks of {block_size} tokens")]
+    TokenCount {
+        /// Block ids in the event.
+        blocks: usize,
+        /// Token ids in the event.
+        tokens: usize,
+        /// The hasher's block size.
+        block_size: usize,
+    },
+}
 
 /// One worker's engine block id → kvmesh sequence hash map, kept in step with its events.
 ///

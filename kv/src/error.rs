@@ -1,5 +1,5 @@
-//! Errors of the crate's constructors and of event translation (applying events to the index
-//! never fails: see `ApplyOutcome`).
+//! Errors of the crate's constructors (event translation has its own, in `engine_blocks`;
+//! applying events to the index never fails: see `ApplyOutcome`).
 
 use thiserror::Error;
 
@@ -26,22 +26,4 @@ pub enum ApproxConfigError {
     /// The prune target ratio is not in (0, 1].
     #[error("approximate-mode prune target ratio must be in (0, 1], got {0}")]
     PruneRatio(f64),
-}
-
-/// An engine event that cannot be translated into kvmesh's hash space.
-#[derive(Debug, Error, Clone, PartialEq, Eq)]
-pub enum TranslateError {
-    /// The event's parent block was never reported (or was removed): events were missed.
-    #[error("parent block {0:?} is unknown for this worker")]
-    UnknownParent(crate::hash::ExternalHash),
-    /// The token ids do not fill exactly one block per block id.
-    #[error("{tokens} tokens for {blocks} blocks of {block_size} tokens")]
-    TokenCount {
-        /// Block ids in the event.
-        blocks: usize,
-        /// Token ids in the event.
-        tokens: usize,
-        /// The hasher's block size.
-        block_size: usize,
-    },
 }

@@ -123,8 +123,8 @@ pub use approx::{
     ApproxConfig, ApproxIndex, ApproxOutcome, ApproxStats, DEFAULT_MAX_BLOCKS,
     DEFAULT_PRUNE_TARGET_RATIO, DEFAULT_TTL, MAX_TTL,
 };
-pub use engine_blocks::EngineBlockMap;
-pub use error::{ApproxConfigError, HashError, TranslateError};
+pub use engine_blocks::{EngineBlockMap, TranslateError};
+pub use error::{ApproxConfigError, HashError};
 pub use event::{BlockParent, KvEvent, StoredBlock};
 pub use hash::{
     BlockHasher, BlockHashes, ExternalHash, LocalBlockHash, SequenceHash, XXH3_SEED,
