@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 
 use serde::Deserialize;
 
-use crate::validate::{Checked, fail};
+use crate::violation::{Checked, fail};
 use crate::{Config, FieldPath};
 
 /// Authentication of data-listener requests (`Authorization: Bearer <key>`).

@@ -5,7 +5,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::FieldPath;
-use crate::validate::{Checked, fail, positive};
+use crate::violation::{Checked, fail, positive};
 
 /// How many requests of one model are forwarded at once; the rest wait in a
 /// bounded queue (first come, first served) or are answered 503.

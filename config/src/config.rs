@@ -6,7 +6,8 @@ use serde::Deserialize;
 use serde_saphyr::MessageFormatter;
 
 use crate::source_map::{SourceMap, position};
-use crate::validate::{Violation, validate};
+use crate::validate::validate;
+use crate::violation::Violation;
 use crate::{
     AdminConfig, AuthConfig, ConfigError, DiscoveryConfig, EventsConfig, FieldPath, GrpcConfig,
     HealthCheckConfig, Invalid, LimitsConfig, ListenerConfig, ModelConfig, OutlierDetectionConfig,

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 
 use serde::Deserialize;
 
-use crate::validate::{Checked, fail};
+use crate::violation::{Checked, fail};
 use crate::{Config, FieldPath};
 
 /// Name the gRPC listener is announced under (`LISTENING grpc <addr>`).

@@ -28,6 +28,8 @@ mod tls;
 mod upstream;
 mod validate;
 mod validate_control_plane;
+mod validate_kv;
+mod violation;
 
 pub use auth::{ApiKeyConfig, AuthConfig};
 pub use backend_url::{BackendUrl, BackendUrlError};

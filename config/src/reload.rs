@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::FieldPath;
-use crate::validate::{Checked, positive};
+use crate::violation::{Checked, positive};
 
 /// What the proxy watches at run time. A reload also happens on SIGHUP and on
 /// `POST /reload` at the admin listener, whatever these say.

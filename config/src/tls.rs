@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::FieldPath;
-use crate::validate::{Checked, fail};
+use crate::violation::{Checked, fail};
 
 /// TLS termination on one data listener (ALPN `h2` and `http/1.1`).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]

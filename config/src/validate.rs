@@ -1,7 +1,6 @@
 //! Rules a parsed config must satisfy beyond its types.
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use crate::auth::check_auth;
 use crate::concurrency::check_concurrency;
@@ -11,27 +10,9 @@ use crate::limits::{MAX_HEADER_BYTES, MAX_HEADERS};
 use crate::reload::check_reload;
 use crate::tls::{check_listener_tls, check_upstream_tls};
 use crate::validate_control_plane::check_control_plane;
-use crate::{
-    Config, DiscoveryKind, FieldPath, KvRoutingConfig, MAX_APPROX_TTL, ModelConfig, PolicyKind,
-};
-
-/// The first rule a config breaks.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Violation {
-    pub(crate) path: FieldPath,
-    pub(crate) message: String,
-}
-
-/// The outcome of one rule.
-pub(crate) type Checked = Result<(), Violation>;
-
-/// A violation of the rule at `path`.
-pub(crate) fn fail(path: FieldPath, message: impl Into<String>) -> Checked {
-    Err(Violation {
-        path,
-        message: message.into(),
-    })
-}
+use crate::validate_kv::check_kv;
+use crate::violation::{Checked, fail, positive};
+use crate::{Config, DiscoveryKind, FieldPath, ModelConfig, PolicyKind};
 
 /// Checks every rule, in document order; returns the first violation.
 pub(crate) fn validate(config: &Config) -> Checked {
@@ -172,43 +153,6 @@ fn check_model_routing(model: &ModelConfig, path: &FieldPath) -> Checked {
     check_kv(&model.kv, &path.key("kv"))
 }
 
-pub(crate) fn check_kv(kv: &KvRoutingConfig, path: &FieldPath) -> Checked {
-    if kv.block_size == 0 {
-        return fail(path.key("block_size"), "must be at least 1");
-    }
-    non_negative(kv.overlap_weight, path.key("overlap_weight"))?;
-    non_negative(kv.temperature, path.key("temperature"))?;
-    positive(kv.approx_ttl, path.key("approx_ttl"))?;
-    if kv.approx_ttl > MAX_APPROX_TTL {
-        return fail(
-            path.key("approx_ttl"),
-            format!("must be at most {}", format_duration(MAX_APPROX_TTL)),
-        );
-    }
-    if kv.approx_max_blocks == 0 {
-        return fail(path.key("approx_max_blocks"), "must be at least 1");
-    }
-    let ratio = kv.approx_prune_ratio;
-    if !(ratio > 0.0 && ratio <= 1.0) {
-        return fail(
-            path.key("approx_prune_ratio"),
-            format!("{ratio} is not in (0, 1]"),
-        );
-    }
-    if let Some(fraction) = kv.busy_decode_blocks_fraction {
-        non_negative(fraction, path.key("busy_decode_blocks_fraction"))?;
-    }
-    positive(kv.queue.timeout, path.key("queue").key("timeout"))?;
-    positive(kv.stale_request_timeout, path.key("stale_request_timeout"))
-}
-
-fn non_negative(value: f64, path: FieldPath) -> Checked {
-    if !(value.is_finite() && value >= 0.0) {
-        return fail(path, format!("{value} must be a finite number >= 0"));
-    }
-    Ok(())
-}
-
 /// Registers a model name or alias, rejecting empty, padded and duplicate names.
 fn claim<'a>(names: &mut HashMap<&'a str, FieldPath>, name: &'a str, at: FieldPath) -> Checked {
     if name.is_empty() {
@@ -307,12 +251,4 @@ fn check_upstream(config: &Config, path: &FieldPath) -> Checked {
         config.upstream.pool_idle_timeout,
         path.key("pool_idle_timeout"),
     )
-}
-
-/// `duration` is not zero.
-pub(crate) fn positive(duration: Duration, path: FieldPath) -> Checked {
-    if duration.is_zero() {
-        return fail(path, "must be greater than 0");
-    }
-    Ok(())
 }

@@ -1,7 +1,8 @@
 //! Rules of the `discovery` and `events` sections.
 
 use crate::discovery::valid_namespace;
-use crate::validate::{Checked, check_kv, fail, positive};
+use crate::validate_kv::check_kv;
+use crate::violation::{Checked, fail, positive};
 use crate::{Config, DiscoveryKind, EventsKind, FieldPath};
 
 /// Checks `discovery` and `events`.

@@ -1,0 +1,37 @@
+//! The rules of a model's `kv` section (shared by the config's models and discovery's
+//! default model).
+
+use crate::duration::format_duration;
+use crate::violation::{Checked, fail, non_negative, positive};
+use crate::{FieldPath, KvRoutingConfig, MAX_APPROX_TTL};
+
+/// Checks the `kv` section at `path`.
+pub(crate) fn check_kv(kv: &KvRoutingConfig, path: &FieldPath) -> Checked {
+    if kv.block_size == 0 {
+        return fail(path.key("block_size"), "must be at least 1");
+    }
+    non_negative(kv.overlap_weight, path.key("overlap_weight"))?;
+    non_negative(kv.temperature, path.key("temperature"))?;
+    positive(kv.approx_ttl, path.key("approx_ttl"))?;
+    if kv.approx_ttl > MAX_APPROX_TTL {
+        return fail(
+            path.key("approx_ttl"),
+            format!("must be at most {}", format_duration(MAX_APPROX_TTL)),
+        );
+    }
+    if kv.approx_max_blocks == 0 {
+        return fail(path.key("approx_max_blocks"), "must be at least 1");
+    }
+    let ratio = kv.approx_prune_ratio;
+    if !(ratio > 0.0 && ratio <= 1.0) {
+        return fail(
+            path.key("approx_prune_ratio"),
+            format!("{ratio} is not in (0, 1]"),
+        );
+    }
+    if let Some(fraction) = kv.busy_decode_blocks_fraction {
+        non_negative(fraction, path.key("busy_decode_blocks_fraction"))?;
+    }
+    positive(kv.queue.timeout, path.key("queue").key("timeout"))?;
+    positive(kv.stale_request_timeout, path.key("stale_request_timeout"))
+}
