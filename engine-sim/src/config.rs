@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
+use crate::endpoint::TcpEndpoint;
 use crate::error::SimError;
-use crate::zmq_events::TcpEndpoint;
 
 /// Which running sequence gives its KV blocks back when decode runs out of blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

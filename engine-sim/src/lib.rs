@@ -72,6 +72,7 @@ mod chat_template;
 pub mod cli;
 mod config;
 mod embedding;
+mod endpoint;
 mod engine;
 mod error;
 pub mod hashing;

@@ -3,7 +3,6 @@
 //! batches, and test-only fault injection.
 
 mod control;
-mod endpoint;
 mod publisher;
 mod replay;
 mod wire;
@@ -17,12 +16,13 @@ use tokio::task::JoinHandle;
 use zeromq::{PubSocket, RouterSocket, Socket};
 
 pub(crate) use control::FaultControl;
-pub(crate) use endpoint::TcpEndpoint;
+
 use publisher::Publisher;
 use replay::ReplayBuffer;
 use wire::WireFormat;
 
 use crate::config::KvEventsConfig;
+use crate::endpoint::TcpEndpoint;
 use crate::error::SimError;
 use crate::kv_events::KvEventBatch;
 use crate::metrics::EngineMetrics;
