@@ -33,18 +33,18 @@ pub(crate) mod release;
 pub(crate) mod respond;
 pub(crate) mod stop;
 
-use std::future::Future;
 use std::sync::Arc;
 
 use bytes::Bytes;
 
+use crate::api_error::ApiError;
 use crate::auth::ApiKey;
 use crate::metrics::GaugeGuard;
 use crate::route::Route;
 use crate::state::State;
 use admit::{admit_key, model_slot, resolve_model};
 use attempt::{Failover, attempt};
-use frontend::Frontend;
+use frontend::{Frontend, unless_gone};
 use kvmesh_route::prepare::InvalidPrompt;
 use pick::{pick, queue};
 use prepare::{charge_prompt, prepare};
@@ -87,20 +87,24 @@ async fn run<F: Frontend>(
     let pool = resolved.pool;
     record.pool = Some(Arc::clone(&pool));
     let permit = admit_key(state, key, pool.name())?;
-    let _slot = unless_gone(frontend, model_slot(state, &pool)).await??;
+    let _slot = unless_gone(frontend, model_slot(state, &pool))
+        .await
+        .ok_or(Stop::ClientGone)??;
     // 2. prepare
     let mut body = resolved.body;
     let route = record.route.unwrap_or(Route::ChatCompletions);
     let picker = prepare(state, &pool, route, &mut body)
         .await
-        .map_err(|InvalidPrompt(message)| crate::api_error::ApiError::InvalidPrompt(message))?;
+        .map_err(|InvalidPrompt(message)| ApiError::InvalidPrompt(message))?;
     if let Some(permit) = permit.as_ref() {
         charge_prompt(permit, &picker, body.len(), record);
     }
     let _in_flight = GaugeGuard::new(&pool.metrics().in_flight);
     let instances = pool.instances();
     // 3. queue
-    unless_gone(frontend, queue(&pool, &instances, &picker)).await??;
+    unless_gone(frontend, queue(&pool, &instances, &picker))
+        .await
+        .ok_or(Stop::ClientGone)??;
     let mut failover = Failover::new(state.limits.retries);
     loop {
         // 4. pick
@@ -133,17 +137,5 @@ async fn run<F: Frontend>(
         let reusable = release(state, &pick.instance, engine, end, record).await;
         drop(in_flight);
         return Ok(reusable);
-    }
-}
-
-/// Runs `work` unless the client leaves first.
-async fn unless_gone<F: Frontend, T>(
-    frontend: &mut F,
-    work: impl Future<Output = T>,
-) -> Result<T, Stop> {
-    tokio::select! {
-        biased;
-        output = work => Ok(output),
-        () = frontend.gone() => Err(Stop::ClientGone),
     }
 }

@@ -39,6 +39,34 @@ fn overlap_blocks(route: &str) -> u64 {
         .expect("overlap_blocks is a number")
 }
 
+/// Waits (10 s at most) until `POST /debug/route` at `explain_url` shows part of `body`'s
+/// prompt cached: on instance `on`, or on any instance when `None`.
+async fn wait_until_cached(
+    client: &HttpClient,
+    explain_url: &str,
+    body: &Value,
+    on: Option<&str>,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let explained = client.post_json(explain_url, body).await?.json()?;
+        let cached = explained["instances"].as_array().is_some_and(|all| {
+            all.iter().any(|i| {
+                on.is_none_or(|on| i["instance"].as_str() == Some(on))
+                    && i["overlap_blocks"].as_u64() > Some(0)
+            })
+        });
+        if cached {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the engine's KV events never reached the index (on {on:?}): {explained}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_answers_and_routes_a_cached_prefix_to_its_engine() -> anyhow::Result<()> {
     let scratch = ScratchDir::new("demo")?;
@@ -92,21 +120,7 @@ async fn the_demo_answers_and_routes_a_cached_prefix_to_its_engine() -> anyhow::
     // Readiness signal: the admin explanation shows the shared prefix cached somewhere.
     let explain_url = format!("{}/debug/route", demo.url("admin"));
     let next = chat_body("And what is rule 2?");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let explained = client.post_json(&explain_url, &next).await?.json()?;
-        let cached = explained["instances"]
-            .as_array()
-            .is_some_and(|all| all.iter().any(|i| i["overlap_blocks"].as_u64() > Some(0)));
-        if cached {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the engine's KV events never reached the index: {explained}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until_cached(&client, &explain_url, &next, None).await?;
 
     let second = client.post_json(&chat_url, &next).await?;
     assert_eq!(second.status, 200);
@@ -153,24 +167,7 @@ async fn sequential_conversations_stay_on_the_engine_that_caches_them() -> anyho
             let body = json!({"model": MODEL, "messages": messages, "max_tokens": 16});
             if let Some(home) = &home {
                 // Readiness: the previous turn's blocks reached the index (KV events).
-                let deadline = Instant::now() + Duration::from_secs(10);
-                loop {
-                    let explained = client.post_json(&explain_url, &body).await?.json()?;
-                    let cached = explained["instances"].as_array().is_some_and(|all| {
-                        all.iter().any(|i| {
-                            i["instance"].as_str() == Some(home.as_str())
-                                && i["overlap_blocks"].as_u64() > Some(0)
-                        })
-                    });
-                    if cached {
-                        break;
-                    }
-                    assert!(
-                        Instant::now() < deadline,
-                        "turn {turn} of conversation {conversation}: the home engine's blocks never reached the index: {explained}"
-                    );
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
+                wait_until_cached(&client, &explain_url, &body, Some(home)).await?;
             }
             let reply = client.post_json(&chat_url, &body).await?;
             assert_eq!(

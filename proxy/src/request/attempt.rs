@@ -14,7 +14,7 @@ use crate::failure::FailureKind;
 use crate::headers::EngineTarget;
 use crate::instance::Instance;
 use crate::pool::ModelPool;
-use crate::request::frontend::Frontend;
+use crate::request::frontend::{Frontend, unless_gone};
 use crate::request::pick::{Pick, overloaded};
 use crate::request::stop::Stop;
 use crate::state::State;
@@ -145,21 +145,10 @@ async fn within_first_byte<F: Frontend, T>(
     client: &mut F,
     exchange: impl Future<Output = T>,
 ) -> Result<T, AttemptError> {
-    unless_client_leaves(client, timeout(state.limits.first_byte_timeout, exchange))
-        .await?
+    unless_gone(client, timeout(state.limits.first_byte_timeout, exchange))
+        .await
+        .ok_or(AttemptError::ClientGone)?
         .map_err(|_| AttemptError::Timeout)
-}
-
-/// Runs `work` unless the client leaves first.
-async fn unless_client_leaves<F: Frontend, T>(
-    client: &mut F,
-    work: impl Future<Output = T>,
-) -> Result<T, AttemptError> {
-    tokio::select! {
-        biased;
-        output = work => Ok(output),
-        () = client.gone() => Err(AttemptError::ClientGone),
-    }
 }
 
 /// A failed connect to `instance`: retryable elsewhere.
@@ -189,7 +178,10 @@ async fn attempt_h1<F: Frontend>(
         .map_err(|error| AttemptError::Unforwardable(error.to_string()))?;
     // The first-byte deadline runs on the connection's own timer.
     let exchange = upstream.request(body, state.limits.first_byte_timeout);
-    match unless_client_leaves(client, exchange).await? {
+    match unless_gone(client, exchange)
+        .await
+        .ok_or(AttemptError::ClientGone)?
+    {
         Err(TimedOut) => Err(AttemptError::Timeout),
         Ok(Err(error)) => Err(AttemptError::Retryable {
             kind: match error {

@@ -96,6 +96,18 @@ pub(crate) trait Frontend: Send {
     }
 }
 
+/// Runs `work` unless the client leaves first (`None`).
+pub(crate) async fn unless_gone<F: Frontend, T>(
+    frontend: &mut F,
+    work: impl Future<Output = T>,
+) -> Option<T> {
+    tokio::select! {
+        biased;
+        output = work => Some(output),
+        () = frontend.gone() => None,
+    }
+}
+
 /// Why a response could not be started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Unrelayable {
