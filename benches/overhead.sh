@@ -22,8 +22,9 @@
 #   --setups LIST      comma-separated subset of direct,nginx,kvmesh,kvmesh-kv,sglang-rr,
 #                      sglang-ca,vllm-rr,vllm-ca (default: all)
 #   --baseline FILE    another kvmesh-proxy binary (e.g. built from an earlier commit), run as
-#                      setup kvmesh-baseline with kvmesh's config, to measure a change before
-#                      and after in the same run
+#                      setup kvmesh-baseline with kvmesh's config (and kvmesh-kv-baseline with
+#                      kvmesh-kv's, when that runs), to measure a change before and after in
+#                      the same run
 #   --keep             keep the work directory (configs, logs, JSON reports)
 # Environment: LOADGEN_CPU (default 0) and SERVER_CPU (default 1) choose the pinning.
 # The peers are installed from PyPI into virtualenvs under .cache/bench/ (once); the Qwen3
@@ -81,6 +82,8 @@ if [[ -n $BASELINE ]]; then
   # Right after kvmesh, so the two run back to back in every round.
   SETUPS_ARG=$(sed -E 's/(^|,)kvmesh(,|$)/\1kvmesh,kvmesh-baseline\2/' <<<"$SETUPS_ARG")
   [[ ,$SETUPS_ARG, == *,kvmesh-baseline,* ]] || SETUPS_ARG+=,kvmesh-baseline
+  # KV mode too, when it runs: the baseline binary with kvmesh-kv's configuration.
+  SETUPS_ARG=$(sed -E 's/(^|,)kvmesh-kv(,|$)/\1kvmesh-kv,kvmesh-kv-baseline\2/' <<<"$SETUPS_ARG")
 fi
 IFS=, read -ra SETUPS <<<"$SETUPS_ARG"
 has_setup() { [[ ",$SETUPS_ARG," == *",$1,"* ]]; }
@@ -231,6 +234,12 @@ if has_setup kvmesh-kv; then
   KV_PROXY_ADDR=$(listening "$WORK_DIR/proxy-kv.out" main)
   log "kvmesh-proxy (policy kv) at $KV_PROXY_ADDR (pid $KV_PROXY_PID)"
 fi
+KV_BASELINE_ADDR=
+if has_setup kvmesh-kv-baseline; then
+  start_proxy KV_BASELINE_PID "$WORK_DIR/proxy-kv-baseline.out" "$WORK_DIR/kvmesh-kv.yaml" "$BASELINE"
+  KV_BASELINE_ADDR=$(listening "$WORK_DIR/proxy-kv-baseline.out" main)
+  log "kvmesh-proxy baseline (policy kv) at $KV_BASELINE_ADDR (pid $KV_BASELINE_PID)"
+fi
 
 # ---- sglang-router and vllm-router ----------------------------------------------------------
 # start_peer VAR_PID VAR_URL LOG CMD...: a peer router pinned like the others; waits until it
@@ -296,7 +305,7 @@ run_load() {
   sed 's/^/    /' "$out.txt" >&2
 }
 
-declare -A URL=([direct]="http://${SIM_ADDRS[0]}" [nginx]="http://127.0.0.1:$NGINX_PORT" [kvmesh]="http://$PROXY_ADDR" [kvmesh-baseline]="http://$BASELINE_ADDR" [kvmesh-kv]="http://$KV_PROXY_ADDR")
+declare -A URL=([direct]="http://${SIM_ADDRS[0]}" [nginx]="http://127.0.0.1:$NGINX_PORT" [kvmesh]="http://$PROXY_ADDR" [kvmesh-baseline]="http://$BASELINE_ADDR" [kvmesh-kv]="http://$KV_PROXY_ADDR" [kvmesh-kv-baseline]="http://$KV_BASELINE_ADDR")
 for setup in "${!PEER_URL[@]}"; do URL[$setup]=${PEER_URL[$setup]}; done
 MODES=(non-stream stream)
 # Rounds interleave the setups, so background load on the shared machine hits them alike.
@@ -308,6 +317,7 @@ for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
       kvmesh) pids=("$PROXY_PID") ;;
       kvmesh-baseline) pids=("$BASELINE_PID") ;;
       kvmesh-kv) pids=("$KV_PROXY_PID") ;;
+      kvmesh-kv-baseline) pids=("$KV_BASELINE_PID") ;;
       *) pids=("${PEER_PID[$setup]}") ;;
     esac
     for mode in "${MODES[@]}"; do
@@ -323,6 +333,7 @@ done
 stop_pid "$PROXY_PID"
 [[ -n $BASELINE_ADDR ]] && stop_pid "$BASELINE_PID"
 [[ -n $KV_PROXY_ADDR ]] && stop_pid "$KV_PROXY_PID"
+[[ -n $KV_BASELINE_ADDR ]] && stop_pid "$KV_BASELINE_PID"
 for setup in "${!PEER_PID[@]}"; do stop_pid "${PEER_PID[$setup]}"; done
 stop_pid "$NGINX_PID"
 stop_pid "$SIM_PID"
@@ -384,7 +395,7 @@ SECTION=$WORK_DIR/section.md
   echo "- nginx: $NGINX_VERSION, \`worker_processes 1\`, upstream with both sims, \`keepalive 64\`, \`proxy_http_version 1.1\`, \`proxy_set_header Connection \"\"\`, \`proxy_buffering off\`, \`keepalive_requests 1000000\` (client and upstream side, so neither closes connections mid-run), access log off."
   echo "- kvmesh-proxy: \`policy: round_robin\` (*kvmesh*) and \`policy: kv\` with the Qwen3 tokenizer directory (*kvmesh-kv*: every request is rendered with the chat template, tokenized, hashed into 64-token blocks, scored against the KV index and booked), \`upstream.pool_size: 64\`, health checks off (nginx has none either), \`RUST_LOG=warn\` (no per-request log line, like nginx's access log off); pinned to one CPU, the proxy runs a single-threaded tokio runtime (it chooses one whenever it may use one CPU), as nginx runs \`worker_processes 1\`."
   if [[ -n $BASELINE ]]; then
-    echo "- *kvmesh-baseline*: the binary \`$BASELINE\` with *kvmesh*'s configuration, run right after *kvmesh* in every round, to compare a change with what it changes."
+    echo "- *kvmesh-baseline* (and *kvmesh-kv-baseline*): the binary \`$BASELINE\` with *kvmesh*'s (*kvmesh-kv*'s) configuration, run right after *kvmesh* (*kvmesh-kv*) in every round, to compare a change with what it changes."
   fi
   echo "- Peers, from PyPI into \`.cache/bench/venv-*\`, started as in reference/peers.md §7 and pinned like the proxy: sglang-router $SGLANG_VERSION (\`python -m sglang_router.launch_router --policy round_robin|cache_aware\`, *sglang-rr* / *sglang-ca*) and vllm-router $VLLM_ROUTER_VERSION (\`vllm-router --policy round_robin|cache_aware\`, *vllm-rr* / *vllm-ca*), each with its own Prometheus port and its default health checks; all peers run during the whole benchmark. Their process is the Python launcher that hosts the Rust router, so CPU and RSS include the interpreter."
   echo "- CPU per request: utime + stime from \`/proc/PID/stat\` (all threads; nginx master + worker) over the measured run, divided by its successful requests. RSS: \`VmRSS\` after the run."
@@ -462,6 +473,20 @@ SECTION=$WORK_DIR/section.md
     g=$(of "sglang-ca-$mode-sat" '.requests_per_s' | median)
     verdict=$(awk -v k="$k" -v g="$g" 'BEGIN { print (k >= 3 * g ? "pass" : "FAIL") }')
     printf '| kvmesh KV mode req/s ≥ 3 × sglang-router cache_aware, %s | %.0f vs %.0f (%.1f×) | %s |\n' "$mode" "$k" "$g" "$(awk -v k="$k" -v g="$g" 'BEGIN { print (g > 0 ? k / g : 0) }')" "$verdict"
+  done
+  for pair in kvmesh:kvmesh-baseline kvmesh-kv:kvmesh-kv-baseline; do
+    new=${pair%%:*} old=${pair#*:}
+    has_setup "$old" || continue
+    for mode in "${MODES[@]}"; do
+      kn=$(of "$new-$mode-sat" '.requests_per_s' | median)
+      ko=$(of "$old-$mode-sat" '.requests_per_s' | median)
+      cn=$(saved "$new-$mode-sat" proxy_us | median 1)
+      co=$(saved "$old-$mode-sat" proxy_us | median 1)
+      verdict=$(awk -v kn="$kn" -v ko="$ko" -v cn="$cn" -v co="$co" 'BEGIN {
+        print (kn >= 0.98 * ko && cn <= 1.02 * co ? "pass" : "FAIL") }')
+      printf '| %s within 2 %% of %s (req/s, proxy CPU µs/req), %s | %.0f vs %.0f req/s, %s vs %s µs | %s |\n' \
+        "$new" "$old" "$mode" "$kn" "$ko" "$cn" "$co" "$verdict"
+    done
   done
   verdict=$(awk -v h="$STREAM_HWM" 'BEGIN { print (h < 50 * 1024 ? "pass" : "FAIL") }')
   echo "| kvmesh peak RSS < 50 MB with $STREAMS concurrent streams | $(mb "$STREAM_HWM") MB at $PEAK_CONNS connections | $verdict |"
