@@ -44,7 +44,7 @@ use crate::route::Route;
 use crate::state::State;
 use admit::{admit_key, model_slot, resolve_model};
 use attempt::{Failover, attempt};
-use frontend::{Frontend, unless_gone};
+use frontend::Frontend;
 use kvmesh_route::prepare::InvalidPrompt;
 use pick::{pick, queue};
 use prepare::{charge_prompt, prepare};
@@ -87,9 +87,7 @@ async fn run<F: Frontend>(
     let pool = resolved.pool;
     record.pool = Some(Arc::clone(&pool));
     let permit = admit_key(state, key, pool.name())?;
-    let _slot = unless_gone(frontend, model_slot(state, &pool))
-        .await
-        .ok_or(Stop::ClientGone)??;
+    let _slot = model_slot(state, &pool, frontend).await?;
     // 2. prepare
     let mut body = resolved.body;
     let route = record.route.unwrap_or(Route::ChatCompletions);
@@ -102,9 +100,7 @@ async fn run<F: Frontend>(
     let _in_flight = GaugeGuard::new(&pool.metrics().in_flight);
     let instances = pool.instances();
     // 3. queue
-    unless_gone(frontend, queue(&pool, &instances, &picker))
-        .await
-        .ok_or(Stop::ClientGone)??;
+    queue(&pool, &instances, &picker, frontend).await?;
     let mut failover = Failover::new(state.limits.retries);
     loop {
         // 4. pick

@@ -12,6 +12,8 @@ use tokio::sync::OwnedSemaphorePermit;
 use crate::api_error::ApiError;
 use crate::auth::{ApiKey, KeyPermit, KeyRejection};
 use crate::pool::ModelPool;
+use crate::request::frontend::{Frontend, unless_gone};
+use crate::request::stop::Stop;
 use crate::request_fields::{FieldsError, extract, with_model_name};
 use crate::state::State;
 
@@ -78,20 +80,23 @@ fn key_rejection(state: &State, rejection: KeyRejection, model: String) -> ApiEr
     }
 }
 
-/// A slot of the model's concurrency limit, when it has one (waiting for it, bounded).
-pub(crate) async fn model_slot(
+/// A slot of the model's concurrency limit, when it has one (waiting for it, bounded,
+/// unless `frontend`'s client leaves first). A model without a limit costs no wait.
+pub(crate) async fn model_slot<F: Frontend>(
     state: &State,
     pool: &ModelPool,
-) -> Result<Option<OwnedSemaphorePermit>, ApiError> {
+    frontend: &mut F,
+) -> Result<Option<OwnedSemaphorePermit>, Stop> {
     let Some(slots) = state.concurrency.get(pool.name()) else {
         return Ok(None);
     };
-    match slots.acquire().await {
-        Ok(slot) => Ok(Some(slot)),
-        Err(rejection) => Err(ApiError::ConcurrencyLimited {
+    match unless_gone(frontend, slots.acquire()).await {
+        None => Err(Stop::ClientGone),
+        Some(Ok(slot)) => Ok(Some(slot)),
+        Some(Err(rejection)) => Err(Stop::Answer(ApiError::ConcurrencyLimited {
             model: pool.name().to_string(),
             reason: rejection.describe(),
             retry_after_secs: slots.retry_after_secs(),
-        }),
+        })),
     }
 }

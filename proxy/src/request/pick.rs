@@ -13,7 +13,9 @@ use crate::api_error::ApiError;
 use crate::clock::now_millis;
 use crate::instance::Instance;
 use crate::pool::ModelPool;
+use crate::request::frontend::{Frontend, unless_gone};
 use crate::request::prepare::Picker;
+use crate::request::stop::Stop;
 
 /// Seconds a client should wait after a 503 because every instance was busy.
 const BUSY_RETRY_AFTER_SECS: u64 = 1;
@@ -30,17 +32,23 @@ pub(crate) struct Pick<'a> {
     pub(crate) route: Option<HeaderValue>,
 }
 
-/// Waits (bounded) while every instance is busy; `Err`: the 503 to answer.
-pub(crate) async fn queue(
+/// Waits (bounded, unless `frontend`'s client leaves first) while every instance is busy;
+/// `Err`: the 503 to answer. Only `policy: kv` queues: other policies cost no wait.
+pub(crate) async fn queue<F: Frontend>(
     pool: &ModelPool,
     instances: &[Arc<Instance>],
     picker: &Picker<'_>,
-) -> Result<(), ApiError> {
-    picker
-        .balancer
-        .admit(instances, now_millis)
-        .await
-        .map_err(|rejected| overloaded(pool, rejected.describe()))
+    frontend: &mut F,
+) -> Result<(), Stop> {
+    let Some(router) = picker.balancer.kv_router() else {
+        return Ok(());
+    };
+    match unless_gone(frontend, router.admit(instances, now_millis)).await {
+        None => Err(Stop::ClientGone),
+        Some(admitted) => {
+            admitted.map_err(|rejected| Stop::Answer(overloaded(pool, rejected.describe())))
+        }
+    }
 }
 
 /// Picks the next instance of `instances` (the pool's, loaded once per request) not in
