@@ -15,7 +15,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep, timeout, timeout_at};
 
-use crate::h1::server::{Served, serve as serve_fast};
+use crate::h1::server::{ConnectionEnd, serve as serve_fast};
 use crate::state::State;
 use crate::tls::ListenerTls;
 
@@ -150,8 +150,8 @@ async fn serve_connection<A>(
     let stream = match fast {
         None => L4Stream::from(tcp),
         Some(states) => match serve_fast(tcp, &states, &shutdown).await {
-            Served::Done => return,
-            Served::Handover { tcp, read } => {
+            ConnectionEnd::Done => return,
+            ConnectionEnd::Handover { tcp, read } => {
                 let mut stream = L4Stream::from(tcp);
                 stream.rewind(&read);
                 stream

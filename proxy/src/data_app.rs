@@ -20,8 +20,8 @@ use crate::api_error::{ApiError, ClientErrorReason};
 use crate::auth::{ApiKey, AuthFailure};
 use crate::headers::EngineTarget;
 use crate::headers::{
-    Framing, ProxyHeaders, X_REQUEST_ID, content_length, downstream_response, expects_continue,
-    upstream_request,
+    ClientFraming, ProxyHeaders, X_REQUEST_ID, content_length, downstream_response,
+    expects_continue, upstream_request,
 };
 use crate::limits::{HeadRead, answer_unread_head, check_head, malformed_head_error, read_head};
 use crate::metrics::Metrics;
@@ -233,7 +233,7 @@ impl Frontend for PingoraClient<'_> {
         &mut self,
         engine: &UpstreamSession,
         ours: ProxyHeaders<'_>,
-    ) -> Result<Framing, Unrelayable> {
+    ) -> Result<ClientFraming, Unrelayable> {
         let session = &mut *self.session;
         let engine_head = engine.response_header().ok_or(Unrelayable::EngineHead)?;
         let client_version = session.req_header().version;

@@ -71,7 +71,7 @@ pub(crate) fn upstream_request(
 
 /// How the response body is framed towards the client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Framing {
+pub(crate) enum ClientFraming {
     /// The engine's `Content-Length` is kept (or the status has no body):
     /// nothing can be appended.
     Length,
@@ -99,7 +99,7 @@ pub(crate) fn downstream_response(
     ours: ProxyHeaders<'_>,
     client_version: Version,
     client_is_h2: bool,
-) -> Result<(ResponseHeader, Framing)> {
+) -> Result<(ResponseHeader, ClientFraming)> {
     let mut response = ResponseHeader::build(upstream.status, Some(upstream.headers.len() + 4))?;
     for (name, value) in &upstream.headers {
         if *name == X_REQUEST_ID
@@ -117,12 +117,12 @@ pub(crate) fn downstream_response(
     }
     let bodiless = matches!(upstream.status.as_u16(), 204 | 304);
     let framing = if bodiless || response.headers.contains_key(header::CONTENT_LENGTH) {
-        Framing::Length
+        ClientFraming::Length
     } else {
         if !client_is_h2 && client_version == Version::HTTP_11 {
             response.insert_header(header::TRANSFER_ENCODING, "chunked")?;
         }
-        Framing::Open
+        ClientFraming::Open
     };
     Ok((response, framing))
 }
@@ -230,7 +230,7 @@ mod tests {
         let id = HeaderValue::from_static("rid");
         let (response, framing) =
             downstream_response(&upstream, ours(&instance, &id), Version::HTTP_11, false).unwrap();
-        assert_eq!(framing, Framing::Open);
+        assert_eq!(framing, ClientFraming::Open);
         assert_eq!(response.status, 200);
         assert_eq!(
             response.headers["x-kvmesh-instance"],
@@ -248,14 +248,14 @@ mod tests {
         let (old, framing) =
             downstream_response(&upstream, ours(&instance, &id), Version::HTTP_10, false).unwrap();
         assert!(!old.headers.contains_key("transfer-encoding"));
-        assert_eq!(framing, Framing::Open);
+        assert_eq!(framing, ClientFraming::Open);
 
         let mut sized = ResponseHeader::build(400, None).unwrap();
         sized.append_header("content-length", "17").unwrap();
         sized.append_header("x-request-id", "engine-id").unwrap();
         let (response, framing) =
             downstream_response(&sized, ours(&instance, &id), Version::HTTP_11, false).unwrap();
-        assert_eq!(framing, Framing::Length);
+        assert_eq!(framing, ClientFraming::Length);
         assert_eq!(response.status, 400);
         assert_eq!(response.headers["content-length"], "17");
         assert_eq!(response.headers.get_all("x-request-id").iter().count(), 1);
@@ -292,7 +292,7 @@ mod tests {
             let (response, framing) =
                 downstream_response(&upstream, ours(&instance, &id), Version::HTTP_11, false)
                     .unwrap();
-            assert_eq!(framing, Framing::Length);
+            assert_eq!(framing, ClientFraming::Length);
             assert!(!response.headers.contains_key("transfer-encoding"));
         }
     }

@@ -16,7 +16,7 @@ use crate::grpc::failure::Failure;
 use crate::grpc::outputs::{Piece, Reply};
 use crate::grpc::sse::{DONE, SseData};
 use crate::headers::EngineTarget;
-use crate::headers::{Framing, ProxyHeaders, upstream_request};
+use crate::headers::{ClientFraming, ProxyHeaders, upstream_request};
 use crate::metrics::Metrics;
 use crate::request::frontend::{Frontend, Unrelayable};
 use crate::request::record::Record;
@@ -277,7 +277,7 @@ impl Frontend for GrpcClient<'_> {
         &mut self,
         engine: &UpstreamSession,
         _ours: ProxyHeaders<'_>,
-    ) -> Result<Framing, Unrelayable> {
+    ) -> Result<ClientFraming, Unrelayable> {
         self.answer = match engine.status() {
             Some(200) if engine.is_event_stream() => Answer::Events {
                 parser: SseData::default(),
@@ -294,7 +294,7 @@ impl Frontend for GrpcClient<'_> {
             },
             None => return Err(Unrelayable::EngineHead),
         };
-        Ok(Framing::Open)
+        Ok(ClientFraming::Open)
     }
 
     async fn write_body(&mut self, data: Bytes, end: bool) -> bool {

@@ -19,7 +19,7 @@ use tokio::time::{Instant, timeout_at};
 
 use super::response::{write_error, write_relayed_head};
 use crate::api_error::ApiError;
-use crate::headers::{EngineTarget, Framing, ProxyHeaders, X_REQUEST_ID, upstream_request};
+use crate::headers::{ClientFraming, EngineTarget, ProxyHeaders, X_REQUEST_ID, upstream_request};
 use crate::metrics::Metrics;
 use crate::request::frontend::{Frontend, Unrelayable};
 use crate::request::record::Record;
@@ -195,12 +195,12 @@ impl Frontend for FastConnection<'_> {
         &mut self,
         engine: &UpstreamSession,
         ours: ProxyHeaders<'_>,
-    ) -> Result<Framing, Unrelayable> {
+    ) -> Result<ClientFraming, Unrelayable> {
         let Some(framing) = write_relayed_head(self.out, engine, ours, self.close) else {
             self.out.clear();
             return Err(Unrelayable::EngineHead);
         };
-        self.chunked = framing == Framing::Open;
+        self.chunked = framing == ClientFraming::Open;
         if !engine.body_ready() && !self.flush().await {
             return Err(Unrelayable::ClientGone);
         }

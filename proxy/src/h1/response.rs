@@ -9,7 +9,8 @@ use pingora_http::ResponseHeader;
 
 use crate::api_error::ApiError;
 use crate::headers::{
-    Framing, ProxyHeaders, X_KVMESH_INSTANCE, X_KVMESH_ROUTE, X_REQUEST_ID, downstream_response,
+    ClientFraming, ProxyHeaders, X_KVMESH_INSTANCE, X_KVMESH_ROUTE, X_REQUEST_ID,
+    downstream_response,
 };
 use crate::respond::error_headers;
 use crate::upstream_session::UpstreamSession;
@@ -69,7 +70,7 @@ pub(crate) fn write_relayed_head(
     upstream: &UpstreamSession,
     ours: ProxyHeaders<'_>,
     close: bool,
-) -> Option<Framing> {
+) -> Option<ClientFraming> {
     let (head, length_framed) = match upstream {
         UpstreamSession::H1(exchange) => (exchange.head()?, exchange.length_framed()),
         UpstreamSession::Pingora(_) => {
@@ -97,10 +98,10 @@ pub(crate) fn write_relayed_head(
         field(out, name, value);
     }
     let framing = if length_framed {
-        Framing::Length
+        ClientFraming::Length
     } else {
         out.extend_from_slice(b"transfer-encoding: chunked\r\n");
-        Framing::Open
+        ClientFraming::Open
     };
     finish(out, ours, close);
     Some(framing)

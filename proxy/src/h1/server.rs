@@ -33,7 +33,7 @@ use crate::state::State;
 const MAX_HEAD: usize = 64 * 1024;
 
 /// How a fast-path connection ended.
-pub(crate) enum Served {
+pub(crate) enum ConnectionEnd {
     /// It is closed (or to be closed).
     Done,
     /// Pingora serves the rest: `read` holds the bytes already read, unparsed.
@@ -67,7 +67,7 @@ pub(crate) async fn serve(
     mut tcp: TcpStream,
     states: &ArcSwap<State>,
     shutdown: &ShutdownWatch,
-) -> Served {
+) -> ConnectionEnd {
     let mut buf = BytesMut::with_capacity(READ_RESERVE);
     let mut out = Vec::with_capacity(1024);
     let mut fresh = true;
@@ -79,17 +79,17 @@ pub(crate) async fn serve(
         let head_timeout = states.load().limits.client_header_timeout;
         let head = match read_head(&mut tcp, &mut buf, head_timeout, &mut waits, fresh).await {
             HeadRead::Head(head) => head,
-            HeadRead::Closed => return Served::Done,
+            HeadRead::Closed => return ConnectionEnd::Done,
             HeadRead::TimedOut => {
                 let state = states.load();
                 state
                     .metrics
                     .client_error(ClientErrorReason::RequestTimeout);
                 answer_raw(&mut tcp, &ApiError::RequestTimeout).await;
-                return Served::Done;
+                return ConnectionEnd::Done;
             }
             HeadRead::Handover => {
-                return Served::Handover {
+                return ConnectionEnd::Handover {
                     tcp,
                     read: buf.freeze(),
                 };
@@ -101,7 +101,7 @@ pub(crate) async fn serve(
             let mut read = BytesMut::with_capacity(head.raw().len() + buf.len());
             read.extend_from_slice(head.raw());
             read.extend_from_slice(&buf);
-            return Served::Handover {
+            return ConnectionEnd::Handover {
                 tcp,
                 read: read.freeze(),
             };
@@ -118,7 +118,7 @@ pub(crate) async fn serve(
         let close = client.close;
         record.finish(&state.registry, &Method::POST, head.path());
         if !reusable || close || *shutdown.borrow() {
-            return Served::Done;
+            return ConnectionEnd::Done;
         }
         fresh = false;
     }

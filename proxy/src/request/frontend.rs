@@ -11,7 +11,7 @@ use pingora_http::RequestHeader;
 
 use crate::api_error::ApiError;
 use crate::failure::FailureKind;
-use crate::headers::{EngineTarget, Framing, ProxyHeaders};
+use crate::headers::{ClientFraming, EngineTarget, ProxyHeaders};
 use crate::metrics::Metrics;
 use crate::request::record::Record;
 use crate::upstream_session::UpstreamSession;
@@ -72,7 +72,7 @@ pub(crate) trait Frontend: Send {
         &mut self,
         engine: &UpstreamSession,
         ours: ProxyHeaders<'_>,
-    ) -> impl Future<Output = Result<Framing, Unrelayable>> + Send;
+    ) -> impl Future<Output = Result<ClientFraming, Unrelayable>> + Send;
 
     /// Writes a piece of the response body (`end`: the last one); `false` when the client
     /// is gone. Server-sent events arrive whole, except one larger than the relay holds.

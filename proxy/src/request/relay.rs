@@ -19,7 +19,7 @@ use kvmesh_route::kv::Booking;
 use crate::api_error::error_json;
 use crate::auth::CompletionMeter;
 use crate::failure::FailureKind;
-use crate::headers::{Framing, ProxyHeaders};
+use crate::headers::{ClientFraming, ProxyHeaders};
 use crate::metrics::ModelMetrics;
 use crate::request::frontend::{Frontend, Unrelayable};
 use crate::request::pick::Pick;
@@ -40,7 +40,7 @@ pub(crate) struct RelayContext<'a> {
     /// The response is `text/event-stream`.
     pub(crate) event_stream: bool,
     /// How the client-side body is framed.
-    pub(crate) framing: Framing,
+    pub(crate) framing: ClientFraming,
     /// Where timings go.
     pub(crate) metrics: &'a ModelMetrics,
     /// `policy: kv` load of the request, whose prefill ends with the first body chunk.
@@ -234,7 +234,7 @@ async fn fail<F: Frontend>(
     kind: FailureKind,
 ) -> RelayEnd {
     let event = events
-        .filter(|_| ctx.framing == Framing::Open)
+        .filter(|_| ctx.framing == ClientFraming::Open)
         .map(|timing| {
             // An event cut short and still held is dropped; one already forwarded
             // (over the hold-back limit) is terminated so the error stands alone.
