@@ -9,23 +9,15 @@
 //!   every instance from its agent's snapshot before switching back.
 //!
 //! Routing decisions are recorded as predictions in both states, so a fallback starts with
-//! the recent decisions already predicted instead of an empty cache. While events flow, the
-//! decisions of the last [`RECENT_TTL`] count beside them too (a side index): a request routed
-//! before its engine's events arrive still draws its siblings to where its blocks are being
-//! prefilled, as in approximate mode.
+//! the recent decisions already predicted instead of an empty cache.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvmesh_kv::{BlockHashes, KvIndex, OverlapScores, SequenceHash, WorkerKey};
 
 use crate::kv::overlap::{Approximate, OverlapSource};
-
-/// How long a routing decision counts beside the event-fed index while events flow: long
-/// enough for the engine to prefill and its events to arrive, short enough that blocks the
-/// engine never stored (or evicted) stop counting soon.
-pub const RECENT_TTL: Duration = Duration::from_secs(2);
 
 /// The event-fed index of one model and whether it is trusted now.
 #[derive(Debug, Default)]
@@ -56,40 +48,30 @@ impl EventFeed {
 pub(crate) struct EventFed {
     feed: Arc<EventFeed>,
     predicted: Approximate,
-    /// The decisions of the last [`RECENT_TTL`].
-    recent: Approximate,
 }
 
 impl EventFed {
-    /// A source reading `feed` (with `recent` decisions beside it) when live and `predicted`
-    /// otherwise.
-    pub(crate) fn new(feed: Arc<EventFeed>, predicted: Approximate, recent: Approximate) -> Self {
-        Self {
-            feed,
-            predicted,
-            recent,
-        }
+    /// A source reading `feed` when live and `predicted` otherwise.
+    pub(crate) fn new(feed: Arc<EventFeed>, predicted: Approximate) -> Self {
+        Self { feed, predicted }
     }
 }
 
 impl OverlapSource for EventFed {
     fn find_matches(&self, query: &[SequenceHash], now: Instant) -> OverlapScores {
         if self.feed.is_live() {
-            let reported = self.feed.index.find_matches(query);
-            reported.merge(self.recent.find_matches(query, now))
+            self.feed.index.find_matches(query)
         } else {
             self.predicted.find_matches(query, now)
         }
     }
 
     fn record(&self, worker: WorkerKey, blocks: &BlockHashes, now: Instant) -> u64 {
-        self.recent.record(worker, blocks, now);
         self.predicted.record(worker, blocks, now)
     }
 
     fn expire(&self, now: Instant) {
         self.predicted.expire(now);
-        self.recent.expire(now);
     }
 
     fn cached_blocks(&self) -> Vec<(WorkerKey, u64)> {
@@ -103,7 +85,6 @@ impl OverlapSource for EventFed {
     fn remove_instance(&self, instance: u64) {
         self.feed.index.remove_worker(instance);
         self.predicted.remove_instance(instance);
-        self.recent.remove_instance(instance);
     }
 }
 
@@ -116,14 +97,9 @@ mod tests {
     #[test]
     fn lookups_follow_events_while_live_and_predictions_otherwise() {
         let feed = Arc::new(EventFeed::default());
-        let recent = ApproxConfig {
-            ttl: RECENT_TTL,
-            ..ApproxConfig::default()
-        };
         let source = EventFed::new(
             Arc::clone(&feed),
             Approximate::new(ApproxConfig::default()).unwrap(),
-            Approximate::new(recent).unwrap(),
         );
         let mut hasher = BlockHasher::new(4, None).unwrap();
         let prompt = hasher.hash(&(0..16).collect::<Vec<u32>>());
@@ -143,18 +119,11 @@ mod tests {
         assert_eq!(predicted.depth(WorkerKey::new(1, 0)), 4);
         assert_eq!(predicted.depth(WorkerKey::new(2, 0)), 0);
         feed.set_live(true);
-        // Just routed: the decision counts beside the events until its events can arrive.
-        let fresh = source.find_matches(&prompt.sequence, now);
-        assert_eq!(fresh.depth(WorkerKey::new(1, 0)), 4);
-        assert_eq!(fresh.depth(WorkerKey::new(2, 0)), 2);
-        let later = now + RECENT_TTL + Duration::from_millis(1);
-        let reported = source.find_matches(&prompt.sequence, later);
+        let reported = source.find_matches(&prompt.sequence, now);
         assert_eq!(reported.depth(WorkerKey::new(1, 0)), 0);
         assert_eq!(reported.depth(WorkerKey::new(2, 0)), 2);
         assert_eq!(source.cached_blocks(), [(WorkerKey::new(2, 0), 2)]);
         source.remove_instance(2);
-        assert!(source.find_matches(&prompt.sequence, later).is_empty());
-        source.remove_instance(1);
         assert!(source.find_matches(&prompt.sequence, now).is_empty());
     }
 }

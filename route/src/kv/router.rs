@@ -15,7 +15,7 @@ use crate::kv::booking::Booking;
 use crate::kv::busy::BusyThresholds;
 use crate::kv::cost::{CandidateLoad, Cost, CostModel, RequestShape};
 use crate::kv::decision::{Choice, Decision, KvRequest};
-use crate::kv::event_feed::{EventFed, EventFeed, RECENT_TTL};
+use crate::kv::event_feed::{EventFed, EventFeed};
 use crate::kv::explain::{Explanation, InstanceExplanation};
 use crate::kv::load::{ActiveLoads, LoadSnapshot, NewRequest, ReportedLoad};
 use crate::kv::overlap::{Approximate, OverlapSource, instance_depth, worker_key};
@@ -68,20 +68,14 @@ impl KvRouter {
         kv_events: bool,
         metrics: KvMetrics,
     ) -> Result<Self, ApproxConfigError> {
-        let approximate = |ttl| {
-            Approximate::new(ApproxConfig {
-                ttl,
-                max_blocks: config.approx_max_blocks,
-                prune_target_ratio: config.approx_prune_ratio,
-            })
-        };
-        let predicted = approximate(config.approx_ttl)?;
+        let predicted = Approximate::new(ApproxConfig {
+            ttl: config.approx_ttl,
+            max_blocks: config.approx_max_blocks,
+            prune_target_ratio: config.approx_prune_ratio,
+        })?;
         let events = kv_events.then(|| Arc::new(EventFeed::default()));
         let overlap: Box<dyn OverlapSource> = match &events {
-            Some(feed) => {
-                let recent = approximate(config.approx_ttl.min(RECENT_TTL))?;
-                Box::new(EventFed::new(Arc::clone(feed), predicted, recent))
-            }
+            Some(feed) => Box::new(EventFed::new(Arc::clone(feed), predicted)),
             None => Box::new(predicted),
         };
         Ok(Self {

@@ -153,29 +153,6 @@ fn a_conversation_sticks_to_the_instance_that_caches_its_prefix() {
 }
 
 #[test]
-fn with_events_flowing_a_request_routed_before_its_events_still_draws_its_siblings() {
-    let registry = Registry::new();
-    let families = KvFamilies::register(&registry).unwrap();
-    let instances = instances(4);
-    let router = KvRouter::new(&config(), None, false, true, families.model("m")).unwrap();
-    for instance in &instances {
-        router.add_instance(instance.id());
-    }
-    router.event_feed().expect("events on").set_live(true);
-    let first = request(&router, &conversation(7, 40));
-    let decision = picked(choose(&router, &instances, &first, 3));
-    assert_eq!(decision.overlap_blocks, 0);
-    // No KV event has arrived for it yet (events live, the index empty).
-    drop(router.commit(&decision, &first, Instant::now()));
-    for seed in 0..20 {
-        let sibling = request(&router, &conversation(7, 60));
-        let chosen = picked(choose(&router, &instances, &sibling, seed));
-        assert_eq!(chosen.index, decision.index, "seed {seed}");
-        assert_eq!(chosen.overlap_blocks, 10);
-    }
-}
-
-#[test]
 fn bookings_hold_load_until_dropped_and_prefill_until_the_first_byte() {
     let (router, instances) = router_with(config(), 2);
     let long = request(&router, &conversation(1, 64)); // 16 blocks
