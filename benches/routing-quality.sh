@@ -25,6 +25,8 @@
 #   --chat-sessions N     chat conversations (default 192; 4 turns each)
 #   --lanes LIST          comma-separated subset of the lanes above (default: all)
 #   --kv-overlap-weight W kvmesh policy: kv overlap_weight (default: the proxy's default)
+#   --kv KEY=VALUE        any other kvmesh policy: kv setting, e.g. --kv harm_weight=0.1
+#                         (repeatable; default: the proxy's defaults)
 #   --workloads LIST      trace,chat (default both)
 #   --no-build            use the binaries already in --bin-dir
 #   --bin-dir DIR         where the binaries are (default target/release)
@@ -52,6 +54,7 @@ CHAT_ANSWER_WORDS=100
 LANES=kvmesh-rr,kvmesh-kv,kvmesh-precise,sglang,vllm-router,nginx
 WORKLOADS=trace,chat
 KV_OVERLAP_WEIGHT=
+KV_SETTINGS=()
 BUILD=1
 BIN_DIR=$BENCH_ROOT/target/release
 DOC=$BENCH_ROOT/docs/BENCHMARKS.md
@@ -74,6 +77,7 @@ while (($#)); do
     --lanes) LANES=$2; shift 2 ;;
     --workloads) WORKLOADS=$2; shift 2 ;;
     --kv-overlap-weight) KV_OVERLAP_WEIGHT=$2; shift 2 ;;
+    --kv) [[ $2 == *=* ]] || die "--kv takes KEY=VALUE, not $2"; KV_SETTINGS+=("$2"); shift 2 ;;
     --no-build) BUILD=0; shift ;;
     --bin-dir) BIN_DIR=$(cd "$2" && pwd); shift 2 ;;
     --doc) DOC=$2; shift 2 ;;
@@ -181,7 +185,11 @@ kvmesh_config() {
     echo "  - name: $MODEL"
     echo "    policy: $policy"
     if [[ $workload == chat && $policy == kv ]]; then echo "    tokenizer: $TOKENIZER"; fi
-    if [[ $policy == kv && -n $KV_OVERLAP_WEIGHT ]]; then printf '    kv:\n      overlap_weight: %s\n' "$KV_OVERLAP_WEIGHT"; fi
+    if [[ $policy == kv ]] && { [[ -n $KV_OVERLAP_WEIGHT ]] || ((${#KV_SETTINGS[@]})); }; then
+      echo "    kv:"
+      if [[ -n $KV_OVERLAP_WEIGHT ]]; then echo "      overlap_weight: $KV_OVERLAP_WEIGHT"; fi
+      for setting in "${KV_SETTINGS[@]}"; do echo "      ${setting%%=*}: ${setting#*=}"; done
+    fi
     if [[ -n $control ]]; then
       echo "    backends: []"
     else
@@ -504,7 +512,14 @@ declare -A LABEL=([kvmesh-rr]="kvmesh round robin" [kvmesh-kv]="kvmesh kv (appro
   echo
   echo "- Peers run with their documented settings (reference/peers.md §7): \`python -m sglang_router.launch_router --policy cache_aware\` and \`vllm-router --policy cache_aware\`, each with its own Prometheus port, installed from PyPI into \`.cache/bench/venv-*\`; nginx from Debian, \`worker_processes 1\`, \`keepalive 64\`, \`proxy_buffering off\`."
   echo "- Changed for the peers to work: sglang-router $SGLANG_VERSION answers *422 Unprocessable Entity* to token-id prompts (\`prompt: data did not match any variant of untagged enum StringOrArray\`), so on the trace it gets the same prompts as text, one decimal word per token id (\`kvmesh-bench --prompt-format text\`); the sims' word tokenizer turns that into exactly as many tokens with the same prefix structure, so the engines do the same work and the oracle is the same. Everyone else gets token ids. vllm-router $VLLM_ROUTER_VERSION's \`cache_aware\` matches on token ids: those of a token-id prompt, else what the engine's \`/v1/completions/render\` or \`/v1/chat/completions/render\` (vLLM's render API) returns. kvmesh-engine-sim does not serve the render API, so on the **chat** workload vllm-router finds no tokens (\`vllm_router_kv_routing_inputs_total{result=\"render_unavailable\"}\`, \`prefix_routing_decisions_total{outcome=\"missing_tokens\"}\`) and routes by load alone: its chat row is not what it would do in front of a real vLLM. (Sending it text on the trace had the same effect, which is why it gets token ids.) nginx: \`client_max_body_size 64m\` and \`proxy_read_timeout 600s\` (its 1 MB and 60 s defaults reject or cut long prompts and streams)."
-  echo "- kvmesh: \`health_check.enabled: false\`, \`limits.first_byte_timeout\`/\`idle_timeout\` 600 s; \`policy: kv\` with ${KV_OVERLAP_WEIGHT:+\`overlap_weight: $KV_OVERLAP_WEIGHT\` and otherwise }its defaults (\`overlap_weight 1.0\`, \`temperature 0\`, \`approx_ttl 120s\`); chat runs give it the Qwen3 tokenizer directory."
+  kv_set=()
+  [[ -n $KV_OVERLAP_WEIGHT ]] && kv_set+=("\`overlap_weight: $KV_OVERLAP_WEIGHT\`")
+  for setting in "${KV_SETTINGS[@]}"; do kv_set+=("\`${setting%%=*}: ${setting#*=}\`"); done
+  if ((${#kv_set[@]})); then
+    echo "- kvmesh: \`health_check.enabled: false\`, \`limits.first_byte_timeout\`/\`idle_timeout\` 600 s; \`policy: kv\` with ${kv_set[*]} and otherwise its defaults; chat runs give it the Qwen3 tokenizer directory."
+  else
+    echo "- kvmesh: \`health_check.enabled: false\`, \`limits.first_byte_timeout\`/\`idle_timeout\` 600 s; \`policy: kv\` with **no knob set** (its defaults, docs/configuration.md); chat runs give it the Qwen3 tokenizer directory."
+  fi
   cat "$NOTES"
 } >"$SECTION"
 

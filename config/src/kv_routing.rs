@@ -17,9 +17,15 @@ pub const MAX_APPROX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 pub struct KvRoutingConfig {
     /// Tokens per KV block; must equal the engines' block size (vLLM `--block-size`).
     pub block_size: usize,
-    /// Weight of the prefill term against the decode term in the cost
-    /// (`overlap_weight × prefill_blocks + decode_blocks`).
+    /// Weight of the predicted prefill time against the decode time in the cost
+    /// (`speed × (overlap_weight × prefill_ms + decode_ms) + harm_weight × harm_ms`).
     pub overlap_weight: f64,
+    /// Weight of the harm a request's prefill does to the streams running on an instance
+    /// (their summed stall, ms); 0: only the request's own time to first token counts.
+    pub harm_weight: f64,
+    /// How fast the cached-prefix credit shrinks as an instance's prefill backlog exceeds the
+    /// least-loaded instance's: credit × `1 / (1 + decay × excess iterations)`; 0: never.
+    pub overlap_credit_decay: f64,
     /// 0: always the cheapest instance; above 0: a softmax draw over range-normalised
     /// costs, flatter as it grows.
     pub temperature: f64,
@@ -41,6 +47,12 @@ pub struct KvRoutingConfig {
     pub busy_prefill_tokens: Option<u64>,
     /// What happens when every instance is busy.
     pub queue: KvQueueConfig,
+    /// Request header naming a session: requests of one session go to the instance it is
+    /// bound to while it is not busy; empty: no session affinity.
+    pub session_header: String,
+    /// How long a session stays bound after its last request.
+    #[serde(deserialize_with = "crate::duration::deserialize")]
+    pub session_ttl: Duration,
     /// In-flight requests older than this are dropped from the load accounting
     /// (their stream never ended as far as the proxy could tell).
     #[serde(deserialize_with = "crate::duration::deserialize")]
@@ -52,6 +64,8 @@ impl Default for KvRoutingConfig {
         Self {
             block_size: 64,
             overlap_weight: 1.0,
+            harm_weight: 0.0,
+            overlap_credit_decay: 0.0,
             temperature: 0.0,
             approx_ttl: Duration::from_secs(120),
             approx_max_blocks: 1 << 20,
@@ -60,6 +74,8 @@ impl Default for KvRoutingConfig {
             busy_decode_blocks_fraction: Some(1.0),
             busy_prefill_tokens: Some(10_000_000),
             queue: KvQueueConfig::default(),
+            session_header: "x-session-id".to_string(),
+            session_ttl: Duration::from_secs(600),
             stale_request_timeout: Duration::from_secs(300),
         }
     }

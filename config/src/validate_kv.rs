@@ -5,12 +5,19 @@ use crate::duration::format_duration;
 use crate::violation::{Checked, fail, non_negative, positive};
 use crate::{FieldPath, KvRoutingConfig, MAX_APPROX_TTL};
 
+/// Whether `byte` may appear in a header name (RFC 9110 `tchar`).
+fn is_header_name_byte(byte: u8) -> bool {
+    byte.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&byte)
+}
+
 /// Checks the `kv` section at `path`.
 pub(crate) fn check_kv(kv: &KvRoutingConfig, path: &FieldPath) -> Checked {
     if kv.block_size == 0 {
         return fail(path.key("block_size"), "must be at least 1");
     }
     non_negative(kv.overlap_weight, path.key("overlap_weight"))?;
+    non_negative(kv.harm_weight, path.key("harm_weight"))?;
+    non_negative(kv.overlap_credit_decay, path.key("overlap_credit_decay"))?;
     non_negative(kv.temperature, path.key("temperature"))?;
     positive(kv.approx_ttl, path.key("approx_ttl"))?;
     if kv.approx_ttl > MAX_APPROX_TTL {
@@ -33,5 +40,12 @@ pub(crate) fn check_kv(kv: &KvRoutingConfig, path: &FieldPath) -> Checked {
         non_negative(fraction, path.key("busy_decode_blocks_fraction"))?;
     }
     positive(kv.queue.timeout, path.key("queue").key("timeout"))?;
+    positive(kv.session_ttl, path.key("session_ttl"))?;
+    if !kv.session_header.bytes().all(is_header_name_byte) {
+        return fail(
+            path.key("session_header"),
+            format!("{:?} is not a header name", kv.session_header),
+        );
+    }
     positive(kv.stale_request_timeout, path.key("stale_request_timeout"))
 }

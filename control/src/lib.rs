@@ -24,6 +24,7 @@ mod instance;
 mod load;
 mod namespace;
 mod registry;
+mod replica;
 mod resync;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -43,4 +44,5 @@ pub use namespace::{
 pub use registry::{
     EtcdRegistry, InProcessRegistry, LeaseId, Listing, Registry, Watch, WatchEvent,
 };
+pub use replica::{InstanceLoadShare, LoadShare, SessionShare};
 pub use resync::{SnapshotReply, SnapshotRequest};

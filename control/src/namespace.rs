@@ -153,6 +153,16 @@ impl Namespace {
     pub fn all_load_subject(&self) -> String {
         format!("{}.load.*", self.0)
     }
+
+    /// `{ns}.sessions`: where proxy replicas share their session bindings.
+    pub fn sessions_subject(&self) -> String {
+        format!("{}.sessions", self.0)
+    }
+
+    /// `{ns}.replica_load`: where proxy replicas share their in-flight load.
+    pub fn replica_load_subject(&self) -> String {
+        format!("{}.replica_load", self.0)
+    }
 }
 
 #[cfg(test)]
@@ -172,6 +182,8 @@ mod tests {
         assert_eq!(ns.event_subject(model), "kvmesh.kv.Qwen%2FQwen3-0%2E6B");
         assert_eq!(ns.load_subject(model), "kvmesh.load.Qwen%2FQwen3-0%2E6B");
         assert_eq!(ns.snapshot_subject(ID), "kvmesh.snapshot.00c0ffee00c0ffee");
+        assert_eq!(ns.sessions_subject(), "kvmesh.sessions");
+        assert_eq!(ns.replica_load_subject(), "kvmesh.replica_load");
         assert_eq!(ns.instances_prefix(), "/kvmesh/instances/");
         assert_eq!(ns.all_events_subject(), "kvmesh.kv.*");
     }

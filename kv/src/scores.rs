@@ -34,6 +34,41 @@ impl OverlapScores {
         self.workers.iter().map(|o| o.depth).max().unwrap_or(0)
     }
 
+    /// Both `self` and `other`: for a worker in both, the deeper match (and the larger
+    /// cached-block count).
+    pub fn merge(self, other: OverlapScores) -> OverlapScores {
+        if other.workers.is_empty() {
+            return self;
+        }
+        if self.workers.is_empty() {
+            return other;
+        }
+        let mut workers = Vec::with_capacity(self.workers.len() + other.workers.len());
+        let (mut left, mut right) = (
+            self.workers.into_iter().peekable(),
+            other.workers.into_iter().peekable(),
+        );
+        loop {
+            let next = match (left.peek(), right.peek()) {
+                (Some(a), Some(b)) if a.worker == b.worker => {
+                    let (a, b) = (left.next(), right.next());
+                    a.zip(b).map(|(a, b)| WorkerOverlap {
+                        worker: a.worker,
+                        depth: a.depth.max(b.depth),
+                        cached_blocks: a.cached_blocks.max(b.cached_blocks),
+                    })
+                }
+                (Some(a), Some(b)) if a.worker < b.worker => left.next(),
+                (Some(_), Some(_)) => right.next(),
+                (Some(_), None) => left.next(),
+                (None, Some(_)) => right.next(),
+                (None, None) => break,
+            };
+            workers.extend(next);
+        }
+        OverlapScores { workers }
+    }
+
     /// Whether no worker matches.
     pub fn is_empty(&self) -> bool {
         self.workers.is_empty()
@@ -43,6 +78,35 @@ impl OverlapScores {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn scores(entries: &[(u64, u32, u64)]) -> OverlapScores {
+        OverlapScores {
+            workers: entries
+                .iter()
+                .map(|&(instance, depth, cached_blocks)| WorkerOverlap {
+                    worker: WorkerKey::new(instance, 0),
+                    depth,
+                    cached_blocks,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn merging_keeps_every_worker_sorted_with_its_deeper_match() {
+        let events = scores(&[(1, 3, 10), (3, 5, 7), (4, 1, 1)]);
+        let predicted = scores(&[(0, 2, 2), (3, 6, 6), (4, 0, 0), (9, 1, 1)]);
+        assert_eq!(
+            events.clone().merge(predicted.clone()),
+            scores(&[(0, 2, 2), (1, 3, 10), (3, 6, 7), (4, 1, 1), (9, 1, 1)])
+        );
+        assert_eq!(
+            predicted.clone().merge(events.clone()),
+            events.clone().merge(predicted)
+        );
+        assert_eq!(events.clone().merge(OverlapScores::default()), events);
+        assert_eq!(OverlapScores::default().merge(events.clone()), events);
+    }
 
     #[test]
     fn depth_lookup() {

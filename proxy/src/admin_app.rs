@@ -148,7 +148,13 @@ async fn debug_route(state: &State, session: &mut ServerSession) -> (u16, Header
         Ok(prepared) => prepared,
         Err(InvalidPrompt(message)) => return api_error(&ApiError::InvalidPrompt(message)),
     };
-    let request = router.lookup(&prepared, std::time::Instant::now());
+    let session_key = router
+        .session_header()
+        .and_then(|name| session.req_header().headers.get(name))
+        .and_then(|value| value.to_str().ok());
+    let request = router
+        .lookup(&prepared, std::time::Instant::now())
+        .in_session(session_key);
     let explanation = router.explain(
         &pool.instances(),
         &request,

@@ -220,6 +220,11 @@ impl Frontend for PingoraClient<'_> {
         upstream_request(self.session.req_header(), target)
     }
 
+    fn header(&self, name: &str) -> Option<&str> {
+        let value = self.session.req_header().headers.get(name)?;
+        value.to_str().ok()
+    }
+
     async fn gone(&mut self) {
         let _ = self.session.read_body_or_idle(true).await;
     }

@@ -91,7 +91,7 @@ async fn run<F: Frontend>(
     // 2. prepare
     let mut body = resolved.body;
     let route = record.route.unwrap_or(Route::ChatCompletions);
-    let picker = prepare(state, &pool, route, &mut body)
+    let picker = prepare(state, &pool, route, &mut body, &*frontend)
         .await
         .map_err(|InvalidPrompt(message)| ApiError::InvalidPrompt(message))?;
     if let Some(permit) = permit.as_ref() {

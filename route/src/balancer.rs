@@ -56,11 +56,11 @@ impl Balancer {
         self.kv_router().map(KvRouter::preparer)
     }
 
-    /// The policy's input for a request whose prompt was `prepared` (looked up in the KV
-    /// index at `now`, recording the stage timings and fallbacks).
-    pub fn input(&self, prepared: &Prepared, now: Instant) -> PolicyInput {
+    /// The policy's input for a request of `session` whose prompt was `prepared` (looked up
+    /// in the KV index at `now`, recording the stage timings and fallbacks).
+    pub fn input(&self, prepared: &Prepared, session: Option<&str>, now: Instant) -> PolicyInput {
         match self.kv_router() {
-            Some(router) => PolicyInput::Kv(router.request(prepared, now)),
+            Some(router) => PolicyInput::Kv(router.request(prepared, now).in_session(session)),
             None => PolicyInput::None,
         }
     }

@@ -9,7 +9,9 @@
 //! - `kill -9` of an agent removes its instance within the lease TTL; SIGTERM drains first;
 //! - NATS restarted while the engine's cache is cleared: after the resync the proxy holds none
 //!   of the stale blocks;
-//! - etcd restarted: the proxy keeps serving with the last known instances, then watches again.
+//! - etcd restarted: the proxy keeps serving with the last known instances, then watches again;
+//! - a session bound by one replica (`x-session-id`) is followed by the other, even where
+//!   another engine caches the request's prompt.
 //!
 //! Readiness comes from `LISTENING`/`READY` lines and metrics polled against a deadline. The
 //! tests run one at a time (they time leases and restarts on a 2-core machine).
@@ -63,6 +65,31 @@ async fn complete(
 ) -> anyhow::Result<(u16, String, String)> {
     let url = format!("{}/v1/completions", proxy.url("main"));
     let response = client.post_json(&url, &token_prompt(prompt, 1)).await?;
+    Ok((
+        response.status,
+        response
+            .header("x-kvmesh-instance")
+            .unwrap_or("")
+            .to_string(),
+        response.header("x-kvmesh-route").unwrap_or("").to_string(),
+    ))
+}
+
+/// Sends a token-id completion of session `session` through `proxy`; returns (status,
+/// instance, route header).
+async fn complete_in_session(
+    client: &HttpClient,
+    proxy: &Spawned,
+    prompt: &[u32],
+    session: &str,
+) -> anyhow::Result<(u16, String, String)> {
+    let url = format!("{}/v1/completions", proxy.url("main"));
+    let headers = [
+        ("content-type", "application/json"),
+        ("x-session-id", session),
+    ];
+    let body = token_prompt(prompt, 1).to_string();
+    let response = client.call(Method::POST, &url, &headers, body).await?;
     Ok((
         response.status,
         response
@@ -549,5 +576,196 @@ async fn engine_to_index_latency() -> anyhow::Result<()> {
         at(0.99).as_secs_f64() * 1e3,
         at(1.0).as_secs_f64() * 1e3,
     );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_bound_on_one_replica_is_followed_by_the_other() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-sessions")?;
+    let servers = Servers::start(&scratch).await?;
+    let (_sim, engines) = start_event_engines(&scratch, 2)?;
+    let _agents = engines
+        .iter()
+        .map(|engine| start_agent(&scratch, &servers, engine, LONG_TTL, DRAIN))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let config = control_proxy_config(&servers, "");
+    let proxy_a = start_proxy(&scratch, &config)?;
+    let proxy_b = start_proxy(&scratch, &config)?;
+    let client = HttpClient::default();
+    let metrics_b = metrics_url(&proxy_b);
+    for proxy in [&proxy_a, &proxy_b] {
+        let metrics = metrics_url(proxy);
+        await_metric(
+            &client,
+            &metrics,
+            &instances_series(),
+            |v| v == 2.0,
+            CONVERGE,
+        )
+        .await?;
+        await_metric(
+            &client,
+            &metrics,
+            &events_source_series(),
+            |v| v == 1.0,
+            CONVERGE,
+        )
+        .await?;
+    }
+
+    // Proxy A binds session "chat-1" to the engine its first turn goes to.
+    let (status, bound, route) =
+        complete_in_session(&client, &proxy_a, &prompt_tokens(1, 4), "chat-1").await?;
+    assert_eq!(status, 200);
+    assert!(!route.contains("session=bound"), "a new session: {route}");
+    let other = engines
+        .iter()
+        .find(|engine| engine.url != bound)
+        .expect("two engines");
+    // The other engine caches a prompt; proxy B sees it through the events.
+    let cached = prompt_tokens(2, 8);
+    complete_on(&client, other, &cached).await?;
+    let series = index_blocks_series(&other.url);
+    await_metric(&client, &metrics_b, &series, |v| v >= 8.0, CONVERGE).await?;
+    // Proxy B learns the binding from NATS: its explanation names the bound engine.
+    let explain = format!("{}/debug/route?route=completions", proxy_b.url("admin"));
+    let body = token_prompt(&cached, 1).to_string();
+    let deadline = Instant::now() + CONVERGE;
+    loop {
+        let headers = [
+            ("content-type", "application/json"),
+            ("x-session-id", "chat-1"),
+        ];
+        let response = client
+            .call(Method::POST, &explain, &headers, body.clone())
+            .await?;
+        assert_eq!(response.status, 200);
+        let explained: serde_json::Value = serde_json::from_slice(&response.body)?;
+        if explained["session_bound_to"] == bound.as_str() {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "proxy B never learned the binding: {explained}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // Without the session the cached prompt goes where it is cached; in the session it
+    // follows the binding.
+    let (status, instance, route) = complete(&client, &proxy_b, &cached).await?;
+    assert_eq!(
+        (status, instance.as_str()),
+        (200, other.url.as_str()),
+        "{route}"
+    );
+    let (status, instance, route) =
+        complete_in_session(&client, &proxy_b, &cached, "chat-1").await?;
+    assert_eq!(
+        (status, instance.as_str()),
+        (200, bound.as_str()),
+        "{route}"
+    );
+    assert!(route.contains("session=bound"), "{route}");
+
+    // Garbage on the sessions subject is counted, not applied.
+    let bus = NatsBus::connect(&servers.nats.url(), "kvmesh-e2e").await?;
+    bus.publish("kvmesh.sessions", Bytes::from_static(b"{not json"))
+        .await?;
+    bus.flush(Duration::from_secs(10)).await?;
+    let malformed = "kvmesh_kv_events_malformed_total{kind=\"session\"}";
+    await_metric(&client, &metrics_b, malformed, |v| v == 1.0, CONVERGE).await?;
+    let (_, instance, _) = complete_in_session(&client, &proxy_b, &cached, "chat-1").await?;
+    assert_eq!(instance, bound);
+    assert_no_panic(&proxy_a);
+    assert_no_panic(&proxy_b);
+    Ok(())
+}
+
+/// Polls proxy `proxy`'s `/debug/route` for `prompt` until `done` holds for the entry of
+/// instance `instance`, or the deadline passes.
+async fn await_explained(
+    client: &HttpClient,
+    proxy: &Spawned,
+    prompt: &[u32],
+    instance: &str,
+    done: impl Fn(&serde_json::Value) -> bool,
+) -> anyhow::Result<()> {
+    let url = format!("{}/debug/route?route=completions", proxy.url("admin"));
+    let deadline = Instant::now() + CONVERGE;
+    loop {
+        let response = client.post_json(&url, &token_prompt(prompt, 1)).await?;
+        anyhow::ensure!(response.status == 200, "debug/route: {}", response.status);
+        let explained: serde_json::Value = serde_json::from_slice(&response.body)?;
+        let entry = explained["instances"]
+            .as_array()
+            .and_then(|all| all.iter().find(|e| e["instance"] == instance))
+            .cloned()
+            .unwrap_or_default();
+        if done(&entry) {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "never reached: {explained}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_counts_the_requests_another_has_in_flight() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-replica-load")?;
+    let servers = Servers::start(&scratch).await?;
+    let (_sim, engines) = start_event_engines(&scratch, 2)?;
+    let _agents = engines
+        .iter()
+        .map(|engine| start_agent(&scratch, &servers, engine, LONG_TTL, DRAIN))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let config = control_proxy_config(&servers, "");
+    let proxy_a = start_proxy(&scratch, &config)?;
+    let proxy_b = start_proxy(&scratch, &config)?;
+    let client = HttpClient::default();
+    for proxy in [&proxy_a, &proxy_b] {
+        let metrics = metrics_url(proxy);
+        await_metric(
+            &client,
+            &metrics,
+            &instances_series(),
+            |v| v == 2.0,
+            CONVERGE,
+        )
+        .await?;
+    }
+    // A stream through proxy A, far longer than the socket buffers and read no further than
+    // its first piece, stays in flight on its engine.
+    let prompt = prompt_tokens(3, 4);
+    let mut body = token_prompt(&prompt, 20_000);
+    body["stream"] = serde_json::Value::Bool(true);
+    let url = format!("{}/v1/completions", proxy_a.url("main"));
+    let headers = [("content-type", "application/json")];
+    let mut stream = client
+        .send(Method::POST, &url, &headers, body.to_string())
+        .await?;
+    assert_eq!(stream.status, 200);
+    let engine = stream
+        .headers
+        .get("x-kvmesh-instance")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    assert!(stream.next_chunk().await?.is_some());
+    let probe = prompt_tokens(4, 4);
+    await_explained(&client, &proxy_b, &probe, &engine, |entry| {
+        entry["active_requests"] == 1 && entry["active_blocks"].as_u64() >= Some(4)
+    })
+    .await?;
+    // The client leaves: proxy A releases the request, and proxy B stops counting it.
+    drop(stream);
+    await_explained(&client, &proxy_b, &probe, &engine, |entry| {
+        entry["active_requests"] == 0
+    })
+    .await?;
+    assert_no_panic(&proxy_a);
+    assert_no_panic(&proxy_b);
     Ok(())
 }

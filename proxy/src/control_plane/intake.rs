@@ -24,19 +24,19 @@
 //!   `kvmesh_route::kv`), valid for `events.load_report_ttl`.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kvmesh_control::{
-    ConnectionState, ControlError, EventBatch, EventBus, LoadReport, Message, SnapshotReply,
-    SnapshotRequest, Subscription,
+    ConnectionState, ControlError, EventBatch, EventBus, HexU64, InstanceId, InstanceLoadShare,
+    LoadReport, LoadShare, Message, SessionShare, SnapshotReply, SnapshotRequest, Subscription,
 };
 use kvmesh_kv::{KvEvent, WorkerKey};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::AbortHandle;
 
-use kvmesh_route::kv::EventFeed;
+use kvmesh_route::kv::{EventFeed, SessionBinding, SharedLoad};
 
 use crate::control_plane::metrics::{ControlMetrics, Dropped, Malformed};
 use crate::control_plane::sequence::{Outcome, ResyncReason, SequenceTracker, Step};
@@ -86,6 +86,9 @@ pub(crate) struct Intake {
     bus: Arc<dyn EventBus>,
     events: Subscription,
     loads: Subscription,
+    sessions: Subscription,
+    replica_loads: Subscription,
+    subjects: ReplicaSubjects,
     inputs: mpsc::UnboundedReceiver<IntakeInput>,
     settings: IntakeSettings,
     metrics: ControlMetrics,
@@ -96,6 +99,111 @@ impl std::fmt::Debug for Intake {
         f.debug_struct("Intake")
             .field("settings", &self.settings)
             .finish_non_exhaustive()
+    }
+}
+
+/// Where proxy replicas share with each other.
+#[derive(Debug, Clone)]
+struct ReplicaSubjects {
+    sessions: String,
+    load: String,
+}
+
+/// How often a replica looks whether its in-flight load changed (and shares it if so).
+const LOAD_SHARE_INTERVAL: Duration = Duration::from_millis(50);
+/// A replica shares its load at least this often, changed or not.
+const LOAD_SHARE_HEARTBEAT: Duration = Duration::from_secs(1);
+/// How long a replica's shared load counts: a few heartbeats.
+const LOAD_SHARE_TTL: Duration = Duration::from_secs(3);
+
+/// Shares one model's session bindings and in-flight load with the other replicas.
+struct Sharer {
+    bus: Arc<dyn EventBus>,
+    subjects: ReplicaSubjects,
+    replica: HexU64,
+    model: String,
+}
+
+impl Sharer {
+    /// Runs until `pool` is retired or dropped. Publishing is best effort: while NATS is
+    /// down, the other replicas' copies expire and each routes on its own bookings.
+    async fn run(self, pool: Weak<ModelPool>) {
+        let mut bindings = pool
+            .upgrade()
+            .and_then(|pool| pool.balancer().kv_router()?.share_sessions());
+        let mut tick = tokio::time::interval(LOAD_SHARE_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut seq = 0;
+        let mut last: HashMap<u64, SharedLoad> = HashMap::new();
+        let mut last_sent: Option<Instant> = None;
+        loop {
+            let binding = async {
+                match bindings.as_mut() {
+                    Some(bindings) => bindings.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                Some(binding) = binding => self.publish_session(binding).await,
+                _ = tick.tick() => {
+                    let Some(pool) = pool.upgrade().filter(|pool| !pool.is_retired()) else {
+                        return;
+                    };
+                    let Some(router) = pool.balancer().kv_router() else {
+                        return;
+                    };
+                    router.expire_replica_loads();
+                    let own = router.own_loads();
+                    drop(pool);
+                    let due = last_sent.is_none_or(|at| at.elapsed() >= LOAD_SHARE_HEARTBEAT);
+                    if own != last || due {
+                        seq += 1;
+                        self.publish_load(seq, &own).await;
+                        last = own;
+                        last_sent = Some(Instant::now());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Publishes a binding this replica made.
+    async fn publish_session(&self, binding: SessionBinding) {
+        let share = SessionShare {
+            replica: self.replica,
+            model: self.model.clone(),
+            session: binding.session.to_string(),
+            instance_id: InstanceId(binding.instance),
+            ttl_ms: binding.ttl.as_millis() as u64,
+        };
+        let _ = self
+            .bus
+            .publish(&self.subjects.sessions, Bytes::from(share.to_json()))
+            .await;
+    }
+
+    /// Publishes this replica's share number `seq` of its in-flight load.
+    async fn publish_load(&self, seq: u64, own: &HashMap<u64, SharedLoad>) {
+        let share = LoadShare {
+            replica: self.replica,
+            seq,
+            model: self.model.clone(),
+            ttl_ms: LOAD_SHARE_TTL.as_millis() as u64,
+            instances: own
+                .iter()
+                .filter(|(_, load)| load.requests > 0)
+                .map(|(&instance, load)| InstanceLoadShare {
+                    instance_id: InstanceId(instance),
+                    prefill_tokens: load.prefill_tokens,
+                    blocks: load.blocks,
+                    requests: load.requests,
+                })
+                .collect(),
+        };
+        let _ = self
+            .bus
+            .publish(&self.subjects.load, Bytes::from(share.to_json()))
+            .await;
     }
 }
 
@@ -148,16 +256,25 @@ impl Intake {
         settings: IntakeSettings,
         metrics: ControlMetrics,
     ) -> Result<Self, (ControlError, mpsc::UnboundedReceiver<IntakeInput>)> {
+        let subjects = ReplicaSubjects {
+            sessions: namespace.sessions_subject(),
+            load: namespace.replica_load_subject(),
+        };
         let subscriptions = async {
             let events = bus.subscribe(&namespace.all_events_subject()).await?;
             let loads = bus.subscribe(&namespace.all_load_subject()).await?;
-            Ok::<_, ControlError>((events, loads))
+            let sessions = bus.subscribe(&subjects.sessions).await?;
+            let replica_loads = bus.subscribe(&subjects.load).await?;
+            Ok::<_, ControlError>((events, loads, sessions, replica_loads))
         };
         match subscriptions.await {
-            Ok((events, loads)) => Ok(Self {
+            Ok((events, loads, sessions, replica_loads)) => Ok(Self {
                 bus,
                 events,
                 loads,
+                sessions,
+                replica_loads,
+                subjects,
                 inputs,
                 settings,
                 metrics,
@@ -172,6 +289,9 @@ impl Intake {
             bus,
             mut events,
             mut loads,
+            mut sessions,
+            mut replica_loads,
+            subjects,
             mut inputs,
             settings,
             metrics,
@@ -192,6 +312,8 @@ impl Intake {
             last_repair: HashMap::new(),
             connected: false,
             epoch: 0,
+            replica: rand::random(),
+            subjects,
         };
         let initial = *connection.borrow_and_update();
         actor.on_connection(initial);
@@ -206,6 +328,8 @@ impl Intake {
                     None => break,
                 },
                 Some(message) = loads.next() => actor.on_load(&message),
+                Some(message) = sessions.next() => actor.on_session(&message),
+                Some(message) = replica_loads.next() => actor.on_replica_load(&message),
                 Some(input) = inputs.recv() => actor.on_input(input),
                 Some(answer) = answers.recv() => actor.on_answer(answer),
                 changed = connection.changed() => {
@@ -236,9 +360,92 @@ struct Actor {
     last_repair: HashMap<u64, Instant>,
     connected: bool,
     epoch: u64,
+    /// This proxy's replica id in what it shares with the other replicas.
+    replica: u64,
+    /// Where replicas share.
+    subjects: ReplicaSubjects,
 }
 
 impl Actor {
+    /// Takes in a session binding another proxy replica shared.
+    fn on_session(&mut self, message: &Message) {
+        let share = match SessionShare::from_json(&message.payload) {
+            Ok(share) => share,
+            Err(error) => {
+                self.metrics.malformed(Malformed::Session);
+                tracing::debug!(%error, "malformed session binding");
+                return;
+            }
+        };
+        if share.replica.0 == self.replica {
+            return;
+        }
+        if let Some(pool) = self.model_pool(&share.model)
+            && let Some(router) = pool.balancer().kv_router()
+        {
+            router.apply_session(SessionBinding {
+                session: Arc::from(share.session),
+                instance: share.instance_id.0,
+                ttl: Duration::from_millis(share.ttl_ms),
+            });
+        }
+    }
+
+    /// Takes in the in-flight load another proxy replica shared.
+    fn on_replica_load(&mut self, message: &Message) {
+        let share = match LoadShare::from_json(&message.payload) {
+            Ok(share) => share,
+            Err(error) => {
+                self.metrics.malformed(Malformed::ReplicaLoad);
+                tracing::debug!(%error, "malformed replica load");
+                return;
+            }
+        };
+        if share.replica.0 == self.replica {
+            return;
+        }
+        if let Some(pool) = self.model_pool(&share.model)
+            && let Some(router) = pool.balancer().kv_router()
+        {
+            let loads = share
+                .instances
+                .iter()
+                .map(|load| {
+                    let shared = SharedLoad {
+                        prefill_tokens: load.prefill_tokens,
+                        blocks: load.blocks,
+                        requests: load.requests,
+                    };
+                    (load.instance_id.0, shared)
+                })
+                .collect();
+            let ttl = Duration::from_millis(share.ttl_ms);
+            router.apply_replica_loads(share.replica.0, share.seq, loads, ttl);
+        }
+    }
+
+    /// The pool of `model`, when the intake feeds it.
+    fn model_pool(&self, model: &str) -> Option<Arc<ModelPool>> {
+        let sync = self.models.get(model)?;
+        let member = sync.members.iter().find_map(|id| self.members.get(id))?;
+        Some(Arc::clone(&member.pool))
+    }
+
+    /// Starts sharing `pool`'s session bindings and in-flight load with the other replicas,
+    /// until the pool is retired.
+    fn share(&self, pool: &Arc<ModelPool>) {
+        if pool.balancer().kv_router().is_none() {
+            return;
+        }
+        let sharer = Sharer {
+            bus: Arc::clone(&self.bus),
+            subjects: self.subjects.clone(),
+            replica: HexU64(self.replica),
+            model: pool.name().to_string(),
+        };
+        tokio::spawn(sharer.run(Arc::downgrade(pool)));
+    }
+
     fn on_batch(&mut self, message: &Message) {
         let batch = match EventBatch::from_json(&message.payload) {
             Ok(batch) => batch,
@@ -312,6 +519,13 @@ impl Actor {
             return;
         };
         let model = pool.name().to_string();
+        let new_pool = self
+            .models
+            .get(&model)
+            .is_none_or(|sync| !Arc::ptr_eq(&sync.feed, &feed));
+        if new_pool {
+            self.share(&pool);
+        }
         let sync = self
             .models
             .entry(model.clone())
@@ -361,7 +575,7 @@ impl Actor {
             return;
         };
         // Batches applied after the pool dropped the instance must not linger.
-        member.feed.index().remove_worker(id);
+        member.feed.clear_instance(id);
         if let Some(sync) = self.models.get_mut(&member.model) {
             sync.members.remove(&id);
             sync.awaiting.remove(&id);
@@ -474,13 +688,10 @@ impl Actor {
             return;
         };
         let model = member.model.as_str();
-        let index = member.feed.index();
         let mut needs_repair = false;
         for step in outcome.steps {
             match step {
-                Step::Clear => {
-                    index.remove_worker(id);
-                }
+                Step::Clear => member.feed.clear_instance(id),
                 Step::Snapshot(ranked) => {
                     let worker = WorkerKey::new(id, ranked.dp_rank);
                     needs_repair |= self.apply(model, member, worker, &ranked.event);
@@ -518,7 +729,7 @@ impl Actor {
 
     /// Applies one event; returns whether the index could not place all of it.
     fn apply(&self, model: &str, member: &Member, worker: WorkerKey, event: &KvEvent) -> bool {
-        let outcome = member.feed.index().apply(worker, event);
+        let outcome = member.feed.apply(worker, event);
         let event_type = match event {
             KvEvent::Stored { .. } => "stored",
             KvEvent::Removed { .. } => "removed",

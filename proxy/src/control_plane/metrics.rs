@@ -41,6 +41,10 @@ pub(crate) enum Malformed {
     Snapshot,
     /// A load report.
     Load,
+    /// A session binding shared by another proxy replica.
+    Session,
+    /// In-flight load shared by another proxy replica.
+    ReplicaLoad,
 }
 
 impl Malformed {
@@ -49,6 +53,8 @@ impl Malformed {
             Self::Batch => "batch",
             Self::Snapshot => "snapshot",
             Self::Load => "load",
+            Self::Session => "session",
+            Self::ReplicaLoad => "replica_load",
         }
     }
 }

@@ -261,6 +261,10 @@ impl Frontend for GrpcClient<'_> {
         upstream_request(self.head, target)
     }
 
+    fn header(&self, name: &str) -> Option<&str> {
+        self.head.headers.get(name)?.to_str().ok()
+    }
+
     async fn gone(&mut self) {
         self.sink.closed().await;
     }

@@ -132,6 +132,15 @@ impl Frontend for FastConnection<'_> {
         upstream_request(&client, target)
     }
 
+    fn header(&self, name: &str) -> Option<&str> {
+        let (_, value) = self
+            .head
+            .fields
+            .iter()
+            .find(|(field, _)| field.eq_ignore_ascii_case(name.as_bytes()))?;
+        std::str::from_utf8(value).ok()
+    }
+
     fn write_engine_request(
         &self,
         target: &EngineTarget<'_>,

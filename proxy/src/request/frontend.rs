@@ -52,6 +52,10 @@ pub(crate) trait Frontend: Send {
         Ok(())
     }
 
+    /// The value of the client's request header `name` (case-insensitive), when present
+    /// and valid UTF-8.
+    fn header(&self, name: &str) -> Option<&str>;
+
     /// Completes when the client has gone away; stays pending while it waits.
     fn gone(&mut self) -> impl Future<Output = ()> + Send;
 

@@ -5,11 +5,13 @@
 use std::time::Instant;
 
 use bytes::Bytes;
+use kvmesh_route::kv::KvRouter;
 use kvmesh_route::prepare::{InvalidPrompt, Prepared, Preparer, offload};
 use kvmesh_route::{Balancer, PolicyInput};
 
 use crate::auth::{KeyPermit, prompt_tokens};
 use crate::pool::ModelPool;
+use crate::request::frontend::Frontend;
 use crate::request::record::Record;
 use crate::route::Route;
 use crate::state::State;
@@ -22,14 +24,16 @@ pub(crate) struct Picker<'a> {
     pub(crate) input: PolicyInput,
 }
 
-/// How a request on `route` to `pool` picks its instances: the pool's policy, with the
-/// prompt of `body` prepared when the policy wants it (tokenized and hashed; `body` may be
-/// rewritten with the prompt's token ids).
-pub(crate) async fn prepare<'a>(
+/// How a request from `frontend` on `route` to `pool` picks its instances: the pool's
+/// policy, with the prompt of `body` prepared when the policy wants it (tokenized and hashed;
+/// `body` may be rewritten with the prompt's token ids) and the request's session named
+/// (`kv.session_header`).
+pub(crate) async fn prepare<'a, F: Frontend>(
     state: &State,
     pool: &'a ModelPool,
     route: Route,
     body: &mut Bytes,
+    frontend: &F,
 ) -> Result<Picker<'a>, InvalidPrompt> {
     let balancer = pool.balancer();
     let Some(preparer) = balancer.preparer() else {
@@ -39,7 +43,11 @@ pub(crate) async fn prepare<'a>(
         });
     };
     let prepared = prepare_prompt(state, preparer, route, body, true).await?;
-    let input = balancer.input(&prepared, Instant::now());
+    let session = balancer
+        .kv_router()
+        .and_then(KvRouter::session_header)
+        .and_then(|name| frontend.header(name));
+    let input = balancer.input(&prepared, session, Instant::now());
     if let Some(rewritten) = prepared.rewritten {
         *body = rewritten;
     }

@@ -151,7 +151,7 @@ pub(crate) async fn relay_body<F: Frontend>(
             Ok(Ok(Some(chunk))) => chunk,
         };
         if let Some(booking) = prefill.take() {
-            booking.prefill_done();
+            booking.prefill_done(ctx.event_stream);
         }
         let out = match events.as_mut() {
             Some(timing) => {

@@ -3,6 +3,8 @@
 //! ended, the client left, or the attempt failed and the request is routed again). Each
 //! release wakes the requests waiting for admission.
 
+use std::time::Instant;
+
 use crate::kv::admission::Admission;
 use crate::kv::load::ActiveLoads;
 
@@ -32,10 +34,14 @@ impl<'a> Booking<'a> {
         }
     }
 
-    /// The first response byte arrived: the prefill part of the load ends.
-    pub fn prefill_done(&self) {
+    /// The first response byte arrived: the prefill part of the load ends. When that byte
+    /// carries the `first_token` (a streamed response), its delay teaches the instance's
+    /// speed.
+    pub fn prefill_done(&self, first_token: bool) {
         if let Some(id) = self.id
-            && self.loads.prefill_done(self.instance, id)
+            && self
+                .loads
+                .prefill_done(self.instance, id, Instant::now(), first_token)
         {
             self.admission.wake();
         }

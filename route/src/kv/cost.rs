@@ -1,13 +1,27 @@
-//! The cost of sending one request to one instance (Dynamo's April-2026 formula, kv-routing
-//! §5.1): `overlap_weight × prefill_blocks + decode_blocks`, lower is better, where both terms
-//! are the loads the instance would have *with* this request:
+//! The cost of sending one request to one instance, in predicted milliseconds, lower is
+//! better:
 //!
-//! - `prefill_blocks = (active_prefill_tokens + max(0, tokens − overlap_blocks × block_size)) / block_size`
-//!   (as a float: partial blocks of prefill count pro rata);
-//! - `decode_blocks = active_blocks + (request_blocks − prefix already among the instance's active blocks)`.
+//! ```text
+//! cost = speed × (overlap_weight × prefill_ms + decode_ms) + harm_weight × harm_ms
+//! ```
 //!
-//! `request_blocks` counts the prompt's full blocks plus one for a trailing partial block,
-//! so short prompts still weigh something.
+//! - `prefill_ms`: the prefill work queued there ahead of the request plus its own uncached
+//!   prompt tokens, run in chunks of [`EngineProfile::chunk_tokens`] (one engine iteration
+//!   each), at the engine's prefill speed;
+//! - `decode_ms`: what the streams already running there add to each of those iterations,
+//!   growing with the share of the KV cache in use (with this request); none on an idle
+//!   instance;
+//! - `speed`: how much slower (above 1) or faster than [`EngineProfile::DEFAULT`] this
+//!   instance proved to be, learned from the first-token times of its streamed requests
+//!   ([`crate::kv::load`]); so `speed × (prefill_ms + decode_ms)` is the predicted time to
+//!   first token;
+//! - `harm_ms`: the stall this request's own prefill causes the streams running there, summed
+//!   over those streams.
+//!
+//! An instance caching a prefix of the prompt skips prefilling it: the cached tokens are the
+//! overlap credit. Under `overlap_credit_decay` the credit shrinks as the instance's prefill
+//! backlog exceeds the least-loaded candidate's (Dynamo's anti-hot-spot decay), so a cache-rich
+//! but swamped instance stops drawing every request of its prefix.
 
 /// The request's size, the same for every candidate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -33,8 +47,68 @@ impl RequestShape {
     }
 }
 
+/// How long an engine takes to prefill and to run a decode iteration, before what the proxy
+/// learns per instance scales it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct EngineProfile {
+    /// Milliseconds of an iteration that prefills anything at all.
+    pub(crate) prefill_fixed_ms: f64,
+    /// Milliseconds per prefilled token.
+    pub(crate) prefill_ms_per_token: f64,
+    /// Milliseconds per squared prefilled token of one iteration (attention's quadratic part).
+    pub(crate) prefill_ms_per_token_squared: f64,
+    /// Milliseconds a decode iteration adds with an empty KV cache.
+    pub(crate) decode_idle_ms: f64,
+    /// Milliseconds a decode iteration adds with a full KV cache.
+    pub(crate) decode_full_ms: f64,
+    /// Prefill tokens one iteration takes at most (vLLM `max_num_batched_tokens`).
+    pub(crate) chunk_tokens: u64,
+}
+
+impl EngineProfile {
+    /// An 8B-class model on one H100-class GPU, as NVIDIA Dynamo's mocker profiles vLLM (its
+    /// polynomial timing model): 16.5 ms + 0.0152 ms/token + 4.2e-7 ms/token² per prefill
+    /// iteration, 5.7 ms to 34 ms per decode iteration from an empty to a full KV cache,
+    /// 8,192-token iterations.
+    pub(crate) const DEFAULT: Self = Self {
+        prefill_fixed_ms: 16.501_42,
+        prefill_ms_per_token: 0.015_183_44,
+        prefill_ms_per_token_squared: 4.209_989e-7,
+        decode_idle_ms: 5.74,
+        decode_full_ms: 34.01,
+        chunk_tokens: 8192,
+    };
+
+    /// One iteration prefilling `tokens` tokens (0: no prefill, no time).
+    pub(crate) fn iteration_prefill_ms(&self, tokens: u64) -> f64 {
+        if tokens == 0 {
+            return 0.0;
+        }
+        let t = tokens as f64;
+        self.prefill_fixed_ms
+            + self.prefill_ms_per_token * t
+            + self.prefill_ms_per_token_squared * t * t
+    }
+
+    /// Prefilling `tokens` tokens in full iterations: the time and the iterations it takes.
+    pub(crate) fn prefill_ms(&self, tokens: u64) -> (f64, u64) {
+        let chunk = self.chunk_tokens.max(1);
+        let full = tokens / chunk;
+        let rest = tokens % chunk;
+        let time = full as f64 * self.iteration_prefill_ms(chunk) + self.iteration_prefill_ms(rest);
+        (time, full + u64::from(rest > 0))
+    }
+
+    /// What running streams add to one iteration with `usage` (0 to 1) of the KV cache in use:
+    /// rising fast at first, then flattening (the mocker's curve, within 0.7 ms).
+    pub(crate) fn decode_ms(&self, usage: f64) -> f64 {
+        let u = usage.clamp(0.0, 1.0);
+        self.decode_idle_ms + (self.decode_full_ms - self.decode_idle_ms) * u * (2.0 - u)
+    }
+}
+
 /// What one candidate instance holds and already caches for this request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct CandidateLoad {
     /// Leading blocks of the request the instance caches (KV index).
     pub(crate) overlap_blocks: u32,
@@ -44,6 +118,29 @@ pub(crate) struct CandidateLoad {
     pub(crate) active_blocks: u64,
     /// Leading blocks of the request already among those active blocks.
     pub(crate) active_prefix_blocks: u32,
+    /// The proxy's requests in flight there (the streams a prefill stalls).
+    pub(crate) requests: u64,
+    /// Its KV capacity in blocks (0: unknown, then the cache counts as full).
+    pub(crate) total_blocks: u64,
+    /// Its learned slowness against the profile (1: as profiled).
+    pub(crate) speed: f64,
+    /// The share of the overlap credited (1 without decay).
+    pub(crate) credit: f64,
+}
+
+impl Default for CandidateLoad {
+    fn default() -> Self {
+        Self {
+            overlap_blocks: 0,
+            active_prefill_tokens: 0,
+            active_blocks: 0,
+            active_prefix_blocks: 0,
+            requests: 0,
+            total_blocks: 16_384,
+            speed: 1.0,
+            credit: 1.0,
+        }
+    }
 }
 
 /// The cost of one candidate and its parts.
@@ -55,25 +152,47 @@ pub struct Cost {
     pub(crate) prefill_tokens: u64,
     /// Active blocks with this request.
     pub(crate) decode_blocks: u64,
-    /// `overlap_weight × prefill_tokens / block_size + decode_blocks`.
+    /// Time to first token as profiled, before the instance's learned speed.
+    pub(crate) profiled_ttft_ms: f64,
+    /// Predicted time to first token there.
+    pub(crate) ttft_ms: f64,
+    /// Predicted stall of the running streams, summed over them.
+    pub(crate) harm_ms: f64,
+    /// The cost (module docs).
     pub(crate) value: f64,
 }
 
-/// Weights of the cost.
+/// The cost's profile and weights.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct CostModel {
     /// Tokens per block.
     pub(crate) block_size: u64,
-    /// Weight of the prefill term.
+    /// Weight of the prefill time.
     pub(crate) overlap_weight: f64,
+    /// Weight of the harm to running streams.
+    pub(crate) harm_weight: f64,
+    /// How fast the overlap credit decays with prefill backlog (0: never).
+    pub(crate) overlap_credit_decay: f64,
+    /// The engines' speed before learning.
+    pub(crate) profile: EngineProfile,
 }
 
 impl CostModel {
+    /// The share of its overlap an instance with `backlog` prefill tokens is credited when the
+    /// least-loaded candidate has `least_backlog`: `1 / (1 + decay × excess)`, the excess in
+    /// iterations' worth of tokens.
+    pub(crate) fn credit(&self, backlog: u64, least_backlog: u64) -> f64 {
+        let excess =
+            backlog.saturating_sub(least_backlog) as f64 / self.profile.chunk_tokens.max(1) as f64;
+        1.0 / (1.0 + self.overlap_credit_decay.max(0.0) * excess)
+    }
+
     /// The cost of sending a request of `shape` to a candidate with `load`.
     pub(crate) fn cost(&self, shape: &RequestShape, load: &CandidateLoad) -> Cost {
         let overlap = load.overlap_blocks.min(shape.full_blocks);
         let cached_tokens = u64::from(overlap).saturating_mul(self.block_size);
-        let new_prefill_tokens = shape.tokens.saturating_sub(cached_tokens);
+        let credited = (cached_tokens as f64 * load.credit.clamp(0.0, 1.0)) as u64;
+        let new_prefill_tokens = shape.tokens.saturating_sub(credited);
         let prefill_tokens = load
             .active_prefill_tokens
             .saturating_add(new_prefill_tokens);
@@ -81,93 +200,39 @@ impl CostModel {
         let decode_blocks = load
             .active_blocks
             .saturating_add(shape.blocks.saturating_sub(shared));
-        let prefill_blocks = prefill_tokens as f64 / self.block_size.max(1) as f64;
+        // The engine computes at least one token of every prompt.
+        let (prefill_ms, iterations) = self.profile.prefill_ms(prefill_tokens.max(1));
+        let usage = if load.total_blocks == 0 {
+            1.0
+        } else {
+            decode_blocks as f64 / load.total_blocks as f64
+        };
+        // Any active block (the proxy's own or the engine's reported) is a running stream.
+        let decode_ms = if load.active_blocks > 0 {
+            iterations as f64 * self.profile.decode_ms(usage)
+        } else {
+            0.0
+        };
+        let speed = if load.speed.is_finite() && load.speed > 0.0 {
+            load.speed
+        } else {
+            1.0
+        };
+        let own_prefill_ms = self.profile.prefill_ms(new_prefill_tokens.max(1)).0;
+        let harm_ms = speed * own_prefill_ms * load.requests as f64;
+        let profiled_ttft_ms = prefill_ms + decode_ms;
         Cost {
             new_prefill_tokens,
             prefill_tokens,
             decode_blocks,
-            value: self.overlap_weight * prefill_blocks + decode_blocks as f64,
+            profiled_ttft_ms,
+            ttft_ms: speed * profiled_ttft_ms,
+            harm_ms,
+            value: speed * (self.overlap_weight * prefill_ms + decode_ms)
+                + self.harm_weight * harm_ms,
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MODEL: CostModel = CostModel {
-        block_size: 16,
-        overlap_weight: 1.0,
-    };
-
-    #[test]
-    fn shapes_count_a_partial_tail_block() {
-        assert_eq!(
-            RequestShape::new(40, 16),
-            RequestShape {
-                tokens: 40,
-                full_blocks: 2,
-                blocks: 3
-            }
-        );
-        assert_eq!(RequestShape::new(32, 16).blocks, 2);
-        assert_eq!(RequestShape::new(0, 16), RequestShape::default());
-    }
-
-    #[test]
-    fn costs_add_prefill_and_decode_blocks() {
-        // A 128-token (8-block) request with no active prefill and overlaps of 0, 3 and 6
-        // blocks has 8, 5 and 2 blocks to prefill; decode adds the active blocks and its 8.
-        let shape = RequestShape::new(128, 16);
-        let costs: Vec<f64> = [(0, 2), (3, 0), (6, 1)]
-            .iter()
-            .map(|&(overlap, active)| {
-                MODEL
-                    .cost(
-                        &shape,
-                        &CandidateLoad {
-                            overlap_blocks: overlap,
-                            active_blocks: active,
-                            ..CandidateLoad::default()
-                        },
-                    )
-                    .value
-            })
-            .collect();
-        assert_eq!(costs, [8.0 + 10.0, 5.0 + 8.0, 2.0 + 9.0]);
-    }
-
-    #[test]
-    fn active_load_and_shared_prefixes_are_projected() {
-        let shape = RequestShape::new(100, 16); // 6 full blocks + a tail: 7 blocks
-        let load = CandidateLoad {
-            overlap_blocks: 4,
-            active_prefill_tokens: 32,
-            active_blocks: 10,
-            active_prefix_blocks: 3,
-        };
-        let cost = MODEL.cost(&shape, &load);
-        assert_eq!(cost.new_prefill_tokens, 100 - 64);
-        assert_eq!(cost.prefill_tokens, 32 + 36);
-        assert_eq!(cost.decode_blocks, 10 + 7 - 3);
-        assert_eq!(cost.value, 68.0 / 16.0 + 14.0);
-        let weighted = CostModel {
-            overlap_weight: 2.0,
-            ..MODEL
-        };
-        assert_eq!(weighted.cost(&shape, &load).value, 2.0 * 68.0 / 16.0 + 14.0);
-    }
-
-    #[test]
-    fn overlaps_beyond_the_prompt_are_capped() {
-        let shape = RequestShape::new(20, 16); // 1 full block
-        let load = CandidateLoad {
-            overlap_blocks: 9,
-            active_prefix_blocks: 9,
-            ..CandidateLoad::default()
-        };
-        let cost = MODEL.cost(&shape, &load);
-        assert_eq!(cost.new_prefill_tokens, 4);
-        assert_eq!(cost.decode_blocks, 1);
-    }
-}
+mod tests;

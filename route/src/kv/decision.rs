@@ -1,6 +1,8 @@
 //! What routing works on and what it finds: one request as the KV policy sees it
 //! ([`KvRequest`]), and the decision ([`Choice`], [`Decision`]).
 
+use std::sync::Arc;
+
 use kvmesh_kv::OverlapScores;
 
 use crate::kv::cost::{Cost, RequestShape};
@@ -16,6 +18,8 @@ pub struct KvRequest {
     pub(crate) shape: RequestShape,
     /// Each instance's cached overlap.
     pub(crate) scores: OverlapScores,
+    /// The session it belongs to (`kv.session_header`), if any.
+    pub(crate) session: Option<Arc<str>>,
 }
 
 /// The outcome of a routing decision.
@@ -29,6 +33,8 @@ pub struct Decision {
     pub overlap_blocks: u32,
     /// Its cost with this request.
     pub cost: Cost,
+    /// Chosen because the request's session is bound to it.
+    pub affinity: bool,
 }
 
 /// What [`KvRouter::choose`](crate::kv::KvRouter::choose) found.
@@ -43,12 +49,19 @@ pub enum Choice {
 }
 
 impl KvRequest {
+    /// This request, of `session` (`None`: no session).
+    pub fn in_session(mut self, session: Option<&str>) -> Self {
+        self.session = session.filter(|key| !key.is_empty()).map(Arc::from);
+        self
+    }
+
     /// A request routed by load alone because it carries no prompt.
     pub(crate) fn without_prompt() -> Self {
         Self {
             input: RouteInput::Fallback(FallbackReason::NoPrompt),
             shape: RequestShape::default(),
             scores: OverlapScores::default(),
+            session: None,
         }
     }
 }

@@ -9,27 +9,73 @@
 //!   every instance from its agent's snapshot before switching back.
 //!
 //! Routing decisions are recorded as predictions in both states, so a fallback starts with
-//! the recent decisions already predicted instead of an empty cache.
+//! the recent decisions already predicted instead of an empty cache. While events flow, the
+//! decisions of the last [`RECENT_TTL`] count beside them too (a side index): a request routed
+//! before its engine's events arrive still draws its siblings to where its blocks are being
+//! prefilled, as in approximate mode.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use kvmesh_kv::{BlockHashes, KvIndex, OverlapScores, SequenceHash, WorkerKey};
+use kvmesh_kv::{
+    ApplyOutcome, ApproxConfig, ApproxConfigError, BlockHashes, KvEvent, KvIndex, OverlapScores,
+    SequenceHash, WorkerKey,
+};
 
 use crate::kv::overlap::{Approximate, OverlapSource};
 
-/// The event-fed index of one model and whether it is trusted now.
-#[derive(Debug, Default)]
+/// How long a routing decision counts beside the event-fed index while events flow: long
+/// enough for the engine to prefill and its events to arrive, short enough that blocks the
+/// engine never stored (or evicted) stop counting soon.
+pub const RECENT_TTL: Duration = Duration::from_secs(2);
+
+/// The event-fed index of one model, the decisions of the last [`RECENT_TTL`] beside it,
+/// and whether it is trusted now.
+///
+/// The intake changes the index only through [`EventFeed::apply`] and
+/// [`EventFeed::clear_instance`], which drop an instance's recent decisions together with
+/// its blocks: a cache the engine cleared shows no overlap at once.
+#[derive(Debug)]
 pub struct EventFeed {
     index: KvIndex,
+    recent: Approximate,
     live: AtomicBool,
 }
 
 impl EventFeed {
-    /// The index the intake applies events to.
+    /// An empty feed whose recent decisions count for `recent_ttl`, bounded like approximate
+    /// mode's predictions (`max_blocks`, `prune_target_ratio` of `limits`).
+    pub fn new(recent_ttl: Duration, limits: ApproxConfig) -> Result<Self, ApproxConfigError> {
+        Ok(Self {
+            index: KvIndex::default(),
+            recent: Approximate::new(ApproxConfig {
+                ttl: recent_ttl,
+                ..limits
+            })?,
+            live: AtomicBool::new(false),
+        })
+    }
+
+    /// The index the intake applies events to (read-only uses: lookups, sizes).
     pub fn index(&self) -> &KvIndex {
         &self.index
+    }
+
+    /// Applies one of `worker`'s KV events; a cleared cache also drops the instance's recent
+    /// decisions.
+    pub fn apply(&self, worker: WorkerKey, event: &KvEvent) -> ApplyOutcome {
+        if matches!(event, KvEvent::Cleared) {
+            self.recent.remove_instance(worker.instance_id);
+        }
+        self.index.apply(worker, event)
+    }
+
+    /// Forgets everything instance `instance` caches: its blocks and its recent decisions
+    /// (a resync from a snapshot, or the instance left).
+    pub fn clear_instance(&self, instance: u64) {
+        self.index.remove_worker(instance);
+        self.recent.remove_instance(instance);
     }
 
     /// Whether lookups read the event-fed index (else the predictions).
@@ -43,7 +89,8 @@ impl EventFeed {
     }
 }
 
-/// Overlaps from the event-fed index while events flow, else from predictions.
+/// Overlaps from the event-fed index (with the recent decisions) while events flow, else
+/// from predictions.
 #[derive(Debug)]
 pub(crate) struct EventFed {
     feed: Arc<EventFeed>,
@@ -60,18 +107,21 @@ impl EventFed {
 impl OverlapSource for EventFed {
     fn find_matches(&self, query: &[SequenceHash], now: Instant) -> OverlapScores {
         if self.feed.is_live() {
-            self.feed.index.find_matches(query)
+            let reported = self.feed.index.find_matches(query);
+            reported.merge(self.feed.recent.find_matches(query, now))
         } else {
             self.predicted.find_matches(query, now)
         }
     }
 
     fn record(&self, worker: WorkerKey, blocks: &BlockHashes, now: Instant) -> u64 {
+        self.feed.recent.record(worker, blocks, now);
         self.predicted.record(worker, blocks, now)
     }
 
     fn expire(&self, now: Instant) {
         self.predicted.expire(now);
+        self.feed.recent.expire(now);
     }
 
     fn cached_blocks(&self) -> Vec<(WorkerKey, u64)> {
@@ -83,24 +133,26 @@ impl OverlapSource for EventFed {
     }
 
     fn remove_instance(&self, instance: u64) {
-        self.feed.index.remove_worker(instance);
+        self.feed.clear_instance(instance);
         self.predicted.remove_instance(instance);
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use kvmesh_kv::{ApproxConfig, BlockHasher, ExternalHash, KvEvent};
+    use kvmesh_kv::{BlockHasher, ExternalHash};
 
     use super::*;
 
+    fn source() -> (Arc<EventFeed>, EventFed) {
+        let feed = Arc::new(EventFeed::new(RECENT_TTL, ApproxConfig::default()).unwrap());
+        let predicted = Approximate::new(ApproxConfig::default()).unwrap();
+        (Arc::clone(&feed), EventFed::new(feed, predicted))
+    }
+
     #[test]
     fn lookups_follow_events_while_live_and_predictions_otherwise() {
-        let feed = Arc::new(EventFeed::default());
-        let source = EventFed::new(
-            Arc::clone(&feed),
-            Approximate::new(ApproxConfig::default()).unwrap(),
-        );
+        let (feed, source) = source();
         let mut hasher = BlockHasher::new(4, None).unwrap();
         let prompt = hasher.hash(&(0..16).collect::<Vec<u32>>());
         let now = Instant::now();
@@ -114,16 +166,46 @@ mod tests {
                 .enumerate()
                 .map(|(i, &local)| (ExternalHash(i as u64), local)),
         );
-        feed.index().apply(WorkerKey::new(2, 0), &event);
+        feed.apply(WorkerKey::new(2, 0), &event);
         let predicted = source.find_matches(&prompt.sequence, now);
         assert_eq!(predicted.depth(WorkerKey::new(1, 0)), 4);
         assert_eq!(predicted.depth(WorkerKey::new(2, 0)), 0);
         feed.set_live(true);
-        let reported = source.find_matches(&prompt.sequence, now);
+        // Just routed: the decision counts beside the events until its events can arrive.
+        let fresh = source.find_matches(&prompt.sequence, now);
+        assert_eq!(fresh.depth(WorkerKey::new(1, 0)), 4);
+        assert_eq!(fresh.depth(WorkerKey::new(2, 0)), 2);
+        let later = now + RECENT_TTL + Duration::from_millis(1);
+        let reported = source.find_matches(&prompt.sequence, later);
         assert_eq!(reported.depth(WorkerKey::new(1, 0)), 0);
         assert_eq!(reported.depth(WorkerKey::new(2, 0)), 2);
         assert_eq!(source.cached_blocks(), [(WorkerKey::new(2, 0), 2)]);
         source.remove_instance(2);
+        assert!(source.find_matches(&prompt.sequence, later).is_empty());
+        source.remove_instance(1);
         assert!(source.find_matches(&prompt.sequence, now).is_empty());
+    }
+
+    #[test]
+    fn a_cleared_or_resynced_cache_drops_the_recent_decisions_too() {
+        let (feed, source) = source();
+        feed.set_live(true);
+        let mut hasher = BlockHasher::new(4, None).unwrap();
+        let prompt = hasher.hash(&(0..16).collect::<Vec<u32>>());
+        let now = Instant::now();
+        for instance in [1, 2] {
+            source.record(WorkerKey::new(instance, 0), &prompt, now);
+        }
+        let both = source.find_matches(&prompt.sequence, now);
+        assert_eq!(both.depth(WorkerKey::new(1, 0)), 4);
+        assert_eq!(both.depth(WorkerKey::new(2, 0)), 4);
+        feed.apply(WorkerKey::new(1, 0), &KvEvent::Cleared);
+        feed.clear_instance(2);
+        assert!(source.find_matches(&prompt.sequence, now).is_empty());
+        // The predictions for a fallback keep them.
+        feed.set_live(false);
+        let predicted = source.find_matches(&prompt.sequence, now);
+        assert_eq!(predicted.depth(WorkerKey::new(1, 0)), 4);
+        assert_eq!(predicted.depth(WorkerKey::new(2, 0)), 4);
     }
 }

@@ -7,12 +7,19 @@ use crate::kv::decision::{Decision, KvRequest};
 use crate::prepare::RouteInput;
 
 /// The value of `x-kvmesh-route`: `instance=http://…; overlap_blocks=12; prompt_blocks=20;
-/// cost=31.5`, with `; fallback=<reason>` for a request routed without tokens.
+/// ttft_ms=24.4; cost=31.5`, with `; session=bound` when the request's session chose the
+/// instance and `; fallback=<reason>` for a request routed without tokens.
 pub(crate) fn route_header(instance: &str, decision: &Decision, request: &KvRequest) -> String {
     let mut text = format!(
-        "instance={instance}; overlap_blocks={}; prompt_blocks={}; cost={:.1}",
-        decision.overlap_blocks, request.shape.full_blocks, decision.cost.value
+        "instance={instance}; overlap_blocks={}; prompt_blocks={}; ttft_ms={:.1}; cost={:.1}",
+        decision.overlap_blocks,
+        request.shape.full_blocks,
+        decision.cost.ttft_ms,
+        decision.cost.value
     );
+    if decision.affinity {
+        text.push_str("; session=bound");
+    }
     if let RouteInput::Fallback(reason) = &request.input {
         text.push_str("; fallback=");
         text.push_str(reason.label());
@@ -27,6 +34,10 @@ pub struct Explanation {
     pub(crate) block_size: u64,
     /// `kv.overlap_weight`.
     pub(crate) overlap_weight: f64,
+    /// `kv.harm_weight`.
+    pub(crate) harm_weight: f64,
+    /// `kv.overlap_credit_decay`.
+    pub(crate) overlap_credit_decay: f64,
     /// `kv.temperature`.
     pub(crate) temperature: f64,
     /// Prompt tokens (0 without tokens).
@@ -39,6 +50,8 @@ pub struct Explanation {
     pub(crate) chosen: Option<String>,
     /// Every eligible instance is busy (the request would queue or get 503).
     pub(crate) all_busy: bool,
+    /// The instance the request's session is bound to, if any.
+    pub(crate) session_bound_to: Option<String>,
     /// Every instance, in config order.
     pub(crate) instances: Vec<InstanceExplanation>,
 }
@@ -66,6 +79,12 @@ pub struct InstanceExplanation {
     pub(crate) prefill_tokens: u64,
     /// Decode blocks with this request.
     pub(crate) decode_blocks: u64,
+    /// How much slower than profiled the instance proved to be (1: as profiled).
+    pub(crate) speed: f64,
+    /// Predicted time to first token there, ms.
+    pub(crate) predicted_ttft_ms: f64,
+    /// Predicted stall of the streams running there, summed, ms.
+    pub(crate) harm_ms: f64,
     /// The cost.
     pub(crate) cost: f64,
     /// Chance of being chosen (0 for ineligible or busy instances).
@@ -89,9 +108,11 @@ mod tests {
             instance_id: 1,
             overlap_blocks: 12,
             cost: Cost {
+                ttft_ms: 24.44,
                 value: 31.5,
                 ..Cost::default()
             },
+            affinity: false,
         };
         let prompt = PromptBlocks {
             tokens: 1300,
@@ -102,16 +123,18 @@ mod tests {
             input: RouteInput::Tokens(Arc::new(prompt)),
             shape: RequestShape::new(1300, 64),
             scores: OverlapScores::default(),
+            session: None,
         };
         let header = route_header("http://127.0.0.1:8001", &decision, &request);
         assert_eq!(
             header,
-            "instance=http://127.0.0.1:8001; overlap_blocks=12; prompt_blocks=20; cost=31.5"
+            "instance=http://127.0.0.1:8001; overlap_blocks=12; prompt_blocks=20; ttft_ms=24.4; cost=31.5"
         );
         let fallback = KvRequest {
             input: RouteInput::Fallback(FallbackReason::Route),
             shape: RequestShape::default(),
             scores: OverlapScores::default(),
+            session: None,
         };
         let header = route_header("http://h:1", &decision, &fallback);
         assert!(header.ends_with("; fallback=route"));

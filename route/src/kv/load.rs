@@ -32,10 +32,12 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 use kvmesh_kv::SequenceHash;
 
+use crate::kv::replicas::SharedLoad;
+use crate::kv::speed::LearnedSpeed;
 use crate::prepare::PromptBlocks;
 
 /// One instance's current load, as scoring reads it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct LoadSnapshot {
     /// Active prefill tokens.
     pub(crate) prefill_tokens: u64,
@@ -51,6 +53,23 @@ pub(crate) struct LoadSnapshot {
     /// Requests waiting in the engine's queue beyond the proxy's own, as it last reported
     /// them (0 without a fresh report).
     pub(crate) foreign_waiting: u64,
+    /// How much slower than profiled the instance proved to be.
+    pub(crate) speed: f64,
+}
+
+impl Default for LoadSnapshot {
+    /// No load, and the profiled speed.
+    fn default() -> Self {
+        Self {
+            prefill_tokens: 0,
+            blocks: 0,
+            prefix_blocks: 0,
+            requests: 0,
+            foreign_blocks: 0,
+            foreign_waiting: 0,
+            speed: 1.0,
+        }
+    }
 }
 
 /// An instance's own view of its load (a worker-agent's load report).
@@ -87,6 +106,8 @@ pub(crate) struct NewRequest {
     pub(crate) prompt: Option<Arc<PromptBlocks>>,
     /// Prompt tokens the instance has to prefill (not predicted cached).
     pub(crate) prefill_tokens: u64,
+    /// Time to first token the cost model's profile predicted there.
+    pub(crate) profiled_ttft_ms: f64,
 }
 
 #[derive(Debug)]
@@ -96,6 +117,7 @@ struct ActiveRequest {
     prefill_tokens: u64,
     /// Whether the request holds one unshared block (partial tail, or no tokens at all).
     tail_block: bool,
+    profiled_ttft_ms: f64,
     started: Instant,
 }
 
@@ -117,6 +139,7 @@ struct InstanceLoad {
     foreign: Option<ForeignLoad>,
     /// Recent releases: when, and how many blocks each freed.
     released: VecDeque<(Instant, u64)>,
+    speed: LearnedSpeed,
 }
 
 impl InstanceLoad {
@@ -196,6 +219,10 @@ impl InstanceLoad {
 pub(crate) struct ActiveLoads {
     instances: ArcSwap<HashMap<u64, Arc<Mutex<InstanceLoad>>>>,
     next_id: AtomicU64,
+    /// Every instance's speed samples together: the prior of each instance's own.
+    fleet_speed: Mutex<LearnedSpeed>,
+    /// `fleet_speed`'s logarithm (f64 bits), read without a lock when scoring.
+    fleet_ln_factor: AtomicU64,
 }
 
 impl ActiveLoads {
@@ -204,6 +231,8 @@ impl ActiveLoads {
         Self {
             instances: ArcSwap::from_pointee(HashMap::new()),
             next_id: AtomicU64::new(1),
+            fleet_speed: Mutex::new(LearnedSpeed::default()),
+            fleet_ln_factor: AtomicU64::new(0f64.to_bits()),
         }
     }
 
@@ -253,6 +282,9 @@ impl ActiveLoads {
             requests: load.requests.len(),
             foreign_blocks,
             foreign_waiting,
+            speed: load
+                .speed
+                .shrunk_toward(f64::from_bits(self.fleet_ln_factor.load(Ordering::Relaxed))),
         }
     }
 
@@ -274,15 +306,23 @@ impl ActiveLoads {
             prompt: request.prompt,
             prefill_tokens: request.prefill_tokens,
             tail_block,
+            profiled_ttft_ms: request.profiled_ttft_ms,
             started: now,
         };
         Self::lock(&cell).add(id, active);
         Some(id)
     }
 
-    /// The request's first response byte arrived: its prefill tokens stop counting. Returns
-    /// whether the load changed.
-    pub(crate) fn prefill_done(&self, instance: u64, id: u64) -> bool {
+    /// The request's first response byte arrived at `now`: its prefill tokens stop counting,
+    /// and when that byte carried its `first_token` (a streamed response), the time it took
+    /// teaches the instance's speed. Returns whether the load changed.
+    pub(crate) fn prefill_done(
+        &self,
+        instance: u64,
+        id: u64,
+        now: Instant,
+        first_token: bool,
+    ) -> bool {
         let Some(cell) = self.cell(instance) else {
             return false;
         };
@@ -291,7 +331,21 @@ impl ActiveLoads {
             return false;
         };
         let tokens = std::mem::take(&mut request.prefill_tokens);
+        let profiled = std::mem::take(&mut request.profiled_ttft_ms);
+        let observed = now.saturating_duration_since(request.started);
         load.prefill_tokens -= tokens;
+        if first_token {
+            let observed_ms = observed.as_secs_f64() * 1000.0;
+            load.speed.observe(profiled, observed_ms);
+            drop(load);
+            let mut fleet = self
+                .fleet_speed
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            fleet.observe(profiled, observed_ms);
+            self.fleet_ln_factor
+                .store(fleet.ln_factor().to_bits(), Ordering::Relaxed);
+        }
         tokens > 0
     }
 
@@ -300,6 +354,23 @@ impl ActiveLoads {
     pub(crate) fn release(&self, instance: u64, id: u64) -> bool {
         self.cell(instance)
             .is_some_and(|cell| Self::lock(&cell).remove(id))
+    }
+
+    /// The proxy's own load on every instance, as replicas share it.
+    pub(crate) fn own(&self) -> HashMap<u64, SharedLoad> {
+        self.instances
+            .load()
+            .iter()
+            .map(|(&instance, cell)| {
+                let load = Self::lock(cell);
+                let shared = SharedLoad {
+                    prefill_tokens: load.prefill_tokens,
+                    blocks: load.own_blocks(),
+                    requests: load.requests.len() as u64,
+                };
+                (instance, shared)
+            })
+            .collect()
     }
 
     /// Drops every request booked before `cutoff`; returns how many.
@@ -351,6 +422,7 @@ mod tests {
         let request = NewRequest {
             prompt: Some(Arc::clone(prompt)),
             prefill_tokens: prefill,
+            profiled_ttft_ms: 0.0,
         };
         loads.book(instance, request, Instant::now()).unwrap()
     }
@@ -384,8 +456,11 @@ mod tests {
             loads.snapshot(0, &p.hashes.sequence),
             LoadSnapshot::default()
         );
-        assert!(loads.prefill_done(1, id));
-        assert!(!loads.prefill_done(1, id), "only once");
+        assert!(loads.prefill_done(1, id, Instant::now(), false));
+        assert!(
+            !loads.prefill_done(1, id, Instant::now(), false),
+            "only once"
+        );
         let snap = loads.snapshot(1, &[]);
         assert_eq!((snap.prefill_tokens, snap.blocks), (0, 5));
         assert!(loads.release(1, id));
@@ -425,6 +500,7 @@ mod tests {
         let request = NewRequest {
             prompt: None,
             prefill_tokens: 0,
+            profiled_ttft_ms: 0.0,
         };
         let id = loads.book(0, request, Instant::now()).unwrap();
         assert_eq!(loads.snapshot(0, &[]).blocks, 1);
@@ -433,6 +509,7 @@ mod tests {
         let unknown = NewRequest {
             prompt: None,
             prefill_tokens: 0,
+            profiled_ttft_ms: 0.0,
         };
         assert_eq!(loads.book(5, unknown, Instant::now()), None);
     }
@@ -541,11 +618,13 @@ mod tests {
         let old = NewRequest {
             prompt: Some(Arc::clone(&p)),
             prefill_tokens: 8,
+            profiled_ttft_ms: 0.0,
         };
         let old_id = loads.book(0, old, start).unwrap();
         let young = NewRequest {
             prompt: Some(Arc::clone(&p)),
             prefill_tokens: 8,
+            profiled_ttft_ms: 0.0,
         };
         let young_id = loads
             .book(1, young, start + Duration::from_secs(200))
@@ -559,7 +638,42 @@ mod tests {
         );
         assert_eq!(loads.snapshot(1, &p.hashes.sequence).requests, 1);
         assert!(!loads.release(0, old_id), "the late release is a no-op");
-        assert!(!loads.prefill_done(0, old_id));
+        assert!(!loads.prefill_done(0, old_id, now, true));
         assert!(loads.release(1, young_id));
+    }
+
+    #[test]
+    fn streamed_first_tokens_teach_the_speed_and_other_first_bytes_do_not() {
+        let loads = loads(2);
+        let start = Instant::now();
+        let p = prompt(8, 8, 0);
+        let booked = |instance| {
+            let request = NewRequest {
+                prompt: Some(Arc::clone(&p)),
+                prefill_tokens: 8,
+                profiled_ttft_ms: 40.0,
+            };
+            loads.book(instance, request, start).unwrap()
+        };
+        let (streamed, whole) = (booked(0), booked(1));
+        let at = start + Duration::from_millis(120);
+        assert!(loads.prefill_done(0, streamed, at, true));
+        assert!(loads.prefill_done(1, whole, at, false));
+        // One sample: both instances lean on the model's factor, 3.
+        assert!((loads.snapshot(0, &[]).speed - 3.0).abs() < 1e-9);
+        assert!((loads.snapshot(1, &[]).speed - 3.0).abs() < 1e-9);
+        // A second first byte teaches nothing more.
+        assert!(!loads.prefill_done(0, streamed, at + Duration::from_secs(9), true));
+        assert!((loads.snapshot(0, &[]).speed - 3.0).abs() < 1e-9);
+        // Instance 1 proves 3× faster than instance 0 over many requests.
+        for _ in 0..200 {
+            for (instance, ms) in [(0, 120), (1, 40)] {
+                let id = booked(instance);
+                loads.prefill_done(instance, id, start + Duration::from_millis(ms), true);
+                loads.release(instance, id);
+            }
+        }
+        let ratio = loads.snapshot(0, &[]).speed / loads.snapshot(1, &[]).speed;
+        assert!((ratio - 3.0).abs() < 0.1, "{ratio}");
     }
 }

@@ -16,10 +16,13 @@
 //!    (approximate mode, with a TTL and a size bound).
 //! 3. **Score** ([`cost`], [`busy`]): per instance, the load it would have with this request
 //!    (active prefill tokens and active blocks from [`load`], plus this request's part),
-//!    turned into `overlap_weight × prefill_blocks + decode_blocks`. Busy instances are left
-//!    out; when all are, the request waits in the bounded [`admission`] queue or gets 503.
-//! 4. **Select** ([`select`]): argmin with a tie-break on in-flight requests then random, or a
-//!    softmax draw when `temperature > 0`.
+//!    turned into a predicted time to first token at the instance's learned speed
+//!    ([`speed`]), plus optionally the harm to the streams running there. Busy instances are
+//!    left out; when all are, the request waits in the bounded [`admission`] queue or gets
+//!    503.
+//! 4. **Select** ([`select`]): the instance the request's session is bound to
+//!    ([`sessions`]) while it is open, else argmin with a tie-break on in-flight requests
+//!    then random, or a softmax draw when `temperature > 0`.
 //! 5. **Commit** ([`KvRouter::commit`]): book the load (a [`booking::Booking`] guard
 //!    releases prefill at the first response byte and blocks at the end) and record the
 //!    prediction. A connect failure drops the booking and routes again without that instance.
@@ -36,8 +39,11 @@ mod event_feed;
 mod explain;
 mod load;
 mod overlap;
+mod replicas;
 mod router;
 mod select;
+mod sessions;
+mod speed;
 
 pub use admission::Rejected;
 pub use booking::Booking;
@@ -46,4 +52,6 @@ pub use decision::{Choice, Decision, KvRequest};
 pub use event_feed::EventFeed;
 pub(crate) use explain::route_header;
 pub use explain::{Explanation, InstanceExplanation};
+pub use replicas::SharedLoad;
 pub use router::KvRouter;
+pub use sessions::SessionBinding;

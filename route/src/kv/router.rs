@@ -8,18 +8,21 @@ use kvmesh_config::KvRoutingConfig;
 use kvmesh_kv::{ApproxConfig, ApproxConfigError, OverlapScores};
 use kvmesh_preprocess::ModelPreprocessor;
 use rand::Rng;
+use tokio::sync::mpsc;
 
 use crate::candidates::{Candidate, CandidateSet};
 use crate::kv::admission::{Admission, Rejected};
 use crate::kv::booking::Booking;
 use crate::kv::busy::BusyThresholds;
-use crate::kv::cost::{CandidateLoad, Cost, CostModel, RequestShape};
+use crate::kv::cost::{CandidateLoad, Cost, CostModel, EngineProfile, RequestShape};
 use crate::kv::decision::{Choice, Decision, KvRequest};
-use crate::kv::event_feed::{EventFed, EventFeed};
+use crate::kv::event_feed::{EventFed, EventFeed, RECENT_TTL};
 use crate::kv::explain::{Explanation, InstanceExplanation};
 use crate::kv::load::{ActiveLoads, LoadSnapshot, NewRequest, ReportedLoad};
 use crate::kv::overlap::{Approximate, OverlapSource, instance_depth, worker_key};
+use crate::kv::replicas::{ReplicaLoads, SharedLoad};
 use crate::kv::select::{Scored, probabilities, select};
+use crate::kv::sessions::{SessionBinding, Sessions};
 use crate::metrics::{KvMetrics, RouteStage};
 use crate::prepare::{Prepared, Preparer, RouteInput};
 
@@ -54,6 +57,12 @@ pub struct KvRouter {
     stale_after: Duration,
     /// KV capacity of an instance when its record does not say (`kv.total_kv_blocks`).
     total_kv_blocks: Option<u64>,
+    /// Session bindings (`None`: `kv.session_header` is empty).
+    sessions: Option<Sessions>,
+    /// `kv.session_header`.
+    session_header: Option<String>,
+    /// Other proxy replicas' in-flight load.
+    replicas: ReplicaLoads,
     metrics: KvMetrics,
 }
 
@@ -68,12 +77,18 @@ impl KvRouter {
         kv_events: bool,
         metrics: KvMetrics,
     ) -> Result<Self, ApproxConfigError> {
-        let predicted = Approximate::new(ApproxConfig {
+        let limits = ApproxConfig {
             ttl: config.approx_ttl,
             max_blocks: config.approx_max_blocks,
             prune_target_ratio: config.approx_prune_ratio,
-        })?;
-        let events = kv_events.then(|| Arc::new(EventFeed::default()));
+        };
+        let predicted = Approximate::new(limits)?;
+        let events = if kv_events {
+            let recent_ttl = config.approx_ttl.min(RECENT_TTL);
+            Some(Arc::new(EventFeed::new(recent_ttl, limits)?))
+        } else {
+            None
+        };
         let overlap: Box<dyn OverlapSource> = match &events {
             Some(feed) => Box::new(EventFed::new(Arc::clone(feed), predicted)),
             None => Box::new(predicted),
@@ -83,6 +98,9 @@ impl KvRouter {
             cost: CostModel {
                 block_size: config.block_size.max(1) as u64,
                 overlap_weight: config.overlap_weight,
+                harm_weight: config.harm_weight,
+                overlap_credit_decay: config.overlap_credit_decay,
+                profile: EngineProfile::DEFAULT,
             },
             temperature: config.temperature,
             busy: BusyThresholds::from_config(config),
@@ -96,6 +114,11 @@ impl KvRouter {
             ),
             stale_after: config.stale_request_timeout,
             total_kv_blocks: config.total_kv_blocks.filter(|&total| total > 0),
+            sessions: (!config.session_header.is_empty())
+                .then(|| Sessions::new(config.session_ttl)),
+            session_header: Some(config.session_header.to_ascii_lowercase())
+                .filter(|name| !name.is_empty()),
+            replicas: ReplicaLoads::default(),
             metrics,
         })
     }
@@ -110,18 +133,52 @@ impl KvRouter {
     pub fn remove_instance(&self, instance: u64) {
         self.loads.remove(instance);
         self.overlap.remove_instance(instance);
+        if let Some(sessions) = &self.sessions {
+            sessions.remove_instance(instance);
+        }
         self.admission.wake();
     }
 
-    /// `load` with the engine's foreign load (what its report holds beyond the proxy's own
-    /// requests) added: its blocks to the active blocks, and one block of prefill tokens per
-    /// request waiting.
-    fn folded(&self, mut load: LoadSnapshot) -> LoadSnapshot {
-        load.blocks = load.blocks.saturating_add(load.foreign_blocks);
+    /// `load` of `instance` with what the proxy does not book itself added: the other proxy
+    /// replicas' shared load, and the engine's foreign load (what its report holds beyond
+    /// this proxy's own requests, less the other replicas' blocks it already counts): its
+    /// blocks to the active blocks, and one block of prefill tokens per request waiting.
+    fn folded(&self, instance: u64, mut load: LoadSnapshot) -> LoadSnapshot {
+        let replicas = self.replicas.on(instance);
+        load.prefill_tokens = load.prefill_tokens.saturating_add(replicas.prefill_tokens);
+        load.requests = load.requests.saturating_add(replicas.requests as usize);
+        let foreign = load.foreign_blocks.saturating_sub(replicas.blocks);
+        load.blocks = load
+            .blocks
+            .saturating_add(replicas.blocks)
+            .saturating_add(foreign);
         load.prefill_tokens = load
             .prefill_tokens
             .saturating_add(load.foreign_waiting.saturating_mul(self.cost.block_size));
         load
+    }
+
+    /// The proxy's own in-flight load per instance, to share with the other replicas.
+    pub fn own_loads(&self) -> HashMap<u64, SharedLoad> {
+        self.loads.own()
+    }
+
+    /// Drops the other replicas' shares that expired (replicas that stopped sharing).
+    pub fn expire_replica_loads(&self) {
+        self.replicas.expire(Instant::now());
+    }
+
+    /// Takes in replica `replica`'s share number `seq` of its in-flight load per instance,
+    /// lasting `ttl`; returns whether it was taken (not older than its last one).
+    pub fn apply_replica_loads(
+        &self,
+        replica: u64,
+        seq: u64,
+        loads: HashMap<u64, SharedLoad>,
+        ttl: Duration,
+    ) -> bool {
+        self.replicas
+            .apply(replica, seq, loads, ttl, Instant::now())
     }
 
     /// Records instance `instance`'s load report, scraped `age` before now: `waiting` queued
@@ -154,6 +211,26 @@ impl KvRouter {
                 until: Instant::now() + ttl,
             },
         );
+    }
+
+    /// From now on, the session bindings this router makes go to the returned receiver, to
+    /// be shared with the other proxy replicas; `None` without session affinity, or when
+    /// they already are shared.
+    pub fn share_sessions(&self) -> Option<mpsc::UnboundedReceiver<SessionBinding>> {
+        self.sessions.as_ref()?.share()
+    }
+
+    /// Takes in a session binding another proxy replica made (ignored without session
+    /// affinity).
+    pub fn apply_session(&self, binding: SessionBinding) {
+        if let Some(sessions) = &self.sessions {
+            sessions.apply(binding, Instant::now());
+        }
+    }
+
+    /// The request header naming a request's session (`None`: no session affinity).
+    pub fn session_header(&self) -> Option<&str> {
+        self.session_header.as_deref()
     }
 
     /// The event-fed index, when KV events feed this model.
@@ -201,22 +278,38 @@ impl KvRouter {
                 input: prepared.input.clone(),
                 shape: RequestShape::new(prompt.tokens as u64, self.cost.block_size),
                 scores: self.overlap.find_matches(&prompt.hashes.sequence, now),
+                session: None,
             },
             RouteInput::Fallback(_) => KvRequest {
                 input: prepared.input.clone(),
                 shape: RequestShape::default(),
                 scores: OverlapScores::default(),
+                session: None,
             },
         }
     }
 
-    /// Instance `id` (with `in_flight` requests) scored for `request`.
-    fn evaluate(&self, id: u64, in_flight: u64, request: &KvRequest, eligible: bool) -> Evaluated {
+    /// Instance `id`'s load with the foreign part folded in; the prefix depth is measured
+    /// against `request`'s prompt.
+    fn load_of(&self, id: u64, request: &KvRequest) -> LoadSnapshot {
         let query = match &request.input {
             RouteInput::Tokens(prompt) => &prompt.hashes.sequence[..],
             RouteInput::Fallback(_) => &[],
         };
-        let load = self.folded(self.loads.snapshot(id, query));
+        self.folded(id, self.loads.snapshot(id, query))
+    }
+
+    /// Instance `id` (with `in_flight` requests and `load`) scored for `request`, when the
+    /// least-loaded candidate has `least_backlog` prefill tokens queued.
+    fn evaluate(
+        &self,
+        id: u64,
+        in_flight: u64,
+        load: LoadSnapshot,
+        least_backlog: u64,
+        request: &KvRequest,
+        eligible: bool,
+    ) -> Evaluated {
         let overlap_blocks = instance_depth(&request.scores, id);
         let cost = self.cost.cost(
             &request.shape,
@@ -225,6 +318,10 @@ impl KvRouter {
                 active_prefill_tokens: load.prefill_tokens,
                 active_blocks: load.blocks,
                 active_prefix_blocks: load.prefix_blocks,
+                requests: load.requests as u64,
+                total_blocks: self.total_kv_blocks.unwrap_or(0),
+                speed: load.speed,
+                credit: self.cost.credit(load.prefill_tokens, least_backlog),
             },
         );
         Evaluated {
@@ -246,23 +343,29 @@ impl KvRouter {
         rng: &mut impl Rng,
     ) -> Choice {
         let start = Instant::now();
-        let mut eligible = 0;
-        let mut open: Vec<(usize, Evaluated)> = Vec::with_capacity(candidates.len());
+        let mut loads: Vec<(usize, LoadSnapshot)> = Vec::with_capacity(candidates.len());
         for index in 0..candidates.len() {
-            if !candidates.is_eligible(index) {
-                continue;
-            }
-            eligible += 1;
-            let evaluated = self.evaluate(
-                candidates.id(index),
-                candidates.in_flight(index),
-                request,
-                true,
-            );
-            if !evaluated.busy {
-                open.push((index, evaluated));
+            if candidates.is_eligible(index) {
+                loads.push((index, self.load_of(candidates.id(index), request)));
             }
         }
+        let eligible = loads.len();
+        let least_backlog = least_backlog(loads.iter().map(|(_, load)| load));
+        let open: Vec<(usize, Evaluated)> = loads
+            .into_iter()
+            .map(|(index, load)| {
+                let evaluated = self.evaluate(
+                    candidates.id(index),
+                    candidates.in_flight(index),
+                    load,
+                    least_backlog,
+                    request,
+                    true,
+                );
+                (index, evaluated)
+            })
+            .filter(|(_, evaluated)| !evaluated.busy)
+            .collect();
         let scored: Vec<Scored> = open
             .iter()
             .map(|(_, e)| Scored {
@@ -270,7 +373,12 @@ impl KvRouter {
                 in_flight: e.in_flight,
             })
             .collect();
-        let choice = match select(&scored, self.temperature, rng) {
+        let bound = self.bound_instance(request);
+        let affine = bound.and_then(|id| {
+            open.iter()
+                .position(|&(index, _)| candidates.id(index) == id)
+        });
+        let choice = match affine.or_else(|| select(&scored, self.temperature, rng)) {
             Some(at) => {
                 let (index, evaluated) = open[at];
                 Choice::Picked(Decision {
@@ -278,6 +386,7 @@ impl KvRouter {
                     instance_id: candidates.id(index),
                     overlap_blocks: evaluated.overlap_blocks,
                     cost: evaluated.cost,
+                    affinity: affine.is_some(),
                 })
             }
             None if eligible > 0 => Choice::AllBusy,
@@ -286,6 +395,12 @@ impl KvRouter {
         self.metrics
             .observe_stage(RouteStage::Score, start.elapsed());
         choice
+    }
+
+    /// The instance `request`'s session is bound to now, if any.
+    fn bound_instance(&self, request: &KvRequest) -> Option<u64> {
+        let sessions = self.sessions.as_ref()?;
+        sessions.bound(request.session.as_deref()?, Instant::now())
     }
 
     /// Whether a request may be routed now: some instance available at `now_ms` is not
@@ -298,7 +413,7 @@ impl KvRouter {
                 continue;
             }
             any_available = true;
-            let load = self.folded(self.loads.snapshot(instance.id(), &[]));
+            let load = self.folded(instance.id(), self.loads.snapshot(instance.id(), &[]));
             if !self.busy.is_busy(load.blocks, load.prefill_tokens) {
                 return true;
             }
@@ -348,7 +463,11 @@ impl KvRouter {
         let booked = NewRequest {
             prompt,
             prefill_tokens: decision.cost.new_prefill_tokens,
+            profiled_ttft_ms: decision.cost.profiled_ttft_ms,
         };
+        if let (Some(sessions), Some(session)) = (&self.sessions, &request.session) {
+            sessions.bind(session, decision.instance_id, now);
+        }
         let id = self.loads.book(decision.instance_id, booked, now);
         Booking::new(&self.loads, &self.admission, decision.instance_id, id)
     }
@@ -362,12 +481,26 @@ impl KvRouter {
         now_ms: u64,
         rng: &mut impl Rng,
     ) -> Explanation {
+        let loads: Vec<LoadSnapshot> = instances
+            .iter()
+            .map(|instance| self.load_of(instance.id(), request))
+            .collect();
+        let least_backlog = least_backlog(
+            instances
+                .iter()
+                .zip(&loads)
+                .filter(|(instance, _)| instance.is_available(now_ms))
+                .map(|(_, load)| load),
+        );
         let evaluated: Vec<Evaluated> = instances
             .iter()
-            .map(|instance| {
+            .zip(loads)
+            .map(|(instance, load)| {
                 self.evaluate(
                     instance.id(),
                     instance.in_flight(),
+                    load,
+                    least_backlog,
                     request,
                     instance.is_available(now_ms),
                 )
@@ -387,7 +520,11 @@ impl KvRouter {
         for (&i, p) in open.iter().zip(probabilities(&scored, self.temperature)) {
             chance[i] = p;
         }
-        let chosen = select(&scored, self.temperature, rng).map(|at| open[at]);
+        let bound = self.bound_instance(request);
+        let affine = bound.and_then(|id| open.iter().position(|&i| instances[i].id() == id));
+        let chosen = affine
+            .or_else(|| select(&scored, self.temperature, rng))
+            .map(|at| open[at]);
         let (prompt_tokens, fallback) = match &request.input {
             RouteInput::Tokens(prompt) => (prompt.tokens, None),
             RouteInput::Fallback(reason) => (0, Some(reason.label())),
@@ -395,6 +532,8 @@ impl KvRouter {
         Explanation {
             block_size: self.cost.block_size,
             overlap_weight: self.cost.overlap_weight,
+            harm_weight: self.cost.harm_weight,
+            overlap_credit_decay: self.cost.overlap_credit_decay,
             temperature: self.temperature,
             prompt_tokens,
             prompt_blocks: request.shape.full_blocks,
@@ -403,6 +542,9 @@ impl KvRouter {
                 .and_then(|i| instances.get(i))
                 .map(|i| i.url().to_string()),
             all_busy: open.is_empty() && evaluated.iter().any(|e| e.eligible),
+            session_bound_to: bound
+                .and_then(|id| instances.iter().find(|i| i.id() == id))
+                .map(|i| i.url().to_string()),
             instances: instances
                 .iter()
                 .zip(&evaluated)
@@ -418,6 +560,9 @@ impl KvRouter {
                     in_flight: e.in_flight,
                     prefill_tokens: e.cost.prefill_tokens,
                     decode_blocks: e.cost.decode_blocks,
+                    speed: e.load.speed,
+                    predicted_ttft_ms: e.cost.ttft_ms,
+                    harm_ms: e.cost.harm_ms,
                     cost: e.cost.value,
                     probability,
                 })
@@ -433,6 +578,10 @@ impl KvRouter {
     /// Drops stale bookings and expired predictions at `now`; returns how many bookings.
     pub fn sweep(&self, now: Instant) -> usize {
         self.overlap.expire(now);
+        self.replicas.expire(now);
+        if let Some(sessions) = &self.sessions {
+            sessions.expire(now);
+        }
         let expired = now
             .checked_sub(self.stale_after)
             .map_or(0, |cutoff| self.loads.expire_stale(cutoff));
@@ -455,6 +604,12 @@ impl KvRouter {
             self.metrics.set_index_blocks(instance.url(), blocks);
         }
     }
+}
+
+/// The smallest prefill backlog among `loads` (0 for none): what the overlap credit's decay
+/// measures excess against.
+fn least_backlog<'a>(loads: impl Iterator<Item = &'a LoadSnapshot>) -> u64 {
+    loads.map(|load| load.prefill_tokens).min().unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -153,6 +153,29 @@ fn a_conversation_sticks_to_the_instance_that_caches_its_prefix() {
 }
 
 #[test]
+fn with_events_flowing_a_request_routed_before_its_events_still_draws_its_siblings() {
+    let registry = Registry::new();
+    let families = KvFamilies::register(&registry).unwrap();
+    let instances = instances(4);
+    let router = KvRouter::new(&config(), None, false, true, families.model("m")).unwrap();
+    for instance in &instances {
+        router.add_instance(instance.id());
+    }
+    router.event_feed().expect("events on").set_live(true);
+    let first = request(&router, &conversation(7, 40));
+    let decision = picked(choose(&router, &instances, &first, 3));
+    assert_eq!(decision.overlap_blocks, 0);
+    // No KV event has arrived for it yet (events live, the index empty).
+    drop(router.commit(&decision, &first, Instant::now()));
+    for seed in 0..20 {
+        let sibling = request(&router, &conversation(7, 60));
+        let chosen = picked(choose(&router, &instances, &sibling, seed));
+        assert_eq!(chosen.index, decision.index, "seed {seed}");
+        assert_eq!(chosen.overlap_blocks, 10);
+    }
+}
+
+#[test]
 fn bookings_hold_load_until_dropped_and_prefill_until_the_first_byte() {
     let (router, instances) = router_with(config(), 2);
     let long = request(&router, &conversation(1, 64)); // 16 blocks
@@ -168,7 +191,7 @@ fn bookings_hold_load_until_dropped_and_prefill_until_the_first_byte() {
         picked(choose(&router, &instances, &other, 3)).instance_id,
         busy_one
     );
-    booking.prefill_done();
+    booking.prefill_done(false);
     let load = router.loads.snapshot(busy_one, &[]);
     assert_eq!((load.prefill_tokens, load.blocks), (0, 16));
     drop(booking);
@@ -308,7 +331,7 @@ async fn admission_waits_for_released_load() {
         futures_poll_once(waiting.as_mut()).await.is_none(),
         "busy: the request waits"
     );
-    booking.prefill_done();
+    booking.prefill_done(false);
     assert_eq!(waiting.await, Ok(()));
 }
 
@@ -345,8 +368,7 @@ fn explaining_changes_nothing() {
     let (router, instances) = router_with(config(), 3);
     let warm = request(&router, &conversation(1, 40));
     let decision = picked(choose(&router, &instances, &warm, 0));
-    let booking = router.commit(&decision, &warm, Instant::now());
-    booking.prefill_done();
+    drop(router.commit(&decision, &warm, Instant::now()));
     let probe = request(&router, &conversation(1, 48));
     let before: Vec<_> = (0..3).map(|i| router.loads.snapshot(i, &[])).collect();
     let cached = router.overlap.cached_blocks();
@@ -359,16 +381,18 @@ fn explaining_changes_nothing() {
     let chosen = &first.instances[decision.index];
     assert_eq!(first.chosen.as_deref(), Some(chosen.instance.as_str()));
     assert_eq!(chosen.overlap_blocks, 10);
-    assert_eq!(chosen.active_blocks, 10);
-    assert_eq!(chosen.active_prefill_tokens, 0);
+    assert_eq!(chosen.active_blocks, 0);
+    assert_eq!(chosen.prefill_tokens, 8);
     assert_eq!(chosen.probability, 1.0);
     assert_eq!(first.prompt_tokens, 48);
     assert_eq!(first.prompt_blocks, 12);
-    // Its cost: 8 new prefill tokens = 2 blocks; 10 active + 2 new blocks. An idle instance
-    // costs 12 + 12.
-    assert_eq!(chosen.cost, 2.0 + 12.0);
-    assert_eq!(first.instances[(decision.index + 1) % 3].cost, 24.0);
-    drop(booking);
+    // Idle instances: the predicted time is the profile's prefill of the uncached tokens.
+    let profile = EngineProfile::DEFAULT;
+    assert_eq!(chosen.predicted_ttft_ms, profile.iteration_prefill_ms(8));
+    assert_eq!(chosen.cost, chosen.predicted_ttft_ms);
+    let other = &first.instances[(decision.index + 1) % 3];
+    assert_eq!(other.predicted_ttft_ms, profile.iteration_prefill_ms(48));
+    assert_eq!((chosen.speed, chosen.harm_ms), (1.0, 0.0));
 }
 
 #[test]
@@ -469,4 +493,145 @@ fn engine_reports_raise_the_load_of_their_instance() {
         0,
         "expired at once"
     );
+}
+
+#[test]
+fn a_session_stays_on_its_instance_until_it_is_busy() {
+    let config = KvRoutingConfig {
+        busy_prefill_tokens: Some(1_500),
+        ..config()
+    };
+    let (router, instances) = router_with(config, 2);
+    assert_eq!(router.session_header(), Some("x-session-id"));
+    let turn = |seed| request(&router, &conversation(seed, 40)).in_session(Some("s"));
+    let first = turn(1);
+    let bound = picked(choose(&router, &instances, &first, 0));
+    assert!(!bound.affinity, "nothing bound yet");
+    drop(router.commit(&bound, &first, Instant::now()));
+    // Load on the bound instance makes it the dearer one; the session stays, a request
+    // without it goes to the other instance.
+    let load = request(&router, &conversation(9, 1_000));
+    let on_bound = Decision {
+        index: bound.index,
+        instance_id: bound.instance_id,
+        ..picked(choose(&router, &instances, &load, 0))
+    };
+    let held = router.commit(&on_bound, &load, Instant::now());
+    for seed in 0..10 {
+        let other = picked(choose(
+            &router,
+            &instances,
+            &request(&router, &conversation(50 + seed, 40)),
+            seed as u64,
+        ));
+        assert_ne!(other.index, bound.index);
+        let next = picked(choose(&router, &instances, &turn(2 + seed), seed as u64));
+        assert_eq!(
+            (next.index, next.affinity),
+            (bound.index, true),
+            "seed {seed}"
+        );
+    }
+    let explained = router.explain(&instances, &turn(20), 0, &mut StdRng::seed_from_u64(0));
+    assert_eq!(
+        explained.session_bound_to.as_deref(),
+        Some(instances[bound.index].url())
+    );
+    assert_eq!(
+        explained.chosen.as_deref(),
+        Some(instances[bound.index].url())
+    );
+    // Past its busy threshold the bound instance yields, and the session moves.
+    let more = router.commit(&on_bound, &load, Instant::now());
+    let moved = turn(30);
+    let next = picked(choose(&router, &instances, &moved, 0));
+    assert_eq!((next.index == bound.index, next.affinity), (false, false));
+    drop(router.commit(&next, &moved, Instant::now()));
+    drop((held, more));
+    let after = picked(choose(&router, &instances, &turn(31), 0));
+    assert_eq!((after.index, after.affinity), (next.index, true));
+}
+
+#[test]
+fn without_a_session_header_nothing_binds() {
+    let config = KvRoutingConfig {
+        session_header: String::new(),
+        ..config()
+    };
+    let (router, instances) = router_with(config, 2);
+    assert_eq!(router.session_header(), None);
+    assert!(router.share_sessions().is_none());
+    let first = request(&router, &conversation(1, 40)).in_session(Some("s"));
+    let decision = picked(choose(&router, &instances, &first, 0));
+    drop(router.commit(&decision, &first, Instant::now()));
+    let next = picked(choose(
+        &router,
+        &instances,
+        &request(&router, &conversation(2, 40)).in_session(Some("s")),
+        0,
+    ));
+    assert!(!next.affinity);
+}
+
+#[test]
+fn bindings_are_shared_with_and_taken_from_other_replicas() {
+    let (router, instances) = router_with(config(), 3);
+    let mut shared = router.share_sessions().expect("sessions on");
+    let first = request(&router, &conversation(1, 40)).in_session(Some("mine"));
+    let decision = picked(choose(&router, &instances, &first, 0));
+    drop(router.commit(&decision, &first, Instant::now()));
+    let binding = shared.try_recv().expect("shared");
+    assert_eq!(
+        (&*binding.session, binding.instance),
+        ("mine", decision.instance_id)
+    );
+    router.apply_session(SessionBinding {
+        session: Arc::from("theirs"),
+        instance: 2,
+        ttl: Duration::from_secs(60),
+    });
+    let theirs = request(&router, &conversation(5, 40)).in_session(Some("theirs"));
+    let chosen = picked(choose(&router, &instances, &theirs, 0));
+    assert_eq!((chosen.instance_id, chosen.affinity), (2, true));
+}
+
+#[test]
+fn a_replica_counts_the_load_another_shares_until_it_expires() {
+    let (one, instances) = router_with(config(), 2);
+    let (other, _) = router_with(config(), 2);
+    let heavy = request(&one, &conversation(1, 4_000));
+    let on_zero = Decision {
+        index: 0,
+        instance_id: 0,
+        ..picked(choose(&one, &instances, &heavy, 0))
+    };
+    let held = one.commit(&on_zero, &heavy, Instant::now());
+    let shared = one.own_loads();
+    assert_eq!(shared[&0].prefill_tokens, 4_000);
+    assert_eq!((shared[&0].requests, shared[&1].requests), (1, 0));
+    assert!(other.apply_replica_loads(7, 1, shared, Duration::from_secs(60)));
+    for seed in 0..10 {
+        let fresh = request(&other, &conversation(2 + seed, 400));
+        let chosen = picked(choose(&other, &instances, &fresh, u64::from(seed)));
+        assert_eq!(chosen.instance_id, 1, "the other replica's prefill is on 0");
+    }
+    let explained = other.explain(
+        &instances,
+        &request(&other, &conversation(3, 400)),
+        0,
+        &mut StdRng::seed_from_u64(0),
+    );
+    assert_eq!(explained.instances[0].active_prefill_tokens, 4_000);
+    assert_eq!(explained.instances[0].active_requests, 1);
+    // The replica dies: its last share expires.
+    assert!(other.apply_replica_loads(7, 2, one.own_loads(), Duration::ZERO));
+    other.expire_replica_loads();
+    let explained = other.explain(
+        &instances,
+        &request(&other, &conversation(3, 400)),
+        0,
+        &mut StdRng::seed_from_u64(0),
+    );
+    assert_eq!(explained.instances[0].active_prefill_tokens, 0);
+    drop(held);
 }

@@ -1,0 +1,105 @@
+//! What proxy replicas share with each other on NATS (docs/control-plane.md, "NATS:
+//! replicas"): session bindings, and the in-flight load each one puts on each instance.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{HexU64, InstanceId};
+
+/// One proxy replica bound a session of a model to an instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionShare {
+    /// The replica that made the binding (random per proxy process); a replica ignores its
+    /// own.
+    pub replica: HexU64,
+    /// The model.
+    pub model: String,
+    /// The session key (the value of the model's `kv.session_header`).
+    pub session: String,
+    /// The instance the session is bound to.
+    pub instance_id: InstanceId,
+    /// How long the binding lasts from its publication, in milliseconds.
+    pub ttl_ms: u64,
+}
+
+impl SessionShare {
+    /// The binding as its JSON payload.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Parses a JSON payload.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(bytes)
+    }
+}
+
+/// One proxy replica's in-flight load on one instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InstanceLoadShare {
+    /// The instance.
+    pub instance_id: InstanceId,
+    /// Prompt tokens of the replica's requests there still in prefill.
+    pub prefill_tokens: u64,
+    /// KV blocks its requests there hold.
+    pub blocks: u64,
+    /// Its requests there.
+    pub requests: u64,
+}
+
+/// One proxy replica's in-flight load on a model's instances, numbered: a newer share
+/// replaces the last, and a share counts for `ttl_ms` (a replica that stops sharing, because
+/// it died, stops counting).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadShare {
+    /// The sharing replica.
+    pub replica: HexU64,
+    /// Its share number, rising.
+    pub seq: u64,
+    /// The model.
+    pub model: String,
+    /// How long the share counts, in milliseconds.
+    pub ttl_ms: u64,
+    /// Its load per instance (instances without any may be left out).
+    pub instances: Vec<InstanceLoadShare>,
+}
+
+impl LoadShare {
+    /// The share as its JSON payload.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Parses a JSON payload.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_load_share_round_trips() {
+        let json = br#"{"replica":"0000000000000007","seq":3,"model":"m","ttl_ms":3000,"instances":[{"instance_id":"00c0ffee00c0ffee","prefill_tokens":4096,"blocks":80,"requests":2}]}"#;
+        let share = LoadShare::from_json(json).expect("doc example");
+        assert_eq!(share.instances[0].prefill_tokens, 4096);
+        assert_eq!(
+            LoadShare::from_json(&share.to_json()).expect("round trip"),
+            share
+        );
+    }
+
+    #[test]
+    fn documented_example_parses_and_round_trips() {
+        let json = br#"{"replica":"0000000000000007","model":"m","session":"chat-42","instance_id":"00c0ffee00c0ffee","ttl_ms":600000}"#;
+        let share = SessionShare::from_json(json).expect("doc example");
+        assert_eq!(share.instance_id, InstanceId(0x00c0_ffee_00c0_ffee));
+        assert_eq!((share.session.as_str(), share.ttl_ms), ("chat-42", 600_000));
+        assert_eq!(
+            SessionShare::from_json(&share.to_json()).expect("round trip"),
+            share
+        );
+        assert!(SessionShare::from_json(br#"{"model":"m"}"#).is_err());
+    }
+}

@@ -1,0 +1,222 @@
+use proptest::prelude::*;
+
+use super::*;
+
+const MODEL: CostModel = CostModel {
+    block_size: 16,
+    overlap_weight: 1.0,
+    harm_weight: 0.0,
+    overlap_credit_decay: 0.0,
+    profile: EngineProfile::DEFAULT,
+};
+
+fn close(a: f64, b: f64, tolerance: f64) -> bool {
+    (a - b).abs() <= tolerance
+}
+
+#[test]
+fn shapes_count_a_partial_tail_block() {
+    assert_eq!(
+        RequestShape::new(40, 16),
+        RequestShape {
+            tokens: 40,
+            full_blocks: 2,
+            blocks: 3
+        }
+    );
+    assert_eq!(RequestShape::new(32, 16).blocks, 2);
+    assert_eq!(RequestShape::new(0, 16), RequestShape::default());
+}
+
+#[test]
+fn the_default_profile_matches_the_mockers_worked_values() {
+    let profile = EngineProfile::DEFAULT;
+    for (tokens, ms) in [
+        (16, 16.74),
+        (512, 24.39),
+        (1000, 32.11),
+        (4096, 85.76),
+        (8192, 169.14),
+    ] {
+        let got = profile.iteration_prefill_ms(tokens);
+        assert!(close(got, ms, 0.01), "{tokens} tokens: {got} ms, not {ms}");
+    }
+    assert_eq!(profile.iteration_prefill_ms(0), 0.0);
+    // Past one iteration's budget, prefill takes more iterations.
+    let (time, iterations) = profile.prefill_ms(8193);
+    assert_eq!(iterations, 2);
+    assert!(close(time, 169.14 + profile.iteration_prefill_ms(1), 0.01));
+    assert_eq!(profile.prefill_ms(0), (0.0, 0));
+    for (usage, ms) in [
+        (0.0, 5.74),
+        (0.1, 10.88),
+        (0.25, 17.63),
+        (0.5, 26.31),
+        (0.75, 31.77),
+        (0.9, 33.50),
+        (1.0, 34.01),
+    ] {
+        let got = profile.decode_ms(usage);
+        assert!(close(got, ms, 0.7), "usage {usage}: {got} ms, not {ms}");
+    }
+}
+
+#[test]
+fn an_idle_instance_costs_its_own_prefill_only() {
+    let shape = RequestShape::new(1000, 16); // 62 full blocks
+    let cost = MODEL.cost(&shape, &CandidateLoad::default());
+    assert_eq!(cost.new_prefill_tokens, 1000);
+    assert!(close(cost.ttft_ms, 32.11, 0.01));
+    assert_eq!(cost.harm_ms, 0.0);
+    assert_eq!(cost.value, cost.ttft_ms);
+    // A cached prefix of 40 blocks leaves 360 tokens.
+    let cached = MODEL.cost(
+        &shape,
+        &CandidateLoad {
+            overlap_blocks: 40,
+            ..CandidateLoad::default()
+        },
+    );
+    assert_eq!(cached.new_prefill_tokens, 360);
+    assert!(close(
+        cached.ttft_ms,
+        EngineProfile::DEFAULT.iteration_prefill_ms(360),
+        1e-9
+    ));
+}
+
+#[test]
+fn queued_prefill_running_streams_and_speed_all_count() {
+    let shape = RequestShape::new(100, 16); // 6 full blocks + a tail: 7 blocks
+    let load = CandidateLoad {
+        overlap_blocks: 4,
+        active_prefill_tokens: 9000,
+        active_blocks: 1000,
+        active_prefix_blocks: 3,
+        requests: 5,
+        total_blocks: 2000,
+        speed: 2.0,
+        credit: 1.0,
+    };
+    let cost = MODEL.cost(&shape, &load);
+    assert_eq!(cost.new_prefill_tokens, 100 - 64);
+    assert_eq!(cost.prefill_tokens, 9000 + 36);
+    assert_eq!(cost.decode_blocks, 1000 + 7 - 3);
+    let profile = EngineProfile::DEFAULT;
+    let prefill = profile.iteration_prefill_ms(8192) + profile.iteration_prefill_ms(9036 - 8192);
+    let decode = 2.0 * profile.decode_ms(1004.0 / 2000.0);
+    assert!(close(cost.profiled_ttft_ms, prefill + decode, 1e-9));
+    assert!(close(cost.ttft_ms, 2.0 * (prefill + decode), 1e-9));
+    assert!(close(
+        cost.harm_ms,
+        2.0 * 5.0 * profile.iteration_prefill_ms(36),
+        1e-9
+    ));
+    assert_eq!(cost.value, cost.ttft_ms);
+    let weighted = CostModel {
+        overlap_weight: 3.0,
+        harm_weight: 0.5,
+        ..MODEL
+    };
+    let value = weighted.cost(&shape, &load).value;
+    assert!(close(
+        value,
+        2.0 * (3.0 * prefill + decode) + 0.5 * cost.harm_ms,
+        1e-9
+    ));
+}
+
+#[test]
+fn overlaps_beyond_the_prompt_are_capped() {
+    let shape = RequestShape::new(20, 16); // 1 full block
+    let load = CandidateLoad {
+        overlap_blocks: 9,
+        active_prefix_blocks: 9,
+        ..CandidateLoad::default()
+    };
+    let cost = MODEL.cost(&shape, &load);
+    assert_eq!(cost.new_prefill_tokens, 4);
+    assert_eq!(cost.decode_blocks, 1);
+}
+
+#[test]
+fn decay_lets_a_swamped_cache_lose_to_an_idle_instance() {
+    let shape = RequestShape::new(8192, 16); // 512 blocks
+    let rich = CandidateLoad {
+        overlap_blocks: 448, // all but 1,024 tokens cached
+        active_prefill_tokens: 4096,
+        active_blocks: 600,
+        requests: 6,
+        ..CandidateLoad::default()
+    };
+    let idle = CandidateLoad::default();
+    // Half an iteration queued ahead costs less than prefilling 7,168 more tokens.
+    assert!(MODEL.cost(&shape, &rich).value < MODEL.cost(&shape, &idle).value);
+    let decaying = CostModel {
+        overlap_credit_decay: 4.0,
+        ..MODEL
+    };
+    assert_eq!(decaying.credit(8192, 8192), 1.0);
+    assert_eq!(decaying.credit(4096, 0), 1.0 / 3.0);
+    let credited = CandidateLoad {
+        credit: decaying.credit(rich.active_prefill_tokens, 0),
+        ..rich
+    };
+    let cost = decaying.cost(&shape, &credited);
+    assert_eq!(cost.new_prefill_tokens, 8192 - 7168 / 3);
+    assert!(cost.value > decaying.cost(&shape, &idle).value);
+}
+
+fn loads() -> impl Strategy<Value = CandidateLoad> {
+    (
+        0u32..600,
+        0u64..40_000,
+        0u64..20_000,
+        0u32..600,
+        0u64..64,
+        1u64..20_000,
+        0.1f64..10.0,
+        0.0f64..=1.0,
+    )
+        .prop_map(
+            |(overlap, prefill, blocks, prefix, requests, total, speed, credit)| CandidateLoad {
+                overlap_blocks: overlap,
+                active_prefill_tokens: prefill,
+                active_blocks: blocks,
+                active_prefix_blocks: prefix,
+                requests,
+                total_blocks: total,
+                speed,
+                credit,
+            },
+        )
+}
+
+proptest! {
+    /// More cached prefix never costs more; more queued prefill, more running streams or a
+    /// slower engine never cost less.
+    #[test]
+    fn the_cost_moves_the_right_way(
+        tokens in 0u64..20_000,
+        load in loads(),
+        more in 1u64..10_000,
+        harm in 0.0f64..2.0,
+        decay in 0.0f64..4.0,
+    ) {
+        let model = CostModel { harm_weight: harm, overlap_credit_decay: decay, ..MODEL };
+        let shape = RequestShape::new(tokens, 16);
+        let base = model.cost(&shape, &load);
+        prop_assert!(base.value.is_finite() && base.value >= 0.0);
+        let cached = CandidateLoad { overlap_blocks: load.overlap_blocks + 8, ..load };
+        prop_assert!(model.cost(&shape, &cached).value <= base.value + 1e-9);
+        let queued = CandidateLoad { active_prefill_tokens: load.active_prefill_tokens + more, ..load };
+        prop_assert!(model.cost(&shape, &queued).value >= base.value - 1e-9);
+        let streams = CandidateLoad { requests: load.requests + 1, ..load };
+        prop_assert!(model.cost(&shape, &streams).value >= base.value - 1e-9);
+        let slower = CandidateLoad { speed: load.speed * 1.5, ..load };
+        prop_assert!(model.cost(&shape, &slower).value >= base.value - 1e-9);
+        let least = load.active_prefill_tokens.saturating_sub(more);
+        let credit = model.credit(load.active_prefill_tokens, least);
+        prop_assert!(credit > 0.0 && credit <= 1.0);
+    }
+}

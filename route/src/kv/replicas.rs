@@ -1,0 +1,150 @@
+//! The in-flight load other proxy replicas put on each instance, as they share it.
+//!
+//! Each replica's bookings are exact for its own requests but blind to the others'. So every
+//! replica shares, a few times a second and whenever it changed, what it has in flight per
+//! instance (prefill tokens, blocks, requests: [`SharedLoad`]), numbered; the others add it
+//! to their own when scoring. A share replaces that replica's previous one (an older number
+//! is ignored), and lasts a TTL: a replica that dies stops sharing and its load disappears
+//! when its last share expires. KV blocks need no sharing: every replica reads every
+//! engine's KV events.
+//!
+//! Reads are lock-free (the per-instance totals are swapped in whole on every share).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+
+/// One replica's in-flight load on one instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SharedLoad {
+    /// Prompt tokens of its requests there still in prefill.
+    pub prefill_tokens: u64,
+    /// Blocks its requests there hold.
+    pub blocks: u64,
+    /// Its requests there.
+    pub requests: u64,
+}
+
+impl SharedLoad {
+    fn add(&mut self, other: &SharedLoad) {
+        self.prefill_tokens += other.prefill_tokens;
+        self.blocks += other.blocks;
+        self.requests += other.requests;
+    }
+}
+
+/// The latest share of one replica.
+#[derive(Debug)]
+struct Share {
+    seq: u64,
+    until: Instant,
+    loads: HashMap<u64, SharedLoad>,
+}
+
+/// Every other replica's shared load.
+#[derive(Debug, Default)]
+pub(crate) struct ReplicaLoads {
+    shares: Mutex<HashMap<u64, Share>>,
+    /// Per instance, the sum over the live shares.
+    totals: ArcSwap<HashMap<u64, SharedLoad>>,
+}
+
+impl ReplicaLoads {
+    /// Replica `replica`'s share number `seq`, arriving at `now` and lasting `ttl`: its load
+    /// per instance. Returns whether it was taken (not older than the last one).
+    pub(crate) fn apply(
+        &self,
+        replica: u64,
+        seq: u64,
+        loads: HashMap<u64, SharedLoad>,
+        ttl: Duration,
+        now: Instant,
+    ) -> bool {
+        let mut shares = self.shares.lock().unwrap_or_else(PoisonError::into_inner);
+        if shares.get(&replica).is_some_and(|share| share.seq >= seq) {
+            return false;
+        }
+        shares.insert(
+            replica,
+            Share {
+                seq,
+                until: now + ttl,
+                loads,
+            },
+        );
+        self.publish(&mut shares, now);
+        true
+    }
+
+    /// Drops the shares expired at `now` (their replicas stopped sharing).
+    pub(crate) fn expire(&self, now: Instant) {
+        let mut shares = self.shares.lock().unwrap_or_else(PoisonError::into_inner);
+        if shares.values().any(|share| share.until <= now) {
+            self.publish(&mut shares, now);
+        }
+    }
+
+    /// Recomputes the totals from the live shares (dropping the expired ones).
+    fn publish(&self, shares: &mut HashMap<u64, Share>, now: Instant) {
+        shares.retain(|_, share| share.until > now);
+        let mut totals: HashMap<u64, SharedLoad> = HashMap::new();
+        for share in shares.values() {
+            for (&instance, load) in &share.loads {
+                totals.entry(instance).or_default().add(load);
+            }
+        }
+        self.totals.store(Arc::new(totals));
+    }
+
+    /// The other replicas' load on `instance`.
+    pub(crate) fn on(&self, instance: u64) -> SharedLoad {
+        self.totals
+            .load()
+            .get(&instance)
+            .copied()
+            .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TTL: Duration = Duration::from_secs(2);
+
+    fn load(prefill_tokens: u64, blocks: u64, requests: u64) -> SharedLoad {
+        SharedLoad {
+            prefill_tokens,
+            blocks,
+            requests,
+        }
+    }
+
+    #[test]
+    fn shares_add_up_replace_and_expire() {
+        let replicas = ReplicaLoads::default();
+        let now = Instant::now();
+        assert!(replicas.apply(1, 1, HashMap::from([(7, load(100, 10, 1))]), TTL, now));
+        assert!(replicas.apply(
+            2,
+            1,
+            HashMap::from([(7, load(50, 5, 2)), (8, load(1, 1, 1))]),
+            TTL,
+            now
+        ));
+        assert_eq!(replicas.on(7), load(150, 15, 3));
+        assert_eq!(replicas.on(8), load(1, 1, 1));
+        assert_eq!(replicas.on(9), SharedLoad::default());
+        // A newer share replaces the replica's last one; an older one is ignored.
+        let later = now + Duration::from_secs(1);
+        assert!(replicas.apply(1, 3, HashMap::new(), TTL, later));
+        assert!(!replicas.apply(1, 2, HashMap::from([(7, load(999, 9, 9))]), TTL, later));
+        assert_eq!(replicas.on(7), load(50, 5, 2));
+        // Replica 2 stops sharing (it died): its load goes when its share expires.
+        replicas.expire(now + TTL);
+        assert_eq!(replicas.on(7), SharedLoad::default());
+        assert_eq!(replicas.on(8), SharedLoad::default());
+    }
+}
