@@ -6,6 +6,9 @@
 #   kvmesh-kv        kvmesh-proxy, policy: kv (approximate: predicted from its own decisions)
 #   kvmesh-precise   kvmesh-proxy, policy: kv with KV events: one kvmesh-agent per engine,
 #                    etcd discovery, nats-server events
+#   kvmesh-precise-2r  the same with two kvmesh-proxy replicas sharing etcd and NATS, the load
+#                    split between them by an nginx round robin in front (a conversation's
+#                    turns alternate replicas)
 #   sglang           sglang-router 0.3.2, --policy cache_aware
 #   vllm-router      vllm-router 0.1.17, --policy cache_aware
 #   nginx            nginx round robin
@@ -51,7 +54,7 @@ CHAT_SYSTEM_PROMPTS=4
 CHAT_SYSTEM_WORDS=500
 CHAT_USER_WORDS=800
 CHAT_ANSWER_WORDS=100
-LANES=kvmesh-rr,kvmesh-kv,kvmesh-precise,sglang,vllm-router,nginx
+LANES=kvmesh-rr,kvmesh-kv,kvmesh-precise,kvmesh-precise-2r,sglang,vllm-router,nginx
 WORKLOADS=trace,chat
 KV_OVERLAP_WEIGHT=
 KV_SETTINGS=()
@@ -93,19 +96,20 @@ IFS=, read -ra WORKLOAD_LIST <<<"$WORKLOADS"
 [[ -f $TRACE ]] || die "no trace at $TRACE"
 TIME_SCALE=$(awk -v a="$ARRIVAL_SPEEDUP" -v s="$SPEEDUP" 'BEGIN { print a * s }')
 has_lane() { [[ ",$LANES," == *",$1,"* ]]; }
+has_precise() { has_lane kvmesh-precise || has_lane kvmesh-precise-2r; }
 
 # ---- tools, binaries, peers -----------------------------------------------------------------
 need_tool jq jq
 need_tool curl curl
-has_lane nginx && need_tool nginx nginx
-if has_lane kvmesh-precise; then
+{ has_lane nginx || has_lane kvmesh-precise-2r; } && need_tool nginx nginx
+if has_precise; then
   need_tool nats-server nats-server
   need_tool etcd etcd-server
 fi
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 
 BINS=(-p kvmesh-proxy -p kvmesh-engine-sim -p kvmesh-bench)
-has_lane kvmesh-precise && [[ -f $BENCH_ROOT/worker-agent/Cargo.toml ]] && BINS+=(-p kvmesh-agent)
+has_precise && [[ -f $BENCH_ROOT/worker-agent/Cargo.toml ]] && BINS+=(-p kvmesh-agent)
 if ((BUILD)); then
   log "building release binaries (several minutes on 2 cores)"
   (cd "$BENCH_ROOT" && cargo build --release "${BINS[@]}")
@@ -160,7 +164,7 @@ wait_http() {
 start_sims() {
   local args=(--engines "$ENGINES" --port 0 --model "$MODEL" --speedup-ratio "$SPEEDUP")
   [[ $1 == chat ]] && args+=(--tokenizer "$TOKENIZER/tokenizer.json")
-  [[ $2 == kvmesh-precise ]] && args+=(--kv-events-endpoint tcp://127.0.0.1:0 --kv-events-replay-endpoint tcp://127.0.0.1:0)
+  [[ $2 == kvmesh-precise* ]] && args+=(--kv-events-endpoint tcp://127.0.0.1:0 --kv-events-replay-endpoint tcp://127.0.0.1:0)
   start_bg SIM_PID "$RUN_DIR/sim.out" "$SIM" "${args[@]}"
   wait_ready "$RUN_DIR/sim.out" "$SIM_PID"
   mapfile -t SIM_ADDRS < <(listening "$RUN_DIR/sim.out" 'engine-[0-9]+')
@@ -213,10 +217,12 @@ start_kvmesh() { # CONFIG
   ROUTER_PIDS=("$PROXY_PID")
 }
 
-# start_precise WORKLOAD: etcd, nats-server, one kvmesh-agent per engine, then kvmesh-proxy
-# with etcd discovery and NATS events; waits until the proxy routes to every engine.
+# start_precise WORKLOAD [REPLICAS]: etcd, nats-server, one kvmesh-agent per engine, then
+# kvmesh-proxy with etcd discovery and NATS events; waits until the proxy routes to every
+# engine. With 2 replicas, a second proxy with the same config and an nginx round robin in
+# front of both.
 start_precise() {
-  local etcd_port peer_port nats_port i
+  local etcd_port peer_port nats_port i replicas=${2:-1}
   etcd_port=$(free_port)
   peer_port=$(free_port)
   nats_port=$(free_port)
@@ -248,6 +254,14 @@ events:
   wait_ready "$RUN_DIR/proxy.out" "$PROXY_PID"
   ROUTER_URL=http://$(listening "$RUN_DIR/proxy.out" main)
   ROUTER_PIDS+=("$PROXY_PID")
+  if ((replicas == 2)); then
+    start_bg PROXY2_PID "$RUN_DIR/proxy-2.out" env RUST_LOG=warn "$PROXY" --config "$RUN_DIR/kvmesh.yaml"
+    wait_ready "$RUN_DIR/proxy-2.out" "$PROXY2_PID"
+    ROUTER_PIDS+=("$PROXY2_PID")
+    local pids=("${ROUTER_PIDS[@]}")
+    start_nginx "$(listening "$RUN_DIR/proxy.out" main)" "$(listening "$RUN_DIR/proxy-2.out" main)"
+    ROUTER_PIDS=("${pids[@]}" "$PEER_PID")
+  fi
 }
 
 start_sglang() {
@@ -272,8 +286,10 @@ start_vllm_router() {
   ROUTER_PIDS=("$PEER_PID")
 }
 
+# start_nginx [ADDR...]: nginx round robin over ADDRs (default: the sims).
 start_nginx() {
-  local port addr
+  local port addr upstreams=("$@")
+  ((${#upstreams[@]})) || upstreams=("${SIM_ADDRS[@]}")
   port=$(free_port)
   mkdir -p "$RUN_DIR/nginx/logs"
   {
@@ -288,7 +304,7 @@ start_nginx() {
     echo "    client_max_body_size 64m;"
     echo "    proxy_read_timeout 600s;"
     echo "    upstream sims {"
-    for addr in "${SIM_ADDRS[@]}"; do echo "        server $addr;"; done
+    for addr in "${upstreams[@]}"; do echo "        server $addr;"; done
     echo "        keepalive 64;"
     echo "    }"
     echo "    server {"
@@ -337,6 +353,7 @@ run_one() {
     kvmesh-rr) kvmesh_config "$RUN_DIR/kvmesh.yaml" round_robin "$workload"; start_kvmesh "$RUN_DIR/kvmesh.yaml" ;;
     kvmesh-kv) kvmesh_config "$RUN_DIR/kvmesh.yaml" kv "$workload"; start_kvmesh "$RUN_DIR/kvmesh.yaml" ;;
     kvmesh-precise) start_precise "$workload" ;;
+    kvmesh-precise-2r) start_precise "$workload" 2 ;;
     sglang) start_sglang ;;
     vllm-router) start_vllm_router ;;
     nginx) start_nginx ;;
@@ -361,8 +378,8 @@ run_one() {
   if [[ $lane == kvmesh-* ]]; then
     curl -sf "http://$(listening "$RUN_DIR/proxy.out" admin)/metrics" >"$RUN_DIR/proxy-metrics.txt" || true
   fi
-  if [[ $lane == kvmesh-precise ]]; then
-    note "kvmesh-precise, $workload: the proxy applied $(metric_sum kvmesh_kv_events_applied_total) KV events from the agents ($(metric_sum kvmesh_kv_event_gaps_total) gaps, $(metric_sum kvmesh_kv_resyncs_total) resyncs), saw $(metric_sum kvmesh_discovery_instances) instances in etcd, and made $(metric_sum kvmesh_route_fallbacks_total) fallback routing decisions"
+  if [[ $lane == kvmesh-precise* ]]; then
+    note "$lane, $workload: the proxy applied $(metric_sum kvmesh_kv_events_applied_total) KV events from the agents ($(metric_sum kvmesh_kv_event_gaps_total) gaps, $(metric_sum kvmesh_kv_resyncs_total) resyncs), saw $(metric_sum kvmesh_discovery_instances) instances in etcd, and made $(metric_sum kvmesh_route_fallbacks_total) fallback routing decisions"
   fi
   sed 's/^/    /' "$RUN_DIR/report.txt" >&2
   local pid
@@ -374,9 +391,9 @@ run_one() {
 RAN=()
 for workload in "${WORKLOAD_LIST[@]}"; do
   for lane in "${LANE_LIST[@]}"; do
-    if [[ $lane == kvmesh-precise ]] && ! { [[ -x $AGENT ]] && "$AGENT" --help >/dev/null 2>&1 &&
+    if [[ $lane == kvmesh-precise* ]] && ! { [[ -x $AGENT ]] && "$AGENT" --help >/dev/null 2>&1 &&
       "$AGENT" --help 2>&1 | grep -q -- '--kv-events-endpoint'; }; then
-      note "kvmesh-precise skipped: no usable kvmesh-agent at $AGENT (the worker-agent is not built yet)"
+      note "$lane skipped: no usable kvmesh-agent at $AGENT (the worker-agent is not built yet)"
       continue
     fi
     run_one "$workload" "$lane"
@@ -422,7 +439,8 @@ verdict() {
 }
 SECTION=$WORK_DIR/section.md
 declare -A LABEL=([kvmesh-rr]="kvmesh round robin" [kvmesh-kv]="kvmesh kv (approximate)"
-  [kvmesh-precise]="kvmesh kv precise (agents + NATS)" [sglang]="sglang-router $SGLANG_VERSION cache_aware"
+  [kvmesh-precise]="kvmesh kv precise (agents + NATS)"
+  [kvmesh-precise-2r]="kvmesh kv precise, 2 replicas behind nginx" [sglang]="sglang-router $SGLANG_VERSION cache_aware"
   [vllm-router]="vllm-router $VLLM_ROUTER_VERSION cache_aware" [nginx]="nginx round robin")
 {
   echo "## Routing quality (\`benches/routing-quality.sh\`)"
@@ -507,6 +525,44 @@ declare -A LABEL=([kvmesh-rr]="kvmesh round robin" [kvmesh-kv]="kvmesh kv (appro
   a=$(get "$A" '.output_tokens_per_s')
   b=$(get "$t-kvmesh-rr/report.json" '.output_tokens_per_s')
   echo "| kvmesh kv output tok/s ≥ kvmesh round robin | $(versus "$a" "$b" "%.0f vs %.0f" 1) | $(verdict "$a" "$b" '>=') |"
+  echo
+  echo "### Targets (issue 18: routing that wins with no knob set)"
+  echo
+  echo "kvmesh precise against the best of sglang-router and vllm-router \`cache_aware\` in this run: each TTFT quantile ≤ 0.8× the better peer's, fleet reuse ≥ the better peer's; the two-replica lane within 5 % of one replica. Meaningful only when the run sets no kv knob."
+  echo
+  echo "| workload | target | measured | result |"
+  echo "|---|---|---|---|"
+  for workload in "${WORKLOAD_LIST[@]}"; do
+    w=$WORK_DIR/$workload
+    P=$w-kvmesh-precise/report.json
+    [[ -f $P ]] || continue
+    for q in p50 p90 p99; do
+      best=n/a
+      for other in sglang vllm-router; do
+        b=$(get "$w-$other/report.json" ".ttft_ms.$q")
+        [[ $b == n/a ]] && continue
+        if [[ $best == n/a ]] || awk -v b="$b" -v m="$best" 'BEGIN { exit !(b < m) }'; then best=$b; fi
+      done
+      a=$(get "$P" ".ttft_ms.$q")
+      bar=$( [[ $best == n/a ]] && echo n/a || awk -v b="$best" 'BEGIN { print b * 0.8 }')
+      echo "| $workload | TTFT $q ≤ 0.8× best peer | $(versus "$a" "$bar" "%.0f vs %.0f ms" "$SPEEDUP") | $(verdict "$a" "$bar" '<') |"
+    done
+    best=n/a
+    for other in sglang vllm-router; do
+      b=$(get "$w-$other/report.json" '.cache.hit_rate')
+      [[ $b == n/a ]] && continue
+      if [[ $best == n/a ]] || awk -v b="$b" -v m="$best" 'BEGIN { exit !(b > m) }'; then best=$b; fi
+    done
+    a=$(get "$P" '.cache.hit_rate')
+    echo "| $workload | hit rate ≥ best peer's | $(versus "$a" "$best" "%.3f vs %.3f" 1) | $(verdict "$a" "$best" '>=') |"
+    R=$w-kvmesh-precise-2r/report.json
+    for q in p50 p90; do
+      a=$(get "$R" ".ttft_ms.$q")
+      b=$(get "$P" ".ttft_ms.$q")
+      bar=$( [[ $b == n/a ]] && echo n/a || awk -v b="$b" 'BEGIN { print b * 1.05 }')
+      echo "| $workload | 2 replicas TTFT $q ≤ 1.05× one replica | $(versus "$a" "$b" "%.0f vs %.0f ms" "$SPEEDUP") | $(verdict "$a" "$bar" '<') |"
+    done
+  done
   echo
   echo "### Setup notes"
   echo
