@@ -109,9 +109,8 @@ struct ReplicaSubjects {
     load: String,
 }
 
-/// How often a replica looks whether its in-flight load changed (and shares it if so).
-const LOAD_SHARE_INTERVAL: Duration = Duration::from_millis(50);
-/// A replica shares its load at least this often, changed or not.
+/// A replica shares its load at every change (a booking, a first token, a release) and at
+/// least this often, changed or not.
 const LOAD_SHARE_HEARTBEAT: Duration = Duration::from_secs(1);
 /// How long a replica's shared load counts: a few heartbeats.
 const LOAD_SHARE_TTL: Duration = Duration::from_secs(3);
@@ -131,38 +130,38 @@ impl Sharer {
         let mut bindings = pool
             .upgrade()
             .and_then(|pool| pool.balancer().kv_router()?.share_sessions());
-        let mut tick = tokio::time::interval(LOAD_SHARE_INTERVAL);
+        let mut tick = tokio::time::interval(LOAD_SHARE_HEARTBEAT);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut seq = 0;
-        let mut last: HashMap<u64, SharedLoad> = HashMap::new();
-        let mut last_sent: Option<Instant> = None;
+        let mut last: Option<HashMap<u64, SharedLoad>> = None;
         loop {
+            let Some(alive) = pool.upgrade().filter(|pool| !pool.is_retired()) else {
+                return;
+            };
             let binding = async {
                 match bindings.as_mut() {
                     Some(bindings) => bindings.recv().await,
                     None => std::future::pending().await,
                 }
             };
-            tokio::select! {
-                Some(binding) = binding => self.publish_session(binding).await,
-                _ = tick.tick() => {
-                    let Some(pool) = pool.upgrade().filter(|pool| !pool.is_retired()) else {
-                        return;
-                    };
-                    let Some(router) = pool.balancer().kv_router() else {
-                        return;
-                    };
-                    router.expire_replica_loads();
-                    let own = router.own_loads();
-                    drop(pool);
-                    let due = last_sent.is_none_or(|at| at.elapsed() >= LOAD_SHARE_HEARTBEAT);
-                    if own != last || due {
-                        seq += 1;
-                        self.publish_load(seq, &own).await;
-                        last = own;
-                        last_sent = Some(Instant::now());
-                    }
+            let heartbeat = tokio::select! {
+                Some(binding) = binding => {
+                    self.publish_session(binding).await;
+                    continue;
                 }
+                () = own_changed(&alive) => false,
+                _ = tick.tick() => true,
+            };
+            let Some(router) = alive.balancer().kv_router() else {
+                return;
+            };
+            router.expire_replica_loads();
+            let own = router.own_loads();
+            drop(alive);
+            if heartbeat || last.as_ref() != Some(&own) {
+                seq += 1;
+                self.publish_load(seq, &own).await;
+                last = Some(own);
             }
         }
     }
@@ -204,6 +203,15 @@ impl Sharer {
             .bus
             .publish(&self.subjects.load, Bytes::from(share.to_json()))
             .await;
+    }
+}
+
+/// Completes when `pool`'s own in-flight load changed (never for a pool without a KV
+/// router).
+async fn own_changed(pool: &ModelPool) {
+    match pool.balancer().kv_router() {
+        Some(router) => router.own_loads_changed().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use kvmesh_kv::SequenceHash;
+use tokio::sync::Notify;
 
 use crate::kv::replicas::SharedLoad;
 use crate::kv::speed::LearnedSpeed;
@@ -223,6 +224,8 @@ pub(crate) struct ActiveLoads {
     fleet_speed: Mutex<LearnedSpeed>,
     /// `fleet_speed`'s logarithm (f64 bits), read without a lock when scoring.
     fleet_ln_factor: AtomicU64,
+    /// Woken on every booking, first token and release (the replica sharer waits on it).
+    changed: Notify,
 }
 
 impl ActiveLoads {
@@ -233,6 +236,7 @@ impl ActiveLoads {
             next_id: AtomicU64::new(1),
             fleet_speed: Mutex::new(LearnedSpeed::default()),
             fleet_ln_factor: AtomicU64::new(0f64.to_bits()),
+            changed: Notify::new(),
         }
     }
 
@@ -310,7 +314,14 @@ impl ActiveLoads {
             started: now,
         };
         Self::lock(&cell).add(id, active);
+        self.changed.notify_one();
         Some(id)
+    }
+
+    /// Completes at the next booking, first token or release (at once if one happened since
+    /// the last wait).
+    pub(crate) async fn changed(&self) {
+        self.changed.notified().await;
     }
 
     /// The request's first response byte arrived at `now`: its prefill tokens stop counting,
@@ -334,6 +345,9 @@ impl ActiveLoads {
         let profiled = std::mem::take(&mut request.profiled_ttft_ms);
         let observed = now.saturating_duration_since(request.started);
         load.prefill_tokens -= tokens;
+        if tokens > 0 {
+            self.changed.notify_one();
+        }
         if first_token {
             let observed_ms = observed.as_secs_f64() * 1000.0;
             load.speed.observe(profiled, observed_ms);
@@ -352,8 +366,13 @@ impl ActiveLoads {
     /// The request ended (or its client left): all its load is released. Returns whether it
     /// was still booked.
     pub(crate) fn release(&self, instance: u64, id: u64) -> bool {
-        self.cell(instance)
-            .is_some_and(|cell| Self::lock(&cell).remove(id))
+        let released = self
+            .cell(instance)
+            .is_some_and(|cell| Self::lock(&cell).remove(id));
+        if released {
+            self.changed.notify_one();
+        }
+        released
     }
 
     /// The proxy's own load on every instance, as replicas share it.

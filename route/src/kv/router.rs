@@ -163,6 +163,12 @@ impl KvRouter {
         self.loads.own()
     }
 
+    /// Completes when this proxy's own in-flight load changed (a booking, a first token or
+    /// a release) since the last wait: the cue to share it with the other replicas.
+    pub async fn own_loads_changed(&self) {
+        self.loads.changed().await;
+    }
+
     /// Drops the other replicas' shares that expired (replicas that stopped sharing).
     pub fn expire_replica_loads(&self) {
         self.replicas.expire(Instant::now());
