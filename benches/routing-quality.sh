@@ -7,8 +7,8 @@
 #   kvmesh-precise   kvmesh-proxy, policy: kv with KV events: one kvmesh-agent per engine,
 #                    etcd discovery, nats-server events
 #   kvmesh-precise-2r  the same with two kvmesh-proxy replicas sharing etcd and NATS, the load
-#                    split between them by an nginx round robin in front (a conversation's
-#                    turns alternate replicas)
+#                    generator opening its connections to each in turn (so a conversation's
+#                    turns land on either replica)
 #   sglang           sglang-router 0.3.2, --policy cache_aware
 #   vllm-router      vllm-router 0.1.17, --policy cache_aware
 #   nginx            nginx round robin
@@ -101,7 +101,7 @@ has_precise() { has_lane kvmesh-precise || has_lane kvmesh-precise-2r; }
 # ---- tools, binaries, peers -----------------------------------------------------------------
 need_tool jq jq
 need_tool curl curl
-{ has_lane nginx || has_lane kvmesh-precise-2r; } && need_tool nginx nginx
+has_lane nginx && need_tool nginx nginx
 if has_precise; then
   need_tool nats-server nats-server
   need_tool etcd etcd-server
@@ -219,8 +219,7 @@ start_kvmesh() { # CONFIG
 
 # start_precise WORKLOAD [REPLICAS]: etcd, nats-server, one kvmesh-agent per engine, then
 # kvmesh-proxy with etcd discovery and NATS events; waits until the proxy routes to every
-# engine. With 2 replicas, a second proxy with the same config and an nginx round robin in
-# front of both.
+# engine. With 2 replicas, a second proxy with the same config (ALSO_URLS).
 start_precise() {
   local etcd_port peer_port nats_port i replicas=${2:-1}
   etcd_port=$(free_port)
@@ -258,9 +257,7 @@ events:
     start_bg PROXY2_PID "$RUN_DIR/proxy-2.out" env RUST_LOG=warn "$PROXY" --config "$RUN_DIR/kvmesh.yaml"
     wait_ready "$RUN_DIR/proxy-2.out" "$PROXY2_PID"
     ROUTER_PIDS+=("$PROXY2_PID")
-    local pids=("${ROUTER_PIDS[@]}")
-    start_nginx "$(listening "$RUN_DIR/proxy.out" main)" "$(listening "$RUN_DIR/proxy-2.out" main)"
-    ROUTER_PIDS=("${pids[@]}" "$PEER_PID")
+    ALSO_URLS=("http://$(listening "$RUN_DIR/proxy-2.out" main)")
   fi
 }
 
@@ -286,10 +283,8 @@ start_vllm_router() {
   ROUTER_PIDS=("$PEER_PID")
 }
 
-# start_nginx [ADDR...]: nginx round robin over ADDRs (default: the sims).
 start_nginx() {
-  local port addr upstreams=("$@")
-  ((${#upstreams[@]})) || upstreams=("${SIM_ADDRS[@]}")
+  local port addr
   port=$(free_port)
   mkdir -p "$RUN_DIR/nginx/logs"
   {
@@ -304,7 +299,7 @@ start_nginx() {
     echo "    client_max_body_size 64m;"
     echo "    proxy_read_timeout 600s;"
     echo "    upstream sims {"
-    for addr in "${upstreams[@]}"; do echo "        server $addr;"; done
+    for addr in "${SIM_ADDRS[@]}"; do echo "        server $addr;"; done
     echo "        keepalive 64;"
     echo "    }"
     echo "    server {"
@@ -348,6 +343,7 @@ run_one() {
   RUN_DIR=$WORK_DIR/$workload-$lane
   mkdir -p "$RUN_DIR"
   log "== $workload through $lane"
+  ALSO_URLS=()
   start_sims "$workload" "$lane"
   case $lane in
     kvmesh-rr) kvmesh_config "$RUN_DIR/kvmesh.yaml" round_robin "$workload"; start_kvmesh "$RUN_DIR/kvmesh.yaml" ;;
@@ -362,6 +358,8 @@ run_one() {
   probe_router
   local flags=(--url "$ROUTER_URL" --model "$MODEL" --stream --timeout 600s --max-outstanding 4096
     --engine-metrics "$SIM_URLS" --oracle-engines "$ENGINES" --json "$RUN_DIR/report.json")
+  local url
+  for url in "${ALSO_URLS[@]}"; do flags+=(--also-url "$url"); done
   if [[ $workload == trace ]]; then
     flags+=(--workload trace --trace "$TRACE" --slice-requests "$SLICE_REQUESTS" --time-scale "$TIME_SCALE")
     # sglang-router 0.3.2 answers 422 to token-id prompts (and routes on text anyway).
@@ -440,7 +438,7 @@ verdict() {
 SECTION=$WORK_DIR/section.md
 declare -A LABEL=([kvmesh-rr]="kvmesh round robin" [kvmesh-kv]="kvmesh kv (approximate)"
   [kvmesh-precise]="kvmesh kv precise (agents + NATS)"
-  [kvmesh-precise-2r]="kvmesh kv precise, 2 replicas behind nginx" [sglang]="sglang-router $SGLANG_VERSION cache_aware"
+  [kvmesh-precise-2r]="kvmesh kv precise, 2 replicas" [sglang]="sglang-router $SGLANG_VERSION cache_aware"
   [vllm-router]="vllm-router $VLLM_ROUTER_VERSION cache_aware" [nginx]="nginx round robin")
 {
   echo "## Routing quality (\`benches/routing-quality.sh\`)"

@@ -83,6 +83,10 @@ pub struct Args {
     /// Base URL of the server (plain http; a trailing `/v1` is allowed).
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     pub url: String,
+    /// Another server answering the same API (a replica of `--url`): new connections go to
+    /// each in turn. Repeatable.
+    #[arg(long = "also-url")]
+    pub also_urls: Vec<String>,
     /// Endpoint to call.
     #[arg(long, value_enum, default_value_t = Endpoint::Chat)]
     pub endpoint: Endpoint,

@@ -2,6 +2,7 @@
 //! HTTP/2 (h2c, prior knowledge) connection multiplexing every lane.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use bytes::Bytes;
@@ -60,6 +61,9 @@ pub enum ConnectError {
 #[derive(Debug)]
 pub struct Connector {
     addr: SocketAddr,
+    /// More servers new HTTP/1.1 connections go to in turn with `addr` (replicas).
+    replicas: Vec<SocketAddr>,
+    next: AtomicUsize,
     http2: bool,
     shared_h2: Mutex<Option<http2::SendRequest<RequestBody>>>,
 }
@@ -69,9 +73,18 @@ impl Connector {
     pub fn new(addr: SocketAddr, http2: bool) -> Self {
         Self {
             addr,
+            replicas: Vec::new(),
+            next: AtomicUsize::new(0),
             http2,
             shared_h2: Mutex::new(None),
         }
+    }
+
+    /// New connections go in turn to `addr` and each of `replicas` (servers sharing the
+    /// load, such as proxy replicas).
+    pub fn with_replicas(mut self, replicas: Vec<SocketAddr>) -> Self {
+        self.replicas = replicas;
+        self
     }
 
     /// Whether connections speak HTTP/2.
@@ -107,7 +120,11 @@ impl Connector {
     }
 
     async fn tcp(&self) -> Result<TokioIo<TcpStream>, std::io::Error> {
-        let stream = TcpStream::connect(self.addr).await?;
+        let turn = self.next.fetch_add(1, Ordering::Relaxed) % (self.replicas.len() + 1);
+        let addr = turn
+            .checked_sub(1)
+            .map_or(self.addr, |replica| self.replicas[replica]);
+        let stream = TcpStream::connect(addr).await?;
         // Nagle would hold small writes back behind delayed ACKs.
         stream.set_nodelay(true)?;
         Ok(TokioIo::new(stream))

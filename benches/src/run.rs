@@ -70,6 +70,10 @@ pub async fn run(args: &Args) -> Result<Report, RunError> {
     let started = Instant::now();
     let cpu_at_start = process_cpu_time();
     let target = Target::resolve(&args.url).await?;
+    let mut replicas = Vec::with_capacity(args.also_urls.len());
+    for url in &args.also_urls {
+        replicas.push(Target::resolve(url).await?.addr);
+    }
     let prepared = prepare(args, &target)?;
     let mut probes = Vec::with_capacity(args.engine_metrics.len());
     for url in &args.engine_metrics {
@@ -82,7 +86,7 @@ pub async fn run(args: &Args) -> Result<Report, RunError> {
         .map(|key| HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| RunError::ApiKey))
         .transpose()?;
     let client = Arc::new(Client::new(
-        Connector::new(target.addr, args.http2),
+        Connector::new(target.addr, args.http2).with_replicas(replicas),
         args.timeout,
         target.host_header(),
         authorization,

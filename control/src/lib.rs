@@ -44,5 +44,5 @@ pub use namespace::{
 pub use registry::{
     EtcdRegistry, InProcessRegistry, LeaseId, Listing, Registry, Watch, WatchEvent,
 };
-pub use replica::{InstanceLoadShare, LoadShare, SessionShare};
+pub use replica::{DecisionShare, InstanceLoadShare, LoadShare, SessionShare};
 pub use resync::{SnapshotReply, SnapshotRequest};

@@ -159,6 +159,11 @@ impl Namespace {
         format!("{}.sessions", self.0)
     }
 
+    /// `{ns}.decisions`: where proxy replicas share their routing decisions.
+    pub fn decisions_subject(&self) -> String {
+        format!("{}.decisions", self.0)
+    }
+
     /// `{ns}.replica_load`: where proxy replicas share their in-flight load.
     pub fn replica_load_subject(&self) -> String {
         format!("{}.replica_load", self.0)
@@ -184,6 +189,7 @@ mod tests {
         assert_eq!(ns.snapshot_subject(ID), "kvmesh.snapshot.00c0ffee00c0ffee");
         assert_eq!(ns.sessions_subject(), "kvmesh.sessions");
         assert_eq!(ns.replica_load_subject(), "kvmesh.replica_load");
+        assert_eq!(ns.decisions_subject(), "kvmesh.decisions");
         assert_eq!(ns.instances_prefix(), "/kvmesh/instances/");
         assert_eq!(ns.all_events_subject(), "kvmesh.kv.*");
     }

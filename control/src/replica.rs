@@ -1,5 +1,6 @@
 //! What proxy replicas share with each other on NATS (docs/control-plane.md, "NATS:
-//! replicas"): session bindings, and the in-flight load each one puts on each instance.
+//! replicas"): session bindings, the in-flight load each one puts on each instance, and
+//! its routing decisions.
 
 use serde::{Deserialize, Serialize};
 
@@ -75,9 +76,56 @@ impl LoadShare {
     }
 }
 
+/// One proxy replica sent a prompt's blocks to an instance (the other replicas count them
+/// as predicted there until the engine's KV events take over).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DecisionShare {
+    /// The deciding replica.
+    pub replica: HexU64,
+    /// The model.
+    pub model: String,
+    /// The chosen instance.
+    pub instance_id: InstanceId,
+    /// Each full block's local hash (kvmesh's hash space), in prompt order.
+    pub local: Vec<HexU64>,
+    /// Each full block's sequence hash, in prompt order; as long as `local`.
+    pub sequence: Vec<HexU64>,
+}
+
+impl DecisionShare {
+    /// The decision as its JSON payload.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Parses a JSON payload; `local` and `sequence` must be as long as each other.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+        let share: Self = serde_json::from_slice(bytes)?;
+        if share.local.len() != share.sequence.len() {
+            return Err(serde::de::Error::custom(
+                "local and sequence hashes differ in length",
+            ));
+        }
+        Ok(share)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_decision_round_trips_and_mismatched_hashes_are_rejected() {
+        let json = br#"{"replica":"0000000000000007","model":"m","instance_id":"00c0ffee00c0ffee","local":["0000000000000001","0000000000000002"],"sequence":["00000000000000aa","00000000000000bb"]}"#;
+        let share = DecisionShare::from_json(json).expect("doc example");
+        assert_eq!(share.sequence[1], HexU64(0xbb));
+        assert_eq!(
+            DecisionShare::from_json(&share.to_json()).expect("round trip"),
+            share
+        );
+        let uneven = br#"{"replica":"0000000000000007","model":"m","instance_id":"00c0ffee00c0ffee","local":["0000000000000001"],"sequence":[]}"#;
+        assert!(DecisionShare::from_json(uneven).is_err());
+    }
 
     #[test]
     fn a_load_share_round_trips() {

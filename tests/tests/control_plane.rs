@@ -669,13 +669,21 @@ async fn a_session_bound_on_one_replica_is_followed_by_the_other() -> anyhow::Re
     );
     assert!(route.contains("session=bound"), "{route}");
 
-    // Garbage on the sessions subject is counted, not applied.
+    // Garbage on the replica subjects is counted, not applied.
     let bus = NatsBus::connect(&servers.nats.url(), "kvmesh-e2e").await?;
     bus.publish("kvmesh.sessions", Bytes::from_static(b"{not json"))
         .await?;
     bus.flush(Duration::from_secs(10)).await?;
     let malformed = "kvmesh_kv_events_malformed_total{kind=\"session\"}";
     await_metric(&client, &metrics_b, malformed, |v| v == 1.0, CONVERGE).await?;
+    for subject in ["kvmesh.decisions", "kvmesh.replica_load"] {
+        bus.publish(subject, Bytes::from_static(b"[]")).await?;
+    }
+    bus.flush(Duration::from_secs(10)).await?;
+    for kind in ["decision", "replica_load"] {
+        let malformed = format!("kvmesh_kv_events_malformed_total{{kind=\"{kind}\"}}");
+        await_metric(&client, &metrics_b, &malformed, |v| v == 1.0, CONVERGE).await?;
+    }
     let (_, instance, _) = complete_in_session(&client, &proxy_b, &cached, "chat-1").await?;
     assert_eq!(instance, bound);
     assert_no_panic(&proxy_a);

@@ -29,14 +29,15 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kvmesh_control::{
-    ConnectionState, ControlError, EventBatch, EventBus, HexU64, InstanceId, InstanceLoadShare,
-    LoadReport, LoadShare, Message, SessionShare, SnapshotReply, SnapshotRequest, Subscription,
+    ConnectionState, ControlError, DecisionShare, EventBatch, EventBus, HexU64, InstanceId,
+    InstanceLoadShare, LoadReport, LoadShare, Message, SessionShare, SnapshotReply,
+    SnapshotRequest, Subscription,
 };
-use kvmesh_kv::{KvEvent, WorkerKey};
+use kvmesh_kv::{BlockHashes, KvEvent, LocalBlockHash, SequenceHash, WorkerKey};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::AbortHandle;
 
-use kvmesh_route::kv::{EventFeed, SessionBinding, SharedLoad};
+use kvmesh_route::kv::{EventFeed, SessionBinding, SharedDecision, SharedLoad};
 
 use crate::control_plane::metrics::{ControlMetrics, Dropped, Malformed};
 use crate::control_plane::sequence::{Outcome, ResyncReason, SequenceTracker, Step};
@@ -88,6 +89,7 @@ pub(crate) struct Intake {
     loads: Subscription,
     sessions: Subscription,
     replica_loads: Subscription,
+    decisions: Subscription,
     subjects: ReplicaSubjects,
     inputs: mpsc::UnboundedReceiver<IntakeInput>,
     settings: IntakeSettings,
@@ -107,6 +109,7 @@ impl std::fmt::Debug for Intake {
 struct ReplicaSubjects {
     sessions: String,
     load: String,
+    decisions: String,
 }
 
 /// A replica shares its load at every change (a booking, a first token, a release) and at
@@ -127,9 +130,13 @@ impl Sharer {
     /// Runs until `pool` is retired or dropped. Publishing is best effort: while NATS is
     /// down, the other replicas' copies expire and each routes on its own bookings.
     async fn run(self, pool: Weak<ModelPool>) {
-        let mut bindings = pool
-            .upgrade()
-            .and_then(|pool| pool.balancer().kv_router()?.share_sessions());
+        let (mut bindings, mut decisions) = match pool.upgrade() {
+            Some(pool) => match pool.balancer().kv_router() {
+                Some(router) => (router.share_sessions(), router.share_decisions()),
+                None => return,
+            },
+            None => return,
+        };
         let mut tick = tokio::time::interval(LOAD_SHARE_HEARTBEAT);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut seq = 0;
@@ -144,9 +151,19 @@ impl Sharer {
                     None => std::future::pending().await,
                 }
             };
+            let decision = async {
+                match decisions.as_mut() {
+                    Some(decisions) => decisions.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
             let heartbeat = tokio::select! {
                 Some(binding) = binding => {
                     self.publish_session(binding).await;
+                    continue;
+                }
+                Some(decision) = decision => {
+                    self.publish_decision(decision).await;
                     continue;
                 }
                 () = own_changed(&alive) => false,
@@ -164,6 +181,22 @@ impl Sharer {
                 last = Some(own);
             }
         }
+    }
+
+    /// Publishes a routing decision this replica made.
+    async fn publish_decision(&self, decision: SharedDecision) {
+        let hashes = &decision.prompt.hashes;
+        let share = DecisionShare {
+            replica: self.replica,
+            model: self.model.clone(),
+            instance_id: InstanceId(decision.instance),
+            local: hashes.local.iter().map(|h| HexU64(h.0)).collect(),
+            sequence: hashes.sequence.iter().map(|h| HexU64(h.0)).collect(),
+        };
+        let _ = self
+            .bus
+            .publish(&self.subjects.decisions, Bytes::from(share.to_json()))
+            .await;
     }
 
     /// Publishes a binding this replica made.
@@ -267,21 +300,24 @@ impl Intake {
         let subjects = ReplicaSubjects {
             sessions: namespace.sessions_subject(),
             load: namespace.replica_load_subject(),
+            decisions: namespace.decisions_subject(),
         };
         let subscriptions = async {
             let events = bus.subscribe(&namespace.all_events_subject()).await?;
             let loads = bus.subscribe(&namespace.all_load_subject()).await?;
             let sessions = bus.subscribe(&subjects.sessions).await?;
             let replica_loads = bus.subscribe(&subjects.load).await?;
-            Ok::<_, ControlError>((events, loads, sessions, replica_loads))
+            let decisions = bus.subscribe(&subjects.decisions).await?;
+            Ok::<_, ControlError>((events, loads, [sessions, replica_loads, decisions]))
         };
         match subscriptions.await {
-            Ok((events, loads, sessions, replica_loads)) => Ok(Self {
+            Ok((events, loads, [sessions, replica_loads, decisions])) => Ok(Self {
                 bus,
                 events,
                 loads,
                 sessions,
                 replica_loads,
+                decisions,
                 subjects,
                 inputs,
                 settings,
@@ -299,6 +335,7 @@ impl Intake {
             mut loads,
             mut sessions,
             mut replica_loads,
+            mut decisions,
             subjects,
             mut inputs,
             settings,
@@ -338,6 +375,7 @@ impl Intake {
                 Some(message) = loads.next() => actor.on_load(&message),
                 Some(message) = sessions.next() => actor.on_session(&message),
                 Some(message) = replica_loads.next() => actor.on_replica_load(&message),
+                Some(message) = decisions.next() => actor.on_decision(&message),
                 Some(input) = inputs.recv() => actor.on_input(input),
                 Some(answer) = answers.recv() => actor.on_answer(answer),
                 changed = connection.changed() => {
@@ -429,6 +467,30 @@ impl Actor {
                 .collect();
             let ttl = Duration::from_millis(share.ttl_ms);
             router.apply_replica_loads(share.replica.0, share.seq, loads, ttl);
+        }
+    }
+
+    /// Takes in a routing decision another proxy replica shared.
+    fn on_decision(&mut self, message: &Message) {
+        let share = match DecisionShare::from_json(&message.payload) {
+            Ok(share) => share,
+            Err(error) => {
+                self.metrics.malformed(Malformed::Decision);
+                tracing::debug!(%error, "malformed replica decision");
+                return;
+            }
+        };
+        if share.replica.0 == self.replica {
+            return;
+        }
+        if let Some(pool) = self.model_pool(&share.model)
+            && let Some(router) = pool.balancer().kv_router()
+        {
+            let hashes = BlockHashes {
+                local: share.local.iter().map(|h| LocalBlockHash(h.0)).collect(),
+                sequence: share.sequence.iter().map(|h| SequenceHash(h.0)).collect(),
+            };
+            router.apply_decision(share.instance_id.0, &hashes);
         }
     }
 

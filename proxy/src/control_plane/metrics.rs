@@ -45,6 +45,8 @@ pub(crate) enum Malformed {
     Session,
     /// In-flight load shared by another proxy replica.
     ReplicaLoad,
+    /// A routing decision shared by another proxy replica.
+    Decision,
 }
 
 impl Malformed {
@@ -55,6 +57,7 @@ impl Malformed {
             Self::Load => "load",
             Self::Session => "session",
             Self::ReplicaLoad => "replica_load",
+            Self::Decision => "decision",
         }
     }
 }

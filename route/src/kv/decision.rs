@@ -6,7 +6,7 @@ use std::sync::Arc;
 use kvmesh_kv::OverlapScores;
 
 use crate::kv::cost::{Cost, RequestShape};
-use crate::prepare::{FallbackReason, RouteInput};
+use crate::prepare::{FallbackReason, PromptBlocks, RouteInput};
 
 /// One request as routing sees it, computed once (the lookup included) and reused when a
 /// failed attempt is routed again.
@@ -35,6 +35,15 @@ pub struct Decision {
     pub cost: Cost,
     /// Chosen because the request's session is bound to it.
     pub affinity: bool,
+}
+
+/// A decision as replicas share it: the prompt's blocks went to an instance.
+#[derive(Debug, Clone)]
+pub struct SharedDecision {
+    /// The chosen instance's id.
+    pub instance: u64,
+    /// The prompt (its block hashes).
+    pub prompt: Arc<PromptBlocks>,
 }
 
 /// What [`KvRouter::choose`](crate::kv::KvRouter::choose) found.

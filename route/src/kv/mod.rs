@@ -48,7 +48,7 @@ mod speed;
 pub use admission::Rejected;
 pub use booking::Booking;
 pub use cost::{Cost, RequestShape};
-pub use decision::{Choice, Decision, KvRequest};
+pub use decision::{Choice, Decision, KvRequest, SharedDecision};
 pub use event_feed::EventFeed;
 pub(crate) use explain::route_header;
 pub use explain::{Explanation, InstanceExplanation};

@@ -1,11 +1,11 @@
 //! [`KvRouter`]: one model's KV-aware routing state and the decision itself.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use kvmesh_config::KvRoutingConfig;
-use kvmesh_kv::{ApproxConfig, ApproxConfigError, OverlapScores};
+use kvmesh_kv::{ApproxConfig, ApproxConfigError, BlockHashes, OverlapScores};
 use kvmesh_preprocess::ModelPreprocessor;
 use rand::Rng;
 use tokio::sync::mpsc;
@@ -15,7 +15,7 @@ use crate::kv::admission::{Admission, Rejected};
 use crate::kv::booking::Booking;
 use crate::kv::busy::BusyThresholds;
 use crate::kv::cost::{CandidateLoad, Cost, CostModel, EngineProfile, RequestShape};
-use crate::kv::decision::{Choice, Decision, KvRequest};
+use crate::kv::decision::{Choice, Decision, KvRequest, SharedDecision};
 use crate::kv::event_feed::{EventFed, EventFeed, RECENT_TTL};
 use crate::kv::explain::{Explanation, InstanceExplanation};
 use crate::kv::load::{ActiveLoads, LoadSnapshot, NewRequest, ReportedLoad};
@@ -63,6 +63,8 @@ pub struct KvRouter {
     session_header: Option<String>,
     /// Other proxy replicas' in-flight load.
     replicas: ReplicaLoads,
+    /// Where routing decisions go to be shared with the other replicas, once sharing starts.
+    decisions: OnceLock<mpsc::UnboundedSender<SharedDecision>>,
     metrics: KvMetrics,
 }
 
@@ -119,6 +121,7 @@ impl KvRouter {
             session_header: Some(config.session_header.to_ascii_lowercase())
                 .filter(|name| !name.is_empty()),
             replicas: ReplicaLoads::default(),
+            decisions: OnceLock::new(),
             metrics,
         })
     }
@@ -161,6 +164,24 @@ impl KvRouter {
     /// The proxy's own in-flight load per instance, to share with the other replicas.
     pub fn own_loads(&self) -> HashMap<u64, SharedLoad> {
         self.loads.own()
+    }
+
+    /// From now on, every routing decision with a prompt goes to the returned receiver, to be
+    /// shared with the other replicas; `None` when it already does.
+    pub fn share_decisions(&self) -> Option<mpsc::UnboundedReceiver<SharedDecision>> {
+        let (decisions, shared) = mpsc::unbounded_channel();
+        self.decisions.set(decisions).ok()?;
+        Some(shared)
+    }
+
+    /// Takes in a decision another replica made: `hashes` went to instance `instance`. It
+    /// counts as this proxy's own would (the side index beside the KV events, and the
+    /// predictions), so a burst sharing a prefix split between replicas still co-locates.
+    pub fn apply_decision(&self, instance: u64, hashes: &BlockHashes) {
+        let pruned = self
+            .overlap
+            .record(worker_key(instance), hashes, Instant::now());
+        self.metrics.index_prunes.inc_by(pruned);
     }
 
     /// Completes when this proxy's own in-flight load changed (a booking, a first token or
@@ -458,6 +479,13 @@ impl KvRouter {
                 let pruned =
                     self.overlap
                         .record(worker_key(decision.instance_id), &prompt.hashes, now);
+                if let Some(decisions) = self.decisions.get() {
+                    // The receiver lives as long as the proxy.
+                    let _ = decisions.send(SharedDecision {
+                        instance: decision.instance_id,
+                        prompt: Arc::clone(prompt),
+                    });
+                }
                 self.metrics.index_prunes.inc_by(pruned);
                 self.metrics
                     .overlap_blocks

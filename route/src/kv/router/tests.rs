@@ -635,3 +635,33 @@ fn a_replica_counts_the_load_another_shares_until_it_expires() {
     assert_eq!(explained.instances[0].active_prefill_tokens, 0);
     drop(held);
 }
+
+#[test]
+fn another_replicas_decision_draws_the_siblings_of_its_prompt() {
+    let registry = Registry::new();
+    let families = KvFamilies::register(&registry).unwrap();
+    let instances = instances(4);
+    let one = KvRouter::new(&config(), None, false, true, families.model("m")).unwrap();
+    let other = KvRouter::new(&config(), None, false, true, families.model("m2")).unwrap();
+    for router in [&one, &other] {
+        for instance in &instances {
+            router.add_instance(instance.id());
+        }
+        router.event_feed().expect("events on").set_live(true);
+    }
+    let mut shared = one.share_decisions().expect("first share");
+    assert!(one.share_decisions().is_none(), "once");
+    let first = request(&one, &conversation(7, 40));
+    let decision = picked(choose(&one, &instances, &first, 3));
+    drop(one.commit(&decision, &first, Instant::now()));
+    let sent = shared.try_recv().expect("shared");
+    assert_eq!(sent.instance, decision.instance_id);
+    // No KV event has arrived yet; the other replica learns the decision from the share.
+    other.apply_decision(sent.instance, &sent.prompt.hashes);
+    for seed in 0..20 {
+        let sibling = request(&other, &conversation(7, 60));
+        let chosen = picked(choose(&other, &instances, &sibling, seed));
+        assert_eq!(chosen.instance_id, decision.instance_id, "seed {seed}");
+        assert_eq!(chosen.overlap_blocks, 10);
+    }
+}
