@@ -165,6 +165,9 @@ pub(crate) async fn relay_body<F: Frontend>(
         }
         next = upstream.take_buffered();
         let last = matches!(next, Some(Ok(None))) && held.is_empty();
+        if let (true, Some(booking)) = (last, ctx.booking) {
+            booking.release();
+        }
         if (out.is_some() || last) && !frontend.write_body(out.unwrap_or_default(), last).await {
             return RelayEnd::ClientGone;
         }
@@ -177,6 +180,9 @@ pub(crate) async fn relay_body<F: Frontend>(
     let rest = held.split().freeze();
     if let Some(meter) = ctx.meter.filter(|_| !rest.is_empty()) {
         meter.observe(&rest, ctx.event_stream);
+    }
+    if let Some(booking) = ctx.booking {
+        booking.release();
     }
     if !frontend.write_body(rest, true).await {
         return RelayEnd::ClientGone;

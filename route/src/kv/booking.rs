@@ -48,6 +48,19 @@ impl<'a> Booking<'a> {
     }
 }
 
+impl Booking<'_> {
+    /// The engine's answer is complete: all the load is released now, before the last bytes
+    /// reach the client, so a client that sends its next request the moment it has read the
+    /// answer finds the instance idle (dropping the guard later does nothing more).
+    pub fn release(&self) {
+        if let Some(id) = self.id
+            && self.loads.release(self.instance, id)
+        {
+            self.admission.wake();
+        }
+    }
+}
+
 impl Drop for Booking<'_> {
     fn drop(&mut self) {
         if let Some(id) = self.id

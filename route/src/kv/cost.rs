@@ -2,7 +2,7 @@
 //! better:
 //!
 //! ```text
-//! cost = speed × (overlap_weight × prefill_ms + decode_load_ms) + harm_weight × harm_ms
+//! cost = speed × (overlap_weight × prefill_ms + decode_ms) + harm_weight × harm_ms
 //! ```
 //!
 //! - `prefill_ms`: the prefill work queued there ahead of the request plus its own uncached
@@ -11,11 +11,6 @@
 //! - `decode_ms`: what the streams already running there add to each of those iterations,
 //!   growing with the share of the KV cache in use (with this request); none on an idle
 //!   instance;
-//! - `decode_load_ms`: the part of `decode_ms` that grows with KV usage (above an empty
-//!   cache's). The cost leaves out the fixed part of a decode step: it separates an idle
-//!   instance from one running a few short streams by a few milliseconds, which would move a
-//!   conversation with a short prompt off the instance caching it (and lose its cache for
-//!   every later turn) for a gain the next turn pays back;
 //! - `speed`: how much slower (above 1) or faster than [`EngineProfile::DEFAULT`] this
 //!   instance proved to be, learned from the first-token times of its streamed requests
 //!   ([`crate::kv::load`]); so `speed × (prefill_ms + decode_ms)` is the predicted time to
@@ -213,15 +208,10 @@ impl CostModel {
             decode_blocks as f64 / load.total_blocks as f64
         };
         // Any active block (the proxy's own or the engine's reported) is a running stream.
-        let (decode_ms, decode_load_ms) = if load.active_blocks > 0 {
-            let step = self.profile.decode_ms(usage);
-            let iterations = iterations as f64;
-            (
-                iterations * step,
-                iterations * (step - self.profile.decode_idle_ms),
-            )
+        let decode_ms = if load.active_blocks > 0 {
+            iterations as f64 * self.profile.decode_ms(usage)
         } else {
-            (0.0, 0.0)
+            0.0
         };
         let speed = if load.speed.is_finite() && load.speed > 0.0 {
             load.speed
@@ -238,7 +228,7 @@ impl CostModel {
             profiled_ttft_ms,
             ttft_ms: speed * profiled_ttft_ms,
             harm_ms,
-            value: speed * (self.overlap_weight * prefill_ms + decode_load_ms)
+            value: speed * (self.overlap_weight * prefill_ms + decode_ms)
                 + self.harm_weight * harm_ms,
         }
     }
