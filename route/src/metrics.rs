@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry,
+    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry,
 };
 
 use crate::prepare::{FALLBACK_REASONS, FallbackReason};
@@ -27,6 +27,7 @@ pub struct KvFamilies {
     overlap_blocks: HistogramVec,
     decision_seconds: HistogramVec,
     index_blocks: IntGaugeVec,
+    instance_speed: GaugeVec,
     index_prunes: IntCounterVec,
     busy_rejections: IntCounterVec,
     queue_depth: IntGaugeVec,
@@ -56,6 +57,13 @@ impl KvFamilies {
             Opts::new(
                 "kvmesh_index_blocks",
                 "policy kv: blocks the KV index holds per instance.",
+            ),
+            &["model", "instance"],
+        )?;
+        let instance_speed = GaugeVec::new(
+            Opts::new(
+                "kvmesh_route_instance_speed",
+                "policy kv: how much slower (above 1) or faster than the cost model's engine profile an instance proved to be, learned from its first-token times.",
             ),
             &["model", "instance"],
         )?;
@@ -90,6 +98,7 @@ impl KvFamilies {
         registry.register(Box::new(overlap_blocks.clone()))?;
         registry.register(Box::new(decision_seconds.clone()))?;
         registry.register(Box::new(index_blocks.clone()))?;
+        registry.register(Box::new(instance_speed.clone()))?;
         registry.register(Box::new(index_prunes.clone()))?;
         registry.register(Box::new(busy_rejections.clone()))?;
         registry.register(Box::new(queue_depth.clone()))?;
@@ -98,6 +107,7 @@ impl KvFamilies {
             overlap_blocks,
             decision_seconds,
             index_blocks,
+            instance_speed,
             index_prunes,
             busy_rejections,
             queue_depth,
@@ -115,6 +125,7 @@ impl KvFamilies {
                     .with_label_values(&[model, stage.label()])
             }),
             index_blocks: self.index_blocks.clone(),
+            instance_speed: self.instance_speed.clone(),
             index_prunes: self.index_prunes.with_label_values(&[model]),
             busy_rejections: self.busy_rejections.with_label_values(&[model]),
             queue_depth: self.queue_depth.with_label_values(&[model]),
@@ -126,6 +137,7 @@ impl KvFamilies {
     /// Drops the series of instance `instance` (its URL) of `model`: it left the pool.
     pub fn forget_instance(&self, model: &str, instance: &str) {
         let _ = self.index_blocks.remove_label_values(&[model, instance]);
+        let _ = self.instance_speed.remove_label_values(&[model, instance]);
     }
 }
 
@@ -178,6 +190,8 @@ pub struct KvMetrics {
     stages: [Histogram; ROUTE_STAGES],
     /// `kvmesh_index_blocks{model,instance}` (instances come and go: resolved per scrape).
     index_blocks: IntGaugeVec,
+    /// `kvmesh_route_instance_speed{model,instance}`, resolved per scrape too.
+    instance_speed: GaugeVec,
     /// `kvmesh_index_prunes_total{model}`.
     pub(crate) index_prunes: IntCounter,
     /// `kvmesh_route_busy_rejections_total{model}`.
@@ -200,6 +214,13 @@ impl KvMetrics {
         self.index_blocks
             .with_label_values(&[self.model.as_str(), instance])
             .set(i64::try_from(blocks).unwrap_or(i64::MAX));
+    }
+
+    /// Sets `kvmesh_route_instance_speed` of `instance` (its URL).
+    pub fn set_instance_speed(&self, instance: &str, speed: f64) {
+        self.instance_speed
+            .with_label_values(&[self.model.as_str(), instance])
+            .set(speed);
     }
 
     /// Counts a request routed without tokens.

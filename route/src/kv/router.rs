@@ -627,7 +627,7 @@ impl KvRouter {
     }
 
     /// Copies the index size of each of `instances` (all its ranks) into
-    /// `kvmesh_index_blocks`.
+    /// `kvmesh_index_blocks`, and its learned speed into `kvmesh_route_instance_speed`.
     pub fn refresh_gauges<C: Candidate>(&self, instances: &[Arc<C>]) {
         let mut counts: HashMap<u64, u64> = HashMap::with_capacity(instances.len());
         for (worker, blocks) in self.overlap.cached_blocks() {
@@ -636,6 +636,8 @@ impl KvRouter {
         for instance in instances {
             let blocks = counts.get(&instance.id()).copied().unwrap_or(0);
             self.metrics.set_index_blocks(instance.url(), blocks);
+            let speed = self.loads.snapshot(instance.id(), &[]).speed;
+            self.metrics.set_instance_speed(instance.url(), speed);
         }
     }
 }

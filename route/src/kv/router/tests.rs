@@ -435,6 +435,14 @@ fn index_gauges_follow_the_predictions() {
         text.contains(&format!("{}0", gauge(1 - decision.index))),
         "{text}"
     );
+    // No first token seen yet: both instances at the profile's speed.
+    for instance in &instances {
+        let speed = format!(
+            "kvmesh_route_instance_speed{{instance=\"{}\",model=\"m\"}} 1\n",
+            instance.url()
+        );
+        assert!(text.contains(&speed), "{text}");
+    }
 }
 
 #[test]
