@@ -524,6 +524,17 @@ declare -A LABEL=([kvmesh-rr]="kvmesh round robin" [kvmesh-kv]="kvmesh kv (appro
   b=$(get "$t-kvmesh-rr/report.json" '.output_tokens_per_s')
   echo "| kvmesh kv output tok/s ≥ kvmesh round robin | $(versus "$a" "$b" "%.0f vs %.0f" 1) | $(verdict "$a" "$b" '>=') |"
   echo
+  # best_peer RUN FILTER OP: the better of sglang-router's and vllm-router's FILTER in RUN
+  # (OP '<': lower is better, '>': higher), or n/a.
+  best_peer() {
+    local best=n/a b other
+    for other in sglang vllm-router; do
+      b=$(get "$1-$other/report.json" "$2")
+      [[ $b == n/a ]] && continue
+      if [[ $best == n/a ]] || awk -v b="$b" -v m="$best" -v op="$3" 'BEGIN { exit !(op == "<" ? b < m : b > m) }'; then best=$b; fi
+    done
+    echo "$best"
+  }
   echo "### Targets (issue 18: routing that wins with no knob set)"
   echo
   echo "kvmesh precise against the best of sglang-router and vllm-router \`cache_aware\` in this run: each TTFT quantile ≤ 0.8× the better peer's, fleet reuse ≥ the better peer's; the two-replica lane within 5 % of one replica. Meaningful only when the run sets no kv knob."
@@ -535,22 +546,12 @@ declare -A LABEL=([kvmesh-rr]="kvmesh round robin" [kvmesh-kv]="kvmesh kv (appro
     P=$w-kvmesh-precise/report.json
     [[ -f $P ]] || continue
     for q in p50 p90 p99; do
-      best=n/a
-      for other in sglang vllm-router; do
-        b=$(get "$w-$other/report.json" ".ttft_ms.$q")
-        [[ $b == n/a ]] && continue
-        if [[ $best == n/a ]] || awk -v b="$b" -v m="$best" 'BEGIN { exit !(b < m) }'; then best=$b; fi
-      done
+      best=$(best_peer "$w" ".ttft_ms.$q" '<')
       a=$(get "$P" ".ttft_ms.$q")
       bar=$( [[ $best == n/a ]] && echo n/a || awk -v b="$best" 'BEGIN { print b * 0.8 }')
       echo "| $workload | TTFT $q ≤ 0.8× best peer | $(versus "$a" "$bar" "%.0f vs %.0f ms" "$SPEEDUP") | $(verdict "$a" "$bar" '<') |"
     done
-    best=n/a
-    for other in sglang vllm-router; do
-      b=$(get "$w-$other/report.json" '.cache.hit_rate')
-      [[ $b == n/a ]] && continue
-      if [[ $best == n/a ]] || awk -v b="$b" -v m="$best" 'BEGIN { exit !(b > m) }'; then best=$b; fi
-    done
+    best=$(best_peer "$w" '.cache.hit_rate' '>')
     a=$(get "$P" '.cache.hit_rate')
     echo "| $workload | hit rate ≥ best peer's | $(versus "$a" "$best" "%.3f vs %.3f" 1) | $(verdict "$a" "$best" '>=') |"
     R=$w-kvmesh-precise-2r/report.json

@@ -63,16 +63,7 @@ async fn complete(
     proxy: &Spawned,
     prompt: &[u32],
 ) -> anyhow::Result<(u16, String, String)> {
-    let url = format!("{}/v1/completions", proxy.url("main"));
-    let response = client.post_json(&url, &token_prompt(prompt, 1)).await?;
-    Ok((
-        response.status,
-        response
-            .header("x-kvmesh-instance")
-            .unwrap_or("")
-            .to_string(),
-        response.header("x-kvmesh-route").unwrap_or("").to_string(),
-    ))
+    complete_with(client, proxy, prompt, None).await
 }
 
 /// Sends a token-id completion of session `session` through `proxy`; returns (status,
@@ -83,11 +74,19 @@ async fn complete_in_session(
     prompt: &[u32],
     session: &str,
 ) -> anyhow::Result<(u16, String, String)> {
+    complete_with(client, proxy, prompt, Some(session)).await
+}
+
+/// Sends a token-id completion through `proxy`, in `session` if any.
+async fn complete_with(
+    client: &HttpClient,
+    proxy: &Spawned,
+    prompt: &[u32],
+    session: Option<&str>,
+) -> anyhow::Result<(u16, String, String)> {
     let url = format!("{}/v1/completions", proxy.url("main"));
-    let headers = [
-        ("content-type", "application/json"),
-        ("x-session-id", session),
-    ];
+    let mut headers = vec![("content-type", "application/json")];
+    headers.extend(session.map(|session| ("x-session-id", session)));
     let body = token_prompt(prompt, 1).to_string();
     let response = client.call(Method::POST, &url, &headers, body).await?;
     Ok((
@@ -147,21 +146,46 @@ fn malformed_event(i: u32) -> Bytes {
     }
 }
 
+/// Two engines with an agent each, and two proxy replicas sharing etcd and NATS.
+struct TwoReplicas {
+    proxy_a: Spawned,
+    proxy_b: Spawned,
+    _agents: Vec<Spawned>,
+    engines: Vec<Engine>,
+    _sim: Spawned,
+    servers: Servers,
+    _scratch: ScratchDir,
+}
+
+impl TwoReplicas {
+    async fn start(label: &str) -> anyhow::Result<Self> {
+        let scratch = ScratchDir::new(label)?;
+        let servers = Servers::start(&scratch).await?;
+        let (sim, engines) = start_event_engines(&scratch, 2)?;
+        let agents = engines
+            .iter()
+            .map(|engine| start_agent(&scratch, &servers, engine, LONG_TTL, DRAIN))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let config = control_proxy_config(&servers, "");
+        Ok(Self {
+            proxy_a: start_proxy(&scratch, &config)?,
+            proxy_b: start_proxy(&scratch, &config)?,
+            _agents: agents,
+            engines,
+            _sim: sim,
+            servers,
+            _scratch: scratch,
+        })
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_never_routed_a_prefix_follows_the_engines_events() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let scratch = ScratchDir::new("cp-events")?;
-    let servers = Servers::start(&scratch).await?;
-    let (_sim, engines) = start_event_engines(&scratch, 2)?;
-    let _agents = engines
-        .iter()
-        .map(|engine| start_agent(&scratch, &servers, engine, LONG_TTL, DRAIN))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let config = control_proxy_config(&servers, "");
-    let proxy_a = start_proxy(&scratch, &config)?;
-    let proxy_b = start_proxy(&scratch, &config)?;
+    let setup = TwoReplicas::start("cp-events").await?;
+    let (engines, proxy_a, proxy_b) = (&setup.engines, &setup.proxy_a, &setup.proxy_b);
     let client = HttpClient::default();
-    let metrics_b = metrics_url(&proxy_b);
+    let metrics_b = metrics_url(proxy_b);
     await_metric(
         &client,
         &metrics_b,
@@ -174,12 +198,12 @@ async fn a_replica_that_never_routed_a_prefix_follows_the_engines_events() -> an
     // Three prompts of 8 blocks reach the engines without proxy B: the first through proxy
     // A, the others straight to a chosen engine.
     let prompts: Vec<Vec<u32>> = (0..3).map(|seed| prompt_tokens(seed, 8)).collect();
-    let (status, via_a, _) = complete(&client, &proxy_a, &prompts[0]).await?;
+    let (status, via_a, _) = complete(&client, proxy_a, &prompts[0]).await?;
     assert_eq!(status, 200);
     complete_on(&client, &engines[0], &prompts[1]).await?;
     complete_on(&client, &engines[1], &prompts[2]).await?;
     let holders = [via_a, engines[0].url.clone(), engines[1].url.clone()];
-    for holder in &engines {
+    for holder in engines {
         let series = index_blocks_series(&holder.url);
         let expected = holders.iter().filter(|h| **h == holder.url).count() as f64 * 8.0;
         await_metric(&client, &metrics_b, &series, |v| v >= expected, CONVERGE).await?;
@@ -198,7 +222,7 @@ async fn a_replica_that_never_routed_a_prefix_follows_the_engines_events() -> an
         let mut longer = prompt.clone();
         longer.extend(prompt_tokens(99, 2));
         let hits_before = prefix_cache_hits(&client, holder).await?;
-        let (status, instance, route) = complete(&client, &proxy_b, &longer).await?;
+        let (status, instance, route) = complete(&client, proxy_b, &longer).await?;
         assert_eq!(status, 200);
         assert_eq!(&instance, holder, "route: {route}");
         assert!(route.contains("overlap_blocks=8"), "{route}");
@@ -213,7 +237,7 @@ async fn a_replica_that_never_routed_a_prefix_follows_the_engines_events() -> an
     // in bursts of 1,000, each counted before the next: a burst beyond a subscription's
     // buffer (8,192) is dropped by design, and a debug build on a busy machine may not drain
     // 10,000 as fast as they arrive.
-    let bus = NatsBus::connect(&servers.nats.url(), "kvmesh-e2e").await?;
+    let bus = NatsBus::connect(&setup.servers.nats.url(), "kvmesh-e2e").await?;
     let subject = format!("kvmesh.kv.{MODEL}");
     let malformed = "kvmesh_kv_events_malformed_total{kind=\"batch\"}";
     for burst in 0..10u32 {
@@ -234,12 +258,12 @@ async fn a_replica_that_never_routed_a_prefix_follows_the_engines_events() -> an
         }
     }
     for (prompt, holder) in prompts.iter().zip(&holders) {
-        let (status, instance, _) = complete(&client, &proxy_b, prompt).await?;
+        let (status, instance, _) = complete(&client, proxy_b, prompt).await?;
         assert_eq!((status, instance.as_str()), (200, holder.as_str()));
     }
     let text = client.get(&metrics_b).await?;
     let text = String::from_utf8_lossy(&text.body);
-    for engine in &engines {
+    for engine in engines {
         let blocks = metric(&text, &index_blocks_series(&engine.url)).unwrap_or(0.0);
         assert!(
             blocks >= 8.0,
@@ -247,8 +271,8 @@ async fn a_replica_that_never_routed_a_prefix_follows_the_engines_events() -> an
             engine.url
         );
     }
-    assert_no_panic(&proxy_a);
-    assert_no_panic(&proxy_b);
+    assert_no_panic(proxy_a);
+    assert_no_panic(proxy_b);
     Ok(())
 }
 
@@ -582,18 +606,10 @@ async fn engine_to_index_latency() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_bound_on_one_replica_is_followed_by_the_other() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let scratch = ScratchDir::new("cp-sessions")?;
-    let servers = Servers::start(&scratch).await?;
-    let (_sim, engines) = start_event_engines(&scratch, 2)?;
-    let _agents = engines
-        .iter()
-        .map(|engine| start_agent(&scratch, &servers, engine, LONG_TTL, DRAIN))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let config = control_proxy_config(&servers, "");
-    let proxy_a = start_proxy(&scratch, &config)?;
-    let proxy_b = start_proxy(&scratch, &config)?;
+    let setup = TwoReplicas::start("cp-sessions").await?;
+    let (engines, proxy_a, proxy_b) = (&setup.engines, &setup.proxy_a, &setup.proxy_b);
     let client = HttpClient::default();
-    let metrics_b = metrics_url(&proxy_b);
+    let metrics_b = metrics_url(proxy_b);
     for proxy in [&proxy_a, &proxy_b] {
         let metrics = metrics_url(proxy);
         await_metric(
@@ -616,7 +632,7 @@ async fn a_session_bound_on_one_replica_is_followed_by_the_other() -> anyhow::Re
 
     // Proxy A binds session "chat-1" to the engine its first turn goes to.
     let (status, bound, route) =
-        complete_in_session(&client, &proxy_a, &prompt_tokens(1, 4), "chat-1").await?;
+        complete_in_session(&client, proxy_a, &prompt_tokens(1, 4), "chat-1").await?;
     assert_eq!(status, 200);
     assert!(!route.contains("session=bound"), "a new session: {route}");
     let other = engines
@@ -629,39 +645,21 @@ async fn a_session_bound_on_one_replica_is_followed_by_the_other() -> anyhow::Re
     let series = index_blocks_series(&other.url);
     await_metric(&client, &metrics_b, &series, |v| v >= 8.0, CONVERGE).await?;
     // Proxy B learns the binding from NATS: its explanation names the bound engine.
-    let explain = format!("{}/debug/route?route=completions", proxy_b.url("admin"));
-    let body = token_prompt(&cached, 1).to_string();
-    let deadline = Instant::now() + CONVERGE;
-    loop {
-        let headers = [
-            ("content-type", "application/json"),
-            ("x-session-id", "chat-1"),
-        ];
-        let response = client
-            .call(Method::POST, &explain, &headers, body.clone())
-            .await?;
-        assert_eq!(response.status, 200);
-        let explained: serde_json::Value = serde_json::from_slice(&response.body)?;
-        if explained["session_bound_to"] == bound.as_str() {
-            break;
-        }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "proxy B never learned the binding: {explained}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    await_explained(&client, proxy_b, &cached, Some("chat-1"), |explained| {
+        explained["session_bound_to"] == bound.as_str()
+    })
+    .await?;
 
     // Without the session the cached prompt goes where it is cached; in the session it
     // follows the binding.
-    let (status, instance, route) = complete(&client, &proxy_b, &cached).await?;
+    let (status, instance, route) = complete(&client, proxy_b, &cached).await?;
     assert_eq!(
         (status, instance.as_str()),
         (200, other.url.as_str()),
         "{route}"
     );
     let (status, instance, route) =
-        complete_in_session(&client, &proxy_b, &cached, "chat-1").await?;
+        complete_in_session(&client, proxy_b, &cached, "chat-1").await?;
     assert_eq!(
         (status, instance.as_str()),
         (200, bound.as_str()),
@@ -670,7 +668,7 @@ async fn a_session_bound_on_one_replica_is_followed_by_the_other() -> anyhow::Re
     assert!(route.contains("session=bound"), "{route}");
 
     // Garbage on the replica subjects is counted, not applied.
-    let bus = NatsBus::connect(&servers.nats.url(), "kvmesh-e2e").await?;
+    let bus = NatsBus::connect(&setup.servers.nats.url(), "kvmesh-e2e").await?;
     bus.publish("kvmesh.sessions", Bytes::from_static(b"{not json"))
         .await?;
     bus.flush(Duration::from_secs(10)).await?;
@@ -684,34 +682,34 @@ async fn a_session_bound_on_one_replica_is_followed_by_the_other() -> anyhow::Re
         let malformed = format!("kvmesh_kv_events_malformed_total{{kind=\"{kind}\"}}");
         await_metric(&client, &metrics_b, &malformed, |v| v == 1.0, CONVERGE).await?;
     }
-    let (_, instance, _) = complete_in_session(&client, &proxy_b, &cached, "chat-1").await?;
+    let (_, instance, _) = complete_in_session(&client, proxy_b, &cached, "chat-1").await?;
     assert_eq!(instance, bound);
-    assert_no_panic(&proxy_a);
-    assert_no_panic(&proxy_b);
+    assert_no_panic(proxy_a);
+    assert_no_panic(proxy_b);
     Ok(())
 }
 
-/// Polls proxy `proxy`'s `/debug/route` for `prompt` until `done` holds for the entry of
-/// instance `instance`, or the deadline passes.
+/// Polls proxy `proxy`'s `/debug/route` for `prompt` (in `session` if any) until `done`
+/// holds for the explanation, or the deadline passes.
 async fn await_explained(
     client: &HttpClient,
     proxy: &Spawned,
     prompt: &[u32],
-    instance: &str,
+    session: Option<&str>,
     done: impl Fn(&serde_json::Value) -> bool,
 ) -> anyhow::Result<()> {
     let url = format!("{}/debug/route?route=completions", proxy.url("admin"));
+    let mut headers = vec![("content-type", "application/json")];
+    headers.extend(session.map(|session| ("x-session-id", session)));
+    let body = token_prompt(prompt, 1).to_string();
     let deadline = Instant::now() + CONVERGE;
     loop {
-        let response = client.post_json(&url, &token_prompt(prompt, 1)).await?;
+        let response = client
+            .call(Method::POST, &url, &headers, body.clone())
+            .await?;
         anyhow::ensure!(response.status == 200, "debug/route: {}", response.status);
         let explained: serde_json::Value = serde_json::from_slice(&response.body)?;
-        let entry = explained["instances"]
-            .as_array()
-            .and_then(|all| all.iter().find(|e| e["instance"] == instance))
-            .cloned()
-            .unwrap_or_default();
-        if done(&entry) {
+        if done(&explained) {
             return Ok(());
         }
         anyhow::ensure!(Instant::now() < deadline, "never reached: {explained}");
@@ -719,19 +717,20 @@ async fn await_explained(
     }
 }
 
+/// The entry of instance `instance` in an explanation (`null` when it has none).
+fn explained_instance(explained: &serde_json::Value, instance: &str) -> serde_json::Value {
+    explained["instances"]
+        .as_array()
+        .and_then(|all| all.iter().find(|entry| entry["instance"] == instance))
+        .cloned()
+        .unwrap_or_default()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_counts_the_requests_another_has_in_flight() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let scratch = ScratchDir::new("cp-replica-load")?;
-    let servers = Servers::start(&scratch).await?;
-    let (_sim, engines) = start_event_engines(&scratch, 2)?;
-    let _agents = engines
-        .iter()
-        .map(|engine| start_agent(&scratch, &servers, engine, LONG_TTL, DRAIN))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let config = control_proxy_config(&servers, "");
-    let proxy_a = start_proxy(&scratch, &config)?;
-    let proxy_b = start_proxy(&scratch, &config)?;
+    let setup = TwoReplicas::start("cp-replica-load").await?;
+    let (proxy_a, proxy_b) = (&setup.proxy_a, &setup.proxy_b);
     let client = HttpClient::default();
     for proxy in [&proxy_a, &proxy_b] {
         let metrics = metrics_url(proxy);
@@ -763,17 +762,18 @@ async fn a_replica_counts_the_requests_another_has_in_flight() -> anyhow::Result
         .to_string();
     assert!(stream.next_chunk().await?.is_some());
     let probe = prompt_tokens(4, 4);
-    await_explained(&client, &proxy_b, &probe, &engine, |entry| {
+    await_explained(&client, proxy_b, &probe, None, |explained| {
+        let entry = explained_instance(explained, &engine);
         entry["active_requests"] == 1 && entry["active_blocks"].as_u64() >= Some(4)
     })
     .await?;
     // The client leaves: proxy A releases the request, and proxy B stops counting it.
     drop(stream);
-    await_explained(&client, &proxy_b, &probe, &engine, |entry| {
-        entry["active_requests"] == 0
+    await_explained(&client, proxy_b, &probe, None, |explained| {
+        explained_instance(explained, &engine)["active_requests"] == 0
     })
     .await?;
-    assert_no_panic(&proxy_a);
-    assert_no_panic(&proxy_b);
+    assert_no_panic(proxy_a);
+    assert_no_panic(proxy_b);
     Ok(())
 }

@@ -423,10 +423,7 @@ impl Actor {
                 return;
             }
         };
-        if share.replica.0 == self.replica {
-            return;
-        }
-        if let Some(pool) = self.model_pool(&share.model)
+        if let Some(pool) = self.shared_pool(share.replica, &share.model)
             && let Some(router) = pool.balancer().kv_router()
         {
             router.apply_session(SessionBinding {
@@ -447,10 +444,7 @@ impl Actor {
                 return;
             }
         };
-        if share.replica.0 == self.replica {
-            return;
-        }
-        if let Some(pool) = self.model_pool(&share.model)
+        if let Some(pool) = self.shared_pool(share.replica, &share.model)
             && let Some(router) = pool.balancer().kv_router()
         {
             let loads = share
@@ -480,10 +474,7 @@ impl Actor {
                 return;
             }
         };
-        if share.replica.0 == self.replica {
-            return;
-        }
-        if let Some(pool) = self.model_pool(&share.model)
+        if let Some(pool) = self.shared_pool(share.replica, &share.model)
             && let Some(router) = pool.balancer().kv_router()
         {
             let hashes = BlockHashes {
@@ -494,8 +485,12 @@ impl Actor {
         }
     }
 
-    /// The pool of `model`, when the intake feeds it.
-    fn model_pool(&self, model: &str) -> Option<Arc<ModelPool>> {
+    /// The pool of `model` that another replica's share applies to: `None` for this
+    /// replica's own shares, or a model the intake does not feed.
+    fn shared_pool(&self, replica: HexU64, model: &str) -> Option<Arc<ModelPool>> {
+        if replica.0 == self.replica {
+            return None;
+        }
         let sync = self.models.get(model)?;
         let member = sync.members.iter().find_map(|id| self.members.get(id))?;
         Some(Arc::clone(&member.pool))

@@ -59,8 +59,6 @@ pub struct KvRouter {
     total_kv_blocks: Option<u64>,
     /// Session bindings (`None`: `kv.session_header` is empty).
     sessions: Option<Sessions>,
-    /// `kv.session_header`.
-    session_header: Option<String>,
     /// Other proxy replicas' in-flight load.
     replicas: ReplicaLoads,
     /// Where routing decisions go to be shared with the other replicas, once sharing starts.
@@ -117,9 +115,7 @@ impl KvRouter {
             stale_after: config.stale_request_timeout,
             total_kv_blocks: config.total_kv_blocks.filter(|&total| total > 0),
             sessions: (!config.session_header.is_empty())
-                .then(|| Sessions::new(config.session_ttl)),
-            session_header: Some(config.session_header.to_ascii_lowercase())
-                .filter(|name| !name.is_empty()),
+                .then(|| Sessions::new(&config.session_header, config.session_ttl)),
             replicas: ReplicaLoads::default(),
             decisions: OnceLock::new(),
             metrics,
@@ -257,7 +253,7 @@ impl KvRouter {
 
     /// The request header naming a request's session (`None`: no session affinity).
     pub fn session_header(&self) -> Option<&str> {
-        self.session_header.as_deref()
+        self.sessions.as_ref().map(Sessions::header)
     }
 
     /// The event-fed index, when KV events feed this model.

@@ -40,19 +40,28 @@ struct Bound {
 /// One model's session bindings.
 #[derive(Debug)]
 pub(crate) struct Sessions {
+    /// The request header naming a session (lowercase).
+    header: String,
     ttl: Duration,
     bound: Mutex<HashMap<Arc<str>, Bound>>,
     outbox: OnceLock<mpsc::UnboundedSender<SessionBinding>>,
 }
 
 impl Sessions {
-    /// Bindings lasting `ttl` after a session's last request, not shared (yet).
-    pub(crate) fn new(ttl: Duration) -> Self {
+    /// Sessions named by request header `header`, bound for `ttl` after their last
+    /// request; not shared (yet).
+    pub(crate) fn new(header: &str, ttl: Duration) -> Self {
         Self {
+            header: header.to_ascii_lowercase(),
             ttl,
             bound: Mutex::new(HashMap::new()),
             outbox: OnceLock::new(),
         }
+    }
+
+    /// The request header naming a session.
+    pub(crate) fn header(&self) -> &str {
+        &self.header
     }
 
     /// From now on, new and moved bindings (and refreshes past half their TTL) are sent to
@@ -166,7 +175,7 @@ mod tests {
 
     #[test]
     fn a_binding_lasts_its_ttl_after_the_last_request() {
-        let sessions = Sessions::new(TTL);
+        let sessions = Sessions::new("x-session-id", TTL);
         let start = Instant::now();
         assert_eq!(sessions.bound("a", start), None);
         sessions.bind(&key("a"), 3, start);
@@ -183,7 +192,7 @@ mod tests {
 
     #[test]
     fn new_moved_and_half_stale_bindings_are_shared_once() {
-        let sessions = Sessions::new(TTL);
+        let sessions = Sessions::new("x-session-id", TTL);
         let mut shared = sessions.share().unwrap();
         assert!(sessions.share().is_none(), "once");
         let start = Instant::now();
@@ -200,7 +209,7 @@ mod tests {
 
     #[test]
     fn other_replicas_bindings_apply_and_expire() {
-        let sessions = Sessions::new(TTL);
+        let sessions = Sessions::new("x-session-id", TTL);
         let now = Instant::now();
         sessions.apply(
             SessionBinding {
@@ -217,7 +226,7 @@ mod tests {
 
     #[test]
     fn the_table_stays_bounded() {
-        let sessions = Sessions::new(TTL);
+        let sessions = Sessions::new("x-session-id", TTL);
         let now = Instant::now();
         for i in 0..MAX_SESSIONS + 10 {
             sessions.bind(
