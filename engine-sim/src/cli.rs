@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use clap::{Parser, ValueEnum};
 
 use crate::config::{KvEventEncoding, KvEventHash, KvEventsConfig, PreemptionMode, SimConfig};
+use crate::lora::LoraModule;
 
 /// `--preemption-mode` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -91,6 +92,14 @@ pub struct Cli {
     /// KV event batches kept for replay.
     #[arg(long, default_value_t = 10_000)]
     pub kv_events_buffer_steps: usize,
+    /// Serve LoRA adapters (implied by --lora-modules); needed to load adapters at runtime.
+    #[arg(long)]
+    pub enable_lora: bool,
+    /// LoRA adapters to load at start, each `NAME=PATH` or a JSON object
+    /// `{"name": ..., "path": ..., "base_model_name": ...}`; requests name one as `model`.
+    /// As in vLLM, a later --lora-modules replaces an earlier one.
+    #[arg(long, num_args = 1.., value_name = "NAME=PATH", overrides_with = "lora_modules")]
+    pub lora_modules: Vec<LoraModule>,
 }
 
 impl Cli {
@@ -122,6 +131,8 @@ impl Cli {
                 hash: self.kv_events_hash,
                 buffer_steps: self.kv_events_buffer_steps,
             },
+            enable_lora: self.enable_lora,
+            lora_modules: self.lora_modules.clone(),
         }
     }
 }
@@ -194,5 +205,55 @@ mod tests {
         let replay_alone = ["x", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"];
         assert!(Cli::try_parse_from(replay_alone).is_err());
         assert!(Cli::try_parse_from(["x", "--kv-events-hash", "hex"]).is_err());
+    }
+
+    #[test]
+    fn lora_flags_map_to_config() {
+        let cli = Cli::try_parse_from([
+            "x",
+            "--lora-modules",
+            "sql=/adapters/sql",
+            r#"{"name": "chat", "path": "/adapters/chat", "base_model_name": "sim-model"}"#,
+        ])
+        .expect("valid flags");
+        let c = cli.config();
+        let modules: Vec<(&str, &str)> = c
+            .lora_modules
+            .iter()
+            .map(|m| (m.name.as_str(), m.path.as_str()))
+            .collect();
+        assert_eq!(
+            modules,
+            [("sql", "/adapters/sql"), ("chat", "/adapters/chat")]
+        );
+        assert!(
+            !c.enable_lora,
+            "the flag stays off: the modules alone enable LoRA in the engine"
+        );
+        assert!(c.validate().is_ok());
+
+        let c = Cli::try_parse_from(["x", "--enable-lora"])
+            .expect("valid flags")
+            .config();
+        assert!(c.enable_lora && c.lora_modules.is_empty());
+
+        // A repeated flag replaces the earlier list, as vLLM's argparse action does.
+        let c = Cli::try_parse_from(["x", "--lora-modules", "a=/a", "--lora-modules", "b=/b"])
+            .expect("valid flags")
+            .config();
+        assert_eq!(c.lora_modules.len(), 1);
+        assert_eq!(c.lora_modules[0].name, "b");
+
+        for bad in [
+            "a=b=c",
+            "not-json",
+            r#"{"name": "a", "path": "/a", "rank": 8}"#,
+        ] {
+            assert!(
+                Cli::try_parse_from(["x", "--lora-modules", bad]).is_err(),
+                "{bad}"
+            );
+        }
+        assert!(Cli::try_parse_from(["x", "--lora-modules"]).is_err());
     }
 }

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use crate::endpoint::TcpEndpoint;
 use crate::error::SimError;
+use crate::lora::{LoraModule, LoraRegistry};
 
 /// Which running sequence gives its KV blocks back when decode runs out of blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -126,6 +127,12 @@ pub struct SimConfig {
     pub embedding_dim: usize,
     /// KV event publishing over ZMQ.
     pub kv_events: KvEventsConfig,
+    /// Serve LoRA adapters (vLLM's `--enable-lora`): without it, and without
+    /// [`Self::lora_modules`], `POST /v1/load_lora_adapter` is refused.
+    pub enable_lora: bool,
+    /// Adapters loaded at start (vLLM's `--lora-modules`), ids 1, 2, ... in order; any enables
+    /// LoRA.
+    pub lora_modules: Vec<LoraModule>,
 }
 
 impl Default for SimConfig {
@@ -146,6 +153,8 @@ impl Default for SimConfig {
             tokenizer: None,
             embedding_dim: 16,
             kv_events: KvEventsConfig::default(),
+            enable_lora: false,
+            lora_modules: Vec::new(),
         }
     }
 }
@@ -181,6 +190,8 @@ impl SimConfig {
                 return Err(SimError::InvalidConfig(format!("{name} must be finite")));
             }
         }
+        LoraRegistry::new(self.enable_lora, &self.lora_modules)
+            .map_err(|e| SimError::InvalidConfig(format!("lora_modules: {e}")))?;
         self.kv_events.validate()
     }
 
@@ -209,7 +220,33 @@ mod tests {
         assert_eq!(c.kv_events, KvEventsConfig::default());
         assert_eq!(c.kv_events.buffer_steps, 10_000);
         assert!(c.kv_events.endpoint.is_none() && c.kv_events.topic.is_empty());
+        assert!(!c.enable_lora && c.lora_modules.is_empty());
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn lora_modules_are_checked() {
+        let with = |names: &[&str]| SimConfig {
+            lora_modules: names
+                .iter()
+                .map(|n| LoraModule {
+                    name: (*n).to_owned(),
+                    path: format!("/adapters/{n}"),
+                })
+                .collect(),
+            ..SimConfig::default()
+        };
+        assert!(with(&["a", "b"]).validate().is_ok());
+        let twice = with(&["a", "a"]).validate().map_err(|e| e.to_string());
+        assert_eq!(
+            twice,
+            Err(
+                "invalid engine configuration: lora_modules: The lora adapter 'a' has already \
+                 been loaded. If you want to load the adapter in place, set 'load_inplace' to True."
+                    .to_owned()
+            )
+        );
+        assert!(with(&[""]).validate().is_err());
     }
 
     #[test]

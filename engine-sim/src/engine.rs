@@ -11,6 +11,7 @@ use crate::config::SimConfig;
 use crate::error::SimError;
 use crate::http::{EngineState, serve};
 use crate::kv_events::KvEventBatch;
+use crate::lora::LoraRegistry;
 use crate::metrics::EngineMetrics;
 use crate::scheduler::{self, EventSender, SchedulerCore};
 use crate::timing::TimingModel;
@@ -121,6 +122,9 @@ async fn start(
     index: usize,
 ) -> Result<EngineHandle, SimError> {
     let addr = listener.local_addr()?;
+    // Each engine has its own adapters, as separate vLLM servers do; validated by the caller.
+    let loras = LoraRegistry::new(config.enable_lora, &config.lora_modules)
+        .map_err(|e| SimError::InvalidConfig(format!("lora_modules: {e}")))?;
     let metrics = Arc::new(EngineMetrics::new(&config, index));
     let (events, _) = broadcast::channel(EVENT_BUFFER);
     // Subscribed before the scheduler runs, so the publisher sees every batch from the first.
@@ -137,7 +141,7 @@ async fn start(
     let (handle, scheduler) = scheduler::spawn(core, timing);
     let faults = zmq.as_ref().map(|z| z.faults.clone());
     let state = Arc::new(EngineState::new(
-        config, tokenizer, metrics, handle, addr, faults,
+        config, tokenizer, loras, metrics, handle, addr, faults,
     ));
     let (shutdown, shutdown_rx) = watch::channel(false);
     let server = tokio::spawn(serve(listener, state, shutdown_rx));

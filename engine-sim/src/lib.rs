@@ -20,6 +20,13 @@
 //!   the chat template and scheduled like a chat request.
 //! - `POST /v1/embeddings`: deterministic unit vectors seeded by the input tokens.
 //! - `GET /v1/models`, `GET /health`, `GET /metrics`.
+//! - LoRA adapters as vLLM serves them ([`SimConfig::lora_modules`], `--lora-modules`,
+//!   `--enable-lora`): `POST /v1/load_lora_adapter` (`{"lora_name", "lora_path",
+//!   "load_inplace"?}`) and `POST /v1/unload_lora_adapter` (`{"lora_name"}`), always served
+//!   (vLLM needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`); `/v1/models` lists each adapter after
+//!   the base model (`root` its path, `parent` the base model). A request whose `model` names an
+//!   adapter runs with it: responses carry the adapter's name, and its KV blocks hash apart
+//!   from the base model's and every other adapter's ([`hashing`]).
 //! - For third-party routers: `GET /healthz`, `/readiness`, `/health_generate`,
 //!   `/get_server_info`, `/server_info`, `/get_model_info`, `/model_info`, and SGLang's
 //!   `POST /generate`.
@@ -35,6 +42,7 @@
 //! `[topic, seq u64 BE, msgpack [ts, [events...], 0]]`, `seq` from 0 and +1 per batch. Events
 //! follow the real cache: `BlockStored` when a block becomes a cached full block (prefill or
 //! decode), `BlockRemoved` on eviction, `AllBlocksCleared` on `POST /reset_prefix_cache`.
+//! An adapter's `BlockStored` carries its `lora_id` (vLLM's, from 1 per load) and `lora_name`.
 //! Encodings: legacy positional arrays or maps ([`KvEventEncoding`]); hashes as u64 or 32-byte
 //! digests ([`KvEventHash`]). With [`KvEventsConfig::replay_endpoint`] a ROUTER socket answers
 //! `[identity, empty, start_seq]` with every buffered batch numbered `start_seq` or later and the
@@ -80,6 +88,7 @@ mod histogram;
 mod http;
 mod kv_cache;
 mod kv_events;
+mod lora;
 mod metrics;
 mod output_text;
 mod protocol;
@@ -93,3 +102,4 @@ pub use config::{KvEventEncoding, KvEventHash, KvEventsConfig, PreemptionMode, S
 pub use engine::{EngineHandle, spawn, spawn_engines};
 pub use error::SimError;
 pub use kv_events::{KvEvent, KvEventBatch};
+pub use lora::{Lora, LoraModule};

@@ -434,11 +434,13 @@ async fn kv_events_announce_stored_blocks() {
             parent_block_hash,
             token_ids,
             block_size,
+            lora,
         } => {
             assert_eq!(block_hashes.len(), 2);
             assert_eq!(*parent_block_hash, None);
             assert_eq!(token_ids[..], prompt[..32]);
             assert_eq!(*block_size, 16);
+            assert_eq!(*lora, None, "base-model blocks carry no adapter");
         }
         other => panic!("unexpected {other:?}"),
     }

@@ -11,7 +11,9 @@ use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use kvmesh_engine_sim::hashing::{BlockHasher, EngineHash};
-use kvmesh_engine_sim::{EngineHandle, KvEventEncoding, KvEventHash, KvEventsConfig, SimConfig};
+use kvmesh_engine_sim::{
+    EngineHandle, KvEventEncoding, KvEventHash, KvEventsConfig, LoraModule, SimConfig,
+};
 use rmpv::Value;
 use serde_json::json;
 use tokio::net::{TcpListener, TcpStream};
@@ -55,6 +57,8 @@ enum Event {
         parent: Option<WireHash>,
         tokens: Vec<u32>,
         block_size: u64,
+        /// `(lora_id, lora_name)` of an adapter's blocks.
+        lora: Option<(u64, String)>,
     },
     Removed {
         hashes: Vec<WireHash>,
@@ -105,19 +109,29 @@ fn parent(v: &Value) -> Option<WireHash> {
     (!v.is_nil()).then(|| wire_hash(v))
 }
 
+/// `lora_id` and `lora_name`: both nil (the base model) or both set.
+fn lora(id: &Value, name: &Value) -> Option<(u64, String)> {
+    if id.is_nil() && name.is_nil() {
+        return None;
+    }
+    let id = id.as_u64().expect("lora_id is an int");
+    let name = name.as_str().expect("lora_name is a string");
+    Some((id, name.to_owned()))
+}
+
 /// Decodes one event in either encoding; also checks the fixed fields of each.
 fn decode_event(v: &Value) -> Event {
     match v {
         Value::Array(a) => match a[0].as_str() {
             Some("BlockStored") => {
                 assert_eq!(a.len(), 8, "trailing nil fields are omitted: {v}");
-                assert!(a[5].is_nil() && a[7].is_nil(), "{v}");
                 assert_eq!(a[6].as_str(), Some("GPU"));
                 Event::Stored {
                     hashes: hashes(&a[1]),
                     parent: parent(&a[2]),
                     tokens: tokens(&a[3]),
                     block_size: a[4].as_u64().expect("block size"),
+                    lora: lora(&a[5], &a[7]),
                 }
             }
             Some("BlockRemoved") => {
@@ -142,17 +156,24 @@ fn decode_event(v: &Value) -> Event {
             };
             match field("type").as_str() {
                 Some("BlockStored") => {
-                    let stored = Event::Stored {
+                    let lora = lora(field("lora_id"), field("lora_name"));
+                    // Per block, the keys folded into the hash: the adapter's name, or nil.
+                    let extra = match &lora {
+                        Some((_, name)) => Value::Array(vec![Value::from(name.as_str())]),
+                        None => Value::Nil,
+                    };
+                    let blocks = field("block_hashes").as_array().map_or(0, Vec::len);
+                    assert_eq!(field("extra_keys"), &Value::Array(vec![extra; blocks]));
+                    assert_eq!(field("medium").as_str(), Some("GPU"));
+                    assert_eq!(field("group_idx").as_u64(), Some(0));
+                    assert_eq!(field("kv_cache_spec_kind").as_str(), Some("full_attention"));
+                    Event::Stored {
                         hashes: hashes(field("block_hashes")),
                         parent: parent(field("parent_block_hash")),
                         tokens: tokens(field("token_ids")),
                         block_size: field("block_size").as_u64().expect("block size"),
-                    };
-                    assert_eq!(field("medium").as_str(), Some("GPU"));
-                    assert_eq!(field("group_idx").as_u64(), Some(0));
-                    assert_eq!(field("kv_cache_spec_kind").as_str(), Some("full_attention"));
-                    assert!(field("lora_name").is_nil());
-                    stored
+                        lora,
+                    }
                 }
                 Some("BlockRemoved") => Event::Removed {
                     hashes: hashes(field("block_hashes")),
@@ -216,10 +237,15 @@ async fn post(addr: SocketAddr, path: &str, body: serde_json::Value) -> (StatusC
 }
 
 async fn complete(addr: SocketAddr, prompt: &[u32]) {
+    complete_as(addr, "sim-model", prompt).await;
+}
+
+/// A one-token completion of `prompt` asking for `model` (the base model or an adapter).
+async fn complete_as(addr: SocketAddr, model: &str, prompt: &[u32]) {
     let (status, body) = post(
         addr,
         "/v1/completions",
-        json!({"prompt": prompt, "max_tokens": 1}),
+        json!({"model": model, "prompt": prompt, "max_tokens": 1}),
     )
     .await;
     assert_eq!(status, StatusCode::OK, "{body:?}");
@@ -340,11 +366,22 @@ impl Subscriber {
 /// The store the engine must announce for the full blocks of `tokens` from block `from` on,
 /// chained onto the blocks before it.
 fn expected_store(tokens: &[u32], block_size: usize, from: usize, kind: KvEventHash) -> Event {
+    expected_adapter_store(tokens, block_size, from, kind, None)
+}
+
+/// [`expected_store`] for blocks computed with adapter `lora` (`(lora_id, lora_name)`).
+fn expected_adapter_store(
+    tokens: &[u32],
+    block_size: usize,
+    from: usize,
+    kind: KvEventHash,
+    lora: Option<(u64, &str)>,
+) -> Event {
     let mut hasher = BlockHasher::new();
     let mut chain: Vec<EngineHash> = Vec::new();
     for block in tokens.chunks_exact(block_size) {
         let parent = chain.last().map(EngineHash::id);
-        chain.push(hasher.engine_hash(parent, block));
+        chain.push(hasher.engine_hash(parent, block, lora.map(|(_, name)| name)));
     }
     Event::Stored {
         hashes: chain[from..]
@@ -356,6 +393,7 @@ fn expected_store(tokens: &[u32], block_size: usize, from: usize, kind: KvEventH
             .map(|p| WireHash::expected(&chain[p], kind)),
         tokens: tokens[from * block_size..chain.len() * block_size].to_vec(),
         block_size: block_size as u64,
+        lora: lora.map(|(id, name)| (id, name.to_owned())),
     }
 }
 
@@ -412,7 +450,7 @@ async fn stores_follow_the_prompt_in_every_format() {
         let Event::Stored { hashes, .. } = &batch.events[0] else {
             unreachable!("compared above")
         };
-        let first = BlockHasher::new().engine_hash(None, &prompt[..16]);
+        let first = BlockHasher::new().engine_hash(None, &prompt[..16], None);
         assert_eq!(hashes[0].id(), first.id());
 
         // Reusing the resident blocks announces nothing.
@@ -433,6 +471,53 @@ async fn stores_follow_the_prompt_in_every_format() {
             vec![expected_store(&longer, 16, 2, hash)],
             "{encoding:?} {hash:?}"
         );
+        engine.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn adapter_stores_carry_the_lora_in_every_format() {
+    let formats = [
+        (KvEventEncoding::Positional, KvEventHash::Int),
+        (KvEventEncoding::Map, KvEventHash::Bytes),
+    ];
+    for (encoding, hash) in formats {
+        let engine = engine(SimConfig {
+            lora_modules: vec![LoraModule {
+                name: "sql".to_owned(),
+                path: "/adapters/sql".to_owned(),
+            }],
+            ..config(16, events_on(encoding, hash, ""))
+        })
+        .await;
+        let mut sub = Subscriber::attach(&engine, "").await;
+        let http = engine.local_addr();
+        let (status, body) = post(
+            http,
+            "/v1/load_lora_adapter",
+            json!({"lora_name": "chat", "lora_path": "/adapters/chat"}),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{body:?}");
+
+        // The same prompt under each adapter and the base model: three stores, each in its
+        // own hash space, each naming its adapter (ids in load order from 1).
+        let prompt: Vec<u32> = (100..140).collect();
+        for (model, lora) in [
+            ("sql", Some((1, "sql"))),
+            ("chat", Some((2, "chat"))),
+            ("sim-model", None),
+        ] {
+            complete_as(http, model, &prompt).await;
+            assert_eq!(
+                sub.next().await.events,
+                vec![expected_adapter_store(&prompt, 16, 0, hash, lora)],
+                "{model} {encoding:?}"
+            );
+        }
+        // A repeat under an adapter reuses its own blocks: nothing new is stored.
+        complete_as(http, "sql", &prompt).await;
+        sub.expect_quiet().await;
         engine.stop().await;
     }
 }

@@ -7,7 +7,7 @@ use http::{Response, StatusCode};
 
 use super::body::{ResponseBody, json_response};
 use super::error::ApiError;
-use super::generation::{check_model, tokenize_prompts};
+use super::generation::{model_name, resolve_model, tokenize_prompts};
 use super::state::{EngineState, unix_now};
 use crate::embedding::{embed, to_base64};
 use crate::protocol::requests::EmbeddingRequest;
@@ -21,7 +21,7 @@ pub(crate) fn handle(state: &Arc<EngineState>, body: &Bytes) -> Response<Respons
 fn run(state: &EngineState, body: &[u8]) -> Result<Response<ResponseBody>, ApiError> {
     let req: EmbeddingRequest = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))?;
-    check_model(state, req.model.as_deref())?;
+    let lora = resolve_model(state, req.model.as_deref())?;
     let base64 = match req.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
@@ -65,7 +65,7 @@ fn run(state: &EngineState, body: &[u8]) -> Result<Response<ResponseBody>, ApiEr
         id: &id,
         object: "list",
         created: unix_now(),
-        model: &state.config.model,
+        model: model_name(state, lora.as_ref()),
         data,
         usage,
     };

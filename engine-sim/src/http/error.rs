@@ -15,6 +15,8 @@ pub(crate) struct ApiError {
     pub message: String,
     /// Offending field.
     pub param: Option<&'static str>,
+    /// The `type` vLLM gives this error, when it is not the status's usual one.
+    pub error_type: Option<&'static str>,
 }
 
 #[derive(Serialize)]
@@ -38,6 +40,7 @@ impl ApiError {
             status,
             message: message.into(),
             param: None,
+            error_type: None,
         }
     }
 
@@ -52,8 +55,17 @@ impl ApiError {
         self
     }
 
-    /// vLLM-style error type name for the status.
+    /// Sets the error `type` (e.g. vLLM's `InvalidUserInput`) instead of the status's usual one.
+    pub(crate) fn with_type(mut self, error_type: &'static str) -> Self {
+        self.error_type = Some(error_type);
+        self
+    }
+
+    /// vLLM-style error type name: the one set, else the status's usual one.
     fn kind(&self) -> &'static str {
+        if let Some(kind) = self.error_type {
+            return kind;
+        }
         match self.status.as_u16() {
             400 => "BadRequestError",
             401 => "AuthenticationError",
@@ -96,6 +108,7 @@ impl From<InvalidRequest> for ApiError {
             status: StatusCode::BAD_REQUEST,
             message: e.message,
             param: e.param,
+            error_type: None,
         }
     }
 }
@@ -116,5 +129,8 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&e.body_json()).expect("json");
         assert_eq!(v["error"]["param"], serde_json::Value::Null);
         assert_eq!(v["error"]["code"], 418);
+        let e = ApiError::bad_request("no").with_type("InvalidUserInput");
+        let v: serde_json::Value = serde_json::from_slice(&e.body_json()).expect("json");
+        assert_eq!(v["error"]["type"], "InvalidUserInput");
     }
 }

@@ -1,5 +1,5 @@
-//! Shared by the generation endpoints: model check, tokenization, validation, submission and
-//! collection of results.
+//! Shared by the generation endpoints: model resolution, tokenization, validation, submission
+//! and collection of results.
 
 use std::time::Instant;
 
@@ -9,7 +9,8 @@ use tokio::sync::mpsc::{self, UnboundedReceiver};
 use super::error::ApiError;
 use super::state::EngineState;
 use crate::chat_template::{self, ChatMessage};
-use crate::hashing::{BlockHasher, content_seed};
+use crate::hashing::{BlockHasher, XXH3_SEED, content_seed};
+use crate::lora::Lora;
 use crate::protocol::prompt::PromptInput;
 use crate::protocol::requests::GenParams;
 use crate::scheduler::{SeqEvent, SeqOutcome, SeqRequest};
@@ -20,16 +21,33 @@ pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<
         .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
 }
 
-/// Rejects a `model` other than the served one (vLLM answers 404).
-pub(crate) fn check_model(state: &EngineState, model: Option<&str>) -> Result<(), ApiError> {
-    match model {
-        Some(m) if m != state.config.model => Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("The model `{m}` does not exist."),
-        )
-        .with_param("model")),
-        _ => Ok(()),
+/// What a request's `model` names: a loaded LoRA adapter (`Some`, looked up first, as vLLM
+/// does) or the served base model (`None`; also when `model` is absent). Anything else is
+/// vLLM's 404.
+pub(crate) fn resolve_model(
+    state: &EngineState,
+    model: Option<&str>,
+) -> Result<Option<Lora>, ApiError> {
+    let Some(m) = model else {
+        return Ok(None);
+    };
+    if let Some(lora) = state.loras.resolve(m) {
+        return Ok(Some(lora));
     }
+    if m == state.config.model {
+        return Ok(None);
+    }
+    Err(ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!("The model `{m}` does not exist."),
+    )
+    .with_param("model"))
+}
+
+/// The `model` a response carries: the adapter's name when one served it (vLLM echoes it),
+/// else the served model name.
+pub(crate) fn model_name<'a>(state: &'a EngineState, lora: Option<&'a Lora>) -> &'a str {
+    lora.map_or(state.config.model.as_str(), |l| &l.name)
 }
 
 /// Token ids of every prompt in `input`; text is tokenized (`add_special_tokens` for plain
@@ -106,22 +124,25 @@ pub(crate) fn validate_lengths(
     Ok(())
 }
 
-/// Validates and queues one sequence per prompt; returns the receiver of their events.
+/// Validates and queues one sequence per prompt, served with adapter `lora` (`None`: the base
+/// model); returns the receiver of their events.
 pub(crate) fn submit(
     state: &EngineState,
     prompts: Vec<Vec<u32>>,
     params: &GenParams,
+    lora: Option<&Lora>,
     arrival: Instant,
 ) -> Result<UnboundedReceiver<SeqEvent>, ApiError> {
     validate_lengths(state, &prompts, params.max_tokens)?;
     let (tx, rx) = mpsc::unbounded_channel();
     let mut hasher = BlockHasher::new();
+    let hash_seed = lora.map_or(XXH3_SEED, Lora::hash_seed);
     let seqs = prompts
         .into_iter()
         .enumerate()
         .map(|(index, prompt)| {
             let prompt_hashes = if state.config.enable_prefix_caching {
-                hasher.sequence_hashes(&prompt, state.config.block_size)
+                hasher.sequence_hashes(&prompt, state.config.block_size, hash_seed)
             } else {
                 Vec::new()
             };
@@ -131,6 +152,7 @@ pub(crate) fn submit(
                 seed: content_seed(&prompt),
                 prompt,
                 prompt_hashes,
+                lora: lora.cloned(),
                 max_tokens: params.max_tokens,
                 stops: params.stops.clone(),
                 stream: params.stream,

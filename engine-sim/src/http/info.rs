@@ -10,24 +10,31 @@ use super::body::{ResponseBody, bytes_response, empty_response, json_response};
 use super::error::ApiError;
 use super::state::EngineState;
 
-/// `GET /v1/models`.
+/// `GET /v1/models`: the served model, then every loaded LoRA adapter in load order the way
+/// vLLM lists them (`root` the adapter's path, `parent` the served model, no `max_model_len`).
 pub(crate) fn models(state: &EngineState) -> Response<ResponseBody> {
     let model = &state.config.model;
-    json_response(
-        StatusCode::OK,
-        &json!({
-            "object": "list",
-            "data": [{
-                "id": model,
-                "object": "model",
-                "created": state.started,
-                "owned_by": "vllm",
-                "root": model,
-                "parent": null,
-                "max_model_len": state.config.max_model_len,
-            }],
-        }),
-    )
+    let mut data = vec![json!({
+        "id": model,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "vllm",
+        "root": model,
+        "parent": null,
+        "max_model_len": state.config.max_model_len,
+    })];
+    data.extend(state.loras.list().into_iter().map(|adapter| {
+        json!({
+            "id": &*adapter.lora.name,
+            "object": "model",
+            "created": state.started,
+            "owned_by": "vllm",
+            "root": adapter.path,
+            "parent": model,
+            "max_model_len": null,
+        })
+    }));
+    json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
 }
 
 /// `GET /health` and friends: 200 with an empty body.

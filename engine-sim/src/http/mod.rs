@@ -6,6 +6,7 @@ mod error;
 mod generation;
 mod info;
 mod kv_faults;
+mod lora;
 mod openai;
 mod responses;
 mod router;

@@ -10,10 +10,11 @@ use http::{Response, StatusCode};
 use super::body::{ResponseBody, json_response};
 use super::error::ApiError;
 use super::generation::{
-    check_model, collect, parse_json, submit, tokenize_chat, tokenize_prompts,
+    collect, model_name, parse_json, resolve_model, submit, tokenize_chat, tokenize_prompts,
 };
 use super::sse::{SseBody, StreamFormatter, write_data, write_raw};
 use super::state::{EngineState, unix_now};
+use crate::lora::Lora;
 use crate::protocol::requests::{ChatRequest, CompletionRequest, GenParams};
 use crate::protocol::responses::{
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatDelta, ChatMessageOut, Completion,
@@ -49,10 +50,10 @@ async fn run(
     body: &[u8],
     arrival: Instant,
 ) -> Result<Response<ResponseBody>, ApiError> {
-    let (prompts, params) = match endpoint {
+    let (prompts, params, lora) = match endpoint {
         Endpoint::Completions => {
             let req: CompletionRequest = parse_json(body)?;
-            check_model(&state, req.model.as_deref())?;
+            let lora = resolve_model(&state, req.model.as_deref())?;
             let params = GenParams::openai(
                 req.max_tokens,
                 req.stream,
@@ -63,11 +64,12 @@ async fn run(
             (
                 tokenize_prompts(&state, req.prompt, true, "prompt")?,
                 params,
+                lora,
             )
         }
         Endpoint::Chat => {
             let req: ChatRequest = parse_json(body)?;
-            check_model(&state, req.model.as_deref())?;
+            let lora = resolve_model(&state, req.model.as_deref())?;
             let messages = req.chat_messages()?;
             let max_tokens = req.max_tokens();
             let params = GenParams::openai(
@@ -77,11 +79,15 @@ async fn run(
                 req.stop,
                 req.n,
             )?;
-            (vec![tokenize_chat(&state, &messages, "messages")?], params)
+            (
+                vec![tokenize_chat(&state, &messages, "messages")?],
+                params,
+                lora,
+            )
         }
     };
     let count = prompts.len();
-    let rx = submit(&state, prompts, &params, arrival)?;
+    let rx = submit(&state, prompts, &params, lora.as_ref(), arrival)?;
     let prefix = match endpoint {
         Endpoint::Completions => "cmpl-",
         Endpoint::Chat => "chatcmpl-",
@@ -92,12 +98,14 @@ async fn run(
         let formatter: Box<dyn StreamFormatter> = match endpoint {
             Endpoint::Completions => Box::new(CompletionStream::new(
                 state.clone(),
+                lora,
                 id,
                 created,
                 params.include_usage,
             )),
             Endpoint::Chat => Box::new(ChatStream::new(
                 state.clone(),
+                lora,
                 id,
                 created,
                 params.include_usage,
@@ -111,7 +119,7 @@ async fn run(
     for o in &outcomes {
         usage.add(o.prompt_tokens, o.cached_tokens, o.completion_tokens);
     }
-    let model = state.config.model.as_str();
+    let model = model_name(&state, lora.as_ref());
     Ok(match endpoint {
         Endpoint::Completions => json_response(
             StatusCode::OK,
@@ -180,6 +188,7 @@ fn write_failure(out: &mut BytesMut, message: String) {
 #[derive(Debug)]
 struct CompletionStream {
     state: Arc<EngineState>,
+    lora: Option<Lora>,
     id: String,
     created: u64,
     include_usage: bool,
@@ -187,10 +196,17 @@ struct CompletionStream {
 }
 
 impl CompletionStream {
-    fn new(state: Arc<EngineState>, id: String, created: u64, include_usage: bool) -> Self {
+    fn new(
+        state: Arc<EngineState>,
+        lora: Option<Lora>,
+        id: String,
+        created: u64,
+        include_usage: bool,
+    ) -> Self {
         let usage = Usage::new(state.config.prompt_tokens_details);
         Self {
             state,
+            lora,
             id,
             created,
             include_usage,
@@ -207,7 +223,7 @@ impl CompletionStream {
             id: &self.id,
             object: "text_completion",
             created: self.created,
-            model: &self.state.config.model,
+            model: model_name(&self.state, self.lora.as_ref()),
             choices,
             usage,
         }
@@ -252,6 +268,7 @@ impl StreamFormatter for CompletionStream {
 #[derive(Debug)]
 struct ChatStream {
     state: Arc<EngineState>,
+    lora: Option<Lora>,
     id: String,
     created: u64,
     include_usage: bool,
@@ -262,6 +279,7 @@ struct ChatStream {
 impl ChatStream {
     fn new(
         state: Arc<EngineState>,
+        lora: Option<Lora>,
         id: String,
         created: u64,
         include_usage: bool,
@@ -270,6 +288,7 @@ impl ChatStream {
         let usage = Usage::new(state.config.prompt_tokens_details);
         Self {
             state,
+            lora,
             id,
             created,
             include_usage,
@@ -283,7 +302,7 @@ impl ChatStream {
             id: &self.id,
             object: "chat.completion.chunk",
             created: self.created,
-            model: &self.state.config.model,
+            model: model_name(&self.state, self.lora.as_ref()),
             choices,
             usage,
         };

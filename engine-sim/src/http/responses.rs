@@ -9,10 +9,11 @@ use http::{Response, StatusCode};
 
 use super::body::{ResponseBody, json_response};
 use super::error::ApiError;
-use super::generation::{check_model, collect, parse_json, submit, tokenize_chat};
+use super::generation::{collect, model_name, parse_json, resolve_model, submit, tokenize_chat};
 use super::openai::sse_response;
 use super::sse::{SseBody, StreamFormatter, write_event};
 use super::state::{EngineState, unix_now};
+use crate::lora::Lora;
 use crate::protocol::requests::GenParams;
 use crate::protocol::responses_api::{
     OutputMessage, OutputText, ResponseObject, ResponseUsage, ResponsesRequest, Sequenced,
@@ -84,11 +85,11 @@ async fn run(
     arrival: Instant,
 ) -> Result<Response<ResponseBody>, ApiError> {
     let req: ResponsesRequest = parse_json(body)?;
-    check_model(&state, req.model.as_deref())?;
+    let lora = resolve_model(&state, req.model.as_deref())?;
     let messages = req.chat_messages()?;
     let params = GenParams::responses(req.max_output_tokens, req.stream)?;
     let prompt = tokenize_chat(&state, &messages, "input")?;
-    let rx = submit(&state, vec![prompt], &params, arrival)?;
+    let rx = submit(&state, vec![prompt], &params, lora.as_ref(), arrival)?;
     let meta = ResponseMeta {
         id: state.response_id("resp_"),
         item_id: state.response_id("msg_"),
@@ -99,6 +100,7 @@ async fn run(
     if params.stream {
         let stream = ResponsesStream {
             state: state.clone(),
+            lora,
             meta,
             sequence_number: 0,
             started: false,
@@ -119,7 +121,10 @@ async fn run(
     );
     Ok(json_response(
         StatusCode::OK,
-        &meta.object(&state.config.model, Some((&outcome.text, usage))),
+        &meta.object(
+            model_name(&state, lora.as_ref()),
+            Some((&outcome.text, usage)),
+        ),
     ))
 }
 
@@ -129,6 +134,7 @@ async fn run(
 #[derive(Debug)]
 struct ResponsesStream {
     state: Arc<EngineState>,
+    lora: Option<Lora>,
     meta: ResponseMeta,
     sequence_number: u64,
     started: bool,
@@ -155,7 +161,7 @@ impl ResponsesStream {
             return;
         }
         self.started = true;
-        let model = self.state.config.model.as_str();
+        let model = model_name(&self.state, self.lora.as_ref());
         let meta = &self.meta;
         let events = [
             StreamEvent::Created {
@@ -221,7 +227,7 @@ impl StreamFormatter for ResponsesStream {
         if self.failed {
             return;
         }
-        let model = self.state.config.model.as_str();
+        let model = model_name(&self.state, self.lora.as_ref());
         let meta = &self.meta;
         let text = self.text.as_str();
         let events = [

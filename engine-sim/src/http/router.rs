@@ -13,7 +13,7 @@ use super::body::ResponseBody;
 use super::error::ApiError;
 use super::openai::Endpoint;
 use super::state::EngineState;
-use super::{embeddings, info, kv_faults, openai, responses, sglang};
+use super::{embeddings, info, kv_faults, lora, openai, responses, sglang};
 
 /// Largest accepted request body.
 const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
@@ -33,6 +33,8 @@ enum Route {
     Generate,
     ResetPrefixCache,
     KvFaults,
+    LoadLora,
+    UnloadLora,
     Models,
     Health,
     Metrics,
@@ -49,6 +51,8 @@ fn lookup(path: &str) -> Option<(Route, &'static str)> {
         "/generate" => (Route::Generate, "POST"),
         "/reset_prefix_cache" => (Route::ResetPrefixCache, "POST"),
         "/sim/kv_events/faults" => (Route::KvFaults, "POST"),
+        "/v1/load_lora_adapter" => (Route::LoadLora, "POST"),
+        "/v1/unload_lora_adapter" => (Route::UnloadLora, "POST"),
         "/v1/models" => (Route::Models, "GET"),
         "/health" | "/healthz" | "/readiness" | "/health_generate" => (Route::Health, "GET"),
         "/metrics" => (Route::Metrics, "GET"),
@@ -104,6 +108,8 @@ async fn route(
         Route::Generate => sglang::handle(state.clone(), read_body(req).await?).await,
         Route::ResetPrefixCache => info::reset_prefix_cache(state.clone()).await,
         Route::KvFaults => kv_faults::handle(state.clone(), read_body(req).await?).await,
+        Route::LoadLora => lora::load(state, &read_body(req).await?),
+        Route::UnloadLora => lora::unload(state, &read_body(req).await?),
         Route::Models => info::models(state),
         Route::Health => info::health(),
         Route::Metrics => info::metrics(state),

@@ -70,7 +70,7 @@ async fn run(
     let prompts = tokenize_prompts(&state, input, true, "text")?;
     let prompt_tokens = prompts.first().map_or(0, Vec::len);
     let count = prompts.len();
-    let rx = submit(&state, prompts, &params, arrival)?;
+    let rx = submit(&state, prompts, &params, None, arrival)?;
     let id = state.response_id("sgl-");
     if params.stream {
         let formatter = GenerateStream {

@@ -8,18 +8,21 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use http::HeaderValue;
 
 use crate::config::SimConfig;
+use crate::lora::LoraRegistry;
 use crate::metrics::EngineMetrics;
 use crate::scheduler::SchedulerHandle;
 use crate::tokenizer::Tokenizer;
 use crate::zmq_events::FaultControl;
 
-/// What handlers need: configuration, tokenizer, scheduler and metrics.
+/// What handlers need: configuration, tokenizer, LoRA adapters, scheduler and metrics.
 #[derive(Debug)]
 pub(crate) struct EngineState {
     /// The engine's knobs.
     pub config: SimConfig,
     /// Prompt tokenizer.
     pub tokenizer: Tokenizer,
+    /// The loaded LoRA adapters.
+    pub loras: LoraRegistry,
     /// Metrics shared with the scheduler.
     pub metrics: Arc<EngineMetrics>,
     /// The scheduler task.
@@ -49,6 +52,7 @@ impl EngineState {
     pub(crate) fn new(
         config: SimConfig,
         tokenizer: Tokenizer,
+        loras: LoraRegistry,
         metrics: Arc<EngineMetrics>,
         scheduler: SchedulerHandle,
         addr: SocketAddr,
@@ -62,6 +66,7 @@ impl EngineState {
         Self {
             config,
             tokenizer,
+            loras,
             metrics,
             scheduler,
             addr: addr_text,

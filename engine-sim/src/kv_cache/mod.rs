@@ -19,6 +19,7 @@ use lru::LruList;
 
 use crate::hashing::EngineHash;
 use crate::kv_events::{EventBuffer, KvEvent};
+use crate::lora::Lora;
 
 /// Index of a block in the pool.
 pub(crate) type BlockId = u32;
@@ -177,8 +178,8 @@ impl KvCache {
     }
 
     /// Makes a just-filled block a cached block under `hash`, recording a store event with its
-    /// `engine_hash` and `parent` engine hash. Returns false when caching is off or another block
-    /// already holds `hash` (the block then stays uncached, as in vLLM).
+    /// `engine_hash`, `parent` engine hash and adapter `lora`. Returns false when caching is off
+    /// or another block already holds `hash` (the block then stays uncached, as in vLLM).
     pub(crate) fn promote(
         &mut self,
         id: BlockId,
@@ -186,6 +187,7 @@ impl KvCache {
         engine_hash: EngineHash,
         parent: Option<EngineHash>,
         tokens: &[u32],
+        lora: Option<&Lora>,
     ) -> bool {
         if !self.prefix_caching || self.cached.contains_key(&hash) {
             return false;
@@ -196,7 +198,7 @@ impl KvCache {
         block.engine_hash = engine_hash;
         self.cached.insert(hash, id);
         self.events
-            .stored(engine_hash, parent, tokens, self.block_size);
+            .stored(engine_hash, parent, tokens, self.block_size, lora);
         true
     }
 
@@ -236,7 +238,7 @@ mod tests {
         let mut parent = None;
         for &h in hashes {
             let id = cache.allocate().expect("free block");
-            assert!(cache.promote(id, h, eh(h), parent, &[0, 0]));
+            assert!(cache.promote(id, h, eh(h), parent, &[0, 0], None));
             parent = Some(eh(h));
             ids.push(id);
         }
@@ -320,7 +322,7 @@ mod tests {
         let mut c = KvCache::new(4, 2, true);
         store(&mut c, &[5]);
         let id = c.allocate().expect("block");
-        assert!(!c.promote(id, 5, eh(5), None, &[0, 0]));
+        assert!(!c.promote(id, 5, eh(5), None, &[0, 0], None));
         c.release(&[id]);
         assert_eq!(c.inactive_blocks(), 0);
     }
@@ -329,7 +331,7 @@ mod tests {
     fn without_prefix_caching_nothing_matches() {
         let mut c = KvCache::new(4, 2, false);
         let id = c.allocate().expect("block");
-        assert!(!c.promote(id, 5, eh(5), None, &[0, 0]));
+        assert!(!c.promote(id, 5, eh(5), None, &[0, 0], None));
         assert_eq!(c.lookup(&[5]), 0);
         assert!(c.take_events().is_empty());
     }

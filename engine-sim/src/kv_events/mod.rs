@@ -6,6 +6,7 @@
 //! hashes.
 
 use crate::hashing::EngineHash;
+use crate::lora::Lora;
 
 /// One change to the set of cached blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,6 +21,8 @@ pub enum KvEvent {
         token_ids: Vec<u32>,
         /// Tokens per block.
         block_size: usize,
+        /// The LoRA adapter the blocks were computed with; `None` for the base model.
+        lora: Option<Lora>,
     },
     /// Cached blocks were evicted.
     BlockRemoved {
@@ -49,13 +52,15 @@ pub(crate) struct EventBuffer {
 }
 
 impl EventBuffer {
-    /// Records that one block was stored.
+    /// Records that one block, computed with adapter `lora` (`None`: the base model), was
+    /// stored.
     pub(crate) fn stored(
         &mut self,
         hash: EngineHash,
         parent: Option<EngineHash>,
         tokens: &[u32],
         block_size: usize,
+        lora: Option<&Lora>,
     ) {
         if let Some(KvEvent::BlockStored {
             block_hashes,
@@ -74,6 +79,7 @@ impl EventBuffer {
             parent_block_hash: parent,
             token_ids: tokens.to_vec(),
             block_size,
+            lora: lora.cloned(),
         });
     }
 
@@ -110,9 +116,13 @@ mod tests {
     #[test]
     fn chained_stores_merge_and_removals_merge() {
         let mut b = EventBuffer::default();
-        b.stored(h(1), None, &[1, 2], 2);
-        b.stored(h(2), Some(h(1)), &[3, 4], 2);
-        b.stored(h(9), Some(h(5)), &[7, 8], 2);
+        let lora = Lora {
+            id: 1,
+            name: "a".into(),
+        };
+        b.stored(h(1), None, &[1, 2], 2, None);
+        b.stored(h(2), Some(h(1)), &[3, 4], 2, None);
+        b.stored(h(9), Some(h(5)), &[7, 8], 2, Some(&lora));
         b.removed(h(3));
         b.removed(h(4));
         let events = b.take();
@@ -123,13 +133,15 @@ mod tests {
                     block_hashes: vec![h(1), h(2)],
                     parent_block_hash: None,
                     token_ids: vec![1, 2, 3, 4],
-                    block_size: 2
+                    block_size: 2,
+                    lora: None,
                 },
                 KvEvent::BlockStored {
                     block_hashes: vec![h(9)],
                     parent_block_hash: Some(h(5)),
                     token_ids: vec![7, 8],
-                    block_size: 2
+                    block_size: 2,
+                    lora: Some(lora),
                 },
                 KvEvent::BlockRemoved {
                     block_hashes: vec![h(3), h(4)]

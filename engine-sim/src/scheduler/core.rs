@@ -226,8 +226,12 @@ impl SchedulerCore {
                 break;
             };
             if self.prefix_caching {
-                self.hasher
-                    .extend_sequence_hashes(&seq.tokens, self.block_size, &mut seq.hashes);
+                self.hasher.extend_sequence_hashes(
+                    &seq.tokens,
+                    self.block_size,
+                    seq.hash_seed,
+                    &mut seq.hashes,
+                );
             }
             // vLLM always computes at least the last prompt token.
             let max_hit =
@@ -271,16 +275,25 @@ impl SchedulerCore {
         self.hasher.extend_sequence_hashes(
             &seq.tokens[..full * self.block_size],
             self.block_size,
+            seq.hash_seed,
             &mut seq.hashes,
         );
         let current = seq.epoch == self.cache.epoch();
         for b in seq.engine_hashes.len()..full {
             let tokens = &seq.tokens[b * self.block_size..(b + 1) * self.block_size];
             let parent = seq.engine_hashes.last().copied();
-            let engine_hash = self.hasher.engine_hash(parent.map(|p| p.id()), tokens);
+            let engine_hash =
+                self.hasher
+                    .engine_hash(parent.map(|p| p.id()), tokens, seq.lora_name());
             if current {
-                self.cache
-                    .promote(seq.blocks[b], seq.hashes[b], engine_hash, parent, tokens);
+                self.cache.promote(
+                    seq.blocks[b],
+                    seq.hashes[b],
+                    engine_hash,
+                    parent,
+                    tokens,
+                    seq.lora.as_ref(),
+                );
             }
             seq.engine_hashes.push(engine_hash);
         }

@@ -11,6 +11,7 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 
 pub(crate) use self::core::SchedulerCore;
 use crate::kv_events::KvEventBatch;
+use crate::lora::Lora;
 use crate::metrics::Finish;
 use crate::timing::TimingModel;
 
@@ -25,8 +26,10 @@ pub(crate) struct SeqRequest {
     pub index: u32,
     /// Prompt token ids.
     pub prompt: Vec<u32>,
-    /// Sequence hashes of the prompt's full blocks.
+    /// Sequence hashes of the prompt's full blocks (in `lora`'s hash space).
     pub prompt_hashes: Vec<u64>,
+    /// The LoRA adapter to run with; `None` for the base model.
+    pub lora: Option<Lora>,
     /// Seed of the generated words.
     pub seed: u64,
     /// Tokens to generate at most.

@@ -5,8 +5,9 @@ use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::{SeqEvent, SeqRequest};
-use crate::hashing::EngineHash;
+use crate::hashing::{EngineHash, XXH3_SEED};
 use crate::kv_cache::BlockId;
+use crate::lora::Lora;
 use crate::output_text::OutputText;
 use crate::textgen::WordGenerator;
 
@@ -21,6 +22,10 @@ pub(crate) struct Sequence {
     pub prompt_len: usize,
     /// Sequence hashes of the full blocks of `tokens` known so far.
     pub hashes: Vec<u64>,
+    /// The LoRA adapter it runs with (`None`: the base model); its blocks live in its hash space.
+    pub lora: Option<Lora>,
+    /// Seed of its local block hashes (see [`crate::hashing::lora_seed`]).
+    pub hash_seed: u64,
     /// Engine hashes of the leading blocks handled so far (parents of the next store).
     pub engine_hashes: Vec<EngineHash>,
     /// Block table.
@@ -64,6 +69,8 @@ impl Sequence {
             tokens: req.prompt,
             prompt_len,
             hashes: req.prompt_hashes,
+            hash_seed: req.lora.as_ref().map_or(XXH3_SEED, Lora::hash_seed),
+            lora: req.lora,
             engine_hashes: Vec::new(),
             blocks: Vec::new(),
             computed: 0,
@@ -86,6 +93,11 @@ impl Sequence {
     /// Tokens still missing from the KV cache (1 while decoding).
     pub(crate) fn missing(&self) -> usize {
         self.tokens.len() - self.computed
+    }
+
+    /// The adapter's name, for engine hashes; `None` for the base model.
+    pub(crate) fn lora_name(&self) -> Option<&str> {
+        self.lora.as_ref().map(|l| &*l.name)
     }
 
     /// Whether the client went away.

@@ -3,10 +3,16 @@
 //! The batch is always the positional array `[ts: f64, events, data_parallel_rank]`. Events are
 //! positional arrays (legacy form, trailing nil fields after `lora_name` omitted) or maps with a
 //! `type` key (vLLM PR #42892). Hashes are unsigned 64-bit ints or 32-byte bins.
+//!
+//! A LoRA adapter's `BlockStored` carries its `lora_id` (an int) and `lora_name` (a string) in
+//! both forms, nil for the base model; the map form's `extra_keys` hold, per block, the keys
+//! vLLM folded into the block hash: `[lora_name]` for an adapter's block, nil otherwise (the
+//! positional form stops at `lora_name`).
 
 use crate::config::{KvEventEncoding, KvEventHash};
 use crate::hashing::EngineHash;
 use crate::kv_events::KvEvent;
+use crate::lora::Lora;
 
 /// The medium every simulated block lives on (vLLM's constant for device memory).
 const MEDIUM: &str = "GPU";
@@ -81,6 +87,20 @@ impl Writer<'_> {
         }
     }
 
+    fn lora_id(&mut self, lora: Option<&Lora>) {
+        match lora {
+            Some(l) => self.uint(l.id),
+            None => self.nil(),
+        }
+    }
+
+    fn lora_name(&mut self, lora: Option<&Lora>) {
+        match lora {
+            Some(l) => self.str(&l.name),
+            None => self.nil(),
+        }
+    }
+
     fn tokens(&mut self, tokens: &[u32]) {
         self.array(tokens.len());
         for &t in tokens {
@@ -95,6 +115,7 @@ impl Writer<'_> {
                 parent_block_hash,
                 token_ids,
                 block_size,
+                lora,
             } => {
                 self.array(8);
                 self.str("BlockStored");
@@ -102,9 +123,9 @@ impl Writer<'_> {
                 self.optional_hash(parent_block_hash.as_ref());
                 self.tokens(token_ids);
                 self.uint(*block_size as u64);
-                self.nil(); // lora_id
+                self.lora_id(lora.as_ref());
                 self.str(MEDIUM);
-                self.nil(); // lora_name
+                self.lora_name(lora.as_ref());
             }
             KvEvent::BlockRemoved { block_hashes } => {
                 self.array(3);
@@ -126,6 +147,7 @@ impl Writer<'_> {
                 parent_block_hash,
                 token_ids,
                 block_size,
+                lora,
             } => {
                 self.map(11);
                 self.str("type");
@@ -139,15 +161,21 @@ impl Writer<'_> {
                 self.str("block_size");
                 self.uint(*block_size as u64);
                 self.str("lora_id");
-                self.nil();
+                self.lora_id(lora.as_ref());
                 self.str("medium");
                 self.str(MEDIUM);
                 self.str("lora_name");
-                self.nil();
+                self.lora_name(lora.as_ref());
                 self.str("extra_keys");
                 self.array(block_hashes.len());
                 for _ in block_hashes {
-                    self.nil();
+                    match lora {
+                        Some(l) => {
+                            self.array(1);
+                            self.str(&l.name);
+                        }
+                        None => self.nil(),
+                    }
                 }
                 self.str("group_idx");
                 self.uint(0);
@@ -216,6 +244,20 @@ mod tests {
             parent_block_hash: None,
             token_ids: vec![1, 2, 3, 4],
             block_size: 2,
+            lora: None,
+        }
+    }
+
+    fn adapter_stored() -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: vec![hash(1), hash(2)],
+            parent_block_hash: None,
+            token_ids: vec![1, 2, 3, 4],
+            block_size: 2,
+            lora: Some(Lora {
+                id: 3,
+                name: "sql-lora".into(),
+            }),
         }
     }
 
@@ -295,6 +337,7 @@ mod tests {
             parent_block_hash: Some(hash(1)),
             token_ids: vec![3, 4],
             block_size: 2,
+            lora: None,
         };
         let v = encode(
             KvEventEncoding::Map,
@@ -323,5 +366,33 @@ mod tests {
         );
         assert_eq!(s.as_map().map(Vec::len), Some(11));
         assert_eq!(field(&events[1], "type").as_str(), Some("AllBlocksCleared"));
+    }
+
+    #[test]
+    fn adapter_stores_carry_lora_id_and_name_in_both_forms() {
+        let v = encode(
+            KvEventEncoding::Positional,
+            KvEventHash::Int,
+            &[adapter_stored()],
+        );
+        let s = v[1][0].as_array().expect("stored array");
+        assert_eq!(s.len(), 8, "{v}");
+        assert_eq!(s[5].as_u64(), Some(3), "lora_id at position 5");
+        assert_eq!(s[6].as_str(), Some("GPU"));
+        assert_eq!(s[7].as_str(), Some("sql-lora"), "lora_name at position 7");
+
+        let v = encode(KvEventEncoding::Map, KvEventHash::Int, &[adapter_stored()]);
+        let s = &v[1][0];
+        assert_eq!(s.as_map().map(Vec::len), Some(11));
+        assert_eq!(field(s, "lora_id").as_u64(), Some(3));
+        assert_eq!(field(s, "lora_name").as_str(), Some("sql-lora"));
+        let name = Value::from("sql-lora");
+        assert_eq!(
+            field(s, "extra_keys"),
+            &Value::Array(vec![
+                Value::Array(vec![name.clone()]),
+                Value::Array(vec![name])
+            ])
+        );
     }
 }

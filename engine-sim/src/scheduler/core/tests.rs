@@ -5,7 +5,9 @@ use tokio::sync::broadcast;
 use tokio::sync::mpsc::{self, UnboundedReceiver};
 
 use super::*;
+use crate::hashing::XXH3_SEED;
 use crate::kv_events::KvEvent;
+use crate::lora::Lora;
 use crate::scheduler::SeqRequest;
 
 fn config(block_size: usize, num_gpu_blocks: usize) -> SimConfig {
@@ -40,18 +42,32 @@ fn request(
     stops: &[&str],
 ) -> (SeqRequest, UnboundedReceiver<SeqEvent>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let prompt_hashes = BlockHasher::new().sequence_hashes(&prompt, block_size);
+    let prompt_hashes = BlockHasher::new().sequence_hashes(&prompt, block_size, XXH3_SEED);
     let req = SeqRequest {
         index: 0,
         seed: crate::hashing::content_seed(&prompt),
         prompt,
         prompt_hashes,
+        lora: None,
         max_tokens,
         stops: stops.iter().map(|s| (*s).to_owned()).collect(),
         stream,
         arrival: Instant::now(),
         tx,
     };
+    (req, rx)
+}
+
+/// A one-token request for `prompt` served with adapter `lora`.
+fn adapter_request(
+    prompt: Vec<u32>,
+    block_size: usize,
+    lora: &Lora,
+) -> (SeqRequest, UnboundedReceiver<SeqEvent>) {
+    let (mut req, rx) = request(prompt, block_size, 1, false, &[]);
+    req.prompt_hashes =
+        BlockHasher::new().sequence_hashes(&req.prompt, block_size, lora.hash_seed());
+    req.lora = Some(lora.clone());
     (req, rx)
 }
 
@@ -104,6 +120,55 @@ fn repeated_prompt_hits_its_full_blocks() {
     assert_eq!(o.cached_tokens, 8);
     assert_eq!(f.metrics.snapshot().prefix_queries, 20);
     assert_eq!(f.metrics.snapshot().prefix_hits, 8);
+}
+
+#[test]
+fn adapter_blocks_match_only_the_same_adapter() {
+    let mut f = fixture(&config(4, 64));
+    let a = Lora {
+        id: 1,
+        name: "a".into(),
+    };
+    let b = Lora {
+        id: 2,
+        name: "b".into(),
+    };
+    let prompt: Vec<u32> = (0..10).collect();
+    let mut cached = |req: (SeqRequest, UnboundedReceiver<SeqEvent>)| {
+        let (r, mut rx) = req;
+        f.core.enqueue(r);
+        run_until_idle(&mut f.core);
+        outcome(&mut rx).cached_tokens
+    };
+    assert_eq!(cached(adapter_request(prompt.clone(), 4, &a)), 0);
+    assert_eq!(cached(adapter_request(prompt.clone(), 4, &a)), 8);
+    assert_eq!(cached(request(prompt.clone(), 4, 1, false, &[])), 0);
+    assert_eq!(cached(adapter_request(prompt.clone(), 4, &b)), 0);
+    assert_eq!(cached(request(prompt.clone(), 4, 1, false, &[])), 8);
+    assert_eq!(f.metrics.snapshot().prefix_hits, 16);
+
+    // Each store carries its adapter and hashes in its adapter's engine-hash space.
+    let mut stores = Vec::new();
+    while let Ok(batch) = f.events.try_recv() {
+        for e in &batch.events {
+            if let KvEvent::BlockStored {
+                block_hashes, lora, ..
+            } = e
+            {
+                stores.push((lora.clone(), block_hashes[0]));
+            }
+        }
+    }
+    let mut h = BlockHasher::new();
+    let first = |h: &mut BlockHasher, lora: Option<&str>| h.engine_hash(None, &prompt[..4], lora);
+    assert_eq!(
+        stores,
+        vec![
+            (Some(a), first(&mut h, Some("a"))),
+            (None, first(&mut h, None)),
+            (Some(b), first(&mut h, Some("b"))),
+        ]
+    );
 }
 
 #[test]
@@ -302,13 +367,13 @@ fn prompt_and_decode_blocks_are_stored_with_engine_hashes() {
     }
     assert_eq!(stored.len(), 2, "{stored:?}");
     let mut h = BlockHasher::new();
-    let first = h.engine_hash(None, &prompt);
+    let first = h.engine_hash(None, &prompt, None);
     assert_eq!(stored[0], (vec![first], None, prompt));
     // Second block: four generated tokens, promoted once decode filled it.
     let (hashes, parent, tokens) = &stored[1];
     assert_eq!(*parent, Some(first));
     assert_eq!(tokens.len(), 4);
-    assert_eq!(hashes[0], h.engine_hash(Some(first.id()), tokens));
+    assert_eq!(hashes[0], h.engine_hash(Some(first.id()), tokens, None));
 }
 
 #[test]
