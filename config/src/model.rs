@@ -74,6 +74,10 @@ pub struct BackendConfig {
     /// Wire protocol to the backend.
     #[serde(default)]
     pub protocol: Protocol,
+    /// LoRA adapters the engine serves besides the model (vLLM's `--lora-modules` names): a
+    /// request whose `model` names one goes to the backends that list it.
+    #[serde(default)]
+    pub adapters: Vec<String>,
 }
 
 /// Wire protocol spoken to a backend.

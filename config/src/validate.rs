@@ -125,6 +125,42 @@ fn check_models(config: &Config, root: &FieldPath) -> Checked {
         check_model_routing(model, &path)?;
         check_concurrency(&model.concurrency, &path.key("concurrency"))?;
     }
+    check_adapters(config, &models, &names)
+}
+
+/// Adapter names are not empty, name no model or alias, and belong to one model only.
+fn check_adapters(
+    config: &Config,
+    models: &FieldPath,
+    names: &HashMap<&str, FieldPath>,
+) -> Checked {
+    let mut owners: HashMap<&str, usize> = HashMap::new();
+    for (i, model) in config.models.iter().enumerate() {
+        for (j, backend) in model.backends.iter().enumerate() {
+            let path = models.index(i).key("backends").index(j).key("adapters");
+            for (k, adapter) in backend.adapters.iter().enumerate() {
+                let at = path.index(k);
+                if adapter.trim().is_empty() {
+                    return fail(at, "an adapter name must not be empty");
+                }
+                if let Some(model_name) = names.get(adapter.as_str()) {
+                    return fail(
+                        at,
+                        format!("{adapter:?} is already a model name ({model_name})"),
+                    );
+                }
+                if let Some(&owner) = owners.get(adapter.as_str())
+                    && owner != i
+                {
+                    return fail(
+                        at,
+                        format!("adapter {adapter:?} is already served by models[{owner}]"),
+                    );
+                }
+                owners.insert(adapter, i);
+            }
+        }
+    }
     Ok(())
 }
 

@@ -497,6 +497,76 @@ models:
 }
 
 #[test]
+fn adapter_names_are_checked() {
+    let ok = "\
+models:
+  - name: a
+    backends:
+      - url: http://h:1
+        adapters: [sql-lora, chat-lora]
+      - url: http://h:2
+        adapters: [sql-lora]
+";
+    let config = Config::from_yaml_str(ok, "config.yaml").expect("valid");
+    assert_eq!(
+        config.models[0].backends[0].adapters,
+        ["sql-lora", "chat-lora"]
+    );
+    assert_eq!(config.models[0].backends[1].adapters, ["sql-lora"]);
+    let empty =
+        "models:\n  - name: a\n    backends:\n      - url: http://h:1\n        adapters: ['']\n";
+    assert_err(
+        empty,
+        "models[0].backends[0].adapters[0]",
+        "must not be empty",
+        5,
+        20,
+    );
+    let model_name = "\
+models:
+  - name: a
+    backends:
+      - url: http://h:1
+  - name: b
+    aliases: [bee]
+    backends:
+      - url: http://h:2
+        adapters: [a, bee]
+";
+    let invalid = err(model_name);
+    assert_eq!(
+        invalid.field.unwrap().to_string(),
+        "models[1].backends[0].adapters[0]"
+    );
+    assert!(
+        invalid.message.contains("already a model name"),
+        "{}",
+        invalid.message
+    );
+    let two_models = "\
+models:
+  - name: a
+    backends:
+      - url: http://h:1
+        adapters: [x]
+  - name: b
+    backends:
+      - url: http://h:2
+        adapters: [x]
+";
+    let invalid = err(two_models);
+    assert_eq!(
+        invalid.field.unwrap().to_string(),
+        "models[1].backends[0].adapters[0]"
+    );
+    assert!(
+        invalid.message.contains("already served by models[0]"),
+        "{}",
+        invalid.message
+    );
+}
+
+#[test]
 fn syntax_errors_have_a_position() {
     let invalid = err("models: [\n");
     assert!(invalid.position.is_some(), "{invalid}");
@@ -544,6 +614,7 @@ fn configs_built_in_code_are_validated_without_positions() {
         backends: vec![BackendConfig {
             url: BackendUrl::parse("http://127.0.0.1:1").unwrap(),
             protocol: Protocol::Http1,
+            adapters: Vec::new(),
         }],
         ..ModelConfig::default()
     });

@@ -59,6 +59,11 @@ pub struct InstanceRecord {
     /// Free-form labels (zone, GPU kind, ...).
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// The LoRA adapters the engine serves besides the base model (from its `GET /v1/models`):
+    /// a request naming one is routed to the instances that list it, its blocks hashed with
+    /// the adapter's seed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub adapters: Vec<String>,
     /// NATS subject of the instance's KV event batches.
     pub event_subject: String,
     /// NATS subject of the instance's resync (snapshot / replay) service.
@@ -109,11 +114,22 @@ mod tests {
         assert_eq!(record.instance_id, InstanceId(0x00c0_ffee_00c0_ffee));
         assert_eq!(record.labels.get("zone").map(String::as_str), Some("a"));
         assert_eq!(record.state, InstanceState::Ready);
+        assert!(record.adapters.is_empty(), "a record without adapters");
         let back = InstanceRecord::from_json(&record.to_json()).expect("round trip");
         assert_eq!(back, record);
         let value: serde_json::Value = serde_json::from_slice(&record.to_json()).expect("json");
         let doc: serde_json::Value = serde_json::from_str(DOC_EXAMPLE).expect("json");
         assert_eq!(value, doc);
+    }
+
+    #[test]
+    fn adapters_round_trip() {
+        let mut value: serde_json::Value = serde_json::from_str(DOC_EXAMPLE).expect("json");
+        value["adapters"] = serde_json::json!(["sql-lora", "chat-lora"]);
+        let record: InstanceRecord = serde_json::from_value(value).expect("adapters");
+        assert_eq!(record.adapters, ["sql-lora", "chat-lora"]);
+        let back = InstanceRecord::from_json(&record.to_json()).expect("round trip");
+        assert_eq!(back.adapters, record.adapters);
     }
 
     #[test]

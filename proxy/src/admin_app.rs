@@ -22,7 +22,7 @@ use crate::api_error::{ApiError, error_json};
 use crate::clock::now_millis;
 use crate::headers::content_length;
 use crate::reload::{Reloader, Trigger};
-use crate::request::admit::resolve_model;
+use crate::request::admit::{instances_for, resolve_model};
 use crate::request::prepare::prepare_prompt;
 use crate::request_body::{BodyError, read_body};
 use crate::respond::{JSON, respond};
@@ -136,15 +136,23 @@ async fn debug_route(state: &State, session: &mut ServerSession) -> (u16, Header
         Err(BodyError::Timeout) => return api_error(&ApiError::RequestTimeout),
         Err(BodyError::Client(error)) => return invalid(&error.to_string(), "invalid_body"),
     };
-    let (pool, body) = match resolve_model(state, body) {
-        Ok(resolved) => (resolved.pool, resolved.body),
+    let (pool, adapter, body) = match resolve_model(state, body) {
+        Ok(resolved) => (resolved.pool, resolved.adapter, resolved.body),
+        Err(error) => return api_error(&error),
+    };
+    let instances = match instances_for(&pool, adapter.as_ref()) {
+        Ok(instances) => instances,
         Err(error) => return api_error(&error),
     };
     let Some(router) = pool.balancer().kv_router() else {
         let message = format!("model {:?} does not use policy kv", pool.name());
         return invalid(&message, "not_kv_routed");
     };
-    let prepared = match prepare_prompt(state, router.preparer(), route, &body, false).await {
+    let preparer = match &adapter {
+        Some(adapter) => router.preparer().for_adapter(Arc::clone(adapter)),
+        None => router.preparer().clone(),
+    };
+    let prepared = match prepare_prompt(state, &preparer, route, &body, false).await {
         Ok(prepared) => prepared,
         Err(InvalidPrompt(message)) => return api_error(&ApiError::InvalidPrompt(message)),
     };
@@ -155,14 +163,10 @@ async fn debug_route(state: &State, session: &mut ServerSession) -> (u16, Header
     let request = router
         .lookup(&prepared, std::time::Instant::now())
         .in_session(session_key);
-    let explanation = router.explain(
-        &pool.instances(),
-        &request,
-        now_millis(),
-        &mut rand::thread_rng(),
-    );
+    let explanation = router.explain(&instances, &request, now_millis(), &mut rand::thread_rng());
     let body = Explained {
         model: pool.name(),
+        adapter: adapter.as_deref(),
         route: route.label(),
         explanation,
     };
@@ -210,6 +214,9 @@ fn invalid(message: &str, code: &str) -> (u16, HeaderValue, Bytes) {
 #[derive(Serialize)]
 struct Explained<'a> {
     model: &'a str,
+    /// The LoRA adapter the request named.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    adapter: Option<&'a str>,
     route: &'static str,
     #[serde(flatten)]
     explanation: Explanation,

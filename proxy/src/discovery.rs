@@ -21,6 +21,8 @@ pub(crate) struct InstanceSpec {
     pub(crate) address: SocketAddr,
     /// Wire protocol.
     pub(crate) protocol: Protocol,
+    /// LoRA adapters it serves besides the model.
+    pub(crate) adapters: Vec<String>,
 }
 
 /// One model and its instances.
@@ -77,6 +79,7 @@ impl Discovery for StaticDiscovery<'_> {
                             address: resolve(&backend.url)?,
                             url: backend.url.clone(),
                             protocol: backend.protocol,
+                            adapters: backend.adapters.clone(),
                         })
                     })
                     .collect::<Result<_, ProxyError>>()?;

@@ -23,6 +23,7 @@
 //! ```
 
 mod accept;
+mod adapters;
 mod admin_app;
 mod api_error;
 mod auth;

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use arc_swap::ArcSwap;
 use kvmesh_route::Balancer;
 
+use crate::adapters::Adapters;
 use crate::clock::now_millis;
 use crate::instance::{Instance, Membership};
 use crate::metrics::ModelMetrics;
@@ -24,6 +25,8 @@ pub(crate) struct ModelPool {
     name: String,
     instances: ArcSwap<Vec<Arc<Instance>>>,
     balancer: Balancer,
+    /// Which instances serve which LoRA adapters.
+    adapters: Adapters,
     metrics: ModelMetrics,
     /// Set when the pool left the registry: its background tasks stop.
     retired: AtomicBool,
@@ -44,6 +47,7 @@ impl ModelPool {
             name,
             instances: ArcSwap::from_pointee(instances),
             balancer,
+            adapters: Adapters::default(),
             metrics,
             retired: AtomicBool::new(false),
         }
@@ -62,6 +66,30 @@ impl ModelPool {
     /// The current instances (a snapshot: later changes do not affect it).
     pub(crate) fn instances(&self) -> Instances {
         self.instances.load_full()
+    }
+
+    /// The instances a request for `adapter` picks from (`None`: the base model, all of them);
+    /// `None` when no instance serves the adapter.
+    pub(crate) fn instances_for(&self, adapter: Option<&str>) -> Option<Instances> {
+        match adapter {
+            None => Some(self.instances()),
+            Some(adapter) => self.adapters.serving(adapter),
+        }
+    }
+
+    /// Whether some instance serves the LoRA adapter `name`.
+    pub(crate) fn serves_adapter(&self, name: &str) -> bool {
+        self.adapters.contains(name)
+    }
+
+    /// The LoRA adapters its instances serve, sorted.
+    pub(crate) fn adapter_names(&self) -> Vec<String> {
+        self.adapters.names()
+    }
+
+    /// Instance `id` serves the LoRA adapters `adapters` (replacing what it served).
+    pub(crate) fn set_adapters(&self, id: u64, adapters: Vec<String>) {
+        self.adapters.set(id, adapters, &self.instances.load());
     }
 
     /// The current instance with id `id`.
@@ -84,6 +112,7 @@ impl ModelPool {
         if let Some(old) = replaced {
             old.set_membership(Membership::Removed);
         }
+        self.adapters.instances_changed(&self.instances.load());
         self.balancer.add_instance(id);
     }
 
@@ -99,6 +128,7 @@ impl ModelPool {
             (next, old)
         })?;
         removed.set_membership(Membership::Removed);
+        self.adapters.instances_changed(&self.instances.load());
         self.balancer.remove_instance(id);
         Some(removed)
     }

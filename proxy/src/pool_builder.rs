@@ -58,12 +58,16 @@ impl PoolBuilder {
             .map(|spec| self.instance(&model.name, spec))
             .collect();
         let balancer = self.balancer(model)?;
-        Ok(Arc::new(ModelPool::new(
+        let pool = ModelPool::new(
             model.name.clone(),
             instances,
             balancer,
             self.metrics.model(&model.name),
-        )))
+        );
+        for spec in &model.instances {
+            pool.set_adapters(spec.id, spec.adapters.clone());
+        }
+        Ok(Arc::new(pool))
     }
 
     /// Loads the tokenizer in `dir` (once per directory).

@@ -1,6 +1,8 @@
-//! Model name and alias → pool. Models can appear and disappear at run time (discovery):
-//! the lookup tables and the `GET /v1/models` body are rebuilt on each change and swapped
-//! in whole, so the request path reads them without a lock.
+//! Model name and alias → pool, and LoRA adapter → its base model's pool. Models can appear
+//! and disappear at run time (discovery): the lookup tables and the `GET /v1/models` body are
+//! rebuilt on each change and swapped in whole, so the request path reads them without a
+//! lock. Adapters come and go with the instances that serve them (each pool keeps its own);
+//! a name that is no model is looked up among them.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -57,6 +59,7 @@ impl View {
                     object: "model",
                     created: *created,
                     owned_by: "kvmesh",
+                    parent: None,
                 })
                 .collect(),
         };
@@ -92,6 +95,33 @@ struct ModelEntry<'a> {
     object: &'static str,
     created: u64,
     owned_by: &'static str,
+    /// The base model of a LoRA adapter (as vLLM lists adapters).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parent: Option<&'a str>,
+}
+
+/// What a request's `model` names: a model's pool, and the LoRA adapter when it named one.
+#[derive(Debug, Clone)]
+pub(crate) struct Served {
+    /// The pool of the model (an adapter's base model).
+    pub(crate) pool: Arc<ModelPool>,
+    /// The adapter, when the name is one (`None`: the model itself or an alias).
+    pub(crate) adapter: Option<Arc<str>>,
+}
+
+/// Every adapter served in `view` with its model's entry (the first model serving it), in
+/// model order.
+fn adapters(view: &View) -> Vec<(String, &Entry)> {
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    for entry in &view.entries {
+        for name in entry.pool.adapter_names() {
+            if !view.by_name.contains_key(&name) && seen.insert(name.clone()) {
+                out.push((name, entry));
+            }
+        }
+    }
+    out
 }
 
 fn now_secs() -> u64 {
@@ -125,6 +155,25 @@ impl ModelRegistry {
         self.view.load().by_name.get(name).cloned()
     }
 
+    /// What `name` names: a model (canonical or alias), else a LoRA adapter some instance
+    /// serves (the first model in order whose instances serve it).
+    pub(crate) fn resolve(&self, name: &str) -> Option<Served> {
+        let view = self.view.load();
+        if let Some(pool) = view.by_name.get(name) {
+            return Some(Served {
+                pool: Arc::clone(pool),
+                adapter: None,
+            });
+        }
+        view.entries
+            .iter()
+            .find(|entry| entry.pool.serves_adapter(name))
+            .map(|entry| Served {
+                pool: Arc::clone(&entry.pool),
+                adapter: Some(Arc::from(name)),
+            })
+    }
+
     /// Every pool, in config order, then in order of appearance.
     pub(crate) fn pools(&self) -> Vec<Arc<ModelPool>> {
         self.view
@@ -135,14 +184,52 @@ impl ModelRegistry {
             .collect()
     }
 
-    /// Every accepted name, comma-separated.
+    /// Every accepted name, comma-separated (models, aliases, then adapters).
     pub(crate) fn known(&self) -> String {
-        self.view.load().known.clone()
+        let view = self.view.load();
+        let adapters = adapters(&view);
+        if adapters.is_empty() {
+            return view.known.clone();
+        }
+        let names = adapters.iter().map(|(name, _)| name.as_str());
+        std::iter::once(view.known.as_str())
+            .chain(names)
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
-    /// The `GET /v1/models` body.
+    /// The `GET /v1/models` body: models and aliases, then each adapter with its base model as
+    /// `parent`.
     pub(crate) fn models_body(&self) -> Bytes {
-        self.view.load().models_body.clone()
+        let view = self.view.load();
+        let adapters = adapters(&view);
+        if adapters.is_empty() {
+            return view.models_body.clone();
+        }
+        let mut data: Vec<ModelEntry<'_>> = Vec::new();
+        for entry in &view.entries {
+            let names =
+                std::iter::once(entry.pool.name()).chain(entry.aliases.iter().map(String::as_str));
+            data.extend(names.map(|id| ModelEntry {
+                id,
+                object: "model",
+                created: entry.created,
+                owned_by: "kvmesh",
+                parent: None,
+            }));
+        }
+        data.extend(adapters.iter().map(|(name, entry)| ModelEntry {
+            id: name,
+            object: "model",
+            created: entry.created,
+            owned_by: "kvmesh",
+            parent: Some(entry.pool.name()),
+        }));
+        let list = ModelList {
+            object: "list",
+            data,
+        };
+        Bytes::from(serde_json::to_vec(&list).unwrap_or_default())
     }
 
     /// Metrics for requests that resolve to no model.

@@ -4,9 +4,11 @@
 //! [`proxy`]; it writes what the spine hands it through its [`Frontend`]. In order:
 //!
 //! 1. **admit** ([`admit`]): `model` and `stream` from the body, the model's pool (an
-//!    alias rewritten), the API key's own limits, the model's concurrency slot.
+//!    alias rewritten, a LoRA adapter kept), the API key's own limits, the model's
+//!    concurrency slot.
 //! 2. **prepare** ([`prepare`]): the model's policy, or under `policy: kv` the prompt
-//!    rendered, tokenized and hashed into blocks; the prompt charged to the key.
+//!    rendered, tokenized and hashed into blocks (an adapter's with its seed); the prompt
+//!    charged to the key; the instances to pick from (an adapter's: those serving it).
 //! 3. **queue** ([`pick::queue`]): under `policy: kv`, a bounded wait while every instance
 //!    is busy.
 //! 4. **pick** ([`pick`]): the next instance not tried yet (`policy: kv` books the load).
@@ -42,7 +44,7 @@ use crate::auth::ApiKey;
 use crate::metrics::GaugeGuard;
 use crate::route::Route;
 use crate::state::State;
-use admit::{admit_key, model_slot, resolve_model};
+use admit::{admit_key, instances_for, model_slot, resolve_model};
 use attempt::{Failover, attempt};
 use frontend::Frontend;
 use kvmesh_route::prepare::InvalidPrompt;
@@ -91,14 +93,15 @@ async fn run<F: Frontend>(
     // 2. prepare
     let mut body = resolved.body;
     let route = record.route.unwrap_or(Route::ChatCompletions);
-    let picker = prepare(state, &pool, route, &mut body, &*frontend)
+    let adapter = resolved.adapter.as_ref();
+    let picker = prepare(state, &pool, adapter, route, &mut body, &*frontend)
         .await
         .map_err(|InvalidPrompt(message)| ApiError::InvalidPrompt(message))?;
     if let Some(permit) = permit.as_ref() {
         charge_prompt(permit, &picker, body.len(), record);
     }
     let _in_flight = GaugeGuard::new(&pool.metrics().in_flight);
-    let instances = pool.instances();
+    let instances = instances_for(&pool, adapter)?;
     // 3. queue
     queue(&pool, &instances, &picker, frontend).await?;
     let mut failover = Failover::new(state.limits.retries);

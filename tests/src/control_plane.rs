@@ -50,20 +50,27 @@ pub fn start_event_engines(
     scratch: &ScratchDir,
     engines: usize,
 ) -> anyhow::Result<(Spawned, Vec<Engine>)> {
+    start_event_engines_with(scratch, engines, &[])
+}
+
+/// [`start_event_engines`] with `extra` simulator flags.
+pub fn start_event_engines_with(
+    scratch: &ScratchDir,
+    engines: usize,
+    extra: &[&str],
+) -> anyhow::Result<(Spawned, Vec<Engine>)> {
     let block_size = BLOCK_SIZE.to_string();
-    let sim = crate::cluster::start_engines(
-        scratch,
-        engines,
-        &[
-            "--no-delay",
-            "--block-size",
-            &block_size,
-            "--kv-events-endpoint",
-            "tcp://127.0.0.1:0",
-            "--kv-events-replay-endpoint",
-            "tcp://127.0.0.1:0",
-        ],
-    )?;
+    let mut args = vec![
+        "--no-delay",
+        "--block-size",
+        &block_size,
+        "--kv-events-endpoint",
+        "tcp://127.0.0.1:0",
+        "--kv-events-replay-endpoint",
+        "tcp://127.0.0.1:0",
+    ];
+    args.extend_from_slice(extra);
+    let sim = crate::cluster::start_engines(scratch, engines, &args)?;
     let listener = |name: String| -> anyhow::Result<std::net::SocketAddr> {
         sim.listeners()
             .iter()
@@ -204,7 +211,12 @@ pub async fn await_metric(
 
 /// A completions request for [`MODEL`] with token ids `prompt`.
 pub fn token_prompt(prompt: &[u32], max_tokens: u32) -> serde_json::Value {
-    serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})
+    model_prompt(MODEL, prompt, max_tokens)
+}
+
+/// A completions request for `model` (a model or a LoRA adapter) with token ids `prompt`.
+pub fn model_prompt(model: &str, prompt: &[u32], max_tokens: u32) -> serde_json::Value {
+    serde_json::json!({"model": model, "prompt": prompt, "max_tokens": max_tokens})
 }
 
 /// `blocks` full blocks of token ids unique to `seed`.

@@ -11,7 +11,9 @@
 //!   of the stale blocks;
 //! - etcd restarted: the proxy keeps serving with the last known instances, then watches again;
 //! - a session bound by one replica (`x-session-id`) is followed by the other, even where
-//!   another engine caches the request's prompt.
+//!   another engine caches the request's prompt;
+//! - a LoRA adapter's requests go only to the engines serving it (from their agents'
+//!   records, also for an adapter loaded at run time), to the one caching its blocks.
 //!
 //! Readiness comes from `LISTENING`/`READY` lines and metrics polled against a deadline. The
 //! tests run one at a time (they time leases and restarts on a 2-core machine).
@@ -24,7 +26,8 @@ use kvmesh_control::{EventBus, NatsBus};
 use kvmesh_e2e::cluster::{MODEL, start_proxy};
 use kvmesh_e2e::control_plane::{
     BLOCK_SIZE, Engine, Servers, await_metric, control_proxy_config, metric, metric_total,
-    prompt_tokens, start_agent, start_event_engines, token_prompt,
+    model_prompt, prompt_tokens, start_agent, start_event_engines, start_event_engines_with,
+    token_prompt,
 };
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
 use tokio::sync::Mutex;
@@ -645,9 +648,13 @@ async fn a_session_bound_on_one_replica_is_followed_by_the_other() -> anyhow::Re
     let series = index_blocks_series(&other.url);
     await_metric(&client, &metrics_b, &series, |v| v >= 8.0, CONVERGE).await?;
     // Proxy B learns the binding from NATS: its explanation names the bound engine.
-    await_explained(&client, proxy_b, &cached, Some("chat-1"), |explained| {
-        explained["session_bound_to"] == bound.as_str()
-    })
+    await_explained(
+        &client,
+        proxy_b,
+        &token_prompt(&cached, 1),
+        Some("chat-1"),
+        |explained| explained["session_bound_to"] == bound.as_str(),
+    )
     .await?;
 
     // Without the session the cached prompt goes where it is cached; in the session it
@@ -689,19 +696,19 @@ async fn a_session_bound_on_one_replica_is_followed_by_the_other() -> anyhow::Re
     Ok(())
 }
 
-/// Polls proxy `proxy`'s `/debug/route` for `prompt` (in `session` if any) until `done`
-/// holds for the explanation, or the deadline passes.
+/// Polls proxy `proxy`'s `/debug/route` for the completion `request` (in `session` if any)
+/// until `done` holds for the explanation, or the deadline passes.
 async fn await_explained(
     client: &HttpClient,
     proxy: &Spawned,
-    prompt: &[u32],
+    request: &serde_json::Value,
     session: Option<&str>,
     done: impl Fn(&serde_json::Value) -> bool,
 ) -> anyhow::Result<()> {
     let url = format!("{}/debug/route?route=completions", proxy.url("admin"));
     let mut headers = vec![("content-type", "application/json")];
     headers.extend(session.map(|session| ("x-session-id", session)));
-    let body = token_prompt(prompt, 1).to_string();
+    let body = request.to_string();
     let deadline = Instant::now() + CONVERGE;
     loop {
         let response = client
@@ -762,18 +769,214 @@ async fn a_replica_counts_the_requests_another_has_in_flight() -> anyhow::Result
         .to_string();
     assert!(stream.next_chunk().await?.is_some());
     let probe = prompt_tokens(4, 4);
-    await_explained(&client, proxy_b, &probe, None, |explained| {
-        let entry = explained_instance(explained, &engine);
-        entry["active_requests"] == 1 && entry["active_blocks"].as_u64() >= Some(4)
-    })
+    await_explained(
+        &client,
+        proxy_b,
+        &token_prompt(&probe, 1),
+        None,
+        |explained| {
+            let entry = explained_instance(explained, &engine);
+            entry["active_requests"] == 1 && entry["active_blocks"].as_u64() >= Some(4)
+        },
+    )
     .await?;
     // The client leaves: proxy A releases the request, and proxy B stops counting it.
     drop(stream);
-    await_explained(&client, proxy_b, &probe, None, |explained| {
-        explained_instance(explained, &engine)["active_requests"] == 0
-    })
+    await_explained(
+        &client,
+        proxy_b,
+        &token_prompt(&probe, 1),
+        None,
+        |explained| explained_instance(explained, &engine)["active_requests"] == 0,
+    )
     .await?;
     assert_no_panic(proxy_a);
     assert_no_panic(proxy_b);
+    Ok(())
+}
+
+/// Sends `request` (a completion) through `proxy`; returns (status, instance, body).
+async fn complete_request(
+    client: &HttpClient,
+    proxy: &Spawned,
+    request: &serde_json::Value,
+) -> anyhow::Result<(u16, String, serde_json::Value)> {
+    let url = format!("{}/v1/completions", proxy.url("main"));
+    let response = client.post_json(&url, request).await?;
+    let instance = response
+        .header("x-kvmesh-instance")
+        .unwrap_or("")
+        .to_string();
+    let body = serde_json::from_slice(&response.body).unwrap_or_default();
+    Ok((response.status, instance, body))
+}
+
+/// Polls `proxy`'s `GET /v1/models` until it lists `id` with base model `parent`.
+async fn await_listed(
+    client: &HttpClient,
+    proxy: &Spawned,
+    id: &str,
+    parent: &str,
+) -> anyhow::Result<()> {
+    let url = format!("{}/v1/models", proxy.url("main"));
+    let deadline = Instant::now() + CONVERGE;
+    loop {
+        let response = client.get(&url).await?;
+        let models: serde_json::Value = serde_json::from_slice(&response.body)?;
+        let listed = models["data"]
+            .as_array()
+            .is_some_and(|all| all.iter().any(|m| m["id"] == id && m["parent"] == parent));
+        if listed {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "{id} never listed: {models}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lora_requests_go_where_the_adapter_and_its_blocks_are() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-lora")?;
+    let servers = Servers::start(&scratch).await?;
+    // Two engines serve the adapter `sql-lora`; a third serves the base model only (LoRA on,
+    // no adapter loaded yet).
+    let (_lora_sim, lora_engines) = start_event_engines_with(
+        &scratch,
+        2,
+        &[
+            "--enable-prompt-tokens-details",
+            "--lora-modules",
+            "sql-lora=/adapters/sql",
+        ],
+    )?;
+    let (_base_sim, base_engines) = start_event_engines_with(&scratch, 1, &["--enable-lora"])?;
+    let base = &base_engines[0];
+    let _agents = lora_engines
+        .iter()
+        .chain(&base_engines)
+        .map(|engine| start_agent(&scratch, &servers, engine, LONG_TTL, DRAIN))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    await_metric(
+        &client,
+        &metrics,
+        &instances_series(),
+        |v| v == 3.0,
+        CONVERGE,
+    )
+    .await?;
+    await_metric(
+        &client,
+        &metrics,
+        &events_source_series(),
+        |v| v == 1.0,
+        CONVERGE,
+    )
+    .await?;
+    await_listed(&client, &proxy, "sql-lora", MODEL).await?;
+
+    // The second adapter engine caches an adapter prompt; the proxy learns it from the
+    // agent's events, hashed with the adapter's seed.
+    let warm = &lora_engines[1];
+    let prompt = prompt_tokens(11, 6);
+    let url = format!("{}/v1/completions", warm.url);
+    let direct = client
+        .post_json(&url, &model_prompt("sql-lora", &prompt, 1))
+        .await?;
+    assert_eq!(direct.status, 200);
+    await_explained(
+        &client,
+        &proxy,
+        &model_prompt("sql-lora", &prompt, 1),
+        None,
+        |explained| {
+            explained["adapter"] == "sql-lora"
+                && explained_instance(explained, &warm.url)["overlap_blocks"] == 6
+        },
+    )
+    .await?;
+    // The same tokens for the base model match none of the adapter's blocks, and the
+    // adapter's candidates are only the engines that serve it.
+    let url = format!("{}/debug/route?route=completions", proxy.url("admin"));
+    let explained = client.post_json(&url, &token_prompt(&prompt, 1)).await?;
+    let explained: serde_json::Value = serde_json::from_slice(&explained.body)?;
+    assert_eq!(
+        explained_instance(&explained, &warm.url)["overlap_blocks"],
+        0,
+        "{explained}"
+    );
+    assert_eq!(
+        explained["instances"].as_array().map(Vec::len),
+        Some(3),
+        "{explained}"
+    );
+    let explained = client
+        .post_json(&url, &model_prompt("sql-lora", &prompt, 1))
+        .await?;
+    let explained: serde_json::Value = serde_json::from_slice(&explained.body)?;
+    assert_eq!(
+        explained["instances"].as_array().map(Vec::len),
+        Some(2),
+        "{explained}"
+    );
+    assert!(
+        explained_instance(&explained, &base.url).is_null(),
+        "{explained}"
+    );
+
+    // Through the proxy the adapter request lands where its blocks are, answered by the
+    // adapter from its cache (all but the last block, as vLLM recomputes the prompt's last
+    // token); other adapter requests never reach the engine without it.
+    let (status, instance, body) =
+        complete_request(&client, &proxy, &model_prompt("sql-lora", &prompt, 1)).await?;
+    assert_eq!(
+        (status, instance.as_str()),
+        (200, warm.url.as_str()),
+        "{body}"
+    );
+    assert_eq!(body["model"], "sql-lora");
+    assert!(
+        body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() == Some(80),
+        "{body}"
+    );
+    for seed in 20..30 {
+        let request = model_prompt("sql-lora", &prompt_tokens(seed, 2), 1);
+        let (status, instance, body) = complete_request(&client, &proxy, &request).await?;
+        assert_eq!(status, 200, "{body}");
+        assert_ne!(
+            instance, base.url,
+            "the base-only engine got an adapter request"
+        );
+    }
+
+    // An adapter loaded at run time on the base engine: its agent re-registers, and the
+    // proxy sends that adapter's requests there only.
+    let load = client
+        .post_json(
+            &format!("{}/v1/load_lora_adapter", base.url),
+            &serde_json::json!({"lora_name": "chat-lora", "lora_path": "/adapters/chat"}),
+        )
+        .await?;
+    assert_eq!(load.status, 200, "{}", String::from_utf8_lossy(&load.body));
+    await_listed(&client, &proxy, "chat-lora", MODEL).await?;
+    for seed in 30..35 {
+        let request = model_prompt("chat-lora", &prompt_tokens(seed, 2), 1);
+        let (status, instance, body) = complete_request(&client, &proxy, &request).await?;
+        assert_eq!(
+            (status, instance.as_str()),
+            (200, base.url.as_str()),
+            "{body}"
+        );
+        assert_eq!(body["model"], "chat-lora");
+    }
+    // A name that is neither a model nor a served adapter: 404, OpenAI-shaped.
+    let (status, _, body) =
+        complete_request(&client, &proxy, &model_prompt("no-such-lora", &prompt, 1)).await?;
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(body["error"]["code"], "model_not_found", "{body}");
+    assert_no_panic(&proxy);
     Ok(())
 }

@@ -9,6 +9,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
+use crate::adapters;
 use crate::config::AgentConfig;
 use crate::core::Core;
 use crate::endpoint::rank_endpoint;
@@ -224,6 +225,13 @@ pub async fn start(
     } else {
         InstanceState::NotReady
     };
+    let served_adapters = adapters::fetch(&engine, Duration::from_secs(1))
+        .await
+        .unwrap_or_default();
+    metrics
+        .adapters
+        .set(i64::try_from(served_adapters.len()).unwrap_or(i64::MAX));
+    let (adapters_tx, adapters_rx) = watch::channel(served_adapters);
     let (desired, desired_rx) = watch::channel(initial);
     let (written_tx, written) = watch::channel(None);
     let (stop_registration, stop_rx) = watch::channel(false);
@@ -240,6 +248,7 @@ pub async fn start(
         total_blocks: config.total_blocks,
         dp_ranks: config.dp_ranks,
         labels: config.labels.clone(),
+        adapters: Vec::new(),
         event_subject: ns.event_subject(&config.model),
         snapshot_subject: ns.snapshot_subject(id),
         state: initial,
@@ -248,6 +257,7 @@ pub async fn start(
         registry,
         key: ns.instance_key(&config.model, id),
         record,
+        adapters: adapters_rx,
         ttl: config.lease_ttl,
         metrics: metrics.clone(),
     };
@@ -256,6 +266,12 @@ pub async fn start(
         engine.clone(),
         config.health_interval,
         desired.clone(),
+        metrics.clone(),
+    )));
+    tasks.push(tokio::spawn(adapters::run(
+        engine.clone(),
+        config.health_interval,
+        adapters_tx,
         metrics.clone(),
     )));
     let status = Arc::new(Status {

@@ -21,6 +21,7 @@
 //! Embedding (the demo): build an [`AgentConfig`], pass in-process `Registry` / `EventBus`
 //! implementations to [`start`], keep the [`AgentHandle`], call [`AgentHandle::shutdown`].
 
+mod adapters;
 mod agent;
 pub mod cli;
 mod config;

@@ -43,6 +43,8 @@ pub struct AgentMetrics {
     pub registered: IntGauge,
     /// `kvmesh_agent_engine_healthy`: 1 while the engine's `/health` answers 200.
     pub engine_healthy: IntGauge,
+    /// `kvmesh_agent_adapters`: LoRA adapters the engine's `/v1/models` lists.
+    pub adapters: IntGauge,
     /// `kvmesh_agent_load_reports_total{result}`: engine `/metrics` scrapes (`ok`, `error`).
     pub load_reports: IntCounterVec,
 }
@@ -157,6 +159,11 @@ impl AgentMetrics {
                 "kvmesh_agent_engine_healthy",
                 "1 while the engine's /health answers 200",
             )?,
+            adapters: gauge(
+                &r,
+                "kvmesh_agent_adapters",
+                "LoRA adapters the engine's /v1/models lists",
+            )?,
             load_reports: counter_vec(
                 &r,
                 "kvmesh_agent_load_reports_total",
@@ -204,6 +211,7 @@ mod tests {
             "kvmesh_agent_cached_blocks",
             "kvmesh_agent_registered",
             "kvmesh_agent_engine_healthy",
+            "kvmesh_agent_adapters",
             "kvmesh_agent_load_reports_total",
         ] {
             assert!(text.contains(name), "{name} missing from\n{text}");

@@ -1,5 +1,5 @@
 //! Registration in the registry: the instance record under a lease kept alive at a third of
-//! its TTL, rewritten when the state changes, and written again under a new lease when the old
+//! its TTL, rewritten when the state or the engine's adapters change, and written again under a new lease when the old
 //! one is lost (etcd restarted without its data, or unreachable longer than the TTL).
 
 use std::sync::Arc;
@@ -19,8 +19,10 @@ pub(crate) struct Registration {
     pub registry: Arc<dyn Registry>,
     /// The record's key.
     pub key: String,
-    /// The record (its `state` is replaced by the desired one).
+    /// The record (its `state` and `adapters` are replaced by the current ones).
     pub record: InstanceRecord,
+    /// The engine's LoRA adapters, as last read.
+    pub adapters: watch::Receiver<Vec<String>>,
     /// Lease TTL.
     pub ttl: Duration,
     /// Counters.
@@ -31,13 +33,14 @@ impl Registration {
     async fn put(&self, state: InstanceState, lease: LeaseId) -> Result<(), ControlError> {
         let mut record = self.record.clone();
         record.state = state;
+        record.adapters.clone_from(&self.adapters.borrow());
         self.registry.put(&self.key, &record, Some(lease)).await
     }
 
     /// Runs until `stop` turns true, then revokes the lease. `desired` is the state to
     /// advertise; `written` reports the state actually registered (`None`: not registered).
     pub(crate) async fn run(
-        self,
+        mut self,
         mut desired: watch::Receiver<InstanceState>,
         written: watch::Sender<Option<InstanceState>>,
         mut stop: watch::Receiver<bool>,
@@ -58,6 +61,7 @@ impl Registration {
                 }
             };
             let mut state = *desired.borrow_and_update();
+            self.adapters.mark_unchanged();
             if let Err(e) = self.put(state, lease).await {
                 tracing::warn!(error = %e, "cannot register the instance; retrying");
                 tokio::select! {
@@ -87,6 +91,10 @@ impl Registration {
                         state = *desired.borrow_and_update();
                         dirty = true;
                     }
+                    Ok(()) = self.adapters.changed() => {
+                        self.adapters.mark_unchanged();
+                        dirty = true;
+                    }
                     _ = stop.changed() => {
                         if let Err(e) = self.registry.revoke(lease).await {
                             tracing::debug!(error = %e, "lease revoke failed");
@@ -101,7 +109,7 @@ impl Registration {
                     match self.put(state, lease).await {
                         Ok(()) => {
                             dirty = false;
-                            tracing::info!(state = state.as_str(), "instance state updated");
+                            tracing::info!(state = state.as_str(), "instance record updated");
                             written.send_replace(Some(state));
                         }
                         Err(ControlError::LeaseNotFound(_)) => break true,

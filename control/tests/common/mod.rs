@@ -19,6 +19,7 @@ pub fn record(ns: &Namespace, model: &str, id: u64) -> InstanceRecord {
         total_blocks: 1024,
         dp_ranks: 1,
         labels: Default::default(),
+        adapters: Vec::new(),
         event_subject: ns.event_subject(model),
         snapshot_subject: ns.snapshot_subject(instance_id),
         state: InstanceState::Ready,

@@ -5,7 +5,8 @@
 //! - **Put** of a new record: an instance (id = the record's `instance_id`) joins its model's
 //!   pool, routable only in state `ready`. A changed URL or protocol replaces the instance;
 //!   a changed state only flips its routability (`not_ready` and `draining` take no new
-//!   requests, in-flight ones finish).
+//!   requests, in-flight ones finish); changed `adapters` change which LoRA adapters'
+//!   requests it takes.
 //! - **Delete** (lease expired, agent deregistered): the instance leaves; in-flight
 //!   requests finish on it, its load and cached blocks are dropped. A discovered model with no
 //!   instance left leaves the registry (`GET /v1/models`), a configured one stays (503).
@@ -40,6 +41,7 @@ struct Registered {
     id: u64,
     url: String,
     protocol: Protocol,
+    adapters: Vec<String>,
 }
 
 /// Background work for instances and models that appear once the proxy runs.
@@ -140,6 +142,13 @@ impl MembershipApplier {
                     }
                     instance.set_membership(membership);
                 }
+                if known.adapters != spec.adapters {
+                    tracing::info!(model = %known.model, instance = %spec.url, adapters = ?spec.adapters, "instance adapters changed");
+                    pool.set_adapters(spec.id, spec.adapters.clone());
+                    if let Some(known) = self.by_key.get_mut(&key) {
+                        known.adapters = spec.adapters;
+                    }
+                }
                 return;
             }
             self.delete(state, &key);
@@ -161,6 +170,7 @@ impl MembershipApplier {
         let instance = self.builder.instance(pool.name(), &spec);
         instance.set_membership(membership);
         pool.add_instance(Arc::clone(&instance));
+        pool.set_adapters(spec.id, spec.adapters.clone());
         if let Some(spawner) = &mut self.spawner
             && let Some(health) = &spawner.health_check
         {
@@ -180,6 +190,7 @@ impl MembershipApplier {
                 id: spec.id,
                 url: spec.url.to_string(),
                 protocol: spec.protocol,
+                adapters: spec.adapters,
             },
         );
         self.count(&pool);
@@ -286,6 +297,7 @@ async fn instance_spec(record: &InstanceRecord) -> Result<InstanceSpec, String> 
         url,
         address,
         protocol,
+        adapters: record.adapters.clone(),
     })
 }
 

@@ -146,13 +146,13 @@ async fn serve(
     if request.model_name.is_empty() {
         return Err(Failure::Api(ApiError::MissingModel));
     }
-    let Some(pool) = state.registry.get(&request.model_name) else {
+    let Some(served) = state.registry.resolve(&request.model_name) else {
         return Err(Failure::Api(ApiError::ModelNotFound {
             model: request.model_name.clone(),
             known: state.registry.known(),
         }));
     };
-    record.pool = Some(Arc::clone(&pool));
+    record.pool = Some(Arc::clone(&served.pool));
     if !is_served_version(&request.model_version) {
         return Err(Failure::NoSuchVersion {
             model: request.model_name.clone(),
@@ -160,7 +160,8 @@ async fn serve(
         });
     }
     let reply = Reply::to(request).map_err(Failure::Invalid)?;
-    let completion = completion(request, pool.name()).map_err(Failure::Invalid)?;
+    let engine_model = served.adapter.as_deref().unwrap_or(served.pool.name());
+    let completion = completion(request, engine_model).map_err(Failure::Invalid)?;
     if rpc == Rpc::ModelInfer && completion.stream {
         return Err(Failure::Invalid(InvalidInput::new(
             "ModelInfer answers once: send streaming requests on ModelStreamInfer",

@@ -46,11 +46,12 @@ impl KserveService {
         Self { shared }
     }
 
-    /// The served model `name` in `version`, or NOT_FOUND.
+    /// The served model `name` (a LoRA adapter: its base model's pool) in `version`, or
+    /// NOT_FOUND.
     fn model(&self, name: &str, version: &str) -> Result<Arc<ModelPool>, Status> {
         let state = self.shared.state.load();
         let registry = &state.registry;
-        let Some(pool) = registry.get(name) else {
+        let Some(pool) = registry.resolve(name).map(|served| served.pool) else {
             return Err(Status::not_found(format!(
                 "the model {name:?} does not exist; known models: {}",
                 registry.known()

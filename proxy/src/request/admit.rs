@@ -1,5 +1,6 @@
 //! Admission (phase 1 of [`crate::request`]): the body's `model` and `stream`, the model's
-//! pool (an alias rewritten to the canonical name), the API key's own limits and the
+//! pool (an alias rewritten to the canonical name; a LoRA adapter resolved to its base
+//! model's pool and kept as named), the API key's own limits and the
 //! model's concurrency slot. The admin port's `POST /debug/route` resolves the model the
 //! same way ([`resolve_model`]).
 
@@ -11,7 +12,7 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use crate::api_error::ApiError;
 use crate::auth::{ApiKey, KeyPermit, KeyRejection};
-use crate::pool::ModelPool;
+use crate::pool::{Instances, ModelPool};
 use crate::request::frontend::{Frontend, unless_gone};
 use crate::request::stop::Stop;
 use crate::request_fields::{FieldsError, extract, with_model_name};
@@ -21,6 +22,8 @@ use crate::state::State;
 pub(crate) struct Resolved {
     /// The model's pool.
     pub(crate) pool: Arc<ModelPool>,
+    /// The LoRA adapter the request names (`None`: the base model).
+    pub(crate) adapter: Option<Arc<str>>,
     /// The body to forward (rewritten when it named the model by an alias).
     pub(crate) body: Bytes,
     /// The client asked for a stream (`"stream": true`).
@@ -29,7 +32,7 @@ pub(crate) struct Resolved {
 
 /// Reads `model` and `stream` from `body` and finds the model's pool. An alias is a
 /// gateway name: engines know the model by its canonical name, so only then is the body
-/// rewritten.
+/// rewritten. An adapter is known to the engines by its own name: the body stays.
 pub(crate) fn resolve_model(state: &State, body: Bytes) -> Result<Resolved, ApiError> {
     let fields = extract(&body).map_err(|error| match error {
         FieldsError::InvalidJson(detail) => ApiError::InvalidJson(detail),
@@ -37,18 +40,37 @@ pub(crate) fn resolve_model(state: &State, body: Bytes) -> Result<Resolved, ApiE
     })?;
     let stream = fields.stream.unwrap_or(false);
     let model = fields.model.ok_or(ApiError::MissingModel)?;
-    let Some(pool) = state.registry.get(model.as_str()) else {
+    let Some(served) = state.registry.resolve(model.as_str()) else {
         return Err(ApiError::ModelNotFound {
             model: model.as_str().to_string(),
             known: state.registry.known(),
         });
     };
-    let body = if pool.name() == model.as_str() {
+    let pool = served.pool;
+    let body = if pool.name() == model.as_str() || served.adapter.is_some() {
         body
     } else {
         with_model_name(&body, &model, pool.name())
     };
-    Ok(Resolved { pool, body, stream })
+    Ok(Resolved {
+        pool,
+        adapter: served.adapter,
+        body,
+        stream,
+    })
+}
+
+/// The instances a request for `adapter` of `pool` picks from; the adapter's instances may
+/// have left since it was resolved (404 then, as from an engine that unloaded it).
+pub(crate) fn instances_for(
+    pool: &ModelPool,
+    adapter: Option<&Arc<str>>,
+) -> Result<Instances, ApiError> {
+    pool.instances_for(adapter.map(|a| &**a))
+        .ok_or_else(|| ApiError::ModelNotFound {
+            model: adapter.map_or_else(|| pool.name().to_string(), |a| a.to_string()),
+            known: pool.name().to_string(),
+        })
 }
 
 /// Admits a request for `model` under `key`'s own limits (`None`: authentication is off).

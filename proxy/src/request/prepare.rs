@@ -2,6 +2,7 @@
 //! needs to know about the request (under `policy: kv`, the prompt rendered, tokenized and
 //! hashed into blocks), and the prompt's tokens charged to the API key.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -24,13 +25,14 @@ pub(crate) struct Picker<'a> {
     pub(crate) input: PolicyInput,
 }
 
-/// How a request from `frontend` on `route` to `pool` picks its instances: the pool's
-/// policy, with the prompt of `body` prepared when the policy wants it (tokenized and hashed;
-/// `body` may be rewritten with the prompt's token ids) and the request's session named
-/// (`kv.session_header`).
+/// How a request from `frontend` on `route` to `pool` (for its LoRA `adapter`, if any) picks
+/// its instances: the pool's policy, with the prompt of `body` prepared when the policy wants
+/// it (tokenized and hashed; `body` may be rewritten with the prompt's token ids) and the
+/// request's session named (`kv.session_header`).
 pub(crate) async fn prepare<'a, F: Frontend>(
     state: &State,
     pool: &'a ModelPool,
+    adapter: Option<&Arc<str>>,
     route: Route,
     body: &mut Bytes,
     frontend: &F,
@@ -42,7 +44,13 @@ pub(crate) async fn prepare<'a, F: Frontend>(
             input: PolicyInput::None,
         });
     };
-    let prepared = prepare_prompt(state, preparer, route, body, true).await?;
+    let prepared = match adapter {
+        Some(adapter) => {
+            let preparer = preparer.for_adapter(Arc::clone(adapter));
+            prepare_prompt(state, &preparer, route, body, true).await?
+        }
+        None => prepare_prompt(state, preparer, route, body, true).await?,
+    };
     let session = balancer
         .kv_router()
         .and_then(KvRouter::session_header)

@@ -198,11 +198,15 @@ struct EventTiming {
 }
 
 impl EventTiming {
-    /// Records timings for `chunk`; returns its last event boundary.
+    /// Records timings for `chunk`, and its data events as generated tokens on the booking;
+    /// returns its last event boundary.
     fn observe(&mut self, chunk: &[u8], ctx: &RelayContext<'_>) -> Option<usize> {
         let scan = self.scanner.feed(chunk);
         self.tokens
             .observe(scan.data_events, ctx.started, ctx.metrics);
+        if let Some(booking) = ctx.booking {
+            booking.generated(scan.data_events as u64);
+        }
         scan.last_boundary
     }
 }

@@ -1,8 +1,10 @@
 //! The load one request holds on its instance, released by a guard: prefill at the first
 //! response byte ([`Booking::prefill_done`]), everything when the guard drops (the response
-//! ended, the client left, or the attempt failed and the request is routed again). Each
+//! ended, the client left, or the attempt failed and the request is routed again). While a
+//! stream runs, its output grows the load a block at a time ([`Booking::generated`]). Each
 //! release wakes the requests waiting for admission.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use crate::kv::admission::Admission;
@@ -15,22 +17,43 @@ pub struct Booking<'a> {
     admission: &'a Admission,
     instance: u64,
     id: Option<u64>,
+    /// Tokens per KV block.
+    block_size: u64,
+    /// Output tokens generated so far.
+    output_tokens: AtomicU64,
 }
 
 impl<'a> Booking<'a> {
     /// The booking `id` in `loads` (`None`: nothing was booked) on instance `instance` (its
-    /// id); releases wake `admission`'s waiters.
+    /// id), of a model with `block_size`-token blocks; releases wake `admission`'s waiters.
     pub(crate) fn new(
         loads: &'a ActiveLoads,
         admission: &'a Admission,
         instance: u64,
         id: Option<u64>,
+        block_size: u64,
     ) -> Self {
         Self {
             loads,
             admission,
             instance,
             id,
+            block_size: block_size.max(1),
+            output_tokens: AtomicU64::new(0),
+        }
+    }
+
+    /// The engine streamed `tokens` more output tokens: each full block of output is booked
+    /// on the instance until the request ends (the lock is taken once per block, not per
+    /// token).
+    pub fn generated(&self, tokens: u64) {
+        let Some(id) = self.id.filter(|_| tokens > 0) else {
+            return;
+        };
+        let before = self.output_tokens.fetch_add(tokens, Ordering::Relaxed);
+        let blocks = (before + tokens) / self.block_size;
+        if blocks > before / self.block_size {
+            self.loads.generated(self.instance, id, blocks);
         }
     }
 

@@ -4,8 +4,10 @@
 //!   first response byte of (prompt tokens − tokens predicted cached at decision time).
 //! - **Active blocks**: the distinct prompt blocks of its in-flight requests, ref-counted by
 //!   sequence hash so a prefix shared by several requests counts once, plus one unshared block
-//!   per request for a trailing partial block (or for a request without tokens). Held until
-//!   the request ends or its client leaves.
+//!   per request for a trailing partial block (or for a request without tokens), plus the
+//!   full blocks of output it has streamed so far ([`ActiveLoads::generated`]: a long answer
+//!   fills the engine's KV cache as it grows). Held until the request ends or its client
+//!   leaves.
 //!
 //! Beside its own bookings, an instance may carry its engine's **reported** load (a
 //! worker-agent's load report, [`ReportedLoad`]): KV blocks in use and queued requests. The
@@ -118,6 +120,8 @@ struct ActiveRequest {
     prefill_tokens: u64,
     /// Whether the request holds one unshared block (partial tail, or no tokens at all).
     tail_block: bool,
+    /// Full blocks of output generated so far.
+    output_blocks: u64,
     profiled_ttft_ms: f64,
     started: Instant,
 }
@@ -136,6 +140,8 @@ struct InstanceLoad {
     /// Reference counts of the full blocks of in-flight requests.
     blocks: HashMap<SequenceHash, u32>,
     tail_blocks: u64,
+    /// Output blocks of in-flight requests.
+    output_blocks: u64,
     requests: HashMap<u64, ActiveRequest>,
     foreign: Option<ForeignLoad>,
     /// Recent releases: when, and how many blocks each freed.
@@ -159,7 +165,8 @@ impl InstanceLoad {
         };
         self.prefill_tokens -= request.prefill_tokens;
         self.tail_blocks -= u64::from(request.tail_block);
-        let mut freed = u64::from(request.tail_block);
+        self.output_blocks -= request.output_blocks;
+        let mut freed = u64::from(request.tail_block) + request.output_blocks;
         for hash in request.full_blocks() {
             if let Some(count) = self.blocks.get_mut(hash) {
                 *count -= 1;
@@ -184,7 +191,7 @@ impl InstanceLoad {
 
     /// Blocks the proxy's own requests hold.
     fn own_blocks(&self) -> u64 {
-        self.blocks.len() as u64 + self.tail_blocks
+        self.blocks.len() as u64 + self.tail_blocks + self.output_blocks
     }
 
     /// Takes in `report`, arriving at `now`: keeps what it holds beyond the proxy's own load
@@ -310,6 +317,7 @@ impl ActiveLoads {
             prompt: request.prompt,
             prefill_tokens: request.prefill_tokens,
             tail_block,
+            output_blocks: 0,
             profiled_ttft_ms: request.profiled_ttft_ms,
             started: now,
         };
@@ -361,6 +369,26 @@ impl ActiveLoads {
                 .store(fleet.ln_factor().to_bits(), Ordering::Relaxed);
         }
         tokens > 0
+    }
+
+    /// The request has generated `blocks` full blocks of output so far (never fewer than
+    /// before). Returns whether the load changed.
+    pub(crate) fn generated(&self, instance: u64, id: u64, blocks: u64) -> bool {
+        let Some(cell) = self.cell(instance) else {
+            return false;
+        };
+        let mut load = Self::lock(&cell);
+        let Some(request) = load.requests.get_mut(&id) else {
+            return false;
+        };
+        let added = blocks.saturating_sub(request.output_blocks);
+        request.output_blocks += added;
+        load.output_blocks += added;
+        drop(load);
+        if added > 0 {
+            self.changed.notify_one();
+        }
+        added > 0
     }
 
     /// The request ended (or its client left): all its load is released. Returns whether it
@@ -488,6 +516,34 @@ mod tests {
             loads.snapshot(1, &p.hashes.sequence),
             LoadSnapshot::default()
         );
+    }
+
+    #[test]
+    fn output_blocks_count_while_the_request_runs() {
+        let loads = loads(1);
+        let p = prompt(16, 0, 1); // 4 full blocks, no tail
+        let id = book(&loads, 0, &p, 16);
+        let other = book(&loads, 0, &prompt(8, 0, 2), 8);
+        assert_eq!(loads.snapshot(0, &[]).blocks, 6);
+        assert!(loads.generated(0, id, 2));
+        assert!(
+            !loads.generated(0, id, 2),
+            "the same count again changes nothing"
+        );
+        assert!(!loads.generated(0, id, 1), "never fewer than before");
+        assert_eq!(loads.snapshot(0, &[]).blocks, 8);
+        assert!(loads.generated(0, id, 3));
+        assert_eq!(loads.own()[&0].blocks, 9, "replicas see them too");
+        assert!(!loads.generated(0, 999, 5), "an unknown booking");
+        assert!(loads.release(0, id));
+        assert_eq!(
+            loads.snapshot(0, &[]).blocks,
+            2,
+            "the other request's blocks stay"
+        );
+        assert!(!loads.generated(0, id, 9), "a released booking");
+        assert!(loads.release(0, other));
+        assert_eq!(loads.snapshot(0, &[]).blocks, 0);
     }
 
     #[test]

@@ -499,7 +499,13 @@ impl KvRouter {
             sessions.bind(session, decision.instance_id, now);
         }
         let id = self.loads.book(decision.instance_id, booked, now);
-        Booking::new(&self.loads, &self.admission, decision.instance_id, id)
+        Booking::new(
+            &self.loads,
+            &self.admission,
+            decision.instance_id,
+            id,
+            self.cost.block_size,
+        )
     }
 
     /// How each instance would be scored for `request` now, and which one would be chosen;

@@ -164,6 +164,8 @@ pub struct Preparer {
     tokenizer: Option<Arc<ModelPreprocessor>>,
     block_size: usize,
     forward_token_ids: bool,
+    /// The LoRA adapter whose seed the block hashes use (`None`: the base model).
+    adapter: Option<Arc<str>>,
 }
 
 impl Preparer {
@@ -177,6 +179,17 @@ impl Preparer {
             tokenizer,
             block_size: block_size.max(1),
             forward_token_ids,
+            adapter: None,
+        }
+    }
+
+    /// The same settings for requests to the LoRA adapter `adapter`: the same template and
+    /// tokenizer, block hashes seeded with the adapter's name (as the agent hashes the
+    /// adapter's cached blocks), so its prompts match only the adapter's blocks.
+    pub fn for_adapter(&self, adapter: Arc<str>) -> Self {
+        Self {
+            adapter: Some(adapter),
+            ..self.clone()
         }
     }
 
@@ -200,7 +213,7 @@ impl Preparer {
 
     fn hash(&self, ids: &[u32], mut times: StageTimes) -> (RouteInput, StageTimes) {
         let start = Instant::now();
-        let hasher = BlockHasher::new(self.block_size, None);
+        let hasher = BlockHasher::new(self.block_size, self.adapter.as_deref());
         let input = match hasher {
             Ok(mut hasher) => RouteInput::Tokens(Arc::new(PromptBlocks::hash(ids, &mut hasher))),
             Err(_) => RouteInput::Fallback(FallbackReason::TokenizeFailed),
@@ -327,6 +340,23 @@ mod tests {
         assert!(prepared.times.template.is_some(), "parsing the prompt");
         assert_eq!(prepared.times.tokenize, None);
         assert!(prepared.rewritten.is_none());
+    }
+
+    #[test]
+    fn adapter_prompts_are_hashed_with_the_adapter_seed() {
+        let body = Bytes::from_static(br#"{"model":"sql-lora","prompt":[1,2,3,4,5,6,7,8]}"#);
+        let base = preparer(false);
+        let adapter = base.for_adapter(Arc::from("sql-lora"));
+        let hashes = |p: &Preparer| {
+            tokens(&p.prepare(PromptKind::Completion, &body, true).unwrap())
+                .hashes
+                .clone()
+        };
+        let mut seeded = BlockHasher::new(4, Some("sql-lora")).unwrap();
+        assert_eq!(hashes(&adapter), seeded.hash(&[1, 2, 3, 4, 5, 6, 7, 8]));
+        assert_ne!(hashes(&adapter), hashes(&base));
+        let other = base.for_adapter(Arc::from("chat-lora"));
+        assert_ne!(hashes(&adapter), hashes(&other));
     }
 
     #[test]
