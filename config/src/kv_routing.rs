@@ -53,6 +53,9 @@ pub struct KvRoutingConfig {
     /// How long a session stays bound after its last request.
     #[serde(deserialize_with = "crate::duration::deserialize")]
     pub session_ttl: Duration,
+    /// Count the output a stream has generated (a block per `block_size` events) in its
+    /// instance's active blocks until it ends.
+    pub track_output_blocks: bool,
     /// In-flight requests older than this are dropped from the load accounting
     /// (their stream never ended as far as the proxy could tell).
     #[serde(deserialize_with = "crate::duration::deserialize")]
@@ -76,6 +79,7 @@ impl Default for KvRoutingConfig {
             queue: KvQueueConfig::default(),
             session_header: "x-session-id".to_string(),
             session_ttl: Duration::from_secs(600),
+            track_output_blocks: false,
             stale_request_timeout: Duration::from_secs(300),
         }
     }

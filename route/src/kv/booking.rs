@@ -17,7 +17,7 @@ pub struct Booking<'a> {
     admission: &'a Admission,
     instance: u64,
     id: Option<u64>,
-    /// Tokens per KV block.
+    /// Tokens per output block (0: output is not tracked).
     block_size: u64,
     /// Output tokens generated so far.
     output_tokens: AtomicU64,
@@ -25,7 +25,8 @@ pub struct Booking<'a> {
 
 impl<'a> Booking<'a> {
     /// The booking `id` in `loads` (`None`: nothing was booked) on instance `instance` (its
-    /// id), of a model with `block_size`-token blocks; releases wake `admission`'s waiters.
+    /// id), of a model with `block_size`-token blocks (0: its output is not tracked);
+    /// releases wake `admission`'s waiters.
     pub(crate) fn new(
         loads: &'a ActiveLoads,
         admission: &'a Admission,
@@ -38,7 +39,7 @@ impl<'a> Booking<'a> {
             admission,
             instance,
             id,
-            block_size: block_size.max(1),
+            block_size,
             output_tokens: AtomicU64::new(0),
         }
     }
@@ -47,7 +48,7 @@ impl<'a> Booking<'a> {
     /// on the instance until the request ends (the lock is taken once per block, not per
     /// token).
     pub fn generated(&self, tokens: u64) {
-        let Some(id) = self.id.filter(|_| tokens > 0) else {
+        let Some(id) = self.id.filter(|_| tokens > 0 && self.block_size > 0) else {
             return;
         };
         let before = self.output_tokens.fetch_add(tokens, Ordering::Relaxed);
@@ -91,5 +92,49 @@ impl Drop for Booking<'_> {
         {
             self.admission.wake();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use prometheus::IntGauge;
+
+    use super::*;
+    use crate::kv::load::NewRequest;
+
+    fn booked(loads: &ActiveLoads) -> Option<u64> {
+        let request = NewRequest {
+            prompt: None,
+            prefill_tokens: 0,
+            profiled_ttft_ms: 0.0,
+        };
+        loads.book(0, request, Instant::now())
+    }
+
+    #[test]
+    fn output_is_booked_a_block_at_a_time_when_tracked() {
+        let loads = ActiveLoads::new();
+        loads.add(0);
+        let gauge = IntGauge::new("depth", "depth").unwrap();
+        let admission = Admission::new(1, Duration::from_secs(1), gauge);
+        let blocks = || loads.snapshot(0, &[]).blocks;
+        let booking = Booking::new(&loads, &admission, 0, booked(&loads), 4);
+        assert_eq!(blocks(), 1, "the request's own unshared block");
+        booking.generated(3);
+        assert_eq!(blocks(), 1, "3 tokens fill no block");
+        booking.generated(1);
+        assert_eq!(blocks(), 2);
+        booking.generated(9);
+        assert_eq!(blocks(), 4, "13 tokens: 3 blocks");
+        booking.generated(0);
+        assert_eq!(blocks(), 4);
+        drop(booking);
+        assert_eq!(blocks(), 0);
+
+        let untracked = Booking::new(&loads, &admission, 0, booked(&loads), 0);
+        untracked.generated(100);
+        assert_eq!(blocks(), 1, "output is not tracked");
     }
 }

@@ -55,6 +55,8 @@ pub struct KvRouter {
     loads: ActiveLoads,
     admission: Admission,
     stale_after: Duration,
+    /// Tokens per output block booked as a stream generates them (0: `track_output_blocks` off).
+    output_block_size: u64,
     /// KV capacity of an instance when its record does not say (`kv.total_kv_blocks`).
     total_kv_blocks: Option<u64>,
     /// Session bindings (`None`: `kv.session_header` is empty).
@@ -113,6 +115,11 @@ impl KvRouter {
                 metrics.queue_depth.clone(),
             ),
             stale_after: config.stale_request_timeout,
+            output_block_size: if config.track_output_blocks {
+                config.block_size.max(1) as u64
+            } else {
+                0
+            },
             total_kv_blocks: config.total_kv_blocks.filter(|&total| total > 0),
             sessions: (!config.session_header.is_empty())
                 .then(|| Sessions::new(&config.session_header, config.session_ttl)),
@@ -504,7 +511,7 @@ impl KvRouter {
             &self.admission,
             decision.instance_id,
             id,
-            self.cost.block_size,
+            self.output_block_size,
         )
     }
 
