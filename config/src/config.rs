@@ -11,7 +11,7 @@ use crate::violation::Violation;
 use crate::{
     AdminConfig, AuthConfig, ConfigError, DiscoveryConfig, EventsConfig, FieldPath, GrpcConfig,
     HealthCheckConfig, Invalid, LimitsConfig, ListenerConfig, ModelConfig, OutlierDetectionConfig,
-    ReloadConfig, Segment, ShutdownConfig, UpstreamConfig,
+    ReloadConfig, RetryConfig, Segment, ShutdownConfig, UpstreamConfig,
 };
 
 /// The whole proxy configuration (one YAML file). Every section is optional and
@@ -29,6 +29,8 @@ pub struct Config {
     pub models: Vec<ModelConfig>,
     /// Body size limit and timeouts.
     pub limits: LimitsConfig,
+    /// Retries of failed engine answers and their budget.
+    pub retry: RetryConfig,
     /// Active health checks.
     pub health_check: HealthCheckConfig,
     /// Passive ejection of failing backends.
@@ -55,6 +57,7 @@ impl Default for Config {
             grpc: GrpcConfig::default(),
             models: Vec::new(),
             limits: LimitsConfig::default(),
+            retry: RetryConfig::default(),
             health_check: HealthCheckConfig::default(),
             outlier_detection: OutlierDetectionConfig::default(),
             upstream: UpstreamConfig::default(),

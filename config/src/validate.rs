@@ -22,6 +22,7 @@ pub(crate) fn validate(config: &Config) -> Checked {
     check_models(config, &root)?;
     check_control_plane(config, &root)?;
     check_limits(config, &root.key("limits"))?;
+    check_retry(config, &root.key("retry"))?;
     check_health_check(config, &root.key("health_check"))?;
     check_outlier_detection(config, &root.key("outlier_detection"))?;
     check_upstream(config, &root.key("upstream"))?;
@@ -258,6 +259,41 @@ fn check_health_check(config: &Config, path: &FieldPath) -> Checked {
     }
     if health.healthy_threshold == 0 {
         return fail(path.key("healthy_threshold"), "must be at least 1");
+    }
+    Ok(())
+}
+
+fn check_retry(config: &Config, path: &FieldPath) -> Checked {
+    let retry = &config.retry;
+    for (i, &status) in retry.statuses.iter().enumerate() {
+        if !(status == 429 || (500..=599).contains(&status)) {
+            return fail(
+                path.key("statuses").index(i),
+                format!(
+                    "{status} is not retryable: only 429 and 5xx are (other 4xx are the request's fault)"
+                ),
+            );
+        }
+    }
+    positive(retry.backoff_base, path.key("backoff_base"))?;
+    if retry.backoff_max < retry.backoff_base {
+        return fail(
+            path.key("backoff_max"),
+            format!(
+                "must be at least backoff_base ({})",
+                format_duration(retry.backoff_base)
+            ),
+        );
+    }
+    if !(0.0..=10.0).contains(&retry.budget_ratio) {
+        return fail(path.key("budget_ratio"), "must be between 0 and 10");
+    }
+    positive(retry.budget_window, path.key("budget_window"))?;
+    if !(0.0..=1e6).contains(&retry.budget_min_per_second) {
+        return fail(
+            path.key("budget_min_per_second"),
+            "must be between 0 and 1000000",
+        );
     }
     Ok(())
 }

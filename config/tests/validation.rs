@@ -497,6 +497,31 @@ models:
 }
 
 #[test]
+fn retry_settings_are_checked() {
+    let ok = with_model("retry:\n  statuses: [503, 429]\n  budget_ratio: 0.5\n");
+    let config = Config::from_yaml_str(&ok, "config.yaml").expect("valid");
+    assert_eq!(config.retry.statuses, [503, 429]);
+    assert_eq!(config.retry.budget_ratio, 0.5);
+    assert!(config.retry.on_first_byte_timeout, "a default");
+    let not_retryable = err(&with_model("retry:\n  statuses: [503, 404]\n"));
+    assert_eq!(
+        not_retryable.field.unwrap().to_string(),
+        "retry.statuses[1]"
+    );
+    assert!(
+        not_retryable.message.contains("only 429 and 5xx"),
+        "{}",
+        not_retryable.message
+    );
+    let backoff = err(&with_model(
+        "retry:\n  backoff_base: 1s\n  backoff_max: 10ms\n",
+    ));
+    assert_eq!(backoff.field.unwrap().to_string(), "retry.backoff_max");
+    let ratio = err(&with_model("retry:\n  budget_ratio: -1\n"));
+    assert_eq!(ratio.field.unwrap().to_string(), "retry.budget_ratio");
+}
+
+#[test]
 fn adapter_names_are_checked() {
     let ok = "\
 models:

@@ -100,6 +100,14 @@ pub struct Cli {
     /// As in vLLM, a later --lora-modules replaces an earlier one.
     #[arg(long, num_args = 1.., value_name = "NAME=PATH", overrides_with = "lora_modules")]
     pub lora_modules: Vec<LoraModule>,
+    /// Test hook: answer every generation request with this HTTP status (and an OpenAI-shaped
+    /// error body), as an engine that keeps failing; `/health` and the rest stay up.
+    #[arg(long, value_name = "CODE", value_parser = clap::value_parser!(u16).range(400..600))]
+    pub fail_status: Option<u16>,
+    /// Test hook: delay the response head of every generation request by this many ms, as
+    /// an engine slow to its first byte.
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    pub head_delay_ms: u64,
 }
 
 impl Cli {
@@ -133,6 +141,8 @@ impl Cli {
             },
             enable_lora: self.enable_lora,
             lora_modules: self.lora_modules.clone(),
+            fail_status: self.fail_status,
+            head_delay: std::time::Duration::from_millis(self.head_delay_ms),
         }
     }
 }

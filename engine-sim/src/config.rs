@@ -1,6 +1,7 @@
 //! Engine knobs: [`SimConfig`] and its validation.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::endpoint::TcpEndpoint;
 use crate::error::SimError;
@@ -133,6 +134,12 @@ pub struct SimConfig {
     /// Adapters loaded at start (vLLM's `--lora-modules`), ids 1, 2, ... in order; any enables
     /// LoRA.
     pub lora_modules: Vec<LoraModule>,
+    /// Test hook: every generation request is answered with this status and an OpenAI-shaped
+    /// error body (an engine that keeps failing); `None`: served normally.
+    pub fail_status: Option<u16>,
+    /// Test hook: the response head of every generation request waits this long (an engine
+    /// slow to its first byte).
+    pub head_delay: Duration,
 }
 
 impl Default for SimConfig {
@@ -155,6 +162,8 @@ impl Default for SimConfig {
             kv_events: KvEventsConfig::default(),
             enable_lora: false,
             lora_modules: Vec::new(),
+            fail_status: None,
+            head_delay: Duration::ZERO,
         }
     }
 }

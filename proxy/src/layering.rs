@@ -27,6 +27,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "openapi",
             "request_fields",
             "request_id",
+            "retry",
             "route",
             "sse",
             "tls",
@@ -36,6 +37,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "engines",
         &[
+            "adapters",
             "discovery",
             "health",
             "instance",

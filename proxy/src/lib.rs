@@ -57,6 +57,7 @@ mod request_body;
 mod request_fields;
 mod request_id;
 mod respond;
+mod retry;
 mod route;
 mod server;
 mod sse;

@@ -13,6 +13,7 @@ use crate::api_error::{CLIENT_ERROR_REASONS, ClientErrorReason};
 use crate::edge_metrics::EdgeMetrics;
 use crate::failure::{FAILURE_KINDS, FailureKind};
 use crate::grpc::rpc::{RPC_COUNT, Rpc};
+use crate::retry::{RETRY_REASONS, RetryReason};
 use crate::route::{ROUTE_COUNT, Route};
 
 /// Request duration buckets (seconds): from a cached answer to a long generation.
@@ -52,6 +53,8 @@ pub(crate) struct Metrics {
     time_to_first_token: HistogramVec,
     inter_token_latency: HistogramVec,
     upstream_errors: IntCounterVec,
+    retries: IntCounterVec,
+    retry_budget_exhausted: IntCounterVec,
     instance_in_flight: IntGaugeVec,
     instance_healthy: IntGaugeVec,
     client_errors: [IntCounter; CLIENT_ERROR_REASONS],
@@ -110,6 +113,23 @@ impl Metrics {
             ),
             &["model", "instance", "kind"],
         )?;
+        let retries = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_retries_total",
+                "Attempts retried on another instance before any byte reached the client, by \
+                 model and reason (status: a retryable engine status; timeout: no response \
+                 head within the first-byte timeout; connect: the connection failed).",
+            ),
+            &["model", "reason"],
+        )?;
+        let retry_budget_exhausted = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_retry_budget_exhausted_total",
+                "Retries refused because the model's retry budget was spent (the engine's \
+                 answer went to the client as it was).",
+            ),
+            &["model"],
+        )?;
         let instance_in_flight = IntGaugeVec::new(
             Opts::new(
                 "kvmesh_instance_in_flight",
@@ -139,6 +159,8 @@ impl Metrics {
         registry.register(Box::new(time_to_first_token.clone()))?;
         registry.register(Box::new(inter_token_latency.clone()))?;
         registry.register(Box::new(upstream_errors.clone()))?;
+        registry.register(Box::new(retries.clone()))?;
+        registry.register(Box::new(retry_budget_exhausted.clone()))?;
         registry.register(Box::new(instance_in_flight.clone()))?;
         registry.register(Box::new(instance_healthy.clone()))?;
         registry.register(Box::new(client_errors_vec))?;
@@ -152,6 +174,8 @@ impl Metrics {
             time_to_first_token,
             inter_token_latency,
             upstream_errors,
+            retries,
+            retry_budget_exhausted,
             instance_in_flight,
             instance_healthy,
             client_errors,
@@ -171,6 +195,9 @@ impl Metrics {
             in_flight: self.requests_in_flight.with_label_values(&[model]),
             time_to_first_token: self.time_to_first_token.with_label_values(&[model]),
             inter_token_latency: self.inter_token_latency.with_label_values(&[model]),
+            retries: RetryReason::ALL
+                .map(|reason| self.retries.with_label_values(&[model, reason.label()])),
+            retry_budget_exhausted: self.retry_budget_exhausted.with_label_values(&[model]),
             routes: self.routes(model),
             rpcs: self.rpcs(model),
         }
@@ -275,6 +302,10 @@ pub(crate) struct ModelMetrics {
     pub(crate) time_to_first_token: Histogram,
     /// `kvmesh_inter_token_latency_seconds{model}`.
     pub(crate) inter_token_latency: Histogram,
+    /// `kvmesh_retries_total{model,reason}`, by [`RetryReason::index`].
+    pub(crate) retries: [IntCounter; RETRY_REASONS],
+    /// `kvmesh_retry_budget_exhausted_total{model}`.
+    pub(crate) retry_budget_exhausted: IntCounter,
     /// Per-route request counts and durations.
     pub(crate) routes: RouteTable,
     /// Per-RPC request counts and durations of the gRPC listener.

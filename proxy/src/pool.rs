@@ -15,6 +15,7 @@ use crate::adapters::Adapters;
 use crate::clock::now_millis;
 use crate::instance::{Instance, Membership};
 use crate::metrics::ModelMetrics;
+use crate::retry::RetryBudget;
 
 /// The instances of a pool at one moment.
 pub(crate) type Instances = Arc<Vec<Arc<Instance>>>;
@@ -28,6 +29,8 @@ pub(crate) struct ModelPool {
     /// Which instances serve which LoRA adapters.
     adapters: Adapters,
     metrics: ModelMetrics,
+    /// Its requests and retries of the last budget window.
+    retry_budget: RetryBudget,
     /// Set when the pool left the registry: its background tasks stop.
     retired: AtomicBool,
 }
@@ -49,6 +52,7 @@ impl ModelPool {
             balancer,
             adapters: Adapters::default(),
             metrics,
+            retry_budget: RetryBudget::default(),
             retired: AtomicBool::new(false),
         }
     }
@@ -159,6 +163,11 @@ impl ModelPool {
     /// Whether the pool left the registry.
     pub(crate) fn is_retired(&self) -> bool {
         self.retired.load(Ordering::Relaxed)
+    }
+
+    /// Its retry budget's counts.
+    pub(crate) fn retry_budget(&self) -> &RetryBudget {
+        &self.retry_budget
     }
 
     /// Metric handles.

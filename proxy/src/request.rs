@@ -15,7 +15,9 @@
 //! 5. **attempt** ([`attempt`]): send, read the response head within the first-byte
 //!    timeout; a failure before it picks again ([`attempt::Failover`]).
 //! 6. **respond** ([`respond`]): the engine's status judged (5xx counts towards
-//!    ejection).
+//!    ejection); a retryable one (5xx, 429), like a first-byte timeout, is dropped and the
+//!    request picks again after a backoff, within `limits.retries` and the model's retry
+//!    budget.
 //! 7. **relay** ([`relay`]): the response head, then the body piece by piece (SSE timing,
 //!    metering, an error event if the engine breaks off).
 //! 8. **release** ([`release`]): the engine connection back to its pool, or its failure
@@ -104,7 +106,7 @@ async fn run<F: Frontend>(
     let instances = instances_for(&pool, adapter)?;
     // 3. queue
     queue(&pool, &instances, &picker, frontend).await?;
-    let mut failover = Failover::new(state.limits.retries);
+    let mut failover = Failover::new(state, &pool);
     loop {
         // 4. pick
         let pick = match pick(&instances, &picker, &failover.excluded) {
@@ -120,13 +122,19 @@ async fn run<F: Frontend>(
                 Ok(engine) => engine,
                 Err(error) => {
                     drop(in_flight);
-                    failover.failed(state, &pick, error)?;
+                    failover.failed(state, &pool, &instances, &pick, error)?;
+                    failover.backoff(frontend).await?;
                     continue;
                 }
             };
         // 6. respond
-        if !judge(state, &pick.instance, &engine, record) {
+        let Some(status) = judge(state, &pick.instance, &engine, record) else {
             return Ok(false);
+        };
+        if failover.retries_status(state, &pool, &instances, &pick, status) {
+            drop((engine, in_flight));
+            failover.backoff(frontend).await?;
+            continue;
         }
         // 7. relay
         let metrics = pool.metrics();

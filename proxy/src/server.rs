@@ -35,6 +35,7 @@ use crate::pool_builder::PoolBuilder;
 use crate::registry::ModelRegistry;
 use crate::reload::{ReloadHandle, Reloader, watch_files};
 use crate::request_id::RequestIds;
+use crate::retry::RetryPolicy;
 use crate::state::State;
 use crate::tls::{ListenerTls, TlsSettings, TlsTerminator, upstream_ca_file};
 use crate::upstream::{Upstream, UpstreamSettings};
@@ -365,6 +366,7 @@ pub(crate) fn build_state(
         metrics: metrics.clone(),
         request_ids: RequestIds::new(),
         limits: config.limits.clone(),
+        retry: RetryPolicy::new(&config.retry),
         outlier: OutlierPolicy::new(&config.outlier_detection),
         health_interval_ms: interval_ms(&config.health_check),
         preprocess,

@@ -14,6 +14,7 @@ use crate::metrics::Metrics;
 use crate::outlier::OutlierPolicy;
 use crate::registry::ModelRegistry;
 use crate::request_id::RequestIds;
+use crate::retry::RetryPolicy;
 use crate::upstream::Upstream;
 
 /// Everything the request path reads; nothing in it is locked.
@@ -31,6 +32,8 @@ pub(crate) struct State {
     pub(crate) request_ids: RequestIds,
     /// Size limit and timeouts.
     pub(crate) limits: LimitsConfig,
+    /// Which failed answers are retried, with what backoff and budget.
+    pub(crate) retry: RetryPolicy,
     /// Ejection parameters.
     pub(crate) outlier: OutlierPolicy,
     /// Health-check interval (for `Retry-After`).

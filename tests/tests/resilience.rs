@@ -272,3 +272,168 @@ async fn h2c_client_and_h2c_upstream() {
             .ends_with("data: [DONE]")
     );
 }
+
+/// The value of `series` in the proxy's metrics (0 when absent).
+async fn proxy_metric(client: &HttpClient, proxy: &kvmesh_e2e::Spawned, series: &str) -> f64 {
+    let metrics = client
+        .get(&format!("{}/metrics", proxy.url("admin")))
+        .await
+        .unwrap();
+    kvmesh_e2e::control_plane::metric(&String::from_utf8_lossy(&metrics.body), series)
+        .unwrap_or(0.0)
+}
+
+/// A failing engine (`--fail-status` or `--head-delay-ms` from `fault`) listed first and a
+/// healthy one, behind a round-robin proxy with `extra` YAML; returns their URLs.
+fn faulty_pair(
+    scratch: &ScratchDir,
+    fault: &[&str],
+    extra: &str,
+) -> (
+    Vec<kvmesh_e2e::Spawned>,
+    kvmesh_e2e::Spawned,
+    String,
+    String,
+) {
+    let faulty = start_engines(scratch, 1, &[&["--no-delay"], fault].concat()).unwrap();
+    let healthy = start_engines(scratch, 1, &["--no-delay"]).unwrap();
+    let (bad, good) = (
+        engine_urls(&faulty)[0].clone(),
+        engine_urls(&healthy)[0].clone(),
+    );
+    let proxy = start_proxy(scratch, &proxy_config(&[bad.clone(), good.clone()], extra)).unwrap();
+    (vec![faulty, healthy], proxy, bad, good)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_answering_503_is_retried_on_another() {
+    let scratch = ScratchDir::new("retry-503").unwrap();
+    let (_sims, proxy, bad, good) = faulty_pair(&scratch, &["--fail-status", "503"], "");
+    let client = HttpClient::http1();
+    let url = format!("{}/v1/chat/completions", proxy.url("main"));
+    for i in 0..10 {
+        let resp = client
+            .post_json(&url, &chat_body(&format!("request {i}"), 3, i % 2 == 0))
+            .await
+            .unwrap();
+        assert_eq!(resp.status, 200, "request {i}: {:?}", resp.body);
+        assert_eq!(resp.header("x-kvmesh-instance"), Some(good.as_str()));
+    }
+    // Every 503 the failing engine gave was retried, none reached a client.
+    let answered_503 = proxy_metric(
+        &client,
+        &proxy,
+        &format!("kvmesh_upstream_errors_total{{instance=\"{bad}\",kind=\"status_5xx\",model=\"{MODEL}\"}}"),
+    )
+    .await;
+    let retried = proxy_metric(
+        &client,
+        &proxy,
+        &format!("kvmesh_retries_total{{model=\"{MODEL}\",reason=\"status\"}}"),
+    )
+    .await;
+    assert!(
+        answered_503 >= 1.0,
+        "round robin sent the first request to it"
+    );
+    assert_eq!(retried, answered_503);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_first_byte_is_retried_elsewhere() {
+    let scratch = ScratchDir::new("retry-timeout").unwrap();
+    let (_sims, proxy, bad, good) = faulty_pair(
+        &scratch,
+        &["--head-delay-ms", "10000"],
+        "limits:\n  first_byte_timeout: 300ms\n",
+    );
+    let client = HttpClient::http1();
+    let url = format!("{}/v1/completions", proxy.url("main"));
+    for i in 0..4 {
+        let body =
+            serde_json::json!({"model": MODEL, "prompt": format!("slow {i}"), "max_tokens": 2});
+        let resp = client.post_json(&url, &body).await.unwrap();
+        assert_eq!(resp.status, 200, "request {i}: {:?}", resp.body);
+        assert_eq!(resp.header("x-kvmesh-instance"), Some(good.as_str()));
+    }
+    let timed_out = proxy_metric(
+        &client,
+        &proxy,
+        &format!(
+            "kvmesh_upstream_errors_total{{instance=\"{bad}\",kind=\"timeout\",model=\"{MODEL}\"}}"
+        ),
+    )
+    .await;
+    let retried = proxy_metric(
+        &client,
+        &proxy,
+        &format!("kvmesh_retries_total{{model=\"{MODEL}\",reason=\"timeout\"}}"),
+    )
+    .await;
+    assert!(timed_out >= 1.0);
+    assert_eq!(retried, timed_out);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spent_retry_budget_passes_the_answer_through_and_4xx_is_never_retried() {
+    let scratch = ScratchDir::new("retry-budget").unwrap();
+    let no_budget = "retry:\n  budget_ratio: 0\n  budget_min_per_second: 0\n\
+                     outlier_detection:\n  consecutive_failures: 1000\n";
+    let (_sims, proxy, bad, _good) = faulty_pair(&scratch, &["--fail-status", "503"], no_budget);
+    let client = HttpClient::http1();
+    let url = format!("{}/v1/chat/completions", proxy.url("main"));
+    let mut passed_503 = 0;
+    for i in 0..6 {
+        let resp = client
+            .post_json(&url, &chat_body(&format!("request {i}"), 3, false))
+            .await
+            .unwrap();
+        if resp.status == 503 {
+            assert_eq!(resp.header("x-kvmesh-instance"), Some(bad.as_str()));
+            assert!(
+                error_body(&resp)["message"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains("simulated failure")
+            );
+            passed_503 += 1;
+        } else {
+            assert_eq!(resp.status, 200, "{:?}", resp.body);
+        }
+    }
+    assert_eq!(
+        passed_503, 3,
+        "round robin: every other request went to the failing engine"
+    );
+    let exhausted = proxy_metric(
+        &client,
+        &proxy,
+        &format!("kvmesh_retry_budget_exhausted_total{{model=\"{MODEL}\"}}"),
+    )
+    .await;
+    assert_eq!(exhausted, 3.0);
+
+    // An engine answering 404 (the request's fault) is neither retried nor ejected.
+    let scratch = ScratchDir::new("retry-4xx").unwrap();
+    let (_sims, proxy, bad, _good) = faulty_pair(&scratch, &["--fail-status", "404"], "");
+    let mut passed_404 = 0;
+    let url = format!("{}/v1/chat/completions", proxy.url("main"));
+    for i in 0..8 {
+        let resp = client
+            .post_json(&url, &chat_body(&format!("request {i}"), 3, false))
+            .await
+            .unwrap();
+        if resp.status == 404 {
+            assert_eq!(resp.header("x-kvmesh-instance"), Some(bad.as_str()));
+            passed_404 += 1;
+        }
+    }
+    assert_eq!(passed_404, 4, "never ejected: it kept its turn");
+    let retried = proxy_metric(
+        &client,
+        &proxy,
+        &format!("kvmesh_retries_total{{model=\"{MODEL}\",reason=\"status\"}}"),
+    )
+    .await;
+    assert_eq!(retried, 0.0);
+}

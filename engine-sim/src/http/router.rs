@@ -42,6 +42,16 @@ enum Route {
     ModelInfo,
 }
 
+impl Route {
+    /// Whether the route runs a generation (the config's fault hooks apply to it).
+    fn generates(self) -> bool {
+        matches!(
+            self,
+            Self::Completions | Self::Chat | Self::Responses | Self::Generate
+        )
+    }
+}
+
 fn lookup(path: &str) -> Option<(Route, &'static str)> {
     Some(match path {
         "/v1/completions" => (Route::Completions, "POST"),
@@ -98,6 +108,9 @@ async fn route(
             .insert(ALLOW, HeaderValue::from_static(method));
         return Ok(res);
     }
+    if route.generates() {
+        apply_config_hooks(state).await?;
+    }
     Ok(match route {
         Route::Completions => {
             openai::handle(state.clone(), Endpoint::Completions, read_body(req).await?).await
@@ -136,6 +149,24 @@ async fn read_body(req: Request<Incoming>) -> Result<Bytes, ApiError> {
         Err(e) => Err(ApiError::bad_request(format!(
             "cannot read request body: {e}"
         ))),
+    }
+}
+
+/// The config's test hooks for generation requests: `--head-delay-ms`, then `--fail-status`.
+async fn apply_config_hooks(state: &EngineState) -> Result<(), ApiError> {
+    if !state.config.head_delay.is_zero() {
+        tokio::time::sleep(state.config.head_delay).await;
+    }
+    match state
+        .config
+        .fail_status
+        .and_then(|s| StatusCode::from_u16(s).ok())
+    {
+        Some(status) => Err(ApiError::new(
+            status,
+            format!("simulated failure (--fail-status {})", status.as_u16()),
+        )),
+        None => Ok(()),
     }
 }
 

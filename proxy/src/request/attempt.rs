@@ -3,6 +3,9 @@
 //! (plaintext HTTP/1.1 engines: head and body in one write) or pingora's (h2c and
 //! `https://` engines).
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use bytes::Bytes;
 use http::HeaderValue;
 use pingora_error::ErrorType;
@@ -17,10 +20,11 @@ use crate::pool::ModelPool;
 use crate::request::frontend::{Frontend, unless_gone};
 use crate::request::pick::{Pick, overloaded};
 use crate::request::stop::Stop;
+use crate::retry::RetryReason;
 use crate::state::State;
 use crate::upstream_session::UpstreamSession;
 use kvmesh_h1::client::{Roundtrip, RoundtripError, TimedOut};
-use kvmesh_route::{Excluded, NoPick};
+use kvmesh_route::{CandidateSet, Candidates, Excluded, NoPick};
 
 /// How one attempt on one instance ended before any response byte reached the client.
 pub(crate) enum AttemptError {
@@ -44,23 +48,34 @@ pub(crate) enum AttemptError {
 /// ejection nor against `limits.retries`.
 const STALE_CONNECTION_RETRIES: u32 = 2;
 
-/// What one request has tried so far, and how many more attempts it may make.
+/// What one request has tried so far, and how many more attempts it may make: every retry
+/// goes to another instance and counts against `limits.retries`; retries of an engine's
+/// answer (a retryable status, a first-byte timeout) also take one from the model's retry
+/// budget and wait a backoff first.
 pub(crate) struct Failover {
     /// Instances that failed before the first byte.
     pub(crate) excluded: Excluded,
     attempts_left: u32,
     stale_retries_left: u32,
     last_failure: Option<String>,
+    /// Retries of engine answers so far (the backoff grows with them).
+    answer_retries: u32,
+    /// The wait owed before the next attempt.
+    backoff: Option<Duration>,
 }
 
 impl Failover {
-    /// A request that may retry `retries` times on other instances.
-    pub(crate) fn new(retries: u32) -> Self {
+    /// A request to `pool` that may retry `limits.retries` times on other instances; it is
+    /// counted in the model's retry budget.
+    pub(crate) fn new(state: &State, pool: &ModelPool) -> Self {
+        pool.retry_budget().request(&state.retry, now_millis());
         Self {
             excluded: Excluded::default(),
-            attempts_left: retries.saturating_add(1),
+            attempts_left: state.limits.retries.saturating_add(1),
             stale_retries_left: STALE_CONNECTION_RETRIES,
             last_failure: None,
+            answer_retries: 0,
+            backoff: None,
         }
     }
 
@@ -76,11 +91,14 @@ impl Failover {
         }
     }
 
-    /// Judges the failed attempt on `pick`: `Ok` to try again, `Err` to stop. Failures
-    /// count towards the instance's ejection, except a first stale pooled connection.
+    /// Judges the failed attempt on `pick` (one of `instances` of `pool`): `Ok` to try
+    /// again, `Err` to stop. Failures count towards the instance's ejection, except a first
+    /// stale pooled connection.
     pub(crate) fn failed(
         &mut self,
         state: &State,
+        pool: &ModelPool,
+        instances: &[Arc<Instance>],
         pick: &Pick<'_>,
         error: AttemptError,
     ) -> Result<(), Stop> {
@@ -104,18 +122,81 @@ impl Failover {
                 if self.attempts_left == 0 {
                     return Err(Stop::Answer(ApiError::UpstreamUnavailable { detail }));
                 }
+                pool.metrics().retries[RetryReason::Connect.index()].inc();
                 self.last_failure = Some(detail);
                 Ok(())
             }
             AttemptError::Timeout => {
                 instance.record_failure(FailureKind::Timeout, &state.outlier, now_millis());
-                Err(Stop::Answer(ApiError::UpstreamTimeout))
+                let retried = state.retry.retries_timeout()
+                    && self.retry_answer(state, pool, instances, pick, RetryReason::Timeout);
+                if !retried {
+                    return Err(Stop::Answer(ApiError::UpstreamTimeout));
+                }
+                tracing::debug!(instance = %instance.url(), "no response head in time, retrying");
+                Ok(())
             }
             AttemptError::Unforwardable(detail) => {
                 Err(Stop::Answer(ApiError::UpstreamUnavailable { detail }))
             }
             AttemptError::ClientGone => Err(Stop::ClientGone),
         }
+    }
+
+    /// Whether the engine's answer with `status` from `pick` is dropped and the request
+    /// tried again elsewhere (nothing of it reached the client yet).
+    pub(crate) fn retries_status(
+        &mut self,
+        state: &State,
+        pool: &ModelPool,
+        instances: &[Arc<Instance>],
+        pick: &Pick<'_>,
+        status: u16,
+    ) -> bool {
+        let retried = state.retry.retries_status(status)
+            && self.retry_answer(state, pool, instances, pick, RetryReason::Status);
+        if retried {
+            tracing::debug!(instance = %pick.instance.url(), status, "retryable answer, retrying");
+        }
+        retried
+    }
+
+    /// Takes a retry of an engine's answer on `pick` when the request has attempts left,
+    /// another instance can take it and the model's budget allows; it is then owed a backoff.
+    fn retry_answer(
+        &mut self,
+        state: &State,
+        pool: &ModelPool,
+        instances: &[Arc<Instance>],
+        pick: &Pick<'_>,
+        reason: RetryReason,
+    ) -> bool {
+        self.excluded.insert(pick.index);
+        let now = now_millis();
+        let elsewhere = Candidates::new(instances, &self.excluded, now).eligible_count() > 0;
+        if self.attempts_left <= 1 || !elsewhere {
+            return false;
+        }
+        if !pool.retry_budget().try_retry(&state.retry, now) {
+            pool.metrics().retry_budget_exhausted.inc();
+            return false;
+        }
+        self.attempts_left -= 1;
+        self.answer_retries += 1;
+        self.backoff = Some(state.retry.backoff(self.answer_retries));
+        pool.metrics().retries[reason.index()].inc();
+        true
+    }
+
+    /// Waits the backoff owed by the last retry, if any, unless `frontend`'s client leaves
+    /// first.
+    pub(crate) async fn backoff<F: Frontend>(&mut self, frontend: &mut F) -> Result<(), Stop> {
+        let Some(wait) = self.backoff.take() else {
+            return Ok(());
+        };
+        unless_gone(frontend, tokio::time::sleep(wait))
+            .await
+            .ok_or(Stop::ClientGone)
     }
 }
 
