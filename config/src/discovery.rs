@@ -88,6 +88,8 @@ pub struct DefaultModelConfig {
     /// Settings of `policy: kv`; `block_size` is taken from the first instance record of
     /// the model (the engine's own block size) rather than from here.
     pub kv: KvRoutingConfig,
+    /// Migrations per stream (see `models[].migration_limit`; `null`: the default).
+    pub migration_limit: Option<u32>,
 }
 
 impl Default for DefaultModelConfig {
@@ -97,6 +99,7 @@ impl Default for DefaultModelConfig {
             policy: None,
             tokenizer: None,
             kv: KvRoutingConfig::default(),
+            migration_limit: None,
         }
     }
 }

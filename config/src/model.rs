@@ -32,6 +32,20 @@ pub struct ModelConfig {
     pub kv: KvRoutingConfig,
     /// Requests forwarded to this model at once, and the queue in front.
     pub concurrency: ConcurrencyConfig,
+    /// How many times one stream may move to another instance when its engine breaks off
+    /// mid-way (`null`: [`DEFAULT_MIGRATION_LIMIT`]; 0: never, the stream ends with an
+    /// error event).
+    pub migration_limit: Option<u32>,
+}
+
+/// Migrations per stream when `migration_limit` is not set.
+pub const DEFAULT_MIGRATION_LIMIT: u32 = 1;
+
+impl ModelConfig {
+    /// `migration_limit`, or its default.
+    pub fn effective_migration_limit(&self) -> u32 {
+        self.migration_limit.unwrap_or(DEFAULT_MIGRATION_LIMIT)
+    }
 }
 
 /// Load-balancing policy among a model's healthy, non-ejected backends.

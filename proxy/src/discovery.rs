@@ -40,6 +40,8 @@ pub(crate) struct ModelSpec {
     pub(crate) forward_token_ids: bool,
     /// Settings of `policy: kv`.
     pub(crate) kv: KvRoutingConfig,
+    /// Migrations per stream.
+    pub(crate) migration_limit: u32,
     /// Instances.
     pub(crate) instances: Vec<InstanceSpec>,
 }
@@ -90,6 +92,7 @@ impl Discovery for StaticDiscovery<'_> {
                     tokenizer: model.tokenizer.clone(),
                     forward_token_ids: model.forward_token_ids,
                     kv: model.kv.clone(),
+                    migration_limit: model.effective_migration_limit(),
                     instances,
                 })
             })

@@ -55,6 +55,7 @@ pub(crate) struct Metrics {
     upstream_errors: IntCounterVec,
     retries: IntCounterVec,
     retry_budget_exhausted: IntCounterVec,
+    migrations: IntCounterVec,
     instance_in_flight: IntGaugeVec,
     instance_healthy: IntGaugeVec,
     client_errors: [IntCounter; CLIENT_ERROR_REASONS],
@@ -130,6 +131,14 @@ impl Metrics {
             ),
             &["model"],
         )?;
+        let migrations = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_migrations_total",
+                "Streams continued on another instance after their engine broke off, by model \
+                 and what broke (reset, timeout).",
+            ),
+            &["model", "kind"],
+        )?;
         let instance_in_flight = IntGaugeVec::new(
             Opts::new(
                 "kvmesh_instance_in_flight",
@@ -161,6 +170,7 @@ impl Metrics {
         registry.register(Box::new(upstream_errors.clone()))?;
         registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(retry_budget_exhausted.clone()))?;
+        registry.register(Box::new(migrations.clone()))?;
         registry.register(Box::new(instance_in_flight.clone()))?;
         registry.register(Box::new(instance_healthy.clone()))?;
         registry.register(Box::new(client_errors_vec))?;
@@ -176,6 +186,7 @@ impl Metrics {
             upstream_errors,
             retries,
             retry_budget_exhausted,
+            migrations,
             instance_in_flight,
             instance_healthy,
             client_errors,
@@ -198,6 +209,8 @@ impl Metrics {
             retries: RetryReason::ALL
                 .map(|reason| self.retries.with_label_values(&[model, reason.label()])),
             retry_budget_exhausted: self.retry_budget_exhausted.with_label_values(&[model]),
+            migrations: FailureKind::ALL
+                .map(|kind| self.migrations.with_label_values(&[model, kind.label()])),
             routes: self.routes(model),
             rpcs: self.rpcs(model),
         }
@@ -306,6 +319,8 @@ pub(crate) struct ModelMetrics {
     pub(crate) retries: [IntCounter; RETRY_REASONS],
     /// `kvmesh_retry_budget_exhausted_total{model}`.
     pub(crate) retry_budget_exhausted: IntCounter,
+    /// `kvmesh_migrations_total{model,kind}`, by [`FailureKind`] index.
+    pub(crate) migrations: [IntCounter; FAILURE_KINDS],
     /// Per-route request counts and durations.
     pub(crate) routes: RouteTable,
     /// Per-RPC request counts and durations of the gRPC listener.

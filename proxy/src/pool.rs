@@ -31,17 +31,20 @@ pub(crate) struct ModelPool {
     metrics: ModelMetrics,
     /// Its requests and retries of the last budget window.
     retry_budget: RetryBudget,
+    /// Migrations per stream.
+    migration_limit: u32,
     /// Set when the pool left the registry: its background tasks stop.
     retired: AtomicBool,
 }
 
 impl ModelPool {
-    /// A pool over `instances`.
+    /// A pool over `instances` whose streams may migrate `migration_limit` times.
     pub(crate) fn new(
         name: String,
         instances: Vec<Arc<Instance>>,
         balancer: Balancer,
         metrics: ModelMetrics,
+        migration_limit: u32,
     ) -> Self {
         for instance in &instances {
             balancer.add_instance(instance.id());
@@ -53,6 +56,7 @@ impl ModelPool {
             adapters: Adapters::default(),
             metrics,
             retry_budget: RetryBudget::default(),
+            migration_limit,
             retired: AtomicBool::new(false),
         }
     }
@@ -163,6 +167,11 @@ impl ModelPool {
     /// Whether the pool left the registry.
     pub(crate) fn is_retired(&self) -> bool {
         self.retired.load(Ordering::Relaxed)
+    }
+
+    /// How many times one stream may move to another instance.
+    pub(crate) fn migration_limit(&self) -> u32 {
+        self.migration_limit
     }
 
     /// Its retry budget's counts.

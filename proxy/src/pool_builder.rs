@@ -63,6 +63,7 @@ impl PoolBuilder {
             instances,
             balancer,
             self.metrics.model(&model.name),
+            model.migration_limit,
         );
         for spec in &model.instances {
             pool.set_adapters(spec.id, spec.adapters.clone());

@@ -20,6 +20,8 @@
 //!    budget.
 //! 7. **relay** ([`relay`]): the response head, then the body piece by piece (SSE timing,
 //!    metering, an error event if the engine breaks off).
+//!    A stream whose engine breaks off mid-way **migrates** ([`migrate`]): it goes back to
+//!    4 with a continuation of what was sent, relayed into the same client answer.
 //! 8. **release** ([`release`]): the engine connection back to its pool, or its failure
 //!    counted; the booking, in-flight count and slot guards dropped.
 //! 9. **record** ([`record`]): metrics and the log line, written by the front end that
@@ -29,6 +31,7 @@
 pub(crate) mod admit;
 pub(crate) mod attempt;
 pub(crate) mod frontend;
+pub(crate) mod migrate;
 pub(crate) mod pick;
 pub(crate) mod prepare;
 pub(crate) mod record;
@@ -43,6 +46,7 @@ use bytes::Bytes;
 
 use crate::api_error::ApiError;
 use crate::auth::ApiKey;
+use crate::failure::FailureKind;
 use crate::metrics::GaugeGuard;
 use crate::route::Route;
 use crate::state::State;
@@ -50,10 +54,11 @@ use admit::{admit_key, instances_for, model_slot, resolve_model};
 use attempt::{Failover, attempt};
 use frontend::Frontend;
 use kvmesh_route::prepare::InvalidPrompt;
+use migrate::{Migration, end_broken, migrated};
 use pick::{pick, queue};
 use prepare::{charge_prompt, prepare};
 use record::Record;
-use relay::relay;
+use relay::{RelayEnd, relay};
 use release::release;
 use respond::judge;
 use stop::Stop;
@@ -69,6 +74,13 @@ pub(crate) async fn proxy<F: Frontend>(
 ) -> bool {
     match run(state, frontend, record, key, body).await {
         Ok(reusable) => reusable,
+        Err(Stop::Answer(error)) if record.migrations > 0 => {
+            tracing::debug!(
+                code = error.code(),
+                "a migrated stream found no instance to continue on"
+            );
+            end_broken(frontend, FailureKind::Reset, record).await
+        }
         Err(Stop::Answer(error)) => frontend.reject(record, &state.metrics, &error).await,
         Err(Stop::ClientGone) => {
             record.client_gone = true;
@@ -107,6 +119,7 @@ async fn run<F: Frontend>(
     // 3. queue
     queue(&pool, &instances, &picker, frontend).await?;
     let mut failover = Failover::new(state, &pool);
+    let mut migration = Migration::new(route, &body, record.stream, pool.migration_limit());
     loop {
         // 4. pick
         let pick = match pick(&instances, &picker, &failover.excluded) {
@@ -128,7 +141,7 @@ async fn run<F: Frontend>(
                 }
             };
         // 6. respond
-        let Some(status) = judge(state, &pick.instance, &engine, record) else {
+        let Some(status) = judge(state, &pick.instance, &engine) else {
             return Ok(false);
         };
         if failover.retries_status(state, &pool, &instances, &pick, status) {
@@ -136,10 +149,38 @@ async fn run<F: Frontend>(
             failover.backoff(frontend).await?;
             continue;
         }
+        if record.migrations == 0 {
+            record.status = status;
+        }
         // 7. relay
         let metrics = pool.metrics();
         let idle_timeout = state.limits.idle_timeout;
-        let end = relay(frontend, &mut engine, &pick, record, metrics, idle_timeout).await;
+        let mut end = relay(
+            frontend,
+            &mut engine,
+            &pick,
+            record,
+            metrics,
+            idle_timeout,
+            migration.as_mut(),
+        )
+        .await;
+        if let RelayEnd::Broken(kind) = end {
+            match migration.as_mut().and_then(Migration::next_body) {
+                Some(continuation) => {
+                    migrated(state, &pool, &pick, kind, record);
+                    failover.excluded.insert(pick.index);
+                    body = continuation;
+                    continue;
+                }
+                None => {
+                    end = RelayEnd::UpstreamFailed {
+                        kind,
+                        clean: end_broken(frontend, kind, record).await,
+                    }
+                }
+            }
+        }
         // 8. release
         let reusable = release(state, &pick.instance, engine, end, record).await;
         drop(in_flight);

@@ -14,6 +14,15 @@ pub(crate) struct TokenTiming {
 }
 
 impl TokenTiming {
+    /// The timing of a stream continued from another relay (a migration): its first chunk
+    /// is not the stream's first token.
+    pub(crate) fn continued() -> Self {
+        Self {
+            seen_first_chunk: true,
+            last_event_at: None,
+        }
+    }
+
     /// Records a body chunk holding `data_events` data events, for a request that
     /// arrived at `started`.
     pub(crate) fn observe(&mut self, data_events: usize, started: Instant, metrics: &ModelMetrics) {

@@ -437,3 +437,130 @@ async fn a_spent_retry_budget_passes_the_answer_through_and_4xx_is_never_retried
     .await;
     assert_eq!(retried, 0.0);
 }
+
+/// The `data:` values of an SSE body.
+fn sse_data(body: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(body)
+        .split("\n\n")
+        .filter_map(|event| event.trim().strip_prefix("data: ").map(str::to_owned))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_on_a_killed_engine_continue_on_another() {
+    const STREAMS: usize = 20;
+    const MAX_TOKENS: u64 = 300;
+    let scratch = ScratchDir::new("migrate").unwrap();
+    // Real-time decode (~6 ms per token): each stream lasts about two seconds.
+    let mut victim = start_engines(&scratch, 1, &[]).unwrap();
+    let survivor = start_engines(&scratch, 1, &[]).unwrap();
+    let victim_url = engine_urls(&victim)[0].clone();
+    let urls = [engine_urls(&victim), engine_urls(&survivor)].concat();
+    let proxy = start_proxy(&scratch, &proxy_config(&urls, "")).unwrap();
+    let client = HttpClient::http1();
+
+    // Half chat, half completions; round robin puts every other one on the victim.
+    let mut streams = Vec::new();
+    for i in 0..STREAMS {
+        let (path, body) = if i % 2 == 0 {
+            let mut body = chat_body(&format!("tell story {i}"), MAX_TOKENS as u32, true);
+            body["stream_options"] = serde_json::json!({"include_usage": true});
+            ("chat/completions", body)
+        } else {
+            let body = serde_json::json!({"model": MODEL, "prompt": format!("Once {i}"),
+                "max_tokens": MAX_TOKENS, "stream": true});
+            ("completions", body)
+        };
+        let url = format!("{}/v1/{path}", proxy.url("main"));
+        let mut stream = client
+            .send(
+                Method::POST,
+                &url,
+                &[("content-type", "application/json")],
+                body.to_string(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(stream.status, 200);
+        let first = stream.next_chunk().await.unwrap().expect("a first chunk");
+        let instance = stream.headers["x-kvmesh-instance"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        streams.push((i, instance, first, stream));
+    }
+    let on_victim = streams
+        .iter()
+        .filter(|(_, instance, ..)| *instance == victim_url)
+        .count();
+    assert_eq!(on_victim, STREAMS / 2);
+    victim.kill();
+
+    for (i, _, first, stream) in streams {
+        let rest = tokio::time::timeout(Duration::from_secs(30), stream.rest())
+            .await
+            .expect("the stream ends")
+            .expect("without a transport error");
+        let body = [first.as_ref(), rest.as_ref()].concat();
+        let data = sse_data(&body);
+        assert_eq!(
+            data.last().map(String::as_str),
+            Some("[DONE]"),
+            "stream {i}"
+        );
+        assert_eq!(
+            data.iter().filter(|d| *d == "[DONE]").count(),
+            1,
+            "stream {i}"
+        );
+        let chunks: Vec<serde_json::Value> = data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        assert!(
+            chunks.iter().all(|c| c.get("error").is_none()),
+            "stream {i}: {data:?}"
+        );
+        let ids: std::collections::BTreeSet<&str> =
+            chunks.iter().filter_map(|c| c["id"].as_str()).collect();
+        assert_eq!(ids.len(), 1, "stream {i}: one id throughout");
+        let content = |c: &serde_json::Value| {
+            let choice = &c["choices"][0];
+            choice["text"]
+                .as_str()
+                .or_else(|| choice["delta"]["content"].as_str())
+                .is_some_and(|piece| !piece.is_empty())
+        };
+        let tokens = chunks.iter().filter(|c| content(c)).count() as u64;
+        assert_eq!(tokens, MAX_TOKENS, "stream {i}: every token once");
+        if let Some(usage) = chunks
+            .iter()
+            .find_map(|c| c.get("usage").filter(|u| !u.is_null()))
+        {
+            assert_eq!(
+                usage["completion_tokens"], MAX_TOKENS,
+                "stream {i}: {usage}"
+            );
+            assert_eq!(
+                usage["total_tokens"].as_u64(),
+                Some(usage["prompt_tokens"].as_u64().unwrap() + MAX_TOKENS),
+                "stream {i}: {usage}"
+            );
+        }
+    }
+    let migrations = {
+        let metrics = client
+            .get(&format!("{}/metrics", proxy.url("admin")))
+            .await
+            .unwrap();
+        kvmesh_e2e::control_plane::metric_total(
+            &String::from_utf8_lossy(&metrics.body),
+            "kvmesh_migrations_total",
+        )
+    };
+    assert_eq!(
+        migrations,
+        (STREAMS / 2) as f64,
+        "each stream on the victim moved once"
+    );
+}

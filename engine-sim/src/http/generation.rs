@@ -85,7 +85,22 @@ pub(crate) fn tokenize_chat(
     messages: &[ChatMessage],
     param: &'static str,
 ) -> Result<Vec<u32>, ApiError> {
-    let text = chat_template::render(messages);
+    tokenize_chat_ending(
+        state,
+        messages,
+        chat_template::Ending::GenerationPrompt,
+        param,
+    )
+}
+
+/// [`tokenize_chat`] with the conversation ending as `ending` says.
+pub(crate) fn tokenize_chat_ending(
+    state: &EngineState,
+    messages: &[ChatMessage],
+    ending: chat_template::Ending,
+    param: &'static str,
+) -> Result<Vec<u32>, ApiError> {
+    let text = chat_template::render(messages, ending);
     state
         .tokenizer
         .encode(&text, false)

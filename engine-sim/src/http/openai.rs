@@ -10,10 +10,11 @@ use http::{Response, StatusCode};
 use super::body::{ResponseBody, json_response};
 use super::error::ApiError;
 use super::generation::{
-    collect, model_name, parse_json, resolve_model, submit, tokenize_chat, tokenize_prompts,
+    collect, model_name, parse_json, resolve_model, submit, tokenize_chat_ending, tokenize_prompts,
 };
 use super::sse::{SseBody, StreamFormatter, write_data, write_raw};
 use super::state::{EngineState, unix_now};
+use crate::chat_template::Ending;
 use crate::lora::Lora;
 use crate::protocol::requests::{ChatRequest, CompletionRequest, GenParams};
 use crate::protocol::responses::{
@@ -71,6 +72,12 @@ async fn run(
             let req: ChatRequest = parse_json(body)?;
             let lora = resolve_model(&state, req.model.as_deref())?;
             let messages = req.chat_messages()?;
+            let ending = Ending::from_request(
+                req.add_generation_prompt,
+                req.continue_final_message,
+                &messages,
+            )
+            .map_err(|message| ApiError::bad_request(message).with_param("messages"))?;
             let max_tokens = req.max_tokens();
             let params = GenParams::openai(
                 max_tokens,
@@ -80,7 +87,7 @@ async fn run(
                 req.n,
             )?;
             (
-                vec![tokenize_chat(&state, &messages, "messages")?],
+                vec![tokenize_chat_ending(&state, &messages, ending, "messages")?],
                 params,
                 lora,
             )

@@ -68,6 +68,11 @@ pub(crate) struct ChatRequest {
     pub stop: Option<StopInput>,
     /// Choices; only 1 is supported.
     pub n: Option<i64>,
+    /// End the rendered prompt with the assistant turn's opening (vLLM's default: true).
+    pub add_generation_prompt: Option<bool>,
+    /// Leave the final (assistant) message open so generation continues it (vLLM's
+    /// `continue_final_message`; needs `add_generation_prompt: false`).
+    pub continue_final_message: Option<bool>,
 }
 
 /// One chat message as sent.

@@ -17,7 +17,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvmesh_config::{
-    BackendUrl, Config, DefaultModelConfig, HealthCheckConfig, KvRoutingConfig, Protocol,
+    BackendUrl, Config, DEFAULT_MIGRATION_LIMIT, DefaultModelConfig, HealthCheckConfig,
+    KvRoutingConfig, Protocol,
 };
 use kvmesh_control::{InstanceRecord, InstanceState, Namespace, WatchEvent};
 use tokio::sync::mpsc;
@@ -317,6 +318,7 @@ fn default_model_spec(defaults: &DefaultModelConfig, record: &InstanceRecord) ->
             block_size,
             ..defaults.kv.clone()
         },
+        migration_limit: defaults.migration_limit.unwrap_or(DEFAULT_MIGRATION_LIMIT),
         instances: Vec::new(),
     }
 }

@@ -40,6 +40,8 @@ pub(crate) struct Record {
     pub(crate) client_gone: bool,
     /// The engine failed after the response started.
     pub(crate) upstream_failure: Option<FailureKind>,
+    /// Times the stream moved to another instance after its engine broke off.
+    pub(crate) migrations: u32,
     /// Charges the response's completion tokens to the API key (a key with a
     /// tokens-per-minute limit).
     pub(crate) meter: Option<CompletionMeter>,
@@ -59,6 +61,7 @@ impl Record {
             stream: false,
             client_gone: false,
             upstream_failure: None,
+            migrations: 0,
             meter: None,
         }
     }
@@ -104,6 +107,7 @@ impl Record {
             stream = self.stream,
             client_gone = self.client_gone,
             upstream_error,
+            migrations = self.migrations,
             "request"
         );
     }

@@ -8,6 +8,11 @@
 //! every chunk is forwarded as-is without a copy; the hold-back guarantees that
 //! when an engine dies mid-stream the client never sees half an event before
 //! the proxy's error event.
+//!
+//! A stream that may migrate ([`Migration`]) has its events read on the way (the
+//! transcript); when its engine breaks off, the relay ends with [`RelayEnd::Broken`] instead
+//! of an error event, and the spine continues the stream on another instance, whose relay
+//! writes into the same client answer.
 
 use std::time::Duration;
 
@@ -22,6 +27,7 @@ use crate::failure::FailureKind;
 use crate::headers::{ClientFraming, ProxyHeaders};
 use crate::metrics::ModelMetrics;
 use crate::request::frontend::{Frontend, Unrelayable};
+use crate::request::migrate::Migration;
 use crate::request::pick::Pick;
 use crate::request::record::Record;
 use crate::sse::SseScanner;
@@ -65,10 +71,14 @@ pub(crate) enum RelayEnd {
     },
     /// The client went away (or wrote when it should not have).
     ClientGone,
+    /// The engine broke off a stream that may migrate: nothing was written for the break,
+    /// the client's answer stays open for a continuation.
+    Broken(FailureKind),
 }
 
-/// Starts the client's answer to the engine response `engine` from `pick`, then relays its
-/// body within `idle_timeout` between pieces.
+/// Starts the client's answer to the engine response `engine` from `pick` (a continuation of
+/// `migration`'s stream: goes on with the answer already started), then relays its body
+/// within `idle_timeout` between pieces.
 pub(crate) async fn relay<F: Frontend>(
     frontend: &mut F,
     engine: &mut UpstreamSession,
@@ -76,20 +86,27 @@ pub(crate) async fn relay<F: Frontend>(
     record: &Record,
     metrics: &ModelMetrics,
     idle_timeout: Duration,
+    migration: Option<&mut Migration>,
 ) -> RelayEnd {
-    let ours = ProxyHeaders {
-        instance: pick.instance.instance_header(),
-        request_id: &record.request_id,
-        route: pick.route.as_ref(),
-    };
-    let framing = match frontend.start_response(engine, ours).await {
-        Ok(framing) => framing,
-        Err(Unrelayable::ClientGone) => return RelayEnd::ClientGone,
-        Err(Unrelayable::EngineHead) => {
-            return RelayEnd::UpstreamFailed {
-                kind: FailureKind::Reset,
-                clean: false,
+    let continued = migration.as_ref().and_then(|m| m.framing());
+    let framing = match continued {
+        Some(framing) => framing,
+        None => {
+            let ours = ProxyHeaders {
+                instance: pick.instance.instance_header(),
+                request_id: &record.request_id,
+                route: pick.route.as_ref(),
             };
+            match frontend.start_response(engine, ours).await {
+                Ok(framing) => framing,
+                Err(Unrelayable::ClientGone) => return RelayEnd::ClientGone,
+                Err(Unrelayable::EngineHead) => {
+                    return RelayEnd::UpstreamFailed {
+                        kind: FailureKind::Reset,
+                        clean: false,
+                    };
+                }
+            }
         }
     };
     let ctx = RelayContext {
@@ -101,16 +118,36 @@ pub(crate) async fn relay<F: Frontend>(
         booking: pick.booking.as_ref(),
         meter: record.meter.as_ref(),
     };
-    relay_body(frontend, engine, &ctx).await
+    let Some(migration) = migration else {
+        return relay_body(frontend, engine, &ctx, None).await;
+    };
+    if continued.is_some() && (engine.status() != Some(200) || !ctx.event_stream) {
+        // The continuation was refused: the stream ends as an unmigrated one would.
+        let timing = EventTiming::default();
+        return fail(
+            frontend,
+            &ctx,
+            Some(&timing),
+            &mut BytesMut::new(),
+            FailureKind::Reset,
+        )
+        .await;
+    }
+    migration.started(framing);
+    relay_body(frontend, engine, &ctx, Some(migration)).await
 }
 
-/// Relays the body; on `Complete` the client body is finished.
+/// Relays the body; on `Complete` the client body is finished. With `migration`, the
+/// stream's events pass through it, and a break ends the relay as [`RelayEnd::Broken`] when
+/// the stream may continue elsewhere.
 pub(crate) async fn relay_body<F: Frontend>(
     frontend: &mut F,
     upstream: &mut UpstreamSession,
     ctx: &RelayContext<'_>,
+    mut migration: Option<&mut Migration>,
 ) -> RelayEnd {
-    let mut events = ctx.event_stream.then(EventTiming::default);
+    let continuing = migration.as_ref().is_some_and(|m| m.continuing());
+    let mut events = ctx.event_stream.then(|| EventTiming::new(continuing));
     let mut held = BytesMut::new();
     let mut prefill = ctx.booking;
     // What the engine had already sent after the last piece (looked at to end the client's
@@ -127,25 +164,15 @@ pub(crate) async fn relay_body<F: Frontend>(
             },
         };
         let chunk = match read {
-            Err(_) => {
-                return fail(
-                    frontend,
-                    ctx,
-                    events.as_ref(),
-                    &mut held,
-                    FailureKind::Timeout,
-                )
-                .await;
-            }
-            Ok(Err(_)) => {
-                return fail(
-                    frontend,
-                    ctx,
-                    events.as_ref(),
-                    &mut held,
-                    FailureKind::Reset,
-                )
-                .await;
+            Err(_) | Ok(Err(_)) => {
+                let kind = match read {
+                    Err(_) => FailureKind::Timeout,
+                    _ => FailureKind::Reset,
+                };
+                if migration.as_mut().is_some_and(|m| m.may_continue()) {
+                    return RelayEnd::Broken(kind);
+                }
+                return fail(frontend, ctx, events.as_ref(), &mut held, kind).await;
             }
             Ok(Ok(None)) => break,
             Ok(Ok(Some(chunk))) => chunk,
@@ -153,13 +180,25 @@ pub(crate) async fn relay_body<F: Frontend>(
         if let Some(booking) = prefill.take() {
             booking.prefill_done(ctx.event_stream);
         }
-        let out = match events.as_mut() {
+        let mut out = match events.as_mut() {
             Some(timing) => {
                 let boundary = timing.observe(&chunk, ctx);
                 hold_back(&mut held, chunk, boundary)
             }
             None => Some(chunk),
         };
+        if let Some(migration) = migration.as_mut()
+            && let Some(whole) = out.take()
+        {
+            let passed = migration.pass(whole);
+            if passed.broken && migration.may_continue() {
+                if !passed.forward.is_empty() && !frontend.write_body(passed.forward, false).await {
+                    return RelayEnd::ClientGone;
+                }
+                return RelayEnd::Broken(FailureKind::Reset);
+            }
+            out = Some(passed.forward);
+        }
         if let (Some(meter), Some(out)) = (ctx.meter, out.as_ref()) {
             meter.observe(out, ctx.event_stream);
         }
@@ -198,6 +237,19 @@ struct EventTiming {
 }
 
 impl EventTiming {
+    /// The state of a stream's relay (`continued`: a migrated stream's continuation, whose
+    /// first chunk is not the stream's first token).
+    fn new(continued: bool) -> Self {
+        Self {
+            scanner: SseScanner::default(),
+            tokens: if continued {
+                TokenTiming::continued()
+            } else {
+                TokenTiming::default()
+            },
+        }
+    }
+
     /// Records timings for `chunk`, and its data events as generated tokens on the booking;
     /// returns its last event boundary.
     fn observe(&mut self, chunk: &[u8], ctx: &RelayContext<'_>) -> Option<usize> {
@@ -257,7 +309,7 @@ async fn fail<F: Frontend>(
 }
 
 /// `data: {"error":{...}}` followed by a blank line.
-fn error_event(kind: FailureKind, terminate_partial: bool) -> Bytes {
+pub(crate) fn error_event(kind: FailureKind, terminate_partial: bool) -> Bytes {
     let (message, kind, code) = match kind {
         FailureKind::Timeout => (
             "the engine stopped sending within the idle timeout",

@@ -34,5 +34,12 @@ pub(crate) async fn release(
             record.client_gone = true;
             false
         }
+        // The spine migrates a broken stream or ends it before releasing; a break that
+        // reaches here left the client's answer unfinished.
+        RelayEnd::Broken(kind) => {
+            instance.record_failure(kind, &state.outlier, now_millis());
+            record.upstream_failure = Some(kind);
+            false
+        }
     }
 }

@@ -1,0 +1,171 @@
+use super::*;
+use crate::headers::ClientFraming;
+
+fn chat_chunk(content: &str, finish: Option<&str>) -> String {
+    let chunk = json!({
+        "id": "chatcmpl-a", "created": 7, "model": "m", "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}]
+    });
+    format!("data: {chunk}\n\n")
+}
+
+/// The migration of a stream with `body` whose answer started as an open SSE stream.
+fn migration(route: Route, body: Value) -> Migration {
+    let mut migration =
+        Migration::new(route, body.to_string().as_bytes(), true, 1).expect("migratable");
+    migration.started(ClientFraming::Open);
+    migration
+}
+
+#[test]
+fn only_single_choice_extendable_streams_migrate() {
+    let chat = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+    let body = |value: &Value| value.to_string();
+    assert!(Migration::new(Route::ChatCompletions, body(&chat).as_bytes(), true, 1).is_some());
+    assert!(Migration::new(Route::ChatCompletions, body(&chat).as_bytes(), false, 1).is_none());
+    assert!(Migration::new(Route::ChatCompletions, body(&chat).as_bytes(), true, 0).is_none());
+    let mut two = chat.clone();
+    two["n"] = 2.into();
+    assert!(Migration::new(Route::ChatCompletions, body(&two).as_bytes(), true, 1).is_none());
+    let ids = json!({"model": "m", "prompt": [1, 2, 3]});
+    assert!(Migration::new(Route::Completions, body(&ids).as_bytes(), true, 1).is_none());
+    let echo = json!({"model": "m", "prompt": "x", "echo": true});
+    assert!(Migration::new(Route::Completions, body(&echo).as_bytes(), true, 1).is_none());
+    let text = json!({"model": "m", "prompt": ["x"]});
+    assert!(Migration::new(Route::Completions, body(&text).as_bytes(), true, 1).is_some());
+    assert!(Migration::new(Route::Embeddings, body(&text).as_bytes(), true, 1).is_none());
+}
+
+#[test]
+fn a_broken_chat_stream_continues_with_what_was_sent() {
+    let mut m = migration(
+        Route::ChatCompletions,
+        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+               "max_completion_tokens": 10, "stream": true}),
+    );
+    let first = format!(
+        "data: {}\n\n{}{}",
+        json!({"id": "chatcmpl-a", "created": 7, "model": "m",
+               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}),
+        chat_chunk("Hello", None),
+        chat_chunk(" there", None),
+    );
+    let passed = m.pass(Bytes::from(first.clone()));
+    assert_eq!(
+        passed.forward,
+        Bytes::from(first),
+        "the first attempt passes untouched"
+    );
+    assert!(!passed.broken);
+    let body: Value = serde_json::from_slice(&m.next_body().expect("may migrate")).unwrap();
+    assert_eq!(
+        body["messages"],
+        json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there"}])
+    );
+    assert_eq!(body["continue_final_message"], true);
+    assert_eq!(body["add_generation_prompt"], false);
+    assert_eq!(body["max_completion_tokens"], 8);
+    assert!(m.continuing());
+    assert_eq!(m.next_body(), None, "the limit was one migration");
+
+    // The continuation's events carry the first stream's id; its role event is dropped;
+    // its usage counts the tokens sent before it.
+    let continuation = format!(
+        "data: {}\n\n{}data: {}\n\ndata: [DONE]\n\n",
+        json!({"id": "chatcmpl-b", "created": 9, "model": "m",
+               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}),
+        chat_chunk(" friend", Some("stop")).replace("chatcmpl-a", "chatcmpl-b"),
+        json!({"id": "chatcmpl-b", "created": 9, "model": "m", "choices": [],
+               "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13}}),
+    );
+    let passed = m.pass(Bytes::from(continuation));
+    let text = String::from_utf8(passed.forward.to_vec()).unwrap();
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.len(), 3, "{text}");
+    let content: Value = serde_json::from_str(&events[0]["data: ".len()..]).unwrap();
+    assert_eq!(
+        (content["id"].as_str(), content["created"].as_u64()),
+        (Some("chatcmpl-a"), Some(7))
+    );
+    assert_eq!(content["choices"][0]["delta"]["content"], " friend");
+    let usage: Value = serde_json::from_str(&events[1]["data: ".len()..]).unwrap();
+    assert_eq!(usage["id"], "chatcmpl-a");
+    assert_eq!(
+        usage["usage"],
+        json!({"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13})
+    );
+    assert_eq!(events[2], "data: [DONE]");
+}
+
+#[test]
+fn an_engine_error_event_breaks_the_stream_and_is_not_forwarded() {
+    let mut m = migration(
+        Route::Completions,
+        json!({"model": "m", "prompt": "Once", "max_tokens": 5}),
+    );
+    let chunk = |text: &str| {
+        format!(
+            "data: {}\n\n",
+            json!({"id": "cmpl-a", "created": 1, "model": "m",
+                   "choices": [{"index": 0, "text": text, "finish_reason": null}]})
+        )
+    };
+    let error = format!(
+        "data: {}\n\n",
+        json!({"error": {"message": "engine died", "code": 500}})
+    );
+    let passed = m.pass(Bytes::from(format!(
+        "{}{}{error}",
+        chunk(" upon"),
+        chunk(" a")
+    )));
+    assert!(passed.broken);
+    assert_eq!(
+        passed.forward,
+        Bytes::from(format!("{}{}", chunk(" upon"), chunk(" a")))
+    );
+    let body: Value = serde_json::from_slice(&m.next_body().unwrap()).unwrap();
+    assert_eq!(body["prompt"], "Once upon a");
+    assert_eq!(body["max_tokens"], 3);
+}
+
+#[test]
+fn a_finished_or_spent_stream_does_not_migrate() {
+    let mut m = migration(
+        Route::ChatCompletions,
+        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    );
+    assert_eq!(m.next_body(), None, "nothing identified the stream yet");
+    m.pass(Bytes::from(format!(
+        "{}{}",
+        chat_chunk("a", None),
+        chat_chunk("b", None)
+    )));
+    assert_eq!(m.next_body(), None, "all max_tokens were sent");
+    let mut m = migration(
+        Route::ChatCompletions,
+        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    m.pass(Bytes::from(chat_chunk("a", Some("stop"))));
+    assert_eq!(m.next_body(), None, "the engine had finished");
+}
+
+#[test]
+fn a_client_continuation_is_extended_in_place_and_crlf_events_split() {
+    let mut m = migration(
+        Route::ChatCompletions,
+        json!({"model": "m", "continue_final_message": true, "add_generation_prompt": false,
+               "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Dear"}]}),
+    );
+    m.pass(Bytes::from(
+        chat_chunk(" Sir", None).replace("\n\n", "\r\n\r\n"),
+    ));
+    let body: Value = serde_json::from_slice(&m.next_body().unwrap()).unwrap();
+    assert_eq!(body["messages"][1]["content"], "Dear Sir");
+    assert_eq!(body["messages"].as_array().map(Vec::len), Some(2));
+    let events: Vec<&[u8]> = split_events(b"data: a\r\n\r\ndata: b\n\ndata: c").collect();
+    assert_eq!(
+        events,
+        [&b"data: a\r\n\r\n"[..], b"data: b\n\n", b"data: c"]
+    );
+}
