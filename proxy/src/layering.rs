@@ -32,6 +32,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "sse",
             "tls",
             "token_timing",
+            "usage",
         ],
     ),
     (

@@ -66,6 +66,7 @@ mod tls;
 mod token_timing;
 mod upstream;
 mod upstream_session;
+mod usage;
 
 pub use auth::sha256_hex;
 pub use control_plane::ControlPlane;

@@ -25,6 +25,10 @@ const TTFT_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 /// Inter-token latency buckets (seconds).
+/// Token-length buckets (prompts and completions).
+const TOKEN_BUCKETS: &[f64] = &[
+    16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0,
+];
 const ITL_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
 ];
@@ -56,6 +60,9 @@ pub(crate) struct Metrics {
     retries: IntCounterVec,
     retry_budget_exhausted: IntCounterVec,
     migrations: IntCounterVec,
+    input_tokens: HistogramVec,
+    output_tokens: HistogramVec,
+    output_tokens_total: IntCounterVec,
     instance_in_flight: IntGaugeVec,
     instance_healthy: IntGaugeVec,
     client_errors: [IntCounter; CLIENT_ERROR_REASONS],
@@ -139,6 +146,31 @@ impl Metrics {
             ),
             &["model", "kind"],
         )?;
+        let input_tokens = HistogramVec::new(
+            HistogramOpts::new(
+                "kvmesh_input_tokens",
+                "Prompt tokens of answered requests (the engine's usage, else the proxy's own \
+                 tokenization), by model.",
+            )
+            .buckets(TOKEN_BUCKETS.to_vec()),
+            &["model"],
+        )?;
+        let output_tokens = HistogramVec::new(
+            HistogramOpts::new(
+                "kvmesh_output_tokens",
+                "Completion tokens of answered requests (the engine's usage, else one per \
+                 streamed event), by model.",
+            )
+            .buckets(TOKEN_BUCKETS.to_vec()),
+            &["model"],
+        )?;
+        let output_tokens_total = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_output_tokens_total",
+                "Completion tokens relayed to clients, by model.",
+            ),
+            &["model"],
+        )?;
         let instance_in_flight = IntGaugeVec::new(
             Opts::new(
                 "kvmesh_instance_in_flight",
@@ -171,6 +203,9 @@ impl Metrics {
         registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(retry_budget_exhausted.clone()))?;
         registry.register(Box::new(migrations.clone()))?;
+        registry.register(Box::new(input_tokens.clone()))?;
+        registry.register(Box::new(output_tokens.clone()))?;
+        registry.register(Box::new(output_tokens_total.clone()))?;
         registry.register(Box::new(instance_in_flight.clone()))?;
         registry.register(Box::new(instance_healthy.clone()))?;
         registry.register(Box::new(client_errors_vec))?;
@@ -187,6 +222,9 @@ impl Metrics {
             retries,
             retry_budget_exhausted,
             migrations,
+            input_tokens,
+            output_tokens,
+            output_tokens_total,
             instance_in_flight,
             instance_healthy,
             client_errors,
@@ -211,6 +249,9 @@ impl Metrics {
             retry_budget_exhausted: self.retry_budget_exhausted.with_label_values(&[model]),
             migrations: FailureKind::ALL
                 .map(|kind| self.migrations.with_label_values(&[model, kind.label()])),
+            input_tokens: self.input_tokens.with_label_values(&[model]),
+            output_tokens: self.output_tokens.with_label_values(&[model]),
+            output_tokens_total: self.output_tokens_total.with_label_values(&[model]),
             routes: self.routes(model),
             rpcs: self.rpcs(model),
         }
@@ -321,10 +362,27 @@ pub(crate) struct ModelMetrics {
     pub(crate) retry_budget_exhausted: IntCounter,
     /// `kvmesh_migrations_total{model,kind}`, by [`FailureKind`] index.
     pub(crate) migrations: [IntCounter; FAILURE_KINDS],
+    /// `kvmesh_input_tokens{model}`.
+    input_tokens: Histogram,
+    /// `kvmesh_output_tokens{model}`.
+    output_tokens: Histogram,
+    /// `kvmesh_output_tokens_total{model}`.
+    output_tokens_total: IntCounter,
     /// Per-route request counts and durations.
     pub(crate) routes: RouteTable,
     /// Per-RPC request counts and durations of the gRPC listener.
     pub(crate) rpcs: RpcTable,
+}
+
+impl ModelMetrics {
+    /// Counts an answered request's `prompt` (when known) and `completion` tokens.
+    pub(crate) fn observe_tokens(&self, prompt: Option<u64>, completion: u64) {
+        if let Some(prompt) = prompt {
+            self.input_tokens.observe(prompt as f64);
+        }
+        self.output_tokens.observe(completion as f64);
+        self.output_tokens_total.inc_by(completion);
+    }
 }
 
 /// Per-RPC handles of one model on the gRPC listener.

@@ -111,6 +111,7 @@ async fn run<F: Frontend>(
     let picker = prepare(state, &pool, adapter, route, &mut body, &*frontend)
         .await
         .map_err(|InvalidPrompt(message)| ApiError::InvalidPrompt(message))?;
+    record.prompt_tokens = picker.input.prompt_tokens().map(|tokens| tokens as u64);
     if let Some(permit) = permit.as_ref() {
         charge_prompt(permit, &picker, body.len(), record);
     }

@@ -79,3 +79,55 @@ async fn metrics_health_and_request_ids() {
         assert!(metrics.contains(name), "missing {name}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_lengths_are_counted_from_what_reached_the_client() {
+    let scratch = ScratchDir::new("observe-tokens").unwrap();
+    let sim = start_engines(&scratch, 1, &["--no-delay"]).unwrap();
+    let proxy = start_proxy(&scratch, &proxy_config(&engine_urls(&sim), "")).unwrap();
+    let client = HttpClient::http1();
+    let url = format!("{}/v1/chat/completions", proxy.url("main"));
+    let plain = client
+        .post_json(&url, &chat_body("count me", 5, false))
+        .await
+        .unwrap();
+    assert_eq!(plain.status, 200);
+    let usage = plain.json().unwrap()["usage"].clone();
+    let streamed = client
+        .post_json(&url, &chat_body("count me too", 7, true))
+        .await
+        .unwrap();
+    assert_eq!(streamed.status, 200);
+    // Refused by the engine: not counted.
+    let refused = client
+        .post_json(&url, &chat_body("too long", 10_000_000, false))
+        .await
+        .unwrap();
+    assert_eq!(refused.status, 400);
+
+    let metrics = client
+        .get(&format!("{}/metrics", proxy.url("admin")))
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&metrics.body).to_string();
+    let value = |series: &str| {
+        kvmesh_e2e::control_plane::metric(&text, series)
+            .unwrap_or_else(|| panic!("{series}:\n{text}"))
+    };
+    assert_eq!(
+        value("kvmesh_output_tokens_total{model=\"sim-model\"}"),
+        12.0
+    );
+    assert_eq!(
+        value("kvmesh_output_tokens_count{model=\"sim-model\"}"),
+        2.0
+    );
+    assert_eq!(value("kvmesh_output_tokens_sum{model=\"sim-model\"}"), 12.0);
+    // The plain answer's usage names its prompt; the stream without usage has none known
+    // (no tokenizer configured), so one prompt was counted.
+    assert_eq!(value("kvmesh_input_tokens_count{model=\"sim-model\"}"), 1.0);
+    assert_eq!(
+        value("kvmesh_input_tokens_sum{model=\"sim-model\"}"),
+        usage["prompt_tokens"].as_f64().unwrap()
+    );
+}

@@ -65,6 +65,7 @@ impl<'a> RpcRecord<'a> {
             .as_deref()
             .map_or(self.unattributed, |pool| &pool.metrics().rpcs);
         rpcs.rpc(self.rpc).observe(status, elapsed.as_secs_f64());
+        self.record.count_tokens();
         let model = self.record.pool.as_deref().map_or("", ModelPool::name);
         let instance = self
             .record

@@ -13,6 +13,7 @@ use crate::metrics::Metrics;
 use crate::pool::ModelPool;
 use crate::registry::ModelRegistry;
 use crate::route::Route;
+use crate::usage::TokenCount;
 
 /// Status logged when the client left before a response was written.
 const CLIENT_CLOSED: u16 = 499;
@@ -42,6 +43,10 @@ pub(crate) struct Record {
     pub(crate) upstream_failure: Option<FailureKind>,
     /// Times the stream moved to another instance after its engine broke off.
     pub(crate) migrations: u32,
+    /// The answer's tokens, counted as it reached the client.
+    pub(crate) tokens: TokenCount,
+    /// The prompt's tokens as the proxy tokenized it (`policy: kv`), when it did.
+    pub(crate) prompt_tokens: Option<u64>,
     /// Charges the response's completion tokens to the API key (a key with a
     /// tokens-per-minute limit).
     pub(crate) meter: Option<CompletionMeter>,
@@ -62,6 +67,8 @@ impl Record {
             client_gone: false,
             upstream_failure: None,
             migrations: 0,
+            tokens: TokenCount::default(),
+            prompt_tokens: None,
             meter: None,
         }
     }
@@ -72,6 +79,15 @@ impl Record {
         self.status = error.status();
         if let Some(reason) = error.client_reason() {
             metrics.client_error(reason);
+        }
+    }
+
+    /// Counts the tokens of a request answered 200 in its model's token metrics.
+    pub(crate) fn count_tokens(&self) {
+        if let Some(pool) = self.pool.as_deref().filter(|_| self.status == 200) {
+            let prompt = self.tokens.prompt_tokens().or(self.prompt_tokens);
+            pool.metrics()
+                .observe_tokens(prompt, self.tokens.completion_tokens());
         }
     }
 
@@ -88,6 +104,7 @@ impl Record {
         routes
             .route(self.route)
             .observe(self.status, elapsed.as_secs_f64());
+        self.count_tokens();
         let model = self.pool.as_deref().map_or("", ModelPool::name);
         let instance = self
             .instance

@@ -33,6 +33,7 @@ use crate::request::record::Record;
 use crate::sse::SseScanner;
 use crate::token_timing::TokenTiming;
 use crate::upstream_session::UpstreamSession;
+use crate::usage::TokenCount;
 
 /// Largest incomplete SSE event held back before it is forwarded anyway.
 const MAX_HELD_BYTES: usize = 1 << 20;
@@ -83,7 +84,7 @@ pub(crate) async fn relay<F: Frontend>(
     frontend: &mut F,
     engine: &mut UpstreamSession,
     pick: &Pick<'_>,
-    record: &Record,
+    record: &mut Record,
     metrics: &ModelMetrics,
     idle_timeout: Duration,
     migration: Option<&mut Migration>,
@@ -119,7 +120,7 @@ pub(crate) async fn relay<F: Frontend>(
         meter: record.meter.as_ref(),
     };
     let Some(migration) = migration else {
-        return relay_body(frontend, engine, &ctx, None).await;
+        return relay_body(frontend, engine, &ctx, &mut record.tokens, None).await;
     };
     if continued.is_some() && (engine.status() != Some(200) || !ctx.event_stream) {
         // The continuation was refused: the stream ends as an unmigrated one would.
@@ -134,7 +135,7 @@ pub(crate) async fn relay<F: Frontend>(
         .await;
     }
     migration.started(framing);
-    relay_body(frontend, engine, &ctx, Some(migration)).await
+    relay_body(frontend, engine, &ctx, &mut record.tokens, Some(migration)).await
 }
 
 /// Relays the body; on `Complete` the client body is finished. With `migration`, the
@@ -144,6 +145,7 @@ pub(crate) async fn relay_body<F: Frontend>(
     frontend: &mut F,
     upstream: &mut UpstreamSession,
     ctx: &RelayContext<'_>,
+    tokens: &mut TokenCount,
     mut migration: Option<&mut Migration>,
 ) -> RelayEnd {
     let continuing = migration.as_ref().is_some_and(|m| m.continuing());
@@ -199,8 +201,8 @@ pub(crate) async fn relay_body<F: Frontend>(
             }
             out = Some(passed.forward);
         }
-        if let (Some(meter), Some(out)) = (ctx.meter, out.as_ref()) {
-            meter.observe(out, ctx.event_stream);
+        if let Some(out) = out.as_ref() {
+            count(tokens, ctx, out);
         }
         next = upstream.take_buffered();
         let last = matches!(next, Some(Ok(None))) && held.is_empty();
@@ -217,8 +219,8 @@ pub(crate) async fn relay_body<F: Frontend>(
     // An event the engine never finished with a blank line still reaches the client, and
     // is charged like the rest.
     let rest = held.split().freeze();
-    if let Some(meter) = ctx.meter.filter(|_| !rest.is_empty()) {
-        meter.observe(&rest, ctx.event_stream);
+    if !rest.is_empty() {
+        count(tokens, ctx, &rest);
     }
     if let Some(booking) = ctx.booking {
         booking.release();
@@ -227,6 +229,15 @@ pub(crate) async fn relay_body<F: Frontend>(
         return RelayEnd::ClientGone;
     }
     RelayEnd::Complete
+}
+
+/// Counts the tokens of `out`, a piece of the body on its way to the client, and charges
+/// them to the API key when it meters completions.
+fn count(tokens: &mut TokenCount, ctx: &RelayContext<'_>, out: &[u8]) {
+    tokens.observe(out, ctx.event_stream);
+    if let Some(meter) = ctx.meter {
+        meter.charge_to(tokens.completion_tokens());
+    }
 }
 
 /// SSE scanning and timing state.

@@ -1,0 +1,160 @@
+//! Counting a response's tokens as its body passes: the completion tokens (SSE: one per data
+//! event that carries text, corrected by a reported `usage.completion_tokens`; other bodies:
+//! their `usage.completion_tokens`) and the prompt tokens the engine reports
+//! (`usage.prompt_tokens`). Feeds the token metrics and the API keys' token meter.
+//!
+//! SSE bodies arrive as whole events (the relay holds an event back until it is complete),
+//! so each piece is read line by line. Events without text are not tokens: `[DONE]`, a chat
+//! stream's opening role event and closing empty delta, a usage-only event.
+
+/// The field whose number is the authoritative completion count.
+const COMPLETION_FIELD: &[u8] = b"\"completion_tokens\"";
+/// The field whose number is the prompt's token count.
+const PROMPT_FIELD: &[u8] = b"\"prompt_tokens\"";
+/// What the data of an event without text holds (compact and spaced JSON).
+const TEXTLESS: [&[u8]; 8] = [
+    b"\"content\":\"\"",
+    b"\"content\": \"\"",
+    b"\"text\":\"\"",
+    b"\"text\": \"\"",
+    b"\"delta\":{}",
+    b"\"delta\": {}",
+    b"\"choices\":[]",
+    b"\"choices\": []",
+];
+/// Bytes of a non-SSE body kept between chunks, so a field split across two is found.
+const TAIL_BYTES: usize = 64;
+
+/// One response's token counts so far.
+#[derive(Debug, Default)]
+pub(crate) struct TokenCount {
+    /// SSE data events with text seen.
+    events: u64,
+    /// The end of the non-SSE body so far.
+    tail: Vec<u8>,
+    /// The last reported `completion_tokens`.
+    completion: Option<u64>,
+    /// The last reported `prompt_tokens`.
+    prompt: Option<u64>,
+}
+
+impl TokenCount {
+    /// Takes in `chunk`, the next piece of the body the client receives (`event_stream`: an
+    /// SSE body).
+    pub(crate) fn observe(&mut self, chunk: &[u8], event_stream: bool) {
+        if event_stream {
+            self.observe_events(chunk);
+            self.take_usage(chunk);
+        } else {
+            self.tail.extend_from_slice(chunk);
+            let tail = std::mem::take(&mut self.tail);
+            self.take_usage(&tail);
+            self.tail = tail;
+            let keep_from = self.tail.len().saturating_sub(TAIL_BYTES);
+            self.tail.drain(..keep_from);
+        }
+    }
+
+    fn observe_events(&mut self, chunk: &[u8]) {
+        let tokens = chunk
+            .split(|&b| b == b'\n')
+            .filter_map(crate::sse::data_value)
+            .filter(|data| has_text(data))
+            .count();
+        self.events += tokens as u64;
+    }
+
+    fn take_usage(&mut self, text: &[u8]) {
+        if let Some(completion) = last_number(text, COMPLETION_FIELD) {
+            self.completion = Some(completion);
+        }
+        if let Some(prompt) = last_number(text, PROMPT_FIELD) {
+            self.prompt = Some(prompt);
+        }
+    }
+
+    /// Completion tokens so far: the reported count, else (SSE) the data events.
+    pub(crate) fn completion_tokens(&self) -> u64 {
+        self.completion.unwrap_or(self.events)
+    }
+
+    /// The prompt tokens the engine reported, if it did.
+    pub(crate) fn prompt_tokens(&self) -> Option<u64> {
+        self.prompt
+    }
+}
+
+/// Whether an event's data carries generated text (a token).
+fn has_text(data: &[u8]) -> bool {
+    let data = data.trim_ascii();
+    !data.is_empty()
+        && data != b"[DONE]"
+        && !TEXTLESS
+            .iter()
+            .any(|marker| data.windows(marker.len()).any(|w| w == *marker))
+}
+
+/// The number after the last `field:` in `text`.
+fn last_number(text: &[u8], field: &[u8]) -> Option<u64> {
+    let start = text
+        .windows(field.len())
+        .rposition(|window| window == field)?
+        + field.len();
+    let rest = text[start..]
+        .trim_ascii_start()
+        .strip_prefix(b":")?
+        .trim_ascii_start();
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_events_count_as_they_pass_and_usage_corrects() {
+        let mut count = TokenCount::default();
+        count.observe(b"data: {\"a\":1}\n\ndata: {\"b\":2}\r\n\r\n", true);
+        assert_eq!(count.completion_tokens(), 2);
+        count.observe(b"data: {\"c\":3}\n\n: comment data: x\n\n", true);
+        assert_eq!(count.completion_tokens(), 3);
+        let role = br#"data: {"choices":[{"delta":{"role":"assistant","content":""}}]}"#;
+        let last = br#"data: {"choices":[{"delta":{},"finish_reason":"stop"}]}"#;
+        let spaced = br#"data: {"choices": [{"text": "", "finish_reason": "length"}]}"#;
+        for textless in [&role[..], last, spaced, b"data: [DONE]", b"data:"] {
+            count.observe(&[textless, b"\n\n"].concat(), true);
+        }
+        assert_eq!(
+            count.completion_tokens(),
+            3,
+            "events without text are no tokens"
+        );
+        assert_eq!(count.prompt_tokens(), None);
+        let usage = b"data: {\"usage\":{\"prompt_tokens\":9,\"completion_tokens\": 7}}\n\n";
+        count.observe(usage, true);
+        count.observe(b"data: [DONE]\n\n", true);
+        assert_eq!(
+            (count.completion_tokens(), count.prompt_tokens()),
+            (7, Some(9))
+        );
+    }
+
+    #[test]
+    fn bodies_count_their_usage_even_when_split() {
+        let mut count = TokenCount::default();
+        count.observe(b"{\"choices\":[],\"usage\":{\"completion_tok", false);
+        assert_eq!(count.completion_tokens(), 0);
+        count.observe(b"ens\":1", false);
+        count.observe(b"23,\"prompt_tokens\":4}}", false);
+        assert_eq!(
+            (count.completion_tokens(), count.prompt_tokens()),
+            (123, Some(4))
+        );
+        assert!(count.tail.len() <= TAIL_BYTES);
+        assert_eq!(
+            last_number(b"\"completion_tokens\":x", COMPLETION_FIELD),
+            None
+        );
+    }
+}
