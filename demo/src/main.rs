@@ -207,7 +207,7 @@ async fn start_agent(
         &format!("tcp://{events}"),
     );
     config.kv_events_replay_endpoint = engine.kv_replay_addr().map(|a| format!("tcp://{a}"));
-    config.block_size = sim.block_size;
+    config.block_size = Some(sim.block_size);
     config.total_blocks = sim.num_gpu_blocks as u64;
     config.drain = AGENT_DRAIN;
     let registry: Arc<dyn Registry> = Arc::clone(registry) as Arc<dyn Registry>;

@@ -97,7 +97,19 @@ pub fn start_agent(
     lease_ttl: Duration,
     drain: Duration,
 ) -> anyhow::Result<Spawned> {
-    let args: Vec<String> = [
+    let mut args = agent_args(servers, engine, lease_ttl, drain);
+    args.extend(["--block-size".to_string(), BLOCK_SIZE.to_string()]);
+    Spawned::start("kvmesh-agent", &args, scratch.path())
+}
+
+/// The flags of a `kvmesh-agent` beside `engine` (no `--block-size`: the engine's).
+pub fn agent_args(
+    servers: &Servers,
+    engine: &Engine,
+    lease_ttl: Duration,
+    drain: Duration,
+) -> Vec<String> {
+    [
         "--engine-url",
         &engine.url,
         "--model",
@@ -106,8 +118,6 @@ pub fn start_agent(
         &engine.events,
         "--kv-events-replay-endpoint",
         &engine.replay,
-        "--block-size",
-        &BLOCK_SIZE.to_string(),
         "--etcd",
         &servers.etcd.url(),
         "--nats",
@@ -123,8 +133,7 @@ pub fn start_agent(
     ]
     .iter()
     .map(|s| s.to_string())
-    .collect();
-    Spawned::start("kvmesh-agent", &args, scratch.path())
+    .collect()
 }
 
 /// A proxy config serving [`MODEL`] with `policy: kv` from etcd's instances and NATS's

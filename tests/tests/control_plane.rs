@@ -12,6 +12,8 @@
 //! - etcd restarted: the proxy keeps serving with the last known instances, then watches again;
 //! - a session bound by one replica (`x-session-id`) is followed by the other, even where
 //!   another engine caches the request's prompt;
+//! - an agent takes its block size and KV capacity from the engine (and refuses a
+//!   `--block-size` that differs), and the proxy measures the instance's load by it;
 //! - a LoRA adapter's requests go only to the engines serving it (from their agents'
 //!   records, also for an adapter loaded at run time), to the one caching its blocks.
 //!
@@ -26,8 +28,8 @@ use kvmesh_control::{EventBus, NatsBus};
 use kvmesh_e2e::cluster::{MODEL, start_proxy};
 use kvmesh_e2e::control_plane::{
     BLOCK_SIZE, Engine, Servers, await_metric, control_proxy_config, metric, metric_total,
-    model_prompt, prompt_tokens, start_agent, start_event_engines, start_event_engines_with,
-    token_prompt,
+    agent_args, model_prompt, prompt_tokens, start_agent, start_event_engines,
+    start_event_engines_with, token_prompt,
 };
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
 use tokio::sync::Mutex;
@@ -978,5 +980,45 @@ async fn lora_requests_go_where_the_adapter_and_its_blocks_are() -> anyhow::Resu
     assert_eq!(status, 404, "{body}");
     assert_eq!(body["error"]["code"], "model_not_found", "{body}");
     assert_no_panic(&proxy);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_takes_the_engines_block_size_and_kv_capacity() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-capacity")?;
+    let servers = Servers::start(&scratch).await?;
+    let (_sim, engines) = start_event_engines_with(&scratch, 1, &["--num-gpu-blocks", "2048"])?;
+    let engine = &engines[0];
+    // A --block-size the engine does not use is refused at start, naming both.
+    let mut wrong = agent_args(&servers, engine, LONG_TTL, DRAIN);
+    wrong.extend(["--block-size".to_string(), "32".to_string()]);
+    let refused = Spawned::start("kvmesh-agent", &wrong, scratch.path())
+        .err()
+        .map(|error| format!("{error:#}"))
+        .unwrap_or_default();
+    assert!(
+        refused.contains("--block-size 32 differs from the engine's KV block size 16"),
+        "{refused}"
+    );
+    // Without the flags the agent reads both from the engine's vllm:cache_config_info.
+    let agent = Spawned::start(
+        "kvmesh-agent",
+        &agent_args(&servers, engine, LONG_TTL, DRAIN),
+        scratch.path(),
+    )?;
+    let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    await_metric(&client, &metrics, &instances_series(), |v| v == 1.0, CONVERGE).await?;
+    await_explained(&client, &proxy, &token_prompt(&prompt_tokens(5, 2), 1), None, |explained| {
+        explained_instance(explained, &engine.url)["kv_capacity_blocks"] == 2048
+    })
+    .await?;
+    // The engine's blocks are 16 tokens: its events translate (the proxy's index grows).
+    complete_on(&client, engine, &prompt_tokens(6, 4)).await?;
+    let series = index_blocks_series(&engine.url);
+    await_metric(&client, &metrics, &series, |v| v >= 4.0, CONVERGE).await?;
+    assert_no_panic(&agent);
     Ok(())
 }

@@ -1,7 +1,7 @@
-//! The LoRA adapters the engine serves, read from its `GET /v1/models` at start and at every
-//! health interval (vLLM loads and unloads adapters at run time): the list goes into the
-//! instance record, so the proxy sends a request naming an adapter only to instances that
-//! serve it.
+//! The LoRA adapters the engine serves, read from its `GET /v1/models` (at start and at every
+//! health interval, [`crate::engine_facts`]: vLLM loads and unloads adapters at run time):
+//! the list goes into the instance record, so the proxy sends a request naming an adapter
+//! only to instances that serve it.
 //!
 //! vLLM and SGLang list an adapter as a model whose `parent` is the base model; the base
 //! model's own entry has no `parent` (null). A page that cannot be read or parsed changes
@@ -10,10 +10,8 @@
 use std::time::Duration;
 
 use serde::Deserialize;
-use tokio::sync::watch;
 
 use crate::http_client::EngineClient;
-use crate::metrics::AgentMetrics;
 
 #[derive(Deserialize)]
 struct ModelList {
@@ -48,35 +46,6 @@ pub(crate) async fn fetch(engine: &EngineClient, timeout: Duration) -> Option<Ve
     match engine.get("/v1/models", timeout).await {
         Ok((status, body)) if status.is_success() => parse(&body),
         _ => None,
-    }
-}
-
-/// Reads the adapters every `interval` until aborted, publishing each change on `adapters`.
-pub(crate) async fn run(
-    engine: EngineClient,
-    interval: Duration,
-    adapters: watch::Sender<Vec<String>>,
-    metrics: AgentMetrics,
-) {
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let timeout = interval.max(Duration::from_millis(500));
-    loop {
-        tick.tick().await;
-        let Some(now) = fetch(&engine, timeout).await else {
-            continue;
-        };
-        metrics
-            .adapters
-            .set(i64::try_from(now.len()).unwrap_or(i64::MAX));
-        adapters.send_if_modified(|known| {
-            if *known == now {
-                return false;
-            }
-            tracing::info!(adapters = ?now, "the engine's LoRA adapters changed");
-            *known = now;
-            true
-        });
     }
 }
 

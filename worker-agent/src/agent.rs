@@ -9,10 +9,10 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
-use crate::adapters;
 use crate::config::AgentConfig;
 use crate::core::Core;
 use crate::endpoint::rank_endpoint;
+use crate::engine_facts::{EngineFacts, FactSource};
 use crate::engine::intake::Intake;
 use crate::error::AgentError;
 use crate::health;
@@ -106,7 +106,7 @@ fn validate(config: &AgentConfig) -> Result<(), AgentError> {
     if config.model.is_empty() {
         return bad("model must not be empty".into());
     }
-    if config.block_size == 0 {
+    if config.block_size == Some(0) {
         return bad("block size must be at least 1".into());
     }
     if config.dp_ranks == 0 {
@@ -126,6 +126,22 @@ fn validate(config: &AgentConfig) -> Result<(), AgentError> {
     }
     Ok(())
 }
+
+/// The block size to translate with: `flag` (`--block-size`), which must equal what the
+/// `engine` states; else the engine's; else 16.
+fn block_size(flag: Option<usize>, engine: Option<usize>) -> Result<usize, AgentError> {
+    match (flag, engine) {
+        (Some(flag), Some(engine)) if flag != engine => Err(AgentError::Config(format!(
+            "--block-size {flag} differs from the engine's KV block size {engine}: block hashes \
+             would never match; drop the flag or set it to {engine}"
+        ))),
+        (Some(size), _) | (None, Some(size)) => Ok(size),
+        (None, None) => Ok(DEFAULT_BLOCK_SIZE),
+    }
+}
+
+/// Tokens per block when neither the flag nor the engine says (vLLM's default).
+const DEFAULT_BLOCK_SIZE: usize = 16;
 
 /// Starts an agent on `registry` and `bus` (etcd + NATS, or the in-process ones). Returns once
 /// its listener is bound, every rank's engine socket is subscribed and the instance is
@@ -153,12 +169,25 @@ pub async fn start(
     let id = config.instance_id;
     let mut tasks = Vec::new();
 
+    // What the engine states about itself: its adapters and KV cache shape.
+    let engine = EngineClient::new(&config.engine_url);
+    let facts = FactSource {
+        engine: engine.clone(),
+        kind: config.engine_kind,
+        total_blocks_flag: config.total_blocks,
+        metrics: metrics.clone(),
+    };
+    let (known, cache) = facts
+        .read(&EngineFacts::default(), Duration::from_secs(1))
+        .await;
+    let block_size = block_size(config.block_size, cache.and_then(|c| c.block_size))?;
+
     let (out_tx, out_rx) = mpsc::channel(PUBLISH_QUEUE);
     let core = Arc::new(
         Core::new(
             id,
             config.dp_ranks,
-            config.block_size,
+            block_size,
             out_tx,
             metrics.clone(),
         )
@@ -217,7 +246,6 @@ pub async fn start(
         }
     }
 
-    let engine = EngineClient::new(&config.engine_url);
     let healthy = health::probe(&engine, Duration::from_secs(1)).await;
     metrics.engine_healthy.set(i64::from(healthy));
     let initial = if healthy {
@@ -225,13 +253,7 @@ pub async fn start(
     } else {
         InstanceState::NotReady
     };
-    let served_adapters = adapters::fetch(&engine, Duration::from_secs(1))
-        .await
-        .unwrap_or_default();
-    metrics
-        .adapters
-        .set(i64::try_from(served_adapters.len()).unwrap_or(i64::MAX));
-    let (adapters_tx, adapters_rx) = watch::channel(served_adapters);
+    let (facts_tx, facts_rx) = watch::channel(known);
     let (desired, desired_rx) = watch::channel(initial);
     let (written_tx, written) = watch::channel(None);
     let (stop_registration, stop_rx) = watch::channel(false);
@@ -243,9 +265,9 @@ pub async fn start(
             .clone()
             .unwrap_or_else(|| config.engine_url.clone()),
         protocol: "http1".to_owned(),
-        block_size: u32::try_from(config.block_size)
+        block_size: u32::try_from(block_size)
             .map_err(|_| AgentError::Config("block size too large".into()))?,
-        total_blocks: config.total_blocks,
+        total_blocks: 0,
         dp_ranks: config.dp_ranks,
         labels: config.labels.clone(),
         adapters: Vec::new(),
@@ -257,7 +279,7 @@ pub async fn start(
         registry,
         key: ns.instance_key(&config.model, id),
         record,
-        adapters: adapters_rx,
+        facts: facts_rx,
         ttl: config.lease_ttl,
         metrics: metrics.clone(),
     };
@@ -268,11 +290,10 @@ pub async fn start(
         desired.clone(),
         metrics.clone(),
     )));
-    tasks.push(tokio::spawn(adapters::run(
-        engine.clone(),
+    tasks.push(tokio::spawn(facts.run(
         config.health_interval,
-        adapters_tx,
-        metrics.clone(),
+        block_size,
+        facts_tx,
     )));
     let status = Arc::new(Status {
         instance_id: id,

@@ -83,10 +83,11 @@ pub struct Cli {
     /// Engine kind.
     #[arg(long, env = "KVMESH_AGENT_ENGINE_KIND", value_enum, default_value_t = EngineKind::Vllm)]
     pub engine_kind: EngineKind,
-    /// Tokens per KV block (must equal the engine's).
-    #[arg(long, env = "KVMESH_AGENT_BLOCK_SIZE", default_value_t = 16)]
-    pub block_size: usize,
-    /// KV cache capacity in blocks (0: unknown).
+    /// Tokens per KV block; must equal the engine's (default: the engine's, read from its
+    /// `vllm:cache_config_info` or SGLang server info, else 16).
+    #[arg(long, env = "KVMESH_AGENT_BLOCK_SIZE")]
+    pub block_size: Option<usize>,
+    /// KV cache capacity in blocks (0: the engine's, read as the block size is, else unknown).
     #[arg(long, env = "KVMESH_AGENT_TOTAL_BLOCKS", default_value_t = 0)]
     pub total_blocks: u64,
     /// Data-parallel ranks.
@@ -200,7 +201,7 @@ mod tests {
         let c = cli.config();
         assert_eq!(c.model, "org/m");
         assert_eq!(c.engine_kind, EngineKind::Sglang);
-        assert_eq!((c.dp_ranks, c.block_size), (2, 16));
+        assert_eq!((c.dp_ranks, c.block_size), (2, None), "the engine's, once it says");
         assert_eq!(c.instance_id, InstanceId(0xc0ffee));
         assert_eq!(c.lease_ttl, Duration::from_secs(10));
         assert_eq!(c.load_interval, Duration::from_millis(250));

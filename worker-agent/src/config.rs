@@ -35,9 +35,10 @@ pub struct AgentConfig {
     pub kv_events_topic: String,
     /// vLLM or SGLang.
     pub engine_kind: EngineKind,
-    /// Tokens per KV block (must equal the engine's).
-    pub block_size: usize,
-    /// KV cache capacity in blocks (0: unknown).
+    /// Tokens per KV block; must equal the engine's (`None`: the engine's, as it states it,
+    /// else 16).
+    pub block_size: Option<usize>,
+    /// KV cache capacity in blocks (0: the engine's, as it states it, else unknown).
     pub total_blocks: u64,
     /// Data-parallel ranks (one event socket each).
     pub dp_ranks: u32,
@@ -73,7 +74,7 @@ impl AgentConfig {
             kv_events_replay_endpoint: None,
             kv_events_topic: String::new(),
             engine_kind: EngineKind::Vllm,
-            block_size: 16,
+            block_size: None,
             total_blocks: 0,
             dp_ranks: 1,
             labels: BTreeMap::new(),

@@ -23,11 +23,13 @@
 
 mod adapters;
 mod agent;
+mod cache_config;
 pub mod cli;
 mod config;
 mod core;
 mod endpoint;
 pub mod engine;
+mod engine_facts;
 mod error;
 mod health;
 mod http_client;

@@ -45,6 +45,41 @@ fn parse_value(v: &str) -> Option<f64> {
     }
 }
 
+/// The labels of metric `name`'s first sample (`name="value"` pairs, escapes undone);
+/// `None` when it has no sample with labels.
+pub fn labels(text: &str, name: &str) -> Option<Vec<(String, String)>> {
+    text.lines().find_map(|line| {
+        let set = line.trim_start().strip_prefix(name)?.strip_prefix('{')?;
+        parse_labels(&set[..label_end(set)?])
+    })
+}
+
+/// `a="x",b="y"` as pairs.
+fn parse_labels(mut set: &str) -> Option<Vec<(String, String)>> {
+    let mut pairs = Vec::new();
+    loop {
+        set = set.trim_start_matches([',', ' ']);
+        if set.is_empty() {
+            return Some(pairs);
+        }
+        let (name, rest) = set.split_once('=')?;
+        let mut chars = rest.strip_prefix('"')?.char_indices();
+        let mut value = String::new();
+        let end = loop {
+            match chars.next()? {
+                (_, '\\') => match chars.next()?.1 {
+                    'n' => value.push('\n'),
+                    other => value.push(other),
+                },
+                (i, '"') => break i,
+                (_, c) => value.push(c),
+            }
+        };
+        pairs.push((name.trim().to_owned(), value));
+        set = &rest[end + 2..];
+    }
+}
+
 /// The sum of metric `name`'s samples; `None` when absent.
 pub fn sum(text: &str, name: &str) -> Option<f64> {
     let s = samples(text, name);
@@ -78,5 +113,22 @@ mod tests {
         assert_eq!(sum(TEXT, "vllm:gpu_cache_usage_perc"), None);
         assert_eq!(samples("x{a=\"\\\"}\"} 7\nx NaN\n", "x").len(), 2);
         assert!(samples("x{broken 1\n", "x").is_empty());
+    }
+
+    #[test]
+    fn labels_of_the_first_sample() {
+        let text = "# TYPE vllm:cache_config_info gauge\n\
+            vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"2048\",x=\"a\\\"b,c\"} 1.0\n";
+        let labels = labels(text, "vllm:cache_config_info").expect("labels");
+        assert_eq!(
+            labels,
+            [
+                ("block_size".to_owned(), "16".to_owned()),
+                ("num_gpu_blocks".to_owned(), "2048".to_owned()),
+                ("x".to_owned(), "a\"b,c".to_owned()),
+            ]
+        );
+        assert_eq!(super::labels(text, "vllm:other"), None);
+        assert_eq!(super::labels("m{a=\"unterminated} 1\n", "m"), None);
     }
 }

@@ -1,5 +1,5 @@
 //! Registration in the registry: the instance record under a lease kept alive at a third of
-//! its TTL, rewritten when the state or the engine's adapters change, and written again under a new lease when the old
+//! its TTL, rewritten when the state or the engine's facts (adapters, KV capacity) change, and written again under a new lease when the old
 //! one is lost (etcd restarted without its data, or unreachable longer than the TTL).
 
 use std::sync::Arc;
@@ -8,6 +8,7 @@ use std::time::Duration;
 use kvmesh_control::{ControlError, InstanceRecord, InstanceState, LeaseId, Registry};
 use tokio::sync::watch;
 
+use crate::engine_facts::EngineFacts;
 use crate::metrics::AgentMetrics;
 
 /// Retry pause after a failed registration attempt.
@@ -19,10 +20,11 @@ pub(crate) struct Registration {
     pub registry: Arc<dyn Registry>,
     /// The record's key.
     pub key: String,
-    /// The record (its `state` and `adapters` are replaced by the current ones).
+    /// The record (its `state`, `adapters` and `total_blocks` are replaced by the current
+    /// ones).
     pub record: InstanceRecord,
-    /// The engine's LoRA adapters, as last read.
-    pub adapters: watch::Receiver<Vec<String>>,
+    /// The engine's facts, as last read.
+    pub facts: watch::Receiver<EngineFacts>,
     /// Lease TTL.
     pub ttl: Duration,
     /// Counters.
@@ -33,7 +35,11 @@ impl Registration {
     async fn put(&self, state: InstanceState, lease: LeaseId) -> Result<(), ControlError> {
         let mut record = self.record.clone();
         record.state = state;
-        record.adapters.clone_from(&self.adapters.borrow());
+        {
+            let facts = self.facts.borrow();
+            record.adapters.clone_from(&facts.adapters);
+            record.total_blocks = facts.total_blocks;
+        }
         self.registry.put(&self.key, &record, Some(lease)).await
     }
 
@@ -61,7 +67,7 @@ impl Registration {
                 }
             };
             let mut state = *desired.borrow_and_update();
-            self.adapters.mark_unchanged();
+            self.facts.mark_unchanged();
             if let Err(e) = self.put(state, lease).await {
                 tracing::warn!(error = %e, "cannot register the instance; retrying");
                 tokio::select! {
@@ -91,8 +97,8 @@ impl Registration {
                         state = *desired.borrow_and_update();
                         dirty = true;
                     }
-                    Ok(()) = self.adapters.changed() => {
-                        self.adapters.mark_unchanged();
+                    Ok(()) = self.facts.changed() => {
+                        self.facts.mark_unchanged();
                         dirty = true;
                     }
                     _ = stop.changed() => {

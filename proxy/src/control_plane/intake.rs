@@ -63,8 +63,6 @@ pub(crate) enum IntakeInput {
         pool: Arc<ModelPool>,
         /// Where its agent answers resync requests.
         snapshot_subject: String,
-        /// Its KV capacity in blocks (0: unknown).
-        total_blocks: u64,
     },
     /// Instance `id` left.
     Left {
@@ -261,7 +259,6 @@ struct Member {
     feed: Arc<EventFeed>,
     pool: Arc<ModelPool>,
     snapshot_subject: String,
-    total_blocks: u64,
 }
 
 /// A model whose index the intake feeds.
@@ -553,7 +550,6 @@ impl Actor {
                 id,
                 report.waiting,
                 report.kv_usage,
-                member.total_blocks,
                 age,
                 self.settings.load_report_ttl,
             );
@@ -570,13 +566,12 @@ impl Actor {
                 id,
                 pool,
                 snapshot_subject,
-                total_blocks,
-            } => self.join(id, pool, snapshot_subject, total_blocks),
+            } => self.join(id, pool, snapshot_subject),
             IntakeInput::Left { id } => self.leave(id),
         }
     }
 
-    fn join(&mut self, id: u64, pool: Arc<ModelPool>, snapshot_subject: String, total_blocks: u64) {
+    fn join(&mut self, id: u64, pool: Arc<ModelPool>, snapshot_subject: String) {
         let Some(router) = pool.balancer().kv_router() else {
             return;
         };
@@ -619,7 +614,6 @@ impl Actor {
                 feed,
                 pool,
                 snapshot_subject,
-                total_blocks,
             },
         );
         self.tracker.forget(id);

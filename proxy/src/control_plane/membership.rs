@@ -6,7 +6,7 @@
 //!   pool, routable only in state `ready`. A changed URL or protocol replaces the instance;
 //!   a changed state only flips its routability (`not_ready` and `draining` take no new
 //!   requests, in-flight ones finish); changed `adapters` change which LoRA adapters'
-//!   requests it takes.
+//!   requests it takes, a changed `total_blocks` the KV capacity its load is measured by.
 //! - **Delete** (lease expired, agent deregistered): the instance leaves; in-flight
 //!   requests finish on it, its load and cached blocks are dropped. A discovered model with no
 //!   instance left leaves the registry (`GET /v1/models`), a configured one stays (503).
@@ -143,6 +143,9 @@ impl MembershipApplier {
                     }
                     instance.set_membership(membership);
                 }
+                if let Some(router) = pool.balancer().kv_router() {
+                    router.set_capacity(spec.id, record.total_blocks);
+                }
                 if known.adapters != spec.adapters {
                     tracing::info!(model = %known.model, instance = %spec.url, adapters = ?spec.adapters, "instance adapters changed");
                     pool.set_adapters(spec.id, spec.adapters.clone());
@@ -172,6 +175,9 @@ impl MembershipApplier {
         instance.set_membership(membership);
         pool.add_instance(Arc::clone(&instance));
         pool.set_adapters(spec.id, spec.adapters.clone());
+        if let Some(router) = pool.balancer().kv_router() {
+            router.set_capacity(spec.id, record.total_blocks);
+        }
         if let Some(spawner) = &mut self.spawner
             && let Some(health) = &spawner.health_check
         {
@@ -205,7 +211,6 @@ impl MembershipApplier {
                 id: spec.id,
                 pool: Arc::clone(&pool),
                 snapshot_subject,
-                total_blocks: record.total_blocks,
             });
         }
     }

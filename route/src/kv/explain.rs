@@ -73,6 +73,9 @@ pub struct InstanceExplanation {
     pub(crate) active_blocks: u64,
     /// Requests booked now.
     pub(crate) active_requests: usize,
+    /// The KV cache capacity its load is measured by: its engine's (from the instance
+    /// record), else `kv.total_kv_blocks` (0: unknown).
+    pub(crate) kv_capacity_blocks: u64,
     /// Requests in flight now (the tie-break).
     pub(crate) in_flight: u64,
     /// Prefill tokens with this request.

@@ -58,6 +58,8 @@ pub(crate) struct LoadSnapshot {
     pub(crate) foreign_waiting: u64,
     /// How much slower than profiled the instance proved to be.
     pub(crate) speed: f64,
+    /// Its KV cache capacity in blocks, as its engine reported it (0: unknown).
+    pub(crate) capacity: u64,
 }
 
 impl Default for LoadSnapshot {
@@ -71,6 +73,7 @@ impl Default for LoadSnapshot {
             foreign_blocks: 0,
             foreign_waiting: 0,
             speed: 1.0,
+            capacity: 0,
         }
     }
 }
@@ -147,6 +150,8 @@ struct InstanceLoad {
     /// Recent releases: when, and how many blocks each freed.
     released: VecDeque<(Instant, u64)>,
     speed: LearnedSpeed,
+    /// KV cache capacity in blocks (0: unknown).
+    capacity: u64,
 }
 
 impl InstanceLoad {
@@ -296,6 +301,20 @@ impl ActiveLoads {
             speed: load
                 .speed
                 .shrunk_toward(f64::from_bits(self.fleet_ln_factor.load(Ordering::Relaxed))),
+            capacity: load.capacity,
+        }
+    }
+
+    /// Instance `instance`'s KV cache capacity in blocks (0: unknown).
+    pub(crate) fn capacity(&self, instance: u64) -> u64 {
+        self.cell(instance)
+            .map_or(0, |cell| Self::lock(&cell).capacity)
+    }
+
+    /// Instance `instance`'s KV cache holds `blocks` blocks (0: unknown).
+    pub(crate) fn set_capacity(&self, instance: u64, blocks: u64) {
+        if let Some(cell) = self.cell(instance) {
+            Self::lock(&cell).capacity = blocks;
         }
     }
 

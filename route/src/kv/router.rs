@@ -134,6 +134,22 @@ impl KvRouter {
         self.loads.add(instance);
     }
 
+    /// Instance `instance`'s engine holds `total_blocks` KV blocks (0: unknown, then
+    /// `kv.total_kv_blocks`): its busy threshold and its decode cost are measured against it.
+    pub fn set_capacity(&self, instance: u64, total_blocks: u64) {
+        self.loads.set_capacity(instance, total_blocks);
+        self.admission.wake();
+    }
+
+    /// The KV capacity to measure an instance by: its engine's (`reported`, 0: unknown),
+    /// else `kv.total_kv_blocks`, else 0.
+    fn capacity(&self, reported: u64) -> u64 {
+        Some(reported)
+            .filter(|&total| total > 0)
+            .or(self.total_kv_blocks)
+            .unwrap_or(0)
+    }
+
     /// Forgets instance `instance` (it left the pool): its load and its cached blocks. Its
     /// in-flight requests finish; their late releases are no-ops.
     pub fn remove_instance(&self, instance: u64) {
@@ -212,21 +228,17 @@ impl KvRouter {
     }
 
     /// Records instance `instance`'s load report, scraped `age` before now: `waiting` queued
-    /// requests and `kv_usage` (0 to 1) of `total_blocks` KV blocks in use (0: unknown, then
-    /// `kv.total_kv_blocks`), counting for `ttl`.
+    /// requests and `kv_usage` (0 to 1) of its KV capacity in use ([`Self::set_capacity`]),
+    /// counting for `ttl`.
     pub fn report_load(
         &self,
         instance: u64,
         waiting: u64,
         kv_usage: f64,
-        total_blocks: u64,
         age: Duration,
         ttl: Duration,
     ) {
-        let total = Some(total_blocks)
-            .filter(|&total| total > 0)
-            .or(self.total_kv_blocks)
-            .unwrap_or(0);
+        let total = self.capacity(self.loads.capacity(instance));
         let usage = if kv_usage.is_finite() {
             kv_usage.clamp(0.0, 1.0)
         } else {
@@ -349,14 +361,16 @@ impl KvRouter {
                 active_blocks: load.blocks,
                 active_prefix_blocks: load.prefix_blocks,
                 requests: load.requests as u64,
-                total_blocks: self.total_kv_blocks.unwrap_or(0),
+                total_blocks: self.capacity(load.capacity),
                 speed: load.speed,
                 credit: self.cost.credit(load.prefill_tokens, least_backlog),
             },
         );
         Evaluated {
             eligible,
-            busy: self.busy.is_busy(load.blocks, load.prefill_tokens),
+            busy: self
+                .busy
+                .is_busy(load.blocks, load.prefill_tokens, load.capacity),
             overlap_blocks: overlap_blocks.min(request.shape.full_blocks),
             load,
             cost,
@@ -444,7 +458,10 @@ impl KvRouter {
             }
             any_available = true;
             let load = self.folded(instance.id(), self.loads.snapshot(instance.id(), &[]));
-            if !self.busy.is_busy(load.blocks, load.prefill_tokens) {
+            if !self
+                .busy
+                .is_busy(load.blocks, load.prefill_tokens, load.capacity)
+            {
                 return true;
             }
         }
@@ -600,6 +617,7 @@ impl KvRouter {
                     active_prefill_tokens: e.load.prefill_tokens,
                     active_blocks: e.load.blocks,
                     active_requests: e.load.requests,
+                    kv_capacity_blocks: self.capacity(e.load.capacity),
                     in_flight: e.in_flight,
                     prefill_tokens: e.cost.prefill_tokens,
                     decode_blocks: e.cost.decode_blocks,

@@ -475,7 +475,7 @@ fn engine_reports_raise_the_load_of_their_instance() {
     };
     let (router, instances) = router_with(config, 2);
     let fresh = request(&router, &conversation(3, 16));
-    router.report_load(0, 0, 0.5, 0, Duration::ZERO, Duration::from_secs(60));
+    router.report_load(0, 0, 0.5, Duration::ZERO, Duration::from_secs(60));
     for seed in 0..10 {
         assert_eq!(
             picked(choose(&router, &instances, &fresh, seed)).instance_id,
@@ -483,8 +483,8 @@ fn engine_reports_raise_the_load_of_their_instance() {
             "50 blocks in use on instance 0"
         );
     }
-    router.report_load(0, 0, 0.0, 0, Duration::ZERO, Duration::from_secs(60));
-    router.report_load(1, 3, 0.0, 0, Duration::ZERO, Duration::from_secs(60));
+    router.report_load(0, 0, 0.0, Duration::ZERO, Duration::from_secs(60));
+    router.report_load(1, 3, 0.0, Duration::ZERO, Duration::from_secs(60));
     let decision = picked(choose(&router, &instances, &fresh, 0));
     assert_eq!(decision.instance_id, 0, "3 requests queued on instance 1");
     let explanation = router.explain(&instances, &fresh, 0, &mut StdRng::seed_from_u64(0));
@@ -492,7 +492,8 @@ fn engine_reports_raise_the_load_of_their_instance() {
         explanation.instances[1].active_prefill_tokens,
         3 * BLOCK as u64
     );
-    router.report_load(1, 0, 0.9, 1000, Duration::ZERO, Duration::ZERO);
+    router.set_capacity(1, 1000);
+    router.report_load(1, 0, 0.9, Duration::ZERO, Duration::ZERO);
     assert_eq!(
         router
             .explain(&instances, &fresh, 0, &mut StdRng::seed_from_u64(0))
@@ -501,6 +502,32 @@ fn engine_reports_raise_the_load_of_their_instance() {
         0,
         "expired at once"
     );
+}
+
+#[test]
+fn an_engines_reported_capacity_sets_its_busy_threshold() {
+    let config = KvRoutingConfig {
+        total_kv_blocks: Some(100),
+        busy_decode_blocks_fraction: Some(0.5),
+        ..config()
+    };
+    let (router, instances) = router_with(config, 2);
+    let fresh = request(&router, &conversation(3, 16));
+    router.set_capacity(0, 1000);
+    for instance in [0, 1] {
+        router.report_load(instance, 0, 0.3, Duration::ZERO, Duration::from_secs(60));
+    }
+    let explanation = router.explain(&instances, &fresh, 0, &mut StdRng::seed_from_u64(0));
+    let (big, small) = (&explanation.instances[0], &explanation.instances[1]);
+    assert_eq!((big.active_blocks, big.busy), (300, false), "300 of 1,000 blocks");
+    assert_eq!((small.active_blocks, small.busy), (30, false), "30 of the default 100");
+    router.report_load(1, 0, 0.6, Duration::ZERO, Duration::from_secs(60));
+    let explanation = router.explain(&instances, &fresh, 0, &mut StdRng::seed_from_u64(0));
+    assert!(explanation.instances[1].busy, "60 of 100 blocks, over half");
+    assert_eq!(picked(choose(&router, &instances, &fresh, 0)).instance_id, 0);
+    router.set_capacity(0, 0);
+    let explanation = router.explain(&instances, &fresh, 0, &mut StdRng::seed_from_u64(0));
+    assert!(explanation.instances[0].busy, "unknown again: 300 blocks of the default 100");
 }
 
 #[test]
