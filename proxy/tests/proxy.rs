@@ -476,14 +476,11 @@ async fn ejects_an_engine_that_keeps_failing() {
     for _ in 0..10 {
         statuses.push(chat(proxy.main, r#"{"model":"m"}"#).await.status.as_u16());
     }
-    // Round robin alternates until the failing engine's second 5xx ejects it.
-    assert_eq!(
-        statuses.iter().filter(|&&s| s == 500).count(),
-        2,
-        "{statuses:?}"
-    );
+    // Round robin alternates until the failing engine's second 5xx ejects it; each of its
+    // 500s is retried on the good engine, so no client sees one.
+    assert_eq!(statuses, [200; 10], "{statuses:?}");
     assert_eq!(failing.requests().len(), 2);
-    assert_eq!(good.requests().len(), 8);
+    assert_eq!(good.requests().len(), 10);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -891,3 +891,66 @@ async fn tls_when_a_data_listener_has_it() {
         assert!(client.server_live(ServerLiveRequest {}).await.is_err());
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_on_a_killed_engine_continue_on_another() {
+    const REQUESTS: usize = 6;
+    const MAX_TOKENS: i64 = 300;
+    let scratch = ScratchDir::new("grpc-migrate").expect("scratch dir");
+    // Real-time decode (~6 ms per token): each stream lasts about two seconds.
+    let mut victim = start_engines(&scratch, 1, &[]).expect("engine-sim");
+    let survivor = start_engines(&scratch, 1, &[]).expect("engine-sim");
+    let urls = [engine_urls(&victim), engine_urls(&survivor)].concat();
+    let config = proxy_config(&urls, "") + "grpc:\n  address: 127.0.0.1:0\n";
+    let proxy = start_proxy(&scratch, &config).expect("kvmesh-proxy");
+    let mut client = GrpcInferenceServiceClient::new(channel(proxy.addr("grpc")).await);
+    let (tx, mut responses) = open_stream(&mut client).await;
+    for i in 0..REQUESTS {
+        let request = text_request(&format!("r{i}"), &format!("tell story {i}"), MAX_TOKENS, true);
+        tx.send(request).await.unwrap();
+    }
+    drop(tx);
+
+    let mut pieces: HashMap<String, i64> = HashMap::new();
+    let mut finals: HashMap<String, ModelInferResponse> = HashMap::new();
+    let mut killed = false;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let next = tokio::time::timeout_at(deadline, responses.message())
+            .await
+            .expect("the streams end");
+        let Some(message) = next.expect("the call goes on") else {
+            break;
+        };
+        assert!(message.error_message.is_empty(), "{}", message.error_message);
+        let response = message.infer_response.expect("a response");
+        assert!(!finals.contains_key(&response.id), "a response after the last");
+        if !output(&response, "text_output").is_empty() {
+            *pieces.entry(response.id.clone()).or_default() += 1;
+        }
+        if is_final(&response) {
+            finals.insert(response.id.clone(), response);
+        }
+        // Every request is running once each has a piece: the victim dies under half.
+        if !killed && pieces.len() == REQUESTS {
+            victim.kill();
+            killed = true;
+        }
+    }
+    assert!(killed);
+    assert_eq!(finals.len(), REQUESTS);
+    for (id, last) in &finals {
+        assert_eq!(pieces[id], MAX_TOKENS, "request {id}: every token once");
+        assert_eq!(int_param(last, "completion_tokens"), Some(MAX_TOKENS), "{id}");
+        assert_eq!(output(last, "finish_reason"), "length", "{id}");
+    }
+    let metrics = HttpClient::http1()
+        .get(&format!("{}/metrics", proxy.url("admin")))
+        .await
+        .unwrap();
+    let migrations = kvmesh_e2e::control_plane::metric_total(
+        &String::from_utf8_lossy(&metrics.body),
+        "kvmesh_migrations_total",
+    );
+    assert_eq!(migrations, (REQUESTS / 2) as f64, "round robin put half on the victim");
+}
