@@ -27,8 +27,8 @@ use http::Method;
 use kvmesh_control::{EventBus, NatsBus};
 use kvmesh_e2e::cluster::{MODEL, start_proxy};
 use kvmesh_e2e::control_plane::{
-    BLOCK_SIZE, Engine, Servers, await_metric, control_proxy_config, metric, metric_total,
-    agent_args, model_prompt, prompt_tokens, start_agent, start_event_engines,
+    BLOCK_SIZE, Engine, Servers, agent_args, await_metric, control_proxy_config, metric,
+    metric_total, model_prompt, prompt_tokens, start_agent, start_event_engines,
     start_event_engines_with, token_prompt,
 };
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
@@ -1010,10 +1010,21 @@ async fn an_agent_takes_the_engines_block_size_and_kv_capacity() -> anyhow::Resu
     let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
     let client = HttpClient::default();
     let metrics = metrics_url(&proxy);
-    await_metric(&client, &metrics, &instances_series(), |v| v == 1.0, CONVERGE).await?;
-    await_explained(&client, &proxy, &token_prompt(&prompt_tokens(5, 2), 1), None, |explained| {
-        explained_instance(explained, &engine.url)["kv_capacity_blocks"] == 2048
-    })
+    await_metric(
+        &client,
+        &metrics,
+        &instances_series(),
+        |v| v == 1.0,
+        CONVERGE,
+    )
+    .await?;
+    await_explained(
+        &client,
+        &proxy,
+        &token_prompt(&prompt_tokens(5, 2), 1),
+        None,
+        |explained| explained_instance(explained, &engine.url)["kv_capacity_blocks"] == 2048,
+    )
     .await?;
     // The engine's blocks are 16 tokens: its events translate (the proxy's index grows).
     complete_on(&client, engine, &prompt_tokens(6, 4)).await?;

@@ -27,7 +27,12 @@ impl BusyThresholds {
 
     /// Whether an instance with these active loads is busy; `capacity`: its KV cache size
     /// in blocks as its engine reported it (0: unknown, then `kv.total_kv_blocks`).
-    pub(crate) fn is_busy(&self, active_blocks: u64, active_prefill_tokens: u64, capacity: u64) -> bool {
+    pub(crate) fn is_busy(
+        &self,
+        active_blocks: u64,
+        active_prefill_tokens: u64,
+        capacity: u64,
+    ) -> bool {
         let capacity = Some(capacity).filter(|&c| c > 0).or(self.default_capacity);
         let decode_limit = self
             .decode_fraction
@@ -72,7 +77,10 @@ mod tests {
             default_capacity: None,
             ..thresholds
         };
-        assert!(!no_default.is_busy(u64::MAX, 0, 0), "no capacity known: off");
+        assert!(
+            !no_default.is_busy(u64::MAX, 0, 0),
+            "no capacity known: off"
+        );
         assert!(no_default.is_busy(51, 0, 100));
     }
 

@@ -519,15 +519,29 @@ fn an_engines_reported_capacity_sets_its_busy_threshold() {
     }
     let explanation = router.explain(&instances, &fresh, 0, &mut StdRng::seed_from_u64(0));
     let (big, small) = (&explanation.instances[0], &explanation.instances[1]);
-    assert_eq!((big.active_blocks, big.busy), (300, false), "300 of 1,000 blocks");
-    assert_eq!((small.active_blocks, small.busy), (30, false), "30 of the default 100");
+    assert_eq!(
+        (big.active_blocks, big.busy),
+        (300, false),
+        "300 of 1,000 blocks"
+    );
+    assert_eq!(
+        (small.active_blocks, small.busy),
+        (30, false),
+        "30 of the default 100"
+    );
     router.report_load(1, 0, 0.6, Duration::ZERO, Duration::from_secs(60));
     let explanation = router.explain(&instances, &fresh, 0, &mut StdRng::seed_from_u64(0));
     assert!(explanation.instances[1].busy, "60 of 100 blocks, over half");
-    assert_eq!(picked(choose(&router, &instances, &fresh, 0)).instance_id, 0);
+    assert_eq!(
+        picked(choose(&router, &instances, &fresh, 0)).instance_id,
+        0
+    );
     router.set_capacity(0, 0);
     let explanation = router.explain(&instances, &fresh, 0, &mut StdRng::seed_from_u64(0));
-    assert!(explanation.instances[0].busy, "unknown again: 300 blocks of the default 100");
+    assert!(
+        explanation.instances[0].busy,
+        "unknown again: 300 blocks of the default 100"
+    );
 }
 
 #[test]
