@@ -906,7 +906,12 @@ async fn streams_on_a_killed_engine_continue_on_another() {
     let mut client = GrpcInferenceServiceClient::new(channel(proxy.addr("grpc")).await);
     let (tx, mut responses) = open_stream(&mut client).await;
     for i in 0..REQUESTS {
-        let request = text_request(&format!("r{i}"), &format!("tell story {i}"), MAX_TOKENS, true);
+        let request = text_request(
+            &format!("r{i}"),
+            &format!("tell story {i}"),
+            MAX_TOKENS,
+            true,
+        );
         tx.send(request).await.unwrap();
     }
     drop(tx);
@@ -922,9 +927,16 @@ async fn streams_on_a_killed_engine_continue_on_another() {
         let Some(message) = next.expect("the call goes on") else {
             break;
         };
-        assert!(message.error_message.is_empty(), "{}", message.error_message);
+        assert!(
+            message.error_message.is_empty(),
+            "{}",
+            message.error_message
+        );
         let response = message.infer_response.expect("a response");
-        assert!(!finals.contains_key(&response.id), "a response after the last");
+        assert!(
+            !finals.contains_key(&response.id),
+            "a response after the last"
+        );
         if !output(&response, "text_output").is_empty() {
             *pieces.entry(response.id.clone()).or_default() += 1;
         }
@@ -941,7 +953,11 @@ async fn streams_on_a_killed_engine_continue_on_another() {
     assert_eq!(finals.len(), REQUESTS);
     for (id, last) in &finals {
         assert_eq!(pieces[id], MAX_TOKENS, "request {id}: every token once");
-        assert_eq!(int_param(last, "completion_tokens"), Some(MAX_TOKENS), "{id}");
+        assert_eq!(
+            int_param(last, "completion_tokens"),
+            Some(MAX_TOKENS),
+            "{id}"
+        );
         assert_eq!(output(last, "finish_reason"), "length", "{id}");
     }
     let metrics = HttpClient::http1()
@@ -952,5 +968,9 @@ async fn streams_on_a_killed_engine_continue_on_another() {
         &String::from_utf8_lossy(&metrics.body),
         "kvmesh_migrations_total",
     );
-    assert_eq!(migrations, (REQUESTS / 2) as f64, "round robin put half on the victim");
+    assert_eq!(
+        migrations,
+        (REQUESTS / 2) as f64,
+        "round robin put half on the victim"
+    );
 }

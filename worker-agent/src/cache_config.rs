@@ -57,15 +57,17 @@ pub(crate) async fn fetch(
     kind: EngineKind,
     timeout: Duration,
 ) -> Option<CacheConfig> {
-    let (path, parse): (&str, fn(&[u8]) -> Option<CacheConfig>) = match kind {
-        EngineKind::Vllm => ("/metrics", |body| {
-            CacheConfig::from_vllm_metrics(std::str::from_utf8(body).ok()?)
-        }),
-        EngineKind::Sglang => ("/get_server_info", CacheConfig::from_sglang_info),
+    let path = match kind {
+        EngineKind::Vllm => "/metrics",
+        EngineKind::Sglang => "/get_server_info",
     };
-    match engine.get(path, timeout).await {
-        Ok((status, body)) if status.is_success() => parse(&body),
-        _ => None,
+    let body = match engine.get(path, timeout).await {
+        Ok((status, body)) if status.is_success() => body,
+        _ => return None,
+    };
+    match kind {
+        EngineKind::Vllm => CacheConfig::from_vllm_metrics(std::str::from_utf8(&body).ok()?),
+        EngineKind::Sglang => CacheConfig::from_sglang_info(&body),
     }
 }
 
@@ -90,7 +92,10 @@ mod tests {
             None,
             "not profiled yet"
         );
-        assert_eq!(CacheConfig::from_vllm_metrics("vllm:num_requests_running 1\n"), None);
+        assert_eq!(
+            CacheConfig::from_vllm_metrics("vllm:num_requests_running 1\n"),
+            None
+        );
     }
 
     #[test]
