@@ -14,10 +14,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout};
 
-use crate::body::{BadFraming, ChunkState, Decoded, Framing};
+use crate::body::{BadFraming, Decoded, Framing};
 use crate::fields::listed_in_connection;
-use crate::head::{Known, Parsed, ResponseHead, parse_decimal, parse_response};
+use crate::head::{Known, Parsed, ResponseHead, parse_response};
 use crate::lazy_timer::{Elapsed, LazyTimer};
+use crate::strict::{Violation, response_framing};
 
 /// Longest response head accepted from an engine.
 const MAX_RESPONSE_HEAD: usize = 64 * 1024;
@@ -92,6 +93,9 @@ pub enum RoundtripError {
     Connect(io::Error),
     /// The connection broke, or the engine sent something that is not HTTP/1.
     Broken(String),
+    /// The engine's response head frames its body ambiguously or in a way kvmesh does not
+    /// read ([`crate::strict`]); the connection is closed.
+    Malformed(Violation),
 }
 
 impl std::fmt::Display for RoundtripError {
@@ -99,6 +103,9 @@ impl std::fmt::Display for RoundtripError {
         match self {
             RoundtripError::Connect(error) => write!(f, "connect: {error}"),
             RoundtripError::Broken(detail) => f.write_str(detail),
+            RoundtripError::Malformed(violation) => {
+                write!(f, "malformed response head: {}", violation.describe())
+            }
         }
     }
 }
@@ -236,9 +243,7 @@ impl Roundtrip {
             if (100..200).contains(&head.status) {
                 continue;
             }
-            self.framing = framing(&head).map_err(|()| {
-                RoundtripError::Broken("invalid Content-Length or Transfer-Encoding".into())
-            })?;
+            self.framing = response_framing(&head).map_err(RoundtripError::Malformed)?;
             self.keep_alive = keeps_alive(&head) && self.framing != Framing::Close;
             self.head = Some(head);
             return Ok(());
@@ -327,31 +332,6 @@ async fn connect(addr: SocketAddr, limit: Option<Duration>) -> Result<Connection
         head: Vec::with_capacity(HEAD_CAPACITY),
         timer: LazyTimer::default(),
     })
-}
-
-/// How the response body is delimited (RFC 9112 §6.3).
-fn framing(head: &ResponseHead) -> Result<Framing, ()> {
-    if matches!(head.status, 204 | 304) {
-        return Ok(Framing::Length(0));
-    }
-    if let Some(coding) = head.fields.get(Known::TransferEncoding) {
-        let chunked = coding
-            .rsplit(|&byte| byte == b',')
-            .next()
-            .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
-        return Ok(if chunked {
-            Framing::Chunked(ChunkState::Size)
-        } else {
-            Framing::Close
-        });
-    }
-    if head.fields.repeated(Known::ContentLength) {
-        return Err(());
-    }
-    match head.fields.get(Known::ContentLength) {
-        Some(length) => parse_decimal(length).map(Framing::Length).ok_or(()),
-        None => Ok(Framing::Close),
-    }
 }
 
 /// Whether the engine keeps the connection open after this response.
@@ -450,6 +430,46 @@ mod tests {
         roundtrip.read_head().await.unwrap();
         assert_eq!(roundtrip.read_body().await.unwrap().unwrap(), &b"abc"[..]);
         assert!(roundtrip.read_body().await.is_err());
+    }
+
+    #[tokio::test]
+    async fn ambiguous_or_badly_chunked_responses_are_refused_and_not_pooled() {
+        let cases: [(&'static [u8], Option<Violation>); 4] = [
+            (
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+                Some(Violation::LengthAndCoding),
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\nabcd",
+                Some(Violation::ContentLength),
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+                Some(Violation::TransferCoding),
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3;\x00\r\nabc\r\n0\r\n\r\n",
+                None,
+            ),
+        ];
+        for (response, violation) in cases {
+            let addr = engine(vec![response]).await;
+            let pool = ConnectionPool::new(4, Duration::from_secs(60));
+            let (mut roundtrip, _) = Roundtrip::open(&pool, addr, None).await.unwrap();
+            roundtrip
+                .request_head()
+                .extend_from_slice(b"GET / HTTP/1.1\r\n\r\n");
+            roundtrip.send(b"").await.unwrap();
+            match (roundtrip.read_head().await, violation) {
+                (Err(RoundtripError::Malformed(seen)), Some(expected)) => {
+                    assert_eq!(seen, expected);
+                }
+                (Ok(()), None) => assert!(roundtrip.read_body().await.is_err()),
+                (read, _) => panic!("{read:?} for {:?}", String::from_utf8_lossy(response)),
+            }
+            roundtrip.release(&pool);
+            assert!(pool.take(addr).is_none(), "the connection is not reused");
+        }
     }
 
     #[tokio::test]

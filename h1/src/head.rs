@@ -5,8 +5,13 @@ use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
 
-/// Most header fields a head may have (a head with more is [`Parsed::Invalid`]).
+/// Header fields a head is first parsed with room for (on the stack).
 const MAX_FIELDS: usize = 64;
+
+/// Most header fields a request head may have (a head with more is [`Parsed::Invalid`]);
+/// one with more than [`MAX_FIELDS`] is parsed again with this room. The same as pingora's
+/// limit and `limits.max_headers`' largest value.
+const MAX_REQUEST_FIELDS: usize = 256;
 
 /// A header field: the positions of its name and value in the head's bytes.
 #[derive(Debug, Clone)]
@@ -32,10 +37,12 @@ pub enum Known {
     Authorization,
     /// `Content-Type`.
     ContentType,
+    /// `Host`.
+    Host,
 }
 
 /// The names of [`Known`] fields, in its order.
-const KNOWN_NAMES: [&[u8]; 7] = [
+const KNOWN_NAMES: [&[u8]; 8] = [
     b"content-length",
     b"transfer-encoding",
     b"expect",
@@ -43,6 +50,7 @@ const KNOWN_NAMES: [&[u8]; 7] = [
     b"x-request-id",
     b"authorization",
     b"content-type",
+    b"host",
 ];
 
 /// Which known field `name` is (any case).
@@ -152,10 +160,26 @@ impl RequestHead {
         &self.fields.bytes[self.method.clone()]
     }
 
-    /// The request target (path and query), as sent.
+    /// The request target, as sent.
     #[inline]
     pub fn target(&self) -> &[u8] {
         &self.fields.bytes[self.target.clone()]
+    }
+
+    /// The request target in origin form (path and query), as engines are sent it: the
+    /// target as sent, or the path and query of an absolute-form target
+    /// (`http://host/v1/models?x` → `/v1/models?x`; `http://host` → `/`).
+    #[inline]
+    pub fn origin_form(&self) -> &[u8] {
+        let target = self.target();
+        if target.first() == Some(&b'/') {
+            return target;
+        }
+        match AbsoluteForm::split(target) {
+            Some(absolute) if absolute.rest.is_empty() => b"/",
+            Some(absolute) if absolute.rest.starts_with(b"/") => absolute.rest,
+            _ => target,
+        }
     }
 
     /// The whole head, as received.
@@ -164,13 +188,51 @@ impl RequestHead {
         &self.fields.bytes
     }
 
-    /// The path: the target without its query.
+    /// The path: the target in origin form without its query.
     #[inline]
     pub fn path(&self) -> &str {
-        let target = self.target();
+        let target = self.origin_form();
         let end = target.iter().position(|&byte| byte == b'?');
         // httparse accepts only visible ASCII in the target.
         std::str::from_utf8(&target[..end.unwrap_or(target.len())]).unwrap_or("")
+    }
+}
+
+/// An absolute-form request target (RFC 9112 §3.2.2): `scheme://authority` and the rest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AbsoluteForm<'a> {
+    /// The scheme, as sent (`http`, `HTTPS`, ...).
+    pub scheme: &'a [u8],
+    /// The authority: host, optional userinfo and port.
+    pub authority: &'a [u8],
+    /// The path and query after the authority (empty, or starting with `/` or `?`).
+    pub rest: &'a [u8],
+}
+
+impl<'a> AbsoluteForm<'a> {
+    /// The parts of `target` when it is `scheme://authority...` (a scheme is a letter, then
+    /// letters, digits, `+`, `-` or `.`).
+    pub fn split(target: &'a [u8]) -> Option<Self> {
+        let colon = target.iter().position(|&byte| byte == b':')?;
+        let (scheme, after) = target.split_at(colon);
+        let first = *scheme.first()?;
+        let scheme_chars = scheme
+            .iter()
+            .all(|&byte| byte.is_ascii_alphanumeric() || matches!(byte, b'+' | b'-' | b'.'));
+        if !first.is_ascii_alphabetic() || !scheme_chars {
+            return None;
+        }
+        let hierarchy = after.strip_prefix(b"://")?;
+        let end = hierarchy
+            .iter()
+            .position(|&byte| matches!(byte, b'/' | b'?' | b'#'))
+            .unwrap_or(hierarchy.len());
+        let (authority, rest) = hierarchy.split_at(end);
+        Some(Self {
+            scheme,
+            authority,
+            rest,
+        })
     }
 }
 
@@ -206,36 +268,48 @@ pub enum Parsed<T> {
     Complete(T),
     /// Not all of the head has arrived.
     Partial,
-    /// Not a valid head, or more than `MAX_FIELDS` (64) fields.
+    /// Not a valid head, or more fields than a head may have (256 in a request, 64 in a
+    /// response).
     Invalid,
 }
 
 /// Parses the request head at the start of `buf`; a complete head is split off it.
 pub fn parse_request(buf: &mut BytesMut) -> Parsed<RequestHead> {
+    match parse_request_with::<MAX_FIELDS>(buf) {
+        Err(httparse::Error::TooManyHeaders) => {
+            parse_request_with::<MAX_REQUEST_FIELDS>(buf).unwrap_or(Parsed::Invalid)
+        }
+        parsed => parsed.unwrap_or(Parsed::Invalid),
+    }
+}
+
+/// [`parse_request`] with room for `N` fields.
+fn parse_request_with<const N: usize>(
+    buf: &mut BytesMut,
+) -> Result<Parsed<RequestHead>, httparse::Error> {
     let base = buf.as_ptr() as usize;
-    let mut parsed = [httparse::EMPTY_HEADER; MAX_FIELDS];
+    let mut parsed = [httparse::EMPTY_HEADER; N];
     let mut request = httparse::Request::new(&mut parsed);
-    let length = match request.parse(buf) {
-        Ok(httparse::Status::Complete(length)) => length,
-        Ok(httparse::Status::Partial) => return Parsed::Partial,
-        Err(_) => return Parsed::Invalid,
+    let length = match request.parse(buf)? {
+        httparse::Status::Complete(length) => length,
+        httparse::Status::Partial => return Ok(Parsed::Partial),
     };
     let (Some(method), Some(target), Some(minor_version)) =
         (request.method, request.path, request.version)
     else {
-        return Parsed::Invalid;
+        return Ok(Parsed::Invalid);
     };
     let method = span(base, method.as_bytes());
     let target = span(base, target.as_bytes());
     let mut fields = index(base, request.headers);
     // Splitting keeps the bytes where they are, so the positions stay valid.
     fields.bytes = buf.split_to(length).freeze();
-    Parsed::Complete(RequestHead {
+    Ok(Parsed::Complete(RequestHead {
         method,
         target,
         minor_version,
         fields,
-    })
+    }))
 }
 
 /// Parses the response head at the start of `buf`; a complete head is split off it.
@@ -285,6 +359,41 @@ mod tests {
     }
 
     #[test]
+    fn absolute_form_targets_have_an_origin_form() {
+        let origin = |target: &str| {
+            let raw = format!("POST {target} HTTP/1.1\r\nHost: a\r\n\r\n");
+            let Parsed::Complete(head) = parse_request(&mut BytesMut::from(raw.as_bytes())) else {
+                panic!("not parsed: {raw:?}");
+            };
+            (
+                String::from_utf8(head.origin_form().to_vec()).unwrap(),
+                head.path().to_string(),
+            )
+        };
+        let cases = [
+            ("/v1/models?x=1", "/v1/models?x=1", "/v1/models"),
+            ("http://a:80/v1/models?x=1", "/v1/models?x=1", "/v1/models"),
+            ("HTTPS://a", "/", "/"),
+            ("*", "*", "*"),
+        ];
+        for (target, origin_form, path) in cases {
+            assert_eq!(
+                origin(target),
+                (origin_form.to_string(), path.to_string()),
+                "{target}"
+            );
+        }
+        let split = AbsoluteForm::split(b"http://u@a:1?q").unwrap();
+        assert_eq!(
+            (split.scheme, split.authority, split.rest),
+            (&b"http"[..], &b"u@a:1"[..], &b"?q"[..])
+        );
+        for not_absolute in [&b"/a://b"[..], b"1http://a/", b"a:443", b"mailto:x"] {
+            assert_eq!(AbsoluteForm::split(not_absolute), None, "{not_absolute:?}");
+        }
+    }
+
+    #[test]
     fn lengths_are_plain_decimals() {
         assert_eq!(parse_decimal(b" 42 "), Some(42));
         assert_eq!(parse_decimal(b"0"), Some(0));
@@ -319,9 +428,22 @@ mod tests {
             parse(b"POST / HTTP/1.1\r\n\x01: x\r\n\r\n"),
             Parsed::Invalid
         ));
-        let many: String = (0..=MAX_FIELDS).map(|i| format!("x-{i}: 1\r\n")).collect();
-        let raw = format!("POST / HTTP/1.1\r\n{many}\r\n");
-        assert!(matches!(parse(raw.as_bytes()), Parsed::Invalid));
+        let fields = |n: usize| {
+            let many: String = (0..n).map(|i| format!("x-{i}: 1\r\n")).collect();
+            format!("POST / HTTP/1.1\r\n{many}\r\n")
+        };
+        let Parsed::Complete(head) = parse(fields(MAX_FIELDS + 1).as_bytes()) else {
+            panic!("a head over the first parse's room is parsed again");
+        };
+        assert_eq!(head.fields.len(), MAX_FIELDS + 1);
+        assert!(matches!(
+            parse(fields(MAX_REQUEST_FIELDS).as_bytes()),
+            Parsed::Complete(_)
+        ));
+        assert!(matches!(
+            parse(fields(MAX_REQUEST_FIELDS + 1).as_bytes()),
+            Parsed::Invalid
+        ));
     }
 
     #[test]

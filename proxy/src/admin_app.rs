@@ -15,6 +15,7 @@ use serde::Serialize;
 use tokio::sync::watch;
 use tokio::time::timeout;
 
+use kvmesh_h1::strict::Violation;
 use kvmesh_route::kv::Explanation;
 use kvmesh_route::prepare::InvalidPrompt;
 
@@ -134,6 +135,7 @@ async fn debug_route(state: &State, session: &mut ServerSession) -> (u16, Header
         Ok(body) => body,
         Err(BodyError::TooLarge) => return api_error(&ApiError::BodyTooLarge { limit }),
         Err(BodyError::Timeout) => return api_error(&ApiError::RequestTimeout),
+        Err(BodyError::Malformed) => return api_error(&ApiError::InvalidFraming(Violation::Chunk)),
         Err(BodyError::Client(error)) => return invalid(&error.to_string(), "invalid_body"),
     };
     let (pool, adapter, body) = match resolve_model(state, body) {

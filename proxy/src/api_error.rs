@@ -2,6 +2,7 @@
 //! `{"error":{"message","type","param","code"}}`.
 
 use bytes::Bytes;
+use kvmesh_h1::strict::Violation;
 use serde::Serialize;
 
 /// Why a client's request was rejected before reaching an engine; one
@@ -36,10 +37,13 @@ pub(crate) enum ClientErrorReason {
     HeadersTooLarge,
     /// The request head is not valid HTTP.
     MalformedRequest,
+    /// The request's framing, `Host` or target breaks RFC 9112 (`kvmesh_h1::strict`), or
+    /// its chunked body is malformed.
+    InvalidFraming,
 }
 
 /// Number of [`ClientErrorReason`]s.
-pub(crate) const CLIENT_ERROR_REASONS: usize = 14;
+pub(crate) const CLIENT_ERROR_REASONS: usize = 15;
 
 impl ClientErrorReason {
     /// Every reason, in declaration order.
@@ -58,6 +62,7 @@ impl ClientErrorReason {
         Self::RateLimited,
         Self::HeadersTooLarge,
         Self::MalformedRequest,
+        Self::InvalidFraming,
     ];
 
     /// The metric label.
@@ -77,6 +82,7 @@ impl ClientErrorReason {
             Self::RateLimited => "rate_limited",
             Self::HeadersTooLarge => "headers_too_large",
             Self::MalformedRequest => "malformed_request",
+            Self::InvalidFraming => "invalid_framing",
         }
     }
 }
@@ -173,6 +179,9 @@ pub(crate) enum ApiError {
     },
     /// 400: the request head is not valid HTTP.
     MalformedRequest,
+    /// 400: the request's framing, `Host` or target breaks RFC 9112, or its chunked body is
+    /// malformed; the connection is closed after the answer.
+    InvalidFraming(Violation),
 }
 
 #[derive(Serialize)]
@@ -210,7 +219,8 @@ impl ApiError {
             | Self::InvalidBody(_)
             | Self::MissingModel
             | Self::InvalidPrompt(_)
-            | Self::MalformedRequest => 400,
+            | Self::MalformedRequest
+            | Self::InvalidFraming(_) => 400,
             Self::Unauthorized { .. } => 401,
             Self::ModelNotAllowed { .. } => 403,
             Self::ModelNotFound { .. } | Self::UnknownPath { .. } => 404,
@@ -239,7 +249,8 @@ impl ApiError {
             | Self::InvalidPrompt(_)
             | Self::Unauthorized { .. }
             | Self::HeadersTooLarge { .. }
-            | Self::MalformedRequest => "invalid_request_error",
+            | Self::MalformedRequest
+            | Self::InvalidFraming(_) => "invalid_request_error",
             Self::ModelNotAllowed { .. } => "permission_error",
             Self::RateLimited { limit, .. } if *limit == "tokens_per_minute" => "tokens",
             Self::RateLimited { .. } => "requests",
@@ -275,6 +286,7 @@ impl ApiError {
             Self::ConcurrencyLimited { .. } => "model_concurrency_limit",
             Self::HeadersTooLarge { .. } => "request_header_fields_too_large",
             Self::MalformedRequest => "malformed_request",
+            Self::InvalidFraming(_) => "invalid_framing",
         }
     }
 
@@ -336,6 +348,12 @@ impl ApiError {
                 format!("request header fields too large: {detail}")
             }
             Self::MalformedRequest => "the request is not valid HTTP".to_string(),
+            Self::InvalidFraming(violation) => {
+                format!(
+                    "the request is not valid HTTP/1.1: {}",
+                    violation.describe()
+                )
+            }
         }
     }
 
@@ -366,6 +384,7 @@ impl ApiError {
             Self::RateLimited { .. } => ClientErrorReason::RateLimited,
             Self::HeadersTooLarge { .. } => ClientErrorReason::HeadersTooLarge,
             Self::MalformedRequest => ClientErrorReason::MalformedRequest,
+            Self::InvalidFraming(_) => ClientErrorReason::InvalidFraming,
             Self::NoHealthyInstance { .. }
             | Self::Overloaded { .. }
             | Self::ConcurrencyLimited { .. }
@@ -427,6 +446,7 @@ mod tests {
                 detail: "101 fields".into(),
             },
             ApiError::MalformedRequest,
+            ApiError::InvalidFraming(Violation::LengthAndCoding),
         ];
         for error in &all {
             let json = parse(error);

@@ -3,12 +3,22 @@
 //! It checks the head, matches the route, authenticates, answers the routes the proxy
 //! serves itself, reads the body and hands proxied requests to the spine
 //! ([`crate::request::proxy`]) through [`PingoraClient`].
+//!
+//! HTTP/1 heads are held to RFC 9112 ([`kvmesh_h1::strict`]) as the fast path holds them,
+//! on the head as it was sent (pingora drops a `Content-Length` that comes with
+//! `Transfer-Encoding` and goes on; kvmesh answers 400). Pingora decodes chunked bodies
+//! itself, more leniently than kvmesh's decoder, so a connection closes after a chunked
+//! request: nothing after a body it read one way is taken for a next request. A request
+//! answered before its body was read ends its HTTP/1 connection with a lingering close.
 
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
+use kvmesh_h1::head::{Parsed, parse_request};
+use kvmesh_h1::linger::lingering_close;
+use kvmesh_h1::strict::{Violation, request_framing};
 use pingora_core::apps::{
     HttpPersistentSettings, HttpServerApp, HttpServerOptions, ReusedHttpStream,
 };
@@ -18,6 +28,7 @@ use pingora_http::RequestHeader;
 
 use crate::api_error::{ApiError, ClientErrorReason};
 use crate::auth::{ApiKey, AuthFailure};
+use crate::edge_metrics::Peer;
 use crate::headers::EngineTarget;
 use crate::headers::{
     ClientFraming, ProxyHeaders, X_REQUEST_ID, content_length, downstream_response,
@@ -38,6 +49,25 @@ use crate::upstream_session::UpstreamSession;
 /// Marks an HTTP/1 connection that already served a request (a head timeout on
 /// it is an idle keep-alive connection, not a slow client).
 struct KeptAlive;
+
+/// How a connection goes on after a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum After {
+    /// Pingora finishes the response and keeps the connection when it can.
+    Finish,
+    /// Closed at once: the client is gone, or the response broke off.
+    Close,
+    /// The answer came before the request body was read: an HTTP/1 connection closes with
+    /// a lingering close (an h2 stream just finishes).
+    Linger,
+}
+
+impl After {
+    /// After an answer that was written (`Finish`) or not (`Close`).
+    fn written(written: bool) -> Self {
+        if written { Self::Finish } else { Self::Close }
+    }
+}
 
 /// Serves the OpenAI routes of a data listener.
 #[derive(Debug)]
@@ -83,8 +113,12 @@ impl HttpServerApp for DataApp {
             HeadRead::Malformed(error) => {
                 tracing::debug!(%error, "malformed request head");
                 let error = malformed_head_error(&error);
+                let metrics = &self.state.load().metrics;
                 if let Some(reason) = error.client_reason() {
-                    self.state.load().metrics.client_error(reason);
+                    metrics.client_error(reason);
+                }
+                if let ApiError::InvalidFraming(violation) = error {
+                    metrics.edge.count_framing(Peer::Client, violation);
                 }
                 answer_unread_head(session, &error).await;
                 return None;
@@ -97,12 +131,20 @@ impl HttpServerApp for DataApp {
         }
         let request_id = state.request_ids.resolve(session.get_header(X_REQUEST_ID));
         let mut record = Record::new(request_id);
-        let reusable = handle(&state, &mut session, &mut record).await;
+        let after = handle(&state, &mut session, &mut record).await;
         let header = session.req_header();
         record.finish(&state.registry, &header.method, header.uri.path());
-        if !reusable {
-            session.shutdown().await;
-            return None;
+        match after {
+            After::Finish => {}
+            After::Close => {
+                session.shutdown().await;
+                return None;
+            }
+            After::Linger => {
+                // Boxed: the future exists only while a connection lingers.
+                Box::pin(linger(session)).await;
+                return None;
+            }
         }
         let mut settings = HttpPersistentSettings::for_session(&session);
         settings.set_user_context(Box::new(KeptAlive));
@@ -117,24 +159,80 @@ impl HttpServerApp for DataApp {
     }
 }
 
-/// Routes and answers one request; returns whether the connection can be reused.
-async fn handle(state: &State, session: &mut ServerSession, record: &mut Record) -> bool {
+/// Ends an HTTP/1 session whose request body was left unread: the answer is flushed, the
+/// connection closed with a lingering close. An h2 stream just finishes.
+async fn linger(session: ServerSession) {
+    match session {
+        ServerSession::H1(mut h1) => {
+            if h1.finish_body().await.is_ok() {
+                lingering_close(h1.into_inner()).await;
+            }
+        }
+        other => {
+            let _ = other.finish().await;
+        }
+    }
+}
+
+/// The HTTP/1 request head as it was sent, held to RFC 9112 ([`kvmesh_h1::strict`]).
+/// (h2 frames its messages itself.)
+fn check_framing(session: &ServerSession) -> Result<(), ApiError> {
+    if session.is_http2() {
+        return Ok(());
+    }
+    match parse_request(&mut BytesMut::from(&session.to_h1_raw()[..])) {
+        Parsed::Complete(head) => request_framing(&head)
+            .map(drop)
+            .map_err(ApiError::InvalidFraming),
+        // Pingora read a head out of these very bytes.
+        Parsed::Partial | Parsed::Invalid => Err(ApiError::MalformedRequest),
+    }
+}
+
+/// Answers with `error` before the request body was read; the connection then closes with
+/// a lingering close when the request has a body (or `close` says so).
+async fn reject_early(
+    state: &State,
+    session: &mut ServerSession,
+    record: &mut Record,
+    error: &ApiError,
+    close: bool,
+) -> After {
+    let close = close || !session.is_body_done();
+    if close {
+        session.set_keepalive(None);
+    }
+    match reject(session, record, &state.metrics, error).await {
+        false => After::Close,
+        true if close => After::Linger,
+        true => After::Finish,
+    }
+}
+
+/// Routes and answers one request; says how the connection goes on.
+async fn handle(state: &State, session: &mut ServerSession, record: &mut Record) -> After {
+    if let Err(error) = check_framing(session) {
+        if let ApiError::InvalidFraming(violation) = error {
+            tracing::debug!(reason = violation.label(), "request framing refused");
+            state.metrics.edge.count_framing(Peer::Client, violation);
+        }
+        return reject_early(state, session, record, &error, true).await;
+    }
     let header = session.req_header();
     if let Err(error) = check_head(header, &state.limits) {
-        session.set_keepalive(None);
-        return reject(session, record, &state.metrics, &error).await;
+        return reject_early(state, session, record, &error, true).await;
     }
     let route = match match_route(&header.method, header.uri.path()) {
         RouteMatch::Found(route) => route,
         RouteMatch::MethodNotAllowed(allow) => {
             let error = ApiError::MethodNotAllowed { allow };
-            return reject(session, record, &state.metrics, &error).await;
+            return reject_early(state, session, record, &error, false).await;
         }
         RouteMatch::NotFound => {
             let error = ApiError::UnknownPath {
                 path: header.uri.path().to_string(),
             };
-            return reject(session, record, &state.metrics, &error).await;
+            return reject_early(state, session, record, &error, false).await;
         }
     };
     record.route = Some(route);
@@ -153,7 +251,7 @@ async fn handle(state: &State, session: &mut ServerSession, record: &mut Record)
             Err(failure) => {
                 let missing = failure == AuthFailure::Missing;
                 let error = ApiError::Unauthorized { missing };
-                return reject(session, record, &state.metrics, &error).await;
+                return reject_early(state, session, record, &error, false).await;
             }
         }
     };
@@ -165,7 +263,7 @@ async fn handle(state: &State, session: &mut ServerSession, record: &mut Record)
         };
         record.status = 200;
         let extra = [(X_REQUEST_ID, record.request_id.clone())];
-        return respond(session, 200, content_type, &extra, body).await;
+        return After::written(respond(session, 200, content_type, &extra, body).await);
     }
     read_and_proxy(state, session, record, key).await
 }
@@ -177,37 +275,51 @@ async fn read_and_proxy(
     session: &mut ServerSession,
     record: &mut Record,
     key: Option<Arc<ApiKey>>,
-) -> bool {
+) -> After {
     let limit = state.limits.max_body_bytes;
     let declared = content_length(session.req_header());
     if declared.is_some_and(|length| length > limit) {
         let error = ApiError::BodyTooLarge { limit };
-        return reject(session, record, &state.metrics, &error).await;
+        return reject_early(state, session, record, &error, true).await;
+    }
+    let chunked = !session.is_http2()
+        && session
+            .req_header()
+            .headers
+            .contains_key(http::header::TRANSFER_ENCODING);
+    if chunked {
+        // Pingora's decoder, not kvmesh's, reads the body: nothing after it is trusted.
+        session.set_keepalive(None);
     }
     if expects_continue(session.req_header())
         && !session.is_http2()
         && session.write_continue_response().await.is_err()
     {
-        return false;
+        return After::Close;
     }
     let deadline = record.started + state.limits.client_header_timeout;
-    let body = match read_body(session, limit, declared, deadline).await {
-        Ok(body) => body,
-        Err(BodyError::TooLarge) => {
-            let error = ApiError::BodyTooLarge { limit };
-            return reject(session, record, &state.metrics, &error).await;
-        }
-        Err(BodyError::Timeout) => {
-            session.set_keepalive(None);
-            return reject(session, record, &state.metrics, &ApiError::RequestTimeout).await;
+    let error = match read_body(session, limit, declared, deadline).await {
+        Ok(body) => {
+            let proxied = proxy(state, &mut PingoraClient { session }, record, key, body).await;
+            return After::written(proxied);
         }
         Err(BodyError::Client(error)) => {
             tracing::debug!(%error, "reading the request body failed");
             record.client_gone = true;
-            return false;
+            return After::Close;
+        }
+        Err(BodyError::TooLarge) => ApiError::BodyTooLarge { limit },
+        Err(BodyError::Timeout) => ApiError::RequestTimeout,
+        Err(BodyError::Malformed) => {
+            tracing::debug!("malformed chunked request body");
+            state
+                .metrics
+                .edge
+                .count_framing(Peer::Client, Violation::Chunk);
+            ApiError::InvalidFraming(Violation::Chunk)
         }
     };
-    proxy(state, &mut PingoraClient { session }, record, key, body).await
+    reject_early(state, session, record, &error, true).await
 }
 
 /// A request's client on a pingora session: the engine's answer is relayed as it is.

@@ -1,7 +1,8 @@
 //! Metrics of the edge: authentication, key limits, model concurrency limits,
-//! TLS and config reloads. Registered once per process in the proxy's
+//! HTTP/1.1 framing refused, TLS and config reloads. Registered once per process in the proxy's
 //! registry; reloads resolve new label children from the same families.
 
+use kvmesh_h1::strict::Violation;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
 use crate::auth::{AuthFailure, LIMITS, Limit};
@@ -16,6 +17,7 @@ pub(crate) struct EdgeMetrics {
     model_limit: IntGaugeVec,
     model_queue_depth: IntGaugeVec,
     model_queue_rejections: IntCounterVec,
+    framing_rejections: IntCounterVec,
     tls_handshake_errors: IntCounterVec,
     tls_reloads: IntCounterVec,
     config_reloads: IntCounterVec,
@@ -41,6 +43,19 @@ impl EdgeMetrics {
         )?;
         registry.register(Box::new(config_last_reload_ok.clone()))?;
         config_last_reload_ok.set(1);
+        let framing_rejections = counter(
+            "kvmesh_framing_rejections_total",
+            "HTTP/1.1 messages refused for their framing, Host or target, by peer (client: \
+             answered 400; engine: the response dropped, 502 when nothing was relayed yet) and \
+             reason (content_length_and_transfer_encoding, transfer_encoding, content_length, \
+             host, target, chunk).",
+            &["peer", "reason"],
+        )?;
+        for peer in [Peer::Client, Peer::Engine] {
+            for violation in Violation::ALL {
+                framing_rejections.with_label_values(&[peer.label(), violation.label()]);
+            }
+        }
         Ok(Self {
             auth_rejections: counter(
                 "kvmesh_auth_rejections_total",
@@ -77,6 +92,7 @@ impl EdgeMetrics {
                 "Requests answered 503 by a model's concurrency limit, by reason (queue_full, queue_timeout).",
                 &["model", "reason"],
             )?,
+            framing_rejections,
             tls_handshake_errors: counter(
                 "kvmesh_tls_handshake_errors_total",
                 "TLS handshakes on data listeners that failed, by listener and reason (error, timeout).",
@@ -148,11 +164,37 @@ impl EdgeMetrics {
         }
     }
 
+    /// Counts a message from `peer` refused for `violation`.
+    pub(crate) fn count_framing(&self, peer: Peer, violation: Violation) {
+        self.framing_rejections
+            .with_label_values(&[peer.label(), violation.label()])
+            .inc();
+    }
+
     /// Counts a config reload.
     pub(crate) fn count_reload(&self, applied: bool) {
         let result = if applied { "ok" } else { "rejected" };
         self.config_reloads.with_label_values(&[result]).inc();
         self.config_last_reload_ok.set(i64::from(applied));
+    }
+}
+
+/// Who sent a message the proxy refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Peer {
+    /// A client's request.
+    Client,
+    /// An engine's response.
+    Engine,
+}
+
+impl Peer {
+    /// The metric label.
+    fn label(self) -> &'static str {
+        match self {
+            Self::Client => "client",
+            Self::Engine => "engine",
+        }
     }
 }
 

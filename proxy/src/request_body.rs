@@ -3,7 +3,14 @@
 
 use bytes::{Bytes, BytesMut};
 use pingora_core::protocols::http::ServerSession;
+use pingora_error::ErrorType;
 use tokio::time::{Instant, timeout_at};
+
+/// Pingora's error type for a chunk-size line or chunk end it refuses.
+const INVALID_CHUNK: ErrorType = ErrorType::new("InvalidChunk");
+
+/// Pingora's error type for a trailer section it refuses.
+const INVALID_TRAILER_END: ErrorType = ErrorType::new("InvalidTrailerEnd");
 
 /// Why the body could not be read.
 #[derive(Debug)]
@@ -12,7 +19,9 @@ pub(crate) enum BodyError {
     TooLarge,
     /// The deadline passed.
     Timeout,
-    /// The client broke the connection or sent a malformed body.
+    /// The chunked body is malformed.
+    Malformed,
+    /// The client broke the connection.
     Client(Box<pingora_error::Error>),
 }
 
@@ -31,7 +40,12 @@ pub(crate) async fn read_body(
         let chunk = timeout_at(deadline, session.read_request_body())
             .await
             .map_err(|_| BodyError::Timeout)?
-            .map_err(BodyError::Client)?;
+            .map_err(|error| match error.etype() {
+                etype if *etype == INVALID_CHUNK || *etype == INVALID_TRAILER_END => {
+                    BodyError::Malformed
+                }
+                _ => BodyError::Client(error),
+            })?;
         let Some(chunk) = chunk else { break };
         total = total.saturating_add(chunk.len() as u64);
         if total > limit {

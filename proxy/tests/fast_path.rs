@@ -4,7 +4,12 @@
 #[allow(dead_code)]
 mod support;
 
+mod edge_support;
+
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use support::{TestProxy, model_yaml};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -261,23 +266,91 @@ async fn close_delimited_engine_bodies_reach_clients_chunked() {
     }
 }
 
+/// An engine that answers every request with `response` and counts the connections it
+/// accepted.
+async fn counting_engine(response: &'static [u8]) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let accepted = Arc::clone(&connections);
+    tokio::spawn(async move {
+        loop {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            accepted.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = vec![0; 64 * 1024];
+                while matches!(tcp.read(&mut buf).await, Ok(n) if n > 0) {
+                    if tcp.write_all(response).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, connections)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn chunked_engine_bodies_drop_a_stale_length() {
-    let (engine, _seen) = raw_engine(
-        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+async fn ambiguous_engine_responses_are_502_and_their_connections_closed() {
+    let cases: [(&'static [u8], &str); 3] = [
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+            "content_length_and_transfer_encoding",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 5\r\n\r\nhello",
+            "content_length",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\nhello",
+            "transfer_encoding",
+        ),
+    ];
+    for (response, reason) in cases {
+        let (engine, connections) = counting_engine(response).await;
+        let proxy = proxy_for(engine).await;
+        let mut client = Client::connect(proxy.main).await;
+        for _ in 0..2 {
+            client.send(&chat_request("")).await;
+            let (head, body, _) = client.response().await;
+            assert!(head.starts_with("HTTP/1.1 502 "), "{head}");
+            assert!(body.contains("\"upstream_unavailable\""), "{body}");
+            assert!(body.contains("malformed response head"), "{body}");
+        }
+        assert_eq!(
+            connections.load(Ordering::SeqCst),
+            2,
+            "{reason}: a connection that carried a malformed response is not reused"
+        );
+        let series =
+            format!(r#"kvmesh_framing_rejections_total{{peer="engine",reason="{reason}"}}"#);
+        assert_eq!(edge_support::metric(proxy.admin, &series).await, 2.0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_badly_chunked_engine_body_cuts_the_response_and_its_connection() {
+    let (engine, connections) = counting_engine(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n5;\0\r\nworld\r\n0\r\n\r\n",
     )
     .await;
     let proxy = proxy_for(engine).await;
-    let mut client = Client::connect(proxy.main).await;
-    for _ in 0..2 {
-        client.send(&chat_request("")).await;
-        let (head, body, _) = client.response().await;
+    for attempt in 1..=2 {
+        let mut tcp = TcpStream::connect(proxy.main).await.unwrap();
+        tcp.write_all(chat_request("").as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), tcp.read_to_end(&mut answer))
+            .await
+            .expect("the client connection is cut");
+        // The head waited for the body's first piece, so nothing reached the client: its
+        // connection is cut. (Had the head gone, the body would be cut short.)
+        let answer = String::from_utf8_lossy(&answer);
         assert!(
-            !head.to_ascii_lowercase().contains("content-length"),
-            "{head}"
+            read.is_err() || !answer.ends_with("0\r\n\r\n"),
+            "the body is not ended as if it were whole: {answer:?}"
         );
-        assert!(head.contains("transfer-encoding: chunked\r\n"), "{head}");
-        assert_eq!(body, "hello");
+        assert!(!answer.contains("world"), "{answer:?}");
+        assert_eq!(connections.load(Ordering::SeqCst), attempt);
     }
 }
 

@@ -1,8 +1,12 @@
 //! The edge with real processes: a SIGHUP reload under load loses no request
 //! and a bad config is rejected while the old one serves; API keys never reach
-//! the log; `hash-key` and `--check-config` for TLS files.
+//! the log; `hash-key` and `--check-config` for TLS files; a framing corpus of raw
+//! bytes against the proxy in front of engine-sim (ambiguous framing, bad chunks, Host
+//! and target tricks, control characters, huge chunk sizes, early answers read by a
+//! client that writes its whole body first).
 
 use std::io::Write;
+use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,6 +17,8 @@ use kvmesh_e2e::certs::TestCerts;
 use kvmesh_e2e::cluster::{chat_body, engine_urls, start_engines, start_proxy};
 use kvmesh_e2e::process::bin_dir;
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 const KEY_FIRST: &str = "sk-e2e-first-4f1c0b";
 const KEY_SECOND: &str = "sk-e2e-second-9a7b2d";
@@ -251,5 +257,192 @@ async fn sighup_reloads_under_load_and_keys_never_reach_the_log() {
     assert!(log.contains("config reload rejected"), "{log}");
     for key in [KEY_FIRST, KEY_SECOND, KEY_WRONG] {
         assert!(!log.contains(key), "the key {key} reached the log");
+    }
+}
+
+/// Writes `head` and `body` bytes of `x` (the body in pieces, all of it before reading, as
+/// Python's `urllib` does), then reads until the proxy closes the connection, which it must
+/// do cleanly within 10 s.
+async fn raw_exchange(addr: SocketAddr, head: &[u8], body: usize) -> String {
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(head).await.unwrap();
+    let piece = vec![b'x'; 1 << 20];
+    let mut left = body;
+    while left > 0 {
+        let n = left.min(piece.len());
+        tcp.write_all(&piece[..n])
+            .await
+            .expect("the proxy reads the rest of a body it answered early");
+        left -= n;
+    }
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), tcp.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    assert!(
+        matches!(read, Ok(Ok(_))),
+        "not closed cleanly ({read:?}): {:?} -> {answer:?}",
+        String::from_utf8_lossy(head)
+    );
+    answer
+}
+
+/// The status and OpenAI error code of a whole answer (`""` when it has none).
+fn status_and_code(answer: &str) -> (u16, String) {
+    let status = answer.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, body)| body);
+    let json: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+    (
+        status,
+        json["error"]["code"].as_str().unwrap_or("").to_string(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_framing_corpus_against_engine_sim() {
+    let scratch = ScratchDir::new("edge-framing").unwrap();
+    let sim = start_engines(&scratch, 1, &["--no-delay"]).unwrap();
+    let urls = engine_urls(&sim);
+    let yaml = format!(
+        "listeners:\n  - name: main\n    address: 127.0.0.1:0\nadmin:\n  address: 127.0.0.1:0\n\
+         limits:\n  max_body_bytes: 1048576\nmodels:\n  - name: sim-model\n    backends:\n      - url: {}\n",
+        urls[0]
+    );
+    let proxy = start_proxy(&scratch, &yaml).unwrap();
+    let main = proxy.addr("main");
+    let body = chat_body("framing", 2, false).to_string();
+    let chunked = format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len());
+    let post =
+        |fields: &str| format!("POST /v1/chat/completions HTTP/1.1\r\nHost: {main}\r\n{fields}");
+    let length = format!("Content-Length: {}\r\n", body.len());
+    let cases = [
+        // (request, status, code)
+        (
+            format!(
+                "{}Content-Length: {}\r\nTransfer-Encoding: chunked\r\n\r\n{chunked}",
+                post(""),
+                chunked.len()
+            ),
+            400,
+            "invalid_framing",
+        ),
+        (
+            format!(
+                "{}Transfer-Encoding: chunked\r\n\r\nzz\r\n{body}\r\n0\r\n\r\n",
+                post("")
+            ),
+            400,
+            "invalid_framing",
+        ),
+        (
+            format!(
+                "{}Transfer-Encoding: chunked\r\n\r\n5;a=\0\r\nhello\r\n0\r\n\r\n",
+                post("")
+            ),
+            400,
+            "invalid_framing",
+        ),
+        (
+            format!(
+                "{}Transfer-Encoding: chunked\r\n\r\n1ffffffffffffffff\r\n",
+                post("")
+            ),
+            400,
+            "invalid_framing",
+        ),
+        (
+            format!(
+                "{}Transfer-Encoding: chunked\r\n\r\nffffffffff\r\n",
+                post("")
+            ),
+            413,
+            "request_too_large",
+        ),
+        (
+            format!("{}Transfer-Encoding: xchunked\r\n\r\n{chunked}", post("")),
+            400,
+            "invalid_framing",
+        ),
+        (
+            format!("{}Host: {main}\r\n{length}\r\n{body}", post("")),
+            400,
+            "invalid_framing",
+        ),
+        (
+            format!("POST /v1/chat/completions HTTP/1.1\r\n{length}\r\n{body}"),
+            400,
+            "invalid_framing",
+        ),
+        (
+            format!(
+                "POST http://other/v1/chat/completions HTTP/1.1\r\nHost: {main}\r\n{length}\r\n{body}"
+            ),
+            400,
+            "invalid_framing",
+        ),
+        (
+            format!("{}X-Note: a\x01b\r\n{length}\r\n{body}", post("")),
+            400,
+            "malformed_request",
+        ),
+        (
+            format!("{}Transfer-Encoding : chunked\r\n\r\n{chunked}", post("")),
+            400,
+            "malformed_request",
+        ),
+        // Served: chunked, and an absolute-form target (both forwarded by length and path).
+        (
+            format!(
+                "{}Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n{chunked}",
+                post("")
+            ),
+            200,
+            "",
+        ),
+        (
+            format!(
+                "POST http://{main}/v1/chat/completions HTTP/1.1\r\nHost: {main}\r\nConnection: close\r\n{length}\r\n{body}"
+            ),
+            200,
+            "",
+        ),
+    ];
+    for (request, status, code) in &cases {
+        let answer = raw_exchange(main, request.as_bytes(), 0).await;
+        assert_eq!(
+            status_and_code(&answer),
+            (*status, code.to_string()),
+            "{request:?} -> {answer}"
+        );
+        if *status == 200 {
+            assert!(answer.contains("\"chat.completion\""), "{answer}");
+        }
+    }
+    // A body over the limit, written whole before the answer is read: the 413 is read.
+    let head = post(&format!(
+        "Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        24 << 20
+    ));
+    let answer = raw_exchange(main, head.as_bytes(), 24 << 20).await;
+    assert_eq!(
+        status_and_code(&answer),
+        (413, "request_too_large".into()),
+        "{answer}"
+    );
+
+    let client = HttpClient::http1();
+    let admin = proxy.url("admin");
+    let metrics = client.get(&format!("{admin}/metrics")).await.unwrap().body;
+    let metrics = String::from_utf8_lossy(&metrics).into_owned();
+    for (reason, count) in [
+        ("content_length_and_transfer_encoding", 1),
+        ("chunk", 3),
+        ("transfer_encoding", 1),
+        ("host", 2),
+        ("target", 1),
+    ] {
+        let series = format!(
+            r#"kvmesh_framing_rejections_total{{peer="client",reason="{reason}"}} {count}"#
+        );
+        assert!(metrics.contains(&series), "{series} in {metrics}");
     }
 }

@@ -1,6 +1,11 @@
-//! The fast path's connection loop: reads request heads and bodies itself, hands the
+//! The fast path's connection loop: reads request heads and bodies itself, refuses heads
+//! that break RFC 9112 ([`kvmesh_h1::strict`]: 400 and a lingering close), hands the
 //! proxied OpenAI routes to the spine ([`crate::request::proxy`]) as pingora's path does, and
 //! hands the connection (with every byte already read) to pingora for anything else.
+//!
+//! A request answered before its body was read (401, 408, 413, 400 on a malformed chunked
+//! body) ends the connection with a lingering close ([`kvmesh_h1::linger`]), so that a
+//! client still writing its body reads the answer instead of a reset.
 
 use std::future::Future;
 use std::pin::pin;
@@ -10,8 +15,11 @@ use arc_swap::ArcSwap;
 use bytes::{Bytes, BytesMut};
 use http::{HeaderValue, Method};
 use kvmesh_config::LimitsConfig;
+use kvmesh_h1::body::Framing;
 use kvmesh_h1::fields::listed_in_connection;
-use kvmesh_h1::head::{Known, Parsed, RequestHead, parse_decimal, parse_request};
+use kvmesh_h1::head::{Known, Parsed, RequestHead, parse_request};
+use kvmesh_h1::linger::lingering_close;
+use kvmesh_h1::strict::{Violation, request_framing};
 use kvmesh_h1::waits::{Waits, Woken};
 use pingora_core::server::ShutdownWatch;
 use tokio::io::AsyncReadExt;
@@ -22,6 +30,7 @@ use tokio::time::Instant;
 use super::client::{BodyRead, FastConnection, READ_RESERVE};
 use crate::api_error::{ApiError, ClientErrorReason};
 use crate::auth::AuthFailure;
+use crate::edge_metrics::Peer;
 use crate::limits::{SHUTDOWN_GRACE, answer_raw, check_head_size};
 use crate::request::frontend::Frontend;
 use crate::request::proxy;
@@ -57,7 +66,8 @@ enum HeadRead {
 /// A request the fast path serves.
 struct FastRequest {
     route: Route,
-    length: usize,
+    /// How its body is delimited (a length, or chunked).
+    framing: Framing,
     /// The client asked to close the connection after the response.
     close: bool,
 }
@@ -97,7 +107,14 @@ pub(crate) async fn serve(
         };
         // The state this request runs on to its end, whatever reloads happen meanwhile.
         let state = states.load_full();
-        let Some(request) = fast_request(&head, &state.limits) else {
+        let framing = match request_framing(&head) {
+            Ok(framing) => framing,
+            Err(violation) => {
+                refuse(&state, &mut tcp, &mut buf, &mut out, &head, violation).await;
+                return ConnectionEnd::Done;
+            }
+        };
+        let Some(request) = fast_request(&head, framing, &state.limits) else {
             let mut read = BytesMut::with_capacity(head.raw().len() + buf.len());
             read.extend_from_slice(head.raw());
             read.extend_from_slice(&buf);
@@ -116,11 +133,52 @@ pub(crate) async fn serve(
         let mut client = FastConnection::new(&mut tcp, &mut buf, &mut out, &head, close);
         let reusable = serve_request(&state, &mut client, &mut record, &head, &request).await;
         let close = client.close;
+        // Answered before the body was read: the client may still be writing it.
+        let linger = !client.body_read && !request.framing.is_done() && !record.client_gone;
         record.finish(&state.registry, &Method::POST, head.path());
         if !reusable || close || *shutdown.borrow() {
+            if linger {
+                // Boxed: the future exists only while a connection lingers.
+                Box::pin(lingering_close(&mut tcp)).await;
+            }
             return ConnectionEnd::Done;
         }
         fresh = false;
+    }
+}
+
+/// Answers a head that breaks RFC 9112 (`violation`) with 400, then closes the connection
+/// with a lingering close (what follows the head cannot be told apart from a next request).
+async fn refuse(
+    state: &State,
+    tcp: &mut TcpStream,
+    buf: &mut BytesMut,
+    out: &mut Vec<u8>,
+    head: &RequestHead,
+    violation: Violation,
+) {
+    tracing::debug!(reason = violation.label(), "request framing refused");
+    state.metrics.edge.count_framing(Peer::Client, violation);
+    let method = Method::from_bytes(head.method()).unwrap_or_default();
+    let client_id = head
+        .fields
+        .get(Known::RequestId)
+        .and_then(|id| HeaderValue::from_bytes(id).ok());
+    let mut record = Record::new(state.request_ids.resolve(client_id.as_ref()));
+    if let RouteMatch::Found(route) = match_route(&method, head.path()) {
+        record.route = Some(route);
+    }
+    let mut client = FastConnection::new(tcp, buf, out, head, true);
+    client
+        .reject(
+            &mut record,
+            &state.metrics,
+            &ApiError::InvalidFraming(violation),
+        )
+        .await;
+    record.finish(&state.registry, &method, head.path());
+    if !record.client_gone {
+        Box::pin(lingering_close(tcp)).await;
     }
 }
 
@@ -152,43 +210,49 @@ async fn serve_request(
         }
     };
     let deadline = record.started + state.limits.client_header_timeout;
-    let body = match client.read_body(request.length, deadline).await {
-        Ok(body) => body,
-        Err(BodyRead::Timeout) => {
-            client.close = true;
-            return client
-                .reject(record, &state.metrics, &ApiError::RequestTimeout)
-                .await;
-        }
+    let limit = state.limits.max_body_bytes;
+    let error = match client.read_body(request.framing, limit, deadline).await {
+        Ok(body) => return proxy(state, client, record, key, body).await,
         Err(BodyRead::Gone) => {
             record.client_gone = true;
             return false;
         }
+        Err(BodyRead::Timeout) => ApiError::RequestTimeout,
+        Err(BodyRead::TooLarge) => ApiError::BodyTooLarge { limit },
+        Err(BodyRead::Malformed) => {
+            tracing::debug!("malformed chunked request body");
+            state
+                .metrics
+                .edge
+                .count_framing(Peer::Client, Violation::Chunk);
+            ApiError::InvalidFraming(Violation::Chunk)
+        }
     };
-    proxy(state, client, record, key, body).await
+    // The rest of the body is left unread: the connection cannot serve another request.
+    client.close = true;
+    client.reject(record, &state.metrics, &error).await
 }
 
-/// The request, when the fast path serves it: `POST` to a proxied route over HTTP/1.1 with
-/// one `Content-Length` within the limits and no `Expect` or `Transfer-Encoding`.
-fn fast_request(head: &RequestHead, limits: &LimitsConfig) -> Option<FastRequest> {
+/// The request, when the fast path serves it: `POST` to a proxied route over HTTP/1.1, its
+/// body `framing` by length or chunked, with a head within the limits, no `Expect` and at
+/// most one `Connection` field.
+fn fast_request(
+    head: &RequestHead,
+    framing: Framing,
+    limits: &LimitsConfig,
+) -> Option<FastRequest> {
     if head.method() != b"POST" || head.minor_version != 1 {
         return None;
     }
     let RouteMatch::Found(route) = match_route(&Method::POST, head.path()) else {
         return None;
     };
-    // Several lengths (even equal ones) or `Connection` fields are pingora's to judge.
+    // Several `Connection` fields are pingora's to judge.
     let fields = &head.fields;
     if !route.is_proxied()
-        || fields.get(Known::TransferEncoding).is_some()
         || fields.get(Known::Expect).is_some()
-        || fields.repeated(Known::ContentLength)
         || fields.repeated(Known::Connection)
     {
-        return None;
-    }
-    let length = parse_decimal(fields.get(Known::ContentLength)?)?;
-    if length > limits.max_body_bytes {
         return None;
     }
     let line = head.method().len() + head.target().len();
@@ -203,7 +267,7 @@ fn fast_request(head: &RequestHead, limits: &LimitsConfig) -> Option<FastRequest
         .is_some_and(|value| listed_in_connection(value, b"close"));
     Some(FastRequest {
         route,
-        length: usize::try_from(length).ok()?,
+        framing,
         close,
     })
 }

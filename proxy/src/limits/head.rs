@@ -1,15 +1,17 @@
 //! The request head: read within the client timeout, checked against the size
 //! and field-count limits. A head that never completes, or that the HTTP/1
 //! parser refuses, is answered on the raw connection (there is no parsed
-//! request to answer through) and the connection is closed.
+//! request to answer through) and the connection is closed with a lingering close.
 
 use std::time::Duration;
 
 use kvmesh_config::LimitsConfig;
+use kvmesh_h1::linger::lingering_close;
+use kvmesh_h1::strict::Violation;
 use pingora_core::protocols::http::ServerSession;
 use pingora_core::server::ShutdownWatch;
 use pingora_http::RequestHeader;
-use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::time::timeout;
 
 use crate::api_error::ApiError;
@@ -123,8 +125,11 @@ pub(crate) async fn answer_unread_head(session: ServerSession, error: &ApiError)
 }
 
 /// Writes `error` as a whole HTTP/1.1 response with `connection: close` straight to
-/// `stream`, then shuts its sending side down.
-pub(crate) async fn answer_raw<S: AsyncWrite + Unpin>(stream: &mut S, error: &ApiError) {
+/// `stream`, then closes it with a lingering close (the client may still be sending).
+pub(crate) async fn answer_raw<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    error: &ApiError,
+) {
     let body = error.body();
     let status =
         http::StatusCode::from_u16(error.status()).unwrap_or(http::StatusCode::BAD_REQUEST);
@@ -137,24 +142,45 @@ pub(crate) async fn answer_raw<S: AsyncWrite + Unpin>(stream: &mut S, error: &Ap
     let written = timeout(RAW_ANSWER_TIMEOUT, async {
         stream.write_all(head.as_bytes()).await?;
         stream.write_all(&body).await?;
-        stream.flush().await?;
-        stream.shutdown().await
+        stream.flush().await
     })
     .await;
     if !matches!(written, Ok(Ok(()))) {
         tracing::debug!("could not answer an unread request head");
+        return;
     }
+    // Boxed: the future exists only while a connection lingers.
+    Box::pin(lingering_close(stream)).await;
 }
 
 /// The error for a head the HTTP/1 parser refused: 431 when it was over the
-/// parser's own limits, 400 otherwise.
+/// parser's own limits; 400 `invalid_framing` when pingora's own RFC 9112 checks refused its
+/// framing, `Host` or target (as kvmesh's would have: `kvmesh_h1::strict`); 400
+/// `malformed_request` otherwise.
 pub(crate) fn malformed_head_error(error: &pingora_error::Error) -> ApiError {
     let text = error.to_string();
     if text.contains("TooManyHeaders") || text.contains("larger than") {
-        ApiError::HeadersTooLarge {
+        return ApiError::HeadersTooLarge {
             detail: "the request head is over the parser's limits".to_string(),
-        }
-    } else {
-        ApiError::MalformedRequest
+        };
     }
+    // Pingora's own explanations (`validate_request`, `validate_request_authority`): errors
+    // without a cause, whose context is the explanation (a parser error's context quotes
+    // the request, so it is not looked at).
+    let explanation = match (&error.cause, &error.context) {
+        (None, Some(context)) => context.as_str(),
+        _ => return ApiError::MalformedRequest,
+    };
+    let violation = if explanation.contains("Transfer-Encoding") {
+        Violation::TransferCoding
+    } else if explanation.contains("Content-Length") {
+        Violation::ContentLength
+    } else if explanation.contains("Host header field") || explanation.contains("in Host") {
+        Violation::Host
+    } else if explanation.contains("authority") || explanation.contains("request target") {
+        Violation::Target
+    } else {
+        return ApiError::MalformedRequest;
+    };
+    ApiError::InvalidFraming(violation)
 }

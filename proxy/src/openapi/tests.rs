@@ -3,6 +3,7 @@
 use std::collections::BTreeSet;
 
 use http::Method;
+use kvmesh_h1::strict::Violation;
 use serde_json::Value;
 
 use super::{DOCS_PAGE, SPEC};
@@ -92,6 +93,7 @@ fn every_api_error() -> Vec<ApiError> {
             detail: "101 fields".into(),
         },
         ApiError::MalformedRequest,
+        ApiError::InvalidFraming(Violation::LengthAndCoding),
     ];
     for error in &all {
         match error {
@@ -113,18 +115,21 @@ fn every_api_error() -> Vec<ApiError> {
             | ApiError::RateLimited { .. }
             | ApiError::ConcurrencyLimited { .. }
             | ApiError::HeadersTooLarge { .. }
-            | ApiError::MalformedRequest => {}
+            | ApiError::MalformedRequest
+            | ApiError::InvalidFraming(_) => {}
         }
     }
     all
 }
 
-/// Whether `error` can answer a request on `route`. A malformed head has no
-/// route: its 400 is documented with the other 400s.
+/// Whether `error` can answer a request on `route`. A malformed head, or one whose framing
+/// is refused, has no route: its 400 is documented with the other 400s.
 fn can_answer(error: &ApiError, route: Route) -> bool {
     match error {
         ApiError::MethodNotAllowed { .. } | ApiError::HeadersTooLarge { .. } => true,
-        ApiError::UnknownPath { .. } | ApiError::MalformedRequest => false,
+        ApiError::UnknownPath { .. } | ApiError::MalformedRequest | ApiError::InvalidFraming(_) => {
+            false
+        }
         ApiError::Unauthorized { .. } => !matches!(route, Route::OpenApi | Route::Docs),
         _ => route.is_proxied(),
     }

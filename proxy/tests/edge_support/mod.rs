@@ -248,6 +248,13 @@ impl TlsClient {
         }
     }
 
+    /// A fresh TLS connection to `addr` (server name `localhost`), for raw bytes.
+    pub async fn connect(&self, addr: SocketAddr) -> tokio_rustls::client::TlsStream<TcpStream> {
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let name = ServerName::try_from("localhost").unwrap();
+        self.connector.connect(name, tcp).await.unwrap()
+    }
+
     /// One request on a fresh TLS connection to `addr` (server name `localhost`);
     /// HTTP/2 or HTTP/1.1 as ALPN chooses.
     pub async fn request(
