@@ -84,12 +84,18 @@ impl TokenCount {
     }
 }
 
-/// Whether an event's data carries generated text (a token).
+/// Whether an event's data carries generated text (a token). Every textless marker holds an
+/// empty string, object or array, so one pass looking for those decides most events.
 fn has_text(data: &[u8]) -> bool {
     let data = data.trim_ascii();
-    !data.is_empty()
-        && data != b"[DONE]"
-        && !TEXTLESS
+    if data.is_empty() || data == b"[DONE]" {
+        return false;
+    }
+    let has_empty = data
+        .windows(2)
+        .any(|pair| matches!(pair, b"\"\"" | b"{}" | b"[]"));
+    !has_empty
+        || !TEXTLESS
             .iter()
             .any(|marker| data.windows(marker.len()).any(|w| w == *marker))
 }
