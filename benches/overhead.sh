@@ -20,7 +20,9 @@
 #   --bin-dir DIR      where the binaries are (default target/release)
 #   --doc FILE         document to update (default docs/BENCHMARKS.md)
 #   --setups LIST      comma-separated subset of direct,nginx,kvmesh,kvmesh-kv,sglang-rr,
-#                      sglang-ca,vllm-rr,vllm-ca (default: all)
+#                      sglang-ca,vllm-rr,vllm-ca (default: all), and kvmesh-traced (not in
+#                      the default: kvmesh's config with tracing on, every request recorded,
+#                      exported to benches/otlp_sink.py; needs .venv from scripts/setup.sh)
 #   --baseline FILE    another kvmesh-proxy binary (e.g. built from an earlier commit), run as
 #                      setup kvmesh-baseline with kvmesh's config (and kvmesh-kv-baseline with
 #                      kvmesh-kv's, when that runs), to measure a change before and after in
@@ -108,6 +110,11 @@ mkdir -p "$CACHE_DIR"
 { has_setup sglang-rr || has_setup sglang-ca; } && SGLANG_VENV=$(venv sglang "sglang-router==$SGLANG_VERSION")
 { has_setup vllm-rr || has_setup vllm-ca; } && VLLM_VENV=$(venv vllm-router "vllm-router==$VLLM_ROUTER_VERSION")
 if has_setup kvmesh-kv; then "$BENCH_ROOT/scripts/fetch-tokenizer.sh" "$TOKENIZER" >&2; fi
+SINK_PYTHON=$BENCH_ROOT/.venv/bin/python
+if has_setup kvmesh-traced; then
+  "$SINK_PYTHON" -c 'import grpc, opentelemetry.proto' 2>/dev/null ||
+    die "kvmesh-traced needs grpcio and opentelemetry-proto in .venv: run scripts/setup.sh"
+fi
 
 if ((BUILD)); then
   log "building release binaries (several minutes on 2 cores)"
@@ -227,6 +234,19 @@ if [[ -n $BASELINE ]]; then
   BASELINE_ADDR=$(listening "$WORK_DIR/proxy-baseline.out" main)
   log "kvmesh-proxy baseline $BASELINE at $BASELINE_ADDR (pid $BASELINE_PID)"
 fi
+TRACED_ADDR=
+if has_setup kvmesh-traced; then
+  # The receiver shares the load generator's core: the server core stays sims + proxy.
+  start_bg SINK_PID "$WORK_DIR/otlp.out" taskset -c "$LOADGEN_CPU" "$SINK_PYTHON" \
+    "$BENCH_ROOT/benches/otlp_sink.py" "$WORK_DIR/otlp.spans"
+  wait_ready "$WORK_DIR/otlp.out" "$SINK_PID"
+  cp "$WORK_DIR/kvmesh.yaml" "$WORK_DIR/kvmesh-traced.yaml"
+  printf 'telemetry:\n  otlp_endpoint: http://%s\n  sampling_ratio: 1.0\n' \
+    "$(listening "$WORK_DIR/otlp.out" otlp)" >>"$WORK_DIR/kvmesh-traced.yaml"
+  start_proxy TRACED_PID "$WORK_DIR/proxy-traced.out" "$WORK_DIR/kvmesh-traced.yaml"
+  TRACED_ADDR=$(listening "$WORK_DIR/proxy-traced.out" main)
+  log "kvmesh-proxy (tracing on) at $TRACED_ADDR (pid $TRACED_PID)"
+fi
 KV_PROXY_ADDR=
 if has_setup kvmesh-kv; then
   write_proxy_config "$WORK_DIR/kvmesh-kv.yaml" kv "${SIM_ADDRS[@]}"
@@ -305,7 +325,7 @@ run_load() {
   sed 's/^/    /' "$out.txt" >&2
 }
 
-declare -A URL=([direct]="http://${SIM_ADDRS[0]}" [nginx]="http://127.0.0.1:$NGINX_PORT" [kvmesh]="http://$PROXY_ADDR" [kvmesh-baseline]="http://$BASELINE_ADDR" [kvmesh-kv]="http://$KV_PROXY_ADDR" [kvmesh-kv-baseline]="http://$KV_BASELINE_ADDR")
+declare -A URL=([direct]="http://${SIM_ADDRS[0]}" [nginx]="http://127.0.0.1:$NGINX_PORT" [kvmesh]="http://$PROXY_ADDR" [kvmesh-baseline]="http://$BASELINE_ADDR" [kvmesh-traced]="http://$TRACED_ADDR" [kvmesh-kv]="http://$KV_PROXY_ADDR" [kvmesh-kv-baseline]="http://$KV_BASELINE_ADDR")
 for setup in "${!PEER_URL[@]}"; do URL[$setup]=${PEER_URL[$setup]}; done
 MODES=(non-stream stream)
 # Rounds interleave the setups, so background load on the shared machine hits them alike.
@@ -316,6 +336,7 @@ for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
       nginx) pids=("${NGINX_PIDS[@]}") ;;
       kvmesh) pids=("$PROXY_PID") ;;
       kvmesh-baseline) pids=("$BASELINE_PID") ;;
+      kvmesh-traced) pids=("$TRACED_PID") ;;
       kvmesh-kv) pids=("$KV_PROXY_PID") ;;
       kvmesh-kv-baseline) pids=("$KV_BASELINE_PID") ;;
       *) pids=("${PEER_PID[$setup]}") ;;
@@ -397,6 +418,9 @@ SECTION=$WORK_DIR/section.md
   if [[ -n $BASELINE ]]; then
     echo "- *kvmesh-baseline* (and *kvmesh-kv-baseline*): the binary \`$BASELINE\` with *kvmesh*'s (*kvmesh-kv*'s) configuration, run right after *kvmesh* (*kvmesh-kv*) in every round, to compare a change with what it changes."
   fi
+  if has_setup kvmesh-traced; then
+    echo "- *kvmesh-traced*: *kvmesh*'s configuration plus \`telemetry\` with \`sampling_ratio: 1.0\` (every request recorded: 6 spans each), exported over OTLP/gRPC to \`benches/otlp_sink.py\` (grpcio, pinned to the load generator's core); the receiver counted $(cat "$WORK_DIR/otlp.spans" 2>/dev/null || echo 0) spans."
+  fi
   echo "- Peers, from PyPI into \`.cache/bench/venv-*\`, started as in reference/peers.md §7 and pinned like the proxy: sglang-router $SGLANG_VERSION (\`python -m sglang_router.launch_router --policy round_robin|cache_aware\`, *sglang-rr* / *sglang-ca*) and vllm-router $VLLM_ROUTER_VERSION (\`vllm-router --policy round_robin|cache_aware\`, *vllm-rr* / *vllm-ca*), each with its own Prometheus port and its default health checks; all peers run during the whole benchmark. Their process is the Python launcher that hosts the Rust router, so CPU and RSS include the interpreter."
   echo "- CPU per request: utime + stime from \`/proc/PID/stat\` (all threads; nginx master + worker) over the measured run, divided by its successful requests. RSS: \`VmRSS\` after the run."
   echo
@@ -451,6 +475,7 @@ SECTION=$WORK_DIR/section.md
   echo "| target | measured | result |"
   echo "|---|---|---|"
   for mode in "${MODES[@]}"; do
+    has_setup nginx || break
     k=$(of "kvmesh-$mode-sat" '.requests_per_s' | median)
     n=$(of "nginx-$mode-sat" '.requests_per_s' | median)
     verdict=$(awk -v k="$k" -v n="$n" 'BEGIN { print (k >= n ? "pass" : "FAIL") }')

@@ -11,7 +11,7 @@ use crate::violation::Violation;
 use crate::{
     AdminConfig, AuthConfig, ConfigError, DiscoveryConfig, EventsConfig, FieldPath, GrpcConfig,
     HealthCheckConfig, Invalid, LimitsConfig, ListenerConfig, ModelConfig, OutlierDetectionConfig,
-    ReloadConfig, RetryConfig, Segment, ShutdownConfig, UpstreamConfig,
+    ReloadConfig, RetryConfig, Segment, ShutdownConfig, TelemetryConfig, UpstreamConfig,
 };
 
 /// The whole proxy configuration (one YAML file). Every section is optional and
@@ -47,6 +47,8 @@ pub struct Config {
     pub discovery: DiscoveryConfig,
     /// Where KV events and load reports come from (default: none).
     pub events: EventsConfig,
+    /// Tracing: OpenTelemetry spans over OTLP/gRPC (default: off).
+    pub telemetry: TelemetryConfig,
 }
 
 impl Default for Config {
@@ -66,6 +68,7 @@ impl Default for Config {
             reload: ReloadConfig::default(),
             discovery: DiscoveryConfig::default(),
             events: EventsConfig::default(),
+            telemetry: TelemetryConfig::default(),
         }
     }
 }

@@ -8,6 +8,7 @@ use crate::duration::format_duration;
 use crate::grpc::check_grpc;
 use crate::limits::{MAX_HEADER_BYTES, MAX_HEADERS};
 use crate::reload::check_reload;
+use crate::telemetry::check_telemetry;
 use crate::tls::{check_listener_tls, check_upstream_tls};
 use crate::validate_control_plane::check_control_plane;
 use crate::validate_kv::check_kv;
@@ -31,7 +32,8 @@ pub(crate) fn validate(config: &Config) -> Checked {
         root.key("shutdown").key("drain_timeout"),
     )?;
     check_auth(config, &root.key("auth"))?;
-    check_reload(&config.reload, &root.key("reload"))
+    check_reload(&config.reload, &root.key("reload"))?;
+    check_telemetry(&config.telemetry, &root.key("telemetry"))
 }
 
 fn check_listeners(config: &Config, root: &FieldPath) -> Checked {

@@ -57,6 +57,11 @@
 //! - `x-sim-status: CODE` answers HTTP status CODE with an OpenAI-shaped error body
 //!   (`{"error":{"message","type","param","code"}}`) instead of handling the request.
 //!
+//! A request's W3C `traceparent` / `tracestate` come back on its response as
+//! `x-sim-traceparent` / `x-sim-tracestate`, and `GET /sim/traceparents` lists the
+//! `traceparent` of the last 64 generation requests, so tests see the trace context an engine
+//! received.
+//!
 //! And one endpoint for tests of KV event consumers, `POST /sim/kv_events/faults` with
 //! `{"drop_batches": N, "duplicate_stores": N, "restart": true}` (every field optional):
 //! withhold the next N batches from the PUB socket (their numbers are used, so a gap shows;

@@ -63,4 +63,7 @@ pub enum ProxyError {
     /// The gRPC listener could not be set up or failed.
     #[error("gRPC listener: {0}")]
     Grpc(String),
+    /// Tracing could not start (`telemetry`).
+    #[error("telemetry: {0}")]
+    Telemetry(kvmesh_telemetry::TelemetryError),
 }

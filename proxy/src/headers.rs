@@ -5,6 +5,7 @@
 use http::header::{self, HeaderName};
 use http::{HeaderMap, HeaderValue, Version};
 use kvmesh_h1::fields::{is_end_to_end, listed_in_connection};
+use kvmesh_telemetry::traceparent::{TRACEPARENT, TRACESTATE, is_trace_field};
 use pingora_error::Result;
 use pingora_http::{RequestHeader, ResponseHeader};
 
@@ -25,8 +26,30 @@ fn is_forwarded(headers: &HeaderMap, name: &HeaderName) -> bool {
             .all(|value| !listed_in_connection(value.as_bytes(), name))
 }
 
-/// What the engine request adds to the client's: the engine's `Host`, the body's length
-/// and the request id.
+/// The W3C trace context an engine request carries while tracing is on (it replaces the
+/// client's).
+#[derive(Debug, Clone)]
+pub(crate) struct TraceHeaders {
+    /// `traceparent`: the proxy's attempt span.
+    pub(crate) traceparent: HeaderValue,
+    /// `tracestate`, when the trace has one.
+    pub(crate) tracestate: Option<HeaderValue>,
+}
+
+impl TraceHeaders {
+    /// The fields, named.
+    pub(crate) fn fields(&self) -> impl Iterator<Item = (&'static str, &HeaderValue)> {
+        [
+            (TRACEPARENT, Some(&self.traceparent)),
+            (TRACESTATE, self.tracestate.as_ref()),
+        ]
+        .into_iter()
+        .filter_map(|(name, value)| Some((name, value?)))
+    }
+}
+
+/// What the engine request adds to the client's: the engine's `Host`, the body's length,
+/// the request id and, while tracing, the trace context.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct EngineTarget<'a> {
     /// `Host` of the engine.
@@ -35,11 +58,13 @@ pub(crate) struct EngineTarget<'a> {
     pub(crate) body_len: usize,
     /// `x-request-id`.
     pub(crate) request_id: &'a HeaderValue,
+    /// `traceparent` and `tracestate` (`None`: tracing is off, the client's pass through).
+    pub(crate) trace: Option<&'a TraceHeaders>,
 }
 
 /// The request sent to a backend: the client's method, path and end-to-end
-/// headers, `Host` set to the backend, the body's exact length and the
-/// request id.
+/// headers, `Host` set to the backend, the body's exact length, the
+/// request id and, while tracing, the proxy's trace context.
 pub(crate) fn upstream_request(
     client: &RequestHeader,
     target: &EngineTarget<'_>,
@@ -57,6 +82,7 @@ pub(crate) fn upstream_request(
         if *name == header::HOST
             || *name == header::CONTENT_LENGTH
             || *name == X_REQUEST_ID
+            || (target.trace.is_some() && is_trace_field(name.as_str().as_bytes()))
             || !is_forwarded(&client.headers, name)
         {
             continue;
@@ -66,6 +92,9 @@ pub(crate) fn upstream_request(
     request.insert_header(header::HOST, target.host.clone())?;
     request.insert_header(header::CONTENT_LENGTH, target.body_len)?;
     request.insert_header(X_REQUEST_ID, target.request_id.clone())?;
+    for (name, value) in target.trace.iter().flat_map(|trace| trace.fields()) {
+        request.insert_header(name, value.clone())?;
+    }
     Ok(request)
 }
 
@@ -189,6 +218,7 @@ mod tests {
             host: &host,
             body_len: 42,
             request_id: &id,
+            trace: None,
         };
         let request = upstream_request(&client_request(), &target).unwrap();
         assert_eq!(request.method, "POST");
@@ -213,6 +243,44 @@ mod tests {
         }
         assert_eq!(headers.get_all("host").iter().count(), 1);
         assert_eq!(headers.get_all("x-request-id").iter().count(), 1);
+    }
+
+    #[test]
+    fn the_trace_context_passes_through_unless_the_proxy_traces() {
+        let mut client = client_request();
+        let theirs = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        client.append_header("traceparent", theirs).unwrap();
+        client.append_header("tracestate", "a=1").unwrap();
+        let host = HeaderValue::from_static("127.0.0.1:8001");
+        let id = HeaderValue::from_static("rid");
+        let mut target = EngineTarget {
+            host: &host,
+            body_len: 1,
+            request_id: &id,
+            trace: None,
+        };
+        let off = upstream_request(&client, &target).unwrap();
+        assert_eq!(off.headers["traceparent"], theirs);
+        assert_eq!(off.headers["tracestate"], "a=1");
+
+        let ours = "00-4bf92f3577b34da6a3ce929d0e0e4736-1111111111111111-01";
+        let trace = TraceHeaders {
+            traceparent: HeaderValue::from_static(ours),
+            tracestate: None,
+        };
+        target.trace = Some(&trace);
+        let on = upstream_request(&client, &target).unwrap();
+        let values: Vec<_> = on.headers.get_all("traceparent").iter().collect();
+        assert_eq!(values, [ours]);
+        assert!(!on.headers.contains_key("tracestate"), "theirs is replaced");
+        let with_state = TraceHeaders {
+            tracestate: Some(HeaderValue::from_static("b=2")),
+            ..trace.clone()
+        };
+        target.trace = Some(&with_state);
+        let on = upstream_request(&client, &target).unwrap();
+        let values: Vec<_> = on.headers.get_all("tracestate").iter().collect();
+        assert_eq!(values, ["b=2"]);
     }
 
     #[test]

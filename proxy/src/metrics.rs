@@ -4,6 +4,7 @@
 use std::sync::OnceLock;
 
 use kvmesh_route::metrics::{KvFamilies, KvMetrics};
+use kvmesh_telemetry::SpanCounters;
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -69,6 +70,9 @@ pub(crate) struct Metrics {
     kv: KvFamilies,
     /// Authentication, limits, TLS and reload families.
     pub(crate) edge: EdgeMetrics,
+    /// `kvmesh_trace_spans_exported_total` and `kvmesh_trace_spans_dropped_total{reason}`
+    /// (0 while tracing is off).
+    pub(crate) trace_spans: SpanCounters,
 }
 
 impl Metrics {
@@ -211,6 +215,7 @@ impl Metrics {
         registry.register(Box::new(client_errors_vec))?;
         let kv = KvFamilies::register(&registry)?;
         let edge = EdgeMetrics::new(&registry)?;
+        let trace_spans = SpanCounters::register(&registry, "kvmesh")?;
         Ok(Self {
             registry,
             requests_total,
@@ -230,6 +235,7 @@ impl Metrics {
             client_errors,
             kv,
             edge,
+            trace_spans,
         })
     }
 

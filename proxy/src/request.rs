@@ -27,6 +27,9 @@
 //! 9. **record** ([`record`]): metrics and the log line, written by the front end that
 //!    owns the [`Record`] once the spine returns (it also records what it refused before
 //!    admission).
+//!
+//! While tracing is on ([`trace`]), the request's span and a child per phase start and end
+//! at these boundaries; off, those calls do nothing.
 
 pub(crate) mod admit;
 pub(crate) mod attempt;
@@ -39,6 +42,7 @@ pub(crate) mod relay;
 pub(crate) mod release;
 pub(crate) mod respond;
 pub(crate) mod stop;
+pub(crate) mod trace;
 
 use std::sync::Arc;
 
@@ -62,6 +66,7 @@ use relay::{RelayEnd, relay};
 use release::release;
 use respond::judge;
 use stop::Stop;
+use trace::{Phase, RequestTrace};
 
 /// Proxies one request whose `body` its front end has read (`key`: the API key it
 /// authenticated); returns whether the client connection can serve another request.
@@ -72,7 +77,8 @@ pub(crate) async fn proxy<F: Frontend>(
     key: Option<Arc<ApiKey>>,
     body: Bytes,
 ) -> bool {
-    match run(state, frontend, record, key, body).await {
+    let mut trace = RequestTrace::start(state, &*frontend, record);
+    let reusable = match run(state, frontend, record, &mut trace, key, body).await {
         Ok(reusable) => reusable,
         Err(Stop::Answer(error)) if record.migrations > 0 => {
             tracing::debug!(
@@ -86,7 +92,9 @@ pub(crate) async fn proxy<F: Frontend>(
             record.client_gone = true;
             false
         }
-    }
+    };
+    trace.finish(record);
+    reusable
 }
 
 /// The phases, in order; `Err` when the request stops before the engine's answer.
@@ -94,17 +102,21 @@ async fn run<F: Frontend>(
     state: &State,
     frontend: &mut F,
     record: &mut Record,
+    trace: &mut RequestTrace,
     key: Option<Arc<ApiKey>>,
     body: Bytes,
 ) -> Result<bool, Stop> {
     // 1. admit
+    trace.phase(Phase::Admit);
     let resolved = resolve_model(state, body)?;
     record.stream = resolved.stream;
     let pool = resolved.pool;
+    trace.model(&pool, resolved.adapter.as_deref());
     record.pool = Some(Arc::clone(&pool));
     let permit = admit_key(state, key, pool.name())?;
     let _slot = model_slot(state, &pool, frontend).await?;
     // 2. prepare
+    trace.phase(Phase::Prepare);
     let mut body = resolved.body;
     let route = record.route.unwrap_or(Route::ChatCompletions);
     let adapter = resolved.adapter.as_ref();
@@ -118,6 +130,7 @@ async fn run<F: Frontend>(
     let _in_flight = GaugeGuard::new(&pool.metrics().in_flight);
     let instances = instances_for(&pool, adapter)?;
     // 3. queue
+    trace.phase(Phase::Queue);
     queue(&pool, &instances, &picker, frontend).await?;
     let mut failover = Failover::new(state, &pool);
     let mut migration = Migration::new(route, &body, record.stream, pool.migration_limit());
@@ -131,22 +144,35 @@ async fn run<F: Frontend>(
         record.kv_route.clone_from(&pick.route);
         let in_flight = pick.instance.start_request();
         // 5. attempt
-        let mut engine =
-            match attempt(state, frontend, &pick.instance, &body, &record.request_id).await {
-                Ok(engine) => engine,
-                Err(error) => {
-                    drop(in_flight);
-                    failover.failed(state, &pool, &instances, &pick, error)?;
-                    failover.backoff(frontend).await?;
-                    continue;
-                }
-            };
+        let engine_trace = trace.attempt(&pick.instance);
+        let request_id = &record.request_id;
+        let mut engine = match attempt(
+            state,
+            frontend,
+            &pick.instance,
+            &body,
+            request_id,
+            engine_trace,
+        )
+        .await
+        {
+            Ok(engine) => engine,
+            Err(error) => {
+                drop(in_flight);
+                trace.attempt_failed(&error);
+                failover.failed(state, &pool, &instances, &pick, error)?;
+                failover.backoff(frontend).await?;
+                continue;
+            }
+        };
         // 6. respond
         let Some(status) = judge(state, &pick.instance, &engine) else {
             return Ok(false);
         };
+        trace.answered(status);
         if failover.retries_status(state, &pool, &instances, &pick, status) {
             drop((engine, in_flight));
+            trace.retried();
             failover.backoff(frontend).await?;
             continue;
         }
@@ -156,6 +182,7 @@ async fn run<F: Frontend>(
         // 7. relay
         let metrics = pool.metrics();
         let idle_timeout = state.limits.idle_timeout;
+        trace.relay();
         let mut end = relay(
             frontend,
             &mut engine,
@@ -166,10 +193,12 @@ async fn run<F: Frontend>(
             migration.as_mut(),
         )
         .await;
+        trace.relayed(&end);
         if let RelayEnd::Broken(kind) = end {
             match migration.as_mut().and_then(Migration::next_body) {
                 Some(continuation) => {
                     migrated(state, &pool, &pick, kind, record);
+                    trace.migrating(kind);
                     failover.excluded.insert(pick.index);
                     body = continuation;
                     continue;

@@ -10,7 +10,9 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use kvmesh_config::{
     Config, DiscoveryKind, EventsKind, GRPC_LISTENER, HealthCheckConfig, PolicyKind,
+    TelemetryConfig,
 };
+use kvmesh_telemetry::{Telemetry, TraceSettings};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -79,6 +81,8 @@ pub struct Proxy {
     health_check: HealthCheckConfig,
     drain_timeout: Duration,
     control: ControlLoops,
+    /// Span export (`telemetry.otlp_endpoint`), flushed when the proxy stops.
+    telemetry: Option<Telemetry>,
 }
 
 impl Proxy {
@@ -111,7 +115,11 @@ impl Proxy {
         config.validate()?;
         let metrics = Metrics::new()?;
         let tls = listener_tls(&config, &metrics)?;
-        let (state, builder) = build_state(&config, &metrics, None)?;
+        let telemetry = start_telemetry(&config.telemetry, &metrics)?;
+        let (mut state, builder) = build_state(&config, &metrics, None)?;
+        state.tracer = telemetry
+            .as_ref()
+            .map(|telemetry| telemetry.tracer("kvmesh-proxy"));
         let state = Arc::new(state);
         let control =
             ControlLoops::prepare(&config, control, builder, &state.metrics, &state).await?;
@@ -156,6 +164,7 @@ impl Proxy {
             health_check,
             drain_timeout,
             control,
+            telemetry,
         })
     }
 
@@ -272,6 +281,9 @@ impl Proxy {
         }
         probes.abort_all();
         self.reloader.stop().await;
+        if let Some(telemetry) = self.telemetry {
+            telemetry.shutdown().await;
+        }
         tracing::info!("shutdown complete");
         Ok(())
     }
@@ -376,8 +388,30 @@ pub(crate) fn build_state(
             &metrics.edge,
             previous.map(|state| &state.concurrency),
         ),
+        tracer: previous.and_then(|state| state.tracer.clone()),
     };
     Ok((state, builder))
+}
+
+/// Starts exporting spans when `telemetry` names an OTLP endpoint (counted in `metrics`).
+fn start_telemetry(
+    telemetry: &TelemetryConfig,
+    metrics: &Metrics,
+) -> Result<Option<Telemetry>, ProxyError> {
+    let Some(endpoint) = &telemetry.otlp_endpoint else {
+        return Ok(None);
+    };
+    let settings = TraceSettings {
+        otlp_endpoint: endpoint.clone(),
+        sampling_ratio: telemetry.sampling_ratio,
+        service_name: telemetry.service_name.clone(),
+        export_interval: telemetry.export_interval,
+        export_timeout: telemetry.export_timeout,
+        max_queue_size: telemetry.max_queue_size,
+    };
+    Telemetry::start(&settings, Vec::new(), metrics.trace_spans.clone())
+        .map(Some)
+        .map_err(ProxyError::Telemetry)
 }
 
 /// Whether the model pools of `old` serve `new` as they are: the same models,

@@ -45,4 +45,6 @@ pub(crate) struct State {
     pub(crate) auth: Authenticator,
     /// Per-model concurrency limits.
     pub(crate) concurrency: ConcurrencyLimits,
+    /// Where request spans start (`None`: tracing is off). Kept by reloads.
+    pub(crate) tracer: Option<kvmesh_telemetry::Tracer>,
 }

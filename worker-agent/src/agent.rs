@@ -5,6 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvmesh_control::{EventBus, InstanceId, InstanceRecord, InstanceState, Registry};
+use kvmesh_telemetry::Telemetry;
+use opentelemetry::KeyValue;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -12,8 +14,8 @@ use tokio::task::JoinHandle;
 use crate::config::AgentConfig;
 use crate::core::Core;
 use crate::endpoint::rank_endpoint;
-use crate::engine_facts::{EngineFacts, FactSource};
 use crate::engine::intake::Intake;
+use crate::engine_facts::{EngineFacts, FactSource};
 use crate::error::AgentError;
 use crate::health;
 use crate::http_client::EngineClient;
@@ -41,6 +43,8 @@ pub struct AgentHandle {
     registration: Option<JoinHandle<()>>,
     tasks: Vec<JoinHandle<()>>,
     drain: Duration,
+    /// Span export (`--otlp-endpoint`), flushed by a graceful stop.
+    telemetry: Option<Telemetry>,
 }
 
 impl AgentHandle {
@@ -87,6 +91,9 @@ impl AgentHandle {
         for task in &self.tasks {
             task.abort();
         }
+        if let Some(telemetry) = self.telemetry.take() {
+            telemetry.shutdown().await;
+        }
     }
 }
 
@@ -123,6 +130,17 @@ fn validate(config: &AgentConfig) -> Result<(), AgentError> {
     }
     if config.load_interval.is_zero() || config.health_interval.is_zero() {
         return bad("intervals must be greater than zero".into());
+    }
+    if let Some(tracing) = &config.tracing {
+        if !tracing.otlp_endpoint.starts_with("http://") {
+            return bad(format!(
+                "OTLP endpoint {:?} must be http://HOST:PORT",
+                tracing.otlp_endpoint
+            ));
+        }
+        if !(0.0..=1.0).contains(&tracing.sampling_ratio) {
+            return bad("the trace sampling ratio must be from 0 to 1".into());
+        }
     }
     Ok(())
 }
@@ -168,6 +186,23 @@ pub async fn start(
     let ns = &config.namespace;
     let id = config.instance_id;
     let mut tasks = Vec::new();
+    let telemetry = match &config.tracing {
+        Some(settings) => {
+            let process = vec![
+                KeyValue::new("service.instance.id", id.to_string()),
+                KeyValue::new("kvmesh.model", config.model.clone()),
+            ];
+            Some(Telemetry::start(
+                settings,
+                process,
+                metrics.trace_spans.clone(),
+            )?)
+        }
+        None => None,
+    };
+    let tracer = telemetry
+        .as_ref()
+        .map(|telemetry| telemetry.tracer("kvmesh-agent"));
 
     // What the engine states about itself: its adapters and KV cache shape.
     let engine = EngineClient::new(&config.engine_url);
@@ -184,20 +219,16 @@ pub async fn start(
 
     let (out_tx, out_rx) = mpsc::channel(PUBLISH_QUEUE);
     let core = Arc::new(
-        Core::new(
-            id,
-            config.dp_ranks,
-            block_size,
-            out_tx,
-            metrics.clone(),
-        )
-        .map_err(|e| AgentError::Config(e.to_string()))?,
+        Core::new(id, config.dp_ranks, block_size, out_tx, metrics.clone())
+            .map_err(|e| AgentError::Config(e.to_string()))?
+            .with_tracer(tracer.clone()),
     );
     tasks.push(tokio::spawn(publish::publisher(
         bus.clone(),
         ns.event_subject(&config.model),
         out_rx,
         metrics.clone(),
+        tracer.clone(),
     )));
     let requests = bus.serve(&ns.snapshot_subject(id)).await?;
     tasks.push(tokio::spawn(publish::resync_service(
@@ -282,6 +313,7 @@ pub async fn start(
         facts: facts_rx,
         ttl: config.lease_ttl,
         metrics: metrics.clone(),
+        tracer,
     };
     let registration = tokio::spawn(registration.run(desired_rx, written_tx, stop_rx));
     tasks.push(tokio::spawn(health::run(
@@ -312,6 +344,7 @@ pub async fn start(
         registration: Some(registration),
         tasks,
         drain: config.drain,
+        telemetry,
     };
     let mut registered = written;
     match tokio::time::timeout_at(deadline, registered.wait_for(Option::is_some)).await {

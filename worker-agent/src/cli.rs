@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use kvmesh_control::{InstanceId, Namespace};
+use kvmesh_telemetry::TraceSettings;
 
 use crate::config::{AgentConfig, EngineKind};
 
@@ -38,6 +39,30 @@ pub fn parse_labels(s: &str) -> Result<BTreeMap<String, String>, String> {
             _ => Err(format!("label {pair:?} is not key=value")),
         })
         .collect()
+}
+
+/// Parses a sampling ratio, 0 to 1.
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(ratio) if (0.0..=1.0).contains(&ratio) => Ok(ratio),
+        _ => Err(format!(
+            "invalid ratio {s:?}: expected a number from 0 to 1"
+        )),
+    }
+}
+
+/// Parses an OTLP/gRPC endpoint, `http://HOST:PORT`.
+fn parse_otlp_endpoint(s: &str) -> Result<String, String> {
+    let port = s
+        .strip_prefix("http://")
+        .and_then(|authority| authority.trim_end_matches('/').rsplit_once(':'))
+        .and_then(|(host, port)| (!host.is_empty()).then_some(port));
+    match port.map(str::parse::<u16>) {
+        Some(Ok(port)) if port > 0 => Ok(s.to_owned()),
+        _ => Err(format!(
+            "invalid OTLP endpoint {s:?}: expected http://HOST:PORT (plaintext OTLP/gRPC)"
+        )),
+    }
 }
 
 fn parse_namespace(s: &str) -> Result<Namespace, String> {
@@ -126,6 +151,13 @@ pub struct Cli {
     /// How long start-up may take.
     #[arg(long, env = "KVMESH_AGENT_STARTUP_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
     pub startup_timeout: Duration,
+    /// Export spans (registration, each event batch's translation and publishing) to this
+    /// OTLP/gRPC receiver, `http://HOST:PORT` (default: tracing off).
+    #[arg(long, env = "KVMESH_AGENT_OTLP_ENDPOINT", value_parser = parse_otlp_endpoint)]
+    pub otlp_endpoint: Option<String>,
+    /// Share of traces recorded, 0 to 1 (with --otlp-endpoint).
+    #[arg(long, env = "KVMESH_AGENT_TRACE_SAMPLING_RATIO", default_value_t = 1.0, value_parser = parse_ratio)]
+    pub trace_sampling_ratio: f64,
 }
 
 impl Cli {
@@ -150,6 +182,14 @@ impl Cli {
             config.instance_id = id;
         }
         config.startup_timeout = self.startup_timeout;
+        config.tracing = self.otlp_endpoint.as_ref().map(|endpoint| TraceSettings {
+            otlp_endpoint: endpoint.clone(),
+            sampling_ratio: self.trace_sampling_ratio,
+            service_name: "kvmesh-agent".to_owned(),
+            export_interval: Duration::from_secs(1),
+            export_timeout: Duration::from_secs(10),
+            max_queue_size: 2048,
+        });
         config
     }
 }
@@ -201,7 +241,11 @@ mod tests {
         let c = cli.config();
         assert_eq!(c.model, "org/m");
         assert_eq!(c.engine_kind, EngineKind::Sglang);
-        assert_eq!((c.dp_ranks, c.block_size), (2, None), "the engine's, once it says");
+        assert_eq!(
+            (c.dp_ranks, c.block_size),
+            (2, None),
+            "the engine's, once it says"
+        );
         assert_eq!(c.instance_id, InstanceId(0xc0ffee));
         assert_eq!(c.lease_ttl, Duration::from_secs(10));
         assert_eq!(c.load_interval, Duration::from_millis(250));
@@ -225,5 +269,34 @@ mod tests {
             ])
             .is_err()
         );
+    }
+
+    #[test]
+    fn tracing_flags_turn_tracing_on() {
+        let base = ["kvmesh-agent", "--model", "m", "--etcd", "e", "--nats", "n"];
+        let off = Cli::try_parse_from(base).expect("valid flags");
+        assert_eq!(off.config().tracing, None);
+        let on = Cli::try_parse_from(
+            base.into_iter()
+                .chain(["--otlp-endpoint", "http://127.0.0.1:4317"])
+                .chain(["--trace-sampling-ratio", "0.25"]),
+        )
+        .expect("valid flags");
+        let tracing = on.config().tracing.expect("tracing on");
+        assert_eq!(tracing.otlp_endpoint, "http://127.0.0.1:4317");
+        assert_eq!(tracing.sampling_ratio, 0.25);
+        assert_eq!(tracing.service_name, "kvmesh-agent");
+        for bad in [
+            ["--otlp-endpoint", "127.0.0.1:4317"],
+            ["--otlp-endpoint", "http://collector"],
+            ["--otlp-endpoint", "http://:4317"],
+            ["--trace-sampling-ratio", "1.5"],
+            ["--trace-sampling-ratio", "x"],
+        ] {
+            assert!(
+                Cli::try_parse_from(base.into_iter().chain(bad)).is_err(),
+                "{bad:?}"
+            );
+        }
     }
 }

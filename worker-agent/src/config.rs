@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvmesh_control::{InstanceId, Namespace};
+use kvmesh_telemetry::TraceSettings;
 
 /// Which engine the agent sits beside: decides the positional event layout and the metric
 /// names scraped for load.
@@ -60,6 +61,8 @@ pub struct AgentConfig {
     pub instance_id: InstanceId,
     /// How long start-up may take (engine sockets connected, first registration).
     pub startup_timeout: Duration,
+    /// Where spans go (`None`: tracing off).
+    pub tracing: Option<TraceSettings>,
 }
 
 impl AgentConfig {
@@ -86,6 +89,7 @@ impl AgentConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             instance_id: InstanceId::random(),
             startup_timeout: Duration::from_secs(60),
+            tracing: None,
         }
     }
 }

@@ -9,10 +9,14 @@ use std::time::Instant;
 use bytes::Bytes;
 use kvmesh_control::{EventBatch, InstanceId, RankedEvent, SnapshotReply, SnapshotRequest};
 use kvmesh_kv::KvEvent;
+use kvmesh_telemetry::Tracer;
+use opentelemetry::KeyValue;
+use opentelemetry::trace::{SpanContext, SpanKind};
 use tokio::sync::mpsc;
 
 use crate::engine::batch::{EngineBatch, EngineEvent};
 use crate::metrics::AgentMetrics;
+use crate::trace::AgentSpan;
 use crate::translate::{Miss, RankTable};
 
 /// Batches kept for replay to proxies.
@@ -25,6 +29,8 @@ pub(crate) struct Outgoing {
     pub payload: Bytes,
     /// When the engine message that produced it was received.
     pub received: Instant,
+    /// The span of its translation (the publish span's parent), while tracing.
+    pub trace: Option<SpanContext>,
 }
 
 struct State {
@@ -41,6 +47,8 @@ pub(crate) struct Core {
     state: Mutex<State>,
     outgoing: mpsc::Sender<Outgoing>,
     metrics: AgentMetrics,
+    /// Traces each engine batch's translation (`None`: tracing is off).
+    tracer: Option<Tracer>,
 }
 
 impl Core {
@@ -67,7 +75,14 @@ impl Core {
             }),
             outgoing,
             metrics,
+            tracer: None,
         })
+    }
+
+    /// The core with each batch's translation traced by `tracer`.
+    pub(crate) fn with_tracer(mut self, tracer: Option<Tracer>) -> Self {
+        self.tracer = tracer;
+        self
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -78,6 +93,18 @@ impl Core {
     /// any) for publishing; returns the number of blocks stored under an unknown parent.
     pub(crate) fn apply(&self, rank: u32, batch: &EngineBatch, received: Instant) -> usize {
         let m = &self.metrics;
+        let mut span = AgentSpan::start(
+            self.tracer.as_ref(),
+            "translate kv events",
+            SpanKind::Internal,
+            None,
+            || {
+                vec![
+                    KeyValue::new("kvmesh.dp_rank", i64::from(rank)),
+                    KeyValue::new("kvmesh.engine_events", batch.events.len() as i64),
+                ]
+            },
+        );
         let mut state = self.lock();
         let state = &mut *state;
         let single_rank = state.ranks.len() == 1;
@@ -136,10 +163,13 @@ impl Core {
         }
         m.cached_blocks
             .set(state.ranks.iter().map(RankTable::len).sum::<usize>() as i64);
+        span.set(|| KeyValue::new("kvmesh.kv_events", state.scratch.len() as i64));
+        span.set(|| KeyValue::new("kvmesh.unknown_parent_blocks", unknown_parent as i64));
         if !state.scratch.is_empty() {
             let events = std::mem::take(&mut state.scratch);
-            self.publish_locked(state, rank, events, received);
+            self.publish_locked(state, rank, events, received, span.context());
         }
+        span.end();
         unknown_parent
     }
 
@@ -154,7 +184,7 @@ impl Core {
         let mut events = Vec::new();
         table.cleared(single_rank, &mut events);
         if !events.is_empty() {
-            self.publish_locked(state, rank, events, Instant::now());
+            self.publish_locked(state, rank, events, Instant::now(), None);
         }
     }
 
@@ -164,6 +194,7 @@ impl Core {
         rank: u32,
         events: Vec<KvEvent>,
         received: Instant,
+        trace: Option<SpanContext>,
     ) {
         state.last_seq += 1;
         let batch = EventBatch {
@@ -189,7 +220,11 @@ impl Core {
         state.ring.push_back(batch);
         if self
             .outgoing
-            .try_send(Outgoing { payload, received })
+            .try_send(Outgoing {
+                payload,
+                received,
+                trace,
+            })
             .is_err()
         {
             // The proxies see the gap in `seq` and replay it from the ring buffer.

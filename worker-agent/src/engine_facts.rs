@@ -82,7 +82,11 @@ impl FactSource {
             if let Some(engine) = cache.and_then(|c| c.block_size)
                 && engine != block_size
             {
-                tracing::error!(engine, agent = block_size, "the engine's KV block size changed: restart the agent");
+                tracing::error!(
+                    engine,
+                    agent = block_size,
+                    "the engine's KV block size changed: restart the agent"
+                );
             }
             facts.send_if_modified(|known| {
                 if *known == now {

@@ -25,4 +25,7 @@ pub enum AgentError {
     /// Metrics could not be created.
     #[error("metrics: {0}")]
     Metrics(#[from] prometheus::Error),
+    /// Tracing could not start.
+    #[error("tracing: {0}")]
+    Telemetry(#[from] kvmesh_telemetry::TelemetryError),
 }

@@ -40,6 +40,7 @@ mod prom_text;
 mod publish;
 mod registration;
 mod server;
+mod trace;
 pub mod translate;
 
 pub use agent::{AgentHandle, start};

@@ -1,5 +1,6 @@
 //! The agent's Prometheus metrics (`GET /metrics` on its listener).
 
+use kvmesh_telemetry::SpanCounters;
 use prometheus::{
     Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
     TextEncoder,
@@ -47,6 +48,9 @@ pub struct AgentMetrics {
     pub adapters: IntGauge,
     /// `kvmesh_agent_load_reports_total{result}`: engine `/metrics` scrapes (`ok`, `error`).
     pub load_reports: IntCounterVec,
+    /// `kvmesh_agent_trace_spans_exported_total` and
+    /// `kvmesh_agent_trace_spans_dropped_total{reason}` (0 while tracing is off).
+    pub trace_spans: SpanCounters,
 }
 
 fn counter(registry: &Registry, name: &str, help: &str) -> prometheus::Result<IntCounter> {
@@ -170,6 +174,7 @@ impl AgentMetrics {
                 "Engine /metrics scrapes, by result",
                 "result",
             )?,
+            trace_spans: SpanCounters::register(&r, "kvmesh_agent")?,
             registry: r,
         })
     }

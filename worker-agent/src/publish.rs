@@ -5,28 +5,50 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use kvmesh_control::{ControlError, EventBus, SnapshotReply, SnapshotRequest, Subscription};
+use kvmesh_telemetry::Tracer;
+use opentelemetry::KeyValue;
+use opentelemetry::trace::SpanKind;
 use tokio::sync::mpsc;
 
 use crate::core::{Core, Outgoing};
 use crate::metrics::AgentMetrics;
+use crate::trace::AgentSpan;
 
-/// Publishes queued batches until the queue closes.
+/// Publishes queued batches until the queue closes; a batch whose translation was traced
+/// gets a publish span under it (`tracer`).
 pub(crate) async fn publisher(
     bus: Arc<dyn EventBus>,
     subject: String,
     mut queue: mpsc::Receiver<Outgoing>,
     metrics: AgentMetrics,
+    tracer: Option<Tracer>,
 ) {
     while let Some(out) = queue.recv().await {
+        let mut span = AgentSpan::start(
+            tracer.as_ref().filter(|_| out.trace.is_some()),
+            "publish kv events",
+            SpanKind::Producer,
+            out.trace.as_ref(),
+            || {
+                vec![
+                    KeyValue::new("messaging.system", "nats"),
+                    KeyValue::new("messaging.operation.type", "send"),
+                    KeyValue::new("messaging.destination.name", subject.clone()),
+                    KeyValue::new("messaging.message.body.size", out.payload.len() as i64),
+                ]
+            },
+        );
         match bus.publish(&subject, out.payload).await {
             Ok(()) => metrics
                 .publish_seconds
                 .observe(out.received.elapsed().as_secs_f64()),
             Err(e) => {
+                span.fail(&e);
                 metrics.dropped.with_label_values(&["publish_failed"]).inc();
                 tracing::debug!(error = %e, "cannot publish a KV event batch");
             }
         }
+        span.end();
     }
 }
 

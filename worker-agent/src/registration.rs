@@ -6,10 +6,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvmesh_control::{ControlError, InstanceRecord, InstanceState, LeaseId, Registry};
+use kvmesh_telemetry::Tracer;
+use opentelemetry::KeyValue;
+use opentelemetry::trace::SpanKind;
 use tokio::sync::watch;
 
 use crate::engine_facts::EngineFacts;
 use crate::metrics::AgentMetrics;
+use crate::trace::AgentSpan;
 
 /// Retry pause after a failed registration attempt.
 const RETRY: Duration = Duration::from_millis(500);
@@ -29,9 +33,21 @@ pub(crate) struct Registration {
     pub ttl: Duration,
     /// Counters.
     pub metrics: AgentMetrics,
+    /// Traces each registration (`None`: tracing is off).
+    pub tracer: Option<Tracer>,
 }
 
 impl Registration {
+    /// A span of registering the record (`name`), when tracing.
+    fn span(&self, name: &'static str) -> AgentSpan {
+        AgentSpan::start(self.tracer.as_ref(), name, SpanKind::Client, None, || {
+            vec![
+                KeyValue::new("kvmesh.registry.key", self.key.clone()),
+                KeyValue::new("kvmesh.instance_id", self.record.instance_id.to_string()),
+            ]
+        })
+    }
+
     async fn put(&self, state: InstanceState, lease: LeaseId) -> Result<(), ControlError> {
         let mut record = self.record.clone();
         record.state = state;
@@ -56,9 +72,12 @@ impl Registration {
             if *stop.borrow() {
                 return;
             }
+            let mut span = self.span("register");
             let lease = match self.registry.grant_lease(self.ttl).await {
                 Ok(lease) => lease,
                 Err(e) => {
+                    span.fail(&e);
+                    span.end();
                     tracing::warn!(error = %e, "cannot get a registry lease; retrying");
                     tokio::select! {
                         _ = tokio::time::sleep(RETRY) => continue,
@@ -68,7 +87,13 @@ impl Registration {
             };
             let mut state = *desired.borrow_and_update();
             self.facts.mark_unchanged();
-            if let Err(e) = self.put(state, lease).await {
+            span.set(|| KeyValue::new("kvmesh.instance_state", state.as_str()));
+            let put = self.put(state, lease).await;
+            if let Err(e) = &put {
+                span.fail(e);
+            }
+            span.end();
+            if let Err(e) = put {
                 tracing::warn!(error = %e, "cannot register the instance; retrying");
                 tokio::select! {
                     _ = tokio::time::sleep(RETRY) => continue,

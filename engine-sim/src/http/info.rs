@@ -37,6 +37,15 @@ pub(crate) fn models(state: &EngineState) -> Response<ResponseBody> {
     json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
 }
 
+/// `GET /sim/traceparents` (test hook): `{"traceparents": [...]}`, the `traceparent` of the
+/// last 64 generation requests that had one, oldest first.
+pub(crate) fn traceparents(state: &EngineState) -> Response<ResponseBody> {
+    json_response(
+        StatusCode::OK,
+        &json!({ "traceparents": state.traceparents() }),
+    )
+}
+
 /// `GET /health` and friends: 200 with an empty body.
 pub(crate) fn health() -> Response<ResponseBody> {
     empty_response(StatusCode::OK)

@@ -23,6 +23,10 @@ pub(crate) const DELAY_HEADER: &str = "x-sim-delay-ms";
 pub(crate) const STATUS_HEADER: &str = "x-sim-status";
 /// Names the engine on every response.
 const ENGINE_ID_HEADER: &str = "x-engine-id";
+/// W3C trace context fields of a request, echoed (test hook) as [`ECHOED_TRACE_HEADERS`].
+const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
+/// Test hook: the request's `traceparent` / `tracestate`, as the engine received them.
+const ECHOED_TRACE_HEADERS: [&str; 2] = ["x-sim-traceparent", "x-sim-tracestate"];
 
 #[derive(Debug, Clone, Copy)]
 enum Route {
@@ -33,6 +37,7 @@ enum Route {
     Generate,
     ResetPrefixCache,
     KvFaults,
+    Traceparents,
     LoadLora,
     UnloadLora,
     Models,
@@ -61,6 +66,7 @@ fn lookup(path: &str) -> Option<(Route, &'static str)> {
         "/generate" => (Route::Generate, "POST"),
         "/reset_prefix_cache" => (Route::ResetPrefixCache, "POST"),
         "/sim/kv_events/faults" => (Route::KvFaults, "POST"),
+        "/sim/traceparents" => (Route::Traceparents, "GET"),
         "/v1/load_lora_adapter" => (Route::LoadLora, "POST"),
         "/v1/unload_lora_adapter" => (Route::UnloadLora, "POST"),
         "/v1/models" => (Route::Models, "GET"),
@@ -77,12 +83,18 @@ pub(crate) async fn handle(
     state: Arc<EngineState>,
     req: Request<Incoming>,
 ) -> Response<ResponseBody> {
+    let trace = TRACE_HEADERS.map(|name| req.headers().get(name).cloned());
     let mut res = match route(&state, req).await {
         Ok(res) => res,
         Err(e) => e.into_response(),
     };
-    res.headers_mut()
-        .insert(ENGINE_ID_HEADER, state.engine_id.clone());
+    let headers = res.headers_mut();
+    headers.insert(ENGINE_ID_HEADER, state.engine_id.clone());
+    for (name, value) in ECHOED_TRACE_HEADERS.into_iter().zip(trace) {
+        if let Some(value) = value {
+            headers.insert(name, value);
+        }
+    }
     res
 }
 
@@ -109,6 +121,9 @@ async fn route(
         return Ok(res);
     }
     if route.generates() {
+        if let Some(traceparent) = req.headers().get(TRACE_HEADERS[0]) {
+            state.saw_traceparent(&String::from_utf8_lossy(traceparent.as_bytes()));
+        }
         apply_config_hooks(state).await?;
     }
     Ok(match route {
@@ -121,6 +136,7 @@ async fn route(
         Route::Generate => sglang::handle(state.clone(), read_body(req).await?).await,
         Route::ResetPrefixCache => info::reset_prefix_cache(state.clone()).await,
         Route::KvFaults => kv_faults::handle(state.clone(), read_body(req).await?).await,
+        Route::Traceparents => info::traceparents(state),
         Route::LoadLora => lora::load(state, &read_body(req).await?),
         Route::UnloadLora => lora::unload(state, &read_body(req).await?),
         Route::Models => info::models(state),

@@ -1,8 +1,9 @@
 //! Per-engine state shared by every connection.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use http::HeaderValue;
@@ -13,6 +14,9 @@ use crate::metrics::EngineMetrics;
 use crate::scheduler::SchedulerHandle;
 use crate::tokenizer::Tokenizer;
 use crate::zmq_events::FaultControl;
+
+/// `traceparent` values kept for `GET /sim/traceparents`.
+const TRACEPARENTS_KEPT: usize = 64;
 
 /// What handlers need: configuration, tokenizer, LoRA adapters, scheduler and metrics.
 #[derive(Debug)]
@@ -37,6 +41,8 @@ pub(crate) struct EngineState {
     pub kv_faults: Option<Arc<FaultControl>>,
     next_id: AtomicU64,
     id_salt: u64,
+    /// The `traceparent` of the last generation requests, oldest first (a test hook).
+    traceparents: Mutex<VecDeque<String>>,
 }
 
 /// Current Unix time in seconds.
@@ -75,6 +81,7 @@ impl EngineState {
             kv_faults,
             next_id: AtomicU64::new(0),
             id_salt,
+            traceparents: Mutex::new(VecDeque::with_capacity(TRACEPARENTS_KEPT)),
         }
     }
 
@@ -82,5 +89,26 @@ impl EngineState {
     pub(crate) fn response_id(&self, prefix: &str) -> String {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         format!("{prefix}{:016x}{n:016x}", self.id_salt)
+    }
+
+    /// Keeps a generation request's `traceparent` (the last 64 are kept).
+    pub(crate) fn saw_traceparent(&self, value: &str) {
+        let mut kept = self
+            .traceparents
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if kept.len() == TRACEPARENTS_KEPT {
+            kept.pop_front();
+        }
+        kept.push_back(value.to_owned());
+    }
+
+    /// The `traceparent` values kept, oldest first.
+    pub(crate) fn traceparents(&self) -> Vec<String> {
+        let kept = self
+            .traceparents
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        kept.iter().cloned().collect()
     }
 }

@@ -5,6 +5,7 @@
 
 use bytes::{Bytes, BytesMut};
 use kvmesh_proto::inference::{ModelInferResponse, ModelStreamInferResponse};
+use kvmesh_telemetry::traceparent::{TRACEPARENT, TRACESTATE};
 use pingora_http::RequestHeader;
 use tokio::sync::mpsc;
 use tonic::Status;
@@ -13,6 +14,7 @@ use crate::api_error::ApiError;
 use crate::failure::FailureKind;
 use crate::grpc::engine_json::{error_message, parse_completion};
 use crate::grpc::failure::Failure;
+use crate::grpc::infer::Call;
 use crate::grpc::outputs::{Piece, Reply};
 use crate::grpc::sse::{DONE, SseData};
 use crate::headers::EngineTarget;
@@ -109,6 +111,8 @@ enum Answer {
 /// The gRPC client of one proxied request.
 pub(crate) struct GrpcClient<'a> {
     head: &'a RequestHeader,
+    /// The call's metadata (its trace context).
+    call: &'a Call,
     sink: &'a mut Sink,
     reply: &'a Reply,
     /// Send each generated chunk as it comes (else one folded response).
@@ -120,10 +124,11 @@ pub(crate) struct GrpcClient<'a> {
 }
 
 impl<'a> GrpcClient<'a> {
-    /// A client whose engine request is built from `head` and whose responses, shaped by
-    /// `reply`, go to `sink`: one per generated chunk when `deltas`, else one.
+    /// A client of `call` whose engine request is built from `head` and whose responses,
+    /// shaped by `reply`, go to `sink`: one per generated chunk when `deltas`, else one.
     pub(crate) fn new(
         head: &'a RequestHeader,
+        call: &'a Call,
         sink: &'a mut Sink,
         reply: &'a Reply,
         deltas: bool,
@@ -131,6 +136,7 @@ impl<'a> GrpcClient<'a> {
     ) -> Self {
         Self {
             head,
+            call,
             sink,
             reply,
             deltas,
@@ -261,8 +267,16 @@ impl Frontend for GrpcClient<'_> {
         upstream_request(self.head, target)
     }
 
+    /// The call's `traceparent` and `tracestate` metadata; other names: the engine head's.
     fn header(&self, name: &str) -> Option<&str> {
-        self.head.headers.get(name)?.to_str().ok()
+        let metadata = if name.eq_ignore_ascii_case(TRACEPARENT) {
+            &self.call.traceparent
+        } else if name.eq_ignore_ascii_case(TRACESTATE) {
+            &self.call.tracestate
+        } else {
+            return self.head.headers.get(name)?.to_str().ok();
+        };
+        metadata.as_ref()?.to_str().ok()
     }
 
     async fn gone(&mut self) {

@@ -10,6 +10,7 @@ use http::header::CONTENT_TYPE;
 use kvmesh_proto::inference::ModelInferRequest;
 use pingora_http::RequestHeader;
 use tokio::time::{Instant, timeout_at};
+use tonic::metadata::AsciiMetadataValue;
 
 use crate::api_error::ApiError;
 use crate::auth::{ApiKey, AuthFailure};
@@ -89,6 +90,10 @@ pub(crate) struct Call {
     pub(crate) credentials: Credentials,
     /// When the call must end (`grpc-timeout`).
     pub(crate) deadline: Option<Instant>,
+    /// The `traceparent` metadata (W3C trace context; read only while tracing).
+    pub(crate) traceparent: Option<AsciiMetadataValue>,
+    /// The `tracestate` metadata.
+    pub(crate) tracestate: Option<AsciiMetadataValue>,
 }
 
 /// Serves `request` on `rpc` within `call`: its responses go to `sink`.
@@ -170,6 +175,7 @@ async fn serve(
     record.route = Some(Route::Completions);
     let mut client = GrpcClient::new(
         &shared.head,
+        call,
         sink,
         &reply,
         completion.stream,

@@ -19,6 +19,7 @@ use kvmesh_proto::inference::{
     SystemSharedMemoryUnregisterRequest, SystemSharedMemoryUnregisterResponse, TraceSettingRequest,
     TraceSettingResponse,
 };
+use kvmesh_telemetry::traceparent::{TRACEPARENT, TRACESTATE};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
@@ -74,13 +75,15 @@ fn is_ready(pool: &ModelPool) -> bool {
     pool.instances().iter().any(|i| i.is_available(now))
 }
 
-/// What the call's metadata says: its API key and deadline.
+/// What the call's metadata says: its API key, deadline and trace context.
 fn call(metadata: &MetadataMap) -> Call {
     Call {
         credentials: metadata
             .get("authorization")
             .map(|value| Arc::from(value.as_bytes())),
         deadline: deadline(metadata, Instant::now()),
+        traceparent: metadata.get(TRACEPARENT).cloned(),
+        tracestate: metadata.get(TRACESTATE).cloned(),
     }
 }
 

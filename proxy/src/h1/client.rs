@@ -9,9 +9,11 @@ use std::task::{Poll, ready};
 use bytes::{Bytes, BytesMut};
 use http::header::HeaderName;
 use http::{HeaderValue, Method};
+use kvmesh_h1::body::{Decoded, Framing};
 use kvmesh_h1::digits::{push_decimal, push_hex};
 use kvmesh_h1::fields::is_end_to_end;
 use kvmesh_h1::head::{Known, RequestHead};
+use kvmesh_telemetry::traceparent::is_trace_field;
 use pingora_http::RequestHeader;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -38,6 +40,10 @@ pub(crate) enum BodyRead {
     Timeout,
     /// The client closed the connection.
     Gone,
+    /// The body is (or was announced, by its length or a chunk's size) over the limit.
+    TooLarge,
+    /// The chunked body breaks RFC 9112's grammar.
+    Malformed,
 }
 
 /// One request's client on the fast path.
@@ -52,6 +58,8 @@ pub(crate) struct FastConnection<'a> {
     pub(crate) strip_authorization: bool,
     /// The connection closes after this response.
     pub(crate) close: bool,
+    /// The whole request body was read.
+    pub(crate) body_read: bool,
     /// The response body is chunk-encoded.
     chunked: bool,
 }
@@ -72,25 +80,63 @@ impl<'a> FastConnection<'a> {
             head,
             strip_authorization: false,
             close,
+            body_read: false,
             chunked: false,
         }
     }
 
-    /// Reads a body of `length` bytes by `deadline`.
+    /// Reads the body framed by `framing` (a length, or chunked), of at most `limit` bytes,
+    /// by `deadline`. A body announced over the limit is refused before it is read.
     pub(crate) async fn read_body(
         &mut self,
-        length: usize,
+        mut framing: Framing,
+        limit: u64,
         deadline: Instant,
     ) -> Result<Bytes, BodyRead> {
-        while self.buf.len() < length {
-            self.buf.reserve(length - self.buf.len());
-            match timeout_at(deadline, self.tcp.read_buf(self.buf)).await {
-                Err(_) => return Err(BodyRead::Timeout),
-                Ok(Ok(0) | Err(_)) => return Err(BodyRead::Gone),
-                Ok(Ok(_)) => {}
+        if framing.announced() > limit {
+            return Err(BodyRead::TooLarge);
+        }
+        if let Framing::Length(length) = framing {
+            let length = usize::try_from(length).map_err(|_| BodyRead::TooLarge)?;
+            while self.buf.len() < length {
+                self.buf.reserve(length - self.buf.len());
+                self.read_within(deadline).await?;
+            }
+            self.body_read = true;
+            return Ok(self.buf.split_to(length).freeze());
+        }
+        let mut body = BytesMut::new();
+        loop {
+            let decoded = framing
+                .decode(self.buf, false)
+                .map_err(|_| BodyRead::Malformed)?;
+            if let Decoded::Data(data) = &decoded {
+                body.extend_from_slice(data);
+            }
+            // A chunk announced over the limit is refused before its data is waited for.
+            if (body.len() as u64).saturating_add(framing.announced()) > limit {
+                return Err(BodyRead::TooLarge);
+            }
+            match decoded {
+                Decoded::Data(_) => {}
+                Decoded::End => break,
+                Decoded::NeedMore => {
+                    self.buf.reserve(READ_RESERVE);
+                    self.read_within(deadline).await?;
+                }
             }
         }
-        Ok(self.buf.split_to(length).freeze())
+        self.body_read = true;
+        Ok(body.freeze())
+    }
+
+    /// Reads more of the request by `deadline`.
+    async fn read_within(&mut self, deadline: Instant) -> Result<(), BodyRead> {
+        match timeout_at(deadline, self.tcp.read_buf(self.buf)).await {
+            Err(_) => Err(BodyRead::Timeout),
+            Ok(Ok(0) | Err(_)) => Err(BodyRead::Gone),
+            Ok(Ok(_)) => Ok(()),
+        }
     }
 
     /// Writes what is pending; `false` when the client is gone.
@@ -116,7 +162,7 @@ impl Frontend for FastConnection<'_> {
     fn engine_request(&self, target: &EngineTarget<'_>) -> pingora_error::Result<RequestHeader> {
         let mut client = RequestHeader::build(
             Method::POST,
-            self.head.target(),
+            self.head.origin_form(),
             Some(self.head.fields.len()),
         )?;
         for (name, value) in self.head.fields.iter() {
@@ -148,10 +194,10 @@ impl Frontend for FastConnection<'_> {
     ) -> pingora_error::Result<()> {
         out.extend_from_slice(self.head.method());
         out.push(b' ');
-        out.extend_from_slice(self.head.target());
+        out.extend_from_slice(self.head.origin_form());
         out.extend_from_slice(b" HTTP/1.1\r\n");
         for (name, value) in self.head.fields.iter() {
-            if self.forwards(name) {
+            if self.forwards(name) && !(target.trace.is_some() && is_trace_field(name)) {
                 out.extend_from_slice(name);
                 out.extend_from_slice(b": ");
                 out.extend_from_slice(value);
@@ -164,6 +210,12 @@ impl Frontend for FastConnection<'_> {
         push_decimal(out, target.body_len);
         out.extend_from_slice(b"\r\nx-request-id: ");
         out.extend_from_slice(target.request_id.as_bytes());
+        for (name, value) in target.trace.iter().flat_map(|trace| trace.fields()) {
+            out.extend_from_slice(b"\r\n");
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(value.as_bytes());
+        }
         out.extend_from_slice(b"\r\n\r\n");
         Ok(())
     }

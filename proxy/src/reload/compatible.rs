@@ -1,5 +1,6 @@
 //! What a reload cannot change: the listeners' names and addresses, whether a
-//! listener uses TLS, the admin address and the gRPC listener (sockets are bound once).
+//! listener uses TLS, the admin address and the gRPC listener (sockets are bound once), and
+//! tracing (its exporter starts once).
 
 use kvmesh_config::Config;
 
@@ -34,6 +35,9 @@ pub(crate) fn incompatibility(current: &Config, next: &Config) -> Option<String>
     }
     if current.grpc != next.grpc {
         return Some("the grpc section changed; the gRPC listener changes only on restart".into());
+    }
+    if current.telemetry != next.telemetry {
+        return Some("the telemetry section changed; tracing changes only on restart".into());
     }
     None
 }
@@ -80,5 +84,12 @@ mod tests {
         let mut grpc = one.clone();
         grpc.grpc.max_stream_requests = 1;
         assert!(incompatibility(&one, &grpc).unwrap().contains("grpc"));
+        let mut traced = one.clone();
+        traced.telemetry.sampling_ratio = 0.5;
+        assert!(
+            incompatibility(&one, &traced)
+                .unwrap()
+                .contains("telemetry")
+        );
     }
 }

@@ -13,8 +13,9 @@ use tokio::time::timeout;
 
 use crate::api_error::ApiError;
 use crate::clock::now_millis;
+use crate::edge_metrics::Peer;
 use crate::failure::FailureKind;
-use crate::headers::EngineTarget;
+use crate::headers::{EngineTarget, TraceHeaders};
 use crate::instance::Instance;
 use crate::pool::ModelPool;
 use crate::request::frontend::{Frontend, unless_gone};
@@ -200,18 +201,21 @@ impl Failover {
     }
 }
 
-/// Sends the request to `instance` and waits for its response headers.
+/// Sends the request to `instance` (with `trace`'s context while tracing) and waits for its
+/// response headers.
 pub(crate) async fn attempt<F: Frontend>(
     state: &State,
     client: &mut F,
     instance: &Instance,
     body: &Bytes,
     request_id: &HeaderValue,
+    trace: Option<&TraceHeaders>,
 ) -> Result<UpstreamSession, AttemptError> {
     let target = EngineTarget {
         host: instance.host_header(),
         body_len: body.len(),
         request_id,
+        trace,
     };
     match instance.h1_address() {
         Some(address) => attempt_h1(state, client, instance, address, body, &target).await,
@@ -268,6 +272,10 @@ async fn attempt_h1<F: Frontend>(
             kind: match error {
                 RoundtripError::Connect(_) => FailureKind::Connect,
                 RoundtripError::Broken(_) => FailureKind::Reset,
+                RoundtripError::Malformed(violation) => {
+                    state.metrics.edge.count_framing(Peer::Engine, violation);
+                    FailureKind::Reset
+                }
             },
             detail: format!("{} before the response: {error}", instance.url()),
             reused,
