@@ -12,9 +12,9 @@ use tonic::Status;
 
 use crate::api_error::ApiError;
 use crate::failure::FailureKind;
+use crate::grpc::call::Call;
 use crate::grpc::engine_json::{error_message, parse_completion};
 use crate::grpc::failure::Failure;
-use crate::grpc::infer::Call;
 use crate::grpc::outputs::{Piece, Reply};
 use crate::grpc::sse::{DONE, SseData};
 use crate::headers::EngineTarget;

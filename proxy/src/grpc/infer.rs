@@ -9,11 +9,11 @@ use http::HeaderValue;
 use http::header::CONTENT_TYPE;
 use kvmesh_proto::inference::ModelInferRequest;
 use pingora_http::RequestHeader;
-use tokio::time::{Instant, timeout_at};
-use tonic::metadata::AsciiMetadataValue;
+use tokio::time::timeout_at;
 
 use crate::api_error::ApiError;
 use crate::auth::{ApiKey, AuthFailure};
+use crate::grpc::call::{Call, Credentials};
 use crate::grpc::catalog::is_served_version;
 use crate::grpc::completion::completion;
 use crate::grpc::failure::Failure;
@@ -78,22 +78,6 @@ pub(crate) struct Served {
     pub(crate) instance: Option<HeaderValue>,
     /// Why `policy: kv` chose it (`x-kvmesh-route`).
     pub(crate) kv_route: Option<HeaderValue>,
-}
-
-/// The call's `authorization` metadata value, if any.
-pub(crate) type Credentials = Option<Arc<[u8]>>;
-
-/// What a call carries besides its requests.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Call {
-    /// The `authorization` metadata (the API key).
-    pub(crate) credentials: Credentials,
-    /// When the call must end (`grpc-timeout`).
-    pub(crate) deadline: Option<Instant>,
-    /// The `traceparent` metadata (W3C trace context; read only while tracing).
-    pub(crate) traceparent: Option<AsciiMetadataValue>,
-    /// The `tracestate` metadata.
-    pub(crate) tracestate: Option<AsciiMetadataValue>,
 }
 
 /// Serves `request` on `rpc` within `call`: its responses go to `sink`.

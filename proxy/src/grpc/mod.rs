@@ -19,6 +19,7 @@
 //! UNAUTHENTICATED. A client that cancels, or whose `grpc-timeout` passes, drops its
 //! engine request.
 
+mod call;
 mod catalog;
 mod completion;
 mod deadline;

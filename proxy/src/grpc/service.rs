@@ -26,11 +26,12 @@ use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::clock::now_millis;
+use crate::grpc::call::Call;
 use crate::grpc::catalog::{is_served_version, model_config, model_metadata, server_metadata};
 use crate::grpc::deadline::deadline;
 use crate::grpc::failure::Failure;
 use crate::grpc::frontend::{Sink, StreamItem};
-use crate::grpc::infer::{Call, Served, Shared, infer};
+use crate::grpc::infer::{Served, Shared, infer};
 use crate::grpc::rpc::Rpc;
 use crate::grpc::stream::model_stream_infer;
 use crate::pool::ModelPool;

@@ -15,10 +15,11 @@ use tokio::time::{Instant, sleep_until};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
 
+use crate::grpc::call::Call;
 use crate::grpc::catalog::MODEL_VERSION;
 use crate::grpc::failure::Failure;
 use crate::grpc::frontend::{Sink, StreamItem};
-use crate::grpc::infer::{Call, Shared, infer};
+use crate::grpc::infer::{Shared, infer};
 use crate::grpc::rpc::Rpc;
 
 /// Responses buffered per stream before requests wait for the client to read.

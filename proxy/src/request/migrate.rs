@@ -26,10 +26,8 @@ use crate::clock::now_millis;
 use crate::failure::FailureKind;
 use crate::headers::ClientFraming;
 use crate::pool::ModelPool;
-use crate::request::frontend::Frontend;
 use crate::request::pick::Pick;
 use crate::request::record::Record;
-use crate::request::relay::error_event;
 use crate::route::Route;
 use crate::state::State;
 
@@ -322,19 +320,6 @@ pub(crate) fn migrated(
         migration = record.migrations,
         "stream broke off: continuing on another instance"
     );
-}
-
-/// Ends a stream that broke off and cannot continue with an error event; returns whether
-/// the answer ended cleanly.
-pub(crate) async fn end_broken<F: Frontend>(
-    frontend: &mut F,
-    kind: FailureKind,
-    record: &mut Record,
-) -> bool {
-    record.upstream_failure = Some(kind);
-    frontend
-        .end_broken(kind, Some(error_event(kind, false)))
-        .await
 }
 
 /// The request's prompt when it is one string (or a list of one string).

@@ -319,8 +319,21 @@ async fn fail<F: Frontend>(
     RelayEnd::UpstreamFailed { kind, clean }
 }
 
+/// Ends a stream that broke off and cannot continue with an error event; returns whether
+/// the answer ended cleanly.
+pub(crate) async fn end_broken<F: Frontend>(
+    frontend: &mut F,
+    kind: FailureKind,
+    record: &mut Record,
+) -> bool {
+    record.upstream_failure = Some(kind);
+    frontend
+        .end_broken(kind, Some(error_event(kind, false)))
+        .await
+}
+
 /// `data: {"error":{...}}` followed by a blank line.
-pub(crate) fn error_event(kind: FailureKind, terminate_partial: bool) -> Bytes {
+fn error_event(kind: FailureKind, terminate_partial: bool) -> Bytes {
     let (message, kind, code) = match kind {
         FailureKind::Timeout => (
             "the engine stopped sending within the idle timeout",
