@@ -58,6 +58,32 @@ fn events_source_series() -> String {
     format!("kvmesh_kv_index_source{{mode=\"events\",model=\"{MODEL}\"}}")
 }
 
+/// Waits until the proxy behind `metrics` counts `count` instances of [`MODEL`].
+async fn await_instances(client: &HttpClient, metrics: &str, count: f64) -> anyhow::Result<()> {
+    await_metric(
+        client,
+        metrics,
+        &instances_series(),
+        |v| v == count,
+        CONVERGE,
+    )
+    .await
+    .map(drop)
+}
+
+/// Waits until the proxy behind `metrics` routes [`MODEL`] by KV events.
+async fn await_events_live(client: &HttpClient, metrics: &str) -> anyhow::Result<()> {
+    await_metric(
+        client,
+        metrics,
+        &events_source_series(),
+        |v| v == 1.0,
+        CONVERGE,
+    )
+    .await
+    .map(drop)
+}
+
 fn metrics_url(proxy: &Spawned) -> String {
     format!("{}/metrics", proxy.url("admin"))
 }
@@ -191,14 +217,7 @@ async fn a_replica_that_never_routed_a_prefix_follows_the_engines_events() -> an
     let (engines, proxy_a, proxy_b) = (&setup.engines, &setup.proxy_a, &setup.proxy_b);
     let client = HttpClient::default();
     let metrics_b = metrics_url(proxy_b);
-    await_metric(
-        &client,
-        &metrics_b,
-        &instances_series(),
-        |v| v == 2.0,
-        CONVERGE,
-    )
-    .await?;
+    await_instances(&client, &metrics_b, 2.0).await?;
 
     // Three prompts of 8 blocks reach the engines without proxy B: the first through proxy
     // A, the others straight to a chosen engine.
@@ -213,14 +232,7 @@ async fn a_replica_that_never_routed_a_prefix_follows_the_engines_events() -> an
         let expected = holders.iter().filter(|h| **h == holder.url).count() as f64 * 8.0;
         await_metric(&client, &metrics_b, &series, |v| v >= expected, CONVERGE).await?;
     }
-    await_metric(
-        &client,
-        &metrics_b,
-        &events_source_series(),
-        |v| v == 1.0,
-        CONVERGE,
-    )
-    .await?;
+    await_events_live(&client, &metrics_b).await?;
 
     // Proxy B sends each continuation to the engine holding its prefix, which hits its cache.
     for (prompt, holder) in prompts.iter().zip(&holders) {
@@ -293,26 +305,12 @@ async fn a_killed_agent_leaves_within_its_lease_and_a_terminated_one_drains_firs
     let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
     let client = HttpClient::default();
     let metrics = metrics_url(&proxy);
-    await_metric(
-        &client,
-        &metrics,
-        &instances_series(),
-        |v| v == 2.0,
-        CONVERGE,
-    )
-    .await?;
+    await_instances(&client, &metrics, 2.0).await?;
 
     // kill -9: the lease is no longer kept alive; etcd drops the record when it expires.
     let killed_at = Instant::now();
     killed.kill();
-    await_metric(
-        &client,
-        &metrics,
-        &instances_series(),
-        |v| v == 1.0,
-        CONVERGE,
-    )
-    .await?;
+    await_instances(&client, &metrics, 1.0).await?;
     let gone_after = killed_at.elapsed();
     assert!(
         gone_after <= SHORT_TTL + Duration::from_millis(1500),
@@ -343,14 +341,7 @@ async fn a_killed_agent_leaves_within_its_lease_and_a_terminated_one_drains_firs
     }
     let (status, _, _) = complete(&client, &proxy, &prompt).await?;
     assert_eq!(status, 503, "a draining instance takes no new request");
-    await_metric(
-        &client,
-        &metrics,
-        &instances_series(),
-        |v| v == 0.0,
-        CONVERGE,
-    )
-    .await?;
+    await_instances(&client, &metrics, 0.0).await?;
     let exit = terminated.wait_exit(CONVERGE)?;
     assert!(exit.success(), "the agent exited with {exit}");
     assert_no_panic(&proxy);
@@ -452,14 +443,7 @@ async fn after_a_nats_restart_the_proxy_holds_none_of_the_cleared_blocks() -> an
         CONVERGE,
     )
     .await?;
-    await_metric(
-        &client,
-        &metrics,
-        &events_source_series(),
-        |v| v == 1.0,
-        CONVERGE,
-    )
-    .await?;
+    await_events_live(&client, &metrics).await?;
     await_metric(&client, &metrics, &blocks, |v| v == 0.0, CONVERGE).await?;
     let explained = client
         .post_json(
@@ -487,14 +471,7 @@ async fn through_an_etcd_restart_the_proxy_keeps_serving_then_watches_again() ->
     let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
     let client = HttpClient::default();
     let metrics = metrics_url(&proxy);
-    await_metric(
-        &client,
-        &metrics,
-        &instances_series(),
-        |v| v == 1.0,
-        CONVERGE,
-    )
-    .await?;
+    await_instances(&client, &metrics, 1.0).await?;
 
     servers.etcd.kill().await;
     await_metric(
@@ -515,14 +492,7 @@ async fn through_an_etcd_restart_the_proxy_keeps_serving_then_watches_again() ->
 
     servers.etcd.restart().await?;
     let _second = start_agent(&scratch, &servers, &engines[1], LONG_TTL, DRAIN)?;
-    await_metric(
-        &client,
-        &metrics,
-        &instances_series(),
-        |v| v == 2.0,
-        CONVERGE,
-    )
-    .await?;
+    await_instances(&client, &metrics, 2.0).await?;
     await_metric(
         &client,
         &metrics,
@@ -617,22 +587,8 @@ async fn a_session_bound_on_one_replica_is_followed_by_the_other() -> anyhow::Re
     let metrics_b = metrics_url(proxy_b);
     for proxy in [&proxy_a, &proxy_b] {
         let metrics = metrics_url(proxy);
-        await_metric(
-            &client,
-            &metrics,
-            &instances_series(),
-            |v| v == 2.0,
-            CONVERGE,
-        )
-        .await?;
-        await_metric(
-            &client,
-            &metrics,
-            &events_source_series(),
-            |v| v == 1.0,
-            CONVERGE,
-        )
-        .await?;
+        await_instances(&client, &metrics, 2.0).await?;
+        await_events_live(&client, &metrics).await?;
     }
 
     // Proxy A binds session "chat-1" to the engine its first turn goes to.
@@ -743,14 +699,7 @@ async fn a_replica_counts_the_requests_another_has_in_flight() -> anyhow::Result
     let client = HttpClient::default();
     for proxy in [&proxy_a, &proxy_b] {
         let metrics = metrics_url(proxy);
-        await_metric(
-            &client,
-            &metrics,
-            &instances_series(),
-            |v| v == 2.0,
-            CONVERGE,
-        )
-        .await?;
+        await_instances(&client, &metrics, 2.0).await?;
     }
     // A stream through proxy A, far longer than the socket buffers and read no further than
     // its first piece, stays in flight on its engine.
@@ -862,22 +811,8 @@ async fn lora_requests_go_where_the_adapter_and_its_blocks_are() -> anyhow::Resu
     let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
     let client = HttpClient::default();
     let metrics = metrics_url(&proxy);
-    await_metric(
-        &client,
-        &metrics,
-        &instances_series(),
-        |v| v == 3.0,
-        CONVERGE,
-    )
-    .await?;
-    await_metric(
-        &client,
-        &metrics,
-        &events_source_series(),
-        |v| v == 1.0,
-        CONVERGE,
-    )
-    .await?;
+    await_instances(&client, &metrics, 3.0).await?;
+    await_events_live(&client, &metrics).await?;
     await_listed(&client, &proxy, "sql-lora", MODEL).await?;
 
     // The second adapter engine caches an adapter prompt; the proxy learns it from the
@@ -1010,14 +945,7 @@ async fn an_agent_takes_the_engines_block_size_and_kv_capacity() -> anyhow::Resu
     let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
     let client = HttpClient::default();
     let metrics = metrics_url(&proxy);
-    await_metric(
-        &client,
-        &metrics,
-        &instances_series(),
-        |v| v == 1.0,
-        CONVERGE,
-    )
-    .await?;
+    await_instances(&client, &metrics, 1.0).await?;
     await_explained(
         &client,
         &proxy,
