@@ -16,7 +16,7 @@ use crate::kv::booking::Booking;
 use crate::kv::busy::BusyThresholds;
 use crate::kv::cost::{CandidateLoad, Cost, CostModel, EngineProfile, RequestShape};
 use crate::kv::decision::{Choice, Decision, KvRequest, SharedDecision};
-use crate::kv::event_feed::{EventFed, EventFeed, RECENT_TTL};
+use crate::kv::event_feed::{EventFed, EventFeed};
 use crate::kv::explain::{Explanation, InstanceExplanation};
 use crate::kv::load::{ActiveLoads, LoadSnapshot, NewRequest, ReportedLoad};
 use crate::kv::overlap::{Approximate, OverlapSource, instance_depth, worker_key};
@@ -84,16 +84,14 @@ impl KvRouter {
             max_blocks: config.approx_max_blocks,
             prune_target_ratio: config.approx_prune_ratio,
         };
-        let predicted = Approximate::new(limits)?;
         let events = if kv_events {
-            let recent_ttl = config.approx_ttl.min(RECENT_TTL);
-            Some(Arc::new(EventFeed::new(recent_ttl, limits)?))
+            Some(Arc::new(EventFeed::new(limits)?))
         } else {
             None
         };
         let overlap: Box<dyn OverlapSource> = match &events {
-            Some(feed) => Box::new(EventFed::new(Arc::clone(feed), predicted)),
-            None => Box::new(predicted),
+            Some(feed) => Box::new(EventFed::new(Arc::clone(feed))),
+            None => Box::new(Approximate::new(limits)?),
         };
         Ok(Self {
             preparer: Preparer::new(tokenizer, config.block_size, forward_token_ids),
