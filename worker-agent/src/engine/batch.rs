@@ -174,6 +174,29 @@ fn mm_hash(item: &str) -> Option<u64> {
     u64::from_str_radix(&item[..16], 16).ok()
 }
 
+/// One item of a block's `extra_keys` list, as a multimodal hash if it is one: either a bare
+/// 64-hex string, or an `[mm_identifier, offset]` pair whose first element is that string —
+/// the shape vLLM's `to_event_extra_keys` publishes (checked against vLLM 0.33.0's own
+/// encoder by `tests/engine_fixtures.rs`); the offset is not part of kvmesh's hash.
+fn extra_key_item(r: &mut Reader<'_>) -> Result<Option<u64>> {
+    match r.kind()? {
+        Kind::Str => Ok(mm_hash(r.str()?)),
+        Kind::Array => {
+            let n = r.array_len()?;
+            let mut found = None;
+            for i in 0..n {
+                if i == 0 && r.kind()? == Kind::Str {
+                    found = mm_hash(r.str()?);
+                } else {
+                    r.skip()?;
+                }
+            }
+            Ok(found)
+        }
+        _ => r.skip().map(|()| None),
+    }
+}
+
 /// `extra_keys`: per block nil or a list of items; returns per-block mm hashes (empty when no
 /// block carries one).
 fn extra_keys(r: &mut Reader<'_>) -> Result<Vec<Vec<u64>>> {
@@ -189,12 +212,8 @@ fn extra_keys(r: &mut Reader<'_>) -> Result<Vec<Vec<u64>>> {
         if r.kind()? == Kind::Array {
             let items = r.array_len()?;
             for _ in 0..items {
-                if r.kind()? == Kind::Str {
-                    if let Some(h) = mm_hash(r.str()?) {
-                        block.push(h);
-                    }
-                } else {
-                    r.skip()?;
+                if let Some(h) = extra_key_item(r)? {
+                    block.push(h);
                 }
             }
         } else {

@@ -1,0 +1,258 @@
+//! The agent's KV event decoder against bytes the real engines wrote: each fixture under
+//! `tests/fixtures/` is a payload frame captured from vLLM's / SGLang's own
+//! `ZmqEventPublisher` (their own msgspec classes and encoder, loaded from the released
+//! wheels). `tests/fixtures/README.md` says which versions and how they were made; the values
+//! asserted here are the ones `tests/fixtures/gen_engine_kv_events.py` put in.
+
+use kvmesh_agent::{EngineBatch, EngineEvent, EngineKind, IgnoreReason, decode_batch};
+use rmpv::Value;
+
+/// The `ts` every fixture batch carries.
+const TS: f64 = 1_767_225_600.25;
+
+// vLLM's integer block hashes (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`, the default): the low
+// 64 bits of sha256("vllm-block-{i}"). Most are above i64::MAX, so msgspec writes uint64.
+const V0: u64 = 0x871d_1f76_fffb_d8ed;
+const V1: u64 = 0xe2ae_0560_8120_12e1;
+const V2: u64 = 0x6a06_b5e6_f981_8b3b;
+const V3: u64 = 0xfb1e_0e89_de67_bbf5;
+const V4: u64 = 0xc5d6_8bcc_15c0_e931;
+const V5: u64 = 0x447e_37b8_149e_1c03;
+const V6: u64 = 0xa9c2_dc86_ed2b_f616;
+/// The first 16 hex digits of the multimodal identifier sha256("kvmesh fixture image").
+const V_MM: u64 = 0xaca5_f289_e3c6_75ec;
+
+// SGLang's page hashes: `hash_str_to_int64(sha256("sglang-page-{i}").hexdigest())`, signed
+// int64 on the wire (negative ones as msgpack int64), bit-cast by the decoder.
+const S0: u64 = -5_310_545_836_119_158_665_i64 as u64;
+const S1: u64 = -1_693_241_326_392_152_638_i64 as u64;
+const S2: u64 = 8_886_225_864_339_825_565;
+const S5: u64 = -343_757_158_441_556_718_i64 as u64;
+// Pages 3 and 4 namespaced for the LoRA adapter "sql-lora" (`namespaced_block_hash`).
+const NS3: u64 = -5_646_705_205_887_388_469_i64 as u64;
+const NS4: u64 = -8_134_143_065_197_072_760_i64 as u64;
+
+const VLLM_STORED: &[u8] = include_bytes!("fixtures/vllm-0.33.0-block-stored.msgpack");
+const VLLM_REMOVED: &[u8] = include_bytes!("fixtures/vllm-0.33.0-block-removed.msgpack");
+const VLLM_CLEARED: &[u8] = include_bytes!("fixtures/vllm-0.33.0-all-blocks-cleared.msgpack");
+const VLLM_MIXED: &[u8] = include_bytes!("fixtures/vllm-0.33.0-mixed-dp1.msgpack");
+const VLLM_BYTES: &[u8] = include_bytes!("fixtures/vllm-0.33.0-bytes-hashes.msgpack");
+const SGLANG_STORED: &[u8] = include_bytes!("fixtures/sglang-0.5.23-block-stored.msgpack");
+const SGLANG_REMOVED: &[u8] = include_bytes!("fixtures/sglang-0.5.23-block-removed.msgpack");
+const SGLANG_CLEARED: &[u8] = include_bytes!("fixtures/sglang-0.5.23-all-blocks-cleared.msgpack");
+const SGLANG_MIXED: &[u8] = include_bytes!("fixtures/sglang-0.5.23-mixed-dp1.msgpack");
+
+fn decode(kind: EngineKind, bytes: &[u8]) -> EngineBatch {
+    let batch = decode_batch(kind, bytes).expect("a real engine's batch decodes");
+    assert_eq!(batch.ts, TS);
+    assert_eq!(batch.malformed_events, 0);
+    batch
+}
+
+fn tokens(start: u32, n: u32) -> Vec<u32> {
+    (start..start + n).collect()
+}
+
+fn stored(hashes: &[u64], parent: Option<u64>, token_ids: Vec<u32>) -> EngineEvent {
+    EngineEvent::Stored {
+        block_hashes: hashes.to_vec(),
+        parent,
+        token_ids,
+        block_size: 16,
+        lora_name: None,
+        mm_hashes: vec![],
+    }
+}
+
+fn with_lora(event: EngineEvent, name: &str) -> EngineEvent {
+    match event {
+        EngineEvent::Stored {
+            block_hashes,
+            parent,
+            token_ids,
+            block_size,
+            mm_hashes,
+            ..
+        } => EngineEvent::Stored {
+            block_hashes,
+            parent,
+            token_ids,
+            block_size,
+            lora_name: Some(name.to_owned()),
+            mm_hashes,
+        },
+        other => other,
+    }
+}
+
+fn removed(hashes: &[u64]) -> EngineEvent {
+    EngineEvent::Removed {
+        block_hashes: hashes.to_vec(),
+    }
+}
+
+#[test]
+fn vllm_block_stored() {
+    let b = decode(EngineKind::Vllm, VLLM_STORED);
+    assert_eq!(b.dp_rank, Some(0));
+    assert_eq!(
+        b.events,
+        vec![
+            stored(&[V0, V1, V2], None, tokens(1000, 48)),
+            // lora_id 1 is on the wire too (deprecated there); the agent keys LoRA by name.
+            // Its extra_keys are [["sql-lora"], ["sql-lora"]]: no multimodal hash.
+            with_lora(stored(&[V3, V4], Some(V2), tokens(2000, 32)), "sql-lora"),
+            // extra_keys [[[identifier, 3]]]: vLLM publishes (mm_identifier, offset) pairs.
+            EngineEvent::Stored {
+                block_hashes: vec![V5],
+                parent: None,
+                token_ids: tokens(3000, 16),
+                block_size: 16,
+                lora_name: None,
+                mm_hashes: vec![vec![V_MM]],
+            },
+        ]
+    );
+}
+
+#[test]
+fn vllm_block_removed() {
+    let b = decode(EngineKind::Vllm, VLLM_REMOVED);
+    assert_eq!(b.dp_rank, Some(0));
+    assert_eq!(b.events, vec![removed(&[V3]), removed(&[V4])]);
+}
+
+#[test]
+fn vllm_all_blocks_cleared() {
+    let b = decode(EngineKind::Vllm, VLLM_CLEARED);
+    assert_eq!(b.dp_rank, Some(0));
+    assert_eq!(b.events, vec![EngineEvent::Cleared]);
+}
+
+#[test]
+fn vllm_mixed_batch_of_rank_1() {
+    let b = decode(EngineKind::Vllm, VLLM_MIXED);
+    assert_eq!(b.dp_rank, Some(1));
+    assert_eq!(
+        b.events,
+        vec![
+            stored(&[V6], None, tokens(4000, 16)),
+            // group_idx 1, kv_cache_spec_kind "sliding_window".
+            EngineEvent::Ignored(IgnoreReason::KvGroup),
+            // medium "CPU" (the CPU offloading connector's store).
+            EngineEvent::Ignored(IgnoreReason::Medium),
+            removed(&[V6]),
+            EngineEvent::Cleared,
+        ]
+    );
+}
+
+/// With `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0` vLLM sends the 32-byte sha256 digests; the
+/// decoder folds them to the same ids as the integer mode.
+#[test]
+fn vllm_byte_hashes_fold_to_the_integer_mode_ids() {
+    let b = decode(EngineKind::Vllm, VLLM_BYTES);
+    assert_eq!(b.dp_rank, Some(0));
+    assert_eq!(
+        b.events,
+        vec![stored(&[V0, V1, V2], None, tokens(1000, 48))]
+    );
+    assert_eq!(
+        b.events[0],
+        decode(EngineKind::Vllm, VLLM_STORED).events[0],
+        "both hash modes name the blocks alike"
+    );
+}
+
+#[test]
+fn sglang_block_stored() {
+    let b = decode(EngineKind::Sglang, SGLANG_STORED);
+    assert_eq!(b.dp_rank, Some(0));
+    assert_eq!(
+        b.events,
+        vec![
+            stored(&[S0], None, tokens(1000, 16)),
+            stored(&[S1], Some(S0), tokens(1016, 16)),
+            stored(&[S2], Some(S1), tokens(1032, 16)),
+            with_lora(stored(&[NS3], None, tokens(2000, 16)), "sql-lora"),
+            with_lora(stored(&[NS4], Some(NS3), tokens(2016, 16)), "sql-lora"),
+        ]
+    );
+}
+
+#[test]
+fn sglang_block_removed() {
+    let b = decode(EngineKind::Sglang, SGLANG_REMOVED);
+    assert_eq!(b.dp_rank, Some(0));
+    assert_eq!(b.events, vec![removed(&[S1, S2])]);
+}
+
+#[test]
+fn sglang_all_blocks_cleared() {
+    let b = decode(EngineKind::Sglang, SGLANG_CLEARED);
+    assert_eq!(b.dp_rank, Some(0));
+    assert_eq!(b.events, vec![EngineEvent::Cleared]);
+}
+
+#[test]
+fn sglang_mixed_batch_of_attention_dp_rank_1() {
+    let b = decode(EngineKind::Sglang, SGLANG_MIXED);
+    assert_eq!(b.dp_rank, Some(1));
+    assert_eq!(
+        b.events,
+        vec![
+            stored(&[S5], None, tokens(5000, 16)),
+            // medium "CPU_PINNED" (the host / L2 tier): a store and a removal.
+            EngineEvent::Ignored(IgnoreReason::Medium),
+            EngineEvent::Ignored(IgnoreReason::Medium),
+            removed(&[S5]),
+            EngineEvent::Cleared,
+        ]
+    );
+}
+
+/// The wire shape itself, read with a generic msgpack reader, so a change of format in a
+/// regenerated fixture shows up as such: the batch is a positional `[ts, events, rank]`
+/// array, every event a map whose first key is `type`.
+#[test]
+fn wire_shape_is_a_positional_batch_of_tagged_maps() {
+    let all: [(&str, &[u8]); 9] = [
+        ("vllm stored", VLLM_STORED),
+        ("vllm removed", VLLM_REMOVED),
+        ("vllm cleared", VLLM_CLEARED),
+        ("vllm mixed", VLLM_MIXED),
+        ("vllm bytes", VLLM_BYTES),
+        ("sglang stored", SGLANG_STORED),
+        ("sglang removed", SGLANG_REMOVED),
+        ("sglang cleared", SGLANG_CLEARED),
+        ("sglang mixed", SGLANG_MIXED),
+    ];
+    for (name, mut bytes) in all {
+        let v = rmpv::decode::read_value(&mut bytes).expect("msgpack");
+        assert!(bytes.is_empty(), "{name}: trailing bytes");
+        let Value::Array(batch) = v else {
+            panic!("{name}: batch is not an array")
+        };
+        assert_eq!(batch.len(), 3, "{name}: [ts, events, rank]");
+        assert_eq!(batch[0].as_f64(), Some(TS), "{name}: ts");
+        let events = batch[1].as_array().expect("events array");
+        for e in events {
+            let map = e.as_map().expect("events are maps");
+            assert_eq!(map[0].0.as_str(), Some("type"), "{name}: type first");
+        }
+    }
+
+    // vLLM's deprecated lora_id is on the wire beside lora_name.
+    let v = rmpv::decode::read_value(&mut &VLLM_STORED[..]).expect("msgpack");
+    let lora_event = v
+        .as_array()
+        .and_then(|batch| batch[1].as_array())
+        .and_then(|events| events[1].as_map())
+        .expect("the second event is a map");
+    let field = |k: &str| lora_event.iter().find(|(key, _)| key.as_str() == Some(k));
+    assert_eq!(field("lora_id").map(|(_, v)| v.as_u64()), Some(Some(1)));
+    assert_eq!(
+        field("lora_name").map(|(_, v)| v.as_str()),
+        Some(Some("sql-lora"))
+    );
+}
