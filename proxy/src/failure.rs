@@ -11,15 +11,23 @@ pub(crate) enum FailureKind {
     Reset,
     /// The engine answered 5xx.
     Status5xx,
+    /// Discovery removed the instance mid-answer (its agent's lease ended after the drain
+    /// period, or it died): not the engine's fault, never counted towards ejection.
+    Left,
 }
 
 /// Number of [`FailureKind`]s.
-pub(crate) const FAILURE_KINDS: usize = 4;
+pub(crate) const FAILURE_KINDS: usize = 5;
 
 impl FailureKind {
     /// Every kind, in [`FailureKind::index`] order.
-    pub(crate) const ALL: [FailureKind; FAILURE_KINDS] =
-        [Self::Connect, Self::Timeout, Self::Reset, Self::Status5xx];
+    pub(crate) const ALL: [FailureKind; FAILURE_KINDS] = [
+        Self::Connect,
+        Self::Timeout,
+        Self::Reset,
+        Self::Status5xx,
+        Self::Left,
+    ];
 
     /// Position in [`FailureKind::ALL`].
     pub(crate) fn index(self) -> usize {
@@ -33,6 +41,7 @@ impl FailureKind {
             Self::Timeout => "timeout",
             Self::Reset => "reset",
             Self::Status5xx => "status_5xx",
+            Self::Left => "left",
         }
     }
 }

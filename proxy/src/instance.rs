@@ -11,6 +11,7 @@ use http::HeaderValue;
 use kvmesh_config::{BackendUrl, Protocol};
 use kvmesh_route::Candidate;
 use pingora_core::upstreams::peer::HttpPeer;
+use tokio::sync::watch;
 
 use crate::failure::FailureKind;
 use crate::metrics::InstanceMetrics;
@@ -79,6 +80,9 @@ pub(crate) struct Instance {
     membership: AtomicU8,
     outlier: OutlierState,
     metrics: InstanceMetrics,
+    /// Set once discovery removed (or replaced) it: the streams still relayed from it
+    /// continue elsewhere.
+    left: watch::Sender<bool>,
 }
 
 impl Candidate for Instance {
@@ -136,6 +140,7 @@ impl Instance {
             healthy: AtomicBool::new(true),
             membership: AtomicU8::new(Membership::Ready as u8),
             outlier: OutlierState::default(),
+            left: watch::channel(false).0,
             metrics,
         }
     }
@@ -153,6 +158,20 @@ impl Instance {
     /// Set by discovery.
     pub(crate) fn set_membership(&self, membership: Membership) {
         self.membership.store(membership as u8, Ordering::Relaxed);
+    }
+
+    /// Discovery removed or replaced it: wakes every [`Instance::left`] waiter.
+    pub(crate) fn leave(&self) {
+        self.left.send_replace(true);
+    }
+
+    /// Resolves once discovery removed or replaced the instance (at once if it has).
+    pub(crate) async fn left(&self) {
+        let mut left = self.left.subscribe();
+        if left.wait_for(|&gone| gone).await.is_err() {
+            // The sender lives as long as `self`: never reached, but never a false alarm.
+            std::future::pending::<()>().await;
+        }
     }
 
     /// The configured URL (`http://host:port`).
@@ -228,9 +247,13 @@ impl Instance {
         self.outlier.record_success();
     }
 
-    /// A failed attempt: counted in metrics and towards ejection.
+    /// A failed attempt: counted in metrics and towards ejection (an instance that left
+    /// discovery only in metrics).
     pub(crate) fn record_failure(&self, kind: FailureKind, policy: &OutlierPolicy, now_ms: u64) {
         self.metrics.count_error(kind);
+        if kind == FailureKind::Left {
+            return;
+        }
         if let Some(length) = self.outlier.record_failure(policy, now_ms) {
             tracing::warn!(
                 instance = %self.url,

@@ -119,13 +119,15 @@ impl ModelPool {
         });
         if let Some(old) = replaced {
             old.set_membership(Membership::Removed);
+            old.leave();
         }
         self.adapters.instances_changed(&self.instances.load());
         self.balancer.add_instance(id);
     }
 
-    /// Removes instance `id`: no new requests go to it, in-flight ones finish, and its
-    /// routing state (load, cached blocks) is dropped. Returns it when it was there.
+    /// Removes instance `id`: no new requests go to it, its streams that may migrate continue
+    /// elsewhere, other in-flight requests finish, and its routing state (load, cached
+    /// blocks) is dropped. Returns it when it was there.
     pub(crate) fn remove_instance(&self, id: u64) -> Option<Arc<Instance>> {
         let removed = self.swap_instances(|current| {
             let mut next: Vec<Arc<Instance>> = current.to_vec();
@@ -136,6 +138,7 @@ impl ModelPool {
             (next, old)
         })?;
         removed.set_membership(Membership::Removed);
+        removed.leave();
         self.adapters.instances_changed(&self.instances.load());
         self.balancer.remove_instance(id);
         Some(removed)

@@ -59,9 +59,25 @@ pub fn start_event_engines_with(
     engines: usize,
     extra: &[&str],
 ) -> anyhow::Result<(Spawned, Vec<Engine>)> {
+    spawn_event_engines(scratch, engines, &[&["--no-delay"], extra].concat())
+}
+
+/// [`start_event_engines`] with the simulator's timing model in real time (a stream takes
+/// about 6 ms per token), for tests that act while streams run.
+pub fn start_timed_event_engines(
+    scratch: &ScratchDir,
+    engines: usize,
+) -> anyhow::Result<(Spawned, Vec<Engine>)> {
+    spawn_event_engines(scratch, engines, &[])
+}
+
+fn spawn_event_engines(
+    scratch: &ScratchDir,
+    engines: usize,
+    extra: &[&str],
+) -> anyhow::Result<(Spawned, Vec<Engine>)> {
     let block_size = BLOCK_SIZE.to_string();
     let mut args = vec![
-        "--no-delay",
         "--block-size",
         &block_size,
         "--kv-events-endpoint",

@@ -12,6 +12,7 @@ pub mod cluster;
 pub mod control_plane;
 pub mod process;
 pub mod scratch;
+pub mod sse;
 
 pub use client::{HttpClient, Response, StreamingResponse};
 pub use process::Spawned;

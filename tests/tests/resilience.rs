@@ -7,6 +7,7 @@ use http::Method;
 use kvmesh_e2e::cluster::{
     MODEL, await_status, chat_body, engine_urls, proxy_config, start_engines, start_proxy,
 };
+use kvmesh_e2e::sse::assert_whole_stream;
 use kvmesh_e2e::{HttpClient, ScratchDir};
 
 fn error_body(resp: &kvmesh_e2e::Response) -> serde_json::Value {
@@ -438,14 +439,6 @@ async fn a_spent_retry_budget_passes_the_answer_through_and_4xx_is_never_retried
     assert_eq!(retried, 0.0);
 }
 
-/// The `data:` values of an SSE body.
-fn sse_data(body: &[u8]) -> Vec<String> {
-    String::from_utf8_lossy(body)
-        .split("\n\n")
-        .filter_map(|event| event.trim().strip_prefix("data: ").map(str::to_owned))
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_on_a_killed_engine_continue_on_another() {
     const STREAMS: usize = 20;
@@ -502,51 +495,7 @@ async fn streams_on_a_killed_engine_continue_on_another() {
             .expect("the stream ends")
             .expect("without a transport error");
         let body = [first.as_ref(), rest.as_ref()].concat();
-        let data = sse_data(&body);
-        assert_eq!(
-            data.last().map(String::as_str),
-            Some("[DONE]"),
-            "stream {i}"
-        );
-        assert_eq!(
-            data.iter().filter(|d| *d == "[DONE]").count(),
-            1,
-            "stream {i}"
-        );
-        let chunks: Vec<serde_json::Value> = data[..data.len() - 1]
-            .iter()
-            .map(|d| serde_json::from_str(d).unwrap())
-            .collect();
-        assert!(
-            chunks.iter().all(|c| c.get("error").is_none()),
-            "stream {i}: {data:?}"
-        );
-        let ids: std::collections::BTreeSet<&str> =
-            chunks.iter().filter_map(|c| c["id"].as_str()).collect();
-        assert_eq!(ids.len(), 1, "stream {i}: one id throughout");
-        let content = |c: &serde_json::Value| {
-            let choice = &c["choices"][0];
-            choice["text"]
-                .as_str()
-                .or_else(|| choice["delta"]["content"].as_str())
-                .is_some_and(|piece| !piece.is_empty())
-        };
-        let tokens = chunks.iter().filter(|c| content(c)).count() as u64;
-        assert_eq!(tokens, MAX_TOKENS, "stream {i}: every token once");
-        if let Some(usage) = chunks
-            .iter()
-            .find_map(|c| c.get("usage").filter(|u| !u.is_null()))
-        {
-            assert_eq!(
-                usage["completion_tokens"], MAX_TOKENS,
-                "stream {i}: {usage}"
-            );
-            assert_eq!(
-                usage["total_tokens"].as_u64(),
-                Some(usage["prompt_tokens"].as_u64().unwrap() + MAX_TOKENS),
-                "stream {i}: {usage}"
-            );
-        }
+        assert_whole_stream(&body, MAX_TOKENS, &format!("stream {i}"));
     }
     let migrations = {
         let metrics = client

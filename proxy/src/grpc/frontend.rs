@@ -257,6 +257,7 @@ impl<'a> GrpcClient<'a> {
 fn broke_off(kind: FailureKind) -> Failure {
     let detail = match kind {
         FailureKind::Timeout => "the engine stopped sending within the idle timeout",
+        FailureKind::Left => "the engine instance left service discovery mid-answer",
         _ => "the engine connection broke mid-answer",
     };
     Failure::EngineBroke(detail.to_string())

@@ -25,6 +25,7 @@ use crate::api_error::error_json;
 use crate::auth::CompletionMeter;
 use crate::failure::FailureKind;
 use crate::headers::{ClientFraming, ProxyHeaders};
+use crate::instance::Instance;
 use crate::metrics::ModelMetrics;
 use crate::request::frontend::{Frontend, Unrelayable};
 use crate::request::migrate::Migration;
@@ -54,6 +55,8 @@ pub(crate) struct RelayContext<'a> {
     pub(crate) booking: Option<&'a Booking<'a>>,
     /// Charges completion tokens to the API key as the body passes.
     pub(crate) meter: Option<&'a CompletionMeter>,
+    /// The instance answering: a stream that may migrate leaves it when discovery does.
+    pub(crate) instance: &'a Instance,
 }
 
 /// How a relay ended.
@@ -118,6 +121,7 @@ pub(crate) async fn relay<F: Frontend>(
         metrics,
         booking: pick.booking.as_ref(),
         meter: record.meter.as_ref(),
+        instance: &pick.instance,
     };
     let Some(migration) = migration else {
         return relay_body(frontend, engine, &ctx, &mut record.tokens, None).await;
@@ -155,6 +159,8 @@ pub(crate) async fn relay_body<F: Frontend>(
     // What the engine had already sent after the last piece (looked at to end the client's
     // body with that piece when nothing follows).
     let mut next = None;
+    let left = ctx.instance.left();
+    tokio::pin!(left);
     loop {
         // A piece already buffered is taken without arming the idle timer.
         let read = match next.take().or_else(|| upstream.take_buffered()) {
@@ -163,6 +169,10 @@ pub(crate) async fn relay_body<F: Frontend>(
                 biased;
                 read = upstream.read_body_within(ctx.idle_timeout) => read,
                 () = frontend.gone() => return RelayEnd::ClientGone,
+                // Discovery removed the instance: its streams go on elsewhere while they can.
+                () = &mut left, if migration.as_ref().is_some_and(|m| m.may_continue()) => {
+                    return RelayEnd::Broken(FailureKind::Left);
+                }
             },
         };
         let chunk = match read {
@@ -339,6 +349,11 @@ fn error_event(kind: FailureKind, terminate_partial: bool) -> Bytes {
             "the engine stopped sending within the idle timeout",
             "timeout",
             "upstream_timeout",
+        ),
+        FailureKind::Left => (
+            "the engine instance left service discovery mid-stream",
+            "upstream_error",
+            "upstream_left",
         ),
         _ => (
             "the engine connection broke mid-stream",
