@@ -1,4 +1,13 @@
-//! Reading the SSE answers of streamed chat and completions requests.
+//! Opening streamed chat and completions requests and reading their SSE answers.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use bytes::Bytes;
+use http::Method;
+
+use crate::cluster::{MODEL, chat_body};
+use crate::{HttpClient, StreamingResponse};
 
 /// The `data:` values of an SSE body, in order.
 pub fn sse_data(body: &[u8]) -> Vec<String> {
@@ -47,4 +56,67 @@ pub fn assert_whole_stream(body: &[u8], max_tokens: u64, what: &str) {
             "{what}: {usage}"
         );
     }
+}
+
+/// One stream opened by [`open_streams`].
+pub struct OpenStream {
+    /// Its position among the streams opened.
+    pub index: usize,
+    /// The instance that answered (`x-kvmesh-instance`).
+    pub instance: String,
+    /// Its first body chunk.
+    pub first: Bytes,
+    /// The rest of it.
+    pub stream: StreamingResponse,
+}
+
+impl OpenStream {
+    /// Reads the rest within `deadline` and asserts the whole answer is one stream of
+    /// `max_tokens` tokens ([`assert_whole_stream`]).
+    pub async fn assert_whole(self, max_tokens: u64, deadline: Duration) -> anyhow::Result<()> {
+        let rest = tokio::time::timeout(deadline, self.stream.rest())
+            .await
+            .context("the stream did not end in time")??;
+        let body = [self.first.as_ref(), rest.as_ref()].concat();
+        assert_whole_stream(&body, max_tokens, &format!("stream {}", self.index));
+        Ok(())
+    }
+}
+
+/// Opens `count` streams of `max_tokens` tokens through the proxy at `main` (its data
+/// listener's URL), each with its own prompt, alternately chat (with a usage chunk) and
+/// completions, and reads each one's first chunk.
+pub async fn open_streams(
+    client: &HttpClient,
+    main: &str,
+    count: usize,
+    max_tokens: u64,
+) -> anyhow::Result<Vec<OpenStream>> {
+    let mut streams = Vec::with_capacity(count);
+    for index in 0..count {
+        let (path, body) = if index % 2 == 0 {
+            let mut body = chat_body(&format!("tell story {index}"), max_tokens as u32, true);
+            body["stream_options"] = serde_json::json!({"include_usage": true});
+            ("chat/completions", body)
+        } else {
+            let body = serde_json::json!({"model": MODEL, "prompt": format!("Once {index}"),
+                "max_tokens": max_tokens, "stream": true});
+            ("completions", body)
+        };
+        let url = format!("{main}/v1/{path}");
+        let headers = [("content-type", "application/json")];
+        let mut stream = client
+            .send(Method::POST, &url, &headers, body.to_string())
+            .await?;
+        anyhow::ensure!(stream.status == 200, "stream {index}: {}", stream.status);
+        let first = stream.next_chunk().await?.context("no first chunk")?;
+        let instance = stream.headers["x-kvmesh-instance"].to_str()?.to_owned();
+        streams.push(OpenStream {
+            index,
+            instance,
+            first,
+            stream,
+        });
+    }
+    Ok(streams)
 }

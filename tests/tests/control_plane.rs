@@ -25,13 +25,13 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::Method;
 use kvmesh_control::{EventBus, NatsBus};
-use kvmesh_e2e::cluster::{MODEL, chat_body, start_proxy};
+use kvmesh_e2e::cluster::{MODEL, start_proxy};
 use kvmesh_e2e::control_plane::{
     BLOCK_SIZE, Engine, Servers, agent_args, await_metric, control_proxy_config, metric,
     metric_total, model_prompt, prompt_tokens, start_agent, start_event_engines,
     start_event_engines_with, start_timed_event_engines, token_prompt,
 };
-use kvmesh_e2e::sse::assert_whole_stream;
+use kvmesh_e2e::sse::open_streams;
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
 use tokio::sync::Mutex;
 
@@ -365,31 +365,10 @@ async fn streams_on_an_instance_that_leaves_discovery_continue_on_another() -> a
     let metrics = metrics_url(&proxy);
     await_instances(&client, &metrics, 2.0).await?;
 
-    // Distinct prompts: each stream's booking sends the next one to the other engine.
-    let mut streams = Vec::new();
-    for i in 0..STREAMS {
-        let (path, body) = if i % 2 == 0 {
-            let mut body = chat_body(&format!("tell story {i}"), MAX_TOKENS as u32, true);
-            body["stream_options"] = serde_json::json!({"include_usage": true});
-            ("chat/completions", body)
-        } else {
-            let body = serde_json::json!({"model": MODEL, "prompt": format!("Once {i}"),
-                "max_tokens": MAX_TOKENS, "stream": true});
-            ("completions", body)
-        };
-        let url = format!("{}/v1/{path}", proxy.url("main"));
-        let headers = [("content-type", "application/json")];
-        let mut stream = client
-            .send(Method::POST, &url, &headers, body.to_string())
-            .await?;
-        assert_eq!(stream.status, 200);
-        let first = stream.next_chunk().await?.expect("a first chunk");
-        let instance = stream.headers["x-kvmesh-instance"].to_str()?.to_owned();
-        streams.push((i, instance, first, stream));
-    }
+    let streams = open_streams(&client, &proxy.url("main"), STREAMS, MAX_TOKENS).await?;
     let on_leaving = streams
         .iter()
-        .filter(|(_, instance, ..)| *instance == engines[0].url)
+        .filter(|s| s.instance == engines[0].url)
         .count();
     assert!(
         (1..STREAMS).contains(&on_leaving),
@@ -399,12 +378,8 @@ async fn streams_on_an_instance_that_leaves_discovery_continue_on_another() -> a
     // SIGTERM: the record turns `draining`, then leaves discovery when the drain period
     // ends, while the engine itself keeps streaming.
     leaving.terminate()?;
-    for (i, _, first, stream) in streams {
-        let rest = tokio::time::timeout(CONVERGE, stream.rest())
-            .await
-            .expect("the stream ends")?;
-        let body = [first.as_ref(), rest.as_ref()].concat();
-        assert_whole_stream(&body, MAX_TOKENS, &format!("stream {i}"));
+    for stream in streams {
+        stream.assert_whole(MAX_TOKENS, CONVERGE).await?;
     }
     let text = String::from_utf8_lossy(&client.get(&metrics).await?.body).into_owned();
     let left = format!("kvmesh_migrations_total{{kind=\"left\",model=\"{MODEL}\"}}");

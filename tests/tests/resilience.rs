@@ -7,7 +7,7 @@ use http::Method;
 use kvmesh_e2e::cluster::{
     MODEL, await_status, chat_body, engine_urls, proxy_config, start_engines, start_proxy,
 };
-use kvmesh_e2e::sse::assert_whole_stream;
+use kvmesh_e2e::sse::open_streams;
 use kvmesh_e2e::{HttpClient, ScratchDir};
 
 fn error_body(resp: &kvmesh_e2e::Response) -> serde_json::Value {
@@ -453,49 +453,18 @@ async fn streams_on_a_killed_engine_continue_on_another() {
     let client = HttpClient::http1();
 
     // Half chat, half completions; round robin puts every other one on the victim.
-    let mut streams = Vec::new();
-    for i in 0..STREAMS {
-        let (path, body) = if i % 2 == 0 {
-            let mut body = chat_body(&format!("tell story {i}"), MAX_TOKENS as u32, true);
-            body["stream_options"] = serde_json::json!({"include_usage": true});
-            ("chat/completions", body)
-        } else {
-            let body = serde_json::json!({"model": MODEL, "prompt": format!("Once {i}"),
-                "max_tokens": MAX_TOKENS, "stream": true});
-            ("completions", body)
-        };
-        let url = format!("{}/v1/{path}", proxy.url("main"));
-        let mut stream = client
-            .send(
-                Method::POST,
-                &url,
-                &[("content-type", "application/json")],
-                body.to_string(),
-            )
-            .await
-            .unwrap();
-        assert_eq!(stream.status, 200);
-        let first = stream.next_chunk().await.unwrap().expect("a first chunk");
-        let instance = stream.headers["x-kvmesh-instance"]
-            .to_str()
-            .unwrap()
-            .to_owned();
-        streams.push((i, instance, first, stream));
-    }
-    let on_victim = streams
-        .iter()
-        .filter(|(_, instance, ..)| *instance == victim_url)
-        .count();
+    let streams = open_streams(&client, &proxy.url("main"), STREAMS, MAX_TOKENS)
+        .await
+        .unwrap();
+    let on_victim = streams.iter().filter(|s| s.instance == victim_url).count();
     assert_eq!(on_victim, STREAMS / 2);
     victim.kill();
 
-    for (i, _, first, stream) in streams {
-        let rest = tokio::time::timeout(Duration::from_secs(30), stream.rest())
+    for stream in streams {
+        stream
+            .assert_whole(MAX_TOKENS, Duration::from_secs(30))
             .await
-            .expect("the stream ends")
-            .expect("without a transport error");
-        let body = [first.as_ref(), rest.as_ref()].concat();
-        assert_whole_stream(&body, MAX_TOKENS, &format!("stream {i}"));
+            .unwrap();
     }
     let migrations = {
         let metrics = client
