@@ -175,6 +175,12 @@ impl ModelPreprocessor {
         self.encoder.encode(text, true)
     }
 
+    /// Token ids of text that continues other tokens (`add_special_tokens=False`): what a
+    /// stream generated, appended to its token-id prompt when the stream moves elsewhere.
+    pub fn encode_continuation(&self, text: &str) -> Result<Vec<u32>> {
+        self.encoder.encode(text, false)
+    }
+
     /// [`render_chat`](Self::render_chat) then [`encode_chat`](Self::encode_chat).
     pub fn chat_token_ids(&self, request: &ChatRequest<'_>) -> Result<Vec<u32>> {
         self.encode_chat(&self.render_chat(request)?)

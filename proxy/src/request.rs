@@ -57,7 +57,7 @@ use crate::state::State;
 use admit::{admit_key, instances_for, model_slot, resolve_model};
 use attempt::{Failover, attempt};
 use frontend::Frontend;
-use kvmesh_route::prepare::InvalidPrompt;
+use kvmesh_route::prepare::{InvalidPrompt, Preparer};
 use migrate::{Migration, migrated};
 use pick::{pick, queue};
 use prepare::{charge_prompt, prepare};
@@ -133,7 +133,14 @@ async fn run<F: Frontend>(
     trace.phase(Phase::Queue);
     queue(&pool, &instances, &picker, frontend).await?;
     let mut failover = Failover::new(state, &pool);
-    let mut migration = Migration::new(route, &body, record.stream, pool.migration_limit());
+    let tokenizer = pool.balancer().preparer().and_then(Preparer::tokenizer);
+    let mut migration = Migration::new(
+        route,
+        &body,
+        record.stream,
+        pool.migration_limit(),
+        tokenizer,
+    );
     loop {
         // 4. pick
         let pick = match pick(&instances, &picker, &failover.excluded) {

@@ -92,9 +92,8 @@ pub async fn open_streams(
     count: usize,
     max_tokens: u64,
 ) -> anyhow::Result<Vec<OpenStream>> {
-    let mut streams = Vec::with_capacity(count);
-    for index in 0..count {
-        let (path, body) = if index % 2 == 0 {
+    let requests = (0..count).map(|index| {
+        if index % 2 == 0 {
             let mut body = chat_body(&format!("tell story {index}"), max_tokens as u32, true);
             body["stream_options"] = serde_json::json!({"include_usage": true});
             ("chat/completions", body)
@@ -102,7 +101,20 @@ pub async fn open_streams(
             let body = serde_json::json!({"model": MODEL, "prompt": format!("Once {index}"),
                 "max_tokens": max_tokens, "stream": true});
             ("completions", body)
-        };
+        }
+    });
+    open_streams_with(client, main, requests).await
+}
+
+/// Opens one stream per `(path under /v1/, body)` of `requests` through the proxy at `main`,
+/// and reads each one's first chunk.
+pub async fn open_streams_with(
+    client: &HttpClient,
+    main: &str,
+    requests: impl IntoIterator<Item = (&str, serde_json::Value)>,
+) -> anyhow::Result<Vec<OpenStream>> {
+    let mut streams = Vec::new();
+    for (index, (path, body)) in requests.into_iter().enumerate() {
         let url = format!("{main}/v1/{path}");
         let headers = [("content-type", "application/json")];
         let mut stream = client

@@ -12,8 +12,10 @@
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use kvmesh_e2e::cluster::{MODEL, engine_urls, proxy_config, start_engines, start_proxy};
+use kvmesh_e2e::sse::open_streams_with;
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
 use serde_json::{Value, json};
 
@@ -285,5 +287,63 @@ async fn conversations_stick_spread_and_hit_the_cache_more_than_round_robin() {
     assert!(
         kv_hits > round_robin_hits,
         "prefix-cache hits: kv {kv_hits} tokens, round-robin {round_robin_hits} tokens"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_id_stream_on_a_killed_engine_continues_with_its_text_encoded() {
+    const STREAMS: usize = 6;
+    const MAX_TOKENS: u64 = 300;
+    let scratch = ScratchDir::new("kv-migrate-ids").unwrap();
+    let tokenizer = tokenizer_dir();
+    // The engines tokenize as the proxy does; real-time decode (~6 ms per token), so each
+    // stream lasts about two seconds.
+    let engine_tokenizer = tokenizer.join("tokenizer.json").display().to_string();
+    let flags = ["--tokenizer", engine_tokenizer.as_str()];
+    let mut victim = start_engines(&scratch, 1, &flags).unwrap();
+    let survivor = start_engines(&scratch, 1, &flags).unwrap();
+    let victim_url = engine_urls(&victim)[0].clone();
+    let urls = [engine_urls(&victim), engine_urls(&survivor)].concat();
+    let config = proxy_config(&urls, "").replace(
+        "policy: round_robin",
+        &format!("policy: kv\n    tokenizer: \"{}\"", tokenizer.display()),
+    );
+    let proxy = start_proxy(&scratch, &config).unwrap();
+    let client = HttpClient::http1();
+
+    // Token-id prompts with nothing in common: each booking sends the next one elsewhere.
+    let requests = (0..STREAMS).map(|i| {
+        let prompt: Vec<u32> = (0..64).map(|t| 1_000 + 100 * i as u32 + t).collect();
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                          "stream": true, "stream_options": {"include_usage": true}});
+        ("completions", body)
+    });
+    let streams = open_streams_with(&client, &proxy.url("main"), requests)
+        .await
+        .unwrap();
+    let on_victim = streams.iter().filter(|s| s.instance == victim_url).count();
+    assert!(
+        (1..STREAMS).contains(&on_victim),
+        "{on_victim} on the victim"
+    );
+    victim.kill();
+
+    for stream in streams {
+        stream
+            .assert_whole(MAX_TOKENS, Duration::from_secs(30))
+            .await
+            .unwrap();
+    }
+    let metrics = client
+        .get(&format!("{}/metrics", proxy.url("admin")))
+        .await
+        .unwrap();
+    let migrations = kvmesh_e2e::control_plane::metric_total(
+        &String::from_utf8_lossy(&metrics.body),
+        "kvmesh_migrations_total",
+    );
+    assert_eq!(
+        migrations, on_victim as f64,
+        "each stream on the victim moved once"
     );
 }

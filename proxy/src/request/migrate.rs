@@ -12,12 +12,14 @@
 //! its usage counts the tokens sent before it, so the client sees one stream.
 //!
 //! Only streams of one choice whose prompt can be extended are migrated: chat, and
-//! completions whose prompt is one string (a token-id prompt cannot be extended by text
-//! without the engine's tokenizer), without `echo`.
+//! completions whose prompt is one string, or one list of token ids when the model has a
+//! tokenizer (the generated text is encoded and its ids appended), without `echo`.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use bytes::{BufMut, Bytes, BytesMut};
+use kvmesh_preprocess::ModelPreprocessor;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 use serde_json::{Map, Value, json};
@@ -44,6 +46,8 @@ pub(crate) struct Migration {
     kind: Kind,
     /// The request as first sent, a JSON object.
     request: Map<String, Value>,
+    /// Encodes the generated text of a completions stream whose prompt is token ids.
+    tokenizer: Option<Arc<ModelPreprocessor>>,
     /// Migrations left.
     left: u32,
     /// The first chunk's `id`, `created` and `model`.
@@ -101,8 +105,14 @@ struct Delta<'a> {
 
 impl Migration {
     /// The migration state of a request on `route` with `body`, when it is a stream that
-    /// may migrate (`limit` above 0).
-    pub(crate) fn new(route: Route, body: &[u8], stream: bool, limit: u32) -> Option<Self> {
+    /// may migrate (`limit` above 0); `tokenizer`, the model's, lets a token-id prompt migrate.
+    pub(crate) fn new(
+        route: Route,
+        body: &[u8],
+        stream: bool,
+        limit: u32,
+        tokenizer: Option<&Arc<ModelPreprocessor>>,
+    ) -> Option<Self> {
         if !stream || limit == 0 {
             return None;
         }
@@ -115,10 +125,11 @@ impl Migration {
             return None;
         };
         let one_choice = request.get("n").is_none_or(|n| n.as_u64() == Some(1));
+        let ids = kind == Kind::Completion && token_prompt(&request).is_some();
         let extendable = match kind {
             Kind::Chat => request.get("messages").is_some_and(Value::is_array),
             Kind::Completion => {
-                single_prompt(&request).is_some()
+                (single_prompt(&request).is_some() || (ids && tokenizer.is_some()))
                     && request
                         .get("echo")
                         .is_none_or(|echo| echo == &Value::Bool(false))
@@ -127,6 +138,7 @@ impl Migration {
         (one_choice && extendable).then(|| Self {
             kind,
             request,
+            tokenizer: tokenizer.filter(|_| ids).cloned(),
             left: limit,
             id: None,
             created: None,
@@ -286,7 +298,10 @@ impl Migration {
         let mut request = self.request.clone();
         match self.kind {
             Kind::Chat => extend_chat(&mut request, &self.text),
-            Kind::Completion => extend_prompt(&mut request, &self.text)?,
+            Kind::Completion => match &self.tokenizer {
+                Some(tokenizer) => extend_token_prompt(&mut request, tokenizer, &self.text)?,
+                None => extend_prompt(&mut request, &self.text)?,
+            },
         }
         for key in ["max_tokens", "max_completion_tokens", "min_tokens"] {
             if let Some(limit) = request.get(key).and_then(Value::as_u64) {
@@ -329,6 +344,29 @@ fn single_prompt(request: &Map<String, Value>) -> Option<&str> {
         Value::Array(list) if list.len() == 1 => list[0].as_str(),
         _ => None,
     }
+}
+
+/// The request's prompt when it is one list of token ids (or a list of one such list).
+fn token_prompt(request: &Map<String, Value>) -> Option<&[Value]> {
+    let list = match request.get("prompt")? {
+        Value::Array(list) if list.len() == 1 && list[0].is_array() => list[0].as_array()?,
+        Value::Array(list) => list,
+        _ => return None,
+    };
+    (!list.is_empty() && list.iter().all(Value::is_u64)).then_some(list.as_slice())
+}
+
+/// The completions request with the ids of `text` appended to its token-id prompt.
+fn extend_token_prompt(
+    request: &mut Map<String, Value>,
+    tokenizer: &ModelPreprocessor,
+    text: &str,
+) -> Option<()> {
+    let mut prompt = token_prompt(request)?.to_vec();
+    let generated = tokenizer.encode_continuation(text).ok()?;
+    prompt.extend(generated.into_iter().map(Value::from));
+    request.insert("prompt".into(), Value::Array(prompt));
+    Some(())
 }
 
 /// The completions request with `text` appended to its prompt.

@@ -183,6 +183,11 @@ impl Preparer {
         }
     }
 
+    /// The model's tokenizer, when it has one.
+    pub fn tokenizer(&self) -> Option<&Arc<ModelPreprocessor>> {
+        self.tokenizer.as_ref()
+    }
+
     /// The same settings for requests to the LoRA adapter `adapter`: the same template and
     /// tokenizer, block hashes seeded with the adapter's name (as the agent hashes the
     /// adapter's cached blocks), so its prompts match only the adapter's blocks.

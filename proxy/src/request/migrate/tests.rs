@@ -12,7 +12,7 @@ fn chat_chunk(content: &str, finish: Option<&str>) -> String {
 /// The migration of a stream with `body` whose answer started as an open SSE stream.
 fn migration(route: Route, body: Value) -> Migration {
     let mut migration =
-        Migration::new(route, body.to_string().as_bytes(), true, 1).expect("migratable");
+        Migration::new(route, body.to_string().as_bytes(), true, 1, None).expect("migratable");
     migration.started(ClientFraming::Open);
     migration
 }
@@ -21,19 +21,46 @@ fn migration(route: Route, body: Value) -> Migration {
 fn only_single_choice_extendable_streams_migrate() {
     let chat = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
     let body = |value: &Value| value.to_string();
-    assert!(Migration::new(Route::ChatCompletions, body(&chat).as_bytes(), true, 1).is_some());
-    assert!(Migration::new(Route::ChatCompletions, body(&chat).as_bytes(), false, 1).is_none());
-    assert!(Migration::new(Route::ChatCompletions, body(&chat).as_bytes(), true, 0).is_none());
+    assert!(
+        Migration::new(
+            Route::ChatCompletions,
+            body(&chat).as_bytes(),
+            true,
+            1,
+            None
+        )
+        .is_some()
+    );
+    assert!(
+        Migration::new(
+            Route::ChatCompletions,
+            body(&chat).as_bytes(),
+            false,
+            1,
+            None
+        )
+        .is_none()
+    );
+    assert!(
+        Migration::new(
+            Route::ChatCompletions,
+            body(&chat).as_bytes(),
+            true,
+            0,
+            None
+        )
+        .is_none()
+    );
     let mut two = chat.clone();
     two["n"] = 2.into();
-    assert!(Migration::new(Route::ChatCompletions, body(&two).as_bytes(), true, 1).is_none());
+    assert!(Migration::new(Route::ChatCompletions, body(&two).as_bytes(), true, 1, None).is_none());
     let ids = json!({"model": "m", "prompt": [1, 2, 3]});
-    assert!(Migration::new(Route::Completions, body(&ids).as_bytes(), true, 1).is_none());
+    assert!(Migration::new(Route::Completions, body(&ids).as_bytes(), true, 1, None).is_none());
     let echo = json!({"model": "m", "prompt": "x", "echo": true});
-    assert!(Migration::new(Route::Completions, body(&echo).as_bytes(), true, 1).is_none());
+    assert!(Migration::new(Route::Completions, body(&echo).as_bytes(), true, 1, None).is_none());
     let text = json!({"model": "m", "prompt": ["x"]});
-    assert!(Migration::new(Route::Completions, body(&text).as_bytes(), true, 1).is_some());
-    assert!(Migration::new(Route::Embeddings, body(&text).as_bytes(), true, 1).is_none());
+    assert!(Migration::new(Route::Completions, body(&text).as_bytes(), true, 1, None).is_some());
+    assert!(Migration::new(Route::Embeddings, body(&text).as_bytes(), true, 1, None).is_none());
 }
 
 #[test]
@@ -168,4 +195,59 @@ fn a_client_continuation_is_extended_in_place_and_crlf_events_split() {
         events,
         [&b"data: a\r\n\r\n"[..], b"data: b\n\n", b"data: c"]
     );
+}
+
+/// The Qwen3 tokenizer fetched by `scripts/fetch-tokenizer.sh` (or `KVMESH_QWEN3_TOKENIZER`).
+fn qwen3() -> Arc<ModelPreprocessor> {
+    let dir = std::env::var_os("KVMESH_QWEN3_TOKENIZER")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/tokenizers/qwen3")
+        });
+    Arc::new(ModelPreprocessor::from_dir(&dir).unwrap_or_else(|e| {
+        panic!("the Qwen3 tokenizer in {dir:?} ({e}): run scripts/fetch-tokenizer.sh")
+    }))
+}
+
+#[test]
+fn a_token_id_prompt_migrates_with_the_generated_text_encoded_when_there_is_a_tokenizer() {
+    let tokenizer = qwen3();
+    let body = |prompt: Value| json!({"model": "m", "prompt": prompt, "max_tokens": 5});
+    for prompt in [json!([9707, 11]), json!([[9707, 11]])] {
+        let raw = body(prompt).to_string();
+        assert!(Migration::new(Route::Completions, raw.as_bytes(), true, 1, None).is_none());
+        let mut m = Migration::new(
+            Route::Completions,
+            raw.as_bytes(),
+            true,
+            1,
+            Some(&tokenizer),
+        )
+        .expect("migratable with a tokenizer");
+        m.started(ClientFraming::Open);
+        let chunk = json!({"id": "cmpl-a", "created": 1, "model": "m",
+                           "choices": [{"index": 0, "text": " world", "finish_reason": null}]});
+        m.pass(Bytes::from(format!("data: {chunk}\n\n")));
+        let next: Value = serde_json::from_slice(&m.next_body().unwrap()).unwrap();
+        let mut expected = vec![9707, 11];
+        expected.extend(tokenizer.encode_continuation(" world").unwrap());
+        assert!(expected.len() > 2, "{expected:?}");
+        assert_eq!(next["prompt"], json!(expected));
+        assert_eq!(next["max_tokens"], 4);
+    }
+    // Not token ids, or not one prompt: not migrated by ids.
+    for prompt in [json!([]), json!([1, "x"]), json!([[1], [2]]), json!([-1])] {
+        let raw = body(prompt).to_string();
+        assert!(
+            Migration::new(
+                Route::Completions,
+                raw.as_bytes(),
+                true,
+                1,
+                Some(&tokenizer)
+            )
+            .is_none(),
+            "{raw}"
+        );
+    }
 }
