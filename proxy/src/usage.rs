@@ -7,6 +7,8 @@
 //! so each piece is read line by line. Events without text are not tokens: `[DONE]`, a chat
 //! stream's opening role event and closing empty delta, a usage-only event.
 
+use memchr::memmem;
+
 /// The field whose number is the authoritative completion count.
 const COMPLETION_FIELD: &[u8] = b"\"completion_tokens\"";
 /// The field whose number is the prompt's token count.
@@ -97,15 +99,12 @@ fn has_text(data: &[u8]) -> bool {
     !has_empty
         || !TEXTLESS
             .iter()
-            .any(|marker| data.windows(marker.len()).any(|w| w == *marker))
+            .any(|marker| memmem::find(data, marker).is_some())
 }
 
 /// The number after the last `field:` in `text`.
 fn last_number(text: &[u8], field: &[u8]) -> Option<u64> {
-    let start = text
-        .windows(field.len())
-        .rposition(|window| window == field)?
-        + field.len();
+    let start = memmem::rfind(text, field)? + field.len();
     let rest = text[start..]
         .trim_ascii_start()
         .strip_prefix(b":")?

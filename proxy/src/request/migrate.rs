@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use kvmesh_preprocess::ModelPreprocessor;
+use memchr::memmem;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 use serde_json::{Map, Value, json};
@@ -187,7 +188,7 @@ impl Migration {
     /// Takes in `events` (whole SSE events) on their way to the client: the transcript
     /// grows, a continuation's events are rewritten, an engine error event is held back.
     pub(crate) fn pass(&mut self, events: Bytes) -> Passed {
-        if !self.continuing() && !events.windows(7).any(|w| w == b"\"error\"") {
+        if !self.continuing() && memmem::find(&events, b"\"error\"").is_none() {
             for data in data_values(&events) {
                 self.observe(data);
             }
