@@ -409,9 +409,15 @@ proptest! {
         // reads back as itself.
         let read = read_checked(&raw, cut.index(raw.len() + 1));
         if let Read::Request { forwarded, .. } = read {
+            // No forwarded field is named like a transfer coding; the words inside a field's
+            // value (`X-Other: yTransfer-Encoding: chunked`, one field) are only text.
             let lower = String::from_utf8_lossy(&forwarded).to_ascii_lowercase();
-            prop_assert!(!lower.contains("transfer-encoding"), "{}", lower);
-            prop_assert!(!lower.contains("transfer_encoding"), "{}", lower);
+            let head = lower.split("\r\n\r\n").next().unwrap_or_default();
+            for line in head.split("\r\n").skip(1) {
+                let name = line.split(':').next().unwrap_or_default();
+                prop_assert!(!name.contains("transfer-encoding"), "{}", lower);
+                prop_assert!(!name.contains("transfer_encoding"), "{}", lower);
+            }
         }
     }
 }
