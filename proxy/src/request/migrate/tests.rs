@@ -19,48 +19,23 @@ fn migration(route: Route, body: Value) -> Migration {
 
 #[test]
 fn only_single_choice_extendable_streams_migrate() {
+    let migrates = |route, body: &Value, stream, limit| {
+        Migration::new(route, body.to_string().as_bytes(), stream, limit, None).is_some()
+    };
     let chat = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
-    let body = |value: &Value| value.to_string();
-    assert!(
-        Migration::new(
-            Route::ChatCompletions,
-            body(&chat).as_bytes(),
-            true,
-            1,
-            None
-        )
-        .is_some()
-    );
-    assert!(
-        Migration::new(
-            Route::ChatCompletions,
-            body(&chat).as_bytes(),
-            false,
-            1,
-            None
-        )
-        .is_none()
-    );
-    assert!(
-        Migration::new(
-            Route::ChatCompletions,
-            body(&chat).as_bytes(),
-            true,
-            0,
-            None
-        )
-        .is_none()
-    );
+    assert!(migrates(Route::ChatCompletions, &chat, true, 1));
+    assert!(!migrates(Route::ChatCompletions, &chat, false, 1));
+    assert!(!migrates(Route::ChatCompletions, &chat, true, 0));
     let mut two = chat.clone();
     two["n"] = 2.into();
-    assert!(Migration::new(Route::ChatCompletions, body(&two).as_bytes(), true, 1, None).is_none());
+    assert!(!migrates(Route::ChatCompletions, &two, true, 1));
     let ids = json!({"model": "m", "prompt": [1, 2, 3]});
-    assert!(Migration::new(Route::Completions, body(&ids).as_bytes(), true, 1, None).is_none());
+    assert!(!migrates(Route::Completions, &ids, true, 1));
     let echo = json!({"model": "m", "prompt": "x", "echo": true});
-    assert!(Migration::new(Route::Completions, body(&echo).as_bytes(), true, 1, None).is_none());
+    assert!(!migrates(Route::Completions, &echo, true, 1));
     let text = json!({"model": "m", "prompt": ["x"]});
-    assert!(Migration::new(Route::Completions, body(&text).as_bytes(), true, 1, None).is_some());
-    assert!(Migration::new(Route::Embeddings, body(&text).as_bytes(), true, 1, None).is_none());
+    assert!(migrates(Route::Completions, &text, true, 1));
+    assert!(!migrates(Route::Embeddings, &text, true, 1));
 }
 
 #[test]
