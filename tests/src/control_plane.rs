@@ -166,6 +166,18 @@ pub fn control_proxy_config(servers: &Servers, extra: &str) -> String {
     )
 }
 
+/// The sum of every sample of metric `name` on `proxy`'s admin `/metrics` ([`metric_total`]).
+pub async fn proxy_metric_total(
+    client: &HttpClient,
+    proxy: &Spawned,
+    name: &str,
+) -> anyhow::Result<f64> {
+    let metrics = client
+        .get(&format!("{}/metrics", proxy.url("admin")))
+        .await?;
+    Ok(metric_total(&String::from_utf8_lossy(&metrics.body), name))
+}
+
 /// The value of the first sample of `metrics` (Prometheus text) whose line starts with
 /// `series` (name and labels, e.g. `kvmesh_events_connected` or `x{a="b"}`).
 pub fn metric(metrics: &str, series: &str) -> Option<f64> {

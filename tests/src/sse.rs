@@ -83,6 +83,18 @@ impl OpenStream {
     }
 }
 
+/// [`OpenStream::assert_whole`] for each of `streams`, in turn.
+pub async fn assert_all_whole(
+    streams: Vec<OpenStream>,
+    max_tokens: u64,
+    deadline: Duration,
+) -> anyhow::Result<()> {
+    for stream in streams {
+        stream.assert_whole(max_tokens, deadline).await?;
+    }
+    Ok(())
+}
+
 /// Opens `count` streams of `max_tokens` tokens through the proxy at `main` (its data
 /// listener's URL), each with its own prompt, alternately chat (with a usage chunk) and
 /// completions, and reads each one's first chunk.

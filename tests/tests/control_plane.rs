@@ -31,7 +31,7 @@ use kvmesh_e2e::control_plane::{
     metric_total, model_prompt, prompt_tokens, start_agent, start_event_engines,
     start_event_engines_with, start_timed_event_engines, token_prompt,
 };
-use kvmesh_e2e::sse::open_streams;
+use kvmesh_e2e::sse::{assert_all_whole, open_streams};
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
 use tokio::sync::Mutex;
 
@@ -378,9 +378,7 @@ async fn streams_on_an_instance_that_leaves_discovery_continue_on_another() -> a
     // SIGTERM: the record turns `draining`, then leaves discovery when the drain period
     // ends, while the engine itself keeps streaming.
     leaving.terminate()?;
-    for stream in streams {
-        stream.assert_whole(MAX_TOKENS, CONVERGE).await?;
-    }
+    assert_all_whole(streams, MAX_TOKENS, CONVERGE).await?;
     let text = String::from_utf8_lossy(&client.get(&metrics).await?.body).into_owned();
     let left = format!("kvmesh_migrations_total{{kind=\"left\",model=\"{MODEL}\"}}");
     assert_eq!(

@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvmesh_e2e::cluster::{MODEL, engine_urls, proxy_config, start_engines, start_proxy};
+use kvmesh_e2e::control_plane::proxy_metric_total;
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
 use kvmesh_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use kvmesh_proto::inference::infer_parameter::ParameterChoice;
@@ -960,14 +961,9 @@ async fn streams_on_a_killed_engine_continue_on_another() {
         );
         assert_eq!(output(last, "finish_reason"), "length", "{id}");
     }
-    let metrics = HttpClient::http1()
-        .get(&format!("{}/metrics", proxy.url("admin")))
+    let migrations = proxy_metric_total(&HttpClient::http1(), &proxy, "kvmesh_migrations_total")
         .await
         .unwrap();
-    let migrations = kvmesh_e2e::control_plane::metric_total(
-        &String::from_utf8_lossy(&metrics.body),
-        "kvmesh_migrations_total",
-    );
     assert_eq!(
         migrations,
         (REQUESTS / 2) as f64,

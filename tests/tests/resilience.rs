@@ -7,7 +7,8 @@ use http::Method;
 use kvmesh_e2e::cluster::{
     MODEL, await_status, chat_body, engine_urls, proxy_config, start_engines, start_proxy,
 };
-use kvmesh_e2e::sse::open_streams;
+use kvmesh_e2e::control_plane::proxy_metric_total;
+use kvmesh_e2e::sse::{assert_all_whole, open_streams};
 use kvmesh_e2e::{HttpClient, ScratchDir};
 
 fn error_body(resp: &kvmesh_e2e::Response) -> serde_json::Value {
@@ -460,22 +461,12 @@ async fn streams_on_a_killed_engine_continue_on_another() {
     assert_eq!(on_victim, STREAMS / 2);
     victim.kill();
 
-    for stream in streams {
-        stream
-            .assert_whole(MAX_TOKENS, Duration::from_secs(30))
-            .await
-            .unwrap();
-    }
-    let migrations = {
-        let metrics = client
-            .get(&format!("{}/metrics", proxy.url("admin")))
-            .await
-            .unwrap();
-        kvmesh_e2e::control_plane::metric_total(
-            &String::from_utf8_lossy(&metrics.body),
-            "kvmesh_migrations_total",
-        )
-    };
+    assert_all_whole(streams, MAX_TOKENS, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let migrations = proxy_metric_total(&client, &proxy, "kvmesh_migrations_total")
+        .await
+        .unwrap();
     assert_eq!(
         migrations,
         (STREAMS / 2) as f64,

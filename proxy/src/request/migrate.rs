@@ -1,6 +1,7 @@
 //! Migration: a stream whose engine breaks off before its last event (the connection reset
 //! or closed, the idle timeout, an error event from the engine, the instance leaving
-//! discovery) continues on another instance, on the same client stream, up to the model's `migration_limit` times.
+//! discovery) continues on another instance, on the same client stream, up to the model's
+//! `migration_limit` times.
 //!
 //! While a stream is relayed, [`Migration`] keeps its transcript: the `id`, `created` and
 //! `model` of its chunks, the text generated so far and how many content events carried it.
