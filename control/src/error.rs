@@ -5,6 +5,9 @@ use thiserror::Error;
 /// Anything a control-plane operation can fail with.
 #[derive(Debug, Error)]
 pub enum ControlError {
+    /// Client settings are unusable (a TLS or secret file missing, half a key pair).
+    #[error("{0}")]
+    Config(String),
     /// A name (namespace, model, subject, key) is not acceptable.
     #[error("invalid name: {0}")]
     InvalidName(String),
@@ -17,6 +20,9 @@ pub enum ControlError {
     /// No answer within the deadline.
     #[error("{0} timed out")]
     Timeout(&'static str),
+    /// No one serves the subject a request went to (or the bus closed meanwhile).
+    #[error("no responder on {0}")]
+    NoResponders(String),
     /// The lease does not exist (expired, revoked, or the store lost it).
     #[error("lease {0:x} not found")]
     LeaseNotFound(i64),

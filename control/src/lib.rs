@@ -11,8 +11,8 @@
 //!   records meanwhile), on etcd ([`EtcdRegistry`], the JSON gRPC gateway over hyper) or in
 //!   process ([`InProcessRegistry`]).
 //! - Events: the [`EventBus`] trait (publish, subscribe, request-reply, serve, and a
-//!   [`ConnectionState`] signal whose epoch grows on every reconnect), on NATS ([`NatsBus`], a
-//!   small client of the text protocol) or in process ([`InProcessBus`]).
+//!   [`ConnectionState`] signal whose epoch grows on every reconnect), on NATS ([`NatsBus`], on
+//!   `async-nats`, with TLS and auth from [`NatsSettings`]) or in process ([`InProcessBus`]).
 //! - `testing` (cargo feature): launchers of real etcd and nats-server processes.
 
 mod backoff;
@@ -26,12 +26,13 @@ mod namespace;
 mod registry;
 mod replica;
 mod resync;
+mod security;
 #[cfg(feature = "testing")]
 pub mod testing;
 
 pub use bus::{
-    ConnectionState, EventBus, InProcessBus, Message, NatsBus, SUBSCRIPTION_BUFFER, Subscription,
-    subject_matches, validate_subject,
+    ConnectionState, EventBus, InProcessBus, Message, NatsBus, NatsSettings, SUBSCRIPTION_BUFFER,
+    Subscription, subject_matches, validate_subject,
 };
 pub use error::ControlError;
 pub use events::{EventBatch, RankedEvent, WireBlock, WireEvent, WireParent, event_blocks};
@@ -46,3 +47,4 @@ pub use registry::{
 };
 pub use replica::{DecisionShare, InstanceLoadShare, LoadShare, SessionShare};
 pub use resync::{SnapshotReply, SnapshotRequest};
+pub use security::{EtcdAuth, NatsAuth, TlsFiles, read_secret};

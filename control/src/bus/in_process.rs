@@ -3,7 +3,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock, Weak};
-use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -112,24 +111,19 @@ impl EventBus for InProcessBus {
         Ok(self.subscription(subject))
     }
 
-    async fn request(
+    async fn request_replies(
         &self,
         subject: &str,
         payload: Bytes,
-        timeout: Duration,
-    ) -> Result<Bytes, ControlError> {
+    ) -> Result<Subscription, ControlError> {
         validate_subject(subject, false)?;
         let inbox = format!(
             "_INBOX.local.{}",
             self.inner.next_sid.fetch_add(1, Ordering::Relaxed)
         );
-        let mut replies = self.subscription(&inbox);
+        let replies = self.subscription(&inbox);
         self.inner.deliver(subject, Some(&inbox), payload);
-        match tokio::time::timeout(timeout, replies.next()).await {
-            Ok(Some(msg)) => Ok(msg.payload),
-            Ok(None) => Err(ControlError::Closed),
-            Err(_) => Err(ControlError::Timeout("request")),
-        }
+        Ok(replies)
     }
 
     fn connection_state(&self) -> watch::Receiver<ConnectionState> {

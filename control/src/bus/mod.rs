@@ -17,7 +17,7 @@ use futures_util::Stream;
 use tokio::sync::{mpsc, watch};
 
 pub use in_process::InProcessBus;
-pub use nats::NatsBus;
+pub use nats::{NatsBus, NatsSettings};
 pub use subject::{subject_matches, validate_subject};
 
 use crate::error::ControlError;
@@ -173,13 +173,34 @@ pub trait EventBus: Send + Sync + 'static {
     /// across reconnects.
     async fn subscribe(&self, subject: &str) -> Result<Subscription, ControlError>;
 
+    /// Sends a request and returns the subscription its replies arrive on (several, for an
+    /// answer that comes in parts), until dropped. The subscription ends early when the
+    /// server says that no one serves `subject`.
+    async fn request_replies(
+        &self,
+        subject: &str,
+        payload: Bytes,
+    ) -> Result<Subscription, ControlError>;
+
     /// Sends a request and waits up to `timeout` for the first reply.
     async fn request(
         &self,
         subject: &str,
         payload: Bytes,
         timeout: Duration,
-    ) -> Result<Bytes, ControlError>;
+    ) -> Result<Bytes, ControlError> {
+        let mut replies = self.request_replies(subject, payload).await?;
+        match tokio::time::timeout(timeout, replies.next()).await {
+            Ok(Some(message)) => Ok(message.payload),
+            Ok(None) => Err(ControlError::NoResponders(subject.to_owned())),
+            Err(_) => Err(ControlError::Timeout("request")),
+        }
+    }
+
+    /// The largest payload a message may carry.
+    fn max_payload(&self) -> usize {
+        usize::MAX
+    }
 
     /// The requests sent to `subject`: messages whose [`Message::reply`] says where to answer,
     /// with [`EventBus::reply`].
