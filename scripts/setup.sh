@@ -6,9 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# System packages. cmake: pingora-core builds zlib-ng with it; etcd-server and
-# nats-server: the control-plane end-to-end tests (tests/tests/control_plane.rs).
-APT_PACKAGES=(cmake etcd-server nats-server)
+# System packages. cmake: pingora-core builds zlib-ng with it; protobuf-compiler and
+# libprotobuf-dev (its well-known types): etcd-client compiles etcd's protos with them;
+# etcd-server and nats-server: the control-plane end-to-end tests (tests/tests/control_plane.rs).
+APT_PACKAGES=(cmake protobuf-compiler libprotobuf-dev etcd-server nats-server)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -8,7 +8,8 @@
 //!   [`LoadReport`]; all JSON.
 //! - Discovery: the [`Registry`] trait (leases, put / delete / list, and a [`Watch`] stream
 //!   that survives reconnects: re-list with backoff, emit only differences, keep the last known
-//!   records meanwhile), on etcd ([`EtcdRegistry`], the JSON gRPC gateway over hyper) or in
+//!   records meanwhile), on etcd ([`EtcdRegistry`], on
+//!   `etcd-client`, with TLS and auth from [`EtcdSettings`]) or in
 //!   process ([`InProcessRegistry`]).
 //! - Events: the [`EventBus`] trait (publish, subscribe, request-reply, serve, and a
 //!   [`ConnectionState`] signal whose epoch grows on every reconnect), on NATS ([`NatsBus`], on
@@ -43,7 +44,7 @@ pub use namespace::{
     DEFAULT_NAMESPACE, Namespace, decode_model, encode_model_for_key, encode_model_for_subject,
 };
 pub use registry::{
-    EtcdRegistry, InProcessRegistry, LeaseId, Listing, Registry, Watch, WatchEvent,
+    EtcdRegistry, EtcdSettings, InProcessRegistry, LeaseId, Listing, Registry, Watch, WatchEvent,
 };
 pub use replica::{DecisionShare, InstanceLoadShare, LoadShare, SessionShare};
 pub use resync::{SnapshotReply, SnapshotRequest};

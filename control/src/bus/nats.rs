@@ -226,17 +226,30 @@ impl NatsBus {
         Ok(())
     }
 
-    /// Waits until the server has processed everything sent so far (a PING/PONG round trip),
-    /// up to `timeout`; fails at once while disconnected.
+    /// Waits until the server has processed everything sent so far, up to `timeout`; fails
+    /// at once while disconnected. (The client's own flush only empties the socket buffer:
+    /// this is a round trip, a message to a fresh inbox of our own that comes back after
+    /// every operation sent before it.)
     pub async fn flush(&self, timeout: Duration) -> Result<(), ControlError> {
         if !self.is_connected() {
             return Err(ControlError::Disconnected(BACKEND));
         }
-        match tokio::time::timeout(timeout, self.client.flush()).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(error)) => Err(transport(error)),
-            Err(_) => Err(ControlError::Timeout("nats flush")),
-        }
+        let round_trip = async {
+            let inbox = self.client.new_inbox();
+            let mut echo = self
+                .client
+                .subscribe(inbox.clone())
+                .await
+                .map_err(transport)?;
+            self.client
+                .publish(inbox, Bytes::new())
+                .await
+                .map_err(transport)?;
+            echo.next().await.map(drop).ok_or(ControlError::Closed)
+        };
+        tokio::time::timeout(timeout, round_trip)
+            .await
+            .map_err(|_| ControlError::Timeout("nats flush"))?
     }
 
     /// A subscription to `subject`, forwarded into an [`Inbox`]; a status message (no

@@ -1,224 +1,259 @@
-//! [`Registry`] on etcd v3 through its JSON gRPC gateway (`/v3/kv/*`, `/v3/lease/*`,
-//! streaming `/v3/watch`; keys and values base64, 64-bit integers as strings), over hyper.
-//! Tested against etcd 3.4.
+//! [`Registry`] on etcd v3 through `etcd-client` (gRPC): one or several members of a
+//! cluster (calls move to the next member when one does not answer: [`Members`]), TLS with
+//! a CA and client certificates, user / password auth ([`EtcdSettings`]).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use base64::Engine as _;
-use base64::engine::general_purpose::STANDARD as B64;
-use bytes::{Bytes, BytesMut};
-use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
-use serde::Deserialize;
-use serde_json::{Value, json};
+use bytes::Bytes;
+use etcd_client::{
+    Certificate, Client, ConnectOptions, EventType, GetOptions, Identity, PutOptions, TlsOptions,
+    WatchOptions,
+};
 
-use super::etcd_endpoints::Endpoints;
+use super::etcd_members::Members;
 use super::watch::{RawChange, RawStream, WatchSource, list_records, spawn_watch};
 use super::{LeaseId, Listing, Registry, Watch};
 use crate::error::ControlError;
 use crate::instance::InstanceRecord;
+use crate::security::{EtcdAuth, TlsFiles, read_pem, read_secret};
 
 const BACKEND: &str = "etcd";
-/// Deadline of every unary call.
+/// Deadline of every unary call (and of connecting, authentication included).
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
-/// gRPC status code NOT_FOUND (a missing lease).
-const NOT_FOUND: i64 = 5;
+/// Deadline of one TCP (and TLS) connection to a member.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
-fn transport(e: impl std::fmt::Display) -> ControlError {
-    ControlError::Transport {
-        backend: BACKEND,
-        message: e.to_string(),
-    }
-}
-
-/// The first key after every key that starts with `prefix` (etcd's `range_end`).
-fn prefix_end(prefix: &[u8]) -> Vec<u8> {
-    let mut end = prefix.to_vec();
-    while let Some(last) = end.pop() {
-        if last < 0xFF {
-            end.push(last + 1);
-            return end;
-        }
-    }
-    // Every byte was 0xFF: "\0" means "to the end of the keyspace".
-    vec![0]
-}
-
-/// Parses a gateway integer (a JSON string or number; absent = 0).
-fn int(v: &Value) -> i64 {
-    match v {
-        Value::String(s) => s.parse().unwrap_or(0),
-        Value::Number(n) => n.as_i64().unwrap_or(0),
-        _ => 0,
-    }
-}
-
-fn decode_b64(v: &Value) -> Option<Vec<u8>> {
-    match v {
-        Value::String(s) => B64.decode(s).ok(),
-        // proto3 JSON leaves empty bytes out.
-        Value::Null => Some(Vec::new()),
-        _ => None,
-    }
-}
-
-/// An etcd key-value as the gateway sends it.
-#[derive(Deserialize)]
-struct Kv {
-    key: String,
-    #[serde(default)]
-    value: String,
-}
-
-impl Kv {
-    fn decode(&self) -> Option<(String, Bytes)> {
-        let key = B64.decode(&self.key).ok()?;
-        let key = String::from_utf8(key).ok()?;
-        let value = B64.decode(&self.value).ok()?;
-        Some((key, Bytes::from(value)))
-    }
-}
-
-/// The etcd client shared by the registry and its watches.
-#[derive(Clone, Debug)]
-struct EtcdClient {
-    endpoints: Arc<Endpoints>,
-    http: Client<HttpConnector, Full<Bytes>>,
-}
-
-impl EtcdClient {
-    /// Sends `body` to `path` and waits for the response head: on the current endpoint,
-    /// then on each next one while they fail to answer.
-    async fn send(
-        &self,
-        path: &str,
-        body: &Value,
-        what: &'static str,
-    ) -> Result<http::Response<Incoming>, ControlError> {
-        let body = Bytes::from(body.to_string());
-        let mut last = None;
-        for _ in 0..self.endpoints.len() {
-            let (index, base) = self.endpoints.current();
-            let request = http::Request::post(format!("{base}{path}"))
-                .header(http::header::CONTENT_TYPE, "application/json")
-                .body(Full::new(body.clone()))
-                .map_err(|e| ControlError::InvalidName(format!("etcd URL {base:?}: {e}")))?;
-            let error = match tokio::time::timeout(CALL_TIMEOUT, self.http.request(request)).await {
-                Ok(Ok(response)) => return Ok(response),
-                Ok(Err(e)) => transport(format!("{base}: {e}")),
-                Err(_) => ControlError::Timeout(what),
-            };
-            self.endpoints.failed(index);
-            last = Some(error);
-        }
-        Err(last.unwrap_or(ControlError::Timeout(what)))
-    }
-
-    /// POSTs `body` to `path` and returns the JSON answer; gateway errors become
-    /// [`ControlError::Server`] (or [`ControlError::LeaseNotFound`] for `lease`).
-    async fn call(
-        &self,
-        path: &str,
-        body: Value,
-        lease: Option<i64>,
-    ) -> Result<Value, ControlError> {
-        let response = self.send(path, &body, "etcd call").await?;
-        let status = response.status();
-        let bytes = tokio::time::timeout(CALL_TIMEOUT, response.into_body().collect())
-            .await
-            .map_err(|_| ControlError::Timeout("etcd call"))?
-            .map_err(transport)?
-            .to_bytes();
-        let value: Value = serde_json::from_slice(&bytes).map_err(|e| ControlError::Server {
-            backend: BACKEND,
-            message: format!("{status}: {e}"),
-        })?;
-        if let Some(error) = value.get("error") {
-            if let Some(id) = lease
-                && int(&value["code"]) == NOT_FOUND
-            {
-                return Err(ControlError::LeaseNotFound(id));
+/// Maps a client error; `lease` names the lease a NOT_FOUND refers to.
+fn etcd_error(error: etcd_client::Error, lease: Option<i64>) -> ControlError {
+    match error {
+        etcd_client::Error::GRpcStatus(status) => match (status.code(), lease) {
+            (tonic::Code::NotFound, Some(id)) => ControlError::LeaseNotFound(id),
+            (tonic::Code::Unauthenticated | tonic::Code::PermissionDenied, _) => {
+                ControlError::Server {
+                    backend: BACKEND,
+                    message: format!("authentication refused: {}", status.message()),
+                }
             }
-            return Err(ControlError::Server {
+            (tonic::Code::Unavailable, _) => ControlError::Transport {
                 backend: BACKEND,
-                message: error.as_str().unwrap_or("unknown error").to_owned(),
-            });
-        }
-        if !status.is_success() {
-            return Err(ControlError::Server {
+                message: status.message().to_owned(),
+            },
+            (code, _) => ControlError::Server {
                 backend: BACKEND,
-                message: status.to_string(),
-            });
-        }
-        Ok(value)
+                message: format!("{code:?}: {}", status.message()),
+            },
+        },
+        // The keep-alive stream's answer for a lease the server does not know.
+        etcd_client::Error::LeaseKeepAliveError(message) => match lease {
+            Some(id) => ControlError::LeaseNotFound(id),
+            None => ControlError::Server {
+                backend: BACKEND,
+                message,
+            },
+        },
+        other => ControlError::Transport {
+            backend: BACKEND,
+            message: other.to_string(),
+        },
     }
 }
 
-/// The etcd-backed [`Registry`].
+/// Where an [`EtcdRegistry`] connects and how it proves itself.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct EtcdSettings {
+    /// Client URLs of the cluster's members, comma-separated: `http://host:port` (the scheme
+    /// may be left out), or `https://host:port` with [`EtcdSettings::tls`].
+    pub endpoints: String,
+    /// TLS towards `https://` members: the CA that signed them, a client certificate.
+    pub tls: Option<TlsFiles>,
+    /// User and password, when etcd's auth is enabled.
+    pub auth: Option<EtcdAuth>,
+}
+
+impl EtcdSettings {
+    /// Plaintext members, no credentials.
+    pub fn new(endpoints: &str) -> Self {
+        Self {
+            endpoints: endpoints.to_owned(),
+            tls: None,
+            auth: None,
+        }
+    }
+
+    /// The member URLs, each with its scheme, checked against the TLS settings.
+    fn urls(&self) -> Result<Vec<String>, ControlError> {
+        let tls = self.tls.is_some();
+        let urls = self
+            .endpoints
+            .split(',')
+            .map(str::trim)
+            .filter(|url| !url.is_empty())
+            .map(|url| {
+                let full = match url.split_once("://") {
+                    None => format!("{}://{url}", if tls { "https" } else { "http" }),
+                    Some(("http", _)) if tls => {
+                        return Err(ControlError::Config(format!(
+                            "etcd endpoint {url:?}: TLS settings need https:// endpoints"
+                        )));
+                    }
+                    Some(("https", _)) if !tls => {
+                        return Err(ControlError::Config(format!(
+                            "etcd endpoint {url:?}: https:// needs TLS settings (at least the CA file)"
+                        )));
+                    }
+                    Some(("http" | "https", _)) => url.to_owned(),
+                    Some((scheme, _)) => {
+                        return Err(ControlError::Config(format!(
+                            "etcd endpoint {url:?}: scheme {scheme:?} (use http:// or https://)"
+                        )));
+                    }
+                };
+                if full.contains('@') {
+                    return Err(ControlError::Config(format!(
+                        "etcd endpoint {url:?} carries credentials: name a password file in the auth settings"
+                    )));
+                }
+                Ok(full)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if urls.is_empty() {
+            return Err(ControlError::Config(format!(
+                "etcd endpoints {:?}: none given",
+                self.endpoints
+            )));
+        }
+        Ok(urls)
+    }
+
+    /// The client options, with every file read now.
+    fn options(&self) -> Result<ConnectOptions, ControlError> {
+        let mut options = ConnectOptions::new()
+            .with_connect_timeout(CONNECT_TIMEOUT)
+            .with_timeout(CALL_TIMEOUT)
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
+            .with_auto_token_refresh(true);
+        if let Some(auth) = &self.auth {
+            options = options.with_user(
+                auth.user.clone(),
+                read_secret(&auth.password_file, "etcd password")?,
+            );
+        }
+        if let Some(tls) = &self.tls {
+            let mut config = TlsOptions::new();
+            if let Some(ca) = &tls.ca_file {
+                config =
+                    config.ca_certificate(Certificate::from_pem(read_pem(ca, "etcd CA file")?));
+            }
+            if let Some((cert, key)) = tls.client_identity()? {
+                config = config.identity(Identity::from_pem(
+                    read_pem(cert, "etcd client certificate")?,
+                    read_pem(key, "etcd client key")?,
+                ));
+            }
+            options = options.with_tls(config);
+        }
+        Ok(options)
+    }
+}
+
+/// The etcd-backed [`Registry`]; clones share the members' clients.
 #[derive(Clone, Debug)]
 pub struct EtcdRegistry {
-    client: EtcdClient,
+    members: Arc<Members>,
 }
 
 impl EtcdRegistry {
-    /// A client of the etcd cluster at `urls`: one endpoint (`http://host:port`; the scheme
-    /// may be left out) or several separated by commas, the members of one cluster. Calls
-    /// go to one endpoint at a time and move to the next when it does not answer. No
-    /// connection is made until the first call.
+    /// A plaintext client of the members at `urls` ([`EtcdRegistry::with_settings`]).
     pub fn new(urls: &str) -> Result<Self, ControlError> {
-        let endpoints = Arc::new(Endpoints::parse(urls)?);
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(Duration::from_secs(2)));
-        connector.set_nodelay(true);
-        let http = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
-            .build(connector);
+        Self::with_settings(&EtcdSettings::new(urls))
+    }
+
+    /// A client as `settings` say. Calls go to one member and move to the next when it does
+    /// not answer, so a client given every member keeps working while some are down. Files
+    /// are read now; no connection is made until the first call (a proxy starts while etcd
+    /// is down).
+    pub fn with_settings(settings: &EtcdSettings) -> Result<Self, ControlError> {
         Ok(Self {
-            client: EtcdClient { endpoints, http },
+            members: Arc::new(Members::new(settings.urls()?, settings.options()?)),
         })
+    }
+
+    /// Runs `call` against the member in use, within [`CALL_TIMEOUT`]; when the member does
+    /// not answer (transport error or timeout) the next one takes over and `call` runs
+    /// again there, once per member.
+    async fn call<T, F, Fut>(&self, what: &'static str, call: F) -> Result<T, ControlError>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: Future<Output = Result<T, ControlError>>,
+    {
+        let mut last = None;
+        for _ in 0..self.members.len() {
+            let (index, url) = self.members.current();
+            let attempt = async {
+                let client = self
+                    .members
+                    .client(index)
+                    .await
+                    .map_err(|error| etcd_error(error, None))?;
+                call(client).await
+            };
+            let error = match tokio::time::timeout(CALL_TIMEOUT, attempt).await {
+                Ok(Ok(answer)) => return Ok(answer),
+                Ok(Err(ControlError::Transport { backend, message })) => ControlError::Transport {
+                    backend,
+                    message: format!("{url}: {message}"),
+                },
+                Ok(Err(other)) => return Err(other),
+                Err(_) => ControlError::Timeout(what),
+            };
+            self.members.failed(index);
+            last = Some(error);
+        }
+        Err(last.unwrap_or(ControlError::Timeout(what)))
     }
 }
 
 #[async_trait]
 impl Registry for EtcdRegistry {
     async fn grant_lease(&self, ttl: Duration) -> Result<LeaseId, ControlError> {
-        let ttl = ttl.as_secs().max(1);
-        let v = self
-            .client
-            .call("/v3/lease/grant", json!({"TTL": ttl}), None)
-            .await?;
-        match int(&v["ID"]) {
-            0 => Err(ControlError::Server {
-                backend: BACKEND,
-                message: "lease grant returned no id".into(),
-            }),
-            id => Ok(LeaseId(id)),
-        }
+        let ttl = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        self.call("etcd lease grant", |mut client| async move {
+            let granted = client
+                .lease_grant(ttl, None)
+                .await
+                .map_err(|error| etcd_error(error, None))?;
+            Ok(LeaseId(granted.id()))
+        })
+        .await
     }
 
     async fn keep_alive(&self, lease: LeaseId) -> Result<Duration, ControlError> {
-        let body = json!({"ID": lease.0.to_string()});
-        let v = self
-            .client
-            .call("/v3/lease/keepalive", body, Some(lease.0))
-            .await?;
-        match int(&v["result"]["TTL"]) {
-            ttl if ttl > 0 => Ok(Duration::from_secs(ttl.unsigned_abs())),
-            _ => Err(ControlError::LeaseNotFound(lease.0)),
-        }
+        self.call("etcd lease keep-alive", |mut client| async move {
+            let error = |error| etcd_error(error, Some(lease.0));
+            let (mut keeper, mut answers) =
+                client.lease_keep_alive(lease.0).await.map_err(error)?;
+            keeper.keep_alive().await.map_err(error)?;
+            match answers.message().await.map_err(error)? {
+                Some(answer) if answer.ttl() > 0 => {
+                    Ok(Duration::from_secs(answer.ttl().unsigned_abs()))
+                }
+                _ => Err(ControlError::LeaseNotFound(lease.0)),
+            }
+        })
+        .await
     }
 
     async fn revoke(&self, lease: LeaseId) -> Result<(), ControlError> {
-        let body = json!({"ID": lease.0.to_string()});
-        self.client
-            .call("/v3/lease/revoke", body, Some(lease.0))
-            .await
-            .map(drop)
+        self.call("etcd lease revoke", |mut client| async move {
+            client
+                .lease_revoke(lease.0)
+                .await
+                .map(drop)
+                .map_err(|error| etcd_error(error, Some(lease.0)))
+        })
+        .await
     }
 
     async fn put(
@@ -227,22 +262,30 @@ impl Registry for EtcdRegistry {
         record: &InstanceRecord,
         lease: Option<LeaseId>,
     ) -> Result<(), ControlError> {
-        let mut body = json!({"key": B64.encode(key), "value": B64.encode(record.to_json())});
-        if let Some(lease) = lease {
-            body["lease"] = lease.0.to_string().into();
-        }
-        self.client
-            .call("/v3/kv/put", body, lease.map(|l| l.0))
-            .await
-            .map(drop)
+        let value = record.to_json();
+        self.call("etcd put", |mut client| {
+            let value = value.clone();
+            async move {
+                let options = lease.map(|lease| PutOptions::new().with_lease(lease.0));
+                client
+                    .put(key, value, options)
+                    .await
+                    .map(drop)
+                    .map_err(|error| etcd_error(error, lease.map(|lease| lease.0)))
+            }
+        })
+        .await
     }
 
     async fn delete(&self, key: &str) -> Result<(), ControlError> {
-        let body = json!({"key": B64.encode(key)});
-        self.client
-            .call("/v3/kv/deleterange", body, None)
-            .await
-            .map(drop)
+        self.call("etcd delete", |mut client| async move {
+            client
+                .delete(key, None)
+                .await
+                .map(drop)
+                .map_err(|error| etcd_error(error, None))
+        })
+        .await
     }
 
     async fn list(&self, prefix: &str) -> Result<Listing, ControlError> {
@@ -257,19 +300,24 @@ impl Registry for EtcdRegistry {
 #[async_trait]
 impl WatchSource for EtcdRegistry {
     async fn list_raw(&self, prefix: &str) -> Result<(Vec<(String, Bytes)>, i64), ControlError> {
-        let body = json!({
-            "key": B64.encode(prefix),
-            "range_end": B64.encode(prefix_end(prefix.as_bytes())),
-        });
-        let v = self.client.call("/v3/kv/range", body, None).await?;
-        let revision = int(&v["header"]["revision"]);
-        let kvs: Vec<Kv> = match v.get("kvs") {
-            Some(kvs) => serde_json::from_value(kvs.clone())?,
-            None => Vec::new(),
-        };
-        let mut out: Vec<(String, Bytes)> = kvs.iter().filter_map(Kv::decode).collect();
-        out.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok((out, revision))
+        self.call("etcd range", |mut client| async move {
+            let listing = client
+                .get(prefix, Some(GetOptions::new().with_prefix()))
+                .await
+                .map_err(|error| etcd_error(error, None))?;
+            let revision = listing.header().map_or(0, |header| header.revision());
+            let mut out: Vec<(String, Bytes)> = listing
+                .kvs()
+                .iter()
+                .filter_map(|kv| {
+                    let key = kv.key_str().ok()?.to_owned();
+                    Some((key, Bytes::copy_from_slice(kv.value())))
+                })
+                .collect();
+            out.sort_by(|a, b| a.0.cmp(&b.0));
+            Ok((out, revision))
+        })
+        .await
     }
 
     async fn watch_raw(
@@ -277,91 +325,66 @@ impl WatchSource for EtcdRegistry {
         prefix: &str,
         revision: i64,
     ) -> Result<Box<dyn RawStream>, ControlError> {
-        let body = json!({"create_request": {
-            "key": B64.encode(prefix),
-            "range_end": B64.encode(prefix_end(prefix.as_bytes())),
-            "start_revision": revision.to_string(),
-        }});
-        let response = self.client.send("/v3/watch", &body, "etcd watch").await?;
-        if !response.status().is_success() {
-            return Err(ControlError::Server {
-                backend: BACKEND,
-                message: format!("watch: {}", response.status()),
-            });
-        }
-        Ok(Box::new(EtcdWatchStream {
-            body: response.into_body(),
-            buf: BytesMut::new(),
-        }))
+        self.call("etcd watch", |mut client| async move {
+            let options = WatchOptions::new()
+                .with_prefix()
+                .with_start_revision(revision);
+            let stream = client
+                .watch(prefix, Some(options))
+                .await
+                .map_err(|error| etcd_error(error, None))?;
+            Ok(Box::new(EtcdWatchStream { stream }) as Box<dyn RawStream>)
+        })
+        .await
     }
 }
 
-/// The gateway's watch response: one JSON object per line.
+/// An open etcd watch.
 struct EtcdWatchStream {
-    body: Incoming,
-    buf: BytesMut,
+    stream: etcd_client::WatchStream,
 }
 
-impl EtcdWatchStream {
-    /// Turns one response line into changes; `Err` when the watch was canceled.
-    fn parse_line(line: &[u8]) -> Result<Vec<RawChange>, ControlError> {
-        let v: Value = serde_json::from_slice(line)?;
-        if let Some(error) = v.get("error") {
-            return Err(ControlError::Server {
-                backend: BACKEND,
-                message: error.to_string(),
-            });
-        }
-        let result = &v["result"];
-        if result["canceled"].as_bool() == Some(true) {
-            return Err(ControlError::Server {
-                backend: BACKEND,
-                message: format!(
-                    "watch canceled (compact revision {})",
-                    int(&result["compact_revision"])
-                ),
-            });
-        }
-        let mut changes = Vec::new();
-        for event in result["events"].as_array().into_iter().flatten() {
-            let kv = &event["kv"];
-            let Some(key) = decode_b64(&kv["key"]).and_then(|k| String::from_utf8(k).ok()) else {
-                continue;
-            };
-            if event["type"].as_str() == Some("DELETE") {
-                changes.push(RawChange::Delete(key));
-            } else if let Some(value) = decode_b64(&kv["value"]) {
-                changes.push(RawChange::Put(key, Bytes::from(value)));
-            }
-        }
-        Ok(changes)
+/// The changes of one watch response; `Err` when the watch was canceled.
+fn changes(response: &etcd_client::WatchResponse) -> Result<Vec<RawChange>, ControlError> {
+    if response.canceled() {
+        return Err(ControlError::Server {
+            backend: BACKEND,
+            message: format!(
+                "watch canceled (compact revision {}): {}",
+                response.compact_revision(),
+                response.cancel_reason()
+            ),
+        });
     }
+    Ok(response
+        .events()
+        .iter()
+        .filter_map(|event| {
+            let kv = event.kv()?;
+            let key = kv.key_str().ok()?.to_owned();
+            Some(match event.event_type() {
+                EventType::Delete => RawChange::Delete(key),
+                EventType::Put => RawChange::Put(key, Bytes::copy_from_slice(kv.value())),
+            })
+        })
+        .collect())
 }
 
 #[async_trait]
 impl RawStream for EtcdWatchStream {
     async fn next(&mut self) -> Result<Option<Vec<RawChange>>, ControlError> {
         loop {
-            if let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
-                let line = self.buf.split_to(end + 1);
-                let line = line.trim_ascii();
-                if line.is_empty() {
-                    continue;
-                }
-                let changes = Self::parse_line(line)?;
-                if changes.is_empty() {
-                    continue;
-                }
+            let Some(response) = self
+                .stream
+                .message()
+                .await
+                .map_err(|error| etcd_error(error, None))?
+            else {
+                return Ok(None);
+            };
+            let changes = changes(&response)?;
+            if !changes.is_empty() {
                 return Ok(Some(changes));
-            }
-            match self.body.frame().await {
-                Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data() {
-                        self.buf.extend_from_slice(&data);
-                    }
-                }
-                Some(Err(e)) => return Err(transport(e)),
-                None => return Ok(None),
             }
         }
     }
@@ -372,34 +395,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn prefix_ends_cover_the_prefix() {
-        assert_eq!(prefix_end(b"/a/"), b"/a0");
-        assert_eq!(prefix_end(b"a\xff"), b"b");
-        assert_eq!(prefix_end(b"\xff\xff"), b"\0");
-    }
-
-    #[test]
-    fn watch_lines_parse() {
-        let put = br#"{"result":{"header":{"revision":"3"},"events":[{"kv":{"key":"L2EvYw==","create_revision":"3","mod_revision":"3","version":"1","value":"eQ=="}}]}}"#;
-        let changes = EtcdWatchStream::parse_line(put).expect("put");
-        assert!(matches!(&changes[..], [RawChange::Put(k, v)] if k == "/a/c" && &v[..] == b"y"));
-        let del = br#"{"result":{"header":{"revision":"4"},"events":[{"type":"DELETE","kv":{"key":"L2EvYg==","mod_revision":"4"}}]}}"#;
-        let changes = EtcdWatchStream::parse_line(del).expect("delete");
-        assert!(matches!(&changes[..], [RawChange::Delete(k)] if k == "/a/b"));
-        let created = br#"{"result":{"header":{"revision":"2"},"created":true}}"#;
-        assert!(
-            EtcdWatchStream::parse_line(created)
-                .expect("created")
-                .is_empty()
+    fn endpoints_are_checked_against_the_tls_settings() {
+        let urls = |endpoints: &str, tls: bool| {
+            EtcdSettings {
+                endpoints: endpoints.to_owned(),
+                tls: tls.then(TlsFiles::default),
+                auth: None,
+            }
+            .urls()
+        };
+        assert_eq!(
+            urls("127.0.0.1:2379, http://b:2379", false).expect("plain"),
+            ["http://127.0.0.1:2379", "http://b:2379"]
         );
-        let canceled = br#"{"result":{"canceled":true,"compact_revision":"9"}}"#;
-        assert!(EtcdWatchStream::parse_line(canceled).is_err());
-    }
-
-    #[test]
-    fn urls_are_checked() {
-        assert!(EtcdRegistry::new("http://127.0.0.1:2379").is_ok());
-        assert!(EtcdRegistry::new("127.0.0.1:2379").is_ok());
-        assert!(EtcdRegistry::new("https://127.0.0.1:2379").is_err());
+        assert_eq!(urls("a:2379", true).expect("tls"), ["https://a:2379"]);
+        assert!(urls("https://a:2379", false).is_err());
+        assert!(urls("http://a:2379", true).is_err());
+        assert!(urls("unix://a", false).is_err());
+        assert!(urls("http://u:p@a:2379", false).is_err());
+        assert!(urls(" , ", false).is_err());
     }
 }

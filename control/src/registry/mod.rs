@@ -2,7 +2,7 @@
 //! etcd and in-process implementations.
 
 mod etcd;
-mod etcd_endpoints;
+mod etcd_members;
 mod in_process;
 mod watch;
 
@@ -15,7 +15,7 @@ use futures_util::Stream;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-pub use etcd::EtcdRegistry;
+pub use etcd::{EtcdRegistry, EtcdSettings};
 pub use in_process::InProcessRegistry;
 
 use crate::error::ControlError;
