@@ -14,6 +14,9 @@ pub enum ControlError {
     /// A payload could not be encoded or decoded as the contract's JSON.
     #[error("invalid payload: {0}")]
     Codec(#[from] serde_json::Error),
+    /// A message is well-formed but breaks the contract (a reply's parts out of order).
+    #[error("protocol error: {0}")]
+    Protocol(String),
     /// The backend is not connected right now (it keeps reconnecting in the background).
     #[error("not connected to {0}")]
     Disconnected(&'static str),

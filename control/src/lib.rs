@@ -4,7 +4,8 @@
 //! - Names: [`Namespace`] builds etcd keys (`/{ns}/instances/{model}/{id}`) and NATS subjects
 //!   (`{ns}.kv.{model}`, `{ns}.snapshot.{id}`, `{ns}.load.{model}`), percent-encoding the model.
 //! - Payloads: [`InstanceRecord`] (etcd value), [`EventBatch`] of [`kvmesh_kv::KvEvent`]s with
-//!   hex hashes ([`WireEvent`] is the wire form), [`SnapshotRequest`] / [`SnapshotReply`],
+//!   hex hashes ([`WireEvent`] is the wire form), [`SnapshotRequest`] / [`SnapshotReply`] (in parts when large:
+//!   [`reply_parts`], [`ReplyAssembler`]),
 //!   [`LoadReport`]; all JSON.
 //! - Discovery: the [`Registry`] trait (leases, put / delete / list, and a [`Watch`] stream
 //!   that survives reconnects: re-list with backoff, emit only differences, keep the last known
@@ -26,6 +27,7 @@ mod load;
 mod namespace;
 mod registry;
 mod replica;
+mod reply_parts;
 mod resync;
 mod security;
 #[cfg(feature = "testing")]
@@ -47,5 +49,6 @@ pub use registry::{
     EtcdRegistry, EtcdSettings, InProcessRegistry, LeaseId, Listing, Registry, Watch, WatchEvent,
 };
 pub use replica::{DecisionShare, InstanceLoadShare, LoadShare, SessionShare};
+pub use reply_parts::{ReplyAssembler, reply_parts};
 pub use resync::{SnapshotReply, SnapshotRequest};
 pub use security::{EtcdAuth, NatsAuth, TlsFiles, read_secret};

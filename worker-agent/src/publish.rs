@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use kvmesh_control::{ControlError, EventBus, SnapshotReply, SnapshotRequest, Subscription};
+use kvmesh_control::{
+    ControlError, EventBus, Message, SnapshotReply, SnapshotRequest, Subscription, reply_parts,
+};
 use kvmesh_telemetry::Tracer;
 use opentelemetry::KeyValue;
 use opentelemetry::trace::SpanKind;
@@ -72,13 +74,26 @@ pub(crate) async fn resync_service(
                 .inc();
             continue;
         };
-        let reply = core.resync(parsed);
+        let limit = bus.max_payload();
+        let mut reply = core.resync(parsed);
+        let mut parts = reply_parts(&reply, limit);
+        if matches!(parts, Err(ControlError::PayloadTooLarge { .. }))
+            && matches!(reply, SnapshotReply::Events { .. })
+        {
+            // A replayed batch too large for a part: the whole cache always splits.
+            reply = core.resync(SnapshotRequest::full());
+            parts = reply_parts(&reply, limit);
+        }
         let kind = match &reply {
             SnapshotReply::Events { .. } => "events",
             SnapshotReply::Snapshot { .. } => "snapshot",
         };
         metrics.resync_requests.with_label_values(&[kind]).inc();
-        match bus.reply(&request, Bytes::from(reply.to_json())).await {
+        let sent = match parts {
+            Ok(parts) => send_parts(&*bus, &request, parts).await,
+            Err(e) => Err(e),
+        };
+        match sent {
             Ok(()) => {}
             Err(ControlError::PayloadTooLarge { size, limit }) => {
                 metrics
@@ -88,10 +103,22 @@ pub(crate) async fn resync_service(
                 tracing::error!(
                     size,
                     limit,
-                    "resync reply exceeds the bus payload limit (raise NATS max_payload)"
+                    "a resync reply does not fit the bus payload limit even in parts"
                 );
             }
             Err(e) => tracing::debug!(error = %e, "cannot answer a resync request"),
         }
     }
+}
+
+/// Sends the parts of one reply, in order, to the requester.
+async fn send_parts(
+    bus: &dyn EventBus,
+    request: &Message,
+    parts: Vec<Bytes>,
+) -> Result<(), ControlError> {
+    for part in parts {
+        bus.reply(request, part).await?;
+    }
+    Ok(())
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvmesh_control::{
     ConnectionState, EtcdRegistry, EventBatch, EventBus, InstanceState, LoadReport, Namespace,
-    Registry, SnapshotReply, SnapshotRequest, WatchEvent,
+    Registry, ReplyAssembler, SnapshotReply, SnapshotRequest, Subscription, WatchEvent,
 };
 use kvmesh_engine_sim::{KvEventEncoding, KvEventHash};
 use kvmesh_kv::KvEvent;
@@ -285,6 +285,36 @@ fn message(frames: Vec<Vec<u8>>) -> ZmqMessage {
     msg
 }
 
+/// Until the agent's subscription has reached the PUB socket, messages are lost: sends a
+/// valid store of `probe` (block id 1) until the agent publishes it, and returns that batch.
+async fn probe_until_forwarded(
+    publisher: &mut PubSocket,
+    sub: &mut Subscription,
+    seq: &mut u64,
+    probe: &[u32],
+) -> EventBatch {
+    let published = tokio::time::timeout(10 * SECOND, async {
+        loop {
+            let frames = vec![
+                b"".to_vec(),
+                seq.to_be_bytes().to_vec(),
+                stored_batch(&[1], probe),
+            ];
+            publisher.send(message(frames)).await.expect("send");
+            *seq += 1;
+            if let Ok(Some(msg)) =
+                tokio::time::timeout(Duration::from_millis(100), sub.next()).await
+            {
+                return EventBatch::from_json(&msg.payload).expect("valid batch");
+            }
+        }
+    })
+    .await
+    .expect("the agent receives the probe");
+    assert_eq!(stored_sequences(&published), kvmesh_hashes(probe));
+    published
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_malformed_messages_are_counted_and_skipped() {
     let servers = Servers::start("malformed").await;
@@ -306,29 +336,9 @@ async fn ten_thousand_malformed_messages_are_counted_and_skipped() {
     )
     .await;
 
-    // Until the subscription has reached the PUB socket, messages are lost: probe with a
-    // valid store until the agent publishes it.
     let probe = prompt(1, 1);
     let mut seq = 0u64;
-    let published = tokio::time::timeout(10 * SECOND, async {
-        loop {
-            let frames = vec![
-                b"".to_vec(),
-                seq.to_be_bytes().to_vec(),
-                stored_batch(&[1], &probe),
-            ];
-            publisher.send(message(frames)).await.expect("send");
-            seq += 1;
-            if let Ok(Some(msg)) =
-                tokio::time::timeout(Duration::from_millis(100), sub.next()).await
-            {
-                return EventBatch::from_json(&msg.payload).expect("valid batch");
-            }
-        }
-    })
-    .await
-    .expect("the agent receives the probe");
-    assert_eq!(stored_sequences(&published), kvmesh_hashes(&probe));
+    let published = probe_until_forwarded(&mut publisher, &mut sub, &mut seq, &probe).await;
 
     let garbage = |i: u64, seq: u64| -> Vec<Vec<u8>> {
         let seq = seq.to_be_bytes().to_vec();
@@ -501,4 +511,88 @@ async fn next_change_or_synced(watch: &mut kvmesh_control::Watch) -> WatchEvent 
         .await
         .expect("watch event in time")
         .expect("watch open")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_100k_block_snapshot_reaches_the_requester_in_parts_under_the_payload_limit() {
+    let servers = Servers::start("big-snapshot").await;
+    let engine = engine(KvEventEncoding::Positional, KvEventHash::Int).await;
+    let mut publisher = PubSocket::new();
+    let endpoint = publisher
+        .bind("tcp://127.0.0.1:0")
+        .await
+        .expect("bind")
+        .to_string();
+    let bus = servers.bus().await;
+    let mut sub = bus.subscribe(&event_subject()).await.expect("subscribe");
+    let agent = AgentProcess::start(
+        &servers,
+        &format!("http://{}", engine.local_addr()),
+        &endpoint,
+        None,
+        &[],
+    )
+    .await;
+    let mut seq = 0u64;
+    let probe = probe_until_forwarded(&mut publisher, &mut sub, &mut seq, &prompt(1, 1)).await;
+
+    // 17 prompts of 6,000 blocks (96k tokens each): 102,000 blocks, about 9 MiB of
+    // snapshot against nats-server's default max_payload of 1 MiB.
+    let (prompts, blocks_each) = (17u64, 6_000u64);
+    for p in 0..prompts {
+        let ids: Vec<u64> = (0..blocks_each).map(|b| 1_000_000 * (p + 1) + b).collect();
+        let tokens: Vec<u32> = (0..(blocks_each as usize * BLOCK) as u32)
+            .map(|t| t.wrapping_mul(2_654_435_761).wrapping_add(p as u32))
+            .collect();
+        let frames = vec![
+            b"".to_vec(),
+            seq.to_be_bytes().to_vec(),
+            stored_batch(&ids, &tokens),
+        ];
+        seq += 1;
+        publisher.send(message(frames)).await.expect("send");
+        let msg = tokio::time::timeout(10 * SECOND, sub.next())
+            .await
+            .expect("the agent publishes the prompt's blocks")
+            .expect("subscription open");
+        let batch = EventBatch::from_json(&msg.payload).expect("valid batch");
+        assert_eq!(batch.seq, probe.seq + p + 1);
+    }
+
+    let limit = bus.max_payload();
+    let subject = Namespace::default().snapshot_subject(agent.instance_id.parse().expect("id"));
+    let mut replies = bus
+        .request_replies(&subject, Bytes::from(SnapshotRequest::full().to_json()))
+        .await
+        .expect("request");
+    let mut assembler = ReplyAssembler::new();
+    let mut parts = 0;
+    let reply = loop {
+        let part = tokio::time::timeout(10 * SECOND, replies.next())
+            .await
+            .expect("the next part in time")
+            .expect("replies open");
+        parts += 1;
+        assert!(
+            part.payload.len() <= limit,
+            "a part of {} bytes",
+            part.payload.len()
+        );
+        if let Some(reply) = assembler.push(&part.payload).expect("a valid part") {
+            break reply;
+        }
+    };
+    assert!(parts > 5, "{parts} parts");
+    assert_eq!(reply.last_seq(), probe.seq + prompts);
+    let sequences = snapshot_sequences(&reply);
+    assert_eq!(sequences.len() as u64, 1 + prompts * blocks_each);
+    let unique: std::collections::HashSet<u64> = sequences.iter().copied().collect();
+    assert_eq!(unique.len(), sequences.len());
+    assert_eq!(
+        agent
+            .metric("kvmesh_agent_resync_requests_total{kind=\"snapshot\"}")
+            .await,
+        1.0
+    );
+    engine.stop().await;
 }

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use kvmesh_control::{
     ConnectionState, ControlError, DecisionShare, EventBatch, EventBus, HexU64, InstanceId,
-    InstanceLoadShare, LoadReport, LoadShare, Message, SessionShare, SnapshotReply,
+    InstanceLoadShare, LoadReport, LoadShare, Message, ReplyAssembler, SessionShare, SnapshotReply,
     SnapshotRequest, Subscription,
 };
 use kvmesh_kv::{BlockHashes, KvEvent, LocalBlockHash, SequenceHash, WorkerKey};
@@ -250,7 +250,7 @@ async fn own_changed(pool: &ModelPool) {
 struct ResyncAnswer {
     id: u64,
     generation: u64,
-    payload: Bytes,
+    reply: Result<SnapshotReply, ControlError>,
 }
 
 /// An instance the intake feeds.
@@ -655,7 +655,7 @@ impl Actor {
             return;
         }
         self.pending.remove(&answer.id);
-        match SnapshotReply::from_json(&answer.payload) {
+        match answer.reply {
             Ok(reply) => {
                 let outcome = self.tracker.on_reply(answer.id, reply);
                 self.execute(answer.id, outcome);
@@ -827,11 +827,11 @@ impl Actor {
             if !delay.is_zero() {
                 tokio::time::sleep(delay).await;
             }
-            let payload = resync(&*bus, &permits, &subject, payload, timeout, &metrics).await;
+            let reply = resync(&*bus, &permits, &subject, payload, timeout, &metrics).await;
             let _ = answers.send(ResyncAnswer {
                 id,
                 generation,
-                payload,
+                reply,
             });
         });
         let pending = Pending {
@@ -844,7 +844,8 @@ impl Actor {
     }
 }
 
-/// Sends one resync request until it is answered (with backoff); returns the answer.
+/// Sends one resync request until it is answered (with backoff); returns the answer, joined
+/// from its parts when it came in several, or why its parts could not be read.
 async fn resync(
     bus: &dyn EventBus,
     permits: &Semaphore,
@@ -852,21 +853,43 @@ async fn resync(
     payload: Bytes,
     timeout: Duration,
     metrics: &ControlMetrics,
-) -> Bytes {
+) -> Result<SnapshotReply, ControlError> {
     let mut backoff = RETRY_FIRST;
     loop {
         let answer = {
             let _permit = permits.acquire().await;
-            bus.request(subject, payload.clone(), timeout).await
+            receive_reply(bus, subject, payload.clone(), timeout).await
         };
         match answer {
-            Ok(answer) => return answer,
+            Ok(reply) => return Ok(reply),
+            Err(error @ (ControlError::Codec(_) | ControlError::Protocol(_))) => return Err(error),
             Err(error) => {
                 tracing::debug!(%subject, %error, "resync request failed; retrying");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(RETRY_MAX);
                 metrics.resync(ResyncReason::Retry);
             }
+        }
+    }
+}
+
+/// Sends the request and reads its reply, each part within `timeout` of the one before.
+async fn receive_reply(
+    bus: &dyn EventBus,
+    subject: &str,
+    payload: Bytes,
+    timeout: Duration,
+) -> Result<SnapshotReply, ControlError> {
+    let mut replies = bus.request_replies(subject, payload).await?;
+    let mut assembler = ReplyAssembler::new();
+    loop {
+        let part = match tokio::time::timeout(timeout, replies.next()).await {
+            Ok(Some(part)) => part,
+            Ok(None) => return Err(ControlError::NoResponders(subject.to_owned())),
+            Err(_) => return Err(ControlError::Timeout("resync request")),
+        };
+        if let Some(reply) = assembler.push(&part.payload)? {
+            return Ok(reply);
         }
     }
 }
