@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::{KvRoutingConfig, PolicyKind};
+use crate::{ControlTlsConfig, EtcdAuthConfig, KvRoutingConfig, PolicyKind};
 
 /// The namespace every etcd key and NATS subject of kvmesh lives under by default.
 pub const DEFAULT_NAMESPACE: &str = "kvmesh";
@@ -47,11 +47,16 @@ impl DiscoveryKind {
 pub struct DiscoveryConfig {
     /// `static` (default), `etcd` or `in_process`.
     pub kind: DiscoveryKind,
-    /// The etcd endpoint (`http://host:port`, its v3 JSON gateway), or the members of one
-    /// cluster separated by commas (calls move to the next member when one does not answer);
-    /// `kind: etcd` only. A broken watch reconnects by itself (backoff from 100 ms doubling
-    /// to 5 s) and re-lists.
+    /// The etcd endpoint (`http://host:port`, or `https://` with `tls`), or the members of
+    /// one cluster separated by commas (calls move to the next member when one does not
+    /// answer); `kind: etcd` only. A broken watch reconnects by itself (backoff from 100 ms
+    /// doubling to 5 s) and re-lists.
     pub endpoint: String,
+    /// TLS towards etcd: the CA that signs its members (required), a client certificate
+    /// for etcd's `--client-cert-auth`.
+    pub tls: Option<ControlTlsConfig>,
+    /// etcd user / password auth.
+    pub auth: Option<EtcdAuthConfig>,
     /// Key prefix: records live under `/{namespace}/instances/`. Letters, digits, `-`, `_`.
     pub namespace: String,
     /// How long startup waits for the first full listing of the records before the proxy
@@ -67,6 +72,8 @@ impl Default for DiscoveryConfig {
         Self {
             kind: DiscoveryKind::Static,
             endpoint: "http://127.0.0.1:2379".to_string(),
+            tls: None,
+            auth: None,
             namespace: DEFAULT_NAMESPACE.to_string(),
             initial_sync_timeout: Duration::from_secs(2),
             default_model: DefaultModelConfig::default(),

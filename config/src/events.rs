@@ -6,6 +6,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::discovery::DEFAULT_NAMESPACE;
+use crate::{ControlTlsConfig, NatsAuthConfig};
 
 /// Which event bus carries KV events and load reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -39,8 +40,14 @@ impl EventsKind {
 pub struct EventsConfig {
     /// `none` (default), `nats` or `in_process`.
     pub kind: EventsKind,
-    /// NATS server URL; `kind: nats` only.
+    /// NATS server URLs, comma-separated (`nats://host:4222`, `tls://host:4222`); `kind:
+    /// nats` only. Credentials go in `auth`, never in the URL.
     pub url: String,
+    /// TLS towards NATS (a CA, a client certificate); absent: plaintext unless the URL is
+    /// `tls://` or the server requires TLS.
+    pub tls: Option<ControlTlsConfig>,
+    /// NATS credentials, each secret read from a file.
+    pub auth: NatsAuthConfig,
     /// Subject prefix (the first token of every subject). Letters, digits, `-`, `_`.
     pub namespace: String,
     /// Time allowed for an agent to answer a resync (snapshot) request before it is retried.
@@ -56,6 +63,8 @@ impl Default for EventsConfig {
         Self {
             kind: EventsKind::None,
             url: "nats://127.0.0.1:4222".to_string(),
+            tls: None,
+            auth: NatsAuthConfig::default(),
             namespace: DEFAULT_NAMESPACE.to_string(),
             resync_timeout: Duration::from_secs(2),
             load_report_ttl: Duration::from_secs(5),

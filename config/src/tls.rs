@@ -40,9 +40,9 @@ pub struct UpstreamTlsConfig {
 }
 
 /// PEM labels of a certificate.
-const CERTIFICATE: &[&str] = &["CERTIFICATE"];
+pub(crate) const CERTIFICATE: &[&str] = &["CERTIFICATE"];
 /// PEM labels of a private key.
-const PRIVATE_KEY: &[&str] = &["PRIVATE KEY", "RSA PRIVATE KEY", "EC PRIVATE KEY"];
+pub(crate) const PRIVATE_KEY: &[&str] = &["PRIVATE KEY", "RSA PRIVATE KEY", "EC PRIVATE KEY"];
 
 /// Checks one listener's TLS section; `path` is `listeners[i].tls`.
 pub(crate) fn check_listener_tls(tls: &ListenerTlsConfig, path: &FieldPath) -> Checked {
@@ -68,7 +68,7 @@ pub(crate) fn check_upstream_tls(tls: &UpstreamTlsConfig, path: &FieldPath) -> C
 }
 
 /// The file at `file` is readable and holds a PEM block labelled one of `labels`.
-fn pem_file(file: &Path, labels: &[&str], what: &str, field: FieldPath) -> Checked {
+pub(crate) fn pem_file(file: &Path, labels: &[&str], what: &str, field: FieldPath) -> Checked {
     if file.as_os_str().is_empty() {
         return fail(field, "must not be empty");
     }

@@ -1,5 +1,6 @@
 //! Rules of the `discovery` and `events` sections.
 
+use crate::control_security::{check_control_tls, check_etcd_auth, check_nats_auth};
 use crate::discovery::valid_namespace;
 use crate::validate_kv::check_kv;
 use crate::violation::{Checked, fail, positive};
@@ -30,6 +31,7 @@ pub(crate) fn check_control_plane(config: &Config, root: &FieldPath) -> Checked 
             ),
         );
     }
+    check_etcd_security(config, &path)?;
     positive(
         discovery.initial_sync_timeout,
         path.key("initial_sync_timeout"),
@@ -47,6 +49,54 @@ pub(crate) fn check_control_plane(config: &Config, root: &FieldPath) -> Checked 
     }
     check_kv(&default_model.kv, &path.key("default_model").key("kv"))?;
     check_events(config, &root.key("events"))
+}
+
+/// `discovery.tls` and `discovery.auth`, with `kind: etcd`: the endpoints' scheme must
+/// match (`https://` with TLS, which needs the CA).
+fn check_etcd_security(config: &Config, path: &FieldPath) -> Checked {
+    let discovery = &config.discovery;
+    if discovery.kind != DiscoveryKind::Etcd {
+        return Ok(());
+    }
+    let https = discovery
+        .endpoint
+        .split(',')
+        .map(str::trim)
+        .filter(|url| !url.is_empty())
+        .map(|url| url.starts_with("https://"));
+    let (mut secure, mut plain) = (0, 0);
+    for is_https in https {
+        if is_https {
+            secure += 1;
+        } else {
+            plain += 1;
+        }
+    }
+    match &discovery.tls {
+        Some(tls) => {
+            check_control_tls(tls, &path.key("tls"))?;
+            if tls.ca.is_none() {
+                return fail(
+                    path.key("tls").key("ca"),
+                    "etcd TLS needs the CA that signs its members",
+                );
+            }
+            if plain > 0 {
+                return fail(path.key("endpoint"), "with tls, every endpoint is https://");
+            }
+        }
+        None if secure > 0 => {
+            return fail(
+                path.key("tls"),
+                "https:// endpoints need tls (at least its ca)",
+            );
+        }
+        None => {}
+    }
+    if let Some(auth) = &discovery.auth {
+        check_etcd_auth(auth, &path.key("auth"))?;
+    }
+    Ok(())
 }
 
 fn check_events(config: &Config, path: &FieldPath) -> Checked {
@@ -75,6 +125,12 @@ fn check_events(config: &Config, path: &FieldPath) -> Checked {
     }
     if events.kind == EventsKind::Nats && events.url.trim().is_empty() {
         return fail(path.key("url"), "kind nats needs a server URL");
+    }
+    if events.kind == EventsKind::Nats {
+        if let Some(tls) = &events.tls {
+            check_control_tls(tls, &path.key("tls"))?;
+        }
+        check_nats_auth(&events.auth, &path.key("auth"))?;
     }
     positive(events.resync_timeout, path.key("resync_timeout"))?;
     positive(events.load_report_ttl, path.key("load_report_ttl"))
@@ -145,5 +201,94 @@ mod tests {
         }
         let error = parse(&format!("{dynamic}events:\n  namespace: ''\n")).unwrap_err();
         assert!(error.contains("events.namespace"), "{error}");
+    }
+
+    #[test]
+    fn control_plane_tls_and_credentials_are_checked() {
+        let dir = std::env::temp_dir().join(format!("kvmesh-config-cp-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let write = |name: &str, text: &str| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            path.display().to_string()
+        };
+        let ca = write("ca.pem", "-----BEGIN CERTIFICATE-----\nx\n");
+        let cert = write("c.pem", "-----BEGIN CERTIFICATE-----\nx\n");
+        let key = write("k.pem", "-----BEGIN PRIVATE KEY-----\nx\n");
+        let secret = write("secret", "s3cret\n");
+        let empty = write("empty", "\n");
+        let missing = dir.join("missing").display().to_string();
+        let etcd = |extra: &str| {
+            format!("{MODEL}discovery:\n  kind: etcd\n  endpoint: https://127.0.0.1:2379\n{extra}")
+        };
+        let good = etcd(&format!(
+            "  tls:\n    ca: {ca}\n    cert: {cert}\n    key: {key}\n  auth:\n    user: kvmesh\n    password_file: {secret}\n\
+             events:\n  kind: nats\n  url: tls://127.0.0.1:4222\n  tls:\n    ca: {ca}\n  auth:\n    nkey_seed_file: {secret}\n"
+        ));
+        let config = parse(&good).unwrap();
+        assert_eq!(
+            config
+                .discovery
+                .auth
+                .as_ref()
+                .map(|auth| auth.user.as_str()),
+            Some("kvmesh")
+        );
+        assert!(config.events.auth.nkey_seed_file.is_some());
+        for (yaml, field) in [
+            (etcd(""), "discovery.tls"),
+            (
+                etcd(&format!("  tls:\n    cert: {cert}\n    key: {key}\n")),
+                "discovery.tls.ca",
+            ),
+            (
+                etcd(&format!("  tls:\n    ca: {missing}\n")),
+                "discovery.tls.ca",
+            ),
+            (
+                etcd(&format!("  tls:\n    ca: {ca}\n    cert: {cert}\n")),
+                "discovery.tls.key",
+            ),
+            (
+                etcd(&format!(
+                    "  tls:\n    ca: {ca}\n  auth:\n    user: u\n    password_file: {empty}\n"
+                )),
+                "discovery.auth.password_file",
+            ),
+            (
+                format!(
+                    "{MODEL}discovery:\n  kind: etcd\n  endpoint: http://a:1,https://b:2\n  tls:\n    ca: {ca}\n"
+                ),
+                "discovery.endpoint",
+            ),
+        ] {
+            let error = parse(&yaml).unwrap_err();
+            assert!(error.contains(field), "{yaml}: {error}");
+        }
+        let nats = |auth: &str| {
+            format!("{MODEL}discovery:\n  kind: in_process\nevents:\n  kind: nats\n  auth:\n{auth}")
+        };
+        for (auth, field) in [
+            (
+                format!("    token_file: {secret}\n    creds_file: {secret}\n"),
+                "events.auth",
+            ),
+            ("    user: u\n".to_owned(), "events.auth.password_file"),
+            (format!("    password_file: {secret}\n"), "events.auth.user"),
+            (
+                format!("    token_file: {missing}\n"),
+                "events.auth.token_file",
+            ),
+        ] {
+            let error = parse(&nats(&auth)).unwrap_err();
+            assert!(error.contains(field), "{auth}: {error}");
+        }
+        assert!(
+            parse(&nats(&format!(
+                "    user: u\n    password_file: {secret}\n"
+            )))
+            .is_ok()
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -2,10 +2,13 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use kvmesh_control::{InstanceId, Namespace};
+use kvmesh_control::{
+    EtcdAuth, EtcdSettings, InstanceId, Namespace, NatsAuth, NatsSettings, TlsFiles,
+};
 use kvmesh_telemetry::TraceSettings;
 
 use crate::config::{AgentConfig, EngineKind};
@@ -124,12 +127,56 @@ pub struct Cli {
     /// Control-plane namespace.
     #[arg(long, env = "KVMESH_AGENT_NAMESPACE", default_value = "kvmesh", value_parser = parse_namespace)]
     pub namespace: Namespace,
-    /// etcd client URL, or the members of one cluster separated by commas.
+    /// etcd client URL (`http://`, or `https://` with --etcd-ca-file), or the members of one
+    /// cluster separated by commas.
     #[arg(long, env = "KVMESH_AGENT_ETCD")]
     pub etcd: String,
-    /// NATS server URL.
+    /// PEM CA that signs etcd's members (turns TLS on; endpoints are then `https://`).
+    #[arg(long, env = "KVMESH_AGENT_ETCD_CA_FILE")]
+    pub etcd_ca_file: Option<PathBuf>,
+    /// PEM client certificate for etcd's --client-cert-auth (with --etcd-key-file).
+    #[arg(long, env = "KVMESH_AGENT_ETCD_CERT_FILE", requires_all = ["etcd_key_file", "etcd_ca_file"])]
+    pub etcd_cert_file: Option<PathBuf>,
+    /// PEM private key of --etcd-cert-file.
+    #[arg(long, env = "KVMESH_AGENT_ETCD_KEY_FILE", requires = "etcd_cert_file")]
+    pub etcd_key_file: Option<PathBuf>,
+    /// etcd user (auth enabled), with --etcd-password-file.
+    #[arg(long, env = "KVMESH_AGENT_ETCD_USER", requires = "etcd_password_file")]
+    pub etcd_user: Option<String>,
+    /// File holding the etcd user's password.
+    #[arg(long, env = "KVMESH_AGENT_ETCD_PASSWORD_FILE", requires = "etcd_user")]
+    pub etcd_password_file: Option<PathBuf>,
+    /// NATS server URLs, comma-separated (`nats://host:4222`, `tls://host:4222`).
     #[arg(long, env = "KVMESH_AGENT_NATS")]
     pub nats: String,
+    /// PEM CA that signs the NATS server's certificate (turns TLS on).
+    #[arg(long, env = "KVMESH_AGENT_NATS_CA_FILE")]
+    pub nats_ca_file: Option<PathBuf>,
+    /// PEM client certificate for NATS (with --nats-key-file; turns TLS on).
+    #[arg(long, env = "KVMESH_AGENT_NATS_CERT_FILE", requires = "nats_key_file")]
+    pub nats_cert_file: Option<PathBuf>,
+    /// PEM private key of --nats-cert-file.
+    #[arg(long, env = "KVMESH_AGENT_NATS_KEY_FILE", requires = "nats_cert_file")]
+    pub nats_key_file: Option<PathBuf>,
+    /// File holding a NATS token.
+    #[arg(long, env = "KVMESH_AGENT_NATS_TOKEN_FILE", conflicts_with_all = ["nats_user", "nats_nkey_seed_file", "nats_creds_file"])]
+    pub nats_token_file: Option<PathBuf>,
+    /// NATS user, with --nats-password-file.
+    #[arg(long, env = "KVMESH_AGENT_NATS_USER", requires = "nats_password_file", conflicts_with_all = ["nats_nkey_seed_file", "nats_creds_file"])]
+    pub nats_user: Option<String>,
+    /// File holding the NATS user's password.
+    #[arg(long, env = "KVMESH_AGENT_NATS_PASSWORD_FILE", requires = "nats_user")]
+    pub nats_password_file: Option<PathBuf>,
+    /// File holding a NATS NKey seed (`SU...`).
+    #[arg(
+        long,
+        env = "KVMESH_AGENT_NATS_NKEY_SEED_FILE",
+        conflicts_with = "nats_creds_file"
+    )]
+    pub nats_nkey_seed_file: Option<PathBuf>,
+    /// A NATS `.creds` file (user JWT and NKey seed).
+    #[arg(long, env = "KVMESH_AGENT_NATS_CREDS_FILE")]
+    pub nats_creds_file: Option<PathBuf>,
     /// Lease TTL of the instance record.
     #[arg(long, env = "KVMESH_AGENT_LEASE_TTL", default_value = "10s", value_parser = parse_duration)]
     pub lease_ttl: Duration,
@@ -161,6 +208,64 @@ pub struct Cli {
 }
 
 impl Cli {
+    /// The etcd client settings the flags describe.
+    pub fn etcd_settings(&self) -> EtcdSettings {
+        EtcdSettings {
+            endpoints: self.etcd.clone(),
+            tls: self.etcd_ca_file.as_ref().map(|ca| TlsFiles {
+                ca_file: Some(ca.clone()),
+                cert_file: self.etcd_cert_file.clone(),
+                key_file: self.etcd_key_file.clone(),
+            }),
+            auth: self
+                .etcd_user
+                .clone()
+                .zip(self.etcd_password_file.clone())
+                .map(|(user, password_file)| EtcdAuth {
+                    user,
+                    password_file,
+                }),
+        }
+    }
+
+    /// The NATS client settings the flags describe; `name` shows in the server's list.
+    pub fn nats_settings(&self, name: &str) -> NatsSettings {
+        let tls =
+            (self.nats_ca_file.is_some() || self.nats_cert_file.is_some()).then(|| TlsFiles {
+                ca_file: self.nats_ca_file.clone(),
+                cert_file: self.nats_cert_file.clone(),
+                key_file: self.nats_key_file.clone(),
+            });
+        let auth = if let Some(token_file) = &self.nats_token_file {
+            NatsAuth::Token {
+                token_file: token_file.clone(),
+            }
+        } else if let (Some(user), Some(password_file)) =
+            (&self.nats_user, &self.nats_password_file)
+        {
+            NatsAuth::UserPassword {
+                user: user.clone(),
+                password_file: password_file.clone(),
+            }
+        } else if let Some(seed_file) = &self.nats_nkey_seed_file {
+            NatsAuth::Nkey {
+                seed_file: seed_file.clone(),
+            }
+        } else if let Some(creds_file) = &self.nats_creds_file {
+            NatsAuth::Credentials {
+                creds_file: creds_file.clone(),
+            }
+        } else {
+            NatsAuth::None
+        };
+        NatsSettings {
+            url: self.nats.clone(),
+            name: name.to_owned(),
+            tls,
+            auth,
+        }
+    }
+
     /// The agent configuration the flags describe.
     pub fn config(&self) -> AgentConfig {
         let mut config = AgentConfig::new(&self.engine_url, &self.model, &self.kv_events_endpoint);
@@ -297,6 +402,67 @@ mod tests {
                 Cli::try_parse_from(base.into_iter().chain(bad)).is_err(),
                 "{bad:?}"
             );
+        }
+    }
+
+    #[test]
+    fn control_plane_tls_and_credentials_flags() {
+        let base = [
+            "kvmesh-agent",
+            "--model",
+            "m",
+            "--etcd",
+            "https://e:2379",
+            "--nats",
+            "tls://n:4222",
+        ];
+        let parse = |extra: &[&str]| Cli::try_parse_from(base.iter().chain(extra.iter()));
+        let plain = parse(&[]).expect("no flags");
+        assert_eq!(plain.etcd_settings().tls, None);
+        assert_eq!(plain.nats_settings("a").auth, NatsAuth::None);
+        let full = parse(&[
+            "--etcd-ca-file",
+            "ca.pem",
+            "--etcd-cert-file",
+            "c.pem",
+            "--etcd-key-file",
+            "k.pem",
+            "--etcd-user",
+            "agent",
+            "--etcd-password-file",
+            "pw",
+            "--nats-ca-file",
+            "nca.pem",
+            "--nats-user",
+            "agent",
+            "--nats-password-file",
+            "npw",
+        ])
+        .expect("valid flags");
+        let etcd = full.etcd_settings();
+        assert_eq!(
+            etcd.tls.and_then(|tls| tls.key_file),
+            Some(PathBuf::from("k.pem"))
+        );
+        assert_eq!(etcd.auth.map(|auth| auth.user), Some("agent".to_owned()));
+        let nats = full.nats_settings("kvmesh-agent-1");
+        assert_eq!(nats.name, "kvmesh-agent-1");
+        assert!(nats.tls.is_some());
+        assert_eq!(
+            nats.auth,
+            NatsAuth::UserPassword {
+                user: "agent".to_owned(),
+                password_file: PathBuf::from("npw")
+            }
+        );
+        for bad in [
+            &["--nats-token-file", "t", "--nats-creds-file", "c"][..],
+            &["--nats-user", "u"],
+            &["--nats-cert-file", "c.pem"],
+            &["--etcd-cert-file", "c.pem", "--etcd-key-file", "k.pem"],
+            &["--etcd-password-file", "pw"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
         }
     }
 }

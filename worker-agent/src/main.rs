@@ -21,10 +21,11 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     let config = cli.config();
-    let registry = Arc::new(EtcdRegistry::new(&cli.etcd).context("etcd URL")?);
+    let registry =
+        Arc::new(EtcdRegistry::with_settings(&cli.etcd_settings()).context("etcd settings")?);
     let name = format!("kvmesh-agent-{}", config.instance_id);
     let bus = Arc::new(
-        NatsBus::connect(&cli.nats, &name)
+        NatsBus::connect_with(&cli.nats_settings(&name))
             .await
             .with_context(|| format!("connecting to NATS at {}", cli.nats))?,
     );

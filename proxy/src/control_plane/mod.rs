@@ -12,6 +12,7 @@
 //! readiness, waiting up to `discovery.initial_sync_timeout`; the event bus is connected in
 //! the background, so a proxy starts (in approximate mode) even while NATS is down.
 
+mod clients;
 pub(crate) mod intake;
 pub(crate) mod membership;
 pub(crate) mod metrics;
@@ -21,7 +22,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvmesh_config::{Config, DiscoveryKind, EventsKind, HealthCheckConfig};
-use kvmesh_control::{EtcdRegistry, EventBus, Namespace, NatsBus, Registry, Watch, WatchEvent};
+use kvmesh_control::{
+    EtcdRegistry, EventBus, Namespace, NatsBus, NatsSettings, Registry, Watch, WatchEvent,
+};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
@@ -37,8 +40,6 @@ use crate::state::State;
 const BUS_RETRY_FIRST: Duration = Duration::from_millis(250);
 /// Longest pause between attempts to connect to NATS.
 const BUS_RETRY_MAX: Duration = Duration::from_secs(5);
-/// Name the proxy's NATS connection shows in the server's connection list.
-const NATS_CLIENT_NAME: &str = "kvmesh-proxy";
 
 /// In-process control-plane backends handed to [`crate::Proxy::bind_with`] by a program that
 /// embeds the proxy (the demo): the registry serves `discovery.kind: in_process`, the bus
@@ -65,7 +66,7 @@ enum BusSource {
     /// Given (in process).
     Ready(Arc<dyn EventBus>),
     /// A NATS server, connected in the background.
-    Nats(String),
+    Nats(NatsSettings),
 }
 
 /// The event intake, waiting for [`ControlLoops::start`].
@@ -119,8 +120,8 @@ impl ControlLoops {
                 });
             }
             DiscoveryKind::Etcd => Arc::new(
-                EtcdRegistry::new(&config.discovery.endpoint)
-                    .map_err(|error| control_error("discovery.endpoint", error))?,
+                EtcdRegistry::with_settings(&clients::etcd_settings(&config.discovery))
+                    .map_err(|error| control_error("discovery", error))?,
             ),
             DiscoveryKind::InProcess => given.registry.clone().ok_or_else(|| {
                 ProxyError::ControlPlane(
@@ -194,7 +195,7 @@ impl ControlLoops {
     ) -> Result<Option<BusSource>, ProxyError> {
         Ok(match config.events.kind {
             EventsKind::None => None,
-            EventsKind::Nats => Some(BusSource::Nats(config.events.url.clone())),
+            EventsKind::Nats => Some(BusSource::Nats(clients::nats_settings(&config.events))),
             EventsKind::InProcess => {
                 Some(BusSource::Ready(given.bus.clone().ok_or_else(|| {
                     ProxyError::ControlPlane(
@@ -242,13 +243,13 @@ async fn run_intake(pending: PendingIntake) {
     } = pending;
     let bus: Arc<dyn EventBus> = match source {
         BusSource::Ready(bus) => bus,
-        BusSource::Nats(url) => {
+        BusSource::Nats(settings) => {
             let mut backoff = BUS_RETRY_FIRST;
             loop {
-                match NatsBus::connect(&url, NATS_CLIENT_NAME).await {
+                match NatsBus::connect_with(&settings).await {
                     Ok(bus) => break Arc::new(bus),
                     Err(error) => {
-                        tracing::warn!(%url, %error, "cannot reach NATS: approximate routing until it answers");
+                        tracing::warn!(url = %settings.url, %error, "cannot reach NATS: approximate routing until it answers");
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(BUS_RETRY_MAX);
                     }

@@ -1,0 +1,62 @@
+//! The etcd and NATS client settings of the proxy, from `discovery` and `events` (their
+//! `tls` and `auth` blocks).
+
+use kvmesh_config::{ControlTlsConfig, DiscoveryConfig, EventsConfig, NatsAuthConfig};
+use kvmesh_control::{EtcdAuth, EtcdSettings, NatsAuth, NatsSettings, TlsFiles};
+
+/// Name the proxy's NATS connection shows in the server's connection list.
+const NATS_CLIENT_NAME: &str = "kvmesh-proxy";
+
+fn tls_files(tls: &ControlTlsConfig) -> TlsFiles {
+    TlsFiles {
+        ca_file: tls.ca.clone(),
+        cert_file: tls.cert.clone(),
+        key_file: tls.key.clone(),
+    }
+}
+
+/// The etcd client settings of `discovery`.
+pub(crate) fn etcd_settings(discovery: &DiscoveryConfig) -> EtcdSettings {
+    EtcdSettings {
+        endpoints: discovery.endpoint.clone(),
+        tls: discovery.tls.as_ref().map(tls_files),
+        auth: discovery.auth.as_ref().map(|auth| EtcdAuth {
+            user: auth.user.clone(),
+            password_file: auth.password_file.clone(),
+        }),
+    }
+}
+
+/// The NATS client settings of `events`.
+pub(crate) fn nats_settings(events: &EventsConfig) -> NatsSettings {
+    NatsSettings {
+        url: events.url.clone(),
+        name: NATS_CLIENT_NAME.to_owned(),
+        tls: events.tls.as_ref().map(tls_files),
+        auth: nats_auth(&events.auth),
+    }
+}
+
+/// The one kind of credentials the config names (validation refused several).
+fn nats_auth(auth: &NatsAuthConfig) -> NatsAuth {
+    if let Some(token_file) = &auth.token_file {
+        NatsAuth::Token {
+            token_file: token_file.clone(),
+        }
+    } else if let (Some(user), Some(password_file)) = (&auth.user, &auth.password_file) {
+        NatsAuth::UserPassword {
+            user: user.clone(),
+            password_file: password_file.clone(),
+        }
+    } else if let Some(seed_file) = &auth.nkey_seed_file {
+        NatsAuth::Nkey {
+            seed_file: seed_file.clone(),
+        }
+    } else if let Some(creds_file) = &auth.creds_file {
+        NatsAuth::Credentials {
+            creds_file: creds_file.clone(),
+        }
+    } else {
+        NatsAuth::None
+    }
+}
