@@ -119,23 +119,50 @@ async fn kill_child(child: &mut Option<Child>) {
     }
 }
 
+/// TLS of an [`EtcdServer`]'s client port (PEM files).
+#[derive(Debug, Clone)]
+pub struct EtcdTls {
+    /// The server certificate (for `127.0.0.1`).
+    pub cert: PathBuf,
+    /// Its private key.
+    pub key: PathBuf,
+    /// The CA that signs client certificates.
+    pub ca: PathBuf,
+    /// Whether clients must present a certificate signed by `ca` (`--client-cert-auth`).
+    pub client_cert_auth: bool,
+}
+
 /// A running `etcd` with its data in a directory; killed on drop.
 #[derive(Debug)]
 pub struct EtcdServer {
     dir: PathBuf,
     client_port: u16,
     peer_port: u16,
+    /// Plaintext `/health` (`--listen-metrics-urls`), probed for readiness.
+    metrics_port: u16,
+    tls: Option<EtcdTls>,
     child: Option<Child>,
 }
 
 impl EtcdServer {
     /// Starts etcd with its data under `dir` on free loopback ports and waits until healthy.
     pub async fn start(dir: &Path) -> io::Result<Self> {
+        Self::start_with(dir, None).await
+    }
+
+    /// Starts etcd with TLS on its client port (`https://`), as [`EtcdServer::start`] does.
+    pub async fn start_tls(dir: &Path, tls: EtcdTls) -> io::Result<Self> {
+        Self::start_with(dir, Some(tls)).await
+    }
+
+    async fn start_with(dir: &Path, tls: Option<EtcdTls>) -> io::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let mut server = Self {
             dir: dir.to_owned(),
             client_port: free_port()?,
             peer_port: free_port()?,
+            metrics_port: free_port()?,
+            tls,
             child: None,
         };
         server.launch().await?;
@@ -143,9 +170,9 @@ impl EtcdServer {
     }
 
     async fn launch(&mut self) -> io::Result<()> {
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let client = self.url();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let args = vec![
+        let mut args = vec![
             "--name".into(),
             "kvmesh-test".into(),
             "--data-dir".into(),
@@ -162,10 +189,25 @@ impl EtcdServer {
             format!("kvmesh-test={peer}"),
             "--log-level".into(),
             "warn".into(),
+            "--listen-metrics-urls".into(),
+            format!("http://127.0.0.1:{}", self.metrics_port),
         ];
+        if let Some(tls) = &self.tls {
+            for (flag, path) in [
+                ("--cert-file", &tls.cert),
+                ("--key-file", &tls.key),
+                ("--trusted-ca-file", &tls.ca),
+            ] {
+                args.push(flag.into());
+                args.push(path.display().to_string());
+            }
+            if tls.client_cert_auth {
+                args.push("--client-cert-auth".into());
+            }
+        }
         let log = self.dir.join("etcd.log");
         let mut child = spawn(&find_binary("KVMESH_ETCD_BIN", "etcd"), &args, &log)?;
-        let addr = format!("127.0.0.1:{}", self.client_port);
+        let addr = format!("127.0.0.1:{}", self.metrics_port);
         let request = b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
         wait_ready(&mut child, "etcd", &log, || async {
             exchange(&addr, request)
@@ -177,9 +219,10 @@ impl EtcdServer {
         Ok(())
     }
 
-    /// The client URL, `http://127.0.0.1:PORT`.
+    /// The client URL, `http://127.0.0.1:PORT` (`https://` with TLS).
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 
     /// Kills etcd with SIGKILL (its data stays).
@@ -211,16 +254,33 @@ impl EtcdServer {
 pub struct NatsServer {
     dir: PathBuf,
     port: u16,
+    /// A config file (`-c`), for TLS and auth blocks.
+    config: Option<PathBuf>,
     child: Option<Child>,
 }
 
 impl NatsServer {
     /// Starts nats-server (logs under `dir`) on a free loopback port and waits for its greeting.
     pub async fn start(dir: &Path) -> io::Result<Self> {
+        Self::start_with(dir, None).await
+    }
+
+    /// Starts nats-server with `config` (nats-server's config syntax: `tls { … }`,
+    /// `authorization { … }`, `max_payload`, …) written to `dir/nats.conf`; the address and
+    /// port still come from the command line.
+    pub async fn start_with_config(dir: &Path, config: &str) -> io::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let path = dir.join("nats.conf");
+        std::fs::write(&path, config)?;
+        Self::start_with(dir, Some(path)).await
+    }
+
+    async fn start_with(dir: &Path, config: Option<PathBuf>) -> io::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let mut server = Self {
             dir: dir.to_owned(),
             port: free_port()?,
+            config,
             child: None,
         };
         server.launch().await?;
@@ -228,12 +288,16 @@ impl NatsServer {
     }
 
     async fn launch(&mut self) -> io::Result<()> {
-        let args = vec![
+        let mut args = vec![
             "-a".into(),
             "127.0.0.1".into(),
             "-p".into(),
             self.port.to_string(),
         ];
+        if let Some(config) = &self.config {
+            args.push("-c".into());
+            args.push(config.display().to_string());
+        }
         let log = self.dir.join("nats.log");
         let mut child = spawn(&find_binary("KVMESH_NATS_BIN", "nats-server"), &args, &log)?;
         let addr = format!("127.0.0.1:{}", self.port);
