@@ -175,6 +175,89 @@ async fn nats_token_user_password_and_nkey_auth() {
     assert!(empty.contains("is empty"), "{empty}");
 }
 
+/// A NATS JWT of `claims` (`nats` beside the standard fields) for `subject`, signed by
+/// `issuer`, as nsc would write it.
+fn jwt(issuer: &nkeys::KeyPair, subject: &str, name: &str, nats: serde_json::Value) -> String {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let header = b64.encode(br#"{"typ":"JWT","alg":"ed25519-nkey"}"#);
+    let claims = serde_json::json!({
+        "jti": format!("{name}-{}", std::process::id()),
+        "iat": 1_700_000_000u64,
+        "iss": issuer.public_key(),
+        "name": name,
+        "sub": subject,
+        "nats": nats,
+    });
+    let claims = b64.encode(claims.to_string());
+    let signed = format!("{header}.{claims}");
+    let signature = issuer.sign(signed.as_bytes()).expect("sign");
+    format!("{signed}.{}", b64.encode(signature))
+}
+
+#[tokio::test]
+async fn nats_creds_file_auth_in_operator_mode() {
+    let dir = temp_dir("security-nats-creds");
+    let operator = nkeys::KeyPair::new_operator();
+    let account = nkeys::KeyPair::new_account();
+    let user = nkeys::KeyPair::new_user();
+    let unlimited = serde_json::json!({"subs": -1, "data": -1, "payload": -1});
+    let operator_jwt = jwt(
+        &operator,
+        &operator.public_key(),
+        "kvmesh-test-operator",
+        serde_json::json!({"type": "operator", "version": 2}),
+    );
+    let account_jwt = jwt(
+        &operator,
+        &account.public_key(),
+        "kvmesh",
+        serde_json::json!({
+            "type": "account", "version": 2,
+            "limits": {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+                       "wildcards": true, "conn": -1, "leaf": -1},
+        }),
+    );
+    let mut user_claims = unlimited.clone();
+    user_claims["type"] = "user".into();
+    user_claims["version"] = 2.into();
+    let user_jwt = jwt(&account, &user.public_key(), "agent", user_claims);
+    let config = format!(
+        "operator: {operator_jwt}\nresolver: MEMORY\nresolver_preload: {{\n  {}: {account_jwt}\n}}\n",
+        account.public_key()
+    );
+    let server = NatsServer::start_with_config(&dir.join("server"), &config)
+        .await
+        .expect("nats starts");
+    let creds = |user_jwt: &str, seed: &str| {
+        let text = format!(
+            "-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n\
+             -----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
+        );
+        NatsAuth::Credentials {
+            creds_file: secret(&dir, "user.creds", &text),
+        }
+    };
+    let bus = NatsBus::connect_with(&nats(
+        &server.url(),
+        None,
+        creds(&user_jwt, &user.seed().expect("seed")),
+    ))
+    .await
+    .expect("the creds file connects");
+    round_trip(&bus).await;
+    // The JWT of a user the account never signed, with that user's own seed.
+    let stranger = nkeys::KeyPair::new_user();
+    let self_signed = jwt(&stranger, &stranger.public_key(), "stranger", unlimited);
+    refused(&nats(
+        &server.url(),
+        None,
+        creds(&self_signed, &stranger.seed().expect("seed")),
+    ))
+    .await;
+    refused(&nats(&server.url(), None, NatsAuth::None)).await;
+}
+
 fn record(id: u64) -> InstanceRecord {
     let ns = Namespace::default();
     InstanceRecord {
