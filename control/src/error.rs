@@ -37,6 +37,15 @@ pub enum ControlError {
         /// The server's limit.
         limit: usize,
     },
+    /// The server refused the client's credentials or certificate, or denied it the
+    /// operation: retrying with the same settings will not help.
+    #[error("{backend} refused the client: {message}")]
+    Refused {
+        /// `etcd` or `nats`.
+        backend: &'static str,
+        /// What it said.
+        message: String,
+    },
     /// The server refused a request or answered something unexpected.
     #[error("{backend} server error: {message}")]
     Server {

@@ -15,7 +15,9 @@
 //! - an agent takes its block size and KV capacity from the engine (and refuses a
 //!   `--block-size` that differs), and the proxy measures the instance's load by it;
 //! - a LoRA adapter's requests go only to the engines serving it (from their agents'
-//!   records, also for an adapter loaded at run time), to the one caching its blocks.
+//!   records, also for an adapter loaded at run time), to the one caching its blocks;
+//! - etcd and NATS on TLS with user / password auth: the agent and the proxy connect with
+//!   their settings and route by events; an agent with a wrong password stops at once.
 //!
 //! Readiness comes from `LISTENING`/`READY` lines and metrics polled against a deadline. The
 //! tests run one at a time (they time leases and restarts on a 2-core machine).
@@ -24,7 +26,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::Method;
+use kvmesh_control::testing::{EtcdServer, EtcdTls, NatsServer};
 use kvmesh_control::{EventBus, NatsBus};
+use kvmesh_e2e::certs::TestCerts;
 use kvmesh_e2e::cluster::{MODEL, start_proxy};
 use kvmesh_e2e::control_plane::{
     BLOCK_SIZE, Engine, Servers, agent_args, await_metric, control_proxy_config, metric,
@@ -1005,5 +1009,152 @@ async fn an_agent_takes_the_engines_block_size_and_kv_capacity() -> anyhow::Resu
     let series = index_blocks_series(&engine.url);
     await_metric(&client, &metrics, &series, |v| v >= 4.0, CONVERGE).await?;
     assert_no_panic(&agent);
+    Ok(())
+}
+
+/// etcd on mutual TLS with user / password auth and NATS on TLS with user / password auth,
+/// as docs/security.md sets them up; returns the servers, the certificates, and the password
+/// files of the user `kvmesh` (etcd, NATS).
+async fn start_secured_servers(
+    scratch: &ScratchDir,
+) -> anyhow::Result<(Servers, TestCerts, [std::path::PathBuf; 2])> {
+    let certs = TestCerts::generate(scratch.path())?;
+    let etcd = EtcdServer::start_tls(
+        &scratch.path().join("etcd"),
+        EtcdTls {
+            cert: certs.server_cert.clone(),
+            key: certs.server_key.clone(),
+            ca: certs.ca.clone(),
+            client_cert_auth: true,
+        },
+    )
+    .await?;
+    let tls = etcd_client::TlsOptions::new()
+        .ca_certificate(etcd_client::Certificate::from_pem(std::fs::read(
+            &certs.ca,
+        )?))
+        .identity(etcd_client::Identity::from_pem(
+            std::fs::read(&certs.client_cert)?,
+            std::fs::read(&certs.client_key)?,
+        ));
+    let mut admin = etcd_client::Client::connect(
+        [etcd.url()],
+        Some(etcd_client::ConnectOptions::new().with_tls(tls)),
+    )
+    .await?;
+    for (user, password) in [("root", "root-pw"), ("kvmesh", "etcd-pw")] {
+        admin.user_add(user, password, None).await?;
+        admin.user_grant_role(user, "root").await?;
+    }
+    admin.auth_enable().await?;
+    let nats_config = format!(
+        "tls {{\n  cert_file: {:?}\n  key_file: {:?}\n}}\n\
+         authorization {{\n  users = [ {{ user: kvmesh, password: \"nats-pw\" }} ]\n}}\n",
+        certs.server_cert, certs.server_key
+    );
+    let nats = NatsServer::start_with_config(&scratch.path().join("nats"), &nats_config).await?;
+    let etcd_password = scratch.path().join("etcd-password");
+    std::fs::write(&etcd_password, "etcd-pw\n")?;
+    let nats_password = scratch.path().join("nats-password");
+    std::fs::write(&nats_password, "nats-pw\n")?;
+    Ok((
+        Servers { etcd, nats },
+        certs,
+        [etcd_password, nats_password],
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_on_tls_and_credentials_routes_by_events_and_refuses_wrong_ones()
+-> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-secure")?;
+    let (servers, certs, [etcd_password, nats_password]) = start_secured_servers(&scratch).await?;
+    let (_sim, engines) = start_event_engines(&scratch, 1)?;
+    let ca = certs.ca.display().to_string();
+    let (cert, key) = (
+        certs.client_cert.display().to_string(),
+        certs.client_key.display().to_string(),
+    );
+    let secured_flags = |etcd_password: &std::path::Path| -> Vec<String> {
+        [
+            "--block-size",
+            &BLOCK_SIZE.to_string(),
+            "--etcd-ca-file",
+            &ca,
+            "--etcd-cert-file",
+            &cert,
+            "--etcd-key-file",
+            &key,
+            "--etcd-user",
+            "kvmesh",
+            "--etcd-password-file",
+            &etcd_password.display().to_string(),
+            "--nats-ca-file",
+            &ca,
+            "--nats-user",
+            "kvmesh",
+            "--nats-password-file",
+            &nats_password.display().to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let mut args = agent_args(&servers, &engines[0], LONG_TTL, DRAIN);
+    args.extend(secured_flags(&etcd_password));
+    let _agent = Spawned::start("kvmesh-agent", &args, scratch.path())?;
+
+    let config = format!(
+        "listeners:\n  - name: main\n    address: 127.0.0.1:0\nadmin:\n  address: 127.0.0.1:0\n\
+         health_check:\n  enabled: false\n\
+         models:\n  - name: {MODEL}\n    policy: kv\n    kv:\n      block_size: {BLOCK_SIZE}\n    backends: []\n\
+         discovery:\n  kind: etcd\n  endpoint: {}\n  initial_sync_timeout: 5s\n  \
+         tls:\n    ca: {ca}\n    cert: {cert}\n    key: {key}\n  auth:\n    user: kvmesh\n    password_file: {}\n\
+         events:\n  kind: nats\n  url: {}\n  resync_timeout: 1s\n  \
+         tls:\n    ca: {ca}\n  auth:\n    user: kvmesh\n    password_file: {}\n",
+        servers.etcd.url(),
+        etcd_password.display(),
+        servers.nats.url(),
+        nats_password.display(),
+    );
+    let proxy = start_proxy(&scratch, &config)?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    await_instances(&client, &metrics, 1.0).await?;
+    await_events_live(&client, &metrics).await?;
+    let prompt = prompt_tokens(3, 4);
+    let (status, instance, _) = complete(&client, &proxy, &prompt).await?;
+    assert_eq!((status, instance.as_str()), (200, engines[0].url.as_str()));
+    // The engine's events for that prompt reach the proxy's index through TLS NATS.
+    await_metric(
+        &client,
+        &metrics,
+        &index_blocks_series(&engines[0].url),
+        |v| v >= 4.0,
+        CONVERGE,
+    )
+    .await?;
+
+    // An agent with a wrong etcd password stops at once with etcd's answer.
+    let wrong_password = scratch.path().join("wrong-password");
+    std::fs::write(&wrong_password, "nope\n")?;
+    let mut wrong = agent_args(&servers, &engines[0], LONG_TTL, DRAIN);
+    wrong.extend(secured_flags(&wrong_password));
+    let started = Instant::now();
+    let error = match Spawned::start("kvmesh-agent", &wrong, scratch.path()) {
+        Ok(_) => anyhow::bail!("an agent with a wrong etcd password started"),
+        Err(error) => format!("{error:#}"),
+    };
+    assert!(
+        error.contains("refused") && error.contains("authentication failed"),
+        "{error}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_no_panic(&proxy);
     Ok(())
 }

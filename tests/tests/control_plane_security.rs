@@ -372,7 +372,10 @@ async fn etcd_user_and_password_auth() {
         .await
         .expect_err("a wrong password is refused")
         .to_string();
-    assert!(error.contains("authentication failed"), "{error}");
+    assert!(
+        error.contains("etcd refused the client") && error.contains("authentication failed"),
+        "{error}"
+    );
     let anonymous = EtcdRegistry::new(&etcd.url()).expect("client");
     assert!(anonymous.list("/kvmesh/instances/").await.is_err());
 }

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvmesh_control::{EventBus, InstanceId, InstanceRecord, InstanceState, Registry};
+use kvmesh_control::{ControlError, EventBus, InstanceId, InstanceRecord, InstanceState, Registry};
 use kvmesh_telemetry::Telemetry;
 use opentelemetry::KeyValue;
 use tokio::net::TcpListener;
@@ -306,6 +306,13 @@ pub async fn start(
         snapshot_subject: ns.snapshot_subject(id),
         state: initial,
     };
+    // Refused credentials will not get better by retrying: say so now instead of after the
+    // startup timeout (an unreachable registry is retried by the registration).
+    if let Err(error @ ControlError::Refused { .. }) = registry.list(&ns.instances_prefix()).await {
+        return Err(AgentError::Startup(format!(
+            "the registry refused the agent: {error}"
+        )));
+    }
     let registration = Registration {
         registry,
         key: ns.instance_key(&config.model, id),

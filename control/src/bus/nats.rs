@@ -189,7 +189,7 @@ impl NatsBus {
         let client = tokio::time::timeout(FIRST_CONNECT_TIMEOUT, options.connect(servers))
             .await
             .map_err(|_| ControlError::Timeout("nats connect"))?
-            .map_err(|error| transport(format!("cannot connect to {}: {error}", settings.url)))?;
+            .map_err(|error| connect_error(&settings.url, &error))?;
         // The Connected event reaches the state through the event task, just after.
         let mut connected = state.subscribe();
         tokio::time::timeout(
@@ -273,6 +273,20 @@ impl NatsBus {
             }
         });
         Ok(Subscription::new(end, Box::new(move || task.abort())))
+    }
+}
+
+/// A failed first connection: [`ControlError::Refused`] when the server refused the
+/// credentials, else a transport error.
+fn connect_error(url: &str, error: &async_nats::ConnectError) -> ControlError {
+    let message = format!("cannot connect to {url}: {error}");
+    match error.kind() {
+        async_nats::ConnectErrorKind::AuthorizationViolation
+        | async_nats::ConnectErrorKind::Authentication => ControlError::Refused {
+            backend: BACKEND,
+            message,
+        },
+        _ => transport(message),
     }
 }
 

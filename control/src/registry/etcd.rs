@@ -31,9 +31,17 @@ fn etcd_error(error: etcd_client::Error, lease: Option<i64>) -> ControlError {
         etcd_client::Error::GRpcStatus(status) => match (status.code(), lease) {
             (tonic::Code::NotFound, Some(id)) => ControlError::LeaseNotFound(id),
             (tonic::Code::Unauthenticated | tonic::Code::PermissionDenied, _) => {
-                ControlError::Server {
+                ControlError::Refused {
                     backend: BACKEND,
-                    message: format!("authentication refused: {}", status.message()),
+                    message: status.message().to_owned(),
+                }
+            }
+            // A wrong user or password: "etcdserver: authentication failed, invalid user ID
+            // or password".
+            (tonic::Code::InvalidArgument, _) if status.message().contains("authentication") => {
+                ControlError::Refused {
+                    backend: BACKEND,
+                    message: status.message().to_owned(),
                 }
             }
             (tonic::Code::Unavailable, _) => ControlError::Transport {
