@@ -1155,6 +1155,37 @@ async fn a_cluster_on_tls_and_credentials_routes_by_events_and_refuses_wrong_one
         "{:?}",
         started.elapsed()
     );
+
+    // A proxy whose NATS credentials are refused still serves the instances etcd lists
+    // (approximate mode), and says why in its log.
+    let refused = start_proxy(
+        &scratch,
+        &config.replace(
+            &nats_password.display().to_string(),
+            &wrong_password.display().to_string(),
+        ),
+    )?;
+    let refused_metrics = metrics_url(&refused);
+    await_instances(&client, &refused_metrics, 1.0).await?;
+    let (status, instance, _) = complete(&client, &refused, &prompt_tokens(5, 2)).await?;
+    assert_eq!((status, instance.as_str()), (200, engines[0].url.as_str()));
+    let text = String::from_utf8_lossy(&client.get(&refused_metrics).await?.body).into_owned();
+    assert_eq!(
+        metric(&text, "kvmesh_events_connected"),
+        Some(0.0),
+        "{text}"
+    );
+    // The refusal is logged by the background connection (retried with backoff).
+    let deadline = Instant::now() + CONVERGE;
+    loop {
+        let log = std::fs::read_to_string(refused.log_path())?;
+        if log.contains("authorization violation") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no refusal logged:\n{log}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_no_panic(&proxy);
+    assert_no_panic(&refused);
     Ok(())
 }
