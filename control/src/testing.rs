@@ -136,6 +136,10 @@ pub struct EtcdTls {
 #[derive(Debug)]
 pub struct EtcdServer {
     dir: PathBuf,
+    /// The member's name in its cluster.
+    name: String,
+    /// `--initial-cluster`: every member's `name=peer URL`.
+    initial_cluster: String,
     client_port: u16,
     peer_port: u16,
     /// Plaintext `/health` (`--listen-metrics-urls`), probed for readiness.
@@ -156,25 +160,43 @@ impl EtcdServer {
     }
 
     async fn start_with(dir: &Path, tls: Option<EtcdTls>) -> io::Result<Self> {
+        let mut server = Self::member(dir, "kvmesh-test", tls)?;
+        server.initial_cluster = format!("kvmesh-test={}", server.peer_url());
+        server.launch().await?;
+        Ok(server)
+    }
+
+    /// A member named `name` on free ports, not started, alone in its cluster.
+    fn member(dir: &Path, name: &str, tls: Option<EtcdTls>) -> io::Result<Self> {
         std::fs::create_dir_all(dir)?;
-        let mut server = Self {
+        Ok(Self {
             dir: dir.to_owned(),
+            name: name.to_owned(),
+            initial_cluster: String::new(),
             client_port: free_port()?,
             peer_port: free_port()?,
             metrics_port: free_port()?,
             tls,
             child: None,
-        };
-        server.launch().await?;
-        Ok(server)
+        })
+    }
+
+    fn peer_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.peer_port)
     }
 
     async fn launch(&mut self) -> io::Result<()> {
+        self.spawn()?;
+        self.wait_healthy().await
+    }
+
+    /// Starts the process without waiting (members of a cluster wait for each other).
+    fn spawn(&mut self) -> io::Result<()> {
         let client = self.url();
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let peer = self.peer_url();
         let mut args = vec![
             "--name".into(),
-            "kvmesh-test".into(),
+            self.name.clone(),
             "--data-dir".into(),
             self.dir.join("data").display().to_string(),
             "--listen-client-urls".into(),
@@ -186,7 +208,7 @@ impl EtcdServer {
             "--initial-advertise-peer-urls".into(),
             peer.clone(),
             "--initial-cluster".into(),
-            format!("kvmesh-test={peer}"),
+            self.initial_cluster.clone(),
             "--log-level".into(),
             "warn".into(),
             "--listen-metrics-urls".into(),
@@ -206,17 +228,24 @@ impl EtcdServer {
             }
         }
         let log = self.dir.join("etcd.log");
-        let mut child = spawn(&find_binary("KVMESH_ETCD_BIN", "etcd"), &args, &log)?;
+        self.child = Some(spawn(&find_binary("KVMESH_ETCD_BIN", "etcd"), &args, &log)?);
+        Ok(())
+    }
+
+    /// Waits until the member reports healthy (its cluster has a leader).
+    async fn wait_healthy(&mut self) -> io::Result<()> {
+        let log = self.dir.join("etcd.log");
+        let Some(child) = self.child.as_mut() else {
+            return Err(io::Error::other("etcd is not running"));
+        };
         let addr = format!("127.0.0.1:{}", self.metrics_port);
         let request = b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-        wait_ready(&mut child, "etcd", &log, || async {
+        wait_ready(child, "etcd", &log, || async {
             exchange(&addr, request)
                 .await
                 .is_some_and(|r| r.contains("\"health\":\"true\""))
         })
-        .await?;
-        self.child = Some(child);
-        Ok(())
+        .await
     }
 
     /// The client URL, `http://127.0.0.1:PORT` (`https://` with TLS).
@@ -246,6 +275,80 @@ impl EtcdServer {
             Err(e) => return Err(e),
         }
         self.launch().await
+    }
+}
+
+/// A cluster of several etcd members on loopback (plaintext), each with its data under
+/// `dir/{name}`; killed on drop.
+#[derive(Debug)]
+pub struct EtcdCluster {
+    members: Vec<EtcdServer>,
+}
+
+impl EtcdCluster {
+    /// Starts `size` members and waits until every one is healthy (a leader is elected).
+    pub async fn start(dir: &Path, size: usize) -> io::Result<Self> {
+        let mut members = (0..size)
+            .map(|i| EtcdServer::member(&dir.join(format!("member-{i}")), &format!("m{i}"), None))
+            .collect::<io::Result<Vec<_>>>()?;
+        let initial_cluster = members
+            .iter()
+            .map(|m| format!("{}={}", m.name, m.peer_url()))
+            .collect::<Vec<_>>()
+            .join(",");
+        for member in &mut members {
+            member.initial_cluster.clone_from(&initial_cluster);
+            member.spawn()?;
+        }
+        for member in &mut members {
+            member.wait_healthy().await?;
+        }
+        Ok(Self { members })
+    }
+
+    /// Every member's client URL, comma-separated (what `--etcd` and `discovery.endpoint`
+    /// take).
+    pub fn urls(&self) -> String {
+        self.members
+            .iter()
+            .map(EtcdServer::url)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The position of the member that leads now, asked of the members that answer.
+    pub async fn leader(&self) -> io::Result<usize> {
+        for member in &self.members {
+            let Ok(mut client) = etcd_client::Client::connect([member.url()], None).await else {
+                continue;
+            };
+            let Ok(status) = client.status().await else {
+                continue;
+            };
+            let leader = status.leader();
+            for (i, candidate) in self.members.iter().enumerate() {
+                let Ok(mut client) = etcd_client::Client::connect([candidate.url()], None).await
+                else {
+                    continue;
+                };
+                if let Ok(status) = client.status().await
+                    && status.header().map(|h| h.member_id()) == Some(leader)
+                {
+                    return Ok(i);
+                }
+            }
+        }
+        Err(io::Error::other("no etcd member names a leader"))
+    }
+
+    /// Kills member `i` with SIGKILL (its data stays).
+    pub async fn kill(&mut self, i: usize) {
+        self.members[i].kill().await;
+    }
+
+    /// Starts member `i` again with its data and waits until it is healthy.
+    pub async fn restart(&mut self, i: usize) -> io::Result<()> {
+        self.members[i].restart().await
     }
 }
 

@@ -125,6 +125,23 @@ pub fn agent_args(
     lease_ttl: Duration,
     drain: Duration,
 ) -> Vec<String> {
+    agent_args_for(
+        &servers.etcd.url(),
+        &servers.nats.url(),
+        engine,
+        lease_ttl,
+        drain,
+    )
+}
+
+/// [`agent_args`] for the etcd members at `etcd` (comma-separated) and NATS at `nats`.
+pub fn agent_args_for(
+    etcd: &str,
+    nats: &str,
+    engine: &Engine,
+    lease_ttl: Duration,
+    drain: Duration,
+) -> Vec<String> {
     [
         "--engine-url",
         &engine.url,
@@ -135,9 +152,9 @@ pub fn agent_args(
         "--kv-events-replay-endpoint",
         &engine.replay,
         "--etcd",
-        &servers.etcd.url(),
+        etcd,
         "--nats",
-        &servers.nats.url(),
+        nats,
         "--lease-ttl",
         &format!("{}ms", lease_ttl.as_millis()),
         "--drain",
@@ -155,14 +172,18 @@ pub fn agent_args(
 /// A proxy config serving [`MODEL`] with `policy: kv` from etcd's instances and NATS's
 /// events; `extra` YAML is appended.
 pub fn control_proxy_config(servers: &Servers, extra: &str) -> String {
+    control_proxy_config_for(&servers.etcd.url(), &servers.nats.url(), extra)
+}
+
+/// [`control_proxy_config`] for the etcd members at `etcd` (comma-separated) and NATS at
+/// `nats`.
+pub fn control_proxy_config_for(etcd: &str, nats: &str, extra: &str) -> String {
     format!(
         "listeners:\n  - name: main\n    address: 127.0.0.1:0\nadmin:\n  address: 127.0.0.1:0\n\
          health_check:\n  enabled: false\n\
          models:\n  - name: {MODEL}\n    policy: kv\n    kv:\n      block_size: {BLOCK_SIZE}\n    backends: []\n\
-         discovery:\n  kind: etcd\n  endpoint: {}\n  initial_sync_timeout: 5s\n\
-         events:\n  kind: nats\n  url: {}\n  resync_timeout: 1s\n{extra}",
-        servers.etcd.url(),
-        servers.nats.url(),
+         discovery:\n  kind: etcd\n  endpoint: {etcd}\n  initial_sync_timeout: 5s\n\
+         events:\n  kind: nats\n  url: {nats}\n  resync_timeout: 1s\n{extra}"
     )
 }
 

@@ -16,6 +16,8 @@
 //!   `--block-size` that differs), and the proxy measures the instance's load by it;
 //! - a LoRA adapter's requests go only to the engines serving it (from their agents'
 //!   records, also for an adapter loaded at run time), to the one caching its blocks;
+//! - a three-member etcd cluster loses its leader: the proxy keeps serving, an agent that
+//!   starts meanwhile registers, and every lease is renewed through the new leader;
 //! - etcd and NATS on TLS with user / password auth: the agent and the proxy connect with
 //!   their settings and route by events; an agent with a wrong password stops at once.
 //!
@@ -26,14 +28,14 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::Method;
-use kvmesh_control::testing::{EtcdServer, EtcdTls, NatsServer};
+use kvmesh_control::testing::{EtcdCluster, EtcdServer, EtcdTls, NatsServer};
 use kvmesh_control::{EventBus, NatsBus};
 use kvmesh_e2e::certs::TestCerts;
 use kvmesh_e2e::cluster::{MODEL, start_proxy};
 use kvmesh_e2e::control_plane::{
-    BLOCK_SIZE, Engine, Servers, agent_args, await_metric, control_proxy_config, metric,
-    metric_total, model_prompt, prompt_tokens, start_agent, start_event_engines,
-    start_event_engines_with, start_timed_event_engines, token_prompt,
+    BLOCK_SIZE, Engine, Servers, agent_args, agent_args_for, await_metric, control_proxy_config,
+    control_proxy_config_for, metric, metric_total, model_prompt, prompt_tokens, start_agent,
+    start_event_engines, start_event_engines_with, start_timed_event_engines, token_prompt,
 };
 use kvmesh_e2e::sse::{assert_all_whole, open_streams};
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
@@ -1187,5 +1189,56 @@ async fn a_cluster_on_tls_and_credentials_routes_by_events_and_refuses_wrong_one
     }
     assert_no_panic(&proxy);
     assert_no_panic(&refused);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_etcd_cluster_losing_its_leader_keeps_registering_and_routing() -> anyhow::Result<()> {
+    /// Short enough that a lease the agent could not renew through the election would lapse
+    /// while the test watches.
+    const TTL: Duration = Duration::from_secs(3);
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-etcd-cluster")?;
+    let mut cluster = EtcdCluster::start(&scratch.path().join("etcd"), 3).await?;
+    let nats = NatsServer::start(&scratch.path().join("nats")).await?;
+    let (_sim, engines) = start_event_engines(&scratch, 2)?;
+    let etcd_urls = cluster.urls();
+    let agent = |engine: &Engine| -> anyhow::Result<Spawned> {
+        let mut args = agent_args_for(&etcd_urls, &nats.url(), engine, TTL, DRAIN);
+        args.extend(["--block-size".to_string(), BLOCK_SIZE.to_string()]);
+        Spawned::start("kvmesh-agent", &args, scratch.path())
+    };
+    let _first = agent(&engines[0])?;
+    let proxy = start_proxy(
+        &scratch,
+        &control_proxy_config_for(&etcd_urls, &nats.url(), ""),
+    )?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    await_instances(&client, &metrics, 1.0).await?;
+
+    let leader = cluster.leader().await?;
+    cluster.kill(leader).await;
+    // The proxy serves what it knows while the members elect a new leader, and an agent
+    // that starts meanwhile registers through the members that remain.
+    let (status, instance, _) = complete(&client, &proxy, &prompt_tokens(7, 2)).await?;
+    assert_eq!((status, instance.as_str()), (200, engines[0].url.as_str()));
+    let _second = agent(&engines[1])?;
+    await_instances(&client, &metrics, 2.0).await?;
+
+    // Both leases are renewed through the new leader: two TTLs later both instances are
+    // still listed, and both serve.
+    tokio::time::sleep(2 * TTL).await;
+    await_instances(&client, &metrics, 2.0).await?;
+    let mut seen = std::collections::BTreeSet::new();
+    for seed in 40..60 {
+        let (status, instance, _) = complete(&client, &proxy, &prompt_tokens(seed, 1)).await?;
+        assert_eq!(status, 200);
+        seen.insert(instance);
+    }
+    assert_eq!(seen.len(), 2, "both instances serve: {seen:?}");
+    // The old leader rejoins as a follower.
+    cluster.restart(leader).await?;
+    assert_no_panic(&proxy);
     Ok(())
 }
