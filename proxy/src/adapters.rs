@@ -35,6 +35,22 @@ impl Adapters {
         self.rebuild(&mut served, instances);
     }
 
+    /// Takes what `previous` records for instances this table does not know (a pool rebuilt
+    /// by a reload keeps the adapters of the instances it takes over); `instances` is the
+    /// pool's current list.
+    pub(crate) fn adopt(&self, previous: &Adapters, instances: &[Arc<Instance>]) {
+        let theirs = previous
+            .served
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let mut served = self.served.lock().unwrap_or_else(PoisonError::into_inner);
+        for (id, adapters) in theirs {
+            served.entry(id).or_insert(adapters);
+        }
+        self.rebuild(&mut served, instances);
+    }
+
     /// The pool's instances changed to `instances`: instances gone no longer serve anything.
     pub(crate) fn instances_changed(&self, instances: &[Arc<Instance>]) {
         let mut served = self.served.lock().unwrap_or_else(PoisonError::into_inner);

@@ -105,6 +105,19 @@ impl ModelPool {
         self.instances.load().iter().find(|i| i.id() == id).cloned()
     }
 
+    /// Takes over the instances of `previous` (the same ones, shared) that this pool does not
+    /// have, with the adapters they serve: a pool rebuilt by a reload keeps every instance
+    /// discovery gave the pool it replaces.
+    pub(crate) fn adopt_instances(&self, previous: &ModelPool) {
+        for instance in previous.instances().iter() {
+            if self.instance(instance.id()).is_none() {
+                self.add_instance(Arc::clone(instance));
+            }
+        }
+        self.adapters
+            .adopt(&previous.adapters, &self.instances.load());
+    }
+
     /// Adds `instance` (replacing one with the same id, which is then removed).
     pub(crate) fn add_instance(&self, instance: Arc<Instance>) {
         let id = instance.id();
@@ -161,9 +174,17 @@ impl ModelPool {
 
     /// Marks the pool as gone from the registry.
     pub(crate) fn retire(&self) {
+        self.retire_except(|_| false);
+    }
+
+    /// Marks the pool as gone from the registry; its instances for which `lives_on` holds
+    /// keep serving in the pool that took them over (a reload), the others are removed.
+    pub(crate) fn retire_except(&self, lives_on: impl Fn(&Arc<Instance>) -> bool) {
         self.retired.store(true, Ordering::Relaxed);
         for instance in self.instances.load().iter() {
-            instance.set_membership(Membership::Removed);
+            if !lives_on(instance) {
+                instance.set_membership(Membership::Removed);
+            }
         }
     }
 

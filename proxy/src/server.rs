@@ -33,6 +33,7 @@ use crate::kv_sweeper::spawn_sweepers;
 use crate::limits::ConcurrencyLimits;
 use crate::metrics::Metrics;
 use crate::outlier::OutlierPolicy;
+use crate::pool::ModelPool;
 use crate::pool_builder::PoolBuilder;
 use crate::registry::ModelRegistry;
 use crate::reload::{ReloadHandle, Reloader, watch_files};
@@ -121,7 +122,7 @@ impl Proxy {
             .as_ref()
             .map(|telemetry| telemetry.tracer("kvmesh-proxy"));
         let state = Arc::new(state);
-        let control =
+        let mut control =
             ControlLoops::prepare(&config, control, builder, &state.metrics, &state).await?;
         let state = Arc::new(ArcSwap::new(state));
         let terminators = tls
@@ -149,6 +150,7 @@ impl Proxy {
             Arc::clone(&state),
             metrics,
             terminators,
+            control.reload_notifier(),
             config,
         ));
         Ok(Self {
@@ -321,32 +323,25 @@ pub(crate) fn build_state(
     let carried = previous
         .filter(|(_, old)| same_models(old, config))
         .map(|(state, _)| Arc::clone(&state.registry));
-    let (registry, mut instance_count, any_kv) = match carried {
-        Some(registry) => {
-            let pools = registry.pools();
-            let count = pools.iter().map(|pool| pool.instances().len()).sum();
-            let any_kv = pools
-                .iter()
-                .any(|pool| pool.balancer().kv_router().is_some());
-            (registry, count, any_kv)
-        }
+    let registry = match carried {
+        Some(registry) => registry,
         None => {
             if dynamic && let Some(dir) = &default_model.tokenizer {
                 builder.tokenizer("discovery.default_model", dir)?;
             }
-            let models = StaticDiscovery::new(config).models()?;
-            let mut pools = Vec::with_capacity(models.len());
-            let mut count = 0;
-            for model in models {
-                count += model.instances.len();
-                pools.push((builder.pool(&model)?, model.aliases.clone()));
-            }
-            let any_kv = pools
-                .iter()
-                .any(|(pool, _)| pool.balancer().kv_router().is_some());
-            (Arc::new(ModelRegistry::new(pools, metrics)), count, any_kv)
+            // With a control plane, a reload keeps what the pools learned at run time.
+            let kept = previous
+                .filter(|(_, old)| has_control_plane(old) && has_control_plane(config))
+                .map(|(state, old)| (&*state.registry, old));
+            let pools = model_pools(config, &builder, kept)?;
+            Arc::new(ModelRegistry::new(pools, metrics))
         }
     };
+    let pools = registry.pools();
+    let mut instance_count: usize = pools.iter().map(|pool| pool.instances().len()).sum();
+    let any_kv = pools
+        .iter()
+        .any(|pool| pool.balancer().kv_router().is_some());
     let any_kv = any_kv || (dynamic && default_model.effective_policy() == PolicyKind::Kv);
     if dynamic {
         instance_count = instance_count.max(DYNAMIC_INSTANCES_HINT);
@@ -412,6 +407,50 @@ fn start_telemetry(
     Telemetry::start(&settings, Vec::new(), metrics.trace_spans.clone())
         .map(Some)
         .map_err(ProxyError::Telemetry)
+}
+
+/// The pools of `config`'s models. With `kept` (a reload with a control plane: the registry
+/// and config in force), a model whose config is unchanged keeps its pool as it is (its
+/// instances, KV index and load); a changed one gets a new pool that takes over the old
+/// pool's instances (their KV index is then rebuilt from the agents' snapshots); a model
+/// that discovery serves and the config does not list keeps its pool.
+fn model_pools(
+    config: &Config,
+    builder: &PoolBuilder,
+    kept: Option<(&ModelRegistry, &Config)>,
+) -> Result<Vec<(Arc<ModelPool>, Vec<String>)>, ProxyError> {
+    let listed =
+        |config: &Config, name: &str| config.models.iter().find(|m| m.name == name).cloned();
+    let mut pools = Vec::new();
+    for model in StaticDiscovery::new(config).models()? {
+        let previous = kept.and_then(|(registry, old)| {
+            let pool = registry
+                .get(&model.name)
+                .filter(|pool| pool.name() == model.name)?;
+            let unchanged = listed(old, &model.name).is_some()
+                && listed(old, &model.name) == listed(config, &model.name);
+            Some((pool, unchanged))
+        });
+        let pool = match previous {
+            Some((pool, true)) => pool,
+            Some((old, false)) => {
+                let pool = builder.pool(&model)?;
+                pool.adopt_instances(&old);
+                pool
+            }
+            None => builder.pool(&model)?,
+        };
+        pools.push((pool, model.aliases.clone()));
+    }
+    if let Some((registry, old)) = kept {
+        for pool in registry.pools() {
+            let name = pool.name().to_string();
+            if listed(old, &name).is_none() && listed(config, &name).is_none() {
+                pools.push((pool, Vec::new()));
+            }
+        }
+    }
+    Ok(pools)
 }
 
 /// Whether the model pools of `old` serve `new` as they are: the same models,

@@ -466,3 +466,157 @@ async fn instances_follow_their_records_and_models_appear_and_disappear() {
     );
     assert_eq!(harness.model_ids().await, ["m"], "configured models stay");
 }
+
+/// Each instance's cached overlap with a token-id prompt of `model`, by URL.
+async fn model_overlaps(
+    admin: std::net::SocketAddr,
+    model: &str,
+    tokens: &[u32],
+) -> Vec<(String, u64)> {
+    let body = serde_json::json!({"model": model, "prompt": tokens}).to_string();
+    let reply = send(
+        admin,
+        Method::POST,
+        "/debug/route?route=completions",
+        &[("content-type", "application/json")],
+        body,
+    )
+    .await;
+    let json = reply.json().await;
+    json["instances"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no instances in {json}"))
+        .iter()
+        .map(|i| {
+            (
+                i["instance"].as_str().unwrap().to_string(),
+                i["overlap_blocks"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_reload_keeps_unchanged_models_and_moves_changed_ones_to_new_pools() {
+    let yaml = |weight: f64| {
+        format!(
+            "listeners:\n  - name: main\n    address: 127.0.0.1:0\nadmin:\n  address: 127.0.0.1:0\n\
+             health_check:\n  enabled: false\n\
+             models:\n  - name: m\n    policy: kv\n    kv:\n      block_size: {BLOCK}\n      overlap_weight: {weight}\n    backends: []\n\
+             \x20 - name: n\n    policy: kv\n    kv:\n      block_size: {BLOCK}\n    backends: []\n\
+             discovery:\n  kind: in_process\nevents:\n  kind: in_process\n  resync_timeout: 1s\n"
+        )
+    };
+    let config = Config::from_yaml_str(&yaml(1.0), "test.yaml").unwrap();
+    let registry = Arc::new(InProcessRegistry::new());
+    let bus = Arc::new(InProcessBus::new());
+    let control = ControlPlane {
+        registry: Some(registry.clone() as Arc<dyn Registry>),
+        bus: Some(bus.clone() as Arc<dyn EventBus>),
+    };
+    let proxy = Proxy::bind_with(config, control).await.unwrap();
+    let admin = proxy.admin_address();
+    let reload = proxy.reload_handle();
+    let (_shutdown, rx) = oneshot::channel::<()>();
+    tokio::spawn(proxy.run(async move {
+        let _ = rx.await;
+    }));
+    let ns = Namespace::default();
+    let empty = SnapshotReply::Snapshot {
+        events: Vec::new(),
+        last_seq: 0,
+    };
+    let mut agents = Vec::new();
+    for (id, model) in [(1u64, "m"), (2, "n")] {
+        let agent = FakeAgent::serve(&bus, &ns.snapshot_subject(InstanceId(id))).await;
+        agent.script(empty.clone());
+        let record = InstanceRecord {
+            instance_id: InstanceId(id),
+            model: model.to_string(),
+            url: format!("http://127.0.0.1:{}", 40000 + id),
+            protocol: "http1".to_string(),
+            block_size: BLOCK as u32,
+            total_blocks: 1000,
+            dp_ranks: 1,
+            labels: Default::default(),
+            adapters: Vec::new(),
+            event_subject: ns.event_subject(model),
+            snapshot_subject: ns.snapshot_subject(InstanceId(id)),
+            state: InstanceState::Ready,
+        };
+        registry
+            .put(&ns.instance_key(model, InstanceId(id)), &record, None)
+            .await
+            .unwrap();
+        agents.push(agent);
+    }
+    let (pm, pn) = (prompt(1, 3), prompt(2, 3));
+    let await_overlap = |model: &'static str, tokens: Vec<u32>, blocks: u64| async move {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let overlaps = model_overlaps(admin, model, &tokens).await;
+            if overlaps.iter().any(|(_, b)| *b == blocks) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{model} never overlapped {blocks} blocks: {overlaps:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    // Both agents answered their first-sight resync; then each engine stores a prompt.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while agents.iter().any(|agent| agent.requests().is_empty()) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no first-sight resync"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for (id, model, tokens) in [(1u64, "m", &pm), (2, "n", &pn)] {
+        let subject = ns.event_subject(model);
+        let batch = batch(id, 1, vec![stored(tokens, 0, 3, 100)]);
+        bus.publish(&subject, Bytes::from(batch.to_json()))
+            .await
+            .unwrap();
+    }
+    await_overlap("m", pm.clone(), 3).await;
+    await_overlap("n", pn.clone(), 3).await;
+
+    // Model m's weight changes; n is untouched. m's new pool asks its agent for a snapshot.
+    agents[0].script(SnapshotReply::Snapshot {
+        events: vec![RankedEvent {
+            dp_rank: 0,
+            event: stored(&pm, 0, 3, 100),
+        }],
+        last_seq: 1,
+    });
+    reload
+        .apply(Config::from_yaml_str(&yaml(4.0), "test.yaml").unwrap())
+        .await
+        .expect("models change by reload with a control plane");
+    // n kept its pool: its index is there at once and its agent was asked nothing more.
+    assert_eq!(
+        model_overlaps(admin, "n", &pn).await,
+        vec![("http://127.0.0.1:40002".to_string(), 3)]
+    );
+    await_overlap("m", pm.clone(), 3).await;
+    assert_eq!(agents[1].requests().len(), 1, "n's agent asked again");
+    let m_requests = agents[0].requests();
+    assert_eq!(m_requests.len(), 2, "{m_requests:?}");
+    assert_eq!(m_requests[1], SnapshotRequest::full());
+    // The instance moved with its model: still one, and still listed.
+    assert_eq!(
+        model_overlaps(admin, "m", &pm).await,
+        vec![("http://127.0.0.1:40001".to_string(), 3)]
+    );
+
+    // Changing the control plane itself still needs a restart.
+    let moved = yaml(4.0).replace("resync_timeout: 1s", "resync_timeout: 2s");
+    let error = reload
+        .apply(Config::from_yaml_str(&moved, "test.yaml").unwrap())
+        .await
+        .expect_err("events change only on restart");
+    assert!(error.to_string().contains("only on restart"), "{error}");
+}

@@ -43,6 +43,18 @@ struct Registered {
     url: String,
     protocol: Protocol,
     adapters: Vec<String>,
+    /// The record it came from (a reload that gives its model a new pool re-applies it).
+    record: InstanceRecord,
+}
+
+/// A reload that gave models new pools while discovery runs: the discovery loop moves the
+/// instances' events to the new pools ([`MembershipApplier::rehome`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Reloaded {
+    /// The state now in force.
+    pub(crate) state: Arc<State>,
+    /// The models its config lists.
+    pub(crate) configured: Vec<String>,
 }
 
 /// Background work for instances and models that appear once the proxy runs.
@@ -190,6 +202,8 @@ impl MembershipApplier {
             state = membership.label(),
             "instance joined"
         );
+        self.count(&pool);
+        self.feed_intake(&record, &pool);
         self.by_key.insert(
             key,
             Registered {
@@ -198,9 +212,13 @@ impl MembershipApplier {
                 url: spec.url.to_string(),
                 protocol: spec.protocol,
                 adapters: spec.adapters,
+                record,
             },
         );
-        self.count(&pool);
+    }
+
+    /// Tells the intake that the record's instance takes its events into `pool`.
+    fn feed_intake(&self, record: &InstanceRecord, pool: &Arc<ModelPool>) {
         if let Some(intake) = &self.intake {
             let snapshot_subject = if record.snapshot_subject.is_empty() {
                 self.namespace.snapshot_subject(record.instance_id)
@@ -208,11 +226,77 @@ impl MembershipApplier {
                 record.snapshot_subject.clone()
             };
             let _ = intake.send(IntakeInput::Joined {
-                id: spec.id,
-                pool: Arc::clone(&pool),
+                id: record.instance_id.0,
+                pool: Arc::clone(pool),
                 snapshot_subject,
             });
         }
+    }
+
+    /// After a reload swapped `old` for `reloaded.state`: the new pools get their sweepers
+    /// (and probes for instances no old pool had), each registered instance whose model got
+    /// a new pool has its capacity set there and its events moved there (the intake asks its
+    /// agent for a snapshot), an instance whose model has no pool now is applied again
+    /// (its model is then served with the discovery defaults), and the pools left behind
+    /// are retired.
+    pub(crate) async fn rehome(&mut self, old: &Arc<State>, reloaded: &Reloaded) {
+        let new = &reloaded.state;
+        self.configured.clone_from(&reloaded.configured);
+        let old_pools = old.registry.pools();
+        let new_pools = new.registry.pools();
+        let kept = |pool: &Arc<ModelPool>, among: &[Arc<ModelPool>]| {
+            among.iter().any(|other| Arc::ptr_eq(other, pool))
+        };
+        for pool in new_pools.iter().filter(|pool| !kept(pool, &old_pools)) {
+            let Some(spawner) = &mut self.spawner else {
+                break;
+            };
+            spawn_sweeper(pool, &mut spawner.tasks);
+            if let Some(health) = &spawner.health_check {
+                let known = |id: u64| old_pools.iter().any(|old| old.instance(id).is_some());
+                for instance in pool.instances().iter().filter(|i| !known(i.id())) {
+                    spawn_probe(new, instance, health, &mut spawner.tasks);
+                }
+            }
+        }
+        let keys: Vec<String> = self.by_key.keys().cloned().collect();
+        for key in keys {
+            let Some(known) = self.by_key.get(&key).cloned() else {
+                continue;
+            };
+            let before = old.registry.get(&known.model);
+            let after = new.registry.get(&known.model);
+            if let (Some(before), Some(after)) = (&before, &after)
+                && Arc::ptr_eq(before, after)
+            {
+                continue;
+            }
+            match after {
+                Some(pool) if pool.instance(known.id).is_some() => {
+                    if let Some(router) = pool.balancer().kv_router() {
+                        router.set_capacity(known.id, known.record.total_blocks);
+                    }
+                    self.count(&pool);
+                    self.feed_intake(&known.record, &pool);
+                }
+                _ => {
+                    self.by_key.remove(&key);
+                    self.put(new, key, known.record).await;
+                }
+            }
+        }
+        for pool in old_pools.iter().filter(|pool| !kept(pool, &new_pools)) {
+            pool.retire_except(|instance| {
+                new_pools.iter().any(|new| {
+                    new.instance(instance.id())
+                        .is_some_and(|taken| Arc::ptr_eq(&taken, instance))
+                })
+            });
+        }
+        tracing::info!(
+            models = new_pools.len(),
+            "reload applied to the discovered instances"
+        );
     }
 
     fn delete(&mut self, state: &Arc<State>, key: &str) {

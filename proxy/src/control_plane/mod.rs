@@ -18,6 +18,8 @@ pub(crate) mod membership;
 pub(crate) mod metrics;
 pub(crate) mod sequence;
 
+pub(crate) use membership::Reloaded;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,7 +27,7 @@ use kvmesh_config::{Config, DiscoveryKind, EventsKind, HealthCheckConfig};
 use kvmesh_control::{
     EtcdRegistry, EventBus, Namespace, NatsBus, NatsSettings, Registry, Watch, WatchEvent,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
 use crate::ProxyError;
@@ -82,6 +84,12 @@ struct PendingIntake {
 pub(crate) struct ControlLoops {
     discovery: Option<(MembershipApplier, Watch)>,
     intake: Option<PendingIntake>,
+    /// Reloads that gave models new pools, for the discovery loop; the sender goes to the
+    /// reloader ([`ControlLoops::reload_notifier`]).
+    reloads: Option<(
+        Option<watch::Sender<Option<Reloaded>>>,
+        watch::Receiver<Option<Reloaded>>,
+    )>,
 }
 
 impl std::fmt::Debug for ControlLoops {
@@ -117,6 +125,7 @@ impl ControlLoops {
                 return Ok(Self {
                     discovery: None,
                     intake: None,
+                    reloads: None,
                 });
             }
             DiscoveryKind::Etcd => Arc::new(
@@ -183,10 +192,20 @@ impl ControlLoops {
                 }
             }
         }
+        let (notifier, reloads) = watch::channel(None);
         Ok(Self {
             discovery: Some((applier, watch)),
             intake,
+            reloads: Some((Some(notifier), reloads)),
         })
+    }
+
+    /// Where the reloader announces states whose models got new pools (`None` without
+    /// discovery); taken once.
+    pub(crate) fn reload_notifier(&mut self) -> Option<watch::Sender<Option<Reloaded>>> {
+        self.reloads
+            .as_mut()
+            .and_then(|(notifier, _)| notifier.take())
     }
 
     fn intake_source(
@@ -219,15 +238,43 @@ impl ControlLoops {
                 health_check,
                 tasks: JoinSet::new(),
             });
-            let state = Arc::clone(state);
+            let mut state = Arc::clone(state);
+            let mut reloads = self.reloads.map(|(_, reloads)| reloads);
             tasks.spawn(async move {
-                while let Some(event) = watch.next().await {
-                    applier.apply(&state, event).await;
+                loop {
+                    tokio::select! {
+                        event = watch.next() => match event {
+                            Some(event) => applier.apply(&state, event).await,
+                            None => return,
+                        },
+                        reloaded = next_reload(&mut reloads) => match reloaded {
+                            Some(reloaded) => {
+                                applier.rehome(&state, &reloaded).await;
+                                state = reloaded.state;
+                            }
+                            // The reloader is gone: only watch events from now on.
+                            None => reloads = None,
+                        },
+                    }
                 }
             });
         }
         if let Some(intake) = self.intake {
             tasks.spawn(run_intake(intake));
+        }
+    }
+}
+
+/// The next state a reload announced; `None` once the reloader is gone; pending forever
+/// without one.
+async fn next_reload(reloads: &mut Option<watch::Receiver<Option<Reloaded>>>) -> Option<Reloaded> {
+    let Some(receiver) = reloads else {
+        return std::future::pending().await;
+    };
+    loop {
+        receiver.changed().await.ok()?;
+        if let Some(reloaded) = receiver.borrow_and_update().clone() {
+            return Some(reloaded);
         }
     }
 }

@@ -6,10 +6,11 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use kvmesh_config::{Config, ConfigError};
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, watch};
 use tokio::task::JoinSet;
 
 use crate::ProxyError;
+use crate::control_plane::Reloaded;
 use crate::metrics::Metrics;
 use crate::reload::compatible::incompatibility;
 use crate::server::{build_state, has_control_plane, same_models, spawn_state_tasks};
@@ -79,6 +80,8 @@ pub(crate) struct Reloader {
     metrics: Metrics,
     /// The data listeners' TLS, in config order.
     tls: Vec<Option<Arc<TlsTerminator>>>,
+    /// With a control plane: where the discovery loop hears of each new state.
+    reloads: Option<watch::Sender<Option<Reloaded>>>,
     applied: Mutex<Applied>,
 }
 
@@ -90,6 +93,7 @@ impl Reloader {
         state: Arc<ArcSwap<State>>,
         metrics: Metrics,
         tls: Vec<Option<Arc<TlsTerminator>>>,
+        reloads: Option<watch::Sender<Option<Reloaded>>>,
         config: Config,
     ) -> Self {
         let text = path
@@ -100,6 +104,7 @@ impl Reloader {
             state,
             metrics,
             tls,
+            reloads,
             applied: Mutex::new(Applied {
                 config,
                 text,
@@ -190,16 +195,19 @@ impl Reloader {
         if let Some(reason) = incompatibility(&applied.config, &config) {
             return Err(ReloadError::Incompatible(reason));
         }
-        // With discovery or KV events, instances live in the pools: they are kept as
-        // they are, so what they were built from cannot change.
+        // With discovery or KV events, instances live in the pools and the control-plane
+        // connections stay: models may change (changed ones get new pools that take over
+        // the instances), what the connections and instances are built from may not.
         let dynamic = has_control_plane(&applied.config) || has_control_plane(&config);
         if dynamic
-            && (!same_models(&applied.config, &config)
+            && (applied.config.discovery != config.discovery
+                || applied.config.events != config.events
+                || applied.config.limits.connect_timeout != config.limits.connect_timeout
                 || applied.config.health_check != config.health_check)
         {
             return Err(ReloadError::Incompatible(
-                "with discovery or events enabled, models, discovery, events, health_check and \
-                 limits.connect_timeout change only on restart"
+                "with discovery or events enabled, discovery, events, health_check and \
+                 limits.connect_timeout change only on restart (models may change)"
                     .to_string(),
             ));
         }
@@ -237,6 +245,15 @@ impl Reloader {
             // The retired state's probes and sweepers stop; the new state's start.
             let tasks = spawn_state_tasks(&state, &config);
             std::mem::replace(&mut applied.tasks, tasks).abort_all();
+        } else if let Some(reloads) = &self.reloads
+            && !same_models(&applied.config, &config)
+        {
+            // The discovery loop moves the instances' events to their new pools and starts
+            // the new pools' background tasks.
+            reloads.send_replace(Some(Reloaded {
+                state: Arc::clone(&state),
+                configured: config.models.iter().map(|m| m.name.clone()).collect(),
+            }));
         }
         applied.config = config;
         applied.text = text;
