@@ -16,6 +16,8 @@
 //!   `--block-size` that differs), and the proxy measures the instance's load by it;
 //! - a LoRA adapter's requests go only to the engines serving it (from their agents'
 //!   records, also for an adapter loaded at run time), to the one caching its blocks;
+//! - a routing knob changed by reload under load: no request fails, the model's index is
+//!   rebuilt from the agents' snapshots and routing by cache goes on;
 //! - a three-member etcd cluster loses its leader: the proxy keeps serving, an agent that
 //!   starts meanwhile registers, and every lease is renewed through the new leader;
 //! - etcd and NATS on TLS with user / password auth: the agent and the proxy connect with
@@ -1239,6 +1241,109 @@ async fn an_etcd_cluster_losing_its_leader_keeps_registering_and_routing() -> an
     assert_eq!(seen.len(), 2, "both instances serve: {seen:?}");
     // The old leader rejoins as a follower.
     cluster.restart(leader).await?;
+    assert_no_panic(&proxy);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routing_knob_changes_by_reload_under_load_in_the_cluster_setup() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-reload")?;
+    let servers = Servers::start(&scratch).await?;
+    let (_sim, engines) = start_event_engines(&scratch, 2)?;
+    let _agents = engines
+        .iter()
+        .map(|engine| start_agent(&scratch, &servers, engine, LONG_TTL, DRAIN))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // Reloaded by `POST /reload` only (not also by the file watcher).
+    let config = control_proxy_config(&servers, "reload:\n  watch: false\n");
+    let proxy = start_proxy(&scratch, &config)?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    await_instances(&client, &metrics, 2.0).await?;
+    await_events_live(&client, &metrics).await?;
+
+    // Four clients send requests back to back while the config changes under them.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut load = tokio::task::JoinSet::new();
+    for worker in 0..4u32 {
+        let (stop, client) = (stop.clone(), client.clone());
+        let url = format!("{}/v1/completions", proxy.url("main"));
+        load.spawn(async move {
+            let mut statuses = Vec::new();
+            let mut seed = 1_000 * (worker + 1);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                seed += 1;
+                let body = token_prompt(&prompt_tokens(seed, 2), 1).to_string();
+                let headers = [("content-type", "application/json")];
+                let status = match client.call(Method::POST, &url, &headers, body).await {
+                    Ok(response) => response.status,
+                    Err(_) => 0,
+                };
+                statuses.push(status);
+            }
+            statuses
+        });
+    }
+    let reloaded = config.replace(
+        &format!("      block_size: {BLOCK_SIZE}\n"),
+        &format!("      block_size: {BLOCK_SIZE}\n      overlap_weight: 8\n"),
+    );
+    assert_ne!(reloaded, config);
+    scratch.write("proxy.yaml", &reloaded)?;
+    let answer = client
+        .call(
+            Method::POST,
+            &format!("{}/reload", proxy.url("admin")),
+            &[],
+            Bytes::new(),
+        )
+        .await?;
+    assert_eq!(
+        answer.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&answer.body)
+    );
+    let text = String::from_utf8_lossy(&client.get(&metrics).await?.body).into_owned();
+    assert_eq!(
+        metric(&text, "kvmesh_config_reloads_total{result=\"ok\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    // The model's new pool rebuilds its index from the agents' snapshots.
+    await_events_live(&client, &metrics).await?;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut statuses = Vec::new();
+    while let Some(worker) = load.join_next().await {
+        statuses.extend(worker?);
+    }
+    assert!(statuses.len() >= 8, "{} requests", statuses.len());
+    assert!(
+        statuses.iter().all(|&status| status == 200),
+        "statuses during the reload: {statuses:?}"
+    );
+
+    // Routing by the engines' caches goes on: a prompt an engine cached is sent back to it.
+    let prompt = prompt_tokens(77, 8);
+    complete_on(&client, &engines[1], &prompt).await?;
+    await_metric(
+        &client,
+        &metrics,
+        &index_blocks_series(&engines[1].url),
+        |v| v >= 8.0,
+        CONVERGE,
+    )
+    .await?;
+    let mut longer = prompt.clone();
+    longer.extend(prompt_tokens(78, 1));
+    let (status, instance, route) = complete(&client, &proxy, &longer).await?;
+    assert_eq!(
+        (status, instance.as_str()),
+        (200, engines[1].url.as_str()),
+        "{route}"
+    );
+    assert!(route.contains("overlap_blocks=8"), "{route}");
     assert_no_panic(&proxy);
     Ok(())
 }
