@@ -25,6 +25,9 @@ from conftest import BIN_DIR, ROOT, Proc
 
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
+# The overlay that locks the control plane down (TLS, credentials): patches of the base,
+# checked on their own below.
+SECURE = K8S / "secure"
 DOCKER = DEPLOY / "docker"
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
 KNOWN_KINDS = WORKLOAD_KINDS | {
@@ -43,6 +46,8 @@ def manifests():
     """[(path, document)] of every YAML document under deploy/k8s."""
     out = []
     for path in sorted(K8S.rglob("*.yaml")):
+        if SECURE in path.parents:
+            continue
         for doc in yaml.safe_load_all(path.read_text()):
             if doc:
                 out.append((path, doc))
@@ -392,3 +397,172 @@ def test_deploy_readme_commands_name_real_files():
         for word in shlex.split(command):
             if word.startswith("deploy/"):
                 assert (ROOT / word).exists(), f"README: {word}"
+
+
+# deploy/k8s/secure: the overlay with TLS and credentials towards etcd and NATS.
+
+SECURE_KUSTOMIZATION = yaml.safe_load((SECURE / "kustomization.yaml").read_text())
+SECURE_DOCS = {
+    path.name: yaml.safe_load(path.read_text()) for path in sorted(SECURE.glob("*.yaml")) if path.name != "kustomization.yaml"
+}
+# Strategic-merge keys of the lists the patches touch (kustomize's, for these fields).
+MERGE_KEYS = {"containers": "name", "volumes": "name", "ports": "name", "env": "name", "volumeMounts": "mountPath"}
+
+
+def strategic_merge(base, patch, key=None):
+    """`patch` merged into `base` as kustomize merges these patches: maps recursively, lists
+    of named items by their merge key, other lists (args) replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            out[k] = strategic_merge(base[k], v, k) if k in base else v
+        return out
+    if isinstance(base, list) and isinstance(patch, list) and key in MERGE_KEYS:
+        field = MERGE_KEYS[key]
+        out = list(base)
+        for item in patch:
+            at = next((i for i, old in enumerate(out) if old.get(field) == item.get(field)), None)
+            if at is None:
+                out.append(item)
+            else:
+                out[at] = strategic_merge(out[at], item)
+        return out
+    return patch
+
+
+def secure(kind, name):
+    """The base object with the overlay's patch applied (or the overlay's own resource)."""
+    patch = next((d for d in SECURE_DOCS.values() if d["kind"] == kind and d["metadata"]["name"] == name), None)
+    base = [doc for doc in objects(kind) if doc["metadata"]["name"] == name]
+    if not base:
+        assert patch is not None, f"{kind}/{name} in neither the base nor the overlay"
+        return patch
+    return strategic_merge(base[0], patch) if patch else base[0]
+
+
+def test_secure_overlay_lists_its_files_and_patches_base_objects():
+    assert "../" in SECURE_KUSTOMIZATION["resources"]
+    patches = {p["path"] for p in SECURE_KUSTOMIZATION["patches"]}
+    resources = {r for r in SECURE_KUSTOMIZATION["resources"] if r != "../"}
+    assert patches | resources == set(SECURE_DOCS), sorted(patches ^ resources ^ set(SECURE_DOCS))
+    for name in patches:
+        doc = SECURE_DOCS[name]
+        find(doc["kind"], doc["metadata"]["name"])
+    for name in resources:
+        doc = SECURE_DOCS[name]
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvmesh", name
+
+
+def mounted(workload, container_name, path):
+    """The (volume, file) a path in `container_name` is read from, or None."""
+    spec = pod_spec(workload)
+    c = next(c for c in spec["containers"] if c["name"] == container_name)
+    for mount in c.get("volumeMounts", []):
+        root = mount["mountPath"].rstrip("/")
+        if path == root or path.startswith(root + "/"):
+            volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+            return volume, mount.get("subPath") or path[len(root) + 1 :]
+    return None
+
+
+def assert_from_secret_or_config(workload, container_name, path):
+    found = mounted(workload, container_name, path)
+    assert found, f"{workload['metadata']['name']}/{container_name}: nothing mounted at {path}"
+    volume, file = found
+    source = volume.get("secret") or volume.get("configMap")
+    assert source, f"{path}: volume {volume['name']} is not a Secret or ConfigMap"
+    items = source.get("items")
+    if items:
+        assert file in {item["path"] for item in items}, f"{path}: {volume['name']} does not project {file}"
+
+
+def secure_proxy_config():
+    return yaml.safe_load(secure("ConfigMap", "kvmesh-proxy-config")["data"][PROXY_CONFIG_KEY])
+
+
+def control_files(config):
+    """Every file the proxy config's discovery and events sections name."""
+    out = []
+    for section in ("discovery", "events"):
+        for block in ("tls", "auth"):
+            for key, value in (config[section].get(block) or {}).items():
+                if key in ("ca", "cert", "key") or key.endswith("_file"):
+                    out.append(value)
+    return out
+
+
+def test_secure_proxy_config_passes_check_config_with_its_files():
+    config = secure_proxy_config()
+    assert config["discovery"]["endpoint"].startswith("https://")
+    assert config["events"]["url"].startswith("tls://")
+    files = control_files(config)
+    assert len(files) >= 5, files
+    with tempfile.TemporaryDirectory() as tmp:
+        text = secure("ConfigMap", "kvmesh-proxy-config")["data"][PROXY_CONFIG_KEY]
+        for path in files:
+            local = Path(tmp) / path.lstrip("/")
+            local.parent.mkdir(parents=True, exist_ok=True)
+            name = Path(path).name
+            if name.endswith("key"):
+                local.write_text("-----BEGIN PRIVATE KEY-----\nAA==\n-----END PRIVATE KEY-----\n")
+            elif name.endswith("crt"):
+                local.write_text("-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n")
+            else:
+                local.write_text("secret\n")
+            text = text.replace(path, str(local))
+        config_path = Path(tmp) / "kvmesh.yaml"
+        config_path.write_text(text)
+        done = subprocess.run([str(BIN_DIR / "kvmesh-proxy"), "--check-config", str(config_path)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_secure_overlay_mounts_every_file_it_names():
+    proxy = secure("Deployment", "kvmesh-proxy")
+    for path in control_files(secure_proxy_config()):
+        assert_from_secret_or_config(proxy, "kvmesh-proxy", path)
+    worker = secure("Deployment", "kvmesh-worker")
+    agent = container(worker, "kvmesh-agent")
+    opts = flags(agent["args"])
+    assert opts["etcd"].startswith("https://") and opts["nats"].startswith("tls://")
+    named = [value for key, value in opts.items() if key.endswith("-file")]
+    assert len(named) >= 5, named
+    for path in named:
+        assert_from_secret_or_config(worker, "kvmesh-agent", path)
+    nats = secure("StatefulSet", "nats")
+    config_file = flags(container(nats, "nats")["args"])["config"]
+    assert_from_secret_or_config(nats, "nats", config_file)
+    nats_conf = secure("ConfigMap", "kvmesh-nats-config")["data"]["nats.conf"]
+    for path in re.findall(r"(/etc/nats/\S+)", nats_conf):
+        assert_from_secret_or_config(nats, "nats", path)
+    etcd = secure("StatefulSet", "etcd")
+    etcd_opts = flags(container(etcd, "etcd")["args"])
+    assert etcd_opts["listen-client-urls"].startswith("https://") and etcd_opts["client-cert-auth"] is True
+    for key in ("cert-file", "key-file", "trusted-ca-file"):
+        assert_from_secret_or_config(etcd, "etcd", etcd_opts[key])
+    # The kubelet's probes present no certificate: they use the plaintext metrics port.
+    ports = {p["name"]: p["containerPort"] for p in container(etcd, "etcd")["ports"]}
+    assert port_of(etcd_opts["listen-metrics-urls"]) == ports["metrics"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container(etcd, "etcd")[probe]["httpGet"]["port"] == "metrics"
+
+
+def test_secure_overlay_flags_exist():
+    text = help_text("kvmesh-agent")
+    agent = container(secure("Deployment", "kvmesh-worker"), "kvmesh-agent")
+    for key in flags(agent["args"]):
+        assert f"--{key}" in text, f"kvmesh-agent has no --{key}"
+    # Unchanged arguments stay as the base has them (the patch repeats the whole list).
+    base = flags(container(find("Deployment", "kvmesh-worker"), "kvmesh-agent")["args"])
+    secured = flags(agent["args"])
+    for key, value in base.items():
+        if key not in ("etcd", "nats"):
+            assert secured.get(key) == value, f"--{key}: {secured.get(key)!r} vs the base's {value!r}"
+    for kind, name, changed in [
+        ("StatefulSet", "etcd", {"listen-client-urls", "advertise-client-urls"}),
+        ("StatefulSet", "nats", set()),
+    ]:
+        base = flags(container(find(kind, name), name)["args"])
+        secured = flags(container(secure(kind, name), name)["args"])
+        for key, value in base.items():
+            if key not in changed:
+                assert secured.get(key) == value, f"{name} --{key}: {secured.get(key)!r} vs {value!r}"
