@@ -73,6 +73,9 @@ impl View {
     }
 }
 
+/// A pool and the aliases its model is also served under.
+pub(crate) type NamedPool = (Arc<ModelPool>, Vec<String>);
+
 /// All served models.
 #[derive(Debug)]
 pub(crate) struct ModelRegistry {
@@ -133,7 +136,7 @@ fn now_secs() -> u64 {
 impl ModelRegistry {
     /// Indexes `pools` by name and aliases (`names[i]` are pool `i`'s names,
     /// canonical first; uniqueness is checked by config validation).
-    pub(crate) fn new(pools: Vec<(Arc<ModelPool>, Vec<String>)>, metrics: &Metrics) -> Self {
+    pub(crate) fn new(pools: Vec<NamedPool>, metrics: &Metrics) -> Self {
         let created = now_secs();
         let entries = pools
             .into_iter()

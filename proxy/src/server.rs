@@ -33,9 +33,8 @@ use crate::kv_sweeper::spawn_sweepers;
 use crate::limits::ConcurrencyLimits;
 use crate::metrics::Metrics;
 use crate::outlier::OutlierPolicy;
-use crate::pool::ModelPool;
 use crate::pool_builder::PoolBuilder;
-use crate::registry::ModelRegistry;
+use crate::registry::{ModelRegistry, NamedPool};
 use crate::reload::{ReloadHandle, Reloader, watch_files};
 use crate::request_id::RequestIds;
 use crate::retry::RetryPolicy;
@@ -418,7 +417,7 @@ fn model_pools(
     config: &Config,
     builder: &PoolBuilder,
     kept: Option<(&ModelRegistry, &Config)>,
-) -> Result<Vec<(Arc<ModelPool>, Vec<String>)>, ProxyError> {
+) -> Result<Vec<NamedPool>, ProxyError> {
     let listed =
         |config: &Config, name: &str| config.models.iter().find(|m| m.name == name).cloned();
     let mut pools = Vec::new();

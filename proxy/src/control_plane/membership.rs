@@ -47,6 +47,11 @@ struct Registered {
     record: InstanceRecord,
 }
 
+/// Where the reloader announces a [`Reloaded`] state.
+pub(crate) type ReloadNotifier = tokio::sync::watch::Sender<Option<Reloaded>>;
+/// Where the discovery loop hears of a [`Reloaded`] state.
+pub(crate) type ReloadWatch = tokio::sync::watch::Receiver<Option<Reloaded>>;
+
 /// A reload that gave models new pools while discovery runs: the discovery loop moves the
 /// instances' events to the new pools ([`MembershipApplier::rehome`]).
 #[derive(Debug, Clone)]

@@ -18,7 +18,7 @@ pub(crate) mod membership;
 pub(crate) mod metrics;
 pub(crate) mod sequence;
 
-pub(crate) use membership::Reloaded;
+pub(crate) use membership::{ReloadNotifier, ReloadWatch, Reloaded};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -86,10 +86,7 @@ pub(crate) struct ControlLoops {
     intake: Option<PendingIntake>,
     /// Reloads that gave models new pools, for the discovery loop; the sender goes to the
     /// reloader ([`ControlLoops::reload_notifier`]).
-    reloads: Option<(
-        Option<watch::Sender<Option<Reloaded>>>,
-        watch::Receiver<Option<Reloaded>>,
-    )>,
+    reloads: Option<(Option<ReloadNotifier>, ReloadWatch)>,
 }
 
 impl std::fmt::Debug for ControlLoops {
@@ -202,7 +199,7 @@ impl ControlLoops {
 
     /// Where the reloader announces states whose models got new pools (`None` without
     /// discovery); taken once.
-    pub(crate) fn reload_notifier(&mut self) -> Option<watch::Sender<Option<Reloaded>>> {
+    pub(crate) fn reload_notifier(&mut self) -> Option<ReloadNotifier> {
         self.reloads
             .as_mut()
             .and_then(|(notifier, _)| notifier.take())
@@ -267,7 +264,7 @@ impl ControlLoops {
 
 /// The next state a reload announced; `None` once the reloader is gone; pending forever
 /// without one.
-async fn next_reload(reloads: &mut Option<watch::Receiver<Option<Reloaded>>>) -> Option<Reloaded> {
+async fn next_reload(reloads: &mut Option<ReloadWatch>) -> Option<Reloaded> {
     let Some(receiver) = reloads else {
         return std::future::pending().await;
     };

@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use kvmesh_config::{Config, ConfigError};
-use tokio::sync::{Mutex, watch};
+use tokio::sync::Mutex;
 use tokio::task::JoinSet;
 
 use crate::ProxyError;
-use crate::control_plane::Reloaded;
+use crate::control_plane::{ReloadNotifier, Reloaded};
 use crate::metrics::Metrics;
 use crate::reload::compatible::incompatibility;
 use crate::server::{build_state, has_control_plane, same_models, spawn_state_tasks};
@@ -81,7 +81,7 @@ pub(crate) struct Reloader {
     /// The data listeners' TLS, in config order.
     tls: Vec<Option<Arc<TlsTerminator>>>,
     /// With a control plane: where the discovery loop hears of each new state.
-    reloads: Option<watch::Sender<Option<Reloaded>>>,
+    reloads: Option<ReloadNotifier>,
     applied: Mutex<Applied>,
 }
 
@@ -93,7 +93,7 @@ impl Reloader {
         state: Arc<ArcSwap<State>>,
         metrics: Metrics,
         tls: Vec<Option<Arc<TlsTerminator>>>,
-        reloads: Option<watch::Sender<Option<Reloaded>>>,
+        reloads: Option<ReloadNotifier>,
         config: Config,
     ) -> Self {
         let text = path
