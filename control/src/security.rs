@@ -62,6 +62,32 @@ pub enum NatsAuth {
     },
 }
 
+impl NatsAuth {
+    /// The first kind of credentials given, in the order token, user and password, NKey
+    /// seed, creds file (settings that allow only one check that before).
+    pub fn first_of(
+        token_file: Option<PathBuf>,
+        user_password: Option<(String, PathBuf)>,
+        seed_file: Option<PathBuf>,
+        creds_file: Option<PathBuf>,
+    ) -> Self {
+        if let Some(token_file) = token_file {
+            Self::Token { token_file }
+        } else if let Some((user, password_file)) = user_password {
+            Self::UserPassword {
+                user,
+                password_file,
+            }
+        } else if let Some(seed_file) = seed_file {
+            Self::Nkey { seed_file }
+        } else if let Some(creds_file) = creds_file {
+            Self::Credentials { creds_file }
+        } else {
+            Self::None
+        }
+    }
+}
+
 /// How an etcd client authenticates: etcd's user / password auth (`etcdctl auth enable`).
 /// Client certificates are in [`TlsFiles`].
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -24,6 +24,26 @@ const READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Pause between readiness probes.
 const PROBE_EVERY: Duration = Duration::from_millis(50);
 
+/// A record of instance `id` of `model` at `http://127.0.0.1:{8000 + id}`, ready, 16-token
+/// blocks, 1,024 blocks of capacity.
+pub fn instance_record(ns: &crate::Namespace, model: &str, id: u64) -> crate::InstanceRecord {
+    let instance_id = crate::InstanceId(id);
+    crate::InstanceRecord {
+        instance_id,
+        model: model.to_owned(),
+        url: format!("http://127.0.0.1:{}", 8000 + id),
+        protocol: "http1".into(),
+        block_size: 16,
+        total_blocks: 1024,
+        dp_ranks: 1,
+        labels: Default::default(),
+        adapters: Vec::new(),
+        event_subject: ns.event_subject(model),
+        snapshot_subject: ns.snapshot_subject(instance_id),
+        state: crate::InstanceState::Ready,
+    }
+}
+
 /// A free TCP port on 127.0.0.1 (free when asked; the server binds it right after).
 pub fn free_port() -> io::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())

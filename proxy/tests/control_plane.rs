@@ -18,7 +18,7 @@ use kvmesh_control::{
     InstanceState, Namespace, RankedEvent, Registry, SnapshotReply, SnapshotRequest,
 };
 use kvmesh_kv::{BlockHasher, BlockParent, ExternalHash, KvEvent};
-use kvmesh_proxy::{ControlPlane, Proxy};
+use kvmesh_proxy::{ControlPlane, Proxy, ReloadHandle};
 use support::{Backend, send};
 use tokio::sync::oneshot;
 
@@ -32,18 +32,24 @@ struct Harness {
     namespace: Namespace,
     main: std::net::SocketAddr,
     admin: std::net::SocketAddr,
+    reload: ReloadHandle,
     _shutdown: oneshot::Sender<()>,
 }
 
 impl Harness {
     async fn start() -> Self {
-        let yaml = format!(
+        Self::start_with(&format!(
             "listeners:\n  - name: main\n    address: 127.0.0.1:0\nadmin:\n  address: 127.0.0.1:0\n\
              health_check:\n  enabled: false\n\
              models:\n  - name: {MODEL}\n    policy: kv\n    kv:\n      block_size: {BLOCK}\n    backends: []\n\
              discovery:\n  kind: in_process\nevents:\n  kind: in_process\n  resync_timeout: 1s\n"
-        );
-        let config = Config::from_yaml_str(&yaml, "test.yaml").unwrap();
+        ))
+        .await
+    }
+
+    /// A proxy of config `yaml` (with in-process discovery and events).
+    async fn start_with(yaml: &str) -> Self {
+        let config = Config::from_yaml_str(yaml, "test.yaml").unwrap();
         let registry = Arc::new(InProcessRegistry::new());
         let bus = Arc::new(InProcessBus::new());
         let control = ControlPlane {
@@ -53,6 +59,7 @@ impl Harness {
         let proxy = Proxy::bind_with(config, control).await.unwrap();
         let admin = proxy.admin_address();
         let main = proxy.listeners()[0].address;
+        let reload = proxy.reload_handle();
         let (tx, rx) = oneshot::channel::<()>();
         tokio::spawn(proxy.run(async move {
             let _ = rx.await;
@@ -63,6 +70,7 @@ impl Harness {
             namespace: Namespace::default(),
             main,
             admin,
+            reload,
             _shutdown: tx,
         }
     }
@@ -135,27 +143,7 @@ impl Harness {
 
     /// Each instance's cached overlap with a token-id prompt, by URL.
     async fn overlaps(&self, tokens: &[u32]) -> Vec<(String, u64)> {
-        let body = serde_json::json!({"model": MODEL, "prompt": tokens}).to_string();
-        let reply = send(
-            self.admin,
-            Method::POST,
-            "/debug/route?route=completions",
-            &[("content-type", "application/json")],
-            body,
-        )
-        .await;
-        let json = reply.json().await;
-        let mut all: Vec<(String, u64)> = json["instances"]
-            .as_array()
-            .unwrap_or_else(|| panic!("no instances in {json}"))
-            .iter()
-            .map(|i| {
-                (
-                    i["instance"].as_str().unwrap().to_string(),
-                    i["overlap_blocks"].as_u64().unwrap(),
-                )
-            })
-            .collect();
+        let mut all = model_overlaps(self.admin, MODEL, tokens).await;
         all.sort();
         all
     }
@@ -507,20 +495,9 @@ async fn a_reload_keeps_unchanged_models_and_moves_changed_ones_to_new_pools() {
              discovery:\n  kind: in_process\nevents:\n  kind: in_process\n  resync_timeout: 1s\n"
         )
     };
-    let config = Config::from_yaml_str(&yaml(1.0), "test.yaml").unwrap();
-    let registry = Arc::new(InProcessRegistry::new());
-    let bus = Arc::new(InProcessBus::new());
-    let control = ControlPlane {
-        registry: Some(registry.clone() as Arc<dyn Registry>),
-        bus: Some(bus.clone() as Arc<dyn EventBus>),
-    };
-    let proxy = Proxy::bind_with(config, control).await.unwrap();
-    let admin = proxy.admin_address();
-    let reload = proxy.reload_handle();
-    let (_shutdown, rx) = oneshot::channel::<()>();
-    tokio::spawn(proxy.run(async move {
-        let _ = rx.await;
-    }));
+    let harness = Harness::start_with(&yaml(1.0)).await;
+    let (registry, bus, admin) = (&harness.registry, &harness.bus, harness.admin);
+    let reload = &harness.reload;
     let ns = Namespace::default();
     let empty = SnapshotReply::Snapshot {
         events: Vec::new(),
@@ -528,7 +505,7 @@ async fn a_reload_keeps_unchanged_models_and_moves_changed_ones_to_new_pools() {
     };
     let mut agents = Vec::new();
     for (id, model) in [(1u64, "m"), (2, "n")] {
-        let agent = FakeAgent::serve(&bus, &ns.snapshot_subject(InstanceId(id))).await;
+        let agent = FakeAgent::serve(bus, &ns.snapshot_subject(InstanceId(id))).await;
         agent.script(empty.clone());
         let record = InstanceRecord {
             instance_id: InstanceId(id),

@@ -7,10 +7,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvmesh_control::testing::{EtcdServer, EtcdTls, NatsServer, temp_dir};
+use kvmesh_control::testing::{EtcdServer, EtcdTls, NatsServer, instance_record, temp_dir};
 use kvmesh_control::{
-    EtcdAuth, EtcdRegistry, EtcdSettings, EventBus, InstanceId, InstanceRecord, InstanceState,
-    Namespace, NatsAuth, NatsBus, NatsSettings, Registry, TlsFiles,
+    EtcdAuth, EtcdRegistry, EtcdSettings, EventBus, InstanceRecord, Namespace, NatsAuth, NatsBus,
+    NatsSettings, Registry, TlsFiles,
 };
 use kvmesh_e2e::certs::TestCerts;
 
@@ -259,21 +259,7 @@ async fn nats_creds_file_auth_in_operator_mode() {
 }
 
 fn record(id: u64) -> InstanceRecord {
-    let ns = Namespace::default();
-    InstanceRecord {
-        instance_id: InstanceId(id),
-        model: "m".to_owned(),
-        url: format!("http://127.0.0.1:{}", 9000 + id),
-        protocol: "http1".into(),
-        block_size: 16,
-        total_blocks: 1024,
-        dp_ranks: 1,
-        labels: Default::default(),
-        adapters: Vec::new(),
-        event_subject: ns.event_subject("m"),
-        snapshot_subject: ns.snapshot_subject(InstanceId(id)),
-        state: InstanceState::Ready,
-    }
+    instance_record(&Namespace::default(), "m", id)
 }
 
 #[tokio::test]

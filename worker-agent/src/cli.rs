@@ -236,28 +236,12 @@ impl Cli {
                 cert_file: self.nats_cert_file.clone(),
                 key_file: self.nats_key_file.clone(),
             });
-        let auth = if let Some(token_file) = &self.nats_token_file {
-            NatsAuth::Token {
-                token_file: token_file.clone(),
-            }
-        } else if let (Some(user), Some(password_file)) =
-            (&self.nats_user, &self.nats_password_file)
-        {
-            NatsAuth::UserPassword {
-                user: user.clone(),
-                password_file: password_file.clone(),
-            }
-        } else if let Some(seed_file) = &self.nats_nkey_seed_file {
-            NatsAuth::Nkey {
-                seed_file: seed_file.clone(),
-            }
-        } else if let Some(creds_file) = &self.nats_creds_file {
-            NatsAuth::Credentials {
-                creds_file: creds_file.clone(),
-            }
-        } else {
-            NatsAuth::None
-        };
+        let auth = NatsAuth::first_of(
+            self.nats_token_file.clone(),
+            self.nats_user.clone().zip(self.nats_password_file.clone()),
+            self.nats_nkey_seed_file.clone(),
+            self.nats_creds_file.clone(),
+        );
         NatsSettings {
             url: self.nats.clone(),
             name: name.to_owned(),

@@ -285,6 +285,49 @@ fn message(frames: Vec<Vec<u8>>) -> ZmqMessage {
     msg
 }
 
+/// An agent reading engine events from a PUB socket of the test's, beside a real engine (for
+/// its health and metrics), with a NATS client subscribed to the model's event subject.
+struct TestPublisher {
+    /// etcd and NATS (dropped last).
+    servers: Servers,
+    engine: kvmesh_engine_sim::EngineHandle,
+    publisher: PubSocket,
+    bus: kvmesh_control::NatsBus,
+    sub: Subscription,
+    agent: AgentProcess,
+}
+
+impl TestPublisher {
+    async fn start(name: &str) -> Self {
+        let servers = Servers::start(name).await;
+        let engine = engine(KvEventEncoding::Positional, KvEventHash::Int).await;
+        let mut publisher = PubSocket::new();
+        let endpoint = publisher
+            .bind("tcp://127.0.0.1:0")
+            .await
+            .expect("bind")
+            .to_string();
+        let bus = servers.bus().await;
+        let sub = bus.subscribe(&event_subject()).await.expect("subscribe");
+        let agent = AgentProcess::start(
+            &servers,
+            &format!("http://{}", engine.local_addr()),
+            &endpoint,
+            None,
+            &[],
+        )
+        .await;
+        Self {
+            servers,
+            engine,
+            publisher,
+            bus,
+            sub,
+            agent,
+        }
+    }
+}
+
 /// Until the agent's subscription has reached the PUB socket, messages are lost: sends a
 /// valid store of `probe` (block id 1) until the agent publishes it, and returns that batch.
 async fn probe_until_forwarded(
@@ -317,24 +360,14 @@ async fn probe_until_forwarded(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_malformed_messages_are_counted_and_skipped() {
-    let servers = Servers::start("malformed").await;
-    let engine = engine(KvEventEncoding::Positional, KvEventHash::Int).await;
-    let mut publisher = PubSocket::new();
-    let endpoint = publisher
-        .bind("tcp://127.0.0.1:0")
-        .await
-        .expect("bind")
-        .to_string();
-    let bus = servers.bus().await;
-    let mut sub = bus.subscribe(&event_subject()).await.expect("subscribe");
-    let agent = AgentProcess::start(
-        &servers,
-        &format!("http://{}", engine.local_addr()),
-        &endpoint,
-        None,
-        &[],
-    )
-    .await;
+    let TestPublisher {
+        servers: _servers,
+        engine,
+        mut publisher,
+        bus: _bus,
+        mut sub,
+        agent,
+    } = TestPublisher::start("malformed").await;
 
     let probe = prompt(1, 1);
     let mut seq = 0u64;
@@ -515,24 +548,14 @@ async fn next_change_or_synced(watch: &mut kvmesh_control::Watch) -> WatchEvent 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_100k_block_snapshot_reaches_the_requester_in_parts_under_the_payload_limit() {
-    let servers = Servers::start("big-snapshot").await;
-    let engine = engine(KvEventEncoding::Positional, KvEventHash::Int).await;
-    let mut publisher = PubSocket::new();
-    let endpoint = publisher
-        .bind("tcp://127.0.0.1:0")
-        .await
-        .expect("bind")
-        .to_string();
-    let bus = servers.bus().await;
-    let mut sub = bus.subscribe(&event_subject()).await.expect("subscribe");
-    let agent = AgentProcess::start(
-        &servers,
-        &format!("http://{}", engine.local_addr()),
-        &endpoint,
-        None,
-        &[],
-    )
-    .await;
+    let TestPublisher {
+        servers: _servers,
+        engine,
+        mut publisher,
+        bus,
+        mut sub,
+        agent,
+    } = TestPublisher::start("big-snapshot").await;
     let mut seq = 0u64;
     let probe = probe_until_forwarded(&mut publisher, &mut sub, &mut seq, &prompt(1, 1)).await;
 

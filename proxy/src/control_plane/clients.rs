@@ -39,24 +39,10 @@ pub(crate) fn nats_settings(events: &EventsConfig) -> NatsSettings {
 
 /// The one kind of credentials the config names (validation refused several).
 fn nats_auth(auth: &NatsAuthConfig) -> NatsAuth {
-    if let Some(token_file) = &auth.token_file {
-        NatsAuth::Token {
-            token_file: token_file.clone(),
-        }
-    } else if let (Some(user), Some(password_file)) = (&auth.user, &auth.password_file) {
-        NatsAuth::UserPassword {
-            user: user.clone(),
-            password_file: password_file.clone(),
-        }
-    } else if let Some(seed_file) = &auth.nkey_seed_file {
-        NatsAuth::Nkey {
-            seed_file: seed_file.clone(),
-        }
-    } else if let Some(creds_file) = &auth.creds_file {
-        NatsAuth::Credentials {
-            creds_file: creds_file.clone(),
-        }
-    } else {
-        NatsAuth::None
-    }
+    NatsAuth::first_of(
+        auth.token_file.clone(),
+        auth.user.clone().zip(auth.password_file.clone()),
+        auth.nkey_seed_file.clone(),
+        auth.creds_file.clone(),
+    )
 }
