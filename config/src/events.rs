@@ -48,6 +48,10 @@ pub struct EventsConfig {
     pub tls: Option<ControlTlsConfig>,
     /// NATS credentials, each secret read from a file.
     pub auth: NatsAuthConfig,
+    /// Durable KV events on a JetStream stream (`kind: nats`; the server needs JetStream):
+    /// the agents' batches are stored before they count as sent, and a proxy whose
+    /// connection comes back replays what it missed instead of asking every agent again.
+    pub jetstream: Option<JetStreamConfig>,
     /// Subject prefix (the first token of every subject). Letters, digits, `-`, `_`.
     pub namespace: String,
     /// Time allowed for an agent to answer a resync (snapshot) request before it is retried.
@@ -65,9 +69,32 @@ impl Default for EventsConfig {
             url: "nats://127.0.0.1:4222".to_string(),
             tls: None,
             auth: NatsAuthConfig::default(),
+            jetstream: None,
             namespace: DEFAULT_NAMESPACE.to_string(),
             resync_timeout: Duration::from_secs(2),
             load_report_ttl: Duration::from_secs(5),
+        }
+    }
+}
+
+/// `events.jetstream`: the stream that keeps KV event batches.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct JetStreamConfig {
+    /// The stream's name (made when missing, storing `{namespace}.kv.>`); the agents'
+    /// `--nats-jetstream-stream` names the same one.
+    pub stream: String,
+    /// How long the stream keeps a batch (a proxy disconnected longer resyncs from the
+    /// agents).
+    #[serde(deserialize_with = "crate::duration::deserialize")]
+    pub max_age: Duration,
+}
+
+impl Default for JetStreamConfig {
+    fn default() -> Self {
+        Self {
+            stream: "KVMESH_KV_EVENTS".to_string(),
+            max_age: Duration::from_secs(3600),
         }
     }
 }

@@ -42,7 +42,7 @@ pub use control_security::{ControlTlsConfig, EtcdAuthConfig, NatsAuthConfig};
 pub use discovery::{DEFAULT_NAMESPACE, DefaultModelConfig, DiscoveryConfig, DiscoveryKind};
 pub use duration::{DurationError, format_duration, parse_duration};
 pub use error::{ConfigError, Invalid, TextPosition};
-pub use events::{EventsConfig, EventsKind};
+pub use events::{EventsConfig, EventsKind, JetStreamConfig};
 pub use field_path::{FieldPath, Segment};
 pub use grpc::{GRPC_LISTENER, GrpcConfig, MAX_GRPC_MESSAGE_BYTES};
 pub use health_check::HealthCheckConfig;

@@ -131,6 +131,17 @@ fn check_events(config: &Config, path: &FieldPath) -> Checked {
             check_control_tls(tls, &path.key("tls"))?;
         }
         check_nats_auth(&events.auth, &path.key("auth"))?;
+        if let Some(jetstream) = &events.jetstream {
+            let name = &jetstream.stream;
+            if name.is_empty() || name.contains(|c: char| c.is_whitespace() || ".*>/\\".contains(c))
+            {
+                return fail(
+                    path.key("jetstream").key("stream"),
+                    format!("invalid stream name {name:?}: no spaces, '.', '*', '>', '/' or '\\'"),
+                );
+            }
+            positive(jetstream.max_age, path.key("jetstream").key("max_age"))?;
+        }
     }
     positive(events.resync_timeout, path.key("resync_timeout"))?;
     positive(events.load_report_ttl, path.key("load_report_ttl"))

@@ -34,8 +34,8 @@ mod security;
 pub mod testing;
 
 pub use bus::{
-    ConnectionState, EventBus, InProcessBus, Message, NatsBus, NatsSettings, SUBSCRIPTION_BUFFER,
-    Subscription, subject_matches, validate_subject,
+    ConnectionState, DurableStream, EventBus, InProcessBus, Message, NatsBus, NatsSettings,
+    SUBSCRIPTION_BUFFER, Subscription, subject_matches, validate_subject,
 };
 pub use error::ControlError;
 pub use events::{EventBatch, RankedEvent, WireBlock, WireEvent, WireParent, event_blocks};

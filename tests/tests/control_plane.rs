@@ -16,6 +16,8 @@
 //!   `--block-size` that differs), and the proxy measures the instance's load by it;
 //! - a LoRA adapter's requests go only to the engines serving it (from their agents'
 //!   records, also for an adapter loaded at run time), to the one caching its blocks;
+//! - with JetStream, a NATS restart resyncs no instance: a batch an agent held through the
+//!   outage reaches the proxy's index through the stream;
 //! - a routing knob changed by reload under load: no request fails, the model's index is
 //!   rebuilt from the agents' snapshots and routing by cache goes on;
 //! - a three-member etcd cluster loses its leader: the proxy keeps serving, an agent that
@@ -36,8 +38,9 @@ use kvmesh_e2e::certs::TestCerts;
 use kvmesh_e2e::cluster::{MODEL, start_proxy};
 use kvmesh_e2e::control_plane::{
     BLOCK_SIZE, Engine, Servers, agent_args, agent_args_for, await_metric, control_proxy_config,
-    control_proxy_config_for, metric, metric_total, model_prompt, prompt_tokens, start_agent,
-    start_event_engines, start_event_engines_with, start_timed_event_engines, token_prompt,
+    control_proxy_config_for, metric, metric_total, model_prompt, prompt_tokens,
+    proxy_metric_total, start_agent, start_event_engines, start_event_engines_with,
+    start_timed_event_engines, token_prompt,
 };
 use kvmesh_e2e::sse::{assert_all_whole, open_streams};
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
@@ -1337,6 +1340,110 @@ async fn a_routing_knob_changes_by_reload_under_load_in_the_cluster_setup() -> a
     .await?;
     let mut longer = prompt.clone();
     longer.extend(prompt_tokens(78, 1));
+    let (status, instance, route) = complete(&client, &proxy, &longer).await?;
+    assert_eq!(
+        (status, instance.as_str()),
+        (200, engines[1].url.as_str()),
+        "{route}"
+    );
+    assert!(route.contains("overlap_blocks=8"), "{route}");
+    assert_no_panic(&proxy);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_jetstream_a_nats_restart_resyncs_no_instance_and_loses_no_batch() -> anyhow::Result<()>
+{
+    const STREAM: &str = "KVMESH_TEST_EVENTS";
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-jetstream")?;
+    let etcd = EtcdServer::start(&scratch.path().join("etcd")).await?;
+    let nats_dir = scratch.path().join("nats");
+    // The stream's files outlive the server: a restart finds it again.
+    let nats = NatsServer::start_with_config(
+        &nats_dir,
+        &format!("jetstream {{\n  store_dir: {:?}\n}}\n", nats_dir.join("js")),
+    )
+    .await?;
+    let mut servers = Servers { etcd, nats };
+    let (_sim, engines) = start_event_engines(&scratch, 2)?;
+    let _agents = engines
+        .iter()
+        .map(|engine| {
+            let mut args = agent_args(&servers, engine, LONG_TTL, DRAIN);
+            args.extend(
+                [
+                    "--block-size",
+                    &BLOCK_SIZE.to_string(),
+                    "--nats-jetstream-stream",
+                    STREAM,
+                ]
+                .map(String::from),
+            );
+            Spawned::start("kvmesh-agent", &args, scratch.path())
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let proxy = start_proxy(
+        &scratch,
+        &control_proxy_config(&servers, &format!("  jetstream:\n    stream: {STREAM}\n")),
+    )?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    await_instances(&client, &metrics, 2.0).await?;
+    await_events_live(&client, &metrics).await?;
+    complete_on(&client, &engines[0], &prompt_tokens(1, 8)).await?;
+    await_metric(
+        &client,
+        &metrics,
+        &index_blocks_series(&engines[0].url),
+        |v| v >= 8.0,
+        CONVERGE,
+    )
+    .await?;
+    let resyncs = proxy_metric_total(&client, &proxy, "kvmesh_kv_resyncs_total").await?;
+
+    servers.nats.kill().await;
+    await_metric(
+        &client,
+        &metrics,
+        "kvmesh_events_connected",
+        |v| v == 0.0,
+        CONVERGE,
+    )
+    .await?;
+    // While NATS is down, engine 1 caches a prompt: its agent keeps the batch until the
+    // stream takes it, and the proxy's consumer resumes after the last batch it had.
+    let held = prompt_tokens(2, 8);
+    complete_on(&client, &engines[1], &held).await?;
+    servers.nats.restart().await?;
+    await_metric(
+        &client,
+        &metrics,
+        &index_blocks_series(&engines[1].url),
+        |v| v >= 8.0,
+        CONVERGE,
+    )
+    .await?;
+    await_metric(
+        &client,
+        &metrics,
+        "kvmesh_events_connected",
+        |v| v == 1.0,
+        CONVERGE,
+    )
+    .await?;
+    assert_eq!(
+        proxy_metric_total(&client, &proxy, "kvmesh_kv_resyncs_total").await?,
+        resyncs,
+        "no instance was asked for a snapshot or a replay"
+    );
+    assert_eq!(
+        proxy_metric_total(&client, &proxy, "kvmesh_kv_event_gaps_total").await?,
+        0.0
+    );
+    // The index is right: the held prompt's continuation goes to engine 1.
+    let mut longer = held.clone();
+    longer.extend(prompt_tokens(3, 1));
     let (status, instance, route) = complete(&client, &proxy, &longer).await?;
     assert_eq!(
         (status, instance.as_str()),

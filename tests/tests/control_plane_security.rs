@@ -28,6 +28,7 @@ fn nats(url: &str, tls: Option<TlsFiles>, auth: NatsAuth) -> NatsSettings {
         name: "security-test".to_owned(),
         tls,
         auth,
+        durable: None,
     }
 }
 

@@ -7,13 +7,13 @@ use std::time::Duration;
 
 use clap::Parser;
 use kvmesh_control::{
-    EtcdAuth, EtcdSettings, InstanceId, Namespace, NatsAuth, NatsSettings, TlsFiles,
+    DurableStream, EtcdAuth, EtcdSettings, InstanceId, Namespace, NatsAuth, NatsSettings, TlsFiles,
 };
 use kvmesh_telemetry::TraceSettings;
 
 use crate::config::{AgentConfig, EngineKind};
 
-/// Parses `250ms`, `10s`, `1.5s`, `2m` or a bare number of seconds.
+/// Parses `250ms`, `10s`, `1.5s`, `2m`, `1h` or a bare number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let (number, unit) = match s.find(|c: char| !(c.is_ascii_digit() || c == '.')) {
@@ -27,7 +27,8 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "ms" => value / 1000.0,
         "s" => value,
         "m" => value * 60.0,
-        _ => return Err(format!("invalid duration unit in {s:?} (ms, s or m)")),
+        "h" => value * 3600.0,
+        _ => return Err(format!("invalid duration unit in {s:?} (ms, s, m or h)")),
     };
     Duration::try_from_secs_f64(seconds).map_err(|_| format!("invalid duration {s:?}"))
 }
@@ -177,6 +178,14 @@ pub struct Cli {
     /// A NATS `.creds` file (user JWT and NKey seed).
     #[arg(long, env = "KVMESH_AGENT_NATS_CREDS_FILE")]
     pub nats_creds_file: Option<PathBuf>,
+    /// Publish KV events through this JetStream stream (made when missing; the proxy's
+    /// `events.jetstream.stream`): each batch is stored before the next goes, across NATS
+    /// outages.
+    #[arg(long, env = "KVMESH_AGENT_NATS_JETSTREAM_STREAM")]
+    pub nats_jetstream_stream: Option<String>,
+    /// How long the stream keeps a batch, when this agent makes it.
+    #[arg(long, env = "KVMESH_AGENT_NATS_JETSTREAM_MAX_AGE", default_value = "1h", value_parser = parse_duration)]
+    pub nats_jetstream_max_age: Duration,
     /// Lease TTL of the instance record.
     #[arg(long, env = "KVMESH_AGENT_LEASE_TTL", default_value = "10s", value_parser = parse_duration)]
     pub lease_ttl: Duration,
@@ -247,6 +256,14 @@ impl Cli {
             name: name.to_owned(),
             tls,
             auth,
+            durable: self
+                .nats_jetstream_stream
+                .as_ref()
+                .map(|stream| DurableStream {
+                    name: stream.clone(),
+                    subjects: vec![self.namespace.all_events_subject()],
+                    max_age: self.nats_jetstream_max_age,
+                }),
         }
     }
 
@@ -293,8 +310,9 @@ mod tests {
         assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
         assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
         assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
-        for bad in ["", "s", "10h", "-1s", "1e999s"] {
+        for bad in ["", "s", "10d", "-1s", "1e999s"] {
             assert!(parse_duration(bad).is_err(), "{bad:?}");
         }
         let labels = parse_labels("zone=a, gpu=h100").expect("labels");

@@ -2,6 +2,7 @@
 //! subject) and the resync service (snapshot / replay requests on the instance's subject).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use kvmesh_control::{
@@ -40,7 +41,12 @@ pub(crate) async fn publisher(
                 ]
             },
         );
-        match bus.publish(&subject, out.payload).await {
+        let published = if bus.is_durable() {
+            publish_until_stored(&*bus, &subject, out.payload).await
+        } else {
+            bus.publish(&subject, out.payload).await
+        };
+        match published {
             Ok(()) => metrics
                 .publish_seconds
                 .observe(out.received.elapsed().as_secs_f64()),
@@ -51,6 +57,40 @@ pub(crate) async fn publisher(
             }
         }
         span.end();
+    }
+}
+
+/// First pause before a batch the stream did not take is sent again; doubles per failure.
+const STORE_RETRY_FIRST: Duration = Duration::from_millis(100);
+/// Longest pause between tries.
+const STORE_RETRY_MAX: Duration = Duration::from_secs(2);
+
+/// Publishes through the durable stream, trying again (with backoff) until it is stored:
+/// batches are kept in order across a NATS outage, and later ones wait in the queue (which
+/// drops, and counts, what does not fit; the proxy resyncs over such a gap).
+async fn publish_until_stored(
+    bus: &dyn EventBus,
+    subject: &str,
+    payload: Bytes,
+) -> Result<(), ControlError> {
+    let mut backoff = STORE_RETRY_FIRST;
+    let mut failures = 0u32;
+    loop {
+        match bus.publish_durable(subject, payload.clone()).await {
+            Ok(()) => return Ok(()),
+            // A batch too large or a bad subject never gets better.
+            Err(error @ (ControlError::PayloadTooLarge { .. } | ControlError::InvalidName(_))) => {
+                return Err(error);
+            }
+            Err(error) => {
+                failures += 1;
+                if failures.is_power_of_two() {
+                    tracing::warn!(%error, failures, "the event stream did not take a batch; trying again");
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(STORE_RETRY_MAX);
+            }
+        }
     }
 }
 

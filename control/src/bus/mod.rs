@@ -17,7 +17,7 @@ use futures_util::Stream;
 use tokio::sync::{mpsc, watch};
 
 pub use in_process::InProcessBus;
-pub use nats::{NatsBus, NatsSettings};
+pub use nats::{DurableStream, NatsBus, NatsSettings};
 pub use subject::{subject_matches, validate_subject};
 
 use crate::error::ControlError;
@@ -195,6 +195,24 @@ pub trait EventBus: Send + Sync + 'static {
             Ok(None) => Err(ControlError::NoResponders(subject.to_owned())),
             Err(_) => Err(ControlError::Timeout("request")),
         }
+    }
+
+    /// Publishes and waits until the message is stored for durable subscribers (NATS with a
+    /// JetStream stream); elsewhere the same as [`EventBus::publish`].
+    async fn publish_durable(&self, subject: &str, payload: Bytes) -> Result<(), ControlError> {
+        self.publish(subject, payload).await
+    }
+
+    /// Receives what is published on `subject` from now on, across reconnects without a
+    /// loss when [`EventBus::is_durable`]; elsewhere the same as [`EventBus::subscribe`].
+    async fn subscribe_durable(&self, subject: &str) -> Result<Subscription, ControlError> {
+        self.subscribe(subject).await
+    }
+
+    /// Whether durable subscriptions lose nothing across reconnects (and durable publishes
+    /// are stored before they return).
+    fn is_durable(&self) -> bool {
+        false
     }
 
     /// The largest payload a message may carry.

@@ -1,7 +1,10 @@
-//! [`EventBus`] on NATS core through `async-nats`: TLS (a CA, mutual TLS), token, user and
+//! [`EventBus`] on NATS through `async-nats`: TLS (a CA, mutual TLS), token, user and
 //! password, NKey and creds-file auth ([`NatsSettings`]), request-reply through `_INBOX`
 //! subscriptions. The client reconnects forever (100 ms doubling to 5 s) and restores
 //! subscriptions; [`EventBus::connection_state`] reports each connection with a growing epoch.
+//! With a [`DurableStream`], the durable calls go through a JetStream stream: publishing
+//! waits for the stream to store the message, and a durable subscription is an ordered
+//! consumer that resumes after the last message it delivered when the connection comes back.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,6 +46,28 @@ fn transport(error: impl std::fmt::Display) -> ControlError {
     }
 }
 
+/// How long a durable publish waits for the stream's acknowledgement.
+const DURABLE_ACK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A JetStream stream that keeps messages for durable subscribers (made when missing).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DurableStream {
+    /// The stream's name.
+    pub name: String,
+    /// The subjects it stores (wildcards allowed).
+    pub subjects: Vec<String>,
+    /// How long it keeps a message.
+    pub max_age: Duration,
+}
+
+/// The JetStream side of a [`NatsBus`].
+#[derive(Clone)]
+struct Durable {
+    client: async_nats::Client,
+    context: async_nats::jetstream::Context,
+    stream: DurableStream,
+}
+
 /// Where a [`NatsBus`] connects and how it proves itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NatsSettings {
@@ -55,16 +80,19 @@ pub struct NatsSettings {
     pub tls: Option<TlsFiles>,
     /// Credentials.
     pub auth: NatsAuth,
+    /// A JetStream stream for the durable calls; `None`: they act as the plain ones.
+    pub durable: Option<DurableStream>,
 }
 
 impl NatsSettings {
-    /// Plaintext, no credentials.
+    /// Plaintext, no credentials, no stream.
     pub fn new(url: &str, name: &str) -> Self {
         Self {
             url: url.to_owned(),
             name: name.to_owned(),
             tls: None,
             auth: NatsAuth::None,
+            durable: None,
         }
     }
 
@@ -149,6 +177,7 @@ impl NatsSettings {
 pub struct NatsBus {
     client: async_nats::Client,
     state: Arc<watch::Sender<ConnectionState>>,
+    durable: Option<Durable>,
 }
 
 impl std::fmt::Debug for NatsBus {
@@ -199,7 +228,15 @@ impl NatsBus {
         .await
         .map_err(|_| ControlError::Timeout("nats connect"))?
         .map_err(|_| ControlError::Closed)?;
-        Ok(Self { client, state })
+        let durable = match &settings.durable {
+            Some(stream) => Some(Durable::open(&client, stream).await?),
+            None => None,
+        };
+        Ok(Self {
+            client,
+            state,
+            durable,
+        })
     }
 
     /// The largest payload the server accepts (from its INFO).
@@ -269,6 +306,84 @@ impl NatsBus {
                 };
                 if inbox.deliver(message) == Delivery::Closed {
                     break;
+                }
+            }
+        });
+        Ok(Subscription::new(end, Box::new(move || task.abort())))
+    }
+}
+
+impl Durable {
+    /// The stream, made when the server does not have it yet (file storage).
+    async fn open(
+        client: &async_nats::Client,
+        stream: &DurableStream,
+    ) -> Result<Self, ControlError> {
+        let context = async_nats::jetstream::new(client.clone());
+        let config = async_nats::jetstream::stream::Config {
+            name: stream.name.clone(),
+            subjects: stream.subjects.clone(),
+            max_age: stream.max_age,
+            storage: async_nats::jetstream::stream::StorageType::File,
+            ..Default::default()
+        };
+        tokio::time::timeout(DURABLE_ACK_TIMEOUT, context.get_or_create_stream(config))
+            .await
+            .map_err(|_| ControlError::Timeout("jetstream stream"))?
+            .map_err(|error| ControlError::Server {
+                backend: BACKEND,
+                message: format!(
+                    "JetStream stream {:?} (is JetStream enabled on the server?): {error}",
+                    stream.name
+                ),
+            })?;
+        Ok(Self {
+            client: client.clone(),
+            context,
+            stream: stream.clone(),
+        })
+    }
+
+    /// An ordered consumer of the stream's messages on `subject` from now on, forwarded
+    /// into a [`Subscription`]; it resumes after its last message when the connection or
+    /// the consumer is lost.
+    async fn subscribe(&self, subject: &str) -> Result<Subscription, ControlError> {
+        let server = |error: &dyn std::fmt::Display| ControlError::Server {
+            backend: BACKEND,
+            message: format!("JetStream stream {:?}: {error}", self.stream.name),
+        };
+        let stream = self
+            .context
+            .get_stream(&self.stream.name)
+            .await
+            .map_err(|error| server(&error))?;
+        let consumer = stream
+            .create_consumer(async_nats::jetstream::consumer::push::OrderedConfig {
+                deliver_subject: self.client.new_inbox(),
+                filter_subject: subject.to_owned(),
+                deliver_policy: async_nats::jetstream::consumer::DeliverPolicy::New,
+                ..Default::default()
+            })
+            .await
+            .map_err(|error| server(&error))?;
+        let mut messages = consumer.messages().await.map_err(|error| server(&error))?;
+        let (inbox, end) = Inbox::new(SUBSCRIPTION_BUFFER);
+        let task = tokio::spawn(async move {
+            while let Some(next) = messages.next().await {
+                match next {
+                    Ok(message) => {
+                        let message = Message {
+                            subject: message.message.subject.to_string(),
+                            reply: None,
+                            payload: message.message.payload,
+                        };
+                        if inbox.deliver(message) == Delivery::Closed {
+                            break;
+                        }
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "JetStream consumer error; it resumes by itself");
+                    }
                 }
             }
         });
@@ -356,6 +471,40 @@ impl EventBus for NatsBus {
             .await
             .map_err(transport)?;
         Ok(replies)
+    }
+
+    /// Through the stream when there is one: waits until it stored the message.
+    async fn publish_durable(&self, subject: &str, payload: Bytes) -> Result<(), ControlError> {
+        let Some(durable) = &self.durable else {
+            return self.publish(subject, payload).await;
+        };
+        validate_subject(subject, false)?;
+        self.check_publishable(&payload)?;
+        let ack = durable
+            .context
+            .publish(subject.to_owned(), payload)
+            .await
+            .map_err(transport)?;
+        tokio::time::timeout(DURABLE_ACK_TIMEOUT, ack)
+            .await
+            .map_err(|_| ControlError::Timeout("jetstream ack"))?
+            .map(drop)
+            .map_err(transport)
+    }
+
+    /// Through the stream when there is one: an ordered consumer from now on.
+    async fn subscribe_durable(&self, subject: &str) -> Result<Subscription, ControlError> {
+        match &self.durable {
+            Some(durable) => {
+                validate_subject(subject, true)?;
+                durable.subscribe(subject).await
+            }
+            None => self.subscribe(subject).await,
+        }
+    }
+
+    fn is_durable(&self) -> bool {
+        self.durable.is_some()
     }
 
     fn max_payload(&self) -> usize {

@@ -2,7 +2,9 @@
 //! `tls` and `auth` blocks).
 
 use kvmesh_config::{ControlTlsConfig, DiscoveryConfig, EventsConfig, NatsAuthConfig};
-use kvmesh_control::{EtcdAuth, EtcdSettings, NatsAuth, NatsSettings, TlsFiles};
+use kvmesh_control::{
+    DurableStream, EtcdAuth, EtcdSettings, Namespace, NatsAuth, NatsSettings, TlsFiles,
+};
 
 /// Name the proxy's NATS connection shows in the server's connection list.
 const NATS_CLIENT_NAME: &str = "kvmesh-proxy";
@@ -27,13 +29,18 @@ pub(crate) fn etcd_settings(discovery: &DiscoveryConfig) -> EtcdSettings {
     }
 }
 
-/// The NATS client settings of `events`.
-pub(crate) fn nats_settings(events: &EventsConfig) -> NatsSettings {
+/// The NATS client settings of `events`, whose subjects live under `namespace`.
+pub(crate) fn nats_settings(events: &EventsConfig, namespace: &Namespace) -> NatsSettings {
     NatsSettings {
         url: events.url.clone(),
         name: NATS_CLIENT_NAME.to_owned(),
         tls: events.tls.as_ref().map(tls_files),
         auth: nats_auth(&events.auth),
+        durable: events.jetstream.as_ref().map(|jetstream| DurableStream {
+            name: jetstream.stream.clone(),
+            subjects: vec![namespace.all_events_subject()],
+            max_age: jetstream.max_age,
+        }),
     }
 }
 

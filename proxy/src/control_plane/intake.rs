@@ -300,7 +300,9 @@ impl Intake {
             decisions: namespace.decisions_subject(),
         };
         let subscriptions = async {
-            let events = bus.subscribe(&namespace.all_events_subject()).await?;
+            let events = bus
+                .subscribe_durable(&namespace.all_events_subject())
+                .await?;
             let loads = bus.subscribe(&namespace.all_load_subject()).await?;
             let sessions = bus.subscribe(&subjects.sessions).await?;
             let replica_loads = bus.subscribe(&subjects.load).await?;
@@ -340,6 +342,7 @@ impl Intake {
         } = self;
         let mut connection = bus.connection_state();
         let (answers_tx, mut answers) = mpsc::unbounded_channel();
+        let durable = bus.is_durable();
         let mut actor = Actor {
             bus,
             settings,
@@ -354,9 +357,11 @@ impl Intake {
             last_repair: HashMap::new(),
             connected: false,
             epoch: 0,
+            durable: false,
             replica: rand::random(),
             subjects,
         };
+        actor.durable = durable;
         let initial = *connection.borrow_and_update();
         actor.on_connection(initial);
         let mut overflowed = 0;
@@ -403,6 +408,9 @@ struct Actor {
     last_repair: HashMap<u64, Instant>,
     connected: bool,
     epoch: u64,
+    /// Whether the KV events come through a durable subscription (JetStream): after a
+    /// reconnect it replays what was missed, so no instance is asked again.
+    durable: bool,
     /// This proxy's replica id in what it shares with the other replicas.
     replica: u64,
     /// Where replicas share.
@@ -696,17 +704,31 @@ impl Actor {
                 if self.connected && epoch <= self.epoch {
                     return;
                 }
-                let reason = if self.epoch == 0 {
-                    ResyncReason::FirstSight
-                } else {
+                let reconnect = self.epoch > 0;
+                let reason = if reconnect {
                     ResyncReason::Reconnect
+                } else {
+                    ResyncReason::FirstSight
                 };
-                if self.epoch > 0 {
-                    tracing::info!(epoch, "event bus reconnected: resyncing every instance");
-                }
+                let replayed = reconnect && self.durable;
                 self.connected = true;
                 self.epoch = epoch;
                 self.metrics.events_connected.set(1);
+                if replayed {
+                    // Gaps the replay cannot fill still resync, through the sequence numbers.
+                    tracing::info!(
+                        epoch,
+                        "event bus reconnected: the stream replays the batches missed meanwhile"
+                    );
+                    let models: Vec<String> = self.models.keys().cloned().collect();
+                    for model in models {
+                        self.update_live(&model);
+                    }
+                    return;
+                }
+                if reconnect {
+                    tracing::info!(epoch, "event bus reconnected: resyncing every instance");
+                }
                 for sync in self.models.values_mut() {
                     sync.awaiting = sync.members.clone();
                 }

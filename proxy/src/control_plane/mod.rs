@@ -211,7 +211,14 @@ impl ControlLoops {
     ) -> Result<Option<BusSource>, ProxyError> {
         Ok(match config.events.kind {
             EventsKind::None => None,
-            EventsKind::Nats => Some(BusSource::Nats(clients::nats_settings(&config.events))),
+            EventsKind::Nats => {
+                let namespace = Namespace::new(&config.events.namespace)
+                    .map_err(|error| control_error("events.namespace", error))?;
+                Some(BusSource::Nats(clients::nats_settings(
+                    &config.events,
+                    &namespace,
+                )))
+            }
             EventsKind::InProcess => {
                 Some(BusSource::Ready(given.bus.clone().ok_or_else(|| {
                     ProxyError::ControlPlane(
