@@ -16,6 +16,8 @@
 //!   `--block-size` that differs), and the proxy measures the instance's load by it;
 //! - a LoRA adapter's requests go only to the engines serving it (from their agents'
 //!   records, also for an adapter loaded at run time), to the one caching its blocks;
+//! - a well-formed batch for a real instance numbered past its agent is dropped after one
+//!   resync, and a flood past the subscription buffer is counted message by message;
 //! - with JetStream, a NATS restart resyncs no instance: a batch an agent held through the
 //!   outage reaches the proxy's index through the stream;
 //! - a routing knob changed by reload under load: no request fails, the model's index is
@@ -1451,6 +1453,131 @@ async fn with_jetstream_a_nats_restart_resyncs_no_instance_and_loses_no_batch() 
         "{route}"
     );
     assert!(route.contains("overlap_blocks=8"), "{route}");
+    assert_no_panic(&proxy);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_started_while_etcd_is_down_serves_once_it_returns() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-etcd-late")?;
+    let mut servers = Servers::start(&scratch).await?;
+    let (_sim, engines) = start_event_engines(&scratch, 1)?;
+    servers.etcd.kill().await;
+    // The proxy is READY after its initial sync times out, with no instance yet.
+    let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    let (status, _, _) = complete(&client, &proxy, &prompt_tokens(1, 1)).await?;
+    assert_eq!(status, 503, "no instance while etcd is down");
+    servers.etcd.restart().await?;
+    let _agent = start_agent(&scratch, &servers, &engines[0], LONG_TTL, DRAIN)?;
+    await_instances(&client, &metrics, 1.0).await?;
+    await_events_live(&client, &metrics).await?;
+    let (status, instance, _) = complete(&client, &proxy, &prompt_tokens(2, 1)).await?;
+    assert_eq!((status, instance.as_str()), (200, engines[0].url.as_str()));
+    assert_no_panic(&proxy);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_batch_for_a_real_instance_and_a_flood_past_the_buffer_are_counted_exactly()
+-> anyhow::Result<()> {
+    use kvmesh_control::{EventBatch, InstanceId};
+    use kvmesh_kv::{BlockHasher, ExternalHash, KvEvent};
+    const FLOOD: u32 = 20_000;
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-hostile")?;
+    let servers = Servers::start(&scratch).await?;
+    let (_sim, engines) = start_event_engines(&scratch, 1)?;
+    let mut args = agent_args(&servers, &engines[0], LONG_TTL, DRAIN);
+    args.extend(
+        [
+            "--block-size",
+            &BLOCK_SIZE.to_string(),
+            "--instance-id",
+            "aa",
+        ]
+        .map(String::from),
+    );
+    let _agent = Spawned::start("kvmesh-agent", &args, scratch.path())?;
+    let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    await_instances(&client, &metrics, 1.0).await?;
+    await_events_live(&client, &metrics).await?;
+    let bus = NatsBus::connect(&servers.nats.url(), "kvmesh-e2e").await?;
+    let subject = format!("kvmesh.kv.{MODEL}");
+
+    // A well-formed batch for the real instance, numbered far past its agent, claiming a
+    // prompt no engine holds: one gap, one resync, then dropped; the index never holds it.
+    let fake = prompt_tokens(9, 8);
+    let hashes = BlockHasher::new(BLOCK_SIZE, None)?.hash(&fake);
+    let hostile = EventBatch {
+        instance_id: InstanceId(0xaa),
+        dp_rank: 0,
+        seq: 1_000_000,
+        events: vec![KvEvent::stored(
+            None,
+            (0..8).map(|i| (ExternalHash(900 + i as u64), hashes.local[i])),
+        )],
+    };
+    bus.publish(&subject, Bytes::from(hostile.to_json()))
+        .await?;
+    let ahead = "kvmesh_kv_event_batches_dropped_total{reason=\"ahead_of_agent\"}";
+    await_metric(&client, &metrics, ahead, |v| v == 1.0, CONVERGE).await?;
+    assert_eq!(
+        proxy_metric_total(&client, &proxy, "kvmesh_kv_event_gaps_total").await?,
+        1.0
+    );
+    let explained = client
+        .post_json(
+            &format!("{}/debug/route?route=completions", proxy.url("admin")),
+            &token_prompt(&fake, 1),
+        )
+        .await?
+        .json()?;
+    assert_eq!(
+        explained["instances"][0]["overlap_blocks"], 0,
+        "{explained}"
+    );
+    // The agent's own batches go on as before.
+    complete_on(&client, &engines[0], &prompt_tokens(10, 8)).await?;
+    await_metric(
+        &client,
+        &metrics,
+        &index_blocks_series(&engines[0].url),
+        |v| v >= 8.0,
+        CONVERGE,
+    )
+    .await?;
+
+    // A flood past the subscription buffer (8,192): every message is counted once, as
+    // malformed when the intake read it or as dropped when the buffer was full.
+    for i in 0..FLOOD {
+        bus.publish(&subject, malformed_event(i)).await?;
+    }
+    bus.flush(Duration::from_secs(10)).await?;
+    let deadline = Instant::now() + CONVERGE;
+    loop {
+        let text = String::from_utf8_lossy(&client.get(&metrics).await?.body).into_owned();
+        let read = metric(&text, "kvmesh_kv_events_malformed_total{kind=\"batch\"}").unwrap_or(0.0);
+        let dropped = metric(
+            &text,
+            "kvmesh_kv_event_batches_dropped_total{reason=\"overflow\"}",
+        )
+        .unwrap_or(0.0);
+        if read + dropped == f64::from(FLOOD) {
+            break;
+        }
+        assert!(
+            read + dropped < f64::from(FLOOD) && Instant::now() < deadline,
+            "{read} malformed + {dropped} dropped of {FLOOD}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, instance, _) = complete(&client, &proxy, &prompt_tokens(11, 1)).await?;
+    assert_eq!((status, instance.as_str()), (200, engines[0].url.as_str()));
     assert_no_panic(&proxy);
     Ok(())
 }

@@ -792,6 +792,10 @@ impl Actor {
                 .inc_by(outcome.gaps);
         }
         self.metrics.dropped(Dropped::Stale, outcome.stale);
+        if outcome.ahead > 0 {
+            self.metrics.dropped(Dropped::AheadOfAgent, outcome.ahead);
+            tracing::warn!(id = %format_args!("{id:016x}"), batches = outcome.ahead, "dropped KV event batches numbered past what the instance's agent published");
+        }
         if let Some((request, reason)) = outcome.request {
             self.request(id, request, reason, Duration::ZERO);
         } else if needs_repair && !self.tracker.is_resyncing(id) {

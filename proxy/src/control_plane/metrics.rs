@@ -71,6 +71,8 @@ pub(crate) enum Dropped {
     Stale,
     /// Never reached the intake: it fell a whole subscription buffer behind the bus.
     Overflow,
+    /// Numbered past the last batch its instance's agent says it published: not the agent's.
+    AheadOfAgent,
 }
 
 impl Dropped {
@@ -79,6 +81,7 @@ impl Dropped {
             Self::UnknownInstance => "unknown_instance",
             Self::Stale => "stale",
             Self::Overflow => "overflow",
+            Self::AheadOfAgent => "ahead_of_agent",
         }
     }
 }

@@ -15,7 +15,12 @@
 //!
 //! While a resync is in flight, live batches are **buffered** (up to [`MAX_BUFFERED`] per
 //! instance) and applied in order once the reply is in; a buffer that overflows is dropped
-//! and the instance is resynced again after the reply (drop-and-redo). A snapshot reply
+//! and the instance is resynced again after the reply (drop-and-redo). A buffered batch
+//! numbered past the reply's `last_seq` that does not continue the cursor is **ahead of
+//! its agent**: the agent publishes its batches before it answers, on one connection, so it
+//! cannot be the agent's (a batch published for a real instance id by someone else). It is
+//! dropped instead of asked for again, which would loop; if it was real after all, the next
+//! batch shows the gap again. A snapshot reply
 //! first drops every block of the instance, then applies its events; an events reply must
 //! continue the cursor exactly, else a snapshot is requested instead.
 
@@ -89,6 +94,8 @@ pub(crate) struct Outcome {
     pub(crate) stale: u64,
     /// Gaps detected.
     pub(crate) gaps: u64,
+    /// Batches dropped as ahead of their agent.
+    pub(crate) ahead: u64,
 }
 
 /// One instance's position in its agent's batch sequence.
@@ -146,6 +153,7 @@ impl SequenceTracker {
         let Some(cursor) = self.cursors.get_mut(&instance) else {
             return outcome;
         };
+        let newest = reply.last_seq();
         cursor.resyncing = false;
         match reply {
             SnapshotReply::Snapshot { events, last_seq } => {
@@ -190,7 +198,7 @@ impl SequenceTracker {
             outcome.request = Some((SnapshotRequest::from_seq(from), ResyncReason::Overflow));
             return outcome;
         }
-        drain(cursor, &mut outcome);
+        drain(cursor, &mut outcome, newest);
         outcome
     }
 
@@ -224,8 +232,10 @@ fn buffer(cursor: &mut Cursor, batch: EventBatch) {
     }
 }
 
-/// Applies buffered batches that continue the cursor; a hole requests a replay.
-fn drain(cursor: &mut Cursor, outcome: &mut Outcome) {
+/// Applies buffered batches that continue the cursor; a hole requests a replay, unless what
+/// lies beyond it is numbered past `newest`, the last batch its agent said it published
+/// (then it is dropped as ahead of its agent).
+fn drain(cursor: &mut Cursor, outcome: &mut Outcome, newest: u64) {
     let Some(mut last) = cursor.last else {
         return;
     };
@@ -236,6 +246,11 @@ fn drain(cursor: &mut Cursor, outcome: &mut Outcome) {
             continue;
         }
         if seq != last + 1 {
+            if seq > newest {
+                outcome.ahead += cursor.buffer.len() as u64;
+                cursor.buffer.clear();
+                break;
+            }
             outcome.gaps += 1;
             cursor.resyncing = true;
             outcome.request = Some((SnapshotRequest::from_seq(last + 1), ResyncReason::Gap));
@@ -309,6 +324,31 @@ mod tests {
         assert_eq!(reply.request, None);
         assert_eq!(applied(&tracker.on_batch(batch(8))), [8]);
         assert_eq!(tracker.on_batch(batch(8)).stale, 1);
+    }
+
+    #[test]
+    fn a_batch_numbered_past_its_agent_is_dropped_instead_of_asked_for_forever() {
+        let mut tracker = SequenceTracker::default();
+        tracker.on_batch(batch(1));
+        tracker.on_reply(ID, snapshot(1));
+        // Someone publishes seq 50 for this instance; its agent is at 1.
+        let hostile = tracker.on_batch(batch(50));
+        assert_eq!(hostile.gaps, 1);
+        assert_eq!(
+            hostile.request,
+            Some((SnapshotRequest::from_seq(2), ResyncReason::Gap))
+        );
+        let reply = tracker.on_reply(
+            ID,
+            SnapshotReply::Events {
+                batches: Vec::new(),
+                last_seq: 1,
+            },
+        );
+        assert_eq!((reply.ahead, reply.gaps, reply.request), (1, 0, None));
+        assert!(!tracker.is_resyncing(ID));
+        // The agent's own next batch applies as usual.
+        assert_eq!(applied(&tracker.on_batch(batch(2))), [2]);
     }
 
     #[test]
