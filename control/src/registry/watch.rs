@@ -166,6 +166,10 @@ pub(crate) fn spawn_watch<S: WatchSource>(source: S, prefix: String) -> Watch {
                         Err(e) => tracing::info!(%prefix, error = %e, "cannot open registry watch"),
                     }
                 }
+                // Refused credentials need an operator: say so each time.
+                Err(e @ ControlError::Refused { .. }) => {
+                    tracing::warn!(%prefix, error = %e, "the registry refused this client");
+                }
                 Err(e) => tracing::debug!(%prefix, error = %e, "cannot list registry"),
             }
             if connected {

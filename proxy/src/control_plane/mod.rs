@@ -68,7 +68,7 @@ enum BusSource {
     /// Given (in process).
     Ready(Arc<dyn EventBus>),
     /// A NATS server, connected in the background.
-    Nats(NatsSettings),
+    Nats(Box<NatsSettings>),
 }
 
 /// The event intake, waiting for [`ControlLoops::start`].
@@ -214,10 +214,10 @@ impl ControlLoops {
             EventsKind::Nats => {
                 let namespace = Namespace::new(&config.events.namespace)
                     .map_err(|error| control_error("events.namespace", error))?;
-                Some(BusSource::Nats(clients::nats_settings(
+                Some(BusSource::Nats(Box::new(clients::nats_settings(
                     &config.events,
                     &namespace,
-                )))
+                ))))
             }
             EventsKind::InProcess => {
                 Some(BusSource::Ready(given.bus.clone().ok_or_else(|| {
