@@ -5,9 +5,10 @@
 ARG RUST_VERSION=1.95
 
 FROM rust:${RUST_VERSION}-bookworm AS build
-# cmake: pingora-core builds zlib-ng with it.
+# cmake: pingora-core builds zlib-ng with it; protobuf-compiler and libprotobuf-dev:
+# etcd-client compiles etcd's protos with protoc.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends cmake \
+ && apt-get install -y --no-install-recommends cmake protobuf-compiler libprotobuf-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
