@@ -115,6 +115,26 @@ impl SseScanner {
     }
 }
 
+/// The `data` values of the lines of `bytes` (whole lines; `\n` or `\r\n` endings), found
+/// with `memchr` rather than byte by byte.
+pub(crate) fn data_values(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = bytes;
+    std::iter::from_fn(move || {
+        while !rest.is_empty() {
+            let (line, tail) = match memchr::memchr(b'\n', rest) {
+                Some(end) => (&rest[..end], &rest[end + 1..]),
+                None => (rest, &rest[rest.len()..]),
+            };
+            rest = tail;
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            if let Some(value) = data_value(line) {
+                return Some(value);
+            }
+        }
+        None
+    })
+}
+
 /// The value of a `data` field line (`data`, `data:` or `data: x`), if it is one.
 pub(crate) fn data_value(line: &[u8]) -> Option<&[u8]> {
     let rest = line.strip_prefix(b"data")?;
@@ -216,6 +236,17 @@ mod tests {
         let scan = scanner.feed(b"\n");
         assert_eq!(scan.data_events, 1);
         assert!(!scanner.mid_event());
+    }
+
+    #[test]
+    fn data_values_are_the_data_lines_of_whole_lines() {
+        let values: Vec<&[u8]> = data_values(STREAM).collect();
+        assert_eq!(
+            values,
+            [&b"{\"a\":1}"[..], b"{\"b\":2}", b"one", b"two", b"[DONE]"]
+        );
+        assert_eq!(data_values(b"data:x").collect::<Vec<_>>(), [&b"x"[..]]);
+        assert_eq!(data_values(b"").count(), 0);
     }
 
     #[test]

@@ -7,12 +7,20 @@
 //! so each piece is read line by line. Events without text are not tokens: `[DONE]`, a chat
 //! stream's opening role event and closing empty delta, a usage-only event.
 
-use memchr::memmem;
+use std::sync::LazyLock;
 
-/// The field whose number is the authoritative completion count.
-const COMPLETION_FIELD: &[u8] = b"\"completion_tokens\"";
-/// The field whose number is the prompt's token count.
-const PROMPT_FIELD: &[u8] = b"\"prompt_tokens\"";
+use memchr::memmem::Finder;
+
+/// The end both usage fields share: `"completion_tokens"` (the authoritative completion
+/// count) and `"prompt_tokens"` (the prompt's). One forward search finds either.
+static TOKENS_FIELD_END: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"_tokens\""));
+/// The searches for what the data of an event without text holds (built once: a search
+/// built per call cost more than the search).
+static TEXTLESS_FINDERS: LazyLock<Vec<Finder<'static>>> =
+    LazyLock::new(|| TEXTLESS.iter().map(|marker| Finder::new(marker)).collect());
+/// The empty string, object and array, one of which every textless event holds.
+static EMPTY_FINDERS: LazyLock<[Finder<'static>; 3]> =
+    LazyLock::new(|| [Finder::new(b"\"\""), Finder::new(b"{}"), Finder::new(b"[]")]);
 /// What the data of an event without text holds (compact and spaced JSON).
 const TEXTLESS: [&[u8]; 8] = [
     b"\"content\":\"\"",
@@ -58,20 +66,23 @@ impl TokenCount {
     }
 
     fn observe_events(&mut self, chunk: &[u8]) {
-        let tokens = chunk
-            .split(|&b| b == b'\n')
-            .filter_map(crate::sse::data_value)
+        let tokens = crate::sse::data_values(chunk)
             .filter(|data| has_text(data))
             .count();
         self.events += tokens as u64;
     }
 
+    /// Takes the last `"completion_tokens": N` and `"prompt_tokens": N` of `text`.
     fn take_usage(&mut self, text: &[u8]) {
-        if let Some(completion) = last_number(text, COMPLETION_FIELD) {
-            self.completion = Some(completion);
-        }
-        if let Some(prompt) = last_number(text, PROMPT_FIELD) {
-            self.prompt = Some(prompt);
+        let end = TOKENS_FIELD_END.needle().len();
+        for at in TOKENS_FIELD_END.find_iter(text) {
+            let field = &text[..at];
+            let number = || number_after(&text[at + end..]);
+            if field.ends_with(b"\"completion") {
+                self.completion = number().or(self.completion);
+            } else if field.ends_with(b"\"prompt") {
+                self.prompt = number().or(self.prompt);
+            }
         }
     }
 
@@ -93,19 +104,16 @@ fn has_text(data: &[u8]) -> bool {
     if data.is_empty() || data == b"[DONE]" {
         return false;
     }
-    let has_empty = data
-        .windows(2)
-        .any(|pair| matches!(pair, b"\"\"" | b"{}" | b"[]"));
+    let has_empty = EMPTY_FINDERS.iter().any(|empty| empty.find(data).is_some());
     !has_empty
-        || !TEXTLESS
+        || !TEXTLESS_FINDERS
             .iter()
-            .any(|marker| memmem::find(data, marker).is_some())
+            .any(|marker| marker.find(data).is_some())
 }
 
-/// The number after the last `field:` in `text`.
-fn last_number(text: &[u8], field: &[u8]) -> Option<u64> {
-    let start = memmem::rfind(text, field)? + field.len();
-    let rest = text[start..]
+/// The number after a field name: `rest` starts just past the name's closing quote.
+fn number_after(rest: &[u8]) -> Option<u64> {
+    let rest = rest
         .trim_ascii_start()
         .strip_prefix(b":")?
         .trim_ascii_start();
@@ -157,9 +165,12 @@ mod tests {
             (123, Some(4))
         );
         assert!(count.tail.len() <= TAIL_BYTES);
-        assert_eq!(
-            last_number(b"\"completion_tokens\":x", COMPLETION_FIELD),
-            None
-        );
+        let mut garbled = TokenCount::default();
+        garbled.observe(b"{\"completion_tokens\":x,\"total_tokens\":5}", false);
+        assert_eq!((garbled.completion, garbled.prompt), (None, None));
+        // The last of several reports counts.
+        let mut twice = TokenCount::default();
+        twice.observe(b"data: {\"usage\":{\"completion_tokens\":3}}\n\ndata: {\"usage\":{\"completion_tokens\":4}}\n\n", true);
+        assert_eq!(twice.completion_tokens(), 4);
     }
 }

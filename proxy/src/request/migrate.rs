@@ -17,7 +17,7 @@
 //! tokenizer (the generated text is encoded and its ids appended), without `echo`.
 
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use kvmesh_preprocess::ModelPreprocessor;
@@ -33,7 +33,12 @@ use crate::pool::ModelPool;
 use crate::request::pick::Pick;
 use crate::request::record::Record;
 use crate::route::Route;
+use crate::sse::data_values;
 use crate::state::State;
+
+/// The search for an error object's key, built once.
+static ERROR_KEY: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(b"\"error\""));
 
 /// What kind of stream is migrated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -189,7 +194,7 @@ impl Migration {
     /// Takes in `events` (whole SSE events) on their way to the client: the transcript
     /// grows, a continuation's events are rewritten, an engine error event is held back.
     pub(crate) fn pass(&mut self, events: Bytes) -> Passed {
-        if !self.continuing() && memmem::find(&events, b"\"error\"").is_none() {
+        if !self.continuing() && ERROR_KEY.find(&events).is_none() {
             for data in data_values(&events) {
                 self.observe(data);
             }
@@ -420,27 +425,25 @@ fn split_events(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
         if rest.is_empty() {
             return None;
         }
-        let end = (0..rest.len())
-            .find_map(|at| {
-                let tail = &rest[at..];
-                [&b"\n\n"[..], b"\n\r\n"]
-                    .iter()
-                    .find(|blank| tail.starts_with(blank))
-                    .map(|blank| at + blank.len())
-            })
-            .unwrap_or(rest.len());
+        let mut from = 0;
+        let end = loop {
+            let Some(newline) = memchr::memchr(b'\n', &rest[from..]) else {
+                break rest.len();
+            };
+            let after = from + newline + 1;
+            let tail = &rest[after..];
+            if tail.starts_with(b"\n") {
+                break after + 1;
+            }
+            if tail.starts_with(b"\r\n") {
+                break after + 2;
+            }
+            from = after;
+        };
         let (event, tail) = rest.split_at(end);
         rest = tail;
         Some(event)
     })
-}
-
-/// The `data:` values of the lines of `bytes`.
-fn data_values(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
-    bytes
-        .split(|&b| b == b'\n')
-        .map(|line| line.strip_suffix(b"\r").unwrap_or(line))
-        .filter_map(crate::sse::data_value)
 }
 
 #[cfg(test)]
