@@ -17,7 +17,7 @@ static TOKENS_FIELD_END: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::ne
 /// The searches for what the data of an event without text holds (built once: a search
 /// built per call cost more than the search).
 static TEXTLESS_FINDERS: LazyLock<Vec<Finder<'static>>> =
-    LazyLock::new(|| TEXTLESS.iter().map(|marker| Finder::new(marker)).collect());
+    LazyLock::new(|| TEXTLESS.iter().map(Finder::new).collect());
 /// The empty string, object and array, one of which every textless event holds.
 static EMPTY_FINDERS: LazyLock<[Finder<'static>; 3]> =
     LazyLock::new(|| [Finder::new(b"\"\""), Finder::new(b"{}"), Finder::new(b"[]")]);

@@ -144,6 +144,26 @@ async fn complete_with(
     ))
 }
 
+/// Sends `prompt` extended by one block through `proxy` and checks that it goes to `engine`,
+/// which holds the prompt's 8 blocks.
+async fn assert_continuation_on(
+    client: &HttpClient,
+    proxy: &Spawned,
+    prompt: &[u32],
+    engine: &Engine,
+) -> anyhow::Result<()> {
+    let mut longer = prompt.to_vec();
+    longer.extend(prompt_tokens(999, 1));
+    let (status, instance, route) = complete(client, proxy, &longer).await?;
+    assert_eq!(
+        (status, instance.as_str()),
+        (200, engine.url.as_str()),
+        "{route}"
+    );
+    assert!(route.contains("overlap_blocks=8"), "{route}");
+    Ok(())
+}
+
 /// Sends a token-id completion straight to `engine`.
 async fn complete_on(client: &HttpClient, engine: &Engine, prompt: &[u32]) -> anyhow::Result<()> {
     let url = format!("{}/v1/completions", engine.url);
@@ -1340,15 +1360,7 @@ async fn a_routing_knob_changes_by_reload_under_load_in_the_cluster_setup() -> a
         CONVERGE,
     )
     .await?;
-    let mut longer = prompt.clone();
-    longer.extend(prompt_tokens(78, 1));
-    let (status, instance, route) = complete(&client, &proxy, &longer).await?;
-    assert_eq!(
-        (status, instance.as_str()),
-        (200, engines[1].url.as_str()),
-        "{route}"
-    );
-    assert!(route.contains("overlap_blocks=8"), "{route}");
+    assert_continuation_on(&client, &proxy, &prompt, &engines[1]).await?;
     assert_no_panic(&proxy);
     Ok(())
 }
@@ -1444,15 +1456,7 @@ async fn with_jetstream_a_nats_restart_resyncs_no_instance_and_loses_no_batch() 
         0.0
     );
     // The index is right: the held prompt's continuation goes to engine 1.
-    let mut longer = held.clone();
-    longer.extend(prompt_tokens(3, 1));
-    let (status, instance, route) = complete(&client, &proxy, &longer).await?;
-    assert_eq!(
-        (status, instance.as_str()),
-        (200, engines[1].url.as_str()),
-        "{route}"
-    );
-    assert!(route.contains("overlap_blocks=8"), "{route}");
+    assert_continuation_on(&client, &proxy, &held, &engines[1]).await?;
     assert_no_panic(&proxy);
     Ok(())
 }
