@@ -16,6 +16,8 @@
 //!   `--block-size` that differs), and the proxy measures the instance's load by it;
 //! - a LoRA adapter's requests go only to the engines serving it (from their agents'
 //!   records, also for an adapter loaded at run time), to the one caching its blocks;
+//! - an agent restarted with its fixed id before its lease runs out is followed again (its
+//!   batches numbered from 1 again reach the index);
 //! - a well-formed batch for a real instance numbered past its agent is dropped after one
 //!   resync, and a flood past the subscription buffer is counted message by message;
 //! - with JetStream, a NATS restart resyncs no instance: a batch an agent held through the
@@ -1582,6 +1584,59 @@ async fn a_hostile_batch_for_a_real_instance_and_a_flood_past_the_buffer_are_cou
     }
     let (status, instance, _) = complete(&client, &proxy, &prompt_tokens(11, 1)).await?;
     assert_eq!((status, instance.as_str()), (200, engines[0].url.as_str()));
+    assert_no_panic(&proxy);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_restarted_with_its_fixed_id_within_its_lease_is_followed_again()
+-> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-fixed-id")?;
+    let servers = Servers::start(&scratch).await?;
+    let (_sim, engines) = start_event_engines(&scratch, 1)?;
+    let mut args = agent_args(&servers, &engines[0], LONG_TTL, DRAIN);
+    args.extend(
+        [
+            "--block-size",
+            &BLOCK_SIZE.to_string(),
+            "--instance-id",
+            "bb",
+        ]
+        .map(String::from),
+    );
+    let mut first = Spawned::start("kvmesh-agent", &args, scratch.path())?;
+    let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    await_instances(&client, &metrics, 1.0).await?;
+    await_events_live(&client, &metrics).await?;
+    complete_on(&client, &engines[0], &prompt_tokens(1, 8)).await?;
+    let blocks = index_blocks_series(&engines[0].url);
+    await_metric(&client, &metrics, &blocks, |v| v >= 8.0, CONVERGE).await?;
+
+    // kill -9, and a new agent with the same id long before the old lease (10 s) runs out.
+    // It reads no replay from the engine (as when the engine's replay buffer no longer
+    // reaches back), so its batches are numbered from 1 again; they must reach the index.
+    first.kill();
+    let at = args
+        .iter()
+        .position(|arg| arg == "--kv-events-replay-endpoint")
+        .expect("the replay flag");
+    args.drain(at..at + 2);
+    let _second = Spawned::start("kvmesh-agent", &args, scratch.path())?;
+    let prompt = prompt_tokens(2, 8);
+    complete_on(&client, &engines[0], &prompt).await?;
+    // The new agent's batch, numbered 1, reaches the index: the prompt's 8 blocks are there.
+    await_explained(
+        &client,
+        &proxy,
+        &token_prompt(&prompt, 1),
+        None,
+        |explained| explained["instances"][0]["overlap_blocks"] == 8,
+    )
+    .await?;
+    assert_continuation_on(&client, &proxy, &prompt, &engines[0]).await?;
     assert_no_panic(&proxy);
     Ok(())
 }

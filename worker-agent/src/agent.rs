@@ -306,16 +306,30 @@ pub async fn start(
         snapshot_subject: ns.snapshot_subject(id),
         state: initial,
     };
-    // Refused credentials will not get better by retrying: say so now instead of after the
-    // startup timeout (an unreachable registry is retried by the registration).
-    if let Err(error @ ControlError::Refused { .. }) = registry.list(&ns.instances_prefix()).await {
-        return Err(AgentError::Startup(format!(
-            "the registry refused the agent: {error}"
-        )));
+    let key = ns.instance_key(&config.model, id);
+    match registry.list(&ns.instances_prefix()).await {
+        // Refused credentials will not get better by retrying: say so now instead of after
+        // the startup timeout (an unreachable registry is retried by the registration).
+        Err(error @ ControlError::Refused { .. }) => {
+            return Err(AgentError::Startup(format!(
+                "the registry refused the agent: {error}"
+            )));
+        }
+        // A record left by an earlier agent with this instance id (a fixed `--instance-id`
+        // restarted before its lease ran out): remove it first, so that proxies see the
+        // instance leave and come back and take its new batch numbering from a snapshot,
+        // instead of dropping batches numbered from 1 again as already seen.
+        Ok(listing) if listing.records.iter().any(|(existing, _)| *existing == key) => {
+            tracing::info!(%key, "removing the record an earlier agent left under this instance id");
+            if let Err(error) = registry.delete(&key).await {
+                tracing::warn!(%key, %error, "cannot remove the earlier record");
+            }
+        }
+        _ => {}
     }
     let registration = Registration {
         registry,
-        key: ns.instance_key(&config.model, id),
+        key,
         record,
         facts: facts_rx,
         ttl: config.lease_ttl,
