@@ -58,20 +58,15 @@ fn check_etcd_security(config: &Config, path: &FieldPath) -> Checked {
     if discovery.kind != DiscoveryKind::Etcd {
         return Ok(());
     }
-    let https = discovery
-        .endpoint
-        .split(',')
-        .map(str::trim)
-        .filter(|url| !url.is_empty())
-        .map(|url| url.starts_with("https://"));
-    let (mut secure, mut plain) = (0, 0);
-    for is_https in https {
-        if is_https {
-            secure += 1;
-        } else {
-            plain += 1;
-        }
-    }
+    let endpoints = || {
+        discovery
+            .endpoint
+            .split(',')
+            .map(str::trim)
+            .filter(|url| !url.is_empty())
+    };
+    let secure = endpoints().any(|url| url.starts_with("https://"));
+    let plain = endpoints().any(|url| !url.starts_with("https://"));
     match &discovery.tls {
         Some(tls) => {
             check_control_tls(tls, &path.key("tls"))?;
@@ -81,11 +76,11 @@ fn check_etcd_security(config: &Config, path: &FieldPath) -> Checked {
                     "etcd TLS needs the CA that signs its members",
                 );
             }
-            if plain > 0 {
+            if plain {
                 return fail(path.key("endpoint"), "with tls, every endpoint is https://");
             }
         }
-        None if secure > 0 => {
+        None if secure => {
             return fail(
                 path.key("tls"),
                 "https:// endpoints need tls (at least its ca)",

@@ -338,27 +338,22 @@ impl EtcdCluster {
 
     /// The position of the member that leads now, asked of the members that answer.
     pub async fn leader(&self) -> io::Result<usize> {
-        for member in &self.members {
+        // Each answering member's own id and the leader it names.
+        let mut seen = Vec::new();
+        for (i, member) in self.members.iter().enumerate() {
             let Ok(mut client) = etcd_client::Client::connect([member.url()], None).await else {
                 continue;
             };
-            let Ok(status) = client.status().await else {
-                continue;
-            };
-            let leader = status.leader();
-            for (i, candidate) in self.members.iter().enumerate() {
-                let Ok(mut client) = etcd_client::Client::connect([candidate.url()], None).await
-                else {
-                    continue;
-                };
-                if let Ok(status) = client.status().await
-                    && status.header().map(|h| h.member_id()) == Some(leader)
-                {
-                    return Ok(i);
-                }
+            if let Ok(status) = client.status().await
+                && let Some(id) = status.header().map(|h| h.member_id())
+            {
+                seen.push((i, id, status.leader()));
             }
         }
-        Err(io::Error::other("no etcd member names a leader"))
+        seen.iter()
+            .find(|(_, id, _)| seen.iter().any(|(_, _, leader)| leader == id))
+            .map(|(i, _, _)| *i)
+            .ok_or_else(|| io::Error::other("no etcd member names a leader"))
     }
 
     /// Kills member `i` with SIGKILL (its data stays).

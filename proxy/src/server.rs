@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use kvmesh_config::{
-    Config, DiscoveryKind, EventsKind, GRPC_LISTENER, HealthCheckConfig, PolicyKind,
+    Config, DiscoveryKind, EventsKind, GRPC_LISTENER, HealthCheckConfig, ModelConfig, PolicyKind,
     TelemetryConfig,
 };
 use kvmesh_telemetry::{Telemetry, TraceSettings};
@@ -418,16 +418,14 @@ fn model_pools(
     builder: &PoolBuilder,
     kept: Option<(&ModelRegistry, &Config)>,
 ) -> Result<Vec<NamedPool>, ProxyError> {
-    let listed =
-        |config: &Config, name: &str| config.models.iter().find(|m| m.name == name).cloned();
     let mut pools = Vec::new();
     for model in StaticDiscovery::new(config).models()? {
         let previous = kept.and_then(|(registry, old)| {
             let pool = registry
                 .get(&model.name)
                 .filter(|pool| pool.name() == model.name)?;
-            let unchanged = listed(old, &model.name).is_some()
-                && listed(old, &model.name) == listed(config, &model.name);
+            let before = listed(old, &model.name);
+            let unchanged = before.is_some() && before == listed(config, &model.name);
             Some((pool, unchanged))
         });
         let pool = match previous {
@@ -443,13 +441,17 @@ fn model_pools(
     }
     if let Some((registry, old)) = kept {
         for pool in registry.pools() {
-            let name = pool.name().to_string();
-            if listed(old, &name).is_none() && listed(config, &name).is_none() {
+            if listed(old, pool.name()).is_none() && listed(config, pool.name()).is_none() {
                 pools.push((pool, Vec::new()));
             }
         }
     }
     Ok(pools)
+}
+
+/// The model named `name` in `config`'s `models`.
+fn listed<'a>(config: &'a Config, name: &str) -> Option<&'a ModelConfig> {
+    config.models.iter().find(|model| model.name == name)
 }
 
 /// Whether the model pools of `old` serve `new` as they are: the same models,

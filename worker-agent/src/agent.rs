@@ -307,7 +307,8 @@ pub async fn start(
         state: initial,
     };
     let key = ns.instance_key(&config.model, id);
-    match registry.list(&ns.instances_prefix()).await {
+    // Listing the record's own key (its id is fixed-width: no other key starts with it).
+    match registry.list(&key).await {
         // Refused credentials will not get better by retrying: say so now instead of after
         // the startup timeout (an unreachable registry is retried by the registration).
         Err(error @ ControlError::Refused { .. }) => {

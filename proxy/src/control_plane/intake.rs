@@ -357,11 +357,10 @@ impl Intake {
             last_repair: HashMap::new(),
             connected: false,
             epoch: 0,
-            durable: false,
+            durable,
             replica: rand::random(),
             subjects,
         };
-        actor.durable = durable;
         let initial = *connection.borrow_and_update();
         actor.on_connection(initial);
         let mut overflowed = 0;
