@@ -210,11 +210,13 @@ async fn chat_turns_stick_to_their_instance_and_explain_themselves() {
         ("user", words(100, 10)),
         ("assistant", words(200, 12)),
     ]);
-    // A booking ends just after the response's last byte: wait for the last one to go.
+    // A booking ends just after the response's last byte, the in-flight count when the
+    // request's guard drops after it: wait for both to go.
     await_explained(proxy.admin, &third, |json| {
-        json["instances"]
-            .as_array()
-            .is_some_and(|all| all.iter().all(|i| i["active_requests"] == 0))
+        json["instances"].as_array().is_some_and(|all| {
+            all.iter()
+                .all(|i| i["active_requests"] == 0 && i["in_flight"] == 0)
+        })
     })
     .await;
     let explained = explain(proxy.admin, "?route=chat_completions", &third).await;
