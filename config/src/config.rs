@@ -9,9 +9,10 @@ use crate::source_map::{SourceMap, position};
 use crate::validate::validate;
 use crate::violation::Violation;
 use crate::{
-    AdminConfig, AuthConfig, ConfigError, DiscoveryConfig, EventsConfig, FieldPath, GrpcConfig,
-    HealthCheckConfig, Invalid, LimitsConfig, ListenerConfig, ModelConfig, OutlierDetectionConfig,
-    ReloadConfig, RetryConfig, Segment, ShutdownConfig, TelemetryConfig, UpstreamConfig,
+    AdminConfig, AuthConfig, ConfigError, DiscoveryConfig, EppConfig, EventsConfig, FieldPath,
+    GrpcConfig, HealthCheckConfig, Invalid, LimitsConfig, ListenerConfig, ModelConfig,
+    OutlierDetectionConfig, ReloadConfig, RetryConfig, Segment, ShutdownConfig, TelemetryConfig,
+    UpstreamConfig,
 };
 
 /// The whole proxy configuration (one YAML file). Every section is optional and
@@ -25,6 +26,8 @@ pub struct Config {
     pub admin: AdminConfig,
     /// The KServe v2 gRPC listener (default: none).
     pub grpc: GrpcConfig,
+    /// The endpoint picker listener for Envoy-based gateways (default: none).
+    pub epp: EppConfig,
     /// Served models and their backends (at least one).
     pub models: Vec<ModelConfig>,
     /// Body size limit and timeouts.
@@ -57,6 +60,7 @@ impl Default for Config {
             listeners: vec![ListenerConfig::default()],
             admin: AdminConfig::default(),
             grpc: GrpcConfig::default(),
+            epp: EppConfig::default(),
             models: Vec::new(),
             limits: LimitsConfig::default(),
             retry: RetryConfig::default(),

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use crate::auth::check_auth;
 use crate::concurrency::check_concurrency;
 use crate::duration::format_duration;
+use crate::epp::check_epp;
 use crate::grpc::check_grpc;
 use crate::limits::{MAX_HEADER_BYTES, MAX_HEADERS};
 use crate::reload::check_reload;
@@ -20,6 +21,7 @@ pub(crate) fn validate(config: &Config) -> Checked {
     let root = FieldPath::root();
     check_listeners(config, &root)?;
     check_grpc(config, &root.key("grpc"))?;
+    check_epp(config, &root.key("epp"))?;
     check_models(config, &root)?;
     check_control_plane(config, &root)?;
     check_limits(config, &root.key("limits"))?;
@@ -38,8 +40,11 @@ pub(crate) fn validate(config: &Config) -> Checked {
 
 fn check_listeners(config: &Config, root: &FieldPath) -> Checked {
     let listeners = root.key("listeners");
-    if config.listeners.is_empty() {
-        return fail(listeners, "at least one listener is required");
+    if config.listeners.is_empty() && config.epp.address.is_none() {
+        return fail(
+            listeners,
+            "at least one listener is required (or epp.address, for an endpoint picker alone)",
+        );
     }
     let mut names = HashMap::new();
     let mut addresses = HashMap::new();
