@@ -92,6 +92,20 @@ impl Balancer {
         }
     }
 
+    /// The instance of `candidates` that [`pick`](Policy::pick) would choose for `input`
+    /// now, booking and recording nothing (`None`: none eligible, or every one busy). The
+    /// endpoint picker names its fallbacks this way. Round robin moves on as a pick does.
+    pub fn peek<S: CandidateSet + ?Sized>(
+        &self,
+        candidates: &S,
+        input: &PolicyInput,
+    ) -> Option<usize> {
+        match self {
+            Self::Kv(router) => router.peek(candidates, input),
+            _ => self.pick(candidates, input).ok().map(|picked| picked.index),
+        }
+    }
+
     /// Copies live routing state of `instances` into the gauges (called before a scrape).
     pub fn refresh_gauges<C: Candidate>(&self, instances: &[Arc<C>]) {
         if let Some(router) = self.kv_router() {

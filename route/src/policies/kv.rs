@@ -8,22 +8,28 @@ use crate::candidates::CandidateSet;
 use crate::kv::{Choice, KvRequest, KvRouter, route_header};
 use crate::policy::{NoPick, Picked, Policy, PolicyInput};
 
-impl Policy for KvRouter {
-    /// Chooses for the request's prompt (a request with [`PolicyInput::None`] is routed by
-    /// load alone); answers [`NoPick::Busy`] when every eligible instance is busy.
-    fn pick<S: CandidateSet + ?Sized>(
+impl KvRouter {
+    /// The instance [`pick`](Policy::pick) would choose for `input` now, without booking
+    /// or recording it.
+    pub fn peek<S: CandidateSet + ?Sized>(
         &self,
         candidates: &S,
         input: &PolicyInput,
-    ) -> Result<Picked<'_>, NoPick> {
-        let unprepared;
-        let request = match input {
-            PolicyInput::Kv(request) => request,
-            PolicyInput::None => {
-                unprepared = KvRequest::without_prompt();
-                &unprepared
+    ) -> Option<usize> {
+        with_request(input, |request| {
+            match self.choose(candidates, request, &mut rand::thread_rng()) {
+                Choice::Picked(decision) => Some(decision.index),
+                Choice::AllBusy | Choice::NoneEligible => None,
             }
-        };
+        })
+    }
+
+    /// Chooses for `request` and books the choice.
+    fn pick_for<S: CandidateSet + ?Sized>(
+        &self,
+        candidates: &S,
+        request: &KvRequest,
+    ) -> Result<Picked<'_>, NoPick> {
         match self.choose(candidates, request, &mut rand::thread_rng()) {
             Choice::Picked(decision) => {
                 let booking = self.commit(&decision, request, Instant::now());
@@ -43,5 +49,26 @@ impl Policy for KvRouter {
             }
             Choice::NoneEligible => Err(NoPick::Nothing),
         }
+    }
+}
+
+impl Policy for KvRouter {
+    /// Chooses for the request's prompt (a request with [`PolicyInput::None`] is routed by
+    /// load alone); answers [`NoPick::Busy`] when every eligible instance is busy.
+    fn pick<S: CandidateSet + ?Sized>(
+        &self,
+        candidates: &S,
+        input: &PolicyInput,
+    ) -> Result<Picked<'_>, NoPick> {
+        with_request(input, |request| self.pick_for(candidates, request))
+    }
+}
+
+/// Calls `f` with `input`'s request (one without a prompt for [`PolicyInput::None`]: routed
+/// by load alone).
+fn with_request<R>(input: &PolicyInput, f: impl FnOnce(&KvRequest) -> R) -> R {
+    match input {
+        PolicyInput::Kv(request) => f(request),
+        PolicyInput::None => f(&KvRequest::without_prompt()),
     }
 }

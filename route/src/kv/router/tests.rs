@@ -11,6 +11,7 @@ use rand::rngs::StdRng;
 use super::*;
 use crate::candidates::{Candidates, Excluded};
 use crate::metrics::KvFamilies;
+use crate::policy::PolicyInput;
 use crate::prepare::{FallbackReason, PromptKind};
 
 const BLOCK: usize = 4;
@@ -393,6 +394,33 @@ fn explaining_changes_nothing() {
     let other = &first.instances[(decision.index + 1) % 3];
     assert_eq!(other.predicted_ttft_ms, profile.iteration_prefill_ms(48));
     assert_eq!((chosen.speed, chosen.harm_ms), (1.0, 0.0));
+}
+
+#[test]
+fn peeking_names_the_pick_without_booking_or_predicting_it() {
+    let (router, instances) = router_with(config(), 3);
+    let warm = request(&router, &conversation(1, 40));
+    let decision = picked(choose(&router, &instances, &warm, 0));
+    drop(router.commit(&decision, &warm, Instant::now()));
+    let next = PolicyInput::Kv(request(&router, &conversation(1, 48)));
+    let before: Vec<_> = (0..3).map(|i| router.loads.snapshot(i, &[])).collect();
+    let cached = router.overlap.cached_blocks();
+    let mut excluded = Excluded::default();
+    let all = Candidates::new(&instances, &excluded, 0);
+    assert_eq!(router.peek(&all, &next), Some(decision.index));
+    // The cache-rich instance excluded: one of the others, and still nothing booked.
+    excluded.insert(decision.index);
+    let rest = Candidates::new(&instances, &excluded, 0);
+    let fallback = router.peek(&rest, &next).unwrap();
+    assert_ne!(fallback, decision.index);
+    let after: Vec<_> = (0..3).map(|i| router.loads.snapshot(i, &[])).collect();
+    assert_eq!(before, after);
+    assert_eq!(cached, router.overlap.cached_blocks());
+    for index in 0..3 {
+        excluded.insert(index);
+    }
+    let none = Candidates::new(&instances, &excluded, 0);
+    assert_eq!(router.peek(&none, &next), None);
 }
 
 #[test]
