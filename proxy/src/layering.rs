@@ -18,6 +18,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "auth",
             "clock",
             "edge_metrics",
+            "epp::metrics",
             "error",
             "failure",
             "grpc::rpc",
@@ -57,6 +58,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         &[
             "accept",
             "data_app",
+            "epp",
             "grpc",
             "h1",
             "request_body",

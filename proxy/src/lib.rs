@@ -10,7 +10,9 @@
 //! `kvmesh-route` crate); responses then carry `x-kvmesh-route`, and the admin
 //! listener explains decisions at `POST /debug/route`. With `grpc.address` set,
 //! a tonic listener serves the KServe v2 gRPC API over the same state and the
-//! same forwarding path (the `grpc` module).
+//! same forwarding path (the `grpc` module). With `epp.address` set, it is also the
+//! endpoint picker of a Gateway API Inference Extension pool (the `epp` module): Envoy asks
+//! it over `ext_proc` where each request goes.
 //!
 //! ```no_run
 //! # async fn demo(config: kvmesh_config::Config) -> Result<(), Box<dyn std::error::Error>> {
@@ -34,6 +36,7 @@ mod control_plane;
 mod data_app;
 mod discovery;
 mod edge_metrics;
+mod epp;
 mod error;
 mod failure;
 mod grpc;

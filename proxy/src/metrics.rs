@@ -12,6 +12,7 @@ use prometheus::{
 
 use crate::api_error::{CLIENT_ERROR_REASONS, ClientErrorReason};
 use crate::edge_metrics::EdgeMetrics;
+use crate::epp::metrics::EppMetrics;
 use crate::failure::{FAILURE_KINDS, FailureKind};
 use crate::grpc::rpc::{RPC_COUNT, Rpc};
 use crate::retry::{RETRY_REASONS, RetryReason};
@@ -70,6 +71,8 @@ pub(crate) struct Metrics {
     kv: KvFamilies,
     /// Authentication, limits, TLS and reload families.
     pub(crate) edge: EdgeMetrics,
+    /// The endpoint picker's families.
+    pub(crate) epp: EppMetrics,
     /// `kvmesh_trace_spans_exported_total` and `kvmesh_trace_spans_dropped_total{reason}`
     /// (0 while tracing is off).
     pub(crate) trace_spans: SpanCounters,
@@ -215,6 +218,7 @@ impl Metrics {
         registry.register(Box::new(client_errors_vec))?;
         let kv = KvFamilies::register(&registry)?;
         let edge = EdgeMetrics::new(&registry)?;
+        let epp = EppMetrics::new(&registry)?;
         let trace_spans = SpanCounters::register(&registry, "kvmesh")?;
         Ok(Self {
             registry,
@@ -235,6 +239,7 @@ impl Metrics {
             client_errors,
             kv,
             edge,
+            epp,
             trace_spans,
         })
     }

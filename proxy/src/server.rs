@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use kvmesh_config::{
-    Config, DiscoveryKind, EventsKind, GRPC_LISTENER, HealthCheckConfig, ModelConfig, PolicyKind,
-    TelemetryConfig,
+    Config, DiscoveryKind, EPP_LISTENER, EventsKind, GRPC_LISTENER, HealthCheckConfig, ModelConfig,
+    PolicyKind, TelemetryConfig,
 };
 use kvmesh_telemetry::{Telemetry, TraceSettings};
 use tokio::net::TcpListener;
@@ -26,6 +26,7 @@ use crate::auth::Authenticator;
 use crate::control_plane::{ControlLoops, ControlPlane, is_dynamic};
 use crate::data_app::DataApp;
 use crate::discovery::{Discovery, StaticDiscovery};
+use crate::epp::EppListener;
 use crate::grpc::GrpcListener;
 use crate::health_check::{interval_ms, spawn_probes};
 use crate::instance::PeerSettings;
@@ -78,6 +79,8 @@ pub struct Proxy {
     admin_address: SocketAddr,
     /// The KServe v2 gRPC listener (`grpc.address`).
     grpc: Option<GrpcListener>,
+    /// The endpoint picker listener (`epp.address`).
+    epp: Option<EppListener>,
     health_check: HealthCheckConfig,
     drain_timeout: Duration,
     control: ControlLoops,
@@ -142,6 +145,7 @@ impl Proxy {
         let admin = bind(ADMIN_LISTENER, config.admin.address).await?;
         let admin_address = local_address(&admin, ADMIN_LISTENER, config.admin.address)?;
         let grpc = GrpcListener::bind(&config.grpc).await?;
+        let epp = EppListener::bind(&config.epp).await?;
         let health_check = config.health_check.clone();
         let drain_timeout = config.shutdown.drain_timeout;
         let reloader = Arc::new(Reloader::new(
@@ -162,6 +166,7 @@ impl Proxy {
             admin,
             admin_address,
             grpc,
+            epp,
             health_check,
             drain_timeout,
             control,
@@ -189,14 +194,23 @@ impl Proxy {
         self.grpc.as_ref().map(GrpcListener::address)
     }
 
+    /// The endpoint picker's address, when `epp.address` is set.
+    pub fn epp_address(&self) -> Option<SocketAddr> {
+        self.epp.as_ref().map(EppListener::address)
+    }
+
     /// Writes `LISTENING <name> <addr>` for every data listener, then for
-    /// `grpc` (when on) and `admin`, and flushes. (`READY` is the caller's to print.)
+    /// `grpc` and `epp` (when on) and `admin`, and flushes. (`READY` is the caller's to
+    /// print.)
     pub fn announce(&self, out: &mut impl Write) -> std::io::Result<()> {
         for listener in &self.listeners {
             writeln!(out, "LISTENING {} {}", listener.name, listener.address)?;
         }
         if let Some(grpc) = &self.grpc {
             writeln!(out, "LISTENING {GRPC_LISTENER} {}", grpc.address())?;
+        }
+        if let Some(epp) = &self.epp {
+            writeln!(out, "LISTENING {EPP_LISTENER} {}", epp.address())?;
         }
         writeln!(out, "LISTENING {ADMIN_LISTENER} {}", self.admin_address)?;
         out.flush()
@@ -214,6 +228,7 @@ impl Proxy {
         self.reloader.start_tasks().await;
         let health_check = Arc::new(self.health_check);
         let new_instance_probes = health_check.enabled.then(|| Arc::clone(&health_check));
+        let discovery_synced = self.control.discovery_synced();
         self.control
             .start(&initial, new_instance_probes, &mut probes);
         drop(initial);
@@ -231,6 +246,20 @@ impl Proxy {
             tokio::spawn(grpc.serve(
                 Arc::clone(&self.state),
                 grpc_tls,
+                first_bytes_timeout,
+                shutdown,
+                self.drain_timeout,
+            ))
+        });
+        let epp_loop = self.epp.map(|epp| {
+            let mut stopping = data_rx.clone();
+            let shutdown = async move {
+                let _ = stopping.wait_for(|stop| *stop).await;
+            };
+            tokio::spawn(epp.serve(
+                Arc::clone(&self.state),
+                discovery_synced,
+                self.tls.iter().flatten().next().cloned(),
                 first_bytes_timeout,
                 shutdown,
                 self.drain_timeout,
@@ -274,6 +303,13 @@ impl Proxy {
                 Ok(Ok(())) => {}
                 Ok(Err(error)) => tracing::warn!(%error, "gRPC listener failed"),
                 Err(error) => tracing::warn!(%error, "gRPC listener task failed"),
+            }
+        }
+        if let Some(epp_loop) = epp_loop {
+            match epp_loop.await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => tracing::warn!(%error, "endpoint picker listener failed"),
+                Err(error) => tracing::warn!(%error, "endpoint picker listener task failed"),
             }
         }
         let _ = admin_tx.send(true);

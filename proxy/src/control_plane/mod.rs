@@ -27,6 +27,7 @@ use kvmesh_config::{Config, DiscoveryKind, EventsKind, HealthCheckConfig};
 use kvmesh_control::{
     EtcdRegistry, EventBus, Namespace, NatsBus, NatsSettings, Registry, Watch, WatchEvent,
 };
+use prometheus::IntGauge;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
@@ -87,6 +88,8 @@ pub(crate) struct ControlLoops {
     /// Reloads that gave models new pools, for the discovery loop; the sender goes to the
     /// reloader ([`ControlLoops::reload_notifier`]).
     reloads: Option<(Option<ReloadNotifier>, ReloadWatch)>,
+    /// `kvmesh_discovery_connected` (`None` for static backends).
+    discovery_synced: Option<IntGauge>,
 }
 
 impl std::fmt::Debug for ControlLoops {
@@ -123,6 +126,7 @@ impl ControlLoops {
                     discovery: None,
                     intake: None,
                     reloads: None,
+                    discovery_synced: None,
                 });
             }
             DiscoveryKind::Etcd => Arc::new(
@@ -137,6 +141,7 @@ impl ControlLoops {
             })?,
         };
         let control_metrics = ControlMetrics::new(metrics)?;
+        let discovery_synced = Some(control_metrics.discovery_connected.clone());
         let discovery_ns = Namespace::new(&config.discovery.namespace)
             .map_err(|error| control_error("discovery.namespace", error))?;
         let (intake, inputs) = match Self::intake_source(config, &given)? {
@@ -194,6 +199,7 @@ impl ControlLoops {
             discovery: Some((applier, watch)),
             intake,
             reloads: Some((Some(notifier), reloads)),
+            discovery_synced,
         })
     }
 
@@ -203,6 +209,12 @@ impl ControlLoops {
         self.reloads
             .as_mut()
             .and_then(|(notifier, _)| notifier.take())
+    }
+
+    /// 1 once discovery has listed its instances, 0 while its watch is down (`None` for
+    /// static backends: nothing to wait for).
+    pub(crate) fn discovery_synced(&self) -> Option<IntGauge> {
+        self.discovery_synced.clone()
     }
 
     fn intake_source(

@@ -26,7 +26,7 @@ mod deadline;
 mod engine_json;
 mod failure;
 mod frontend;
-mod incoming;
+pub(crate) mod incoming;
 mod infer;
 mod invalid;
 mod outputs;

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use kvmesh_route::kv::KvRouter;
-use kvmesh_route::prepare::{InvalidPrompt, Prepared, Preparer, offload};
+use kvmesh_route::prepare::{InvalidPrompt, Prepared, Preparer, PromptKind, offload};
 use kvmesh_route::{Balancer, PolicyInput};
 
 use crate::auth::{KeyPermit, prompt_tokens};
@@ -37,29 +37,54 @@ pub(crate) async fn prepare<'a, F: Frontend>(
     body: &mut Bytes,
     frontend: &F,
 ) -> Result<Picker<'a>, InvalidPrompt> {
-    let balancer = pool.balancer();
-    let Some(preparer) = balancer.preparer() else {
-        return Ok(Picker {
-            balancer,
-            input: PolicyInput::None,
-        });
-    };
-    let prepared = match adapter {
-        Some(adapter) => {
-            let preparer = preparer.for_adapter(Arc::clone(adapter));
-            prepare_prompt(state, &preparer, route, body, true).await?
-        }
-        None => prepare_prompt(state, preparer, route, body, true).await?,
-    };
-    let session = balancer
+    let session = pool
+        .balancer()
         .kv_router()
         .and_then(KvRouter::session_header)
         .and_then(|name| frontend.header(name));
-    let input = balancer.input(&prepared, session, Instant::now());
-    if let Some(rewritten) = prepared.rewritten {
+    let (picker, rewritten) = picker_for(
+        state,
+        pool,
+        adapter,
+        route.prompt_kind(),
+        body,
+        session,
+        true,
+    )
+    .await?;
+    if let Some(rewritten) = rewritten {
         *body = rewritten;
     }
-    Ok(Picker { balancer, input })
+    Ok(picker)
+}
+
+/// The picker of a request to `pool` (for `adapter`) whose `body` carries a `kind` prompt,
+/// in `session`; with `forward`, also the body rewritten with the prompt's token ids when
+/// the policy tokenized it (the endpoint picker forwards nothing: it passes `false`).
+pub(crate) async fn picker_for<'a>(
+    state: &State,
+    pool: &'a ModelPool,
+    adapter: Option<&Arc<str>>,
+    kind: PromptKind,
+    body: &Bytes,
+    session: Option<&str>,
+    forward: bool,
+) -> Result<(Picker<'a>, Option<Bytes>), InvalidPrompt> {
+    let balancer = pool.balancer();
+    let Some(preparer) = balancer.preparer() else {
+        let input = PolicyInput::None;
+        return Ok((Picker { balancer, input }, None));
+    };
+    let threads = state.preprocess.as_deref();
+    let prepared = match adapter {
+        Some(adapter) => {
+            let preparer = preparer.for_adapter(Arc::clone(adapter));
+            offload::prepare(threads, &preparer, kind, body, forward).await?
+        }
+        None => offload::prepare(threads, preparer, kind, body, forward).await?,
+    };
+    let input = balancer.input(&prepared, session, Instant::now());
+    Ok((Picker { balancer, input }, prepared.rewritten))
 }
 
 /// The prompt of `body` on `route` as `preparer` sees it: rendered, tokenized and hashed
