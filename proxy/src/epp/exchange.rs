@@ -34,7 +34,7 @@ use crate::epp::messages::{
     trailers_answer,
 };
 use crate::epp::request_read::{Seen, Unread, read_request};
-use crate::epp::server::Settings;
+use crate::epp::settings::Settings;
 use crate::epp::wire::Wire;
 use crate::request::admit::instances_for;
 use crate::state::State;

@@ -17,7 +17,7 @@ use crate::epp::messages::{
     trailers_answer,
 };
 use crate::epp::metrics::{EppMetrics, Served};
-use crate::epp::server::Settings;
+use crate::epp::settings::Settings;
 use crate::epp::wire::Wire;
 use crate::headers::{X_KVMESH_INSTANCE, X_KVMESH_ROUTE};
 use crate::instance::Instance;

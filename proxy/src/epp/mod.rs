@@ -25,6 +25,7 @@ mod messages;
 pub(crate) mod metrics;
 mod request_read;
 mod server;
+mod settings;
 mod wire;
 
 pub(crate) use server::EppListener;

@@ -8,7 +8,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use tonic::Status;
 
 use crate::epp::messages::{BodyMode, Half, Modes, header, headers_answer, metadata_list};
-use crate::epp::server::Settings;
+use crate::epp::settings::Settings;
 use crate::epp::wire::Wire;
 
 /// A request as the gateway showed it.
