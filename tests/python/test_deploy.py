@@ -28,6 +28,9 @@ K8S = DEPLOY / "k8s"
 # The overlay that locks the control plane down (TLS, credentials): patches of the base,
 # checked on their own below.
 SECURE = K8S / "secure"
+# The overlay behind an Inference Extension gateway: an InferencePool whose endpoint picker is
+# the proxy (kinds from CRDs the base does not need), checked on its own below.
+INFERENCE = K8S / "inference-pool"
 DOCKER = DEPLOY / "docker"
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
 KNOWN_KINDS = WORKLOAD_KINDS | {
@@ -46,7 +49,7 @@ def manifests():
     """[(path, document)] of every YAML document under deploy/k8s."""
     out = []
     for path in sorted(K8S.rglob("*.yaml")):
-        if SECURE in path.parents:
+        if SECURE in path.parents or INFERENCE in path.parents:
             continue
         for doc in yaml.safe_load_all(path.read_text()):
             if doc:
@@ -265,8 +268,9 @@ def test_proxy_ports_and_probes_match_its_config():
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     data = {port_of(l["address"]) for l in config["listeners"]}
     grpc = {port_of(config["grpc"]["address"])} if config.get("grpc", {}).get("address") else set()
+    epp = {port_of(config["epp"]["address"])} if config.get("epp", {}).get("address") else set()
     admin = port_of(config["admin"]["address"])
-    assert set(ports.values()) == data | grpc | {admin}
+    assert set(ports.values()) == data | grpc | epp | {admin}
     assert config["admin"]["address"].startswith("0.0.0.0:"), "probes reach the admin listener on the pod IP"
     assert ports[c["livenessProbe"]["httpGet"]["port"]] == admin
     assert ports[c["readinessProbe"]["httpGet"]["port"]] == admin
@@ -274,7 +278,7 @@ def test_proxy_ports_and_probes_match_its_config():
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     service = find("Service", "kvmesh-proxy")
     targets = {ports[p["targetPort"]] for p in service["spec"]["ports"]}
-    assert targets == data | grpc, "the Service exposes the data and gRPC listeners, not admin"
+    assert targets == data | grpc | epp, "the Service exposes the data, gRPC and picker listeners, not admin"
     mount = next(m for m in c["volumeMounts"] if m["name"] == "config")
     assert flags(c["args"])["config"] == f"{mount['mountPath']}/{PROXY_CONFIG_KEY}"
     grace = pod_spec(proxy)["terminationGracePeriodSeconds"]
@@ -566,3 +570,51 @@ def test_secure_overlay_flags_exist():
         for key, value in base.items():
             if key not in changed:
                 assert secured.get(key) == value, f"{name} --{key}: {secured.get(key)!r} vs {value!r}"
+
+
+# deploy/k8s/inference-pool: kvmesh as the endpoint picker of an InferencePool.
+
+INFERENCE_KUSTOMIZATION = yaml.safe_load((INFERENCE / "kustomization.yaml").read_text())
+INFERENCE_DOCS = {
+    path.name: yaml.safe_load(path.read_text()) for path in sorted(INFERENCE.glob("*.yaml")) if path.name != "kustomization.yaml"
+}
+
+
+def inference(kind):
+    return next(doc for doc in INFERENCE_DOCS.values() if doc["kind"] == kind)
+
+
+def test_inference_pool_overlay_lists_its_files():
+    resources = INFERENCE_KUSTOMIZATION["resources"]
+    assert resources[0] == "../" and set(resources[1:]) == set(INFERENCE_DOCS), resources
+    for doc in INFERENCE_DOCS.values():
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvmesh"
+
+
+def test_the_pools_picker_is_the_proxys_epp_port_and_its_endpoints_are_what_the_agents_register():
+    pool = inference("InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    spec = pool["spec"]
+    # The picker: the Service port that reaches the proxy's epp listener.
+    ref = spec["endpointPickerRef"]
+    service = find("Service", ref["name"])
+    port = next(p for p in service["spec"]["ports"] if p["port"] == ref["port"]["number"])
+    proxy = container(find("Deployment", "kvmesh-proxy"), "kvmesh-proxy")
+    target = next(p["containerPort"] for p in proxy["ports"] if p["name"] == port["targetPort"])
+    assert target == port_of(proxy_config()["epp"]["address"])
+    assert ref["failureMode"] in ("FailOpen", "FailClose")
+    # The pods: the workers, whose agents register podIP:port, the endpoint the gateway uses.
+    worker = find("Deployment", "kvmesh-worker")
+    labels = pod_spec_labels(worker)
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    engine_port = next(p["containerPort"] for p in container(worker, "vllm")["ports"] if p["name"] == "http")
+    assert [p["number"] for p in spec["targetPorts"]] == [engine_port]
+    advertised = flags(container(worker, "kvmesh-agent")["args"])["advertise-url"]
+    assert advertised == f"http://$(POD_IP):{engine_port}", advertised
+    route = inference("HTTPRoute")
+    backends = [ref for rule in route["spec"]["rules"] for ref in rule["backendRefs"]]
+    assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool["metadata"]["name"]}]
+
+
+def pod_spec_labels(workload):
+    return workload["spec"]["template"]["metadata"]["labels"]
