@@ -8,7 +8,7 @@ use kvmesh_bench::histogram::LatencyHistogram;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use crate::{Args, grpc, http, seconds};
+use crate::{Args, epp, grpc, http, seconds};
 
 /// The transport of a lane.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,6 +19,8 @@ pub(crate) enum Protocol {
     H2c,
     /// KServe v2 gRPC, one HTTP/2 connection shared by the workers.
     Grpc,
+    /// The endpoint picker's ext_proc exchanges, one HTTP/2 connection shared by the workers.
+    Epp,
 }
 
 impl Protocol {
@@ -28,6 +30,7 @@ impl Protocol {
             Self::Http1 => "http/1.1",
             Self::H2c => "http/2",
             Self::Grpc => "grpc",
+            Self::Epp => "epp",
         }
     }
 }
@@ -104,6 +107,8 @@ pub(crate) enum Worker {
     Http(http::HttpWorker),
     /// KServe gRPC.
     Grpc(Box<grpc::GrpcWorker>),
+    /// The endpoint picker.
+    Epp(epp::EppWorker),
 }
 
 impl Worker {
@@ -111,6 +116,7 @@ impl Worker {
         match self {
             Self::Http(worker) => worker.send().await,
             Self::Grpc(worker) => worker.send().await,
+            Self::Epp(worker) => worker.send().await,
         }
     }
 }
@@ -127,6 +133,7 @@ pub(crate) async fn run_lane(
             http::workers(args, protocol == Protocol::H2c, shape, prompt).await?
         }
         Protocol::Grpc => grpc::workers(args, shape, prompt).await?,
+        Protocol::Epp => epp::workers(args, prompt).await?,
     };
     let measure_from = Instant::now() + seconds(args.warmup);
     let measure_until = measure_from + seconds(args.duration);
@@ -140,7 +147,7 @@ pub(crate) async fn run_lane(
                         let ended = sample.started + sample.total;
                         if sample.started >= measure_from && ended <= measure_until {
                             tally.e2e.record(sample.total);
-                            if shape == Shape::Stream {
+                            if shape == Shape::Stream || protocol == Protocol::Epp {
                                 tally.ttft.record(sample.first);
                             }
                         }

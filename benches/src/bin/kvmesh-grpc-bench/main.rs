@@ -1,6 +1,8 @@
 //! `kvmesh-grpc-bench`: the same completions through one kvmesh-proxy over its OpenAI HTTP
 //! listener and over its KServe v2 gRPC listener, unary and streaming, closed loop; prints
-//! a Markdown table (throughput, end-to-end latency, time to first token).
+//! a Markdown table (throughput, end-to-end latency, time to first token). With `--epp`, the
+//! `epp` lane runs the proxy's endpoint picker exchange as Envoy does (its "TTFT" is the
+//! pick's latency, its E2E the whole exchange).
 //!
 //! ```text
 //! kvmesh-grpc-bench --http 127.0.0.1:8080 --grpc 127.0.0.1:8787 --model sim-model \
@@ -12,6 +14,7 @@
 //! streaming worker keeps one `ModelStreamInfer` call open and sends its next request when
 //! the previous one's last response arrived.
 
+mod epp;
 mod grpc;
 mod http;
 mod load;
@@ -34,6 +37,9 @@ pub(crate) struct Args {
     /// The proxy's gRPC listener.
     #[arg(long)]
     pub(crate) grpc: SocketAddr,
+    /// The proxy's endpoint picker listener (the `epp` lane).
+    #[arg(long)]
+    pub(crate) epp: Option<SocketAddr>,
     /// The model to request.
     #[arg(long, default_value = "sim-model")]
     pub(crate) model: String,
@@ -55,7 +61,7 @@ pub(crate) struct Args {
     /// Runtime threads (default: the CPUs the process may use).
     #[arg(long)]
     pub(crate) threads: Option<usize>,
-    /// Lanes to run, in order (default: every lane).
+    /// Lanes to run, in order (default: every lane but `epp`).
     #[arg(long, value_enum, value_delimiter = ',')]
     pub(crate) lanes: Vec<Lane>,
 }
@@ -75,6 +81,8 @@ pub(crate) enum Lane {
     H2cStream,
     /// KServe `ModelStreamInfer`.
     GrpcStream,
+    /// The endpoint picker: one ext_proc exchange per request (a chat body), not forwarded.
+    Epp,
 }
 
 impl Lane {
@@ -95,6 +103,7 @@ impl Lane {
             Self::Http1Stream => (Protocol::Http1, Shape::Stream),
             Self::H2cStream => (Protocol::H2c, Shape::Stream),
             Self::GrpcStream => (Protocol::Grpc, Shape::Stream),
+            Self::Epp => (Protocol::Epp, Shape::Unary),
         }
     }
 }
