@@ -3,15 +3,15 @@
 # (`policy: kv`, the Qwen3 tokenizer) pinned to one core, serving both its OpenAI HTTP
 # listener (in front of two `kvmesh-engine-sim --no-delay` engines) and its endpoint picker;
 # the load generator and the engines on the other cores. Lanes: `epp` (full ext_proc exchanges
-# as Envoy runs them: request headers and a chat body, the pick, the response reported as
-# served) and `http1-unary` (the same kind of chat request proxied to an engine). Writes the
+# as Envoy runs them: request headers and a completion's body, the pick, the response reported
+# as served) and `http1-unary` (the same completion proxied to an engine). Writes the
 # `epp` section of docs/BENCHMARKS.md.
 #
 # Usage: benches/epp.sh [options]
 #   --duration S       measured seconds per lane (default 10)
 #   --warmup S         unmeasured seconds of load before each lane (default 2)
 #   --concurrency N    workers per lane (default 32)
-#   --prompt-words N   words in each worker's system prompt (default 200)
+#   --prompt-words N   words in the prompt (default 200)
 #   --no-build         use the binaries already in --bin-dir
 #   --bin-dir DIR      where the binaries are (default target/release)
 #   --doc FILE         document to update (default docs/BENCHMARKS.md)
@@ -100,8 +100,8 @@ PICK=('kvmesh_epp_decision_seconds' 'kvmesh_epp_decision_seconds_count')
 ROWS=$WORK_DIR/rows.md
 for lane in epp http1-unary; do
   log "$lane: $CONCURRENCY workers, ${DURATION}s"
-  if [[ $lane == epp ]]; then measured=("${PICK[@]}"); else measured=("${ROUTE[@]}"); fi
-  decided_before=$(decisions "${measured[@]}")
+  routed_before=$(decisions "${ROUTE[@]}")
+  picked_before=$(decisions "${PICK[@]}")
   before=$(cpu_ticks "$PROXY_PID")
   taskset -c "$OTHERS" "$BENCH" --http "$HTTP_ADDR" --grpc "$GRPC_ADDR" --epp "$EPP_ADDR" \
     --model "$MODEL" --lanes "$lane" --concurrency "$CONCURRENCY" --duration "$DURATION" \
@@ -109,12 +109,13 @@ for lane in epp http1-unary; do
     >"$WORK_DIR/$lane.md" 2>"$WORK_DIR/$lane.err"
   ticks=$(($(cpu_ticks "$PROXY_PID") - before))
   expect_alive "$lane" "$PROXY_PID" "$SIM_PID"
-  decision=$(mean_us "$decided_before" "$(decisions "${measured[@]}")")
+  routing=$(mean_us "$routed_before" "$(decisions "${ROUTE[@]}")")
+  answer=$(mean_us "$picked_before" "$(decisions "${PICK[@]}")")
   row=$(tail -n 1 "$WORK_DIR/$lane.md")
   rps=$(awk -F'|' '{ gsub(/ /, "", $3); print $3 }' <<<"$row")
   requests=$(awk -v r="$rps" -v d="$DURATION" -v w="$WARMUP" 'BEGIN { printf "%.0f", r * (d + w) }')
-  echo "$row $decision | $(us_per_request "$ticks" "$requests") |" >>"$ROWS"
-  log "$row decision ${decision}µs"
+  echo "$row $routing | $answer | $(us_per_request "$ticks" "$requests") |" >>"$ROWS"
+  log "$row routing ${routing}µs, pick answer ${answer}µs"
 done
 
 SECTION=$WORK_DIR/section.md
@@ -126,13 +127,13 @@ SECTION=$WORK_DIR/section.md
   echo "$LOAD_BEFORE"
   echo "- Load average after the run: \`$(cut -d' ' -f1-3 /proc/loadavg)\`"
   echo "- One \`kvmesh-proxy\` pinned to CPU 0 (\`policy: kv\`, Qwen3 tokenizer, block size 16), its HTTP listener in front of two \`kvmesh-engine-sim --no-delay\` engines; engines and \`kvmesh-grpc-bench\` on CPUs $OTHERS."
-  echo "- Load: chat requests, each worker its own conversation (a ${PROMPT_WORDS}-word system prompt and one user turn), max_tokens 1, closed loop, $CONCURRENCY workers, ${DURATION}s measured after ${WARMUP}s of warm-up."
+  echo "- Load: completions, a ${PROMPT_WORDS}-word text prompt (the same for every request, so routing cost, not cache reuse, is what differs), max_tokens 1, closed loop, $CONCURRENCY workers, ${DURATION}s measured after ${WARMUP}s of warm-up."
   echo "- \`epp\`: one ext_proc stream per request over one HTTP/2 connection, as Envoy runs it in full duplex mode: request headers and body, the pick's two answers, response headers with the pick reported as served, the response body; \"TTFT\" is the pick's latency (the body sent → the headers answer), E2E the whole exchange. Nothing is forwarded."
-  echo "- \`http/1.1 unary\`: the same kind of request proxied to an engine (a keep-alive connection per worker): routing plus forwarding."
-  echo "- Decision µs: the proxy's own mean time per decision from its metrics: \`kvmesh_epp_decision_seconds\` (model, tokenize, hash, queue, pick, fallbacks) for the picker, the sum of the \`kvmesh_route_decision_seconds\` stages (template, tokenize, hash, lookup, score) for the HTTP proxy. Proxy CPU µs/req: its utime + stime over warm-up and measured run over the requests of both."
+  echo "- \`http/1.1 unary\`: the same completion proxied to an engine (a keep-alive connection per worker): routing plus forwarding."
+  echo "- From the proxy's own metrics, means per request: routing µs = the \`kvmesh_route_decision_seconds\` stages (template, tokenize, hash, lookup, score; the picker's two fallback peeks add score passes), the same work on both paths; pick answer µs = \`kvmesh_epp_decision_seconds\`, from the body's end to the answer, which adds the wait for the one saturated core. Proxy CPU µs/req: its utime + stime over warm-up and measured run over the requests of both."
   echo
-  echo "| lane | requests/s | output tok/s | E2E p50 ms | E2E p99 ms | TTFT (pick) p50 ms | TTFT (pick) p99 ms | errors | decision µs | proxy CPU µs/req |"
-  echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+  echo "| lane | requests/s | output tok/s | E2E p50 ms | E2E p99 ms | TTFT (pick) p50 ms | TTFT (pick) p99 ms | errors | routing µs | pick answer µs | proxy CPU µs/req |"
+  echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
   cat "$ROWS"
 } >"$SECTION"
 

@@ -12,6 +12,7 @@ queue).
 import asyncio
 import json
 import random
+import subprocess
 
 import grpc
 import httpx
@@ -22,7 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, struct_pb2
 
-from conftest import ROOT, Proc
+from conftest import BIN_DIR, ROOT, Proc
 
 KV = "kv-model"
 LIMITED = "limited-model"
@@ -482,3 +483,33 @@ def test_a_burst_of_a_thousand_concurrent_exchanges(cluster):
     assert metric(cluster, "kvmesh_epp_exchanges_in_flight") == 0
     load = explain(cluster, completion([1, 2, 3]))
     assert all(i["active_requests"] == 0 for i in load.values()), load
+
+
+def test_a_picker_alone_serves_tls_with_its_own_certificate(cluster, workdir):
+    certs = workdir / "epp-certs"
+    subprocess.run([str(BIN_DIR / "kvmesh-test-certs"), str(certs)], check=True, capture_output=True)
+    config = workdir / "epp-tls.yaml"
+    config.write_text(
+        "listeners: []\nadmin:\n  address: 127.0.0.1:0\n"
+        f"epp:\n  address: 127.0.0.1:0\n  tls:\n    cert: {certs / 'server.pem'}\n    key: {certs / 'server.key'}\n"
+        f"models:\n  - name: {LIMITED}\n    backends:\n      - url: http://{cluster['limited'][0]}\n"
+    )
+    proxy = Proc("kvmesh-proxy", ["--config", str(config)], workdir)
+    address = proxy.listeners["epp"]
+
+    async def go():
+        credentials = grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes())
+        async with grpc.aio.secure_channel(address, credentials) as chan:
+            exchange = Exchange(chan)
+            assert await exchange.pick("/v1/completions", completion([1], model=LIMITED)) == cluster["limited"]
+            await exchange.respond(cluster["limited"][0])
+            await exchange.close()
+        async with grpc.aio.insecure_channel(address) as plain:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await Exchange(plain).request("/v1/completions", completion([1], model=LIMITED))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    try:
+        run(go())
+    finally:
+        proxy.stop()

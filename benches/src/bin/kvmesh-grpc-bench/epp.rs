@@ -30,8 +30,7 @@ pub(crate) struct EppWorker {
     body: Vec<u8>,
 }
 
-/// `args.concurrency` workers on one channel; each sends a chat request of its own
-/// conversation (the prompt, then the turns it has sent so far).
+/// `args.concurrency` workers on one channel, each sending the HTTP lanes' completion.
 pub(crate) async fn workers(args: &Args, prompt: &str) -> anyhow::Result<Vec<Worker>> {
     let address = args.epp.context("--epp is required for the epp lane")?;
     let channel = Endpoint::from_shared(format!("http://{address}"))?
@@ -40,18 +39,16 @@ pub(crate) async fn workers(args: &Args, prompt: &str) -> anyhow::Result<Vec<Wor
         .await
         .context("ext_proc connect")?;
     let mut workers = Vec::with_capacity(args.concurrency);
-    for worker in 0..args.concurrency {
-        let body = serde_json::json!({
-            "model": args.model,
-            "messages": [
-                {"role": "system", "content": format!("Worker {worker}. {prompt}")},
-                {"role": "user", "content": "Say something."},
-            ],
-            "max_tokens": args.max_tokens,
-        });
+    let body = serde_json::json!({
+        "model": args.model,
+        "prompt": prompt,
+        "max_tokens": args.max_tokens,
+    });
+    let body = serde_json::to_vec(&body)?;
+    for _ in 0..args.concurrency {
         workers.push(Worker::Epp(EppWorker {
             client: ExternalProcessorClient::new(channel.clone()),
-            body: serde_json::to_vec(&body)?,
+            body: body.clone(),
         }));
     }
     Ok(workers)
@@ -96,7 +93,7 @@ impl EppWorker {
         let started = Instant::now();
         let full = BodySendMode::FullDuplexStreamed as i32;
         let mut first = message(Request::RequestHeaders(headers(
-            &[(":method", "POST"), (":path", "/v1/chat/completions")],
+            &[(":method", "POST"), (":path", "/v1/completions")],
             false,
         )));
         first.protocol_config = Some(ProtocolConfiguration {

@@ -81,7 +81,8 @@ pub(crate) enum Lane {
     H2cStream,
     /// KServe `ModelStreamInfer`.
     GrpcStream,
-    /// The endpoint picker: one ext_proc exchange per request (a chat body), not forwarded.
+    /// The endpoint picker: one ext_proc exchange per request (the same completion), not
+    /// forwarded.
     Epp,
 }
 
