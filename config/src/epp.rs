@@ -5,8 +5,9 @@ use std::net::SocketAddr;
 
 use serde::Deserialize;
 
+use crate::tls::check_listener_tls;
 use crate::violation::{Checked, fail};
-use crate::{Config, FieldPath};
+use crate::{Config, FieldPath, ListenerTlsConfig};
 
 /// Name the endpoint picker listener is announced under (`LISTENING epp <addr>`).
 pub const EPP_LISTENER: &str = "epp";
@@ -32,6 +33,9 @@ pub struct EppConfig {
     /// Namespace of the pick's dynamic metadata, of the served endpoint the gateway
     /// reports, and (with `.subset_hint` appended) of the subset hint.
     pub metadata_namespace: String,
+    /// TLS on the picker's port (`cert`, `key`, optional client CA as on a data listener);
+    /// `null` (the default): the first TLS data listener's, or plaintext h2c.
+    pub tls: Option<ListenerTlsConfig>,
 }
 
 impl Default for EppConfig {
@@ -41,6 +45,7 @@ impl Default for EppConfig {
             fallbacks: 2,
             destination_header: "x-gateway-destination-endpoint".to_string(),
             metadata_namespace: "envoy.lb".to_string(),
+            tls: None,
         }
     }
 }
@@ -67,6 +72,9 @@ pub(crate) fn check_epp(config: &Config, path: &FieldPath) -> Checked {
     }
     if epp.metadata_namespace.is_empty() {
         return fail(path.key("metadata_namespace"), "must not be empty");
+    }
+    if let Some(tls) = &epp.tls {
+        check_listener_tls(tls, &path.key("tls"))?;
     }
     let Some(address) = epp.address else {
         return Ok(());
@@ -139,6 +147,7 @@ mod tests {
                 fallbacks: 0,
                 destination_header: "x-pick".to_string(),
                 metadata_namespace: "lb".to_string(),
+                tls: None,
             }
         );
     }
@@ -153,6 +162,10 @@ mod tests {
             ),
             ("epp:\n  destination_header: ''\n", "epp.destination_header"),
             ("epp:\n  metadata_namespace: ''\n", "epp.metadata_namespace"),
+            (
+                "epp:\n  tls:\n    cert: /no/such.pem\n    key: /no/such.key\n",
+                "epp.tls.cert",
+            ),
             (
                 "admin:\n  address: 127.0.0.1:9999\nepp:\n  address: 127.0.0.1:9999\n",
                 "epp.address",

@@ -71,6 +71,8 @@ pub struct Proxy {
     reloader: Arc<Reloader>,
     /// Each data listener's TLS, in config order.
     tls: Vec<Option<Arc<ListenerTls>>>,
+    /// The endpoint picker's own TLS (`epp.tls`).
+    epp_tls: Option<Arc<ListenerTls>>,
     /// How often watched files are polled (`None`: not watched).
     watch: Option<Duration>,
     data: Vec<TcpListener>,
@@ -118,6 +120,7 @@ impl Proxy {
         config.validate()?;
         let metrics = Metrics::new()?;
         let tls = listener_tls(&config, &metrics)?;
+        let epp_tls = epp_tls(&config, &metrics)?;
         let telemetry = start_telemetry(&config.telemetry, &metrics)?;
         let (mut state, builder) = build_state(&config, &metrics, None)?;
         state.tracer = telemetry
@@ -160,6 +163,7 @@ impl Proxy {
             state,
             reloader,
             tls,
+            epp_tls,
             watch,
             data,
             listeners,
@@ -233,7 +237,13 @@ impl Proxy {
             .start(&initial, new_instance_probes, &mut probes);
         drop(initial);
         if let Some(period) = self.watch {
-            let tls = self.tls.iter().flatten().map(Arc::clone).collect();
+            let tls = self
+                .tls
+                .iter()
+                .flatten()
+                .chain(&self.epp_tls)
+                .map(Arc::clone);
+            let tls = tls.collect();
             probes.spawn(watch_files(Arc::clone(&self.reloader), tls, period));
         }
         // The gRPC listener speaks TLS with the first TLS data listener's certificate.
@@ -256,14 +266,17 @@ impl Proxy {
             let shutdown = async move {
                 let _ = stopping.wait_for(|stop| *stop).await;
             };
-            tokio::spawn(epp.serve(
-                Arc::clone(&self.state),
-                discovery_synced,
-                self.tls.iter().flatten().next().cloned(),
-                first_bytes_timeout,
-                shutdown,
-                self.drain_timeout,
-            ))
+            tokio::spawn(
+                epp.serve(
+                    Arc::clone(&self.state),
+                    discovery_synced,
+                    self.epp_tls
+                        .or_else(|| self.tls.iter().flatten().next().cloned()),
+                    first_bytes_timeout,
+                    shutdown,
+                    self.drain_timeout,
+                ),
+            )
         });
         let mut data_loops = JoinSet::new();
         for (listener, tls) in self.data.into_iter().zip(self.tls) {
@@ -536,6 +549,20 @@ fn listener_tls(
             })))
         })
         .collect()
+}
+
+/// The endpoint picker's own TLS, when `epp.tls` is set (its files are watched with the data
+/// listeners'; changing the paths needs a restart, as `epp` does).
+fn epp_tls(config: &Config, metrics: &Metrics) -> Result<Option<Arc<ListenerTls>>, ProxyError> {
+    let Some(tls) = &config.epp.tls else {
+        return Ok(None);
+    };
+    let settings = TlsSettings::load(tls, "epp.tls")?;
+    Ok(Some(Arc::new(ListenerTls {
+        listener: EPP_LISTENER.to_string(),
+        terminator: Arc::new(TlsTerminator::new(settings)),
+        metrics: metrics.edge.tls(EPP_LISTENER),
+    })))
 }
 
 async fn bind(name: &str, address: SocketAddr) -> Result<TcpListener, ProxyError> {
