@@ -119,6 +119,14 @@ impl EppListener {
             .max_decoding_message_size(max_message)
             .max_encoding_message_size(max_message);
         let (health, health_service) = tonic_health::server::health_reporter();
+        health
+            .set_service_status("liveness", ServingStatus::Serving)
+            .await;
+        for service in ["readiness", EXT_PROC_SERVICE] {
+            health
+                .set_service_status(service, ServingStatus::NotServing)
+                .await;
+        }
         let reporter = health.clone();
         let readiness = tokio::spawn(async move {
             report_readiness(&reporter, &state, discovery_synced.as_ref()).await;
@@ -154,22 +162,14 @@ impl EppListener {
     }
 }
 
-/// Reports `liveness` serving at once, `readiness` and the ext_proc service once the
-/// picker [`is_ready`]; they stay so until shutdown (a bus lost later leaves the index in
-/// approximate mode, as on the proxy's own listeners, and picks go on).
+/// Reports `readiness` and the ext_proc service serving once the picker [`is_ready`]; they
+/// stay so until shutdown (a bus lost later leaves the index in approximate mode, as on the
+/// proxy's own listeners, and picks go on).
 async fn report_readiness(
     reporter: &HealthReporter,
     state: &ArcSwap<State>,
     discovery_synced: Option<&IntGauge>,
 ) {
-    reporter
-        .set_service_status("liveness", ServingStatus::Serving)
-        .await;
-    for service in ["readiness", EXT_PROC_SERVICE] {
-        reporter
-            .set_service_status(service, ServingStatus::NotServing)
-            .await;
-    }
     while !is_ready(&state.load(), discovery_synced) {
         tokio::time::sleep(READINESS_POLL).await;
     }
