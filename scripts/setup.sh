@@ -37,3 +37,16 @@ if ! .venv/bin/python -c 'import openai, pytest' 2>/dev/null \
   .venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt
   cp tests/python/requirements.txt .venv/.requirements
 fi
+# Envoy's ext_proc client, generated from Envoy's protos (PyPI xds-protos), for the endpoint
+# picker's tests, in a directory of its own that only those tests append to sys.path: the
+# package also ships an older copy of the OpenTelemetry protos, which would replace
+# opentelemetry-proto's in the venv and break the tracing tests, and a `google/__init__.py`
+# that would hide the venv's `google.protobuf` namespace. Both are removed.
+XDS_PROTOS=xds-protos==1.85.0
+if [ ! -f ".venv/xds-protos/.installed-$XDS_PROTOS" ]; then
+  echo "setup: installing $XDS_PROTOS apart"
+  rm -rf .venv/xds-protos
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps --target .venv/xds-protos "$XDS_PROTOS"
+  rm -rf .venv/xds-protos/opentelemetry .venv/xds-protos/google/__init__.py
+  touch ".venv/xds-protos/.installed-$XDS_PROTOS"
+fi

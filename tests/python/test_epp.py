@@ -13,17 +13,23 @@ import asyncio
 import json
 import random
 import subprocess
+import sys
 
 import grpc
 import httpx
 import pytest
-from envoy.config.core.v3 import base_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, struct_pb2
 
 from conftest import BIN_DIR, ROOT, Proc
+
+# xds-protos lives apart (scripts/setup.sh says why); appended, so the venv's own packages
+# (opentelemetry-proto among them) keep precedence.
+sys.path.append(str(ROOT / ".venv" / "xds-protos"))
+
+from envoy.config.core.v3 import base_pb2  # noqa: E402
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2  # noqa: E402
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep  # noqa: E402
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc  # noqa: E402
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, struct_pb2  # noqa: E402
 
 KV = "kv-model"
 LIMITED = "limited-model"
