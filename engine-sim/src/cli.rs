@@ -5,7 +5,10 @@ use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
 
-use crate::config::{KvEventEncoding, KvEventHash, KvEventsConfig, PreemptionMode, SimConfig};
+use crate::config::{
+    KvEventEncoding, KvEventHash, KvEventsConfig, KvTransferConfig, ModelShape, PreemptionMode,
+    Role, SimConfig,
+};
 use crate::lora::LoraModule;
 
 /// `--preemption-mode` values.
@@ -100,6 +103,27 @@ pub struct Cli {
     /// As in vLLM, a later --lora-modules replaces an earlier one.
     #[arg(long, num_args = 1.., value_name = "NAME=PATH", overrides_with = "lora_modules")]
     pub lora_modules: Vec<LoraModule>,
+    /// Side of disaggregated serving (vLLM's kv_role): `prefill` keeps a request's KV for a
+    /// remote decode (`kv_transfer_params.do_remote_decode`), `decode` pulls a remote
+    /// prefill's KV (`do_remote_prefill`); both serve plain requests.
+    #[arg(long, value_enum, default_value_t = Role::Both)]
+    pub role: Role,
+    /// Seconds a prefill leg's blocks wait for a decode engine to read them.
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    pub kv_hold_timeout: f64,
+    /// The model's KV shape `LAYERS,KV_HEADS,HEAD_DIM,DTYPE_BYTES` (bytes per transferred
+    /// block); default Qwen3-8B's.
+    #[arg(long, value_name = "L,H,D,B", default_value = "36,8,128,2", value_parser = parse_shape)]
+    pub kv_shape: ModelShape,
+    /// Bandwidth of the engine's inbound KV link in GB/s, shared by concurrent pulls.
+    #[arg(long, value_name = "GBPS", default_value_t = 64.0)]
+    pub kv_link_gbps: f64,
+    /// How much longer an iteration takes while KV flows in (0.3: 30 %).
+    #[arg(long, value_name = "FACTOR", default_value_t = 0.3)]
+    pub kv_transfer_interference: f64,
+    /// Host decode engines read this engine's held blocks at (default: the bound IP).
+    #[arg(long, value_name = "HOST")]
+    pub kv_side_channel_host: Option<String>,
     /// Test hook: answer every generation request with this HTTP status (and an OpenAI-shaped
     /// error body), as an engine that keeps failing; `/health` and the rest stay up.
     #[arg(long, value_name = "CODE", value_parser = clap::value_parser!(u16).range(400..600))]
@@ -139,12 +163,42 @@ impl Cli {
                 hash: self.kv_events_hash,
                 buffer_steps: self.kv_events_buffer_steps,
             },
+            kv_transfer: KvTransferConfig {
+                role: self.role,
+                hold_timeout: std::time::Duration::try_from_secs_f64(self.kv_hold_timeout)
+                    .unwrap_or_default(),
+                shape: self.kv_shape,
+                link_gbps: self.kv_link_gbps,
+                interference: self.kv_transfer_interference,
+                side_channel_host: self.kv_side_channel_host.clone(),
+            },
             enable_lora: self.enable_lora,
             lora_modules: self.lora_modules.clone(),
             fail_status: self.fail_status,
             head_delay: std::time::Duration::from_millis(self.head_delay_ms),
         }
     }
+}
+
+/// Parses `LAYERS,KV_HEADS,HEAD_DIM,DTYPE_BYTES`.
+fn parse_shape(text: &str) -> Result<ModelShape, String> {
+    let parts: Vec<usize> = text
+        .split(',')
+        .map(|part| {
+            part.trim()
+                .parse::<usize>()
+                .map_err(|e| format!("{part:?}: {e}"))
+        })
+        .collect::<Result<_, _>>()?;
+    let [layers, kv_heads, head_dim, dtype_bytes] = parts[..] else {
+        return Err("expected four numbers: LAYERS,KV_HEADS,HEAD_DIM,DTYPE_BYTES".to_owned());
+    };
+    Ok(ModelShape {
+        layers,
+        kv_heads,
+        head_dim,
+        dtype_bytes,
+    })
 }
 
 #[cfg(test)]

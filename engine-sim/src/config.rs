@@ -37,6 +37,154 @@ pub enum KvEventHash {
     Bytes,
 }
 
+/// Which side of disaggregated serving an engine takes (`--role`), as vLLM's NixlConnector
+/// `kv_role` does: a prefill engine answers requests asking it to keep their KV for a remote
+/// decode (`do_remote_decode`), a decode engine pulls a remote prefill's KV
+/// (`do_remote_prefill`); both serve plain requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Role {
+    /// Produces and consumes KV (vLLM's `kv_both`).
+    #[default]
+    Both,
+    /// Produces KV for decode engines (`kv_producer`).
+    Prefill,
+    /// Consumes KV from prefill engines (`kv_consumer`).
+    Decode,
+}
+
+impl Role {
+    /// Whether it keeps a prefill's KV for a remote decode.
+    pub fn produces(self) -> bool {
+        matches!(self, Self::Both | Self::Prefill)
+    }
+
+    /// Whether it pulls a remote prefill's KV.
+    pub fn consumes(self) -> bool {
+        matches!(self, Self::Both | Self::Decode)
+    }
+
+    /// `both`, `prefill` or `decode`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Both => "both",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
+}
+
+/// The KV shape of the served model, for the bytes a block transfer moves: per token
+/// `layers × 2 (K and V) × kv_heads × head_dim × dtype_bytes`. The default is Qwen3-8B's
+/// (36 layers, 8 KV heads of 128, bf16): 147,456 bytes per token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelShape {
+    /// Transformer layers.
+    pub layers: usize,
+    /// KV heads per layer (grouped-query attention).
+    pub kv_heads: usize,
+    /// Dimension of one head.
+    pub head_dim: usize,
+    /// Bytes per KV element (2: bf16 / fp16, 1: fp8).
+    pub dtype_bytes: usize,
+}
+
+impl Default for ModelShape {
+    fn default() -> Self {
+        Self {
+            layers: 36,
+            kv_heads: 8,
+            head_dim: 128,
+            dtype_bytes: 2,
+        }
+    }
+}
+
+impl ModelShape {
+    /// KV bytes of one token.
+    pub fn bytes_per_token(&self) -> u64 {
+        [
+            self.layers,
+            2,
+            self.kv_heads,
+            self.head_dim,
+            self.dtype_bytes,
+        ]
+        .iter()
+        .map(|&n| n as u64)
+        .product()
+    }
+}
+
+/// Disaggregated serving: the role, how long a prefill's KV waits to be read, and the link
+/// model of KV transfers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvTransferConfig {
+    /// Which side of the protocol the engine takes.
+    pub role: Role,
+    /// How long a prefill engine keeps a request's blocks for a decode engine to read; then
+    /// they are freed (vLLM's `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s, is the upper bound).
+    pub hold_timeout: Duration,
+    /// The model's KV shape (bytes per block transferred).
+    pub shape: ModelShape,
+    /// Bandwidth of the engine's inbound KV link, in GB/s (10⁹ bytes); concurrent transfers
+    /// share it equally. Default 64 (Dynamo's mocker).
+    pub link_gbps: f64,
+    /// How much slower a decode iteration runs while KV flows in (0.3: 30 % longer): the copy
+    /// engines and memory bandwidth the transfer takes from the GPU.
+    pub interference: f64,
+    /// The host decode engines reach this engine's held blocks at (`remote_host`; vLLM's
+    /// `VLLM_NIXL_SIDE_CHANNEL_HOST`); `None`: the bound IP (127.0.0.1 when bound to every
+    /// interface).
+    pub side_channel_host: Option<String>,
+}
+
+impl Default for KvTransferConfig {
+    fn default() -> Self {
+        Self {
+            role: Role::Both,
+            hold_timeout: Duration::from_secs(30),
+            shape: ModelShape::default(),
+            link_gbps: 64.0,
+            interference: 0.3,
+            side_channel_host: None,
+        }
+    }
+}
+
+impl KvTransferConfig {
+    fn validate(&self) -> Result<(), SimError> {
+        let shape = &self.shape;
+        if [
+            shape.layers,
+            shape.kv_heads,
+            shape.head_dim,
+            shape.dtype_bytes,
+        ]
+        .contains(&0)
+        {
+            return Err(SimError::InvalidConfig(
+                "kv_transfer.shape: every dimension must be at least 1".to_owned(),
+            ));
+        }
+        if !(self.link_gbps.is_finite() && self.link_gbps > 0.0) {
+            return Err(SimError::InvalidConfig(
+                "kv_transfer.link_gbps must be a positive number".to_owned(),
+            ));
+        }
+        if !(self.interference.is_finite() && self.interference >= 0.0) {
+            return Err(SimError::InvalidConfig(
+                "kv_transfer.interference must be 0 or more".to_owned(),
+            ));
+        }
+        if self.hold_timeout.is_zero() {
+            return Err(SimError::InvalidConfig(
+                "kv_transfer.hold_timeout must be positive".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// KV event publishing over ZMQ in vLLM's wire format. Off while `endpoint` is `None`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvEventsConfig {
@@ -128,6 +276,8 @@ pub struct SimConfig {
     pub embedding_dim: usize,
     /// KV event publishing over ZMQ.
     pub kv_events: KvEventsConfig,
+    /// Disaggregated serving: role and KV transfer model.
+    pub kv_transfer: KvTransferConfig,
     /// Serve LoRA adapters (vLLM's `--enable-lora`): without it, and without
     /// [`Self::lora_modules`], `POST /v1/load_lora_adapter` is refused.
     pub enable_lora: bool,
@@ -160,6 +310,7 @@ impl Default for SimConfig {
             tokenizer: None,
             embedding_dim: 16,
             kv_events: KvEventsConfig::default(),
+            kv_transfer: KvTransferConfig::default(),
             enable_lora: false,
             lora_modules: Vec::new(),
             fail_status: None,
@@ -201,6 +352,7 @@ impl SimConfig {
         }
         LoraRegistry::new(self.enable_lora, &self.lora_modules)
             .map_err(|e| SimError::InvalidConfig(format!("lora_modules: {e}")))?;
+        self.kv_transfer.validate()?;
         self.kv_events.validate()
     }
 
@@ -294,6 +446,43 @@ mod tests {
             ..SimConfig::default()
         };
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn the_default_shape_is_qwen3_8b_and_transfers_are_checked() {
+        let c = KvTransferConfig::default();
+        assert_eq!(c.shape.bytes_per_token(), 36 * 2 * 8 * 128 * 2);
+        assert_eq!(c.role, Role::Both);
+        assert!(Role::Both.produces() && Role::Both.consumes());
+        assert!(Role::Prefill.produces() && !Role::Prefill.consumes());
+        assert!(!Role::Decode.produces() && Role::Decode.consumes());
+        for bad in [
+            KvTransferConfig {
+                link_gbps: 0.0,
+                ..c.clone()
+            },
+            KvTransferConfig {
+                interference: -1.0,
+                ..c.clone()
+            },
+            KvTransferConfig {
+                shape: ModelShape {
+                    layers: 0,
+                    ..c.shape
+                },
+                ..c.clone()
+            },
+            KvTransferConfig {
+                hold_timeout: Duration::ZERO,
+                ..c.clone()
+            },
+        ] {
+            let config = SimConfig {
+                kv_transfer: bad,
+                ..SimConfig::default()
+            };
+            assert!(config.validate().is_err(), "{config:?}");
+        }
     }
 
     #[test]

@@ -9,11 +9,12 @@ use tokio::task::JoinHandle;
 
 use crate::config::SimConfig;
 use crate::error::SimError;
-use crate::http::{EngineState, serve};
+use crate::http::{EngineState, SideChannels, serve};
 use crate::kv_events::KvEventBatch;
+use crate::kv_transfer::link::Link;
 use crate::lora::LoraRegistry;
 use crate::metrics::EngineMetrics;
-use crate::scheduler::{self, EventSender, SchedulerCore};
+use crate::scheduler::{self, EventSender, Interference, SchedulerCore};
 use crate::timing::TimingModel;
 use crate::tokenizer::Tokenizer;
 use crate::zmq_events::{self, ZmqEvents};
@@ -138,10 +139,19 @@ async fn start(
     let core = SchedulerCore::new(&config, metrics.clone(), events.clone());
     let timing = (!config.no_delay)
         .then(|| TimingModel::new(config.speedup_ratio, config.decode_speedup_ratio));
-    let (handle, scheduler) = scheduler::spawn(core, timing);
+    let link = Arc::new(Link::new(config.kv_transfer.link_gbps, !config.no_delay));
+    let interference = Interference {
+        link: link.clone(),
+        factor: config.kv_transfer.interference,
+    };
+    let (handle, scheduler) = scheduler::spawn(core, timing, interference);
     let faults = zmq.as_ref().map(|z| z.faults.clone());
+    let side = SideChannels {
+        kv_faults: faults,
+        link,
+    };
     let state = Arc::new(EngineState::new(
-        config, tokenizer, loras, metrics, handle, addr, faults,
+        config, tokenizer, loras, metrics, handle, addr, side,
     ));
     let (shutdown, shutdown_rx) = watch::channel(false);
     let server = tokio::spawn(serve(listener, state, shutdown_rx));

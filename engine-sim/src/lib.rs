@@ -70,6 +70,24 @@
 //! batch `[AllBlocksCleared]` is numbered 0, replay buffer emptied). Faults apply to the next
 //! batches the publisher handles. 400 when the engine does not publish KV events.
 //!
+//! # Disaggregated serving
+//! `--role prefill|decode|both` (default both) speaks vLLM's NixlConnector protocol, as its
+//! disaggregation proxies drive it: a request with `"kv_transfer_params":
+//! {"do_remote_decode": true, ...}` (the prefill leg, `max_tokens: 1`, not streamed) is
+//! answered with `kv_transfer_params` naming the blocks it holds (`remote_engine_id`,
+//! `remote_block_ids`, `remote_host`, `remote_port`, `remote_request_id`, `tp_size`); the
+//! same request with those parameters (`do_remote_prefill: true`, the decode leg) pulls the
+//! blocks from that engine (`POST /sim/kv_transfer/read` there, which frees them) over this
+//! engine's inbound link before its first token. A link model prices the pull: bytes per
+//! block from the model's KV shape (`--kv-shape layers,kv_heads,head_dim,dtype_bytes`, Qwen3-8B
+//! by default), the link's bandwidth (`--kv-link-gbps`, 64) shared fairly by concurrent
+//! pulls, and iterations `--kv-transfer-interference` (0.3) slower while any runs. Blocks
+//! nobody reads are freed after `--kv-hold-timeout` (30 s). Prefill and decode engines both
+//! publish their KV events. Metrics: `kvmesh_sim_kv_transfers_total{outcome}`,
+//! `kvmesh_sim_kv_transfer_bytes_total`, `kvmesh_sim_kv_transfer_seconds_total`,
+//! `kvmesh_sim_kv_transfers_in_flight`, `kvmesh_sim_kv_held_blocks`,
+//! `kvmesh_sim_kv_holds_expired_total`.
+//!
 //! # Library use
 //! ```no_run
 //! # async fn demo() -> Result<(), kvmesh_engine_sim::SimError> {
@@ -93,6 +111,7 @@ mod histogram;
 mod http;
 mod kv_cache;
 mod kv_events;
+mod kv_transfer;
 mod lora;
 mod metrics;
 mod output_text;
@@ -103,7 +122,10 @@ mod timing;
 mod tokenizer;
 mod zmq_events;
 
-pub use config::{KvEventEncoding, KvEventHash, KvEventsConfig, PreemptionMode, SimConfig};
+pub use config::{
+    KvEventEncoding, KvEventHash, KvEventsConfig, KvTransferConfig, ModelShape, PreemptionMode,
+    Role, SimConfig,
+};
 pub use engine::{EngineHandle, spawn, spawn_engines};
 pub use error::SimError;
 pub use kv_events::{KvEvent, KvEventBatch};

@@ -25,6 +25,13 @@ pub(crate) struct EngineMetrics {
     kv_batches_sent: AtomicU64,
     kv_batches_lagged: AtomicU64,
     kv_batches_fault_dropped: AtomicU64,
+    held_blocks: AtomicU64,
+    holds_expired: AtomicU64,
+    transfers_ok: AtomicU64,
+    transfers_failed: AtomicU64,
+    transfer_bytes: AtomicU64,
+    transfer_micros: AtomicU64,
+    transfers_in_flight: AtomicU64,
     ttft: Histogram,
     itl: Histogram,
     e2e: Histogram,
@@ -106,6 +113,13 @@ impl EngineMetrics {
             kv_batches_sent: AtomicU64::new(0),
             kv_batches_lagged: AtomicU64::new(0),
             kv_batches_fault_dropped: AtomicU64::new(0),
+            held_blocks: AtomicU64::new(0),
+            holds_expired: AtomicU64::new(0),
+            transfers_ok: AtomicU64::new(0),
+            transfers_failed: AtomicU64::new(0),
+            transfer_bytes: AtomicU64::new(0),
+            transfer_micros: AtomicU64::new(0),
+            transfers_in_flight: AtomicU64::new(0),
             ttft: Histogram::new(TTFT_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
@@ -125,6 +139,37 @@ impl EngineMetrics {
         self.prefix_queries
             .fetch_add(queried as u64, Ordering::Relaxed);
         self.prefix_hits.fetch_add(hit as u64, Ordering::Relaxed);
+    }
+
+    /// Sets the blocks prefill legs hold for decode engines.
+    pub(crate) fn set_held_blocks(&self, blocks: usize) {
+        self.held_blocks.store(blocks as u64, Ordering::Relaxed);
+    }
+
+    /// Counts `n` holds freed unread.
+    pub(crate) fn holds_expired(&self, n: usize) {
+        self.holds_expired.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// A KV pull started (counted in flight until [`Self::transfer_done`] or
+    /// [`Self::transfer_failed`]).
+    pub(crate) fn transfer_started(&self) {
+        self.transfers_in_flight.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A KV pull of `bytes` took `seconds`.
+    pub(crate) fn transfer_done(&self, bytes: u64, seconds: f64) {
+        self.transfers_in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.transfers_ok.fetch_add(1, Ordering::Relaxed);
+        self.transfer_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.transfer_micros
+            .fetch_add((seconds * 1e6) as u64, Ordering::Relaxed);
+    }
+
+    /// A KV pull failed (the request prefills locally instead).
+    pub(crate) fn transfer_failed(&self) {
+        self.transfers_in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.transfers_failed.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Records one preemption.
@@ -276,6 +321,46 @@ impl EngineMetrics {
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
             l,
+        );
+        gauge(
+            &mut out,
+            "kvmesh_sim_kv_held_blocks",
+            "KV blocks prefill legs hold for decode engines to read.",
+            self.held_blocks.load(Ordering::Relaxed).to_string(),
+        );
+        counter(
+            &mut out,
+            "kvmesh_sim_kv_holds_expired_total",
+            "Prefill legs whose blocks no decode engine read before the hold timeout.",
+            &self.holds_expired,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kvmesh_sim_kv_transfers_total KV pulls from prefill engines, by outcome (failed: prefilled locally instead).\n\
+             # TYPE kvmesh_sim_kv_transfers_total counter\n\
+             kvmesh_sim_kv_transfers_total{{{l},outcome=\"ok\"}} {}\n\
+             kvmesh_sim_kv_transfers_total{{{l},outcome=\"failed\"}} {}",
+            self.transfers_ok.load(Ordering::Relaxed),
+            self.transfers_failed.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "kvmesh_sim_kv_transfer_bytes_total",
+            "KV bytes pulled from prefill engines over the inbound link.",
+            &self.transfer_bytes,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kvmesh_sim_kv_transfer_seconds_total Time KV pulls spent on the inbound link.\n\
+             # TYPE kvmesh_sim_kv_transfer_seconds_total counter\n\
+             kvmesh_sim_kv_transfer_seconds_total{{{l}}} {}",
+            self.transfer_micros.load(Ordering::Relaxed) as f64 / 1e6,
+        );
+        gauge(
+            &mut out,
+            "kvmesh_sim_kv_transfers_in_flight",
+            "KV pulls on the inbound link now.",
+            self.transfers_in_flight.load(Ordering::Relaxed).to_string(),
         );
         if self.kv_events_published {
             counter(

@@ -13,7 +13,7 @@ use crate::hashing::{BlockHasher, XXH3_SEED, content_seed};
 use crate::lora::Lora;
 use crate::protocol::prompt::PromptInput;
 use crate::protocol::requests::GenParams;
-use crate::scheduler::{SeqEvent, SeqOutcome, SeqRequest};
+use crate::scheduler::{Handoff, SeqEvent, SeqOutcome, SeqRequest};
 
 /// Parses a JSON request body (400 when it does not fit `T`).
 pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
@@ -140,13 +140,15 @@ pub(crate) fn validate_lengths(
 }
 
 /// Validates and queues one sequence per prompt, served with adapter `lora` (`None`: the base
-/// model); returns the receiver of their events.
+/// model), each with `handoff` (disaggregated legs have one prompt); returns the receiver of
+/// their events.
 pub(crate) fn submit(
     state: &EngineState,
     prompts: Vec<Vec<u32>>,
     params: &GenParams,
     lora: Option<&Lora>,
     arrival: Instant,
+    handoff: Handoff,
 ) -> Result<UnboundedReceiver<SeqEvent>, ApiError> {
     validate_lengths(state, &prompts, params.max_tokens)?;
     let (tx, rx) = mpsc::unbounded_channel();
@@ -173,6 +175,7 @@ pub(crate) fn submit(
                 stream: params.stream,
                 arrival,
                 tx: tx.clone(),
+                handoff: handoff.clone(),
             }
         })
         .collect();

@@ -6,6 +6,7 @@ mod error;
 mod generation;
 mod info;
 mod kv_faults;
+mod kv_read;
 mod lora;
 mod openai;
 mod responses;
@@ -16,4 +17,4 @@ mod sse;
 mod state;
 
 pub(crate) use server::serve;
-pub(crate) use state::EngineState;
+pub(crate) use state::{EngineState, SideChannels};

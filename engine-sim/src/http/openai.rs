@@ -15,13 +15,14 @@ use super::generation::{
 use super::sse::{SseBody, StreamFormatter, write_data, write_raw};
 use super::state::{EngineState, unix_now};
 use crate::chat_template::Ending;
+use crate::kv_transfer::params::{KvTransferParams, RemotePrefill};
 use crate::lora::Lora;
 use crate::protocol::requests::{ChatRequest, CompletionRequest, GenParams};
 use crate::protocol::responses::{
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatDelta, ChatMessageOut, Completion,
     CompletionChoice, Usage,
 };
-use crate::scheduler::SeqEvent;
+use crate::scheduler::{Handoff, SeqEvent};
 
 /// Which OpenAI endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,7 +52,7 @@ async fn run(
     body: &[u8],
     arrival: Instant,
 ) -> Result<Response<ResponseBody>, ApiError> {
-    let (prompts, params, lora) = match endpoint {
+    let (prompts, params, lora, transfer) = match endpoint {
         Endpoint::Completions => {
             let req: CompletionRequest = parse_json(body)?;
             let lora = resolve_model(&state, req.model.as_deref())?;
@@ -66,6 +67,7 @@ async fn run(
                 tokenize_prompts(&state, req.prompt, true, "prompt")?,
                 params,
                 lora,
+                req.kv_transfer_params,
             )
         }
         Endpoint::Chat => {
@@ -90,16 +92,26 @@ async fn run(
                 vec![tokenize_chat_ending(&state, &messages, ending, "messages")?],
                 params,
                 lora,
+                req.kv_transfer_params,
             )
         }
     };
     let count = prompts.len();
-    let rx = submit(&state, prompts, &params, lora.as_ref(), arrival)?;
+    let leg = Leg::of(&state, transfer.as_ref(), &params, count)?;
     let prefix = match endpoint {
         Endpoint::Completions => "cmpl-",
         Endpoint::Chat => "chatcmpl-",
     };
     let id = state.response_id(prefix);
+    let handoff = match &leg {
+        Leg::Plain => Handoff::None,
+        Leg::Prefill => Handoff::Hold(id.clone()),
+        Leg::Decode(remote) => match state.puller.pull(remote, &state.metrics).await {
+            Some(blocks) => Handoff::Pulled(blocks * state.config.block_size),
+            None => Handoff::None,
+        },
+    };
+    let rx = submit(&state, prompts, &params, lora.as_ref(), arrival, handoff)?;
     let created = unix_now();
     if params.stream {
         let formatter: Box<dyn StreamFormatter> = match endpoint {
@@ -127,6 +139,23 @@ async fn run(
         usage.add(o.prompt_tokens, o.cached_tokens, o.completion_tokens);
     }
     let model = model_name(&state, lora.as_ref());
+    let kv_transfer_params = match leg {
+        Leg::Prefill => {
+            let (host, port) = state.side_channel.clone();
+            let blocks = outcomes
+                .first()
+                .map(|o| o.held_blocks.clone())
+                .unwrap_or_default();
+            Some(KvTransferParams::prefilled(
+                &state.addr,
+                host,
+                port,
+                id.clone(),
+                blocks,
+            ))
+        }
+        Leg::Plain | Leg::Decode(_) => None,
+    };
     Ok(match endpoint {
         Endpoint::Completions => json_response(
             StatusCode::OK,
@@ -146,6 +175,7 @@ async fn run(
                     })
                     .collect(),
                 usage: Some(usage),
+                kv_transfer_params,
             },
         ),
         Endpoint::Chat => json_response(
@@ -169,9 +199,68 @@ async fn run(
                     })
                     .collect(),
                 usage: Some(usage),
+                kv_transfer_params,
             },
         ),
     })
+}
+
+/// Which leg of disaggregated serving a request is.
+#[derive(Debug)]
+enum Leg {
+    /// An ordinary request.
+    Plain,
+    /// A prefill leg: keep its KV for a remote decode.
+    Prefill,
+    /// A decode leg: pull the KV a prefill engine holds first.
+    Decode(RemotePrefill),
+}
+
+impl Leg {
+    /// The leg `transfer` asks for, checked against the engine's role and the request.
+    fn of(
+        state: &EngineState,
+        transfer: Option<&KvTransferParams>,
+        params: &GenParams,
+        prompts: usize,
+    ) -> Result<Self, ApiError> {
+        let Some(transfer) = transfer else {
+            return Ok(Self::Plain);
+        };
+        let invalid =
+            |message: String| Err(ApiError::bad_request(message).with_param("kv_transfer_params"));
+        let role = state.config.kv_transfer.role;
+        let leg = match transfer.remote_prefill() {
+            Err(field) => return invalid(format!("kv_transfer_params.{field} is missing")),
+            Ok(Some(_)) if transfer.do_remote_decode => {
+                return invalid(
+                    "do_remote_decode and do_remote_prefill cannot both be true".to_owned(),
+                );
+            }
+            Ok(Some(_)) if !role.consumes() => {
+                return invalid(format!(
+                    "this engine's role is {}: it does not pull remote KV",
+                    role.as_str()
+                ));
+            }
+            Ok(Some(remote)) => Self::Decode(remote),
+            Ok(None) if !transfer.do_remote_decode => return Ok(Self::Plain),
+            Ok(None) if !role.produces() => {
+                return invalid(format!(
+                    "this engine's role is {}: it does not keep KV for a remote decode",
+                    role.as_str()
+                ));
+            }
+            Ok(None) if params.stream => {
+                return invalid("a prefill leg (do_remote_decode) must not stream".to_owned());
+            }
+            Ok(None) => Self::Prefill,
+        };
+        if prompts != 1 {
+            return invalid("a disaggregated leg takes exactly one prompt".to_owned());
+        }
+        Ok(leg)
+    }
 }
 
 /// A `text/event-stream` response around `body`.
@@ -233,6 +322,7 @@ impl CompletionStream {
             model: model_name(&self.state, self.lora.as_ref()),
             choices,
             usage,
+            kv_transfer_params: None,
         }
     }
 }
@@ -312,6 +402,7 @@ impl ChatStream {
             model: model_name(&self.state, self.lora.as_ref()),
             choices,
             usage,
+            kv_transfer_params: None,
         };
         write_data(out, &chunk);
     }

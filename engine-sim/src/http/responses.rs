@@ -19,7 +19,7 @@ use crate::protocol::responses_api::{
     OutputMessage, OutputText, ResponseObject, ResponseUsage, ResponsesRequest, Sequenced,
     StreamEvent, TextLocation,
 };
-use crate::scheduler::SeqEvent;
+use crate::scheduler::{Handoff, SeqEvent};
 
 /// What a response object repeats from its request.
 #[derive(Debug)]
@@ -89,7 +89,14 @@ async fn run(
     let messages = req.chat_messages()?;
     let params = GenParams::responses(req.max_output_tokens, req.stream)?;
     let prompt = tokenize_chat(&state, &messages, "input")?;
-    let rx = submit(&state, vec![prompt], &params, lora.as_ref(), arrival)?;
+    let rx = submit(
+        &state,
+        vec![prompt],
+        &params,
+        lora.as_ref(),
+        arrival,
+        Handoff::None,
+    )?;
     let meta = ResponseMeta {
         id: state.response_id("resp_"),
         item_id: state.response_id("msg_"),

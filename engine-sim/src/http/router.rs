@@ -13,7 +13,8 @@ use super::body::ResponseBody;
 use super::error::ApiError;
 use super::openai::Endpoint;
 use super::state::EngineState;
-use super::{embeddings, info, kv_faults, lora, openai, responses, sglang};
+use super::{embeddings, info, kv_faults, kv_read, lora, openai, responses, sglang};
+use crate::kv_transfer::pull::READ_PATH;
 
 /// Largest accepted request body.
 const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
@@ -37,6 +38,7 @@ enum Route {
     Generate,
     ResetPrefixCache,
     KvFaults,
+    KvRead,
     Traceparents,
     LoadLora,
     UnloadLora,
@@ -66,6 +68,7 @@ fn lookup(path: &str) -> Option<(Route, &'static str)> {
         "/generate" => (Route::Generate, "POST"),
         "/reset_prefix_cache" => (Route::ResetPrefixCache, "POST"),
         "/sim/kv_events/faults" => (Route::KvFaults, "POST"),
+        READ_PATH => (Route::KvRead, "POST"),
         "/sim/traceparents" => (Route::Traceparents, "GET"),
         "/v1/load_lora_adapter" => (Route::LoadLora, "POST"),
         "/v1/unload_lora_adapter" => (Route::UnloadLora, "POST"),
@@ -136,6 +139,7 @@ async fn route(
         Route::Generate => sglang::handle(state.clone(), read_body(req).await?).await,
         Route::ResetPrefixCache => info::reset_prefix_cache(state.clone()).await,
         Route::KvFaults => kv_faults::handle(state.clone(), read_body(req).await?).await,
+        Route::KvRead => kv_read::handle(state.clone(), read_body(req).await?).await,
         Route::Traceparents => info::traceparents(state),
         Route::LoadLora => lora::load(state, &read_body(req).await?),
         Route::UnloadLora => lora::unload(state, &read_body(req).await?),

@@ -16,7 +16,7 @@ use super::state::EngineState;
 use crate::protocol::prompt::PromptInput;
 use crate::protocol::requests::{GenParams, GenerateRequest};
 use crate::protocol::responses::{GenerateMeta, GenerateOut, SglFinish};
-use crate::scheduler::{SeqEvent, SeqOutcome};
+use crate::scheduler::{Handoff, SeqEvent, SeqOutcome};
 
 /// Handles one `/generate` request.
 pub(crate) async fn handle(state: Arc<EngineState>, body: Bytes) -> Response<ResponseBody> {
@@ -70,7 +70,7 @@ async fn run(
     let prompts = tokenize_prompts(&state, input, true, "text")?;
     let prompt_tokens = prompts.first().map_or(0, Vec::len);
     let count = prompts.len();
-    let rx = submit(&state, prompts, &params, None, arrival)?;
+    let rx = submit(&state, prompts, &params, None, arrival, Handoff::None)?;
     let id = state.response_id("sgl-");
     if params.stream {
         let formatter = GenerateStream {

@@ -151,6 +151,7 @@ mod tests {
             prompt_tokens: 1,
             completion_tokens: 1,
             cached_tokens: 0,
+            held_blocks: Vec::new(),
         })
     }
 

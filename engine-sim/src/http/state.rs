@@ -9,6 +9,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use http::HeaderValue;
 
 use crate::config::SimConfig;
+use crate::kv_transfer::link::Link;
+use crate::kv_transfer::pull::Puller;
 use crate::lora::LoraRegistry;
 use crate::metrics::EngineMetrics;
 use crate::scheduler::SchedulerHandle;
@@ -39,10 +41,24 @@ pub(crate) struct EngineState {
     pub started: u64,
     /// Fault injection into the ZMQ KV event publisher, when publishing is on.
     pub kv_faults: Option<Arc<FaultControl>>,
+    /// Pulls remote prefills' KV (decode legs).
+    pub puller: Puller,
+    /// Where decode engines read the blocks this engine holds: `(host, port)`.
+    pub side_channel: (String, u16),
     next_id: AtomicU64,
     id_salt: u64,
     /// The `traceparent` of the last generation requests, oldest first (a test hook).
     traceparents: Mutex<VecDeque<String>>,
+}
+
+/// What an engine has beside its scheduler: fault injection into its KV event publisher
+/// (when publishing is on) and its inbound KV transfer link.
+#[derive(Debug)]
+pub(crate) struct SideChannels {
+    /// Fault injection into the ZMQ KV event publisher.
+    pub kv_faults: Option<Arc<FaultControl>>,
+    /// The inbound KV link.
+    pub link: Arc<Link>,
 }
 
 /// Current Unix time in seconds.
@@ -62,14 +78,24 @@ impl EngineState {
         metrics: Arc<EngineMetrics>,
         scheduler: SchedulerHandle,
         addr: SocketAddr,
-        kv_faults: Option<Arc<FaultControl>>,
+        side: SideChannels,
     ) -> Self {
+        let SideChannels { kv_faults, link } = side;
         let addr_text = addr.to_string();
         let engine_id = HeaderValue::from_str(&addr_text)
             .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
         let started = unix_now();
         let id_salt = crate::hashing::content_seed(&[u32::from(addr.port()), started as u32]);
+        let transfer = &config.kv_transfer;
+        let bytes_per_block = transfer.shape.bytes_per_token() * config.block_size as u64;
+        let host = match &transfer.side_channel_host {
+            Some(host) => host.clone(),
+            None if addr.ip().is_unspecified() => "127.0.0.1".to_owned(),
+            None => addr.ip().to_string(),
+        };
         Self {
+            puller: Puller::new(link, bytes_per_block),
+            side_channel: (host, addr.port()),
             config,
             tokenizer,
             loras,

@@ -7,6 +7,7 @@ use serde::Deserialize;
 use super::InvalidRequest;
 use super::prompt::PromptInput;
 use crate::chat_template::ChatMessage;
+use crate::kv_transfer::params::KvTransferParams;
 
 /// Default `max_tokens` of the OpenAI endpoints.
 pub(crate) const DEFAULT_MAX_TOKENS: usize = 16;
@@ -47,6 +48,8 @@ pub(crate) struct CompletionRequest {
     pub stop: Option<StopInput>,
     /// Choices per prompt; only 1 is supported.
     pub n: Option<i64>,
+    /// Disaggregated serving (vLLM's NixlConnector protocol).
+    pub kv_transfer_params: Option<KvTransferParams>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -73,6 +76,8 @@ pub(crate) struct ChatRequest {
     /// Leave the final (assistant) message open so generation continues it (vLLM's
     /// `continue_final_message`; needs `add_generation_prompt: false`).
     pub continue_final_message: Option<bool>,
+    /// Disaggregated serving (vLLM's NixlConnector protocol).
+    pub kv_transfer_params: Option<KvTransferParams>,
 }
 
 /// One chat message as sent.

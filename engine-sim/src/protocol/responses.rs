@@ -2,6 +2,8 @@
 
 use serde::Serialize;
 
+use crate::kv_transfer::params::KvTransferParams;
+
 /// `usage` of a response.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub(crate) struct Usage {
@@ -60,6 +62,9 @@ pub(crate) struct Completion<'a> {
     /// Token counts; omitted on streaming chunks other than the usage chunk.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// A prefill leg's handle on its held KV, for the decode leg.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_params: Option<KvTransferParams>,
 }
 
 /// A completion choice (also the streaming chunk choice).
@@ -93,6 +98,9 @@ pub(crate) struct ChatCompletion<'a, C> {
     /// Token counts; omitted on streaming chunks other than the usage chunk.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// A prefill leg's handle on its held KV, for the decode leg.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_params: Option<KvTransferParams>,
 }
 
 /// A non-streaming chat choice.

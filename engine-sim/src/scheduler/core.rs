@@ -1,14 +1,14 @@
 //! The scheduling logic, free of time and I/O: plan an iteration, then complete it.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::sequence::Sequence;
 use super::{Command, EventSender, SeqEvent, SeqOutcome};
 use crate::config::{PreemptionMode, SimConfig};
 use crate::hashing::BlockHasher;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{BlockId, KvCache};
 use crate::kv_events::KvEventBatch;
 use crate::metrics::{EngineMetrics, Finish};
 use crate::output_text::Appended;
@@ -22,6 +22,14 @@ pub(crate) struct StepPlan {
     pub batch: usize,
     /// KV usage after allocation.
     pub usage: f64,
+}
+
+/// A prefill leg's blocks, kept for a decode engine to read.
+#[derive(Debug)]
+struct Held {
+    blocks: Vec<BlockId>,
+    /// When they are freed if nobody read them.
+    deadline: Instant,
 }
 
 /// Queues, KV cache and the per-iteration algorithm of vLLM's v1 scheduler (mocker flavour).
@@ -38,6 +46,9 @@ pub(crate) struct SchedulerCore {
     hasher: BlockHasher,
     metrics: Arc<EngineMetrics>,
     events: EventSender,
+    /// Prefill legs' blocks by request id.
+    held: HashMap<String, Held>,
+    hold_timeout: Duration,
 }
 
 impl SchedulerCore {
@@ -63,6 +74,8 @@ impl SchedulerCore {
             hasher: BlockHasher::new(),
             metrics,
             events,
+            held: HashMap::new(),
+            hold_timeout: config.kv_transfer.hold_timeout,
         }
     }
 
@@ -75,6 +88,13 @@ impl SchedulerCore {
     pub(crate) fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Submit(seqs) => self.waiting.extend(seqs.into_iter().map(Sequence::new)),
+            Command::ReadHeld {
+                request_id,
+                block_ids,
+                done,
+            } => {
+                let _ = done.send(self.read_held(request_id.as_deref(), &block_ids));
+            }
             Command::ResetPrefixCache { restart, done } => {
                 // Events recorded before the reset belong to the old event sequence.
                 self.publish_events();
@@ -162,11 +182,71 @@ impl SchedulerCore {
                 Self::sample(seq, &self.metrics, now);
             }
         }
-        for seq in self.running.extract_if(.., |s| s.done) {
-            self.cache.release(&seq.blocks);
+        for mut seq in self.running.extract_if(.., |s| s.done) {
+            match seq.hold.take() {
+                Some(id) if !seq.cancelled() => {
+                    let deadline = now + self.hold_timeout;
+                    let blocks = std::mem::take(&mut seq.blocks);
+                    if let Some(replaced) = self.held.insert(id, Held { blocks, deadline }) {
+                        self.cache.release(&replaced.blocks);
+                    }
+                }
+                _ => self.cache.release(&seq.blocks),
+            }
         }
+        self.count_held();
         self.metrics
             .set_load(self.running.len(), self.waiting.len(), self.cache.usage());
+    }
+
+    /// Frees the blocks held under `request_id` (or, without one, the hold of exactly
+    /// `block_ids`); how many there were.
+    fn read_held(&mut self, request_id: Option<&str>, block_ids: &[u64]) -> Option<usize> {
+        let key = match request_id {
+            Some(id) => id.to_owned(),
+            None => self
+                .held
+                .iter()
+                .find(|(_, held)| {
+                    held.blocks
+                        .iter()
+                        .map(|&b| u64::from(b))
+                        .eq(block_ids.iter().copied())
+                })
+                .map(|(id, _)| id.clone())?,
+        };
+        let held = self.held.remove(&key)?;
+        self.cache.release(&held.blocks);
+        self.count_held();
+        Some(held.blocks.len())
+    }
+
+    /// Frees the holds whose time ran out by `now`.
+    pub(crate) fn expire_held(&mut self, now: Instant) {
+        let before = self.held.len();
+        let cache = &mut self.cache;
+        self.held.retain(|_, held| {
+            let keep = held.deadline > now;
+            if !keep {
+                cache.release(&held.blocks);
+            }
+            keep
+        });
+        let expired = before - self.held.len();
+        if expired > 0 {
+            self.metrics.holds_expired(expired);
+            self.count_held();
+        }
+    }
+
+    /// When the next hold runs out, if any is held.
+    pub(crate) fn next_hold_deadline(&self) -> Option<Instant> {
+        self.held.values().map(|held| held.deadline).min()
+    }
+
+    fn count_held(&self) {
+        let blocks = self.held.values().map(|held| held.blocks.len()).sum();
+        self.metrics.set_held_blocks(blocks);
     }
 
     /// Hands the events recorded since the last call to the subscribers.
@@ -237,8 +317,12 @@ impl SchedulerCore {
             let max_hit =
                 (seq.tokens.len().saturating_sub(1) / self.block_size).min(seq.hashes.len());
             let hit = self.cache.lookup(&seq.hashes[..max_hit]);
-            let n = (seq.tokens.len() - hit * self.block_size).min(*budget);
-            let need = (hit * self.block_size + n).div_ceil(self.block_size) - hit;
+            // A decode leg's pulled blocks count as computed, as the cached ones do.
+            let pulled = (seq.pulled_tokens / self.block_size)
+                .min(seq.tokens.len().saturating_sub(1) / self.block_size);
+            let start = hit.max(pulled) * self.block_size;
+            let n = (seq.tokens.len() - start).min(*budget);
+            let need = (start + n).div_ceil(self.block_size) - hit;
             let available = self.cache.available() - self.cache.inactive_among(&seq.hashes[..hit]);
             if need > available {
                 break;
@@ -250,10 +334,12 @@ impl SchedulerCore {
                 seq.blocks.push(id);
                 seq.engine_hashes.push(engine_hash);
             }
-            seq.computed = hit * self.block_size;
+            seq.computed = start;
+            seq.pulled_tokens = 0;
             seq.epoch = self.cache.epoch();
-            seq.cached_tokens.get_or_insert(seq.computed);
-            self.metrics.prefix_lookup(seq.tokens.len(), seq.computed);
+            seq.cached_tokens.get_or_insert(hit * self.block_size);
+            self.metrics
+                .prefix_lookup(seq.tokens.len(), hit * self.block_size);
             seq.scheduled = n;
             *budget -= n;
             self.running.push(seq);
@@ -335,6 +421,11 @@ impl SchedulerCore {
                     prompt_tokens: seq.prompt_len,
                     completion_tokens: seq.generated,
                     cached_tokens: seq.cached_tokens.unwrap_or(0),
+                    held_blocks: if seq.hold.is_some() {
+                        seq.blocks.iter().map(|&b| u64::from(b)).collect()
+                    } else {
+                        Vec::new()
+                    },
                 }))
             }
             None if seq.stream => {

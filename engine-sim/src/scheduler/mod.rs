@@ -11,6 +11,7 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 
 pub(crate) use self::core::SchedulerCore;
 use crate::kv_events::KvEventBatch;
+use crate::kv_transfer::link::Link;
 use crate::lora::Lora;
 use crate::metrics::Finish;
 use crate::timing::TimingModel;
@@ -18,6 +19,20 @@ use crate::timing::TimingModel;
 /// If the scheduler falls this far behind its virtual clock it re-anchors on the wall clock
 /// instead of catching up with back-to-back iterations.
 const MAX_LAG: Duration = Duration::from_millis(20);
+
+/// What a sequence does with KV beyond its own engine (disaggregated serving).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) enum Handoff {
+    /// Nothing: an ordinary request.
+    #[default]
+    None,
+    /// A prefill leg: its blocks stay allocated after it ends, held under this request id
+    /// until a decode engine reads them or the hold times out.
+    Hold(String),
+    /// A decode leg: the KV of this many leading prompt tokens was pulled from a prefill
+    /// engine, so only the rest is prefilled here.
+    Pulled(usize),
+}
 
 /// One prompt submitted for generation.
 #[derive(Debug)]
@@ -42,6 +57,8 @@ pub(crate) struct SeqRequest {
     pub arrival: Instant,
     /// Where this sequence's events go.
     pub tx: mpsc::UnboundedSender<SeqEvent>,
+    /// Disaggregated serving: what it hands off or received.
+    pub handoff: Handoff,
 }
 
 /// A finished sequence.
@@ -61,6 +78,8 @@ pub(crate) struct SeqOutcome {
     pub completion_tokens: usize,
     /// Prompt tokens served from the prefix cache at first admission.
     pub cached_tokens: usize,
+    /// A prefill leg's blocks, held for a decode engine (empty otherwise).
+    pub held_blocks: Vec<u64>,
 }
 
 /// What the scheduler sends back for a sequence.
@@ -90,6 +109,17 @@ pub(crate) enum SeqEvent {
 pub(crate) enum Command {
     /// Queue the sequences of one request.
     Submit(Vec<SeqRequest>),
+    /// A decode engine reads the blocks a prefill leg holds (by its request id, else by the
+    /// exact block list); they are freed. Answered with how many there were (`None`: no
+    /// such hold, or it expired).
+    ReadHeld {
+        /// The prefill's request id.
+        request_id: Option<String>,
+        /// The block ids the answer named.
+        block_ids: Vec<u64>,
+        /// Answered once freed.
+        done: oneshot::Sender<Option<usize>>,
+    },
     /// Drop every cached block; the sender is answered when done.
     ResetPrefixCache {
         /// Test-only fault: also mark the resulting `AllBlocksCleared` batch as an engine
@@ -119,6 +149,24 @@ impl SchedulerHandle {
             .map_err(|_| SchedulerGone)
     }
 
+    /// Frees the blocks a prefill leg holds, for a decode engine that read them; how many
+    /// there were (`None`: nothing held under that id, or it expired).
+    pub(crate) async fn read_held(
+        &self,
+        request_id: Option<String>,
+        block_ids: Vec<u64>,
+    ) -> Result<Option<usize>, SchedulerGone> {
+        let (done, rx) = oneshot::channel();
+        self.tx
+            .send(Command::ReadHeld {
+                request_id,
+                block_ids,
+                done,
+            })
+            .map_err(|_| SchedulerGone)?;
+        rx.await.map_err(|_| SchedulerGone)
+    }
+
     /// Clears the prefix cache between two iterations; with `restart` the `AllBlocksCleared`
     /// batch also announces a simulated engine restart.
     pub(crate) async fn reset_prefix_cache(&self, restart: bool) -> Result<(), SchedulerGone> {
@@ -130,13 +178,23 @@ impl SchedulerHandle {
     }
 }
 
+/// How transfers on the engine's inbound link slow its iterations.
+#[derive(Debug, Clone)]
+pub(crate) struct Interference {
+    /// The link.
+    pub link: Arc<Link>,
+    /// Extra share of an iteration's time while any transfer runs (0.3: 30 % longer).
+    pub factor: f64,
+}
+
 /// Starts the scheduler task; `timing` is `None` in no-delay mode.
 pub(crate) fn spawn(
     core: SchedulerCore,
     timing: Option<TimingModel>,
+    interference: Interference,
 ) -> (SchedulerHandle, tokio::task::JoinHandle<()>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let task = tokio::spawn(run(core, rx, timing));
+    let task = tokio::spawn(run(core, rx, timing, interference));
     (SchedulerHandle { tx }, task)
 }
 
@@ -147,14 +205,26 @@ async fn run(
     mut core: SchedulerCore,
     mut inbox: mpsc::UnboundedReceiver<Command>,
     timing: Option<TimingModel>,
+    interference: Interference,
 ) {
     // Virtual end of the previous iteration while the engine stays busy: sleeping until
     // `anchor + duration` keeps timer overshoot from accumulating over many iterations.
     let mut anchor: Option<Instant> = None;
     loop {
+        core.expire_held(Instant::now());
         if core.is_idle() {
             anchor = None;
-            match inbox.recv().await {
+            let next = match core.next_hold_deadline() {
+                Some(deadline) => {
+                    match tokio::time::timeout_at(deadline.into(), inbox.recv()).await {
+                        Ok(next) => next,
+                        // A hold expired: free it and wait again.
+                        Err(_) => continue,
+                    }
+                }
+                None => inbox.recv().await,
+            };
+            match next {
                 Some(cmd) => core.handle(cmd),
                 None => return,
             }
@@ -177,7 +247,11 @@ async fn run(
                     Some(a) if now.saturating_duration_since(a) < MAX_LAG => a,
                     _ => now,
                 };
-                let deadline = start + model.iteration(plan.prefill_tokens, plan.usage, plan.batch);
+                let mut iteration = model.iteration(plan.prefill_tokens, plan.usage, plan.batch);
+                if interference.link.active() > 0 {
+                    iteration = iteration.mul_f64(1.0 + interference.factor);
+                }
+                let deadline = start + iteration;
                 tokio::time::sleep_until(deadline.into()).await;
                 anchor = Some(deadline);
             }

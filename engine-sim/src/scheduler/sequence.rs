@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::{SeqEvent, SeqRequest};
+use super::{Handoff, SeqEvent, SeqRequest};
 use crate::hashing::{EngineHash, XXH3_SEED};
 use crate::kv_cache::BlockId;
 use crate::lora::Lora;
@@ -58,6 +58,11 @@ pub(crate) struct Sequence {
     pub tx: UnboundedSender<SeqEvent>,
     /// Set when the sequence finished or was aborted; it is removed after the iteration.
     pub done: bool,
+    /// A prefill leg: the request id its blocks are held under once it ends.
+    pub hold: Option<String>,
+    /// A decode leg: leading prompt tokens whose KV was pulled from a prefill engine (0 once
+    /// admitted, or when preempted: the pulled KV is gone then and is recomputed).
+    pub pulled_tokens: usize,
 }
 
 impl Sequence {
@@ -87,6 +92,14 @@ impl Sequence {
             last_token: None,
             tx: req.tx,
             done: false,
+            hold: match &req.handoff {
+                Handoff::Hold(id) => Some(id.clone()),
+                _ => None,
+            },
+            pulled_tokens: match req.handoff {
+                Handoff::Pulled(tokens) => tokens,
+                _ => 0,
+            },
         }
     }
 

@@ -8,7 +8,7 @@ use super::*;
 use crate::hashing::XXH3_SEED;
 use crate::kv_events::KvEvent;
 use crate::lora::Lora;
-use crate::scheduler::SeqRequest;
+use crate::scheduler::{Handoff, SeqRequest};
 
 fn config(block_size: usize, num_gpu_blocks: usize) -> SimConfig {
     SimConfig {
@@ -54,6 +54,7 @@ fn request(
         stream,
         arrival: Instant::now(),
         tx,
+        handoff: Handoff::None,
     };
     (req, rx)
 }
@@ -100,6 +101,105 @@ fn outcome(rx: &mut UnboundedReceiver<SeqEvent>) -> SeqOutcome {
         }
     }
     panic!("no outcome");
+}
+
+#[test]
+fn a_prefill_leg_holds_its_blocks_until_they_are_read() {
+    let mut f = fixture(&config(4, 64));
+    let (mut req, mut rx) = request((0..10).collect(), 4, 1, false, &[]);
+    req.handoff = Handoff::Hold("cmpl-1".into());
+    f.core.enqueue(req);
+    run_until_idle(&mut f.core);
+    let held = outcome(&mut rx).held_blocks;
+    // 10 prompt tokens and the sampled one: 3 blocks of 4, still allocated.
+    assert_eq!(held.len(), 3);
+    assert_eq!(f.core.cache().active_blocks(), 3);
+    assert!(f.core.next_hold_deadline().is_some());
+    assert_eq!(
+        f.core.read_held(Some("cmpl-2"), &held),
+        None,
+        "another request's id"
+    );
+    assert_eq!(f.core.read_held(Some("cmpl-1"), &held), Some(3));
+    assert_eq!(f.core.cache().active_blocks(), 0);
+    assert_eq!(f.core.read_held(Some("cmpl-1"), &held), None, "read twice");
+    assert_eq!(f.core.next_hold_deadline(), None);
+}
+
+#[test]
+fn an_unread_hold_expires_and_a_hold_is_found_by_its_blocks() {
+    let mut cfg = config(4, 64);
+    cfg.kv_transfer.hold_timeout = std::time::Duration::from_secs(5);
+    let mut f = fixture(&cfg);
+    for (n, id) in ["a", "b"].into_iter().enumerate() {
+        let (mut req, mut rx) = request(
+            (0..8).map(|t| t + n as u32 * 100).collect(),
+            4,
+            1,
+            false,
+            &[],
+        );
+        req.handoff = Handoff::Hold(id.into());
+        f.core.enqueue(req);
+        run_until_idle(&mut f.core);
+        outcome(&mut rx);
+    }
+    let deadline = f.core.next_hold_deadline().unwrap();
+    f.core
+        .expire_held(deadline - std::time::Duration::from_millis(1));
+    assert_eq!(
+        f.core.cache().active_blocks(),
+        4,
+        "not yet: two holds of two blocks"
+    );
+    f.core
+        .expire_held(deadline + std::time::Duration::from_secs(1));
+    assert_eq!(f.core.cache().active_blocks(), 0);
+    assert!(
+        f.metrics
+            .render()
+            .contains("kvmesh_sim_kv_holds_expired_total{engine=\"0\",model_name=\"sim-model\"} 2")
+    );
+
+    let (mut req, mut rx) = request((0..8).collect(), 4, 1, false, &[]);
+    req.handoff = Handoff::Hold("c".into());
+    f.core.enqueue(req);
+    run_until_idle(&mut f.core);
+    let held = outcome(&mut rx).held_blocks;
+    assert_eq!(
+        f.core.read_held(None, &held[..1]),
+        None,
+        "not the whole list"
+    );
+    assert_eq!(f.core.read_held(None, &held), Some(held.len()));
+}
+
+#[test]
+fn a_decode_leg_prefills_only_what_was_not_pulled_and_stores_the_pulled_blocks() {
+    let mut f = fixture(&config(4, 64));
+    let (mut req, mut rx) = request((0..10).collect(), 4, 2, false, &[]);
+    req.handoff = Handoff::Pulled(10);
+    f.core.enqueue(req);
+    let plans = run_until_idle(&mut f.core);
+    // Two full blocks (8 tokens) arrived; the last two prompt tokens are computed here.
+    assert_eq!(plans[0].prefill_tokens, 2);
+    let done = outcome(&mut rx);
+    assert_eq!((done.completion_tokens, done.cached_tokens), (2, 0));
+    assert_eq!(
+        f.metrics.snapshot().prefix_hits,
+        0,
+        "pulled is not a local hit"
+    );
+    let stored: usize = std::iter::from_fn(|| f.events.try_recv().ok())
+        .flat_map(|batch| batch.events.clone())
+        .filter(|event| matches!(event, KvEvent::BlockStored { .. }))
+        .count();
+    assert!(stored >= 1, "the pulled blocks are published as stored");
+    // The next request with the same prefix hits them locally.
+    let (again, mut rx) = request((0..10).collect(), 4, 1, false, &[]);
+    f.core.enqueue(again);
+    run_until_idle(&mut f.core);
+    assert_eq!(outcome(&mut rx).cached_tokens, 8);
 }
 
 #[test]
