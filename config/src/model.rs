@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
-use crate::{BackendUrl, ConcurrencyConfig, KvRoutingConfig};
+use crate::{BackendUrl, ConcurrencyConfig, DisaggregationConfig, KvRoutingConfig};
 
 /// A model clients can name in the `model` field, and where it is served.
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
@@ -36,6 +36,9 @@ pub struct ModelConfig {
     /// mid-way (`null`: [`DEFAULT_MIGRATION_LIMIT`]; 0: never, the stream ends with an
     /// error event).
     pub migration_limit: Option<u32>,
+    /// Prefill on one instance and decode on another (vLLM's NixlConnector protocol);
+    /// `null` (the default): every request is served whole by one instance.
+    pub disaggregation: Option<DisaggregationConfig>,
 }
 
 /// Migrations per stream when `migration_limit` is not set.
@@ -92,6 +95,43 @@ pub struct BackendConfig {
     /// request whose `model` names one goes to the backends that list it.
     #[serde(default)]
     pub adapters: Vec<String>,
+    /// Its side of disaggregated serving (the model's `disaggregation`).
+    #[serde(default)]
+    pub role: Role,
+}
+
+/// Which legs of a disaggregated request an instance takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Both (and whole requests).
+    #[default]
+    Both,
+    /// Prefill legs only.
+    Prefill,
+    /// Decode legs (and whole requests).
+    Decode,
+}
+
+impl Role {
+    /// Whether it takes prefill legs.
+    pub fn prefills(self) -> bool {
+        matches!(self, Self::Both | Self::Prefill)
+    }
+
+    /// Whether it takes decode legs and whole requests.
+    pub fn decodes(self) -> bool {
+        matches!(self, Self::Both | Self::Decode)
+    }
+
+    /// `both`, `prefill` or `decode`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Both => "both",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
 }
 
 /// Wire protocol spoken to a backend.

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use kvmesh_config::{
     BackendConfig, BackendUrl, Config, ConfigError, KvRoutingConfig, ModelConfig, PolicyKind,
-    Protocol, TextPosition,
+    Protocol, Role, TextPosition,
 };
 
 const MINIMAL: &str = "\
@@ -640,6 +640,7 @@ fn configs_built_in_code_are_validated_without_positions() {
             url: BackendUrl::parse("http://127.0.0.1:1").unwrap(),
             protocol: Protocol::Http1,
             adapters: Vec::new(),
+            role: Role::Both,
         }],
         ..ModelConfig::default()
     });

@@ -71,6 +71,29 @@ pub struct InstanceRecord {
     /// Whether to route to it.
     #[serde(default)]
     pub state: InstanceState,
+    /// Its side of disaggregated serving (the agent's `--role`); absent: both.
+    #[serde(default, skip_serializing_if = "InstanceRole::is_both")]
+    pub role: InstanceRole,
+}
+
+/// Which legs of disaggregated requests an instance takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InstanceRole {
+    /// Prefill and decode legs, and whole requests.
+    #[default]
+    Both,
+    /// Prefill legs only.
+    Prefill,
+    /// Decode legs and whole requests.
+    Decode,
+}
+
+impl InstanceRole {
+    /// Whether it is [`InstanceRole::Both`] (left out of the record).
+    pub fn is_both(&self) -> bool {
+        *self == Self::Both
+    }
 }
 
 fn one() -> u32 {
@@ -130,6 +153,25 @@ mod tests {
         assert_eq!(record.adapters, ["sql-lora", "chat-lora"]);
         let back = InstanceRecord::from_json(&record.to_json()).expect("round trip");
         assert_eq!(back.adapters, record.adapters);
+    }
+
+    #[test]
+    fn a_role_is_absent_for_both_and_round_trips_otherwise() {
+        let record = InstanceRecord::from_json(DOC_EXAMPLE.as_bytes()).expect("doc example");
+        assert_eq!(record.role, InstanceRole::Both);
+        let mut value: serde_json::Value = serde_json::from_str(DOC_EXAMPLE).expect("json");
+        for (text, role) in [
+            ("prefill", InstanceRole::Prefill),
+            ("decode", InstanceRole::Decode),
+        ] {
+            value["role"] = text.into();
+            let record: InstanceRecord = serde_json::from_value(value.clone()).expect("role");
+            assert_eq!(record.role, role);
+            let back: serde_json::Value = serde_json::from_slice(&record.to_json()).expect("json");
+            assert_eq!(back["role"], text);
+        }
+        value["role"] = "sideways".into();
+        assert!(serde_json::from_value::<InstanceRecord>(value).is_err());
     }
 
     #[test]

@@ -40,7 +40,7 @@ pub use bus::{
 pub use error::ControlError;
 pub use events::{EventBatch, RankedEvent, WireBlock, WireEvent, WireParent, event_blocks};
 pub use ids::{HexU64, InstanceId};
-pub use instance::{InstanceRecord, InstanceState};
+pub use instance::{InstanceRecord, InstanceRole, InstanceState};
 pub use load::LoadReport;
 pub use namespace::{
     DEFAULT_NAMESPACE, Namespace, decode_model, encode_model_for_key, encode_model_for_subject,

@@ -41,6 +41,7 @@ pub fn instance_record(ns: &crate::Namespace, model: &str, id: u64) -> crate::In
         event_subject: ns.event_subject(model),
         snapshot_subject: ns.snapshot_subject(instance_id),
         state: crate::InstanceState::Ready,
+        role: crate::InstanceRole::Both,
     }
 }
 

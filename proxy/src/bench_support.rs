@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvmesh_config::{BackendUrl, KvRoutingConfig, Protocol};
+use kvmesh_config::{BackendUrl, KvRoutingConfig, Protocol, Role};
 use kvmesh_route::kv::{Choice, KvRouter};
 use kvmesh_route::prepare::RouteInput;
 use kvmesh_route::{Candidates, Excluded};
@@ -82,6 +82,7 @@ impl RouteBench {
                     Protocol::Http1,
                     settings,
                     handles,
+                    Role::Both,
                 )))
             })
             .collect::<Result<_, ProxyError>>()?;

@@ -6,7 +6,9 @@
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 
-use kvmesh_config::{BackendUrl, Config, KvRoutingConfig, PolicyKind, Protocol};
+use kvmesh_config::{
+    BackendUrl, Config, DisaggregationConfig, KvRoutingConfig, PolicyKind, Protocol, Role,
+};
 
 use crate::ProxyError;
 
@@ -23,6 +25,8 @@ pub(crate) struct InstanceSpec {
     pub(crate) protocol: Protocol,
     /// LoRA adapters it serves besides the model.
     pub(crate) adapters: Vec<String>,
+    /// Its side of disaggregated serving.
+    pub(crate) role: Role,
 }
 
 /// One model and its instances.
@@ -42,6 +46,8 @@ pub(crate) struct ModelSpec {
     pub(crate) kv: KvRoutingConfig,
     /// Migrations per stream.
     pub(crate) migration_limit: u32,
+    /// Prefill and decode on separate instances.
+    pub(crate) disaggregation: Option<DisaggregationConfig>,
     /// Instances.
     pub(crate) instances: Vec<InstanceSpec>,
 }
@@ -82,6 +88,7 @@ impl Discovery for StaticDiscovery<'_> {
                             url: backend.url.clone(),
                             protocol: backend.protocol,
                             adapters: backend.adapters.clone(),
+                            role: backend.role,
                         })
                     })
                     .collect::<Result<_, ProxyError>>()?;
@@ -93,6 +100,7 @@ impl Discovery for StaticDiscovery<'_> {
                     forward_token_ids: model.forward_token_ids,
                     kv: model.kv.clone(),
                     migration_limit: model.effective_migration_limit(),
+                    disaggregation: model.disaggregation.clone(),
                     instances,
                 })
             })

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::HeaderValue;
-use kvmesh_config::{BackendUrl, Protocol};
+use kvmesh_config::{BackendUrl, Protocol, Role};
 use kvmesh_route::Candidate;
 use pingora_core::upstreams::peer::HttpPeer;
 use tokio::sync::watch;
@@ -83,6 +83,8 @@ pub(crate) struct Instance {
     /// Set once discovery removed (or replaced) it: the streams still relayed from it
     /// continue elsewhere.
     left: watch::Sender<bool>,
+    /// Its side of disaggregated serving.
+    role: Role,
 }
 
 impl Candidate for Instance {
@@ -117,6 +119,7 @@ impl Instance {
         protocol: Protocol,
         settings: PeerSettings,
         metrics: InstanceMetrics,
+        role: Role,
     ) -> Self {
         // `https://` engines: TLS with the host as SNI and the name checked.
         let sni = url.host().trim_start_matches('[').trim_end_matches(']');
@@ -142,6 +145,7 @@ impl Instance {
             outlier: OutlierState::default(),
             left: watch::channel(false).0,
             metrics,
+            role,
         }
     }
 
@@ -172,6 +176,11 @@ impl Instance {
             // The sender lives as long as `self`: never reached, but never a false alarm.
             std::future::pending::<()>().await;
         }
+    }
+
+    /// Its side of disaggregated serving.
+    pub(crate) fn role(&self) -> Role {
+        self.role
     }
 
     /// The configured URL (`http://host:port`).

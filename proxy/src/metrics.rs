@@ -62,6 +62,7 @@ pub(crate) struct Metrics {
     retries: IntCounterVec,
     retry_budget_exhausted: IntCounterVec,
     migrations: IntCounterVec,
+    prefill_legs: IntCounterVec,
     input_tokens: HistogramVec,
     output_tokens: HistogramVec,
     output_tokens_total: IntCounterVec,
@@ -153,6 +154,16 @@ impl Metrics {
             ),
             &["model", "kind"],
         )?;
+        let prefill_legs = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_prefill_legs_total",
+                "Requests of disaggregated models by where they prefilled: remote (a prefill \
+                 instance, then the decode instance pulled the KV), local (the decode instance \
+                 itself: the uncached prompt was short, or the route has none), failed (the \
+                 prefill leg failed; served whole, or 502 with on_prefill_failure: fail).",
+            ),
+            &["model", "outcome"],
+        )?;
         let input_tokens = HistogramVec::new(
             HistogramOpts::new(
                 "kvmesh_input_tokens",
@@ -210,6 +221,7 @@ impl Metrics {
         registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(retry_budget_exhausted.clone()))?;
         registry.register(Box::new(migrations.clone()))?;
+        registry.register(Box::new(prefill_legs.clone()))?;
         registry.register(Box::new(input_tokens.clone()))?;
         registry.register(Box::new(output_tokens.clone()))?;
         registry.register(Box::new(output_tokens_total.clone()))?;
@@ -231,6 +243,7 @@ impl Metrics {
             retries,
             retry_budget_exhausted,
             migrations,
+            prefill_legs,
             input_tokens,
             output_tokens,
             output_tokens_total,
@@ -260,6 +273,8 @@ impl Metrics {
             retry_budget_exhausted: self.retry_budget_exhausted.with_label_values(&[model]),
             migrations: FailureKind::ALL
                 .map(|kind| self.migrations.with_label_values(&[model, kind.label()])),
+            prefill_legs: PrefillLeg::ALL
+                .map(|leg| self.prefill_legs.with_label_values(&[model, leg.label()])),
             input_tokens: self.input_tokens.with_label_values(&[model]),
             output_tokens: self.output_tokens.with_label_values(&[model]),
             output_tokens_total: self.output_tokens_total.with_label_values(&[model]),
@@ -373,6 +388,8 @@ pub(crate) struct ModelMetrics {
     pub(crate) retry_budget_exhausted: IntCounter,
     /// `kvmesh_migrations_total{model,kind}`, by [`FailureKind`] index.
     pub(crate) migrations: [IntCounter; FAILURE_KINDS],
+    /// `kvmesh_prefill_legs_total{model,outcome}`, by [`PrefillLeg`].
+    prefill_legs: [IntCounter; 3],
     /// `kvmesh_input_tokens{model}`.
     input_tokens: Histogram,
     /// `kvmesh_output_tokens{model}`.
@@ -385,7 +402,35 @@ pub(crate) struct ModelMetrics {
     pub(crate) rpcs: RpcTable,
 }
 
+/// Where a disaggregated model's request prefilled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PrefillLeg {
+    /// On a prefill instance.
+    Remote,
+    /// On its decode instance.
+    Local,
+    /// The prefill leg failed.
+    Failed,
+}
+
+impl PrefillLeg {
+    const ALL: [PrefillLeg; 3] = [Self::Remote, Self::Local, Self::Failed];
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::Remote => "remote",
+            Self::Local => "local",
+            Self::Failed => "failed",
+        }
+    }
+}
+
 impl ModelMetrics {
+    /// Counts where a request prefilled.
+    pub(crate) fn prefill_leg(&self, leg: PrefillLeg) {
+        self.prefill_legs[leg as usize].inc();
+    }
+
     /// Counts an answered request's `prompt` (when known) and `completion` tokens.
     pub(crate) fn observe_tokens(&self, prompt: Option<u64>, completion: u64) {
         if let Some(prompt) = prompt {

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use arc_swap::ArcSwap;
+use kvmesh_config::DisaggregationConfig;
 use kvmesh_route::Balancer;
 
 use crate::adapters::Adapters;
@@ -33,18 +34,22 @@ pub(crate) struct ModelPool {
     retry_budget: RetryBudget,
     /// Migrations per stream.
     migration_limit: u32,
+    /// Prefill and decode on separate instances.
+    disaggregation: Option<DisaggregationConfig>,
     /// Set when the pool left the registry: its background tasks stop.
     retired: AtomicBool,
 }
 
 impl ModelPool {
-    /// A pool over `instances` whose streams may migrate `migration_limit` times.
+    /// A pool over `instances` whose streams may migrate `migration_limit` times, and whose
+    /// requests are split into prefill and decode legs when `disaggregation` says.
     pub(crate) fn new(
         name: String,
         instances: Vec<Arc<Instance>>,
         balancer: Balancer,
         metrics: ModelMetrics,
         migration_limit: u32,
+        disaggregation: Option<DisaggregationConfig>,
     ) -> Self {
         for instance in &instances {
             balancer.add_instance(instance.id());
@@ -57,6 +62,7 @@ impl ModelPool {
             metrics,
             retry_budget: RetryBudget::default(),
             migration_limit,
+            disaggregation,
             retired: AtomicBool::new(false),
         }
     }
@@ -64,6 +70,11 @@ impl ModelPool {
     /// How it balances.
     pub(crate) fn balancer(&self) -> &Balancer {
         &self.balancer
+    }
+
+    /// How its requests split into prefill and decode legs (`None`: they do not).
+    pub(crate) fn disaggregation(&self) -> Option<&DisaggregationConfig> {
+        self.disaggregation.as_ref()
     }
 
     /// Canonical model name.

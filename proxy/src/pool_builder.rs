@@ -47,6 +47,7 @@ impl PoolBuilder {
             spec.protocol,
             self.settings,
             handles,
+            spec.role,
         ))
     }
 
@@ -64,6 +65,7 @@ impl PoolBuilder {
             balancer,
             self.metrics.model(&model.name),
             model.migration_limit,
+            model.disaggregation.clone(),
         );
         for spec in &model.instances {
             pool.set_adapters(spec.id, spec.adapters.clone());

@@ -11,6 +11,9 @@
 //!    charged to the key; the instances to pick from (an adapter's: those serving it).
 //! 3. **queue** ([`pick::queue`]): under `policy: kv`, a bounded wait while every instance
 //!    is busy.
+//!    A disaggregated model's request then runs its **prefill leg** ([`prefill`]) on a
+//!    prefill instance, and the rest below is its decode leg, carrying the prefill's
+//!    `kv_transfer_params`, on a decode instance.
 //! 4. **pick** ([`pick`]): the next instance not tried yet (`policy: kv` books the load).
 //! 5. **attempt** ([`attempt`]): send, read the response head within the first-byte
 //!    timeout; a failure before it picks again ([`attempt::Failover`]).
@@ -36,6 +39,7 @@ pub(crate) mod attempt;
 pub(crate) mod frontend;
 pub(crate) mod migrate;
 pub(crate) mod pick;
+pub(crate) mod prefill;
 pub(crate) mod prepare;
 pub(crate) mod record;
 pub(crate) mod relay;
@@ -47,6 +51,7 @@ pub(crate) mod trace;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use http::HeaderValue;
 
 use crate::api_error::ApiError;
 use crate::auth::ApiKey;
@@ -60,6 +65,7 @@ use frontend::Frontend;
 use kvmesh_route::prepare::{InvalidPrompt, Preparer};
 use migrate::{Migration, migrated};
 use pick::{pick, queue};
+use prefill::{Prefilled, prefill, prefill_only};
 use prepare::{charge_prompt, prepare};
 use record::Record;
 use relay::{RelayEnd, end_broken, relay};
@@ -141,12 +147,38 @@ async fn run<F: Frontend>(
         pool.migration_limit(),
         tokenizer,
     );
+    // 3a. the prefill leg (disaggregated models)
+    let prefilled = match pool.disaggregation() {
+        None => None,
+        Some(config) => {
+            trace.phase(Phase::Prefill);
+            failover.excluded = prefill_only(&instances);
+            let model = (&*pool, config);
+            let prefilled =
+                prefill(state, frontend, model, &instances, &picker, &body, record).await?;
+            if let Prefilled::Remote {
+                instance,
+                body: decode_leg,
+            } = &prefilled
+            {
+                body = decode_leg.clone();
+                // The decode leg goes elsewhere (a `both` instance could take both).
+                if let Some(at) = instances.iter().position(|i| Arc::ptr_eq(i, instance)) {
+                    failover.excluded.insert(at);
+                }
+            }
+            Some(prefilled)
+        }
+    };
     loop {
         // 4. pick
-        let pick = match pick(&instances, &picker, &failover.excluded) {
+        let mut pick = match pick(&instances, &picker, &failover.excluded) {
             Ok(pick) => pick,
             Err(why) => return Err(failover.exhausted(state, &pool, why).into()),
         };
+        if let Some(prefilled) = &prefilled {
+            pick.route = Some(explained(prefilled, pick.route.as_ref()));
+        }
         record.instance = Some(pick.instance.instance_header().clone());
         record.kv_route.clone_from(&pick.route);
         let in_flight = pick.instance.start_request();
@@ -223,4 +255,12 @@ async fn run<F: Frontend>(
         drop(in_flight);
         return Ok(reusable);
     }
+}
+
+/// `x-kvmesh-route` of a disaggregated model's request: the prefill leg, then the decode
+/// leg's choice.
+fn explained(prefilled: &Prefilled, decode: Option<&HeaderValue>) -> HeaderValue {
+    let mut text = prefilled.explain();
+    text.push_str(decode.and_then(|value| value.to_str().ok()).unwrap_or(""));
+    HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static("invalid"))
 }

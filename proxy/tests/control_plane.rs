@@ -90,6 +90,7 @@ impl Harness {
             event_subject: self.namespace.event_subject(MODEL),
             snapshot_subject: self.namespace.snapshot_subject(InstanceId(id)),
             state: InstanceState::Ready,
+            role: kvmesh_control::InstanceRole::Both,
         };
         let key = self.namespace.instance_key(MODEL, InstanceId(id));
         self.registry.put(&key, &record, None).await.unwrap();
@@ -395,6 +396,7 @@ async fn instances_follow_their_records_and_models_appear_and_disappear() {
         event_subject: harness.namespace.event_subject("other"),
         snapshot_subject: harness.namespace.snapshot_subject(InstanceId(7)),
         state: InstanceState::Ready,
+        role: kvmesh_control::InstanceRole::Both,
     };
     harness.registry.put(&key, &record, None).await.unwrap();
     harness
@@ -520,6 +522,7 @@ async fn a_reload_keeps_unchanged_models_and_moves_changed_ones_to_new_pools() {
             event_subject: ns.event_subject(model),
             snapshot_subject: ns.snapshot_subject(InstanceId(id)),
             state: InstanceState::Ready,
+            role: kvmesh_control::InstanceRole::Both,
         };
         registry
             .put(&ns.instance_key(model, InstanceId(id)), &record, None)

@@ -305,6 +305,7 @@ pub async fn start(
         event_subject: ns.event_subject(&config.model),
         snapshot_subject: ns.snapshot_subject(id),
         state: initial,
+        role: config.role,
     };
     let key = ns.instance_key(&config.model, id);
     // Listing the record's own key (its id is fixed-width: no other key starts with it).

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use kvmesh_control::{
-    DurableStream, EtcdAuth, EtcdSettings, InstanceId, Namespace, NatsAuth, NatsSettings, TlsFiles,
+    DurableStream, EtcdAuth, EtcdSettings, InstanceId, InstanceRole, Namespace, NatsAuth,
+    NatsSettings, TlsFiles,
 };
 use kvmesh_telemetry::TraceSettings;
 
@@ -122,6 +123,10 @@ pub struct Cli {
     /// Data-parallel ranks.
     #[arg(long, env = "KVMESH_AGENT_DP_RANKS", default_value_t = 1)]
     pub dp_ranks: u32,
+    /// The engine's side of disaggregated serving, registered in its record: `prefill`
+    /// (prefill legs only), `decode` (decode legs and whole requests) or `both`.
+    #[arg(long, env = "KVMESH_AGENT_ROLE", default_value = "both", value_parser = ["both", "prefill", "decode"])]
+    pub role: String,
     /// Labels of the instance record, `k=v,k2=v2`.
     #[arg(long, env = "KVMESH_AGENT_LABELS", default_value = "", value_parser = parse_labels)]
     pub labels: BTreeMap<String, String>,
@@ -278,6 +283,11 @@ impl Cli {
         config.total_blocks = self.total_blocks;
         config.dp_ranks = self.dp_ranks;
         config.labels = self.labels.clone();
+        config.role = match self.role.as_str() {
+            "prefill" => InstanceRole::Prefill,
+            "decode" => InstanceRole::Decode,
+            _ => InstanceRole::Both,
+        };
         config.namespace = self.namespace.clone();
         config.lease_ttl = self.lease_ttl;
         config.load_interval = self.load_interval;

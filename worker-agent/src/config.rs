@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvmesh_control::{InstanceId, Namespace};
+use kvmesh_control::{InstanceId, InstanceRole, Namespace};
 use kvmesh_telemetry::TraceSettings;
 
 /// Which engine the agent sits beside: decides the positional event layout and the metric
@@ -45,6 +45,8 @@ pub struct AgentConfig {
     pub dp_ranks: u32,
     /// Labels copied into the instance record.
     pub labels: BTreeMap<String, String>,
+    /// Its side of disaggregated serving, for the record.
+    pub role: InstanceRole,
     /// Control-plane namespace.
     pub namespace: Namespace,
     /// Lease TTL of the instance record.
@@ -81,6 +83,7 @@ impl AgentConfig {
             total_blocks: 0,
             dp_ranks: 1,
             labels: BTreeMap::new(),
+            role: InstanceRole::Both,
             namespace: Namespace::default(),
             lease_ttl: Duration::from_secs(10),
             load_interval: Duration::from_millis(250),

@@ -18,9 +18,9 @@ use std::sync::Arc;
 
 use kvmesh_config::{
     BackendUrl, Config, DEFAULT_MIGRATION_LIMIT, DefaultModelConfig, HealthCheckConfig,
-    KvRoutingConfig, Protocol,
+    KvRoutingConfig, Protocol, Role,
 };
-use kvmesh_control::{InstanceRecord, InstanceState, Namespace, WatchEvent};
+use kvmesh_control::{InstanceRecord, InstanceRole, InstanceState, Namespace, WatchEvent};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
@@ -387,12 +387,18 @@ async fn instance_spec(record: &InstanceRecord) -> Result<InstanceSpec, String> 
         .map_err(|error| error.to_string())?
         .next()
         .ok_or_else(|| "no address".to_string())?;
+    let role = match record.role {
+        InstanceRole::Both => Role::Both,
+        InstanceRole::Prefill => Role::Prefill,
+        InstanceRole::Decode => Role::Decode,
+    };
     Ok(InstanceSpec {
         id: record.instance_id.0,
         url,
         address,
         protocol,
         adapters: record.adapters.clone(),
+        role,
     })
 }
 
@@ -413,6 +419,7 @@ fn default_model_spec(defaults: &DefaultModelConfig, record: &InstanceRecord) ->
             ..defaults.kv.clone()
         },
         migration_limit: defaults.migration_limit.unwrap_or(DEFAULT_MIGRATION_LIMIT),
+        disaggregation: None,
         instances: Vec::new(),
     }
 }

@@ -40,6 +40,8 @@ pub(crate) enum Phase {
     Prepare,
     /// The wait while every instance is busy (`policy: kv`).
     Queue,
+    /// A disaggregated model's prefill leg.
+    Prefill,
 }
 
 impl Phase {
@@ -48,6 +50,7 @@ impl Phase {
             Self::Admit => "admit",
             Self::Prepare => "prepare",
             Self::Queue => "queue",
+            Self::Prefill => "prefill",
         }
     }
 }

@@ -162,6 +162,13 @@ pub struct Cost {
     pub(crate) value: f64,
 }
 
+impl Cost {
+    /// Prompt tokens the request would have to prefill there (the part it does not cache).
+    pub fn new_prefill_tokens(&self) -> u64 {
+        self.new_prefill_tokens
+    }
+}
+
 /// The cost's profile and weights.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct CostModel {

@@ -1,0 +1,157 @@
+//! Disaggregated prefill/decode: a model's prefill legs on one instance, its decode on another.
+
+use serde::Deserialize;
+
+use crate::violation::{Checked, fail};
+use crate::{FieldPath, ModelConfig, PolicyKind};
+
+/// When a request's prefill runs on a prefill instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DisaggregationMode {
+    /// Every chat and completions request (Dynamo's `enforce_disagg`).
+    Enforce,
+    /// Only when the part of the prompt the chosen decode instance does not cache is at
+    /// least `min_remote_prefill_tokens` long (Dynamo's conditional disaggregation,
+    /// `isl_bounding`); shorter ones prefill on the decode instance itself.
+    #[default]
+    Conditional,
+}
+
+/// What a request does when its prefill leg fails (no prefill instance, a connect error, an
+/// engine error, an answer without `kv_transfer_params`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillFailure {
+    /// The decode instance serves it whole (prefills itself).
+    #[default]
+    Aggregated,
+    /// 502 (the prefill leg's failure named).
+    Fail,
+}
+
+/// `models[].disaggregation`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DisaggregationConfig {
+    /// When to prefill remotely.
+    pub mode: DisaggregationMode,
+    /// `conditional`: the uncached prompt tokens (on the chosen decode instance) from which
+    /// the prefill runs remotely.
+    pub min_remote_prefill_tokens: u64,
+    /// What a failed prefill leg does.
+    pub on_prefill_failure: PrefillFailure,
+}
+
+impl Default for DisaggregationConfig {
+    fn default() -> Self {
+        Self {
+            mode: DisaggregationMode::Conditional,
+            min_remote_prefill_tokens: 512,
+            on_prefill_failure: PrefillFailure::Aggregated,
+        }
+    }
+}
+
+/// Checks `model.disaggregation`; `path` points at the model.
+pub(crate) fn check_disaggregation(model: &ModelConfig, path: &FieldPath) -> Checked {
+    let Some(disaggregation) = &model.disaggregation else {
+        let split = model
+            .backends
+            .iter()
+            .position(|b| b.role != crate::Role::Both);
+        if let Some(i) = split {
+            return fail(
+                path.key("backends").index(i).key("role"),
+                "a role needs the model's disaggregation section",
+            );
+        }
+        return Ok(());
+    };
+    let path = path.key("disaggregation");
+    if model.policy != PolicyKind::Kv {
+        return fail(
+            path,
+            "needs policy: kv (the prefill instance is chosen by its KV index)",
+        );
+    }
+    if disaggregation.mode == DisaggregationMode::Conditional
+        && disaggregation.min_remote_prefill_tokens == 0
+    {
+        return fail(
+            path.key("min_remote_prefill_tokens"),
+            "must be at least 1 (use mode: enforce to always prefill remotely)",
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Config, Role};
+
+    use super::*;
+
+    fn parse(model_extra: &str, backends: &str) -> Result<Config, crate::ConfigError> {
+        Config::from_yaml_str(
+            &format!(
+                "models:\n  - name: m\n    policy: kv\n{model_extra}    backends:\n{backends}"
+            ),
+            "test.yaml",
+        )
+    }
+
+    const SPLIT: &str = "      - url: http://127.0.0.1:8000\n        role: prefill\n      - url: http://127.0.0.1:8001\n        role: decode\n";
+
+    #[test]
+    fn off_by_default_and_conditional_when_on() {
+        let config = parse("", "      - url: http://127.0.0.1:8000\n").unwrap();
+        assert_eq!(config.models[0].disaggregation, None);
+        assert_eq!(config.models[0].backends[0].role, Role::Both);
+        let config = parse("    disaggregation: {}\n", SPLIT).unwrap();
+        let on = config.models[0].disaggregation.clone().unwrap();
+        assert_eq!(on, DisaggregationConfig::default());
+        assert_eq!(on.mode, DisaggregationMode::Conditional);
+        assert_eq!(config.models[0].backends[0].role, Role::Prefill);
+        let config = parse(
+            "    disaggregation:\n      mode: enforce\n      on_prefill_failure: fail\n",
+            SPLIT,
+        )
+        .unwrap();
+        let on = config.models[0].disaggregation.clone().unwrap();
+        assert_eq!(
+            (on.mode, on.on_prefill_failure),
+            (DisaggregationMode::Enforce, PrefillFailure::Fail)
+        );
+    }
+
+    #[test]
+    fn rejects_what_cannot_work_with_the_field() {
+        let error = parse("", SPLIT).unwrap_err().to_string();
+        assert!(error.contains("models[0].backends[0].role"), "{error}");
+        let error = Config::from_yaml_str(
+            &format!("models:\n  - name: m\n    disaggregation: {{}}\n    backends:\n{SPLIT}"),
+            "test.yaml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.contains("models[0].disaggregation") && error.contains("policy: kv"),
+            "{error}"
+        );
+        let error = parse(
+            "    disaggregation:\n      min_remote_prefill_tokens: 0\n",
+            SPLIT,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("min_remote_prefill_tokens"), "{error}");
+        let error = parse(
+            "",
+            "      - url: http://127.0.0.1:8000\n        role: sideways\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("role"), "{error}");
+    }
+}

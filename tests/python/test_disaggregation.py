@@ -1,0 +1,164 @@
+"""Disaggregated prefill/decode through kvmesh-proxy, with the real `openai` and
+`tritonclient[grpc]` clients: `kvmesh-engine-sim --role prefill` and `--role decode` engines
+speaking vLLM's NixlConnector protocol, the proxy running each request's prefill leg on a
+prefill engine and its decode leg, carrying the prefill's `kv_transfer_params`, on a decode
+engine that pulls the KV.
+
+Models: `pd-model` (enforce: every request prefills remotely), `cond-model` (conditional:
+only prompts with at least 256 uncached tokens), `lost-model` (its prefill engine refuses
+connections: served whole), `strict-model` (the same, with `on_prefill_failure: fail`).
+"""
+
+import numpy as np
+import openai
+import pytest
+import tritonclient.grpc as grpcclient
+import httpx
+
+from conftest import Proc
+
+PD = "pd-model"
+COND = "cond-model"
+LOST = "lost-model"
+STRICT = "strict-model"
+
+
+def engines(proc):
+    return [f"http://{addr}" for name, addr in sorted(proc.listeners.items()) if name.startswith("engine-")]
+
+
+def model_yaml(name, prefill, decode, extra=""):
+    lines = [f"  - name: {name}", "    policy: kv", "    kv:", "      block_size: 16", "    disaggregation:"]
+    lines += [f"      {line}" for line in (extra or "mode: enforce").splitlines()]
+    lines += ["    backends:"]
+    lines += [f"      - url: {url}\n        role: prefill" for url in prefill]
+    lines += [f"      - url: {url}\n        role: decode" for url in decode]
+    return "\n".join(lines) + "\n"
+
+
+def sim(workdir, role, count, model):
+    return Proc(
+        "kvmesh-engine-sim",
+        ["--engines", str(count), "--port", "0", "--no-delay", "--block-size", "16", "--role", role, "--model", model],
+        workdir,
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(workdir):
+    prefill = sim(workdir, "prefill", 1, PD)
+    decode = sim(workdir, "decode", 2, PD)
+    cond_prefill = sim(workdir, "prefill", 1, COND)
+    cond_decode = sim(workdir, "decode", 1, COND)
+    lost_decode = sim(workdir, "decode", 1, LOST)
+    strict_decode = sim(workdir, "decode", 1, STRICT)
+    models = (
+        model_yaml(PD, engines(prefill), engines(decode))
+        + model_yaml(COND, engines(cond_prefill), engines(cond_decode), "min_remote_prefill_tokens: 256")
+        + model_yaml(LOST, ["http://127.0.0.1:1"], engines(lost_decode))
+        + model_yaml(STRICT, ["http://127.0.0.1:1"], engines(strict_decode), "mode: enforce\non_prefill_failure: fail")
+    )
+    config = workdir / "disagg.yaml"
+    config.write_text(
+        "listeners:\n  - name: main\n    address: 127.0.0.1:0\nadmin:\n  address: 127.0.0.1:0\n"
+        "grpc:\n  address: 127.0.0.1:0\nhealth_check:\n  enabled: false\n"
+        "outlier_detection:\n  consecutive_failures: 1000\nlimits:\n  retries: 0\n"
+        f"models:\n{models}"
+    )
+    proxy = Proc("kvmesh-proxy", ["--config", str(config)], workdir)
+    yield {"proxy": proxy, "prefill": prefill, "decode": decode, "cond_prefill": cond_prefill, "cond_decode": cond_decode}
+    proxy.stop()
+    for proc in (prefill, decode, cond_prefill, cond_decode, lost_decode, strict_decode):
+        proc.stop()
+
+
+def api(cluster):
+    return openai.OpenAI(base_url=cluster["proxy"].url("main") + "/v1", api_key="unused", max_retries=0)
+
+
+def metric(urls, name, label=""):
+    total = 0.0
+    for url in urls:
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + "{") and label in line:
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def words(n, seed):
+    return " ".join(f"w{seed}x{i}" for i in range(n))
+
+
+def test_every_request_prefills_on_the_prefill_engine_and_decodes_on_a_decode_engine(cluster):
+    client = api(cluster)
+    decode_urls = engines(cluster["decode"])
+    pulled_before = metric(decode_urls, "kvmesh_sim_kv_transfers_total", 'outcome="ok"')
+    for n, stream in enumerate([False, True, False, True]):
+        prompt = words(300, n)
+        if n % 2 == 0:
+            raw = client.completions.with_raw_response.create(model=PD, prompt=prompt, max_tokens=7)
+            completion = raw.parse()
+            assert completion.usage.completion_tokens == 7
+            route = raw.headers["x-kvmesh-route"]
+        else:
+            raw = client.chat.completions.with_raw_response.create(
+                model=PD, messages=[{"role": "user", "content": prompt}], max_tokens=7, stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = list(raw.parse())
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text and chunks[-1].usage.completion_tokens == 7
+            route = raw.headers["x-kvmesh-route"]
+        prefill_url = engines(cluster["prefill"])[0]
+        assert route.startswith(f"prefill={prefill_url}; instance=http://"), route
+        assert any(f"instance={url};" in route for url in decode_urls), route
+    assert metric(decode_urls, "kvmesh_sim_kv_transfers_total", 'outcome="ok"') == pulled_before + 4
+    assert metric(engines(cluster["prefill"]), "kvmesh_sim_kv_held_blocks") == 0
+    proxy_metrics = httpx.get(cluster["proxy"].url("admin") + "/metrics").text
+    assert f'kvmesh_prefill_legs_total{{model="{PD}",outcome="remote"}} 4' in proxy_metrics
+
+
+def test_conditional_prefills_short_prompts_on_the_decode_engine(cluster):
+    client = api(cluster)
+    decode_urls = engines(cluster["cond_decode"])
+    pulled_before = metric(decode_urls, "kvmesh_sim_kv_transfers_total", 'outcome="ok"')
+    raw = client.completions.with_raw_response.create(model=COND, prompt=list(range(50)), max_tokens=3)
+    assert raw.parse().usage.completion_tokens == 3
+    assert raw.headers["x-kvmesh-route"].startswith("prefill=local ("), raw.headers["x-kvmesh-route"]
+    assert "min_remote_prefill_tokens 256" in raw.headers["x-kvmesh-route"]
+    # Text the proxy cannot tokenize (no tokenizer configured): its length is unknown.
+    raw = client.completions.with_raw_response.create(model=COND, prompt=words(400, 98), max_tokens=3)
+    assert raw.headers["x-kvmesh-route"].startswith("prefill=local (prompt not tokenized"), raw.headers["x-kvmesh-route"]
+    long_prompt = list(range(2000, 2400))
+    raw = client.completions.with_raw_response.create(model=COND, prompt=long_prompt, max_tokens=3)
+    assert raw.parse().usage.completion_tokens == 3
+    assert raw.headers["x-kvmesh-route"].startswith("prefill=http://"), raw.headers["x-kvmesh-route"]
+    assert metric(decode_urls, "kvmesh_sim_kv_transfers_total", 'outcome="ok"') == pulled_before + 1
+    # The same long prompt again: the decode engine now caches it, so it prefills there.
+    raw = client.completions.with_raw_response.create(model=COND, prompt=long_prompt, max_tokens=3)
+    assert raw.headers["x-kvmesh-route"].startswith("prefill=local ("), raw.headers["x-kvmesh-route"]
+
+
+def test_a_failed_prefill_leg_is_served_whole_or_refused_as_configured(cluster):
+    client = api(cluster)
+    raw = client.completions.with_raw_response.create(model=LOST, prompt=words(300, 7), max_tokens=4)
+    assert raw.parse().usage.completion_tokens == 4
+    assert raw.headers["x-kvmesh-route"].startswith("prefill=local (prefill leg failed"), raw.headers["x-kvmesh-route"]
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model=STRICT, prompt=words(300, 8), max_tokens=4)
+    assert refused.value.status_code == 502
+    assert "prefill leg" in refused.value.response.json()["error"]["message"]
+    proxy_metrics = httpx.get(cluster["proxy"].url("admin") + "/metrics").text
+    assert f'kvmesh_prefill_legs_total{{model="{LOST}",outcome="failed"}} 1' in proxy_metrics
+    assert f'kvmesh_prefill_legs_total{{model="{STRICT}",outcome="failed"}} 1' in proxy_metrics
+
+
+def test_the_kserve_grpc_path_disaggregates_too(cluster):
+    decode_urls = engines(cluster["decode"])
+    pulled_before = metric(decode_urls, "kvmesh_sim_kv_transfers_total", 'outcome="ok"')
+    with grpcclient.InferenceServerClient(url=cluster["proxy"].listeners["grpc"]) as client:
+        tensor = grpcclient.InferInput("input_ids", [1, 400], "INT64")
+        tensor.set_data_from_numpy(np.array([list(range(1000, 1400))], dtype=np.int64))
+        result = client.infer(PD, [tensor], parameters={"max_tokens": 5})
+        assert result.as_numpy("text_output")[0].decode()
+    assert metric(decode_urls, "kvmesh_sim_kv_transfers_total", 'outcome="ok"') == pulled_before + 1
