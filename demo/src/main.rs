@@ -14,6 +14,10 @@
 //! and routes with `policy: kv` from what the engines really cache, using the real
 //! Qwen3 tokenizer, which the simulated engines use too: every response carries
 //! `x-kvmesh-route` and a conversation's turns land where its prefix is cached.
+//!
+//! With `--disaggregated`, half the engines prefill and half decode: every request runs its
+//! prefill leg on a prefill engine and its decode leg on a decode engine, which pulls the
+//! KV over the simulator's link model; `x-kvmesh-route` names both.
 
 use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -25,8 +29,8 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use kvmesh_agent::{AgentConfig, AgentHandle};
 use kvmesh_config::Config;
-use kvmesh_control::{EventBus, InProcessBus, InProcessRegistry, Registry};
-use kvmesh_engine_sim::{EngineHandle, KvEventsConfig, SimConfig};
+use kvmesh_control::{EventBus, InProcessBus, InProcessRegistry, InstanceRole, Registry};
+use kvmesh_engine_sim::{EngineHandle, KvEventsConfig, KvTransferConfig, Role, SimConfig};
 use kvmesh_proxy::{ControlPlane, Proxy};
 use tokio::signal::unix::{SignalKind, signal};
 use tracing_subscriber::EnvFilter;
@@ -57,6 +61,11 @@ struct Cli {
     /// routing and the engines; default: the repository's `.cache/tokenizers/qwen3`.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_TOKENIZER)]
     tokenizer: PathBuf,
+    /// Disaggregated prefill/decode: the first half of the engines (at least one) prefill,
+    /// the others decode, and every request runs its prefill leg on a prefill engine and its
+    /// decode leg on a decode engine that pulls the KV (docs/disaggregation.md).
+    #[arg(long)]
+    disaggregated: bool,
 }
 
 /// Where `scripts/fetch-tokenizer.sh` puts the Qwen3 tokenizer.
@@ -101,16 +110,13 @@ async fn main() -> anyhow::Result<()> {
         },
         ..SimConfig::default()
     };
-    let engines =
-        kvmesh_engine_sim::spawn_engines(&sim, IpAddr::V4(Ipv4Addr::LOCALHOST), 0, cli.engines)
-            .await
-            .context("starting the simulated engines")?;
+    let engines = spawn_engines(&cli, &sim).await?;
 
     let registry = Arc::new(InProcessRegistry::new());
     let bus = Arc::new(InProcessBus::new());
     let mut agents = Vec::with_capacity(engines.len());
-    for engine in &engines {
-        let agent = start_agent(&sim, engine, &registry, &bus)
+    for (engine, role) in &engines {
+        let agent = start_agent(&sim, engine, *role, &registry, &bus)
             .await
             .with_context(|| format!("starting the agent of engine {}", engine.local_addr()))?;
         agents.push(agent);
@@ -134,10 +140,14 @@ async fn main() -> anyhow::Result<()> {
          events, behind kvmesh-proxy. Engines:\n",
         engines.len()
     )?;
-    for (engine, agent) in engines.iter().zip(&agents) {
+    for ((engine, role), agent) in engines.iter().zip(&agents) {
+        let role = match role {
+            Role::Both => String::new(),
+            role => format!("  {} engine", role.as_str()),
+        };
         writeln!(
             out,
-            "  http://{}  instance {}  (agent /metrics on http://{})",
+            "  http://{}  instance {}  (agent /metrics on http://{}){role}",
             engine.local_addr(),
             agent.instance_id(),
             agent.listen_addr()
@@ -180,21 +190,56 @@ async fn main() -> anyhow::Result<()> {
     for agent in agents {
         agent.shutdown().await;
     }
-    for engine in engines {
+    for (engine, _) in engines {
         engine.stop().await;
     }
     Ok(())
+}
+
+/// Starts the engines: `--engines` of them, the first half (at least one) prefill engines
+/// and the rest decode engines with `--disaggregated`.
+async fn spawn_engines(cli: &Cli, sim: &SimConfig) -> anyhow::Result<Vec<(EngineHandle, Role)>> {
+    let localhost = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    if !cli.disaggregated {
+        let engines = kvmesh_engine_sim::spawn_engines(sim, localhost, 0, cli.engines)
+            .await
+            .context("starting the simulated engines")?;
+        return Ok(engines.into_iter().map(|e| (e, Role::Both)).collect());
+    }
+    if cli.engines < 2 {
+        bail!("--disaggregated needs at least 2 engines (one prefill, one decode)");
+    }
+    let prefill = cli.engines / 2;
+    let mut engines = Vec::with_capacity(cli.engines);
+    for (role, count) in [
+        (Role::Prefill, prefill),
+        (Role::Decode, cli.engines - prefill),
+    ] {
+        let config = SimConfig {
+            kv_transfer: KvTransferConfig {
+                role,
+                ..KvTransferConfig::default()
+            },
+            ..sim.clone()
+        };
+        let started = kvmesh_engine_sim::spawn_engines(&config, localhost, 0, count)
+            .await
+            .with_context(|| format!("starting the {} engines", role.as_str()))?;
+        engines.extend(started.into_iter().map(|e| (e, role)));
+    }
+    Ok(engines)
 }
 
 /// How long an agent advertises `draining` before deregistering when the demo stops (the
 /// proxy has stopped already).
 const AGENT_DRAIN: Duration = Duration::from_millis(100);
 
-/// Starts the worker-agent of `engine`: it subscribes to the engine's KV events and replay
+/// Starts the worker-agent of `engine` (registered with `role`): it subscribes to the engine's KV events and replay
 /// sockets, registers the engine in `registry` and publishes on `bus`.
 async fn start_agent(
     sim: &SimConfig,
     engine: &EngineHandle,
+    role: Role,
     registry: &Arc<InProcessRegistry>,
     bus: &Arc<InProcessBus>,
 ) -> anyhow::Result<AgentHandle> {
@@ -210,6 +255,11 @@ async fn start_agent(
     config.block_size = Some(sim.block_size);
     config.total_blocks = sim.num_gpu_blocks as u64;
     config.drain = AGENT_DRAIN;
+    config.role = match role {
+        Role::Both => InstanceRole::Both,
+        Role::Prefill => InstanceRole::Prefill,
+        Role::Decode => InstanceRole::Decode,
+    };
     let registry: Arc<dyn Registry> = Arc::clone(registry) as Arc<dyn Registry>;
     let bus: Arc<dyn EventBus> = Arc::clone(bus) as Arc<dyn EventBus>;
     Ok(kvmesh_agent::start(config, registry, bus).await?)
@@ -219,8 +269,13 @@ async fn start_agent(
 /// `discovery.kind: etcd` and `events.kind: nats` instead).
 fn demo_config(cli: &Cli) -> String {
     let tokenizer = yaml_quote(&cli.tokenizer.display().to_string());
+    let disaggregation = if cli.disaggregated {
+        "    disaggregation:\n      mode: enforce\n"
+    } else {
+        ""
+    };
     format!(
-        "listeners:\n  - name: main\n    address: {}\nadmin:\n  address: {}\ngrpc:\n  address: {}\nmodels:\n  - name: {}\n    policy: kv\n    tokenizer: {tokenizer}\n    kv:\n      block_size: {}\n    backends: []\ndiscovery:\n  kind: in_process\nevents:\n  kind: in_process\n",
+        "listeners:\n  - name: main\n    address: {}\nadmin:\n  address: {}\ngrpc:\n  address: {}\nmodels:\n  - name: {}\n    policy: kv\n    tokenizer: {tokenizer}\n    kv:\n      block_size: {}\n{disaggregation}    backends: []\ndiscovery:\n  kind: in_process\nevents:\n  kind: in_process\n",
         cli.listen,
         cli.admin,
         cli.grpc,

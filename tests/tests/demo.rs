@@ -199,3 +199,69 @@ async fn sequential_conversations_stay_on_the_engine_that_caches_them() -> anyho
     assert!(moved.is_empty(), "turns that left their engine: {moved:?}");
     Ok(())
 }
+
+/// `kvmesh-demo --disaggregated`: README's request prefills on a prefill engine and decodes
+/// on a decode engine, which pulls the KV; `x-kvmesh-route` names both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_disaggregated_demo_runs_each_request_in_two_legs() -> anyhow::Result<()> {
+    let scratch = ScratchDir::new("demo-pd")?;
+    let args: Vec<String> = [
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+        "--grpc",
+        "127.0.0.1:0",
+        "--speedup-ratio",
+        "100",
+        "--engines",
+        "2",
+        "--disaggregated",
+    ]
+    .map(String::from)
+    .to_vec();
+    let demo = Spawned::start("kvmesh-demo", &args, scratch.path())?;
+    let client = HttpClient::http1();
+    let chat_url = format!("{}/v1/chat/completions", demo.url("main"));
+    // The agents register both engines with their roles; until both are listed the request
+    // has no prefill (or no decode) instance to go to.
+    let metrics_url = format!("{}/metrics", demo.url("admin"));
+    let series = format!("kvmesh_discovery_instances{{model=\"{MODEL}\"}}");
+    kvmesh_e2e::control_plane::await_metric(
+        &client,
+        &metrics_url,
+        &series,
+        |v| v == 2.0,
+        Duration::from_secs(10),
+    )
+    .await?;
+    for question in ["What is rule 1?", "What is rule 2?"] {
+        let reply = client.post_json(&chat_url, &chat_body(question)).await?;
+        assert_eq!(
+            reply.status,
+            200,
+            "{}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        let route = reply.header("x-kvmesh-route").expect("x-kvmesh-route");
+        let (prefill, decode) = route
+            .strip_prefix("prefill=http://")
+            .and_then(|rest| rest.split_once("; instance=http://"))
+            .unwrap_or_else(|| panic!("not two legs: {route}"));
+        let prefill = prefill.to_string();
+        assert!(
+            !decode.starts_with(&prefill),
+            "one engine took both legs: {route}"
+        );
+        assert_eq!(reply.json()?["usage"]["completion_tokens"], 8);
+    }
+    let metrics = client.get(&metrics_url).await?;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains(&format!(
+            "kvmesh_prefill_legs_total{{model=\"{MODEL}\",outcome=\"remote\"}} 2"
+        )),
+        "{text}"
+    );
+    Ok(())
+}
