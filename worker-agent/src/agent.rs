@@ -24,6 +24,8 @@ use crate::metrics::AgentMetrics;
 use crate::publish;
 use crate::registration::Registration;
 use crate::server::{self, Status};
+use crate::sidecar::forward::{self, Inbound};
+use crate::sidecar::pacer::Pacer;
 
 /// Batches queued for the publisher before new ones are dropped (and replayed on request).
 const PUBLISH_QUEUE: usize = 16_384;
@@ -36,6 +38,8 @@ const DRAIN_WRITE_TIMEOUT: Duration = Duration::from_secs(3);
 pub struct AgentHandle {
     instance_id: InstanceId,
     listen_addr: SocketAddr,
+    /// Where the inbound sidecar listens, when it is on.
+    inbound_addr: Option<SocketAddr>,
     metrics: AgentMetrics,
     desired: watch::Sender<InstanceState>,
     written: watch::Receiver<Option<InstanceState>>,
@@ -56,6 +60,11 @@ impl AgentHandle {
     /// Where its `/health` and `/metrics` listen.
     pub fn listen_addr(&self) -> SocketAddr {
         self.listen_addr
+    }
+
+    /// Where its inbound sidecar listens (`None`: off).
+    pub fn inbound_addr(&self) -> Option<SocketAddr> {
+        self.inbound_addr
     }
 
     /// Its metrics.
@@ -288,13 +297,35 @@ pub async fn start(
     let (desired, desired_rx) = watch::channel(initial);
     let (written_tx, written) = watch::channel(None);
     let (stop_registration, stop_rx) = watch::channel(false);
+    let inbound = match &config.inbound {
+        None => None,
+        Some(inbound) => {
+            let bound = |source| AgentError::Listen {
+                addr: inbound.listen,
+                source,
+            };
+            let listener = TcpListener::bind(inbound.listen).await.map_err(bound)?;
+            let addr = listener.local_addr().map_err(bound)?;
+            Some((listener, addr))
+        }
+    };
+    let inbound_addr = inbound.as_ref().map(|(_, addr)| *addr);
+    // Proxies reach the engine through the sidecar when it is on.
+    let url = match (&config.advertise_url, inbound_addr) {
+        (Some(url), _) => url.clone(),
+        (None, Some(addr)) if addr.ip().is_unspecified() => {
+            return Err(AgentError::Config(
+                "--inbound-listen on every interface needs --advertise-url (the pod's address)"
+                    .into(),
+            ));
+        }
+        (None, Some(addr)) => format!("http://{addr}"),
+        (None, None) => config.engine_url.clone(),
+    };
     let record = InstanceRecord {
         instance_id: id,
         model: config.model.clone(),
-        url: config
-            .advertise_url
-            .clone()
-            .unwrap_or_else(|| config.engine_url.clone()),
+        url,
         protocol: "http1".to_owned(),
         block_size: u32::try_from(block_size)
             .map_err(|_| AgentError::Config("block size too large".into()))?,
@@ -357,9 +388,23 @@ pub async fn start(
         metrics: metrics.clone(),
     });
     tasks.push(tokio::spawn(server::serve(listener, status)));
+    if let (Some((listener, _)), Some(settings)) = (inbound, &config.inbound) {
+        let bytes_per_block = settings.kv_bytes_per_token * block_size as u64;
+        let pacer = settings
+            .pacing
+            .map(|pacing| Arc::new(Pacer::new(pacing, metrics.pacer.clone())));
+        let forwarder = Inbound::new(
+            &config.engine_url,
+            pacer,
+            bytes_per_block,
+            metrics.inbound_requests.clone(),
+        );
+        tasks.push(tokio::spawn(forward::serve(listener, Arc::new(forwarder))));
+    }
     let handle = AgentHandle {
         instance_id: id,
         listen_addr,
+        inbound_addr,
         metrics: metrics.clone(),
         desired,
         written: written.clone(),

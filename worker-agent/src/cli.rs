@@ -12,7 +12,8 @@ use kvmesh_control::{
 };
 use kvmesh_telemetry::TraceSettings;
 
-use crate::config::{AgentConfig, EngineKind};
+use crate::config::{AgentConfig, EngineKind, InboundConfig};
+use crate::sidecar::pacer::PacerSettings;
 
 /// Parses `250ms`, `10s`, `1.5s`, `2m`, `1h` or a bare number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -203,6 +204,28 @@ pub struct Cli {
     /// How long to advertise `draining` on SIGTERM before deregistering.
     #[arg(long, env = "KVMESH_AGENT_DRAIN", default_value = "5s", value_parser = parse_duration)]
     pub drain: Duration,
+    /// Run as the pod's inbound sidecar on this address: every request is forwarded to the
+    /// engine, decode legs paced (below), and the instance registered here (unless
+    /// --advertise-url says otherwise).
+    #[arg(long, env = "KVMESH_AGENT_INBOUND_LISTEN")]
+    pub inbound_listen: Option<SocketAddr>,
+    /// KV bytes of one token (layers × 2 × kv_heads × head_dim × dtype bytes; the default is
+    /// Qwen3-8B in bf16), for the bytes a decode leg's transfer moves.
+    #[arg(
+        long,
+        env = "KVMESH_AGENT_KV_BYTES_PER_TOKEN",
+        default_value_t = 147_456
+    )]
+    pub kv_bytes_per_token: u64,
+    /// The pod's KV-transfer budget: bytes in flight at once (0: decode legs unpaced).
+    #[arg(long, env = "KVMESH_AGENT_PACE_MAX_INFLIGHT_BYTES", default_value_t = 2 << 30)]
+    pub pace_max_inflight_bytes: u64,
+    /// The pod's KV-transfer budget: link bandwidth given to transfers, GB/s.
+    #[arg(long, env = "KVMESH_AGENT_PACE_RATE_GBPS", default_value_t = 25.0)]
+    pub pace_rate_gbps: f64,
+    /// Longest a transfer waits before it goes next whatever its size.
+    #[arg(long, env = "KVMESH_AGENT_PACE_MAX_WAIT", default_value = "250ms", value_parser = parse_duration)]
+    pub pace_max_wait: Duration,
     /// Address of the agent's /health and /metrics (port 0: pick one).
     #[arg(long, env = "KVMESH_AGENT_LISTEN", default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
@@ -294,6 +317,15 @@ impl Cli {
         config.health_interval = self.health_interval;
         config.drain = self.drain;
         config.listen = self.listen;
+        config.inbound = self.inbound_listen.map(|listen| InboundConfig {
+            listen,
+            kv_bytes_per_token: self.kv_bytes_per_token,
+            pacing: (self.pace_max_inflight_bytes > 0).then_some(PacerSettings {
+                max_in_flight_bytes: self.pace_max_inflight_bytes,
+                rate_bytes_per_sec: self.pace_rate_gbps * 1e9,
+                max_wait: self.pace_max_wait,
+            }),
+        });
         if let Some(id) = self.instance_id {
             config.instance_id = id;
         }

@@ -5,6 +5,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvmesh_control::{InstanceId, InstanceRole, Namespace};
+
+use crate::sidecar::pacer::PacerSettings;
 use kvmesh_telemetry::TraceSettings;
 
 /// Which engine the agent sits beside: decides the positional event layout and the metric
@@ -65,6 +67,22 @@ pub struct AgentConfig {
     pub startup_timeout: Duration,
     /// Where spans go (`None`: tracing off).
     pub tracing: Option<TraceSettings>,
+    /// The inbound sidecar in front of the engine (`None`: off; proxies reach the engine
+    /// directly).
+    pub inbound: Option<InboundConfig>,
+}
+
+/// The agent as the pod's inbound sidecar.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InboundConfig {
+    /// Where it listens; the instance is registered at this address (unless
+    /// `advertise_url` says otherwise).
+    pub listen: SocketAddr,
+    /// KV bytes of one token (`layers × 2 × kv_heads × head_dim × dtype_bytes`; Qwen3-8B in
+    /// bf16: 147,456): a decode leg's transfer moves `blocks × block_size ×` this.
+    pub kv_bytes_per_token: u64,
+    /// The transfer budget (`None`: decode legs are forwarded unpaced).
+    pub pacing: Option<PacerSettings>,
 }
 
 impl AgentConfig {
@@ -93,6 +111,7 @@ impl AgentConfig {
             instance_id: InstanceId::random(),
             startup_timeout: Duration::from_secs(60),
             tracing: None,
+            inbound: None,
         }
     }
 }

@@ -40,11 +40,12 @@ mod prom_text;
 mod publish;
 mod registration;
 mod server;
+pub mod sidecar;
 mod trace;
 pub mod translate;
 
 pub use agent::{AgentHandle, start};
-pub use config::{AgentConfig, EngineKind};
+pub use config::{AgentConfig, EngineKind, InboundConfig};
 pub use core::RING_CAPACITY;
 pub use endpoint::rank_endpoint;
 pub use engine::batch::{EngineBatch, EngineEvent, IgnoreReason, decode_batch, fold_hash_bytes};

@@ -6,6 +6,8 @@ use prometheus::{
     TextEncoder,
 };
 
+use crate::sidecar::pacer::PacerMetrics;
+
 /// Every metric the agent exports, prefix `kvmesh_agent_`.
 #[derive(Debug, Clone)]
 pub struct AgentMetrics {
@@ -48,6 +50,13 @@ pub struct AgentMetrics {
     pub adapters: IntGauge,
     /// `kvmesh_agent_load_reports_total{result}`: engine `/metrics` scrapes (`ok`, `error`).
     pub load_reports: IntCounterVec,
+    /// `kvmesh_agent_inbound_requests_total{outcome}`: requests through the inbound sidecar
+    /// (`forwarded`, `engine_unreachable`, `bad_request`).
+    pub inbound_requests: IntCounterVec,
+    /// The KV-transfer pacer's: `kvmesh_agent_kv_transfer_bytes_in_flight`,
+    /// `kvmesh_agent_kv_transfers_queued`, `kvmesh_agent_kv_transfer_wait_seconds`,
+    /// `kvmesh_agent_kv_transfers_admitted_total`.
+    pub pacer: PacerMetrics,
     /// `kvmesh_agent_trace_spans_exported_total` and
     /// `kvmesh_agent_trace_spans_dropped_total{reason}` (0 while tracing is off).
     pub trace_spans: SpanCounters,
@@ -93,6 +102,34 @@ impl AgentMetrics {
             .buckets(PUBLISH_BUCKETS.to_vec()),
         )?;
         r.register(Box::new(publish_seconds.clone()))?;
+        let wait_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvmesh_agent_kv_transfer_wait_seconds",
+                "Time decode legs waited for the pod's KV-transfer budget",
+            )
+            .buckets(vec![
+                0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+            ]),
+        )?;
+        r.register(Box::new(wait_seconds.clone()))?;
+        let pacer = PacerMetrics {
+            in_flight_bytes: gauge(
+                &r,
+                "kvmesh_agent_kv_transfer_bytes_in_flight",
+                "KV bytes of admitted decode-leg transfers not done yet (no first token)",
+            )?,
+            queued: gauge(
+                &r,
+                "kvmesh_agent_kv_transfers_queued",
+                "Decode legs waiting for the KV-transfer budget",
+            )?,
+            wait_seconds,
+            admitted: counter(
+                &r,
+                "kvmesh_agent_kv_transfers_admitted_total",
+                "Decode legs admitted into the KV-transfer budget",
+            )?,
+        };
         Ok(Self {
             events_received: counter(
                 &r,
@@ -174,6 +211,13 @@ impl AgentMetrics {
                 "Engine /metrics scrapes, by result",
                 "result",
             )?,
+            inbound_requests: counter_vec(
+                &r,
+                "kvmesh_agent_inbound_requests_total",
+                "Requests through the inbound sidecar, by outcome",
+                "outcome",
+            )?,
+            pacer,
             trace_spans: SpanCounters::register(&r, "kvmesh_agent")?,
             registry: r,
         })
