@@ -19,5 +19,9 @@ cargo build --locked --workspace --bins
 echo "== cargo test"
 cargo test --locked --workspace
 
+echo "== the agent's cuda feature (cudarc loads the driver at run time: no GPU needed here)"
+cargo clippy --locked -p kvmesh-agent --features cuda --all-targets -- -D warnings
+cargo test --locked -p kvmesh-agent --features cuda --lib gpu
+
 echo "== pytest (openai client against real processes)"
 KVMESH_BIN_DIR="$PWD/target/debug" .venv/bin/python -m pytest -q tests/python

@@ -297,6 +297,10 @@ pub async fn start(
     let (desired, desired_rx) = watch::channel(initial);
     let (written_tx, written) = watch::channel(None);
     let (stop_registration, stop_rx) = watch::channel(false);
+    let labels = config.labels.clone();
+    let pacing = config.inbound.as_ref().and_then(|inbound| inbound.pacing);
+    #[cfg(feature = "cuda")]
+    let (labels, pacing) = probe_gpus(&config, labels, pacing).await;
     let inbound = match &config.inbound {
         None => None,
         Some(inbound) => {
@@ -331,7 +335,7 @@ pub async fn start(
             .map_err(|_| AgentError::Config("block size too large".into()))?,
         total_blocks: 0,
         dp_ranks: config.dp_ranks,
-        labels: config.labels.clone(),
+        labels,
         adapters: Vec::new(),
         event_subject: ns.event_subject(&config.model),
         snapshot_subject: ns.snapshot_subject(id),
@@ -390,9 +394,7 @@ pub async fn start(
     tasks.push(tokio::spawn(server::serve(listener, status)));
     if let (Some((listener, _)), Some(settings)) = (inbound, &config.inbound) {
         let bytes_per_block = settings.kv_bytes_per_token * block_size as u64;
-        let pacer = settings
-            .pacing
-            .map(|pacing| Arc::new(Pacer::new(pacing, metrics.pacer.clone())));
+        let pacer = pacing.map(|pacing| Arc::new(Pacer::new(pacing, metrics.pacer.clone())));
         let forwarder = Inbound::new(
             &config.engine_url,
             pacer,
@@ -434,4 +436,42 @@ pub async fn start(
         metrics,
     )));
     Ok(handle)
+}
+
+/// Measures the pod's GPUs (off the reactor): their memory and copy bandwidths go into the
+/// record's `labels`, and with `measured_rate` the slowest host-to-device bandwidth becomes
+/// `pacing`'s rate. Without a GPU or driver, logs why and changes nothing.
+#[cfg(feature = "cuda")]
+async fn probe_gpus(
+    config: &AgentConfig,
+    mut labels: std::collections::BTreeMap<String, String>,
+    mut pacing: Option<crate::sidecar::pacer::PacerSettings>,
+) -> (
+    std::collections::BTreeMap<String, String>,
+    Option<crate::sidecar::pacer::PacerSettings>,
+) {
+    let reports = match tokio::task::spawn_blocking(crate::gpu::probe).await {
+        Ok(Ok(reports)) => reports,
+        Ok(Err(why)) => {
+            tracing::warn!(%why, "no GPU measured");
+            return (labels, pacing);
+        }
+        Err(error) => {
+            tracing::warn!(%error, "the GPU probe failed");
+            return (labels, pacing);
+        }
+    };
+    for report in &reports {
+        tracing::info!(?report, "GPU measured");
+        labels.extend(report.labels());
+    }
+    let slowest = reports
+        .iter()
+        .map(|r| r.h2d_gbps)
+        .fold(f64::INFINITY, f64::min);
+    let measured = config.inbound.as_ref().is_some_and(|i| i.measured_rate);
+    if let Some(pacing) = pacing.as_mut().filter(|_| measured && slowest.is_finite()) {
+        pacing.rate_bytes_per_sec = slowest * 1e9;
+    }
+    (labels, pacing)
 }

@@ -15,6 +15,9 @@ use kvmesh_telemetry::TraceSettings;
 use crate::config::{AgentConfig, EngineKind, InboundConfig};
 use crate::sidecar::pacer::PacerSettings;
 
+/// `--pace-rate-gbps` when neither given nor measured.
+const DEFAULT_PACE_RATE_GBPS: f64 = 25.0;
+
 /// Parses `250ms`, `10s`, `1.5s`, `2m`, `1h` or a bare number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
@@ -220,9 +223,10 @@ pub struct Cli {
     /// The pod's KV-transfer budget: bytes in flight at once (0: decode legs unpaced).
     #[arg(long, env = "KVMESH_AGENT_PACE_MAX_INFLIGHT_BYTES", default_value_t = 2 << 30)]
     pub pace_max_inflight_bytes: u64,
-    /// The pod's KV-transfer budget: link bandwidth given to transfers, GB/s.
-    #[arg(long, env = "KVMESH_AGENT_PACE_RATE_GBPS", default_value_t = 25.0)]
-    pub pace_rate_gbps: f64,
+    /// The pod's KV-transfer budget: link bandwidth given to transfers, GB/s (default: the
+    /// GPUs' measured host-to-device bandwidth with the `cuda` feature, else 25).
+    #[arg(long, env = "KVMESH_AGENT_PACE_RATE_GBPS")]
+    pub pace_rate_gbps: Option<f64>,
     /// Longest a transfer waits before it goes next whatever its size.
     #[arg(long, env = "KVMESH_AGENT_PACE_MAX_WAIT", default_value = "250ms", value_parser = parse_duration)]
     pub pace_max_wait: Duration,
@@ -322,9 +326,10 @@ impl Cli {
             kv_bytes_per_token: self.kv_bytes_per_token,
             pacing: (self.pace_max_inflight_bytes > 0).then_some(PacerSettings {
                 max_in_flight_bytes: self.pace_max_inflight_bytes,
-                rate_bytes_per_sec: self.pace_rate_gbps * 1e9,
+                rate_bytes_per_sec: self.pace_rate_gbps.unwrap_or(DEFAULT_PACE_RATE_GBPS) * 1e9,
                 max_wait: self.pace_max_wait,
             }),
+            measured_rate: self.pace_rate_gbps.is_none(),
         });
         if let Some(id) = self.instance_id {
             config.instance_id = id;

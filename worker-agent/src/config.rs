@@ -83,6 +83,9 @@ pub struct InboundConfig {
     pub kv_bytes_per_token: u64,
     /// The transfer budget (`None`: decode legs are forwarded unpaced).
     pub pacing: Option<PacerSettings>,
+    /// Pace at the GPUs' measured host-to-device bandwidth instead of `pacing`'s rate, when
+    /// the `cuda` feature finds a GPU.
+    pub measured_rate: bool,
 }
 
 impl AgentConfig {

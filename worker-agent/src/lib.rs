@@ -31,6 +31,8 @@ mod endpoint;
 pub mod engine;
 mod engine_facts;
 mod error;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 mod health;
 mod http_client;
 mod load;

@@ -83,6 +83,7 @@ async fn sidecar(
         listen: "127.0.0.1:0".parse().unwrap(),
         kv_bytes_per_token: BYTES_PER_TOKEN,
         pacing: Some(pacing),
+        measured_rate: false,
     });
     let registry: Arc<dyn Registry> = registry.clone();
     let bus: Arc<dyn EventBus> = Arc::new(InProcessBus::new());
