@@ -15,9 +15,10 @@
 //! Qwen3 tokenizer, which the simulated engines use too: every response carries
 //! `x-kvmesh-route` and a conversation's turns land where its prefix is cached.
 //!
-//! With `--disaggregated`, half the engines prefill and half decode: every request runs its
-//! prefill leg on a prefill engine and its decode leg on a decode engine, which pulls the
-//! KV over the simulator's link model; `x-kvmesh-route` names both.
+//! With `--disaggregated`, half the engines prefill and half decode, each agent in front of
+//! its engine as its inbound sidecar (pacing the decode engines' KV transfers): every
+//! request runs its prefill leg on a prefill engine and its decode leg on a decode engine,
+//! which pulls the KV over the simulator's link model; `x-kvmesh-route` names both.
 
 use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -27,7 +28,8 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use kvmesh_agent::{AgentConfig, AgentHandle};
+use kvmesh_agent::sidecar::pacer::PacerSettings;
+use kvmesh_agent::{AgentConfig, AgentHandle, InboundConfig};
 use kvmesh_config::Config;
 use kvmesh_control::{EventBus, InProcessBus, InProcessRegistry, InstanceRole, Registry};
 use kvmesh_engine_sim::{EngineHandle, KvEventsConfig, KvTransferConfig, Role, SimConfig};
@@ -141,9 +143,12 @@ async fn main() -> anyhow::Result<()> {
         engines.len()
     )?;
     for ((engine, role), agent) in engines.iter().zip(&agents) {
-        let role = match role {
-            Role::Both => String::new(),
-            role => format!("  {} engine", role.as_str()),
+        let role = match (role, agent.inbound_addr()) {
+            (Role::Both, _) => String::new(),
+            (role, Some(sidecar)) => {
+                format!("  {} engine, sidecar http://{sidecar}", role.as_str())
+            }
+            (role, None) => format!("  {} engine", role.as_str()),
         };
         writeln!(
             out,
@@ -152,6 +157,9 @@ async fn main() -> anyhow::Result<()> {
             agent.instance_id(),
             agent.listen_addr()
         )?;
+    }
+    for (i, agent) in agents.iter().enumerate() {
+        writeln!(out, "LISTENING agent-{i} {}", agent.listen_addr())?;
     }
     writeln!(out, "\nProxy config:\n")?;
     writeln!(out, "{yaml}")?;
@@ -255,6 +263,20 @@ async fn start_agent(
     config.block_size = Some(sim.block_size);
     config.total_blocks = sim.num_gpu_blocks as u64;
     config.drain = AGENT_DRAIN;
+    if role != Role::Both {
+        // Disaggregated: the agent is the engine's inbound sidecar (registered in its
+        // place), pacing the decode engines' KV transfers.
+        config.inbound = Some(InboundConfig {
+            listen: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+            kv_bytes_per_token: sim.kv_transfer.shape.bytes_per_token(),
+            pacing: Some(PacerSettings {
+                max_in_flight_bytes: 2 << 30,
+                rate_bytes_per_sec: sim.kv_transfer.link_gbps * 1e9,
+                max_wait: Duration::from_millis(250),
+            }),
+            measured_rate: false,
+        });
+    }
     config.role = match role {
         Role::Both => InstanceRole::Both,
         Role::Prefill => InstanceRole::Prefill,
