@@ -77,13 +77,7 @@ impl EppListener {
         let Some(address) = config.address else {
             return Ok(None);
         };
-        let bind_error = |source| ProxyError::Bind {
-            name: EPP_LISTENER.to_string(),
-            address,
-            source,
-        };
-        let socket = TcpListener::bind(address).await.map_err(bind_error)?;
-        let address = socket.local_addr().map_err(bind_error)?;
+        let (socket, address) = incoming::bind(EPP_LISTENER, address).await?;
         Ok(Some(Self {
             socket,
             address,
@@ -147,18 +141,7 @@ impl EppListener {
             .add_service(health_service)
             .add_service(service)
             .serve_with_incoming_shutdown(incoming, signal);
-        tokio::pin!(server);
-        let drained = async {
-            let _ = stopping_rx.await;
-            tokio::time::sleep(drain_timeout).await;
-        };
-        tokio::select! {
-            served = &mut server => served.map_err(|error| ProxyError::Grpc(error.to_string())),
-            () = drained => {
-                tracing::warn!("endpoint picker drain timeout reached; closing the remaining streams");
-                Ok(())
-            }
-        }
+        incoming::serve_draining(server, stopping_rx, drain_timeout, EPP_LISTENER).await
     }
 }
 

@@ -1,8 +1,11 @@
-//! The gRPC listener's connections: accepted with TCP_NODELAY and, when a data listener
-//! terminates TLS, through that listener's TLS terminator (same certificate, rotated with
-//! it; ALPN h2). Handshakes run concurrently, off the accept loop.
+//! The connections of the tonic listeners (KServe gRPC and the endpoint picker): bound
+//! ([`bind`]), accepted with TCP_NODELAY and, with TLS, through a listener's TLS terminator
+//! (rotated with its files; ALPN h2), handshakes running concurrently, off the accept loop
+//! ([`incoming`]); served until shutdown plus a drain bound ([`serve_draining`]).
 
+use std::future::Future;
 use std::io;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -11,11 +14,12 @@ use std::time::Duration;
 use pingora_core::protocols::Stream;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::sleep;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 
+use crate::ProxyError;
 use crate::tls::ListenerTls;
 
 /// Pause after a failed `accept` (e.g. out of file descriptors).
@@ -30,6 +34,44 @@ pub(crate) enum Conn {
     Plain(TcpStream),
     /// TLS.
     Tls(Stream),
+}
+
+/// Binds the gRPC-speaking listener `name` (`grpc`, `epp`) at `address`; returns the socket
+/// and its real address (the port picked when `address` said 0).
+pub(crate) async fn bind(
+    name: &str,
+    address: SocketAddr,
+) -> Result<(TcpListener, SocketAddr), ProxyError> {
+    let bind_error = |source| ProxyError::Bind {
+        name: name.to_string(),
+        address,
+        source,
+    };
+    let socket = TcpListener::bind(address).await.map_err(bind_error)?;
+    let bound = socket.local_addr().map_err(bind_error)?;
+    Ok((socket, bound))
+}
+
+/// Runs `server` until it ends, or until `drain_timeout` after `stopping` fires (then the
+/// calls still open are closed); `what` names the listener in the log.
+pub(crate) async fn serve_draining<E: std::fmt::Display>(
+    server: impl Future<Output = Result<(), E>>,
+    stopping: oneshot::Receiver<()>,
+    drain_timeout: Duration,
+    what: &str,
+) -> Result<(), ProxyError> {
+    tokio::pin!(server);
+    let drained = async {
+        let _ = stopping.await;
+        tokio::time::sleep(drain_timeout).await;
+    };
+    tokio::select! {
+        served = &mut server => served.map_err(|error| ProxyError::Grpc(error.to_string())),
+        () = drained => {
+            tracing::warn!(listener = what, "drain timeout reached; closing the remaining calls");
+            Ok(())
+        }
+    }
 }
 
 /// Accepts on `listener` until the returned stream is dropped; with `tls`, each

@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 use tonic::transport::Server;
 
 use crate::ProxyError;
-use crate::grpc::incoming::incoming;
+use crate::grpc::incoming;
 use crate::grpc::infer::Shared;
 use crate::grpc::service::KserveService;
 use crate::state::State;
@@ -35,13 +35,7 @@ impl GrpcListener {
         let Some(address) = config.address else {
             return Ok(None);
         };
-        let bind_error = |source| ProxyError::Bind {
-            name: GRPC_LISTENER.to_string(),
-            address,
-            source,
-        };
-        let socket = TcpListener::bind(address).await.map_err(bind_error)?;
-        let address = socket.local_addr().map_err(bind_error)?;
+        let (socket, address) = incoming::bind(GRPC_LISTENER, address).await?;
         Ok(Some(Self {
             socket,
             address,
@@ -86,7 +80,7 @@ impl GrpcListener {
         let reflection_v1alpha = reflection()
             .build_v1alpha()
             .map_err(|error| ProxyError::Grpc(error.to_string()))?;
-        let incoming = incoming(self.socket, tls, handshake_timeout);
+        let incoming = incoming::incoming(self.socket, tls, handshake_timeout);
         let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
         let signal = async move {
             shutdown.await;
@@ -101,17 +95,6 @@ impl GrpcListener {
             .add_service(reflection_v1alpha)
             .add_service(inference)
             .serve_with_incoming_shutdown(incoming, signal);
-        tokio::pin!(server);
-        let drained = async {
-            let _ = stopping_rx.await;
-            tokio::time::sleep(drain_timeout).await;
-        };
-        tokio::select! {
-            served = &mut server => served.map_err(|error| ProxyError::Grpc(error.to_string())),
-            () = drained => {
-                tracing::warn!("gRPC drain timeout reached; closing the remaining calls");
-                Ok(())
-            }
-        }
+        incoming::serve_draining(server, stopping_rx, drain_timeout, GRPC_LISTENER).await
     }
 }
