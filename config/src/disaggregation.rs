@@ -26,7 +26,7 @@ pub enum PrefillFailure {
     /// The decode instance serves it whole (prefills itself).
     #[default]
     Aggregated,
-    /// 502 (the prefill leg's failure named).
+    /// 503 (the prefill leg's failure named).
     Fail,
 }
 

@@ -139,6 +139,14 @@ pub(crate) enum ApiError {
         /// Seconds until an instance may be back (`Retry-After`).
         retry_after_secs: u64,
     },
+    /// 503: a disaggregated model's prefill leg failed and its `on_prefill_failure` is
+    /// `fail`.
+    PrefillFailed {
+        /// The model.
+        model: String,
+        /// What the prefill leg saw.
+        detail: String,
+    },
     /// 504: no response headers within `limits.first_byte_timeout`.
     UpstreamTimeout,
     /// 502: every attempt failed before a response byte.
@@ -232,7 +240,8 @@ impl ApiError {
             Self::UpstreamUnavailable { .. } => 502,
             Self::NoHealthyInstance { .. }
             | Self::Overloaded { .. }
-            | Self::ConcurrencyLimited { .. } => 503,
+            | Self::ConcurrencyLimited { .. }
+            | Self::PrefillFailed { .. } => 503,
             Self::UpstreamTimeout => 504,
         }
     }
@@ -257,7 +266,8 @@ impl ApiError {
             Self::ModelNotFound { .. } | Self::UnknownPath { .. } => "not_found_error",
             Self::NoHealthyInstance { .. }
             | Self::Overloaded { .. }
-            | Self::ConcurrencyLimited { .. } => "service_unavailable",
+            | Self::ConcurrencyLimited { .. }
+            | Self::PrefillFailed { .. } => "service_unavailable",
             Self::UpstreamTimeout => "timeout",
             Self::UpstreamUnavailable { .. } => "upstream_error",
         }
@@ -279,6 +289,7 @@ impl ApiError {
             Self::Overloaded { .. } => "all_instances_busy",
             Self::UpstreamTimeout => "upstream_timeout",
             Self::UpstreamUnavailable { .. } => "upstream_unavailable",
+            Self::PrefillFailed { .. } => "prefill_failed",
             Self::Unauthorized { missing: true } => "missing_api_key",
             Self::Unauthorized { missing: false } => "invalid_api_key",
             Self::ModelNotAllowed { .. } => "model_not_allowed",
@@ -326,6 +337,9 @@ impl ApiError {
             Self::UpstreamTimeout => "the engine did not answer in time".to_string(),
             Self::UpstreamUnavailable { detail } => {
                 format!("the engine could not be reached: {detail}")
+            }
+            Self::PrefillFailed { model, detail } => {
+                format!("the prefill leg of model {model:?} failed: {detail}")
             }
             Self::Unauthorized { missing: true } => {
                 "you didn't provide an API key; send it as `Authorization: Bearer <key>`"
@@ -389,7 +403,8 @@ impl ApiError {
             | Self::Overloaded { .. }
             | Self::ConcurrencyLimited { .. }
             | Self::UpstreamTimeout
-            | Self::UpstreamUnavailable { .. } => return None,
+            | Self::UpstreamUnavailable { .. }
+            | Self::PrefillFailed { .. } => return None,
         })
     }
 }

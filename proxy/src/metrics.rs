@@ -160,7 +160,7 @@ impl Metrics {
                 "Requests of disaggregated models by where they prefilled: remote (a prefill \
                  instance, then the decode instance pulled the KV), local (the decode instance \
                  itself: the uncached prompt was short, or the route has none), failed (the \
-                 prefill leg failed; served whole, or 502 with on_prefill_failure: fail).",
+                 prefill leg failed; served whole, or 503 with on_prefill_failure: fail).",
             ),
             &["model", "outcome"],
         )?;

@@ -146,8 +146,9 @@ def test_a_failed_prefill_leg_is_served_whole_or_refused_as_configured(cluster):
     assert raw.headers["x-kvmesh-route"].startswith("prefill=local (prefill leg failed"), raw.headers["x-kvmesh-route"]
     with pytest.raises(openai.APIStatusError) as refused:
         client.completions.create(model=STRICT, prompt=words(300, 8), max_tokens=4)
-    assert refused.value.status_code == 502
-    assert "prefill leg" in refused.value.response.json()["error"]["message"]
+    assert refused.value.status_code == 503
+    error = refused.value.response.json()["error"]
+    assert error["code"] == "prefill_failed" and "prefill leg" in error["message"], error
     proxy_metrics = httpx.get(cluster["proxy"].url("admin") + "/metrics").text
     assert f'kvmesh_prefill_legs_total{{model="{LOST}",outcome="failed"}} 1' in proxy_metrics
     assert f'kvmesh_prefill_legs_total{{model="{STRICT}",outcome="failed"}} 1' in proxy_metrics

@@ -51,9 +51,9 @@ impl Failure {
                 | ApiError::ConcurrencyLimited { .. }
                 | ApiError::RateLimited { .. }
                 | ApiError::BodyTooLarge { .. } => Code::ResourceExhausted,
-                ApiError::NoHealthyInstance { .. } | ApiError::UpstreamUnavailable { .. } => {
-                    Code::Unavailable
-                }
+                ApiError::NoHealthyInstance { .. }
+                | ApiError::UpstreamUnavailable { .. }
+                | ApiError::PrefillFailed { .. } => Code::Unavailable,
                 ApiError::UpstreamTimeout | ApiError::RequestTimeout => Code::DeadlineExceeded,
                 ApiError::MethodNotAllowed { .. } => Code::Unimplemented,
                 _ if error.status() < 500 => Code::InvalidArgument,

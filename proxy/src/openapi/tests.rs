@@ -77,6 +77,10 @@ fn every_api_error() -> Vec<ApiError> {
         ApiError::UpstreamUnavailable {
             detail: "refused".into(),
         },
+        ApiError::PrefillFailed {
+            model: "m".into(),
+            detail: "refused".into(),
+        },
         ApiError::Unauthorized { missing: true },
         ApiError::Unauthorized { missing: false },
         ApiError::ModelNotAllowed { model: "m".into() },
@@ -110,6 +114,7 @@ fn every_api_error() -> Vec<ApiError> {
             | ApiError::NoHealthyInstance { .. }
             | ApiError::UpstreamTimeout
             | ApiError::UpstreamUnavailable { .. }
+            | ApiError::PrefillFailed { .. }
             | ApiError::Unauthorized { .. }
             | ApiError::ModelNotAllowed { .. }
             | ApiError::RateLimited { .. }

@@ -9,7 +9,7 @@
 //! prompt the decode instance the policy would choose does not cache is shorter than
 //! `min_remote_prefill_tokens`. A failed prefill leg (no prefill instance, an error, an answer
 //! without `kv_transfer_params`) serves the request whole on the decode instance, or answers
-//! 502 with `on_prefill_failure: fail`.
+//! 503 with `on_prefill_failure: fail`.
 
 use std::sync::Arc;
 
@@ -102,8 +102,9 @@ pub(crate) async fn prefill<F: Frontend>(
                 PrefillFailure::Aggregated => {
                     Ok(Prefilled::Local(format!("prefill leg failed: {detail}")))
                 }
-                PrefillFailure::Fail => Err(Stop::Answer(ApiError::UpstreamUnavailable {
-                    detail: format!("prefill leg: {detail}"),
+                PrefillFailure::Fail => Err(Stop::Answer(ApiError::PrefillFailed {
+                    model: pool.name().to_string(),
+                    detail,
                 })),
             }
         }
