@@ -21,6 +21,7 @@ PD = "pd-model"
 COND = "cond-model"
 LOST = "lost-model"
 STRICT = "strict-model"
+EXPIRING = "expiring-model"
 
 
 def engines(proc):
@@ -36,10 +37,10 @@ def model_yaml(name, prefill, decode, extra=""):
     return "\n".join(lines) + "\n"
 
 
-def sim(workdir, role, count, model):
+def sim(workdir, role, count, model, *extra):
     return Proc(
         "kvmesh-engine-sim",
-        ["--engines", str(count), "--port", "0", "--no-delay", "--block-size", "16", "--role", role, "--model", model],
+        ["--engines", str(count), "--port", "0", "--no-delay", "--block-size", "16", "--role", role, "--model", model, *extra],
         workdir,
     )
 
@@ -52,11 +53,15 @@ def cluster(workdir):
     cond_decode = sim(workdir, "decode", 1, COND)
     lost_decode = sim(workdir, "decode", 1, LOST)
     strict_decode = sim(workdir, "decode", 1, STRICT)
+    # Its prefill engine frees held blocks after 1 µs: they are gone before the decode leg reads them.
+    expiring_prefill = sim(workdir, "prefill", 1, EXPIRING, "--kv-hold-timeout", "0.000001")
+    expiring_decode = sim(workdir, "decode", 1, EXPIRING)
     models = (
         model_yaml(PD, engines(prefill), engines(decode))
         + model_yaml(COND, engines(cond_prefill), engines(cond_decode), "min_remote_prefill_tokens: 256")
         + model_yaml(LOST, ["http://127.0.0.1:1"], engines(lost_decode))
         + model_yaml(STRICT, ["http://127.0.0.1:1"], engines(strict_decode), "mode: enforce\non_prefill_failure: fail")
+        + model_yaml(EXPIRING, engines(expiring_prefill), engines(expiring_decode))
     )
     config = workdir / "disagg.yaml"
     config.write_text(
@@ -66,9 +71,12 @@ def cluster(workdir):
         f"models:\n{models}"
     )
     proxy = Proc("kvmesh-proxy", ["--config", str(config)], workdir)
-    yield {"proxy": proxy, "prefill": prefill, "decode": decode, "cond_prefill": cond_prefill, "cond_decode": cond_decode}
+    yield {
+        "proxy": proxy, "prefill": prefill, "decode": decode, "cond_prefill": cond_prefill,
+        "cond_decode": cond_decode, "expiring_decode": expiring_decode,
+    }
     proxy.stop()
-    for proc in (prefill, decode, cond_prefill, cond_decode, lost_decode, strict_decode):
+    for proc in (prefill, decode, cond_prefill, cond_decode, lost_decode, strict_decode, expiring_prefill, expiring_decode):
         proc.stop()
 
 
@@ -152,6 +160,16 @@ def test_a_failed_prefill_leg_is_served_whole_or_refused_as_configured(cluster):
     proxy_metrics = httpx.get(cluster["proxy"].url("admin") + "/metrics").text
     assert f'kvmesh_prefill_legs_total{{model="{LOST}",outcome="failed"}} 1' in proxy_metrics
     assert f'kvmesh_prefill_legs_total{{model="{STRICT}",outcome="failed"}} 1' in proxy_metrics
+
+
+def test_kv_lost_between_the_legs_is_prefilled_again_on_the_decode_engine(cluster):
+    client = api(cluster)
+    decode_urls = engines(cluster["expiring_decode"])
+    raw = client.completions.with_raw_response.create(model=EXPIRING, prompt=list(range(300)), max_tokens=5)
+    assert raw.parse().usage.completion_tokens == 5
+    assert raw.headers["x-kvmesh-route"].startswith("prefill=http://"), raw.headers["x-kvmesh-route"]
+    assert metric(decode_urls, "kvmesh_sim_kv_transfers_total", 'outcome="failed"') == 1
+    assert metric(decode_urls, "kvmesh_sim_kv_transfers_total", 'outcome="ok"') == 0
 
 
 def test_the_kserve_grpc_path_disaggregates_too(cluster):
