@@ -53,6 +53,46 @@ impl Default for DisaggregationConfig {
     }
 }
 
+/// Checks `model.pools` and the backends' `pool`; `path` points at the model.
+pub(crate) fn check_pools(model: &ModelConfig, path: &FieldPath) -> Checked {
+    let mut names = std::collections::HashSet::new();
+    for (i, pool) in model.pools.iter().enumerate() {
+        let at = path.key("pools").index(i);
+        if pool.name.is_empty() || !names.insert(pool.name.as_str()) {
+            return fail(
+                at.key("name"),
+                format!("a unique, non-empty name (got {:?})", pool.name),
+            );
+        }
+        if pool
+            .ttft_target_ms
+            .is_some_and(|ms| !(ms.is_finite() && ms > 0.0))
+        {
+            return fail(at.key("ttft_target_ms"), "must be a positive number of ms");
+        }
+        if pool.max_input_tokens == Some(0) {
+            return fail(at.key("max_input_tokens"), "must be at least 1");
+        }
+    }
+    if !model.pools.is_empty() && model.policy != PolicyKind::Kv {
+        return fail(
+            path.key("pools"),
+            "needs policy: kv (pools are chosen by the prompt's tokens)",
+        );
+    }
+    for (j, backend) in model.backends.iter().enumerate() {
+        if let Some(pool) = &backend.pool
+            && !names.contains(pool.as_str())
+        {
+            return fail(
+                path.key("backends").index(j).key("pool"),
+                format!("names no pool of the model ({pool:?})"),
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Checks `model.disaggregation`; `path` points at the model.
 pub(crate) fn check_disaggregation(model: &ModelConfig, path: &FieldPath) -> Checked {
     let Some(disaggregation) = &model.disaggregation else {
@@ -122,6 +162,59 @@ mod tests {
         assert_eq!(
             (on.mode, on.on_prefill_failure),
             (DisaggregationMode::Enforce, PrefillFailure::Fail)
+        );
+    }
+
+    #[test]
+    fn pools_parse_and_name_their_backends() {
+        let backends = "      - url: http://127.0.0.1:8000\n        pool: short\n      - url: http://127.0.0.1:8001\n        pool: long\n";
+        let config = parse(
+            "    pools:\n      - name: short\n        max_input_tokens: 2048\n        ttft_target_ms: 200\n      - name: long\n",
+            backends,
+        )
+        .unwrap();
+        let pools = &config.models[0].pools;
+        assert_eq!(pools.len(), 2);
+        assert_eq!(
+            (pools[0].max_input_tokens, pools[0].ttft_target_ms),
+            (Some(2048), Some(200.0))
+        );
+        assert_eq!(pools[1].max_input_tokens, None);
+        assert_eq!(config.models[0].backends[1].pool.as_deref(), Some("long"));
+        for (pools, backends, field) in [
+            (
+                "    pools:\n      - name: a\n      - name: a\n",
+                "      - url: http://127.0.0.1:8000\n",
+                "pools[1].name",
+            ),
+            (
+                "    pools:\n      - name: a\n        max_input_tokens: 0\n",
+                "      - url: http://127.0.0.1:8000\n",
+                "pools[0].max_input_tokens",
+            ),
+            (
+                "    pools:\n      - name: a\n        ttft_target_ms: -1\n",
+                "      - url: http://127.0.0.1:8000\n",
+                "pools[0].ttft_target_ms",
+            ),
+            (
+                "    pools:\n      - name: a\n",
+                "      - url: http://127.0.0.1:8000\n        pool: b\n",
+                "backends[0].pool",
+            ),
+        ] {
+            let error = parse(pools, backends).unwrap_err().to_string();
+            assert!(error.contains(field), "{field}: {error}");
+        }
+        let error = Config::from_yaml_str(
+            "models:\n  - name: m\n    pools:\n      - name: a\n    backends:\n      - url: http://127.0.0.1:8000\n",
+            "test.yaml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.contains("pools") && error.contains("policy: kv"),
+            "{error}"
         );
     }
 

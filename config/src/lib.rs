@@ -53,7 +53,9 @@ pub use health_check::HealthCheckConfig;
 pub use kv_routing::{KvQueueConfig, KvRoutingConfig, MAX_APPROX_TTL};
 pub use limits::LimitsConfig;
 pub use listener::{AdminConfig, ListenerConfig};
-pub use model::{BackendConfig, DEFAULT_MIGRATION_LIMIT, ModelConfig, PolicyKind, Protocol, Role};
+pub use model::{
+    BackendConfig, DEFAULT_MIGRATION_LIMIT, ModelConfig, PolicyKind, PoolConfig, Protocol, Role,
+};
 pub use outlier::OutlierDetectionConfig;
 pub use reload::ReloadConfig;
 pub use retry::RetryConfig;

@@ -39,6 +39,26 @@ pub struct ModelConfig {
     /// Prefill on one instance and decode on another (vLLM's NixlConnector protocol);
     /// `null` (the default): every request is served whole by one instance.
     pub disaggregation: Option<DisaggregationConfig>,
+    /// Groups of the model's instances (a backend's `pool`, a discovered instance's `pool`
+    /// label), each request sent to one chosen by its prompt's length and TTFT target
+    /// (Dynamo's global router); empty (the default): one pool of every instance.
+    pub pools: Vec<PoolConfig>,
+}
+
+/// One pool of a model's instances.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Its name: backends name it in `pool`, discovered instances in their `pool` label.
+    pub name: String,
+    /// The longest prompt, in tokens, it takes (`null`: any). A request goes to the first
+    /// pool, in order, whose bound its prompt fits.
+    #[serde(default)]
+    pub max_input_tokens: Option<u64>,
+    /// A time to first token, ms, the pool should meet: when its best instance predicts
+    /// more and a later pool (that takes the prompt) predicts less, the request goes there.
+    #[serde(default)]
+    pub ttft_target_ms: Option<f64>,
 }
 
 /// Migrations per stream when `migration_limit` is not set.
@@ -98,6 +118,10 @@ pub struct BackendConfig {
     /// Its side of disaggregated serving (the model's `disaggregation`).
     #[serde(default)]
     pub role: Role,
+    /// The model's pool it belongs to (`null`: none; it then serves only when the pool a
+    /// request is sent to has no instance).
+    #[serde(default)]
+    pub pool: Option<String>,
 }
 
 /// Which legs of a disaggregated request an instance takes.

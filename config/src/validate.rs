@@ -4,7 +4,7 @@ use std::collections::HashMap;
 
 use crate::auth::check_auth;
 use crate::concurrency::check_concurrency;
-use crate::disaggregation::check_disaggregation;
+use crate::disaggregation::{check_disaggregation, check_pools};
 use crate::duration::format_duration;
 use crate::epp::check_epp;
 use crate::grpc::check_grpc;
@@ -133,6 +133,7 @@ fn check_models(config: &Config, root: &FieldPath) -> Checked {
         }
         check_model_routing(model, &path)?;
         check_disaggregation(model, &path)?;
+        check_pools(model, &path)?;
         check_concurrency(&model.concurrency, &path.key("concurrency"))?;
     }
     check_adapters(config, &models, &names)

@@ -641,6 +641,7 @@ fn configs_built_in_code_are_validated_without_positions() {
             protocol: Protocol::Http1,
             adapters: Vec::new(),
             role: Role::Both,
+            pool: None,
         }],
         ..ModelConfig::default()
     });

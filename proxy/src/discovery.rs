@@ -7,7 +7,8 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 
 use kvmesh_config::{
-    BackendUrl, Config, DisaggregationConfig, KvRoutingConfig, PolicyKind, Protocol, Role,
+    BackendUrl, Config, DisaggregationConfig, KvRoutingConfig, PolicyKind, PoolConfig, Protocol,
+    Role,
 };
 
 use crate::ProxyError;
@@ -27,6 +28,8 @@ pub(crate) struct InstanceSpec {
     pub(crate) adapters: Vec<String>,
     /// Its side of disaggregated serving.
     pub(crate) role: Role,
+    /// The model's pool it belongs to.
+    pub(crate) pool: Option<String>,
 }
 
 /// One model and its instances.
@@ -48,6 +51,8 @@ pub(crate) struct ModelSpec {
     pub(crate) migration_limit: u32,
     /// Prefill and decode on separate instances.
     pub(crate) disaggregation: Option<DisaggregationConfig>,
+    /// Its pools, in order.
+    pub(crate) pools: Vec<PoolConfig>,
     /// Instances.
     pub(crate) instances: Vec<InstanceSpec>,
 }
@@ -89,6 +94,7 @@ impl Discovery for StaticDiscovery<'_> {
                             protocol: backend.protocol,
                             adapters: backend.adapters.clone(),
                             role: backend.role,
+                            pool: backend.pool.clone(),
                         })
                     })
                     .collect::<Result<_, ProxyError>>()?;
@@ -101,6 +107,7 @@ impl Discovery for StaticDiscovery<'_> {
                     kv: model.kv.clone(),
                     migration_limit: model.effective_migration_limit(),
                     disaggregation: model.disaggregation.clone(),
+                    pools: model.pools.clone(),
                     instances,
                 })
             })

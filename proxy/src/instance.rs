@@ -3,6 +3,7 @@
 //! the hot path).
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -85,6 +86,8 @@ pub(crate) struct Instance {
     left: watch::Sender<bool>,
     /// Its side of disaggregated serving.
     role: Role,
+    /// The model's pool it belongs to.
+    pool: Option<Arc<str>>,
 }
 
 impl Candidate for Instance {
@@ -146,6 +149,7 @@ impl Instance {
             left: watch::channel(false).0,
             metrics,
             role,
+            pool: None,
         }
     }
 
@@ -181,6 +185,17 @@ impl Instance {
     /// Its side of disaggregated serving.
     pub(crate) fn role(&self) -> Role {
         self.role
+    }
+
+    /// The model's pool it belongs to.
+    pub(crate) fn pool(&self) -> Option<&str> {
+        self.pool.as_deref()
+    }
+
+    /// This instance in `pool`.
+    pub(crate) fn in_pool(mut self, pool: Option<String>) -> Self {
+        self.pool = pool.map(Arc::from);
+        self
     }
 
     /// The configured URL (`http://host:port`).

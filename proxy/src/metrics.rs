@@ -63,6 +63,7 @@ pub(crate) struct Metrics {
     retry_budget_exhausted: IntCounterVec,
     migrations: IntCounterVec,
     prefill_legs: IntCounterVec,
+    pool_requests: IntCounterVec,
     input_tokens: HistogramVec,
     output_tokens: HistogramVec,
     output_tokens_total: IntCounterVec,
@@ -164,6 +165,14 @@ impl Metrics {
             ),
             &["model", "outcome"],
         )?;
+        let pool_requests = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_pool_requests_total",
+                "Requests of models with pools, by the pool chosen for them (its prompt length \
+                 and TTFT target).",
+            ),
+            &["model", "pool"],
+        )?;
         let input_tokens = HistogramVec::new(
             HistogramOpts::new(
                 "kvmesh_input_tokens",
@@ -222,6 +231,7 @@ impl Metrics {
         registry.register(Box::new(retry_budget_exhausted.clone()))?;
         registry.register(Box::new(migrations.clone()))?;
         registry.register(Box::new(prefill_legs.clone()))?;
+        registry.register(Box::new(pool_requests.clone()))?;
         registry.register(Box::new(input_tokens.clone()))?;
         registry.register(Box::new(output_tokens.clone()))?;
         registry.register(Box::new(output_tokens_total.clone()))?;
@@ -244,6 +254,7 @@ impl Metrics {
             retry_budget_exhausted,
             migrations,
             prefill_legs,
+            pool_requests,
             input_tokens,
             output_tokens,
             output_tokens_total,
@@ -275,6 +286,8 @@ impl Metrics {
                 .map(|kind| self.migrations.with_label_values(&[model, kind.label()])),
             prefill_legs: PrefillLeg::ALL
                 .map(|leg| self.prefill_legs.with_label_values(&[model, leg.label()])),
+            pool_requests: self.pool_requests.clone(),
+            model: model.into(),
             input_tokens: self.input_tokens.with_label_values(&[model]),
             output_tokens: self.output_tokens.with_label_values(&[model]),
             output_tokens_total: self.output_tokens_total.with_label_values(&[model]),
@@ -390,6 +403,10 @@ pub(crate) struct ModelMetrics {
     pub(crate) migrations: [IntCounter; FAILURE_KINDS],
     /// `kvmesh_prefill_legs_total{model,outcome}`, by [`PrefillLeg`].
     prefill_legs: [IntCounter; 3],
+    /// `kvmesh_pool_requests_total` (children resolved per request: pools vary by model).
+    pool_requests: IntCounterVec,
+    /// The model's name, for the children of `pool_requests`.
+    model: Box<str>,
     /// `kvmesh_input_tokens{model}`.
     input_tokens: Histogram,
     /// `kvmesh_output_tokens{model}`.
@@ -426,6 +443,13 @@ impl PrefillLeg {
 }
 
 impl ModelMetrics {
+    /// Counts a request sent to the model's pool `pool`.
+    pub(crate) fn pool_chosen(&self, pool: &str) {
+        self.pool_requests
+            .with_label_values(&[&self.model, pool])
+            .inc();
+    }
+
     /// Counts where a request prefilled.
     pub(crate) fn prefill_leg(&self, leg: PrefillLeg) {
         self.prefill_legs[leg as usize].inc();

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use arc_swap::ArcSwap;
-use kvmesh_config::DisaggregationConfig;
+use kvmesh_config::{DisaggregationConfig, PoolConfig};
 use kvmesh_route::Balancer;
 
 use crate::adapters::Adapters;
@@ -36,6 +36,8 @@ pub(crate) struct ModelPool {
     migration_limit: u32,
     /// Prefill and decode on separate instances.
     disaggregation: Option<DisaggregationConfig>,
+    /// Its instances' pools, in order (empty: one pool of all).
+    pools: Vec<PoolConfig>,
     /// Set when the pool left the registry: its background tasks stop.
     retired: AtomicBool,
 }
@@ -63,6 +65,7 @@ impl ModelPool {
             retry_budget: RetryBudget::default(),
             migration_limit,
             disaggregation,
+            pools: Vec::new(),
             retired: AtomicBool::new(false),
         }
     }
@@ -70,6 +73,17 @@ impl ModelPool {
     /// How it balances.
     pub(crate) fn balancer(&self) -> &Balancer {
         &self.balancer
+    }
+
+    /// This pool with its instances grouped into `pools`.
+    pub(crate) fn with_pools(mut self, pools: Vec<PoolConfig>) -> Self {
+        self.pools = pools;
+        self
+    }
+
+    /// Its instances' pools, in order (empty: one pool of all).
+    pub(crate) fn pools(&self) -> &[PoolConfig] {
+        &self.pools
     }
 
     /// How its requests split into prefill and decode legs (`None`: they do not).

@@ -40,15 +40,18 @@ impl PoolBuilder {
     /// An instance of `model` as `spec` describes it.
     pub(crate) fn instance(&self, model: &str, spec: &InstanceSpec) -> Arc<Instance> {
         let handles = self.metrics.instance(model, spec.url.as_str());
-        Arc::new(Instance::new(
-            spec.id,
-            spec.url.clone(),
-            spec.address,
-            spec.protocol,
-            self.settings,
-            handles,
-            spec.role,
-        ))
+        Arc::new(
+            Instance::new(
+                spec.id,
+                spec.url.clone(),
+                spec.address,
+                spec.protocol,
+                self.settings,
+                handles,
+                spec.role,
+            )
+            .in_pool(spec.pool.clone()),
+        )
     }
 
     /// The pool of `model` over its listed instances.
@@ -66,7 +69,8 @@ impl PoolBuilder {
             self.metrics.model(&model.name),
             model.migration_limit,
             model.disaggregation.clone(),
-        );
+        )
+        .with_pools(model.pools.clone());
         for spec in &model.instances {
             pool.set_adapters(spec.id, spec.adapters.clone());
         }

@@ -8,7 +8,9 @@
 //!    concurrency slot.
 //! 2. **prepare** ([`prepare`]): the model's policy, or under `policy: kv` the prompt
 //!    rendered, tokenized and hashed into blocks (an adapter's with its seed); the prompt
-//!    charged to the key; the instances to pick from (an adapter's: those serving it).
+//!    charged to the key; the instances to pick from (an adapter's: those serving it; a
+//!    model with pools: the pool [`pool_choice`] chooses by the prompt's length and TTFT
+//!    target).
 //! 3. **queue** ([`pick::queue`]): under `policy: kv`, a bounded wait while every instance
 //!    is busy.
 //!    A disaggregated model's request then runs its **prefill leg** ([`prefill`]) on a
@@ -39,6 +41,7 @@ pub(crate) mod attempt;
 pub(crate) mod frontend;
 pub(crate) mod migrate;
 pub(crate) mod pick;
+pub(crate) mod pool_choice;
 pub(crate) mod prefill;
 pub(crate) mod prepare;
 pub(crate) mod record;
@@ -65,6 +68,7 @@ use frontend::Frontend;
 use kvmesh_route::prepare::{InvalidPrompt, Preparer};
 use migrate::{Migration, migrated};
 use pick::{pick, queue};
+use pool_choice::choose_pool;
 use prefill::{Prefilled, prefill, prefill_only};
 use prepare::{charge_prompt, prepare};
 use record::Record;
@@ -134,7 +138,12 @@ async fn run<F: Frontend>(
         charge_prompt(permit, &picker, body.len(), record);
     }
     let _in_flight = GaugeGuard::new(&pool.metrics().in_flight);
-    let instances = instances_for(&pool, adapter)?;
+    let mut instances = instances_for(&pool, adapter)?;
+    // 2a. the pool (models with pools)
+    let pooled = choose_pool(&pool, &instances, &picker);
+    if let Some(choice) = &pooled {
+        instances = Arc::clone(&choice.instances);
+    }
     // 3. queue
     trace.phase(Phase::Queue);
     queue(&pool, &instances, &picker, frontend).await?;
@@ -176,8 +185,12 @@ async fn run<F: Frontend>(
             Ok(pick) => pick,
             Err(why) => return Err(failover.exhausted(state, &pool, why).into()),
         };
-        if let Some(prefilled) = &prefilled {
-            pick.route = Some(explained(prefilled, pick.route.as_ref()));
+        if pooled.is_some() || prefilled.is_some() {
+            pick.route = Some(explained(
+                pooled.as_ref().map(|p| p.explanation.as_str()),
+                prefilled.as_ref(),
+                pick.route.as_ref(),
+            ));
         }
         record.instance = Some(pick.instance.instance_header().clone());
         record.kv_route.clone_from(&pick.route);
@@ -257,10 +270,17 @@ async fn run<F: Frontend>(
     }
 }
 
-/// `x-kvmesh-route` of a disaggregated model's request: the prefill leg, then the decode
-/// leg's choice.
-fn explained(prefilled: &Prefilled, decode: Option<&HeaderValue>) -> HeaderValue {
-    let mut text = prefilled.explain();
+/// `x-kvmesh-route` of a request whose model has pools or is disaggregated: the pool, the
+/// prefill leg, then the (decode leg's) choice.
+fn explained(
+    pool: Option<&str>,
+    prefilled: Option<&Prefilled>,
+    decode: Option<&HeaderValue>,
+) -> HeaderValue {
+    let mut text = pool.unwrap_or("").to_string();
+    if let Some(prefilled) = prefilled {
+        text.push_str(&prefilled.explain());
+    }
     text.push_str(decode.and_then(|value| value.to_str().ok()).unwrap_or(""));
     HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static("invalid"))
 }

@@ -22,6 +22,7 @@ COND = "cond-model"
 LOST = "lost-model"
 STRICT = "strict-model"
 EXPIRING = "expiring-model"
+POOLED = "pooled-model"
 
 
 def engines(proc):
@@ -56,12 +57,18 @@ def cluster(workdir):
     # Its prefill engine frees held blocks after 1 µs: they are gone before the decode leg reads them.
     expiring_prefill = sim(workdir, "prefill", 1, EXPIRING, "--kv-hold-timeout", "0.000001")
     expiring_decode = sim(workdir, "decode", 1, EXPIRING)
+    pooled = sim(workdir, "both", 2, POOLED)
+    short_engine, long_engine = engines(pooled)
     models = (
         model_yaml(PD, engines(prefill), engines(decode))
         + model_yaml(COND, engines(cond_prefill), engines(cond_decode), "min_remote_prefill_tokens: 256")
         + model_yaml(LOST, ["http://127.0.0.1:1"], engines(lost_decode))
         + model_yaml(STRICT, ["http://127.0.0.1:1"], engines(strict_decode), "mode: enforce\non_prefill_failure: fail")
         + model_yaml(EXPIRING, engines(expiring_prefill), engines(expiring_decode))
+        + f"  - name: {POOLED}\n    policy: kv\n    kv:\n      block_size: 16\n"
+        + "    pools:\n      - name: short\n        max_input_tokens: 1000\n        ttft_target_ms: 18\n"
+        + "      - name: long\n"
+        + f"    backends:\n      - url: {short_engine}\n        pool: short\n      - url: {long_engine}\n        pool: long\n"
     )
     config = workdir / "disagg.yaml"
     config.write_text(
@@ -73,10 +80,10 @@ def cluster(workdir):
     proxy = Proc("kvmesh-proxy", ["--config", str(config)], workdir)
     yield {
         "proxy": proxy, "prefill": prefill, "decode": decode, "cond_prefill": cond_prefill,
-        "cond_decode": cond_decode, "expiring_decode": expiring_decode,
+        "cond_decode": cond_decode, "expiring_decode": expiring_decode, "pooled": (short_engine, long_engine),
     }
     proxy.stop()
-    for proc in (prefill, decode, cond_prefill, cond_decode, lost_decode, strict_decode, expiring_prefill, expiring_decode):
+    for proc in (prefill, decode, cond_prefill, cond_decode, lost_decode, strict_decode, expiring_prefill, expiring_decode, pooled):
         proc.stop()
 
 
@@ -181,3 +188,25 @@ def test_the_kserve_grpc_path_disaggregates_too(cluster):
         result = client.infer(PD, [tensor], parameters={"max_tokens": 5})
         assert result.as_numpy("text_output")[0].decode()
     assert metric(decode_urls, "kvmesh_sim_kv_transfers_total", 'outcome="ok"') == pulled_before + 1
+
+
+def test_pools_take_prompts_by_length_and_a_missed_ttft_target_moves_one(cluster):
+    client = api(cluster)
+    short_engine, long_engine = cluster["pooled"]
+
+    def route(prompt):
+        raw = client.completions.with_raw_response.create(model=POOLED, prompt=prompt, max_tokens=2)
+        assert raw.parse().usage.completion_tokens == 2
+        return raw.headers["x-kvmesh-route"]
+
+    assert route(list(range(50))).startswith(f"pool=short; instance={short_engine};")
+    long_prompt = list(range(10_000, 11_200))
+    assert route(long_prompt).startswith(f"pool=long; instance={long_engine};")
+    # 300 tokens fit the short pool, whose idle instance would prefill them all (about 21 ms
+    # predicted, over its 18 ms target); the long pool caches 288 of them (about 17 ms).
+    moved = route(long_prompt[:300])
+    assert moved.startswith("pool=long (pool short predicted 21 ms > ttft_target_ms 18); "), moved
+    assert f"instance={long_engine};" in moved
+    proxy_metrics = httpx.get(cluster["proxy"].url("admin") + "/metrics").text
+    assert f'kvmesh_pool_requests_total{{model="{POOLED}",pool="short"}} 1' in proxy_metrics
+    assert f'kvmesh_pool_requests_total{{model="{POOLED}",pool="long"}} 2' in proxy_metrics

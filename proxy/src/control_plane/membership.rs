@@ -399,6 +399,7 @@ async fn instance_spec(record: &InstanceRecord) -> Result<InstanceSpec, String> 
         protocol,
         adapters: record.adapters.clone(),
         role,
+        pool: record.labels.get("pool").cloned(),
     })
 }
 
@@ -420,6 +421,7 @@ fn default_model_spec(defaults: &DefaultModelConfig, record: &InstanceRecord) ->
         },
         migration_limit: defaults.migration_limit.unwrap_or(DEFAULT_MIGRATION_LIMIT),
         disaggregation: None,
+        pools: Vec::new(),
         instances: Vec::new(),
     }
 }

@@ -167,6 +167,11 @@ impl Cost {
     pub fn new_prefill_tokens(&self) -> u64 {
         self.new_prefill_tokens
     }
+
+    /// Predicted time to its first token there, ms.
+    pub fn ttft_ms(&self) -> f64 {
+        self.ttft_ms
+    }
 }
 
 /// The cost's profile and weights.
