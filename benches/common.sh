@@ -76,6 +76,15 @@ start_bg() {
   printf -v "$var" '%s' "$pid"
 }
 
+# wait_http URL [SECONDS]: waits until GET URL answers 2xx.
+wait_http() {
+  local url=$1 deadline=$((SECONDS + ${2:-60}))
+  until curl -sf -o /dev/null "$url"; do
+    ((SECONDS < deadline)) || { log "$url did not answer within ${2:-60}s"; return 1; }
+    sleep 0.1
+  done
+}
+
 # wait_ready LOG PID [SECONDS]: waits for the READY line a server prints once it listens.
 wait_ready() {
   local out=$1 pid=$2 deadline=$((SECONDS + ${3:-60}))

@@ -150,15 +150,6 @@ NOTES=$WORK_DIR/notes.md
 : >"$NOTES"
 note() { grep -qxF -- "- $*" "$NOTES" || echo "- $*" >>"$NOTES"; log "note: $*"; }
 
-# wait_http URL [SECONDS]: waits until GET URL answers 2xx.
-wait_http() {
-  local url=$1 deadline=$((SECONDS + ${2:-60}))
-  until curl -sf -o /dev/null "$url"; do
-    ((SECONDS < deadline)) || { log "$url did not answer within ${2:-60}s"; return 1; }
-    sleep 0.1
-  done
-}
-
 # ---- one run: fresh engines, one router, one workload ----------------------------------------
 # start_sims WORKLOAD LANE: 8 engines in one process; SIM_ADDRS, SIM_URLS, EVENT_ADDRS.
 start_sims() {

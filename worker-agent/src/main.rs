@@ -1,5 +1,6 @@
-//! `kvmesh-agent`: the worker-agent binary. Prints `LISTENING agent <addr>` and `READY` once
-//! it is subscribed to the engine and registered; SIGTERM or SIGINT drains, then deregisters.
+//! `kvmesh-agent`: the worker-agent binary. Prints `LISTENING agent <addr>` (and `LISTENING
+//! inbound <addr>` with `--inbound-listen`) and `READY` once it is subscribed to the engine
+//! and registered; SIGTERM or SIGINT drains, then deregisters.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -36,6 +37,9 @@ async fn main() -> anyhow::Result<()> {
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "LISTENING agent {}", agent.listen_addr())?;
+        if let Some(inbound) = agent.inbound_addr() {
+            writeln!(out, "LISTENING inbound {inbound}")?;
+        }
         writeln!(out, "READY")?;
         out.flush()?;
     }
