@@ -41,6 +41,18 @@ pub struct DisaggregationConfig {
     pub min_remote_prefill_tokens: u64,
     /// What a failed prefill leg does.
     pub on_prefill_failure: PrefillFailure,
+    /// KV bytes of one token of the served model (`layers × 2 × kv_heads × head_dim ×
+    /// dtype bytes`; Qwen3-8B in bf16: 147,456), for the pull's cost in the decode choice.
+    pub kv_bytes_per_token: u64,
+    /// Bandwidth of a decode instance's inbound KV link, GB/s.
+    pub link_gbps: u32,
+}
+
+impl DisaggregationConfig {
+    /// Nanoseconds one token's KV takes over the link.
+    pub fn transfer_ns_per_token(&self) -> u64 {
+        self.kv_bytes_per_token / u64::from(self.link_gbps.max(1))
+    }
 }
 
 impl Default for DisaggregationConfig {
@@ -49,6 +61,8 @@ impl Default for DisaggregationConfig {
             mode: DisaggregationMode::Conditional,
             min_remote_prefill_tokens: 512,
             on_prefill_failure: PrefillFailure::Aggregated,
+            kv_bytes_per_token: 147_456,
+            link_gbps: 64,
         }
     }
 }
@@ -115,6 +129,12 @@ pub(crate) fn check_disaggregation(model: &ModelConfig, path: &FieldPath) -> Che
             "needs policy: kv (the prefill instance is chosen by its KV index)",
         );
     }
+    if disaggregation.kv_bytes_per_token == 0 {
+        return fail(path.key("kv_bytes_per_token"), "must be at least 1");
+    }
+    if disaggregation.link_gbps == 0 {
+        return fail(path.key("link_gbps"), "must be at least 1");
+    }
     if disaggregation.mode == DisaggregationMode::Conditional
         && disaggregation.min_remote_prefill_tokens == 0
     {
@@ -151,6 +171,7 @@ mod tests {
         let config = parse("    disaggregation: {}\n", SPLIT).unwrap();
         let on = config.models[0].disaggregation.clone().unwrap();
         assert_eq!(on, DisaggregationConfig::default());
+        assert_eq!(on.transfer_ns_per_token(), 2304);
         assert_eq!(on.mode, DisaggregationMode::Conditional);
         assert_eq!(config.models[0].backends[0].role, Role::Prefill);
         let config = parse(

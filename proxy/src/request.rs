@@ -130,7 +130,7 @@ async fn run<F: Frontend>(
     let mut body = resolved.body;
     let route = record.route.unwrap_or(Route::ChatCompletions);
     let adapter = resolved.adapter.as_ref();
-    let picker = prepare(state, &pool, adapter, route, &mut body, &*frontend)
+    let mut picker = prepare(state, &pool, adapter, route, &mut body, &*frontend)
         .await
         .map_err(|InvalidPrompt(message)| ApiError::InvalidPrompt(message))?;
     record.prompt_tokens = picker.input.prompt_tokens().map(|tokens| tokens as u64);
@@ -171,6 +171,8 @@ async fn run<F: Frontend>(
             } = &prefilled
             {
                 body = decode_leg.clone();
+                // The decode instance pulls the prompt's KV: it prefills only the tail.
+                picker.input = picker.input.pulled(config.transfer_ns_per_token());
                 // The decode leg goes elsewhere (a `both` instance could take both).
                 if let Some(at) = instances.iter().position(|i| Arc::ptr_eq(i, instance)) {
                     failover.excluded.insert(at);

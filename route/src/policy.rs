@@ -18,6 +18,14 @@ pub enum PolicyInput {
 }
 
 impl PolicyInput {
+    /// This input as a disaggregated decode leg's (see [`KvRequest::with_pulled_kv`]).
+    pub fn pulled(self, transfer_ns_per_token: u64) -> Self {
+        match self {
+            Self::Kv(request) => Self::Kv(request.with_pulled_kv(transfer_ns_per_token)),
+            Self::None => Self::None,
+        }
+    }
+
     /// The prompt's tokens, when the request was tokenized.
     #[inline]
     pub fn prompt_tokens(&self) -> Option<usize> {

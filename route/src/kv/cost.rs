@@ -32,6 +32,11 @@ pub struct RequestShape {
     pub(crate) full_blocks: u32,
     /// Blocks the request occupies: full blocks plus a trailing partial one.
     pub(crate) blocks: u64,
+    /// A disaggregated decode leg: prompt tokens whose KV a prefill engine computed, pulled
+    /// by the instance instead of prefilled (what it does not cache; 0 otherwise).
+    pub(crate) pulled_tokens: u64,
+    /// Nanoseconds the pull of one token's KV takes.
+    pub(crate) transfer_ns_per_token: u64,
 }
 
 impl RequestShape {
@@ -43,6 +48,8 @@ impl RequestShape {
             tokens,
             full_blocks: u32::try_from(full).unwrap_or(u32::MAX),
             blocks: tokens.div_ceil(block_size),
+            pulled_tokens: 0,
+            transfer_ns_per_token: 0,
         }
     }
 }
@@ -204,7 +211,12 @@ impl CostModel {
         let overlap = load.overlap_blocks.min(shape.full_blocks);
         let cached_tokens = u64::from(overlap).saturating_mul(self.block_size);
         let credited = (cached_tokens as f64 * load.credit.clamp(0.0, 1.0)) as u64;
-        let new_prefill_tokens = shape.tokens.saturating_sub(credited);
+        // A decode leg pulls the full blocks it does not cache instead of prefilling them.
+        let full_tokens = u64::from(shape.full_blocks).saturating_mul(self.block_size);
+        let pulled = shape.pulled_tokens.min(full_tokens);
+        let transfer_ms =
+            pulled.saturating_sub(credited) as f64 * shape.transfer_ns_per_token as f64 / 1e6;
+        let new_prefill_tokens = shape.tokens.saturating_sub(credited.max(pulled));
         let prefill_tokens = load
             .active_prefill_tokens
             .saturating_add(new_prefill_tokens);
@@ -232,7 +244,7 @@ impl CostModel {
         };
         let own_prefill_ms = self.profile.prefill_ms(new_prefill_tokens.max(1)).0;
         let harm_ms = speed * own_prefill_ms * load.requests as f64;
-        let profiled_ttft_ms = prefill_ms + decode_ms;
+        let profiled_ttft_ms = prefill_ms + transfer_ms + decode_ms;
         Cost {
             new_prefill_tokens,
             prefill_tokens,
@@ -240,7 +252,7 @@ impl CostModel {
             profiled_ttft_ms,
             ttft_ms: speed * profiled_ttft_ms,
             harm_ms,
-            value: speed * (self.overlap_weight * prefill_ms + decode_ms)
+            value: speed * (self.overlap_weight * (prefill_ms + transfer_ms) + decode_ms)
                 + self.harm_weight * harm_ms,
         }
     }

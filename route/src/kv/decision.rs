@@ -64,6 +64,15 @@ impl KvRequest {
         self
     }
 
+    /// This request as a disaggregated decode leg: the KV of its prompt's full blocks comes
+    /// from a prefill engine, each token's pull taking `transfer_ns_per_token`, so a
+    /// candidate prefills only the rest (and pulls what it does not cache).
+    pub fn with_pulled_kv(mut self, transfer_ns_per_token: u64) -> Self {
+        self.shape.pulled_tokens = self.shape.tokens;
+        self.shape.transfer_ns_per_token = transfer_ns_per_token;
+        self
+    }
+
     /// A request routed by load alone because it carries no prompt.
     pub(crate) fn without_prompt() -> Self {
         Self {

@@ -21,7 +21,8 @@ fn shapes_count_a_partial_tail_block() {
         RequestShape {
             tokens: 40,
             full_blocks: 2,
-            blocks: 3
+            blocks: 3,
+            ..RequestShape::default()
         }
     );
     assert_eq!(RequestShape::new(32, 16).blocks, 2);
@@ -83,6 +84,38 @@ fn an_idle_instance_costs_its_own_prefill_only() {
         EngineProfile::DEFAULT.iteration_prefill_ms(360),
         1e-9
     ));
+}
+
+#[test]
+fn a_decode_leg_prefills_its_tail_and_pays_the_pull_of_what_it_does_not_cache() {
+    // 1000 tokens: 62 full blocks (992 tokens) pulled at 2,304 ns a token, 8 prefilled.
+    let shape = RequestShape {
+        pulled_tokens: 1000,
+        transfer_ns_per_token: 2304,
+        ..RequestShape::new(1000, 16)
+    };
+    let cold = MODEL.cost(&shape, &CandidateLoad::default());
+    assert_eq!(cold.new_prefill_tokens, 8);
+    let pull_ms = 992.0 * 2304.0 / 1e6;
+    let tail_ms = EngineProfile::DEFAULT.iteration_prefill_ms(8);
+    assert!(close(cold.ttft_ms, tail_ms + pull_ms, 1e-9), "{cold:?}");
+    // Caching 40 blocks, it pulls only the other 22.
+    let warm = MODEL.cost(
+        &shape,
+        &CandidateLoad {
+            overlap_blocks: 40,
+            ..CandidateLoad::default()
+        },
+    );
+    assert_eq!(warm.new_prefill_tokens, 8);
+    assert!(
+        close(warm.ttft_ms, tail_ms + 352.0 * 2304.0 / 1e6, 1e-9),
+        "{warm:?}"
+    );
+    assert!(warm.value < cold.value);
+    // Prefilling it all would have cost far more than the pull.
+    let whole = MODEL.cost(&RequestShape::new(1000, 16), &CandidateLoad::default());
+    assert!(whole.ttft_ms > cold.ttft_ms + 10.0);
 }
 
 #[test]
