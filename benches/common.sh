@@ -32,6 +32,33 @@ cleanup() {
   fi
 }
 
+# build_release PACKAGE...: unless BUILD is 0, builds the release binaries of PACKAGE... and
+# the load generator kvmesh-grpc-bench.
+build_release() {
+  ((${BUILD:-1})) || return 0
+  local packages=() package
+  for package in "$@"; do packages+=(-p "$package"); done
+  log "building release binaries (several minutes on 2 cores)"
+  (cd "$BENCH_ROOT" && cargo build --release "${packages[@]}" --bins &&
+    cargo build --release -p kvmesh-bench --bin kvmesh-grpc-bench)
+}
+
+# need_bins BIN...: dies unless every BIN is an executable file.
+need_bins() {
+  local bin
+  for bin in "$@"; do [[ -x $bin ]] || die "missing $bin"; done
+}
+
+# begin_run NAME: a fresh work directory WORK_DIR (removed at exit unless the run failed or
+# --keep), the cleanup traps, and LOAD_BEFORE and DATE for the section's header.
+begin_run() {
+  WORK_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvmesh-$1.XXXXXX")
+  trap cleanup EXIT
+  trap 'exit 130' INT TERM
+  LOAD_BEFORE=$(machine_lines)
+  DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
+}
+
 # expect_alive LABEL PID...: fails (showing the dead process's stderr) unless every PID runs.
 expect_alive() {
   local label=$1 pid
@@ -82,6 +109,27 @@ wait_http() {
   until curl -sf -o /dev/null "$url"; do
     ((SECONDS < deadline)) || { log "$url did not answer within ${2:-60}s"; return 1; }
     sleep 0.1
+  done
+}
+
+# start_etcd_nats DIR: starts etcd and nats-server on free loopback ports (data and logs in DIR)
+# and waits until both answer; sets ETCD_PID, NATS_PID, ETCD_URL and NATS_URL.
+start_etcd_nats() {
+  local dir=$1 etcd_port peer_port nats_port deadline=$((SECONDS + 30))
+  etcd_port=$(free_port)
+  peer_port=$(free_port)
+  nats_port=$(free_port)
+  start_bg ETCD_PID "$dir/etcd.out" etcd --name bench --data-dir "$dir/etcd" \
+    --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
+    --listen-peer-urls "http://127.0.0.1:$peer_port" --initial-advertise-peer-urls "http://127.0.0.1:$peer_port" \
+    --initial-cluster "bench=http://127.0.0.1:$peer_port"
+  start_bg NATS_PID "$dir/nats.out" nats-server -a 127.0.0.1 -p "$nats_port"
+  ETCD_URL=http://127.0.0.1:$etcd_port
+  NATS_URL=nats://127.0.0.1:$nats_port
+  wait_http "$ETCD_URL/health" 30
+  until (exec 3<>"/dev/tcp/127.0.0.1/$nats_port") 2>/dev/null; do
+    ((SECONDS < deadline)) || { log "nats-server did not listen on $nats_port within 30s"; return 1; }
+    sleep 0.05
   done
 }
 

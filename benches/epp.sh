@@ -49,21 +49,13 @@ need_tool taskset
 [[ -f $TOKENIZER/tokenizer.json ]] || die "no tokenizer in $TOKENIZER: run scripts/fetch-tokenizer.sh"
 CPUS=$(nproc)
 ((CPUS >= 2)) || die "needs 2 CPUs (the proxy gets one of its own)"
-if ((BUILD)); then
-  log "building release binaries (several minutes on 2 cores)"
-  (cd "$BENCH_ROOT" && cargo build --release -p kvmesh-engine-sim -p kvmesh-proxy --bins &&
-    cargo build --release -p kvmesh-bench --bin kvmesh-grpc-bench)
-fi
+build_release kvmesh-engine-sim kvmesh-proxy
 SIM=$BIN_DIR/kvmesh-engine-sim
 PROXY=$BIN_DIR/kvmesh-proxy
 BENCH=$BIN_DIR/kvmesh-grpc-bench
-for bin in "$SIM" "$PROXY" "$BENCH"; do [[ -x $bin ]] || die "missing $bin"; done
+need_bins "$SIM" "$PROXY" "$BENCH"
 
-WORK_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvmesh-epp.XXXXXX")
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-LOAD_BEFORE=$(machine_lines)
-DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
+begin_run epp
 OTHERS=1-$((CPUS - 1))
 
 start_bg SIM_PID "$WORK_DIR/sim.out" taskset -c "$OTHERS" "$SIM" --no-delay --engines 2 --port 0 --model "$MODEL"

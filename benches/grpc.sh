@@ -41,21 +41,13 @@ while (($#)); do
   esac
 done
 
-if ((BUILD)); then
-  log "building release binaries (several minutes on 2 cores)"
-  (cd "$BENCH_ROOT" && cargo build --release -p kvmesh-engine-sim -p kvmesh-proxy --bins &&
-    cargo build --release -p kvmesh-bench --bin kvmesh-grpc-bench)
-fi
+build_release kvmesh-engine-sim kvmesh-proxy
 SIM=$BIN_DIR/kvmesh-engine-sim
 PROXY=$BIN_DIR/kvmesh-proxy
 BENCH=$BIN_DIR/kvmesh-grpc-bench
-for bin in "$SIM" "$PROXY" "$BENCH"; do [[ -x $bin ]] || die "missing $bin"; done
+need_bins "$SIM" "$PROXY" "$BENCH"
 
-WORK_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvmesh-grpc.XXXXXX")
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-LOAD_BEFORE=$(machine_lines)
-DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
+begin_run grpc
 
 start_bg SIM_PID "$WORK_DIR/sim.out" "$SIM" --no-delay --engines 2 --port 0 --model "$MODEL"
 wait_ready "$WORK_DIR/sim.out" "$SIM_PID"

@@ -212,33 +212,24 @@ start_kvmesh() { # CONFIG
 # kvmesh-proxy with etcd discovery and NATS events; waits until the proxy routes to every
 # engine. With 2 replicas, a second proxy with the same config (ALSO_URLS).
 start_precise() {
-  local etcd_port peer_port nats_port i replicas=${2:-1}
-  etcd_port=$(free_port)
-  peer_port=$(free_port)
-  nats_port=$(free_port)
-  start_bg ETCD_PID "$RUN_DIR/etcd.out" etcd --name bench --data-dir "$RUN_DIR/etcd" \
-    --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
-    --listen-peer-urls "http://127.0.0.1:$peer_port" --initial-advertise-peer-urls "http://127.0.0.1:$peer_port" \
-    --initial-cluster "bench=http://127.0.0.1:$peer_port"
-  start_bg NATS_PID "$RUN_DIR/nats.out" nats-server -a 127.0.0.1 -p "$nats_port"
-  wait_http "http://127.0.0.1:$etcd_port/health" 30
-  until (exec 3<>"/dev/tcp/127.0.0.1/$nats_port") 2>/dev/null; do sleep 0.05; done
+  local i replicas=${2:-1}
+  start_etcd_nats "$RUN_DIR"
   ROUTER_PIDS=("$ETCD_PID" "$NATS_PID")
   for ((i = 0; i < ENGINES; i++)); do
     start_bg AGENT_PID "$RUN_DIR/agent-$i.out" env RUST_LOG=warn "$AGENT" \
       --engine-url "http://${SIM_ADDRS[i]}" --model "$MODEL" \
       --kv-events-endpoint "tcp://${EVENT_ADDRS[i]}" --kv-events-replay-endpoint "tcp://${REPLAY_ADDRS[i]}" \
       --block-size 64 --total-blocks 16384 \
-      --nats "nats://127.0.0.1:$nats_port" --etcd "http://127.0.0.1:$etcd_port"
+      --nats "$NATS_URL" --etcd "$ETCD_URL"
     ROUTER_PIDS+=("$AGENT_PID")
     wait_ready "$RUN_DIR/agent-$i.out" "$AGENT_PID"
   done
   kvmesh_config "$RUN_DIR/kvmesh.yaml" kv "$1" "discovery:
   kind: etcd
-  endpoint: http://127.0.0.1:$etcd_port
+  endpoint: $ETCD_URL
 events:
   kind: nats
-  url: nats://127.0.0.1:$nats_port"
+  url: $NATS_URL"
   "$PROXY" --check-config "$RUN_DIR/kvmesh.yaml" >/dev/null || die "kvmesh-proxy rejects $RUN_DIR/kvmesh.yaml"
   start_bg PROXY_PID "$RUN_DIR/proxy.out" env RUST_LOG=warn "$PROXY" --config "$RUN_DIR/kvmesh.yaml"
   wait_ready "$RUN_DIR/proxy.out" "$PROXY_PID"

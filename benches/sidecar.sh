@@ -39,32 +39,15 @@ done
 
 need_tool etcd
 need_tool nats-server
-if ((BUILD)); then
-  log "building release binaries (several minutes on 2 cores)"
-  (cd "$BENCH_ROOT" && cargo build --release -p kvmesh-engine-sim -p kvmesh-agent --bins &&
-    cargo build --release -p kvmesh-bench --bin kvmesh-grpc-bench)
-fi
+build_release kvmesh-engine-sim kvmesh-agent
 SIM=$BIN_DIR/kvmesh-engine-sim
 AGENT=$BIN_DIR/kvmesh-agent
 BENCH=$BIN_DIR/kvmesh-grpc-bench
-for bin in "$SIM" "$AGENT" "$BENCH"; do [[ -x $bin ]] || die "missing $bin"; done
+need_bins "$SIM" "$AGENT" "$BENCH"
 
-WORK_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvmesh-sidecar.XXXXXX")
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-LOAD_BEFORE=$(machine_lines)
-DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
+begin_run sidecar
 
-etcd_port=$(free_port)
-peer_port=$(free_port)
-nats_port=$(free_port)
-start_bg ETCD_PID "$WORK_DIR/etcd.out" etcd --name bench --data-dir "$WORK_DIR/etcd" \
-  --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
-  --listen-peer-urls "http://127.0.0.1:$peer_port" --initial-advertise-peer-urls "http://127.0.0.1:$peer_port" \
-  --initial-cluster "bench=http://127.0.0.1:$peer_port"
-start_bg NATS_PID "$WORK_DIR/nats.out" nats-server -a 127.0.0.1 -p "$nats_port"
-wait_http "http://127.0.0.1:$etcd_port/health" 30
-until (exec 3<>"/dev/tcp/127.0.0.1/$nats_port") 2>/dev/null; do sleep 0.05; done
+start_etcd_nats "$WORK_DIR"
 start_bg SIM_PID "$WORK_DIR/sim.out" "$SIM" --no-delay --engines 1 --port 0 --block-size 16 \
   --kv-events-endpoint tcp://127.0.0.1:0
 wait_ready "$WORK_DIR/sim.out" "$SIM_PID"
@@ -72,7 +55,7 @@ ENGINE=$(listening "$WORK_DIR/sim.out" engine-0)
 EVENTS=$(listening "$WORK_DIR/sim.out" kv-events-0)
 start_bg AGENT_PID "$WORK_DIR/agent.out" env RUST_LOG=warn "$AGENT" --engine-url "http://$ENGINE" \
   --model sim-model --kv-events-endpoint "tcp://$EVENTS" --block-size 16 \
-  --etcd "http://127.0.0.1:$etcd_port" --nats "nats://127.0.0.1:$nats_port" \
+  --etcd "$ETCD_URL" --nats "$NATS_URL" \
   --inbound-listen 127.0.0.1:0
 wait_ready "$WORK_DIR/agent.out" "$AGENT_PID"
 SIDECAR=$(listening "$WORK_DIR/agent.out" inbound)

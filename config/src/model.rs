@@ -147,15 +147,6 @@ impl Role {
     pub fn decodes(self) -> bool {
         matches!(self, Self::Both | Self::Decode)
     }
-
-    /// `both`, `prefill` or `decode`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Both => "both",
-            Self::Prefill => "prefill",
-            Self::Decode => "decode",
-        }
-    }
 }
 
 /// Wire protocol spoken to a backend.

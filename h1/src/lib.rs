@@ -22,8 +22,7 @@
 //! timeout period.
 //!
 //! The proxy's HTTP/1.1 fast path is built on it (client connections on the data listeners,
-//! plaintext HTTP/1.1 engines); the worker-agent's inbound sidecar will speak it too. It
-//! depends on no other kvmesh crate.
+//! plaintext HTTP/1.1 engines). It depends on no other kvmesh crate.
 
 #![warn(missing_docs)]
 

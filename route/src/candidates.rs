@@ -51,6 +51,17 @@ pub struct Excluded {
 }
 
 impl Excluded {
+    /// The items of `items` for which `exclude` holds, by index.
+    pub fn matching<T>(items: &[T], exclude: impl Fn(&T) -> bool) -> Self {
+        let mut excluded = Self::default();
+        for (index, item) in items.iter().enumerate() {
+            if exclude(item) {
+                excluded.insert(index);
+            }
+        }
+        excluded
+    }
+
     /// Marks `index` as tried.
     #[inline]
     pub fn insert(&mut self, index: usize) {
@@ -138,6 +149,15 @@ impl<C: Candidate> CandidateSet for Candidates<'_, C> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn matching_excludes_the_items_the_predicate_picks() {
+        let items: Vec<usize> = (0..130).collect();
+        let odd = Excluded::matching(&items, |n| n % 2 == 1);
+        for n in items {
+            assert_eq!(odd.contains(n), n % 2 == 1, "{n}");
+        }
+    }
 
     #[test]
     fn excluded_is_a_set_of_any_size() {

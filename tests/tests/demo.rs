@@ -67,22 +67,22 @@ async fn wait_until_cached(
     }
 }
 
+/// Starts `kvmesh-demo` with its listeners on free loopback ports and `extra` flags.
+fn start_demo(scratch: &ScratchDir, extra: &[&str]) -> anyhow::Result<Spawned> {
+    let mut args: Vec<String> = ["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"]
+        .map(String::from)
+        .to_vec();
+    args.extend(extra.iter().map(|arg| arg.to_string()));
+    Spawned::start("kvmesh-demo", &args, scratch.path())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_answers_and_routes_a_cached_prefix_to_its_engine() -> anyhow::Result<()> {
     let scratch = ScratchDir::new("demo")?;
-    let args: Vec<String> = [
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "127.0.0.1:0",
-        "--grpc",
-        "127.0.0.1:0",
-        "--speedup-ratio",
-        "100",
-    ]
-    .map(String::from)
-    .to_vec();
-    let demo = Spawned::start("kvmesh-demo", &args, scratch.path())?;
+    let demo = start_demo(
+        &scratch,
+        &["--grpc", "127.0.0.1:0", "--speedup-ratio", "100"],
+    )?;
     let client = HttpClient::http1();
     let chat_url = format!("{}/v1/chat/completions", demo.url("main"));
 
@@ -141,17 +141,7 @@ async fn the_demo_answers_and_routes_a_cached_prefix_to_its_engine() -> anyhow::
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sequential_conversations_stay_on_the_engine_that_caches_them() -> anyhow::Result<()> {
     let scratch = ScratchDir::new("demo-turns")?;
-    let args: Vec<String> = [
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "127.0.0.1:0",
-        "--speedup-ratio",
-        "20",
-    ]
-    .map(String::from)
-    .to_vec();
-    let demo = Spawned::start("kvmesh-demo", &args, scratch.path())?;
+    let demo = start_demo(&scratch, &["--speedup-ratio", "20"])?;
     let client = HttpClient::http1();
     let chat_url = format!("{}/v1/chat/completions", demo.url("main"));
     let explain_url = format!("{}/debug/route", demo.url("admin"));
@@ -205,22 +195,18 @@ async fn sequential_conversations_stay_on_the_engine_that_caches_them() -> anyho
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_disaggregated_demo_runs_each_request_in_two_legs() -> anyhow::Result<()> {
     let scratch = ScratchDir::new("demo-pd")?;
-    let args: Vec<String> = [
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "127.0.0.1:0",
-        "--grpc",
-        "127.0.0.1:0",
-        "--speedup-ratio",
-        "100",
-        "--engines",
-        "2",
-        "--disaggregated",
-    ]
-    .map(String::from)
-    .to_vec();
-    let demo = Spawned::start("kvmesh-demo", &args, scratch.path())?;
+    let demo = start_demo(
+        &scratch,
+        &[
+            "--grpc",
+            "127.0.0.1:0",
+            "--speedup-ratio",
+            "100",
+            "--engines",
+            "2",
+            "--disaggregated",
+        ],
+    )?;
     let client = HttpClient::http1();
     let chat_url = format!("{}/v1/chat/completions", demo.url("main"));
     // The agents register both engines with their roles; until both are listed the request

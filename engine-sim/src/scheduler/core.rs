@@ -182,6 +182,7 @@ impl SchedulerCore {
                 Self::sample(seq, &self.metrics, now);
             }
         }
+        let mut held = false;
         for mut seq in self.running.extract_if(.., |s| s.done) {
             match seq.hold.take() {
                 Some(id) if !seq.cancelled() => {
@@ -190,11 +191,14 @@ impl SchedulerCore {
                     if let Some(replaced) = self.held.insert(id, Held { blocks, deadline }) {
                         self.cache.release(&replaced.blocks);
                     }
+                    held = true;
                 }
                 _ => self.cache.release(&seq.blocks),
             }
         }
-        self.count_held();
+        if held {
+            self.count_held();
+        }
         self.metrics
             .set_load(self.running.len(), self.waiting.len(), self.cache.usage());
     }

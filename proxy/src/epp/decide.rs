@@ -163,16 +163,12 @@ pub(crate) async fn queue(
 /// The instances the gateway does not allow: those whose `ip:port` is not in the subset
 /// hint (none without a hint).
 pub(crate) fn outside_subset(instances: &[Arc<Instance>], subset: Option<&[String]>) -> Excluded {
-    let mut excluded = Excluded::default();
-    if let Some(subset) = subset {
-        for (index, instance) in instances.iter().enumerate() {
-            let endpoint = endpoint(instance);
-            if !subset.iter().any(|allowed| allowed == endpoint) {
-                excluded.insert(index);
-            }
-        }
-    }
-    excluded
+    let Some(subset) = subset else {
+        return Excluded::default();
+    };
+    Excluded::matching(instances, |instance| {
+        !subset.iter().any(|allowed| allowed == endpoint(instance))
+    })
 }
 
 /// Picks among the instances not `excluded` (booking the request's load), then names up to
@@ -233,9 +229,7 @@ pub(crate) fn rebook<'a>(
     picker: &'a Picker<'a>,
     index: usize,
 ) -> Option<Pick<'a>> {
-    let mut others = Excluded::default();
-    for other in (0..instances.len()).filter(|&other| other != index) {
-        others.insert(other);
-    }
+    let served = &instances[index];
+    let others = Excluded::matching(instances, |instance| !Arc::ptr_eq(instance, served));
     pick(instances, picker, &others).ok()
 }

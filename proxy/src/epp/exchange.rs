@@ -152,7 +152,7 @@ fn pick_answers(settings: &Settings, seen: &Seen, endpoints: &str) -> Vec<Proces
         }
         Some(body) => {
             answers.push(headers_answer(Half::Request, set(), metadata()));
-            let echo = (body.clone(), !seen.trailers);
+            let echo = (body.to_vec(), !seen.trailers);
             answers.push(body_answer(Half::Request, Some(echo), Vec::new(), None));
         }
         None => answers.push(headers_answer(Half::Request, set(), metadata())),

@@ -6,7 +6,6 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use envoy_types::pb::envoy::config::core::v3::HeaderValueOption;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use tonic::Status;
@@ -81,8 +80,8 @@ pub(crate) async fn follow<'a>(
                         booking.release();
                     }
                 }
-                let echo = (mode == BodyMode::FullDuplex)
-                    .then(|| (Bytes::from(body.body), body.end_of_stream));
+                let echo =
+                    (mode == BodyMode::FullDuplex).then_some((body.body, body.end_of_stream));
                 body_answer(Half::Response, echo, Vec::new(), None)
             }
             Some(Request::ResponseTrailers(_)) => {

@@ -175,7 +175,7 @@ fn string_value(text: &str) -> Value {
 }
 
 /// What a `CommonResponse` changes: headers set, and with full duplex the body carried back.
-fn common(set: Vec<HeaderValueOption>, body: Option<(Bytes, bool)>) -> CommonResponse {
+fn common(set: Vec<HeaderValueOption>, body: Option<(Vec<u8>, bool)>) -> CommonResponse {
     CommonResponse {
         header_mutation: (!set.is_empty()).then(|| HeaderMutation {
             set_headers: set,
@@ -184,7 +184,7 @@ fn common(set: Vec<HeaderValueOption>, body: Option<(Bytes, bool)>) -> CommonRes
         body_mutation: body.map(|(body, end_of_stream)| BodyMutation {
             mutation: Some(body_mutation::Mutation::StreamedResponse(
                 StreamedBodyResponse {
-                    body: body.to_vec(),
+                    body,
                     end_of_stream,
                     ..StreamedBodyResponse::default()
                 },
@@ -227,7 +227,7 @@ pub(crate) fn headers_answer(
 /// `metadata` as for headers.
 pub(crate) fn body_answer(
     half: Half,
-    echo: Option<(Bytes, bool)>,
+    echo: Option<(Vec<u8>, bool)>,
     set: Vec<HeaderValueOption>,
     metadata: Option<Struct>,
 ) -> ProcessingResponse {

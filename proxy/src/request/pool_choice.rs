@@ -88,12 +88,9 @@ fn predicted_ttft(
     else {
         return None;
     };
-    let mut outside = Excluded::default();
-    for (index, instance) in instances.iter().enumerate() {
-        if instance.pool() != Some(candidate.name.as_str()) {
-            outside.insert(index);
-        }
-    }
+    let outside = Excluded::matching(instances, |instance| {
+        instance.pool() != Some(candidate.name.as_str())
+    });
     let candidates = Candidates::new(instances, &outside, now_millis());
     match router.choose(&candidates, request, &mut rand::thread_rng()) {
         Choice::Picked(decision) => Some(decision.cost.ttft_ms()),

@@ -62,13 +62,7 @@ impl Prefilled {
 /// The instances that take no decode legs (prefill only), excluded from a disaggregated
 /// model's decode picks.
 pub(crate) fn prefill_only(instances: &[Arc<Instance>]) -> Excluded {
-    let mut excluded = Excluded::default();
-    for (index, instance) in instances.iter().enumerate() {
-        if !instance.role().decodes() {
-            excluded.insert(index);
-        }
-    }
-    excluded
+    Excluded::matching(instances, |instance| !instance.role().decodes())
 }
 
 /// Runs the prefill leg of `record`'s request (its `body`) to `pool`, a disaggregated model
@@ -164,12 +158,7 @@ async fn remote<F: Frontend>(
 ) -> Result<Prefilled, LegError> {
     let mut request: Map<String, Value> = serde_json::from_slice(body)
         .map_err(|error| LegError::Failed(format!("the body is not a JSON object: {error}")))?;
-    let mut not_prefilling = Excluded::default();
-    for (index, instance) in instances.iter().enumerate() {
-        if !instance.role().prefills() {
-            not_prefilling.insert(index);
-        }
-    }
+    let not_prefilling = Excluded::matching(instances, |instance| !instance.role().prefills());
     let picked = pick(instances, picker, &not_prefilling)
         .map_err(|why| LegError::Failed(format!("no prefill instance ({why:?})")))?;
     let instance = Arc::clone(&picked.instance);

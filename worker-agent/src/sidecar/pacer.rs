@@ -244,6 +244,13 @@ mod tests {
         ))
     }
 
+    /// Returns once `n` transfers wait in line (the spawned ones got there).
+    async fn queued(pacer: &Pacer, n: i64) {
+        while pacer.metrics.queued.get() < n {
+            tokio::task::yield_now().await;
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_burst_never_exceeds_the_bytes_in_flight() {
         let pacer = pacer(1_000, 1e12, Duration::from_secs(10));
@@ -287,7 +294,7 @@ mod tests {
                 Instant::now()
             }
         });
-        tokio::task::yield_now().await;
+        queued(&pacer, 1).await;
         // 90 + 5 fits; 90 + 80 does not: the small one goes first although it came later.
         let small = tokio::time::timeout(Duration::from_millis(1), pacer.admit(5)).await;
         assert!(
@@ -312,6 +319,7 @@ mod tests {
             let pacer = pacer.clone();
             async move { pacer.admit(80).await.done() }
         });
+        queued(&pacer, 1).await;
         tokio::time::sleep(Duration::from_millis(60)).await;
         // The large one has waited past the bound: it is next, and the small one waits too.
         let small = tokio::time::timeout(Duration::from_millis(10), pacer.admit(5)).await;
