@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use clap::{Parser, ValueEnum};
 
 use crate::config::{
-    KvEventEncoding, KvEventHash, KvEventsConfig, KvTransferConfig, ModelShape, PreemptionMode,
-    Role, SimConfig,
+    InterferenceScaling, KvEventEncoding, KvEventHash, KvEventsConfig, KvTransferConfig,
+    ModelShape, PreemptionMode, Role, SimConfig,
 };
 use crate::lora::LoraModule;
 
@@ -121,6 +121,10 @@ pub struct Cli {
     /// How much longer an iteration takes while KV flows in (0.3: 30 %).
     #[arg(long, value_name = "FACTOR", default_value_t = 0.3)]
     pub kv_transfer_interference: f64,
+    /// `any`: the interference once while any pull runs; `per-transfer`: once per pull in
+    /// flight (a burst of concurrent pulls hurts more than the same pulls one by one).
+    #[arg(long, value_enum, default_value_t = InterferenceScaling::Any)]
+    pub kv_transfer_interference_scaling: InterferenceScaling,
     /// Host decode engines read this engine's held blocks at (default: the bound IP).
     #[arg(long, value_name = "HOST")]
     pub kv_side_channel_host: Option<String>,
@@ -170,6 +174,7 @@ impl Cli {
                 shape: self.kv_shape,
                 link_gbps: self.kv_link_gbps,
                 interference: self.kv_transfer_interference,
+                interference_scaling: self.kv_transfer_interference_scaling,
                 side_channel_host: self.kv_side_channel_host.clone(),
             },
             enable_lora: self.enable_lora,

@@ -115,6 +115,19 @@ impl ModelShape {
     }
 }
 
+/// How transfers on an engine's inbound link slow its iterations (`--kv-transfer-interference-scaling`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum InterferenceScaling {
+    /// `interference` while any transfer runs, however many: the link's bandwidth is what
+    /// the GPU loses, and it is used in full as soon as one transfer runs.
+    #[default]
+    Any,
+    /// `interference` per transfer in flight: each transfer's reads are posted and polled in
+    /// the engine's step and its writes contend with decoding, so a burst of concurrent
+    /// transfers slows every iteration more than the same bytes one after another.
+    PerTransfer,
+}
+
 /// Disaggregated serving: the role, how long a prefill's KV waits to be read, and the link
 /// model of KV transfers.
 #[derive(Debug, Clone, PartialEq)]
@@ -132,6 +145,8 @@ pub struct KvTransferConfig {
     /// How much slower a decode iteration runs while KV flows in (0.3: 30 % longer): the copy
     /// engines and memory bandwidth the transfer takes from the GPU.
     pub interference: f64,
+    /// Whether `interference` applies once or per transfer in flight.
+    pub interference_scaling: InterferenceScaling,
     /// The host decode engines reach this engine's held blocks at (`remote_host`; vLLM's
     /// `VLLM_NIXL_SIDE_CHANNEL_HOST`); `None`: the bound IP (127.0.0.1 when bound to every
     /// interface).
@@ -146,6 +161,7 @@ impl Default for KvTransferConfig {
             shape: ModelShape::default(),
             link_gbps: 64.0,
             interference: 0.3,
+            interference_scaling: InterferenceScaling::Any,
             side_channel_host: None,
         }
     }

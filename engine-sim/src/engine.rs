@@ -143,6 +143,7 @@ async fn start(
     let interference = Interference {
         link: link.clone(),
         factor: config.kv_transfer.interference,
+        scaling: config.kv_transfer.interference_scaling,
     };
     let (handle, scheduler) = scheduler::spawn(core, timing, interference);
     let faults = zmq.as_ref().map(|z| z.faults.clone());

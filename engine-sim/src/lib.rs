@@ -81,7 +81,9 @@
 //! engine's inbound link before its first token. A link model prices the pull: bytes per
 //! block from the model's KV shape (`--kv-shape layers,kv_heads,head_dim,dtype_bytes`, Qwen3-8B
 //! by default), the link's bandwidth (`--kv-link-gbps`, 64) shared fairly by concurrent
-//! pulls, and iterations `--kv-transfer-interference` (0.3) slower while any runs. Blocks
+//! pulls, and iterations `--kv-transfer-interference` (0.3) slower while any runs (once, or
+//! per pull in flight with `--kv-transfer-interference-scaling per-transfer`); a decode
+//! engine pulls only the blocks past its own cached prefix. Blocks
 //! nobody reads are freed after `--kv-hold-timeout` (30 s). Prefill and decode engines both
 //! publish their KV events. Metrics: `kvmesh_sim_kv_transfers_total{outcome}`,
 //! `kvmesh_sim_kv_transfer_bytes_total`, `kvmesh_sim_kv_transfer_seconds_total`,
@@ -123,8 +125,8 @@ mod tokenizer;
 mod zmq_events;
 
 pub use config::{
-    KvEventEncoding, KvEventHash, KvEventsConfig, KvTransferConfig, ModelShape, PreemptionMode,
-    Role, SimConfig,
+    InterferenceScaling, KvEventEncoding, KvEventHash, KvEventsConfig, KvTransferConfig,
+    ModelShape, PreemptionMode, Role, SimConfig,
 };
 pub use engine::{EngineHandle, spawn, spawn_engines};
 pub use error::SimError;

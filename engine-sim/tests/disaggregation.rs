@@ -146,6 +146,40 @@ async fn a_prefill_hands_its_blocks_to_a_decode_that_pulls_them_before_its_first
 }
 
 #[tokio::test]
+async fn a_decode_leg_pulls_only_the_blocks_past_its_own_cached_prefix() {
+    let prefill = engine(Role::Prefill, Duration::from_secs(30)).await;
+    let decode = engine(Role::Decode, Duration::from_secs(30)).await;
+    let (p, d) = (prefill.local_addr(), decode.local_addr());
+    // The decode engine already caches the first 64 tokens: four blocks of 16.
+    let warm =
+        json!({"model": "sim-model", "prompt": (0..64).collect::<Vec<u32>>(), "max_tokens": 1});
+    let (status, _) = post(d, "/v1/completions", warm).await;
+    assert_eq!(status, StatusCode::OK);
+
+    let request =
+        json!({"model": "sim-model", "prompt": (0..100).collect::<Vec<u32>>(), "max_tokens": 2});
+    let (_, answer) = post(p, "/v1/completions", prefill_leg(&request)).await;
+    let params = answer["kv_transfer_params"].clone();
+    let held = params["remote_block_ids"]
+        .as_array()
+        .expect("block ids")
+        .len();
+    assert!(held >= 6, "{params}");
+    let mut decode_leg = request.clone();
+    decode_leg["kv_transfer_params"] = params;
+    let (status, answer) = post(d, "/v1/completions", decode_leg).await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    assert_eq!(answer["usage"]["completion_tokens"], 2);
+    // Every held block was read (and freed), but only those past the four cached ones moved.
+    assert_eq!(metric(p, "kvmesh_sim_kv_held_blocks").await, 0.0);
+    let per_block = 36.0 * 2.0 * 8.0 * 128.0 * 2.0 * 16.0;
+    assert_eq!(
+        metric(d, "kvmesh_sim_kv_transfer_bytes_total").await,
+        (held - 4) as f64 * per_block
+    );
+}
+
+#[tokio::test]
 async fn roles_refuse_the_other_side_and_a_lost_hold_falls_back_to_local_prefill() {
     let prefill = engine(Role::Prefill, Duration::from_millis(50)).await;
     let decode = engine(Role::Decode, Duration::from_secs(30)).await;

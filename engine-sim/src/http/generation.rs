@@ -186,6 +186,31 @@ pub(crate) fn submit(
     Ok(rx)
 }
 
+/// Leading full blocks of `prompt` (for `lora`) this engine's prefix cache holds, capped as
+/// vLLM caps a hit (the last prompt token is always computed): what a decode leg need not
+/// pull.
+pub(crate) async fn cached_blocks(
+    state: &EngineState,
+    prompt: &[u32],
+    lora: Option<&Lora>,
+) -> Result<usize, ApiError> {
+    if !state.config.enable_prefix_caching {
+        return Ok(0);
+    }
+    let block_size = state.config.block_size;
+    let mut hashes = BlockHasher::new().sequence_hashes(
+        prompt,
+        block_size,
+        lora.map_or(XXH3_SEED, Lora::hash_seed),
+    );
+    hashes.truncate(prompt.len().saturating_sub(1) / block_size);
+    state
+        .scheduler
+        .cached_prefix(hashes)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))
+}
+
 /// Waits for `count` sequences to finish; outcomes ordered by index.
 pub(crate) async fn collect(
     mut rx: UnboundedReceiver<SeqEvent>,

@@ -10,7 +10,8 @@ use http::{Response, StatusCode};
 use super::body::{ResponseBody, json_response};
 use super::error::ApiError;
 use super::generation::{
-    collect, model_name, parse_json, resolve_model, submit, tokenize_chat_ending, tokenize_prompts,
+    cached_blocks, collect, model_name, parse_json, resolve_model, submit, tokenize_chat_ending,
+    tokenize_prompts,
 };
 use super::sse::{SseBody, StreamFormatter, write_data, write_raw};
 use super::state::{EngineState, unix_now};
@@ -106,11 +107,18 @@ async fn run(
     let handoff = match &leg {
         Leg::Plain => Handoff::None,
         Leg::Prefill => Handoff::Hold(id.clone()),
-        Leg::Decode(remote) => match state.puller.pull(remote, &state.metrics).await {
-            Some(blocks) => Handoff::Pulled(blocks * state.config.block_size),
-            None => Handoff::None,
-        },
+        Leg::Decode(remote) => {
+            let cached = match prompts.first() {
+                Some(prompt) => cached_blocks(&state, prompt, lora.as_ref()).await?,
+                None => 0,
+            };
+            match state.puller.pull(remote, cached, &state.metrics).await {
+                Some(blocks) => Handoff::Pulled(blocks * state.config.block_size),
+                None => Handoff::None,
+            }
+        }
     };
+
     let rx = submit(&state, prompts, &params, lora.as_ref(), arrival, handoff)?;
     let created = unix_now();
     if params.stream {

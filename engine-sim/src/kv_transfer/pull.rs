@@ -1,6 +1,7 @@
 //! The decode leg's pull: read the blocks a prefill engine holds (`POST
-//! /sim/kv_transfer/read` on its side channel, which frees them), then move their bytes over
-//! this engine's inbound link.
+//! /sim/kv_transfer/read` on its side channel, which frees them all), then move the bytes of
+//! those this engine does not cache over its inbound link (vLLM's NixlConnector reads only
+//! the remote blocks past the decode engine's local prefix hit).
 
 use std::sync::Arc;
 
@@ -53,17 +54,18 @@ impl Puller {
         }
     }
 
-    /// Pulls `remote`'s blocks; how many arrived (`None`: the read failed, and the request
-    /// prefills here instead).
+    /// Pulls `remote`'s blocks past the first `cached` (this engine holds those); how many
+    /// the prompt now has (`None`: the read failed, and the request prefills here instead).
     pub(crate) async fn pull(
         &self,
         remote: &RemotePrefill,
+        cached: usize,
         metrics: &EngineMetrics,
     ) -> Option<usize> {
         metrics.transfer_started();
         match self.read(remote).await {
             Ok(blocks) => {
-                let bytes = blocks as u64 * self.bytes_per_block;
+                let bytes = blocks.saturating_sub(cached) as u64 * self.bytes_per_block;
                 let took = self.link.transfer(bytes).await;
                 metrics.transfer_done(bytes, took.as_secs_f64());
                 Some(blocks)

@@ -95,6 +95,9 @@ impl SchedulerCore {
             } => {
                 let _ = done.send(self.read_held(request_id.as_deref(), &block_ids));
             }
+            Command::CachedPrefix { hashes, done } => {
+                let _ = done.send(self.cache.lookup(&hashes));
+            }
             Command::ResetPrefixCache { restart, done } => {
                 // Events recorded before the reset belong to the old event sequence.
                 self.publish_events();

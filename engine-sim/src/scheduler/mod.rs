@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
 pub(crate) use self::core::SchedulerCore;
+use crate::config::InterferenceScaling;
 use crate::kv_events::KvEventBatch;
 use crate::kv_transfer::link::Link;
 use crate::lora::Lora;
@@ -120,6 +121,13 @@ pub(crate) enum Command {
         /// Answered once freed.
         done: oneshot::Sender<Option<usize>>,
     },
+    /// How many leading blocks of a prompt (its sequence hashes) the prefix cache holds.
+    CachedPrefix {
+        /// The prompt's full blocks' sequence hashes.
+        hashes: Vec<u64>,
+        /// Answered with the count.
+        done: oneshot::Sender<usize>,
+    },
     /// Drop every cached block; the sender is answered when done.
     ResetPrefixCache {
         /// Test-only fault: also mark the resulting `AllBlocksCleared` batch as an engine
@@ -167,6 +175,16 @@ impl SchedulerHandle {
         rx.await.map_err(|_| SchedulerGone)
     }
 
+    /// How many leading blocks of `hashes` the prefix cache holds now (a decode leg reads
+    /// only the rest).
+    pub(crate) async fn cached_prefix(&self, hashes: Vec<u64>) -> Result<usize, SchedulerGone> {
+        let (done, rx) = oneshot::channel();
+        self.tx
+            .send(Command::CachedPrefix { hashes, done })
+            .map_err(|_| SchedulerGone)?;
+        rx.await.map_err(|_| SchedulerGone)
+    }
+
     /// Clears the prefix cache between two iterations; with `restart` the `AllBlocksCleared`
     /// batch also announces a simulated engine restart.
     pub(crate) async fn reset_prefix_cache(&self, restart: bool) -> Result<(), SchedulerGone> {
@@ -183,8 +201,21 @@ impl SchedulerHandle {
 pub(crate) struct Interference {
     /// The link.
     pub link: Arc<Link>,
-    /// Extra share of an iteration's time while any transfer runs (0.3: 30 % longer).
+    /// Extra share of an iteration's time while a transfer runs (0.3: 30 % longer).
     pub factor: f64,
+    /// Once while any runs, or per transfer in flight.
+    pub scaling: InterferenceScaling,
+}
+
+impl Interference {
+    /// How many times longer an iteration takes with `transfers` in flight.
+    pub(crate) fn slowdown(&self, transfers: usize) -> f64 {
+        let counted = match self.scaling {
+            InterferenceScaling::Any => transfers.min(1),
+            InterferenceScaling::PerTransfer => transfers,
+        };
+        1.0 + self.factor * counted as f64
+    }
 }
 
 /// Starts the scheduler task; `timing` is `None` in no-delay mode.
@@ -248,8 +279,9 @@ async fn run(
                     _ => now,
                 };
                 let mut iteration = model.iteration(plan.prefill_tokens, plan.usage, plan.batch);
-                if interference.link.active() > 0 {
-                    iteration = iteration.mul_f64(1.0 + interference.factor);
+                let transfers = interference.link.active();
+                if transfers > 0 {
+                    iteration = iteration.mul_f64(interference.slowdown(transfers));
                 }
                 let deadline = start + iteration;
                 tokio::time::sleep_until(deadline.into()).await;
@@ -259,5 +291,30 @@ async fn run(
         }
         core.complete(Instant::now());
         core.publish_events();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interference_counts_once_or_per_transfer() {
+        let link = Arc::new(Link::new(1.0, false));
+        let any = Interference {
+            link: link.clone(),
+            factor: 0.3,
+            scaling: InterferenceScaling::Any,
+        };
+        assert_eq!(any.slowdown(0), 1.0);
+        assert_eq!(any.slowdown(1), 1.3);
+        assert_eq!(any.slowdown(4), 1.3);
+        let per = Interference {
+            scaling: InterferenceScaling::PerTransfer,
+            ..any
+        };
+        assert_eq!(per.slowdown(0), 1.0);
+        assert_eq!(per.slowdown(1), 1.3);
+        assert!((per.slowdown(4) - 2.2).abs() < 1e-12);
     }
 }
