@@ -78,11 +78,13 @@ pub(crate) fn check_pools(model: &ModelConfig, path: &FieldPath) -> Checked {
                 format!("a unique, non-empty name (got {:?})", pool.name),
             );
         }
-        if pool
-            .ttft_target_ms
-            .is_some_and(|ms| !(ms.is_finite() && ms > 0.0))
-        {
-            return fail(at.key("ttft_target_ms"), "must be a positive number of ms");
+        for (field, target) in [
+            ("ttft_target_ms", pool.ttft_target_ms),
+            ("itl_target_ms", pool.itl_target_ms),
+        ] {
+            if target.is_some_and(|ms| !(ms.is_finite() && ms > 0.0)) {
+                return fail(at.key(field), "must be a positive number of ms");
+            }
         }
         if pool.max_input_tokens == Some(0) {
             return fail(at.key("max_input_tokens"), "must be at least 1");
@@ -217,6 +219,11 @@ mod tests {
                 "    pools:\n      - name: a\n        ttft_target_ms: -1\n",
                 "      - url: http://127.0.0.1:8000\n",
                 "pools[0].ttft_target_ms",
+            ),
+            (
+                "    pools:\n      - name: a\n        itl_target_ms: .nan\n",
+                "      - url: http://127.0.0.1:8000\n",
+                "pools[0].itl_target_ms",
             ),
             (
                 "    pools:\n      - name: a\n",

@@ -59,6 +59,11 @@ pub struct PoolConfig {
     /// more and a later pool (that takes the prompt) predicts less, the request goes there.
     #[serde(default)]
     pub ttft_target_ms: Option<f64>,
+    /// A time between tokens, ms, the pool should meet (Dynamo's decode pools): when its best
+    /// instance predicts a longer decode iteration with the request and a later pool (that
+    /// takes the prompt) predicts one within it, the request goes there.
+    #[serde(default)]
+    pub itl_target_ms: Option<f64>,
 }
 
 /// Migrations per stream when `migration_limit` is not set.

@@ -9,6 +9,8 @@ only prompts with at least 256 uncached tokens), `lost-model` (its prefill engin
 connections: served whole), `strict-model` (the same, with `on_prefill_failure: fail`).
 """
 
+import time
+
 import numpy as np
 import openai
 import pytest
@@ -23,6 +25,7 @@ LOST = "lost-model"
 STRICT = "strict-model"
 EXPIRING = "expiring-model"
 POOLED = "pooled-model"
+ITL_POOLED = "itl-pooled-model"
 
 
 def engines(proc):
@@ -59,6 +62,11 @@ def cluster(workdir):
     expiring_decode = sim(workdir, "decode", 1, EXPIRING)
     pooled = sim(workdir, "both", 2, POOLED)
     short_engine, long_engine = engines(pooled)
+    # With the timing model: a long stream keeps running there while the test routes beside it.
+    itl_pooled = Proc(
+        "kvmesh-engine-sim", ["--engines", "2", "--port", "0", "--block-size", "16", "--model", ITL_POOLED], workdir
+    )
+    busy_engine, quiet_engine = engines(itl_pooled)
     models = (
         model_yaml(PD, engines(prefill), engines(decode))
         + model_yaml(COND, engines(cond_prefill), engines(cond_decode), "min_remote_prefill_tokens: 256")
@@ -69,6 +77,9 @@ def cluster(workdir):
         + "    pools:\n      - name: short\n        max_input_tokens: 1000\n        ttft_target_ms: 18\n"
         + "      - name: long\n"
         + f"    backends:\n      - url: {short_engine}\n        pool: short\n      - url: {long_engine}\n        pool: long\n"
+        + f"  - name: {ITL_POOLED}\n    policy: kv\n    kv:\n      block_size: 16\n      total_kv_blocks: 100\n"
+        + "    pools:\n      - name: a\n        itl_target_ms: 18\n      - name: b\n"
+        + f"    backends:\n      - url: {busy_engine}\n        pool: a\n      - url: {quiet_engine}\n        pool: b\n"
     )
     config = workdir / "disagg.yaml"
     config.write_text(
@@ -81,9 +92,10 @@ def cluster(workdir):
     yield {
         "proxy": proxy, "prefill": prefill, "decode": decode, "cond_prefill": cond_prefill,
         "cond_decode": cond_decode, "expiring_decode": expiring_decode, "pooled": (short_engine, long_engine),
+        "itl_pooled": (busy_engine, quiet_engine),
     }
     proxy.stop()
-    for proc in (prefill, decode, cond_prefill, cond_decode, lost_decode, strict_decode, expiring_prefill, expiring_decode, pooled):
+    for proc in (prefill, decode, cond_prefill, cond_decode, lost_decode, strict_decode, expiring_prefill, expiring_decode, pooled, itl_pooled):
         proc.stop()
 
 
@@ -210,3 +222,36 @@ def test_pools_take_prompts_by_length_and_a_missed_ttft_target_moves_one(cluster
     proxy_metrics = httpx.get(cluster["proxy"].url("admin") + "/metrics").text
     assert f'kvmesh_pool_requests_total{{model="{POOLED}",pool="short"}} 1' in proxy_metrics
     assert f'kvmesh_pool_requests_total{{model="{POOLED}",pool="long"}} 2' in proxy_metrics
+
+
+def test_a_missed_itl_target_moves_a_request_to_a_pool_that_meets_it(cluster):
+    busy_engine, quiet_engine = cluster["itl_pooled"]
+    url = cluster["proxy"].url("main") + "/v1/completions"
+    # 1,000 tokens: 63 of the 100 blocks of pool a's engine. Both pools predict the same
+    # decode iteration for it (each is idle), so it stays in the first one, a.
+    long_stream = {"model": ITL_POOLED, "prompt": list(range(1000)), "max_tokens": 4000, "stream": True}
+    with httpx.Client(timeout=30) as http, http.stream("POST", url, json=long_stream) as running:
+        assert running.status_code == 200
+        route = running.headers["x-kvmesh-route"]
+        assert route.startswith(f"pool=a; instance={busy_engine};"), route
+        # Keep the line iterator: dropping it closes the stream.
+        lines = running.iter_lines()
+        assert next(lines).startswith("data: ")
+        # While it decodes there, a short prompt would make pool a's iterations about 31 ms
+        # (67 of 100 blocks in use), over its 18 ms target; pool b's idle engine predicts 8
+        # (both as profiled: the learned speed scales them alike).
+        raw = api(cluster).completions.with_raw_response.create(model=ITL_POOLED, prompt=list(range(5000, 5064)), max_tokens=2)
+        assert raw.parse().usage.completion_tokens == 2
+        moved = raw.headers["x-kvmesh-route"]
+        assert moved.startswith("pool=b (pool a predicted "), moved
+        assert "ms/token > itl_target_ms 18.0); " in moved, moved
+        assert f"instance={quiet_engine};" in moved, moved
+    # With the stream gone, pool a meets its target again for the same short prompt.
+    deadline = time.monotonic() + 10
+    while True:
+        raw = api(cluster).completions.with_raw_response.create(model=ITL_POOLED, prompt=list(range(6000, 6064)), max_tokens=2)
+        back = raw.headers["x-kvmesh-route"]
+        if back.startswith(f"pool=a; instance={busy_engine};") or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert back.startswith(f"pool=a; instance={busy_engine};"), back

@@ -163,6 +163,9 @@ pub struct Cost {
     pub(crate) profiled_ttft_ms: f64,
     /// Predicted time to first token there.
     pub(crate) ttft_ms: f64,
+    /// Predicted time between its tokens there once it decodes: one decode iteration with
+    /// its blocks added to the KV cache in use, at the instance's learned speed.
+    pub(crate) itl_ms: f64,
     /// Predicted stall of the running streams, summed over them.
     pub(crate) harm_ms: f64,
     /// The cost (module docs).
@@ -178,6 +181,11 @@ impl Cost {
     /// Predicted time to its first token there, ms.
     pub fn ttft_ms(&self) -> f64 {
         self.ttft_ms
+    }
+
+    /// Predicted time between its tokens there, ms.
+    pub fn itl_ms(&self) -> f64 {
+        self.itl_ms
     }
 }
 
@@ -251,6 +259,7 @@ impl CostModel {
             decode_blocks,
             profiled_ttft_ms,
             ttft_ms: speed * profiled_ttft_ms,
+            itl_ms: speed * self.profile.decode_ms(usage),
             harm_ms,
             value: speed * (self.overlap_weight * (prefill_ms + transfer_ms) + decode_ms)
                 + self.harm_weight * harm_ms,

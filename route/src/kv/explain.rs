@@ -86,6 +86,8 @@ pub struct InstanceExplanation {
     pub(crate) speed: f64,
     /// Predicted time to first token there, ms.
     pub(crate) predicted_ttft_ms: f64,
+    /// Predicted time between its tokens there, ms.
+    pub(crate) predicted_itl_ms: f64,
     /// Predicted stall of the streams running there, summed, ms.
     pub(crate) harm_ms: f64,
     /// The cost.

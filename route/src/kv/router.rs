@@ -621,6 +621,7 @@ impl KvRouter {
                     decode_blocks: e.cost.decode_blocks,
                     speed: e.load.speed,
                     predicted_ttft_ms: e.cost.ttft_ms,
+                    predicted_itl_ms: e.cost.itl_ms,
                     harm_ms: e.cost.harm_ms,
                     cost: e.cost.value,
                     probability,

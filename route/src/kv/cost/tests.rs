@@ -253,3 +253,25 @@ proptest! {
         prop_assert!(credit > 0.0 && credit <= 1.0);
     }
 }
+
+#[test]
+fn the_itl_is_one_decode_iteration_at_the_usage_with_the_request_at_the_learned_speed() {
+    let shape = RequestShape::new(1600, 16);
+    let idle = MODEL.cost(&shape, &CandidateLoad::default());
+    let profile = EngineProfile::DEFAULT;
+    assert!(close(
+        idle.itl_ms(),
+        profile.decode_ms(100.0 / 16_384.0),
+        1e-9
+    ));
+    let busy = CandidateLoad {
+        active_blocks: 8_092,
+        requests: 40,
+        speed: 1.5,
+        ..CandidateLoad::default()
+    };
+    let cost = MODEL.cost(&shape, &busy);
+    assert_eq!(cost.decode_blocks, 8_192);
+    assert!(close(cost.itl_ms(), 1.5 * profile.decode_ms(0.5), 1e-9));
+    assert!(cost.itl_ms() > idle.itl_ms());
+}
