@@ -31,7 +31,7 @@ pub enum PrefillFailure {
 }
 
 /// `models[].disaggregation`.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DisaggregationConfig {
     /// When to prefill remotely.
@@ -44,14 +44,14 @@ pub struct DisaggregationConfig {
     /// KV bytes of one token of the served model (`layers × 2 × kv_heads × head_dim ×
     /// dtype bytes`; Qwen3-8B in bf16: 147,456), for the pull's cost in the decode choice.
     pub kv_bytes_per_token: u64,
-    /// Bandwidth of a decode instance's inbound KV link, GB/s.
-    pub link_gbps: u32,
+    /// Bandwidth of a decode instance's inbound KV link, GB/s (12.5: a 100 Gb/s NIC).
+    pub link_gbps: f64,
 }
 
 impl DisaggregationConfig {
     /// Nanoseconds one token's KV takes over the link.
     pub fn transfer_ns_per_token(&self) -> u64 {
-        self.kv_bytes_per_token / u64::from(self.link_gbps.max(1))
+        (self.kv_bytes_per_token as f64 / self.link_gbps).round() as u64
     }
 }
 
@@ -62,7 +62,7 @@ impl Default for DisaggregationConfig {
             min_remote_prefill_tokens: 512,
             on_prefill_failure: PrefillFailure::Aggregated,
             kv_bytes_per_token: 147_456,
-            link_gbps: 64,
+            link_gbps: 64.0,
         }
     }
 }
@@ -134,8 +134,8 @@ pub(crate) fn check_disaggregation(model: &ModelConfig, path: &FieldPath) -> Che
     if disaggregation.kv_bytes_per_token == 0 {
         return fail(path.key("kv_bytes_per_token"), "must be at least 1");
     }
-    if disaggregation.link_gbps == 0 {
-        return fail(path.key("link_gbps"), "must be at least 1");
+    if !(disaggregation.link_gbps.is_finite() && disaggregation.link_gbps > 0.0) {
+        return fail(path.key("link_gbps"), "must be a positive number of GB/s");
     }
     if disaggregation.mode == DisaggregationMode::Conditional
         && disaggregation.min_remote_prefill_tokens == 0
@@ -186,6 +186,19 @@ mod tests {
             (on.mode, on.on_prefill_failure),
             (DisaggregationMode::Enforce, PrefillFailure::Fail)
         );
+        // A 100 Gb/s NIC: 12.5 GB/s.
+        let config = parse("    disaggregation:\n      link_gbps: 12.5\n", SPLIT).unwrap();
+        let on = config.models[0].disaggregation.clone().unwrap();
+        assert_eq!(on.transfer_ns_per_token(), 11_796);
+        for bad in ["0", "-1", ".inf"] {
+            let error = parse(
+                &format!("    disaggregation:\n      link_gbps: {bad}\n"),
+                SPLIT,
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(error.contains("disaggregation.link_gbps"), "{bad}: {error}");
+        }
     }
 
     #[test]
