@@ -269,11 +269,7 @@ async fn start_agent(
         config.inbound = Some(InboundConfig {
             listen: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
             kv_bytes_per_token: sim.kv_transfer.shape.bytes_per_token(),
-            pacing: Some(PacerSettings {
-                max_in_flight_bytes: 2 << 30,
-                rate_bytes_per_sec: sim.kv_transfer.link_gbps * 1e9,
-                max_wait: Duration::from_millis(250),
-            }),
+            pacing: Some(PacerSettings::with_rate(sim.kv_transfer.link_gbps * 1e9)),
             measured_rate: false,
         });
     }

@@ -50,6 +50,14 @@ pub fn parse_labels(s: &str) -> Result<BTreeMap<String, String>, String> {
         .collect()
 }
 
+/// Parses a factor: a finite number, 0 or more.
+fn parse_factor(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(factor) if factor.is_finite() && factor >= 0.0 => Ok(factor),
+        _ => Err(format!("invalid factor {s:?} (a number, 0 or more)")),
+    }
+}
+
 /// Parses a sampling ratio, 0 to 1.
 fn parse_ratio(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
@@ -221,7 +229,7 @@ pub struct Cli {
     )]
     pub kv_bytes_per_token: u64,
     /// The pod's KV-transfer budget: bytes in flight at once (0: decode legs unpaced).
-    #[arg(long, env = "KVMESH_AGENT_PACE_MAX_INFLIGHT_BYTES", default_value_t = 2 << 30)]
+    #[arg(long, env = "KVMESH_AGENT_PACE_MAX_INFLIGHT_BYTES", default_value_t = PacerSettings::DEFAULT_MAX_IN_FLIGHT_BYTES)]
     pub pace_max_inflight_bytes: u64,
     /// The pod's KV-transfer budget: link bandwidth given to transfers, GB/s (default: the
     /// GPUs' measured host-to-device bandwidth with the `cuda` feature, else 25).
@@ -230,6 +238,11 @@ pub struct Cli {
     /// Longest a transfer waits before it goes next whatever its size.
     #[arg(long, env = "KVMESH_AGENT_PACE_MAX_WAIT", default_value = "250ms", value_parser = parse_duration)]
     pub pace_max_wait: Duration,
+    /// A transfer counts as done this many times `bytes / --pace-rate-gbps` after its
+    /// admission if the engine's first token has not come back by then (0: only the first
+    /// token ends it).
+    #[arg(long, env = "KVMESH_AGENT_PACE_HOLD_FACTOR", default_value_t = PacerSettings::DEFAULT_HOLD_FACTOR, value_parser = parse_factor)]
+    pub pace_hold_factor: f64,
     /// Address of the agent's /health and /metrics (port 0: pick one).
     #[arg(long, env = "KVMESH_AGENT_LISTEN", default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
@@ -328,6 +341,7 @@ impl Cli {
                 max_in_flight_bytes: self.pace_max_inflight_bytes,
                 rate_bytes_per_sec: self.pace_rate_gbps.unwrap_or(DEFAULT_PACE_RATE_GBPS) * 1e9,
                 max_wait: self.pace_max_wait,
+                hold_factor: self.pace_hold_factor,
             }),
             measured_rate: self.pace_rate_gbps.is_none(),
         });

@@ -122,6 +122,8 @@ async fn the_sidecar_forwards_unchanged_and_paces_decode_legs_within_the_budget(
         max_in_flight_bytes: 2 * transfer,
         rate_bytes_per_sec: 1e12,
         max_wait: Duration::from_millis(250),
+        // Held until the first token: at this rate the link bound would end them at once.
+        hold_factor: 0.0,
     };
     let agent = sidecar(&decode, &registry, pacing).await;
     let inbound = agent.inbound_addr().expect("the sidecar listens");

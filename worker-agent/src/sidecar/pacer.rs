@@ -3,7 +3,10 @@
 //! `max_in_flight_bytes` and a token bucket of `rate` bytes/s (bursting to
 //! `max_in_flight_bytes`), smallest transfer first, except that one waiting longer than
 //! `max_wait` goes next whatever its size, so none starves. A transfer holds its bytes until
-//! the engine's first token (the KV has arrived) or the request's end.
+//! the engine's first token (the KV has arrived), the request's end, or — with a
+//! `hold_factor` — `hold_factor × bytes / rate` after its admission, when the link at the
+//! paced rate must have moved it (the first token also waits for the engine's queue, which
+//! is not the link's).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -22,6 +25,29 @@ pub struct PacerSettings {
     pub rate_bytes_per_sec: f64,
     /// Longest a transfer waits before it goes next regardless of its size.
     pub max_wait: Duration,
+    /// A transfer counts as done this many times `bytes / rate` after its admission, if
+    /// the first token has not come back by then (0: only the first token ends it).
+    pub hold_factor: f64,
+}
+
+impl PacerSettings {
+    /// Bytes in flight at once by default.
+    pub const DEFAULT_MAX_IN_FLIGHT_BYTES: u64 = 4 << 30;
+    /// The age bound by default.
+    pub const DEFAULT_MAX_WAIT: Duration = Duration::from_millis(250);
+    /// The hold factor by default: a transfer is done once the link at the paced rate must
+    /// have moved it, or at its first token if that comes sooner.
+    pub const DEFAULT_HOLD_FACTOR: f64 = 1.0;
+
+    /// The default budget over a link of `rate_bytes_per_sec`.
+    pub fn with_rate(rate_bytes_per_sec: f64) -> Self {
+        Self {
+            max_in_flight_bytes: Self::DEFAULT_MAX_IN_FLIGHT_BYTES,
+            rate_bytes_per_sec,
+            max_wait: Self::DEFAULT_MAX_WAIT,
+            hold_factor: Self::DEFAULT_HOLD_FACTOR,
+        }
+    }
 }
 
 /// The pacer's metric handles.
@@ -43,9 +69,20 @@ struct Waiting {
     arrived: Instant,
 }
 
+/// An admitted transfer's bytes, held until it is done.
+#[derive(Debug)]
+struct Hold {
+    bytes: u64,
+    /// When it counts as done anyway (`None`: only its first token ends it).
+    until: Option<Instant>,
+}
+
 #[derive(Debug)]
 struct Budget {
     in_flight: u64,
+    /// Admitted transfers not done, by permit number.
+    holds: BTreeMap<u64, Hold>,
+    next_hold: u64,
     tokens: f64,
     refilled: Instant,
     /// Waiting transfers by arrival number.
@@ -66,7 +103,7 @@ pub struct Pacer {
 #[derive(Debug)]
 pub struct Permit {
     pacer: Arc<Pacer>,
-    bytes: u64,
+    hold: u64,
 }
 
 impl Permit {
@@ -76,7 +113,7 @@ impl Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.pacer.release(self.bytes);
+        self.pacer.release(self.hold);
     }
 }
 
@@ -87,6 +124,8 @@ impl Pacer {
             settings,
             budget: Mutex::new(Budget {
                 in_flight: 0,
+                holds: BTreeMap::new(),
+                next_hold: 0,
                 tokens: settings.max_in_flight_bytes as f64,
                 refilled: Instant::now(),
                 queue: BTreeMap::new(),
@@ -114,12 +153,12 @@ impl Pacer {
             admitted: false,
         };
         self.metrics.queued.inc();
-        loop {
+        let hold = loop {
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             match self.try_admit(ticket, Instant::now()) {
-                Ok(()) => break,
+                Ok(hold) => break hold,
                 Err(Some(wait)) => {
                     tokio::select! {
                         () = &mut notified => {}
@@ -128,38 +167,54 @@ impl Pacer {
                 }
                 Err(None) => notified.await,
             }
-        }
+        };
         place.admitted = true;
         self.metrics.admitted.inc();
         self.metrics
             .wait_seconds
             .observe(arrived.elapsed().as_secs_f64());
-        self.metrics.in_flight_bytes.add(bytes as i64);
         // Another may fit behind it (the next in line changed).
         self.changed.notify_waiters();
         Permit {
             pacer: Arc::clone(self),
-            bytes,
+            hold,
         }
     }
 
-    /// Admits `ticket` if it is next in line and fits; else how long until the bucket could
-    /// hold it (`None`: wait for a release or an arrival).
-    fn try_admit(&self, ticket: u64, now: Instant) -> Result<(), Option<Duration>> {
+    /// Admits `ticket` if it is next in line and fits (its hold's number); else how long
+    /// until the bucket could hold it or a hold ends (`None`: wait for a release or an
+    /// arrival).
+    fn try_admit(&self, ticket: u64, now: Instant) -> Result<u64, Option<Duration>> {
         let mut budget = self.lock();
+        let ended: Vec<u64> = budget
+            .holds
+            .iter()
+            .filter(|(_, hold)| hold.until.is_some_and(|until| until <= now))
+            .map(|(&number, _)| number)
+            .collect();
+        if !ended.is_empty() {
+            for number in ended {
+                self.end_hold(&mut budget, number);
+            }
+            // Room freed without a release: the others look again.
+            self.changed.notify_waiters();
+        }
         let rate = self.settings.rate_bytes_per_sec;
         let full = self.settings.max_in_flight_bytes as f64;
         let refill = now.saturating_duration_since(budget.refilled).as_secs_f64() * rate;
         budget.tokens = (budget.tokens + refill).min(full);
         budget.refilled = now;
         if next_in_line(&budget.queue, now, self.settings.max_wait) != Some(ticket) {
-            return Err(None);
+            // Once it has waited `max_wait` it may be next by age: nothing else tells it.
+            let aged = budget.queue[&ticket].arrived + self.settings.max_wait;
+            return Err((aged > now).then(|| aged - now));
         }
         let bytes = budget.queue[&ticket].bytes;
         let fits_flight = budget.in_flight == 0
             || budget.in_flight.saturating_add(bytes) <= self.settings.max_in_flight_bytes;
         if !fits_flight {
-            return Err(None);
+            let next_end = budget.holds.values().filter_map(|hold| hold.until).min();
+            return Err(next_end.map(|until| until.saturating_duration_since(now)));
         }
         // A transfer larger than the bucket goes once the bucket is full, and leaves it in
         // debt.
@@ -171,16 +226,35 @@ impl Pacer {
         budget.tokens -= bytes as f64;
         budget.in_flight += bytes;
         budget.queue.remove(&ticket);
-        Ok(())
+        let factor = self.settings.hold_factor;
+        let until = (factor > 0.0)
+            .then(|| now + Duration::from_secs_f64(factor * bytes as f64 / rate.max(1.0)));
+        let number = budget.next_hold;
+        budget.next_hold += 1;
+        budget.holds.insert(number, Hold { bytes, until });
+        self.metrics.in_flight_bytes.add(bytes as i64);
+        Ok(number)
     }
 
-    fn release(&self, bytes: u64) {
-        {
+    /// Gives hold `number`'s bytes back, unless it already ended.
+    fn release(&self, number: u64) {
+        let ended = {
             let mut budget = self.lock();
-            budget.in_flight = budget.in_flight.saturating_sub(bytes);
+            self.end_hold(&mut budget, number)
+        };
+        if ended {
+            self.changed.notify_waiters();
         }
-        self.metrics.in_flight_bytes.sub(bytes as i64);
-        self.changed.notify_waiters();
+    }
+
+    /// Ends hold `number` in `budget` (false: it had ended).
+    fn end_hold(&self, budget: &mut Budget, number: u64) -> bool {
+        let Some(hold) = budget.holds.remove(&number) else {
+            return false;
+        };
+        budget.in_flight = budget.in_flight.saturating_sub(hold.bytes);
+        self.metrics.in_flight_bytes.sub(hold.bytes as i64);
+        true
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Budget> {
@@ -228,20 +302,22 @@ mod tests {
     use super::*;
 
     fn pacer(max_in_flight_bytes: u64, rate_bytes_per_sec: f64, max_wait: Duration) -> Arc<Pacer> {
+        paced(PacerSettings {
+            max_in_flight_bytes,
+            rate_bytes_per_sec,
+            max_wait,
+            hold_factor: 0.0,
+        })
+    }
+
+    fn paced(settings: PacerSettings) -> Arc<Pacer> {
         let metrics = PacerMetrics {
             in_flight_bytes: IntGauge::new("in_flight", "h").unwrap(),
             queued: IntGauge::new("queued", "h").unwrap(),
             wait_seconds: Histogram::with_opts(HistogramOpts::new("wait", "h")).unwrap(),
             admitted: IntCounter::with_opts(Opts::new("admitted", "h")).unwrap(),
         };
-        Arc::new(Pacer::new(
-            PacerSettings {
-                max_in_flight_bytes,
-                rate_bytes_per_sec,
-                max_wait,
-            },
-            metrics,
-        ))
+        Arc::new(Pacer::new(settings, metrics))
     }
 
     /// Returns once `n` transfers wait in line (the spawned ones got there).
@@ -349,6 +425,63 @@ mod tests {
             waited >= Duration::from_millis(49) && waited < Duration::from_millis(60),
             "{waited:?}"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_transfer_counts_as_done_once_the_paced_link_must_have_moved_it() {
+        let pacer = paced(PacerSettings {
+            max_in_flight_bytes: 100,
+            rate_bytes_per_sec: 1_000.0,
+            max_wait: Duration::from_secs(10),
+            hold_factor: 1.0,
+        });
+        let start = Instant::now();
+        // 100 bytes at 1,000 B/s: on the link for 100 ms; its first token never comes.
+        let first = pacer.admit(100).await;
+        let second = pacer.admit(50).await;
+        let waited = start.elapsed();
+        assert!(
+            waited >= Duration::from_millis(100) && waited < Duration::from_millis(110),
+            "{waited:?}"
+        );
+        assert_eq!(pacer.metrics.in_flight_bytes.get(), 50);
+        // Its permit ending later gives nothing back twice.
+        first.done();
+        assert_eq!(pacer.metrics.in_flight_bytes.get(), 50);
+        second.done();
+        assert_eq!(pacer.metrics.in_flight_bytes.get(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_that_turns_next_by_age_while_room_frees_silently_is_admitted() {
+        // Nobody gives a permit back: only the link bound frees room.
+        let pacer = paced(PacerSettings {
+            max_in_flight_bytes: 100,
+            rate_bytes_per_sec: 10_000.0,
+            max_wait: Duration::from_millis(5),
+            hold_factor: 1.0,
+        });
+        // 100 bytes at 10,000 B/s: the first transfer holds the budget for 10 ms.
+        let first = pacer.admit(100).await;
+        let old = tokio::spawn({
+            let pacer = pacer.clone();
+            async move { pacer.admit(90).await }
+        });
+        queued(&pacer, 1).await;
+        let small = tokio::spawn({
+            let pacer = pacer.clone();
+            async move { pacer.admit(5).await }
+        });
+        queued(&pacer, 2).await;
+        // One that comes and goes makes the others look again while the small one is next:
+        // the old one then waits behind it, and only its age makes it next (at 5 ms).
+        let gone = tokio::time::timeout(Duration::from_millis(1), pacer.admit(1)).await;
+        assert!(gone.is_err());
+        let both = async { (old.await.unwrap(), small.await.unwrap()) };
+        let admitted = tokio::time::timeout(Duration::from_secs(1), both)
+            .await
+            .expect("a waiter was never woken");
+        drop((first, admitted));
     }
 
     #[tokio::test(start_paused = true)]
