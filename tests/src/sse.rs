@@ -72,27 +72,42 @@ pub struct OpenStream {
 
 impl OpenStream {
     /// Reads the rest within `deadline` and asserts the whole answer is one stream of
-    /// `max_tokens` tokens ([`assert_whole_stream`]).
-    pub async fn assert_whole(self, max_tokens: u64, deadline: Duration) -> anyhow::Result<()> {
+    /// `max_tokens` tokens ([`assert_whole_stream`]); the whole body.
+    pub async fn assert_whole(
+        self,
+        max_tokens: u64,
+        deadline: Duration,
+    ) -> anyhow::Result<Vec<u8>> {
         let rest = tokio::time::timeout(deadline, self.stream.rest())
             .await
             .context("the stream did not end in time")??;
         let body = [self.first.as_ref(), rest.as_ref()].concat();
         assert_whole_stream(&body, max_tokens, &format!("stream {}", self.index));
-        Ok(())
+        Ok(body)
     }
 }
 
-/// [`OpenStream::assert_whole`] for each of `streams`, in turn.
+/// [`OpenStream::assert_whole`] for each of `streams`, in turn; each one's first instance
+/// and whole body.
 pub async fn assert_all_whole(
     streams: Vec<OpenStream>,
     max_tokens: u64,
     deadline: Duration,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
+    let mut bodies = Vec::with_capacity(streams.len());
     for stream in streams {
-        stream.assert_whole(max_tokens, deadline).await?;
+        let instance = stream.instance.clone();
+        bodies.push((instance, stream.assert_whole(max_tokens, deadline).await?));
     }
-    Ok(())
+    Ok(bodies)
+}
+
+/// The comments (`: ...` lines, without the colon and space) of an SSE body, in order.
+pub fn sse_comments(body: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(body)
+        .lines()
+        .filter_map(|line| line.strip_prefix(": ").map(str::to_owned))
+        .collect()
 }
 
 /// Opens `count` streams of `max_tokens` tokens through the proxy at `main` (its data

@@ -8,7 +8,7 @@ use kvmesh_e2e::cluster::{
     MODEL, await_status, chat_body, engine_urls, proxy_config, start_engines, start_proxy,
 };
 use kvmesh_e2e::control_plane::proxy_metric_total;
-use kvmesh_e2e::sse::{assert_all_whole, open_streams};
+use kvmesh_e2e::sse::{assert_all_whole, open_streams, sse_comments};
 use kvmesh_e2e::{HttpClient, ScratchDir};
 
 fn error_body(resp: &kvmesh_e2e::Response) -> serde_json::Value {
@@ -461,9 +461,21 @@ async fn streams_on_a_killed_engine_continue_on_another() {
     assert_eq!(on_victim, STREAMS / 2);
     victim.kill();
 
-    assert_all_whole(streams, MAX_TOKENS, Duration::from_secs(30))
+    let bodies = assert_all_whole(streams, MAX_TOKENS, Duration::from_secs(30))
         .await
         .unwrap();
+    // Each moved stream says where it went on, once, in a comment clients skip.
+    let survivor_url = &engine_urls(&survivor)[0];
+    for (instance, body) in &bodies {
+        let expected = if *instance == victim_url {
+            vec![format!(
+                "x-kvmesh-route migration=1; instance={survivor_url}"
+            )]
+        } else {
+            Vec::new()
+        };
+        assert_eq!(sse_comments(body), expected, "a stream first on {instance}");
+    }
     let migrations = proxy_metric_total(&client, &proxy, "kvmesh_migrations_total")
         .await
         .unwrap();

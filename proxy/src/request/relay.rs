@@ -139,7 +139,29 @@ pub(crate) async fn relay<F: Frontend>(
         .await;
     }
     migration.started(framing);
+    if continued.is_some()
+        && !frontend
+            .write_body(migration_note(record.migrations, pick), false)
+            .await
+    {
+        return RelayEnd::ClientGone;
+    }
     relay_body(frontend, engine, &ctx, &mut record.tokens, Some(migration)).await
+}
+
+/// The explanation of a continuation, for a client whose `x-kvmesh-route` header left before
+/// the break: an SSE comment (which clients skip), `: x-kvmesh-route migration=N; ` and the
+/// continuation's route (or `instance=URL` without `policy: kv`).
+fn migration_note(migrations: u32, pick: &Pick<'_>) -> Bytes {
+    let route = pick.route.as_ref().and_then(|route| route.to_str().ok());
+    let note = match route {
+        Some(route) => format!(": x-kvmesh-route migration={migrations}; {route}\n\n"),
+        None => format!(
+            ": x-kvmesh-route migration={migrations}; instance={}\n\n",
+            pick.instance.url()
+        ),
+    };
+    Bytes::from(note)
 }
 
 /// Relays the body; on `Complete` the client body is finished. With `migration`, the
