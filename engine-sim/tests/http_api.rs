@@ -156,6 +156,49 @@ async fn completion_over_http1_and_h2c() {
 }
 
 #[tokio::test]
+async fn echo_puts_a_text_prompt_before_the_generated_text_as_vllm_does() {
+    let engine = engine(fast()).await;
+    let addr = engine.local_addr();
+    let plain = json!({"prompt": "Hello there, engine", "max_tokens": 4});
+    let generated = post(Proto::H1, addr, "/v1/completions", plain.clone())
+        .await
+        .json()["choices"][0]["text"]
+        .as_str()
+        .expect("text")
+        .to_owned();
+    let mut echoed = plain.clone();
+    echoed["echo"] = json!(true);
+    let whole = post(Proto::H1, addr, "/v1/completions", echoed.clone())
+        .await
+        .json();
+    assert_eq!(
+        whole["choices"][0]["text"],
+        format!("Hello there, engine{generated}")
+    );
+    assert_eq!(whole["usage"]["completion_tokens"], 4);
+    // Streamed: the first chunk carries the prompt and the first token's text.
+    echoed["stream"] = json!(true);
+    let events = sse_events(
+        &post(Proto::H1, addr, "/v1/completions", echoed)
+            .await
+            .text(),
+    );
+    let texts: Vec<String> = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(texts.len(), 4, "{texts:?}");
+    assert!(texts[0].starts_with("Hello there, engine") && texts[0].len() > 19);
+    assert_eq!(texts.concat(), format!("Hello there, engine{generated}"));
+    let ids = json!({"prompt": [1, 2, 3], "max_tokens": 2, "echo": true});
+    let refused = post(Proto::H1, addr, "/v1/completions", ids).await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+    assert_eq!(refused.json()["error"]["param"], "echo");
+    engine.stop().await;
+}
+
+#[tokio::test]
 async fn multiple_prompts_give_one_choice_each() {
     let engine = engine(fast()).await;
     let addr = engine.local_addr();

@@ -8,7 +8,7 @@ use kvmesh_e2e::cluster::{
     MODEL, await_status, chat_body, engine_urls, proxy_config, start_engines, start_proxy,
 };
 use kvmesh_e2e::control_plane::proxy_metric_total;
-use kvmesh_e2e::sse::{assert_all_whole, open_streams, sse_comments};
+use kvmesh_e2e::sse::{assert_all_whole, open_streams, open_streams_with, sse_comments, sse_data};
 use kvmesh_e2e::{HttpClient, ScratchDir};
 
 fn error_body(resp: &kvmesh_e2e::Response) -> serde_json::Value {
@@ -482,6 +482,57 @@ async fn streams_on_a_killed_engine_continue_on_another() {
     assert_eq!(
         migrations,
         (STREAMS / 2) as f64,
+        "each stream on the victim moved once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echoed_streams_on_a_killed_engine_continue_without_a_second_echo() {
+    const STREAMS: usize = 6;
+    const MAX_TOKENS: u64 = 300;
+    let scratch = ScratchDir::new("migrate-echo").unwrap();
+    // Real-time decode (~6 ms per token): each stream lasts about two seconds.
+    let mut victim = start_engines(&scratch, 1, &[]).unwrap();
+    let survivor = start_engines(&scratch, 1, &[]).unwrap();
+    let victim_url = engine_urls(&victim)[0].clone();
+    let urls = [engine_urls(&victim), engine_urls(&survivor)].concat();
+    let proxy = start_proxy(&scratch, &proxy_config(&urls, "")).unwrap();
+    let client = HttpClient::http1();
+
+    let prompt = |i: usize| format!("echo-marker-{i}");
+    let requests = (0..STREAMS).map(|i| {
+        let body = serde_json::json!({"model": MODEL, "prompt": prompt(i), "max_tokens": MAX_TOKENS,
+                          "stream": true, "echo": true});
+        ("completions", body)
+    });
+    let streams = open_streams_with(&client, &proxy.url("main"), requests)
+        .await
+        .unwrap();
+    let on_victim = streams.iter().filter(|s| s.instance == victim_url).count();
+    assert_eq!(on_victim, STREAMS / 2, "round robin");
+    victim.kill();
+
+    let bodies = assert_all_whole(streams, MAX_TOKENS, Duration::from_secs(30))
+        .await
+        .unwrap();
+    for (i, (_, body)) in bodies.iter().enumerate() {
+        let text: String = sse_data(body)
+            .iter()
+            .filter_map(|data| serde_json::from_str::<serde_json::Value>(data).ok())
+            .filter_map(|chunk| chunk["choices"][0]["text"].as_str().map(str::to_owned))
+            .collect();
+        assert!(text.starts_with(&prompt(i)), "stream {i}: {text:.80}");
+        assert_eq!(
+            text.matches(&prompt(i)).count(),
+            1,
+            "stream {i}: echoed once"
+        );
+    }
+    let migrations = proxy_metric_total(&client, &proxy, "kvmesh_migrations_total")
+        .await
+        .unwrap();
+    assert_eq!(
+        migrations, on_victim as f64,
         "each stream on the victim moved once"
     );
 }

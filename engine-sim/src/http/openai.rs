@@ -1,5 +1,6 @@
 //! `POST /v1/completions` and `POST /v1/chat/completions`.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -18,6 +19,7 @@ use super::state::{EngineState, unix_now};
 use crate::chat_template::Ending;
 use crate::kv_transfer::params::{KvTransferParams, RemotePrefill};
 use crate::lora::Lora;
+use crate::protocol::prompt::PromptInput;
 use crate::protocol::requests::{ChatRequest, CompletionRequest, GenParams};
 use crate::protocol::responses::{
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatDelta, ChatMessageOut, Completion,
@@ -53,10 +55,11 @@ async fn run(
     body: &[u8],
     arrival: Instant,
 ) -> Result<Response<ResponseBody>, ApiError> {
-    let (prompts, params, lora, transfer) = match endpoint {
+    let (prompts, params, lora, transfer, echo) = match endpoint {
         Endpoint::Completions => {
             let req: CompletionRequest = parse_json(body)?;
             let lora = resolve_model(&state, req.model.as_deref())?;
+            let echo = echoed_prompt(&req)?;
             let params = GenParams::openai(
                 req.max_tokens,
                 req.stream,
@@ -69,6 +72,7 @@ async fn run(
                 params,
                 lora,
                 req.kv_transfer_params,
+                echo,
             )
         }
         Endpoint::Chat => {
@@ -94,6 +98,7 @@ async fn run(
                 params,
                 lora,
                 req.kv_transfer_params,
+                None,
             )
         }
     };
@@ -129,6 +134,7 @@ async fn run(
                 id,
                 created,
                 params.include_usage,
+                echo,
             )),
             Endpoint::Chat => Box::new(ChatStream::new(
                 state.clone(),
@@ -176,7 +182,10 @@ async fn run(
                     .iter()
                     .map(|o| CompletionChoice {
                         index: o.index,
-                        text: &o.text,
+                        text: match &echo {
+                            Some(prompt) => Cow::Owned(format!("{prompt}{}", o.text)),
+                            None => Cow::Borrowed(&o.text),
+                        },
                         logprobs: None,
                         finish_reason: Some(o.finish.as_str()),
                         stop_reason: o.stop.as_deref(),
@@ -211,6 +220,21 @@ async fn run(
             },
         ),
     })
+}
+
+/// The prompt a completions request asks to have echoed (`None`: no `echo`); the simulator
+/// echoes only a single text prompt (it cannot turn token ids back into text).
+fn echoed_prompt(req: &CompletionRequest) -> Result<Option<String>, ApiError> {
+    if req.echo != Some(true) {
+        return Ok(None);
+    }
+    match &req.prompt {
+        PromptInput::Text(prompt) => Ok(Some(prompt.clone())),
+        _ => Err(ApiError::bad_request(
+            "echo: the simulator echoes a single text prompt only".to_owned(),
+        )
+        .with_param("echo")),
+    }
 }
 
 /// Which leg of disaggregated serving a request is.
@@ -297,6 +321,8 @@ struct CompletionStream {
     created: u64,
     include_usage: bool,
     usage: Usage,
+    /// The prompt to put before the first generated text (`echo`), until it is sent.
+    echo: Option<String>,
 }
 
 impl CompletionStream {
@@ -306,6 +332,7 @@ impl CompletionStream {
         id: String,
         created: u64,
         include_usage: bool,
+        echo: Option<String>,
     ) -> Self {
         let usage = Usage::new(state.config.prompt_tokens_details);
         Self {
@@ -315,6 +342,7 @@ impl CompletionStream {
             created,
             include_usage,
             usage,
+            echo,
         }
     }
 
@@ -351,6 +379,11 @@ impl StreamFormatter for CompletionStream {
                 )
             }
             SeqEvent::Failed { message, .. } => return write_failure(out, message.clone()),
+        };
+        // vLLM sends the echoed prompt with the first token's text.
+        let text = match self.echo.take() {
+            Some(prompt) => Cow::Owned(format!("{prompt}{text}")),
+            None => Cow::Borrowed(text),
         };
         let choice = CompletionChoice {
             index,

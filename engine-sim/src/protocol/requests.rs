@@ -48,6 +48,8 @@ pub(crate) struct CompletionRequest {
     pub stop: Option<StopInput>,
     /// Choices per prompt; only 1 is supported.
     pub n: Option<i64>,
+    /// Answer with the prompt before the generated text (a text prompt only here).
+    pub echo: Option<bool>,
     /// Disaggregated serving (vLLM's NixlConnector protocol).
     pub kv_transfer_params: Option<KvTransferParams>,
 }

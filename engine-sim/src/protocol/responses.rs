@@ -1,5 +1,7 @@
 //! Response bodies in vLLM's OpenAI shapes (and SGLang's for `/generate`).
 
+use std::borrow::Cow;
+
 use serde::Serialize;
 
 use crate::kv_transfer::params::KvTransferParams;
@@ -72,8 +74,8 @@ pub(crate) struct Completion<'a> {
 pub(crate) struct CompletionChoice<'a> {
     /// Prompt index.
     pub index: u32,
-    /// Generated text (a delta when streaming).
-    pub text: &'a str,
+    /// Generated text (a delta when streaming), after the prompt with `echo`.
+    pub text: Cow<'a, str>,
     /// Always null.
     pub logprobs: Option<()>,
     /// `stop`, `length`, or null before the end.

@@ -14,7 +14,9 @@
 //!
 //! Only streams of one choice whose prompt can be extended are migrated: chat, and
 //! completions whose prompt is one string, or one list of token ids when the model has a
-//! tokenizer (the generated text is encoded and its ids appended), without `echo`.
+//! tokenizer (the generated text is encoded and its ids appended). With `echo` (a string
+//! prompt only), the prompt the engine echoes before the first token is not generated text:
+//! the transcript leaves it out, and the continuation does not echo again.
 
 use std::borrow::Cow;
 use std::sync::{Arc, LazyLock};
@@ -55,6 +57,8 @@ pub(crate) struct Migration {
     request: Map<String, Value>,
     /// Encodes the generated text of a completions stream whose prompt is token ids.
     tokenizer: Option<Arc<ModelPreprocessor>>,
+    /// A completions prompt the engine echoes before the first token (`echo`), until seen.
+    echoed: Option<String>,
     /// Migrations left.
     left: u32,
     /// The first chunk's `id`, `created` and `model`.
@@ -133,19 +137,18 @@ impl Migration {
         };
         let one_choice = request.get("n").is_none_or(|n| n.as_u64() == Some(1));
         let ids = kind == Kind::Completion && token_prompt(&request).is_some();
+        let echo = kind == Kind::Completion && request.get("echo") == Some(&Value::Bool(true));
+        let echoed = single_prompt(&request).filter(|_| echo).map(str::to_owned);
         let extendable = match kind {
             Kind::Chat => request.get("messages").is_some_and(Value::is_array),
-            Kind::Completion => {
-                (single_prompt(&request).is_some() || (ids && tokenizer.is_some()))
-                    && request
-                        .get("echo")
-                        .is_none_or(|echo| echo == &Value::Bool(false))
-            }
+            Kind::Completion if echo => echoed.is_some(),
+            Kind::Completion => single_prompt(&request).is_some() || (ids && tokenizer.is_some()),
         };
         (one_choice && extendable).then(|| Self {
             kind,
             request,
             tokenizer: tokenizer.filter(|_| ids).cloned(),
+            echoed,
             left: limit,
             id: None,
             created: None,
@@ -254,6 +257,20 @@ impl Migration {
                 Kind::Completion => choice.text.as_deref(),
                 Kind::Chat => choice.delta.as_ref().and_then(|d| d.content.as_deref()),
             };
+            let piece = match (piece, self.echoed.take()) {
+                (Some(piece), Some(prompt)) => match piece.strip_prefix(prompt.as_str()) {
+                    Some(generated) => Some(generated),
+                    None => {
+                        // Not the echo expected: the transcript cannot tell the text apart.
+                        self.left = 0;
+                        Some(piece)
+                    }
+                },
+                (piece, prompt) => {
+                    self.echoed = prompt;
+                    piece
+                }
+            };
             if let Some(piece) = piece.filter(|p| !p.is_empty()) {
                 self.text.push_str(piece);
                 self.tokens += 1;
@@ -309,6 +326,10 @@ impl Migration {
                 Some(tokenizer) => extend_token_prompt(&mut request, tokenizer, &self.text)?,
                 None => extend_prompt(&mut request, &self.text)?,
             },
+        }
+        if request.contains_key("echo") {
+            // The client has the echo already.
+            request.insert("echo".into(), Value::Bool(false));
         }
         for key in ["max_tokens", "max_completion_tokens", "min_tokens"] {
             if let Some(limit) = request.get(key).and_then(Value::as_u64) {

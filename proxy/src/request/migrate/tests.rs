@@ -32,7 +32,9 @@ fn only_single_choice_extendable_streams_migrate() {
     let ids = json!({"model": "m", "prompt": [1, 2, 3]});
     assert!(!migrates(Route::Completions, &ids, true, 1));
     let echo = json!({"model": "m", "prompt": "x", "echo": true});
-    assert!(!migrates(Route::Completions, &echo, true, 1));
+    assert!(migrates(Route::Completions, &echo, true, 1));
+    let echoed_ids = json!({"model": "m", "prompt": [1, 2, 3], "echo": true});
+    assert!(!migrates(Route::Completions, &echoed_ids, true, 1));
     let text = json!({"model": "m", "prompt": ["x"]});
     assert!(migrates(Route::Completions, &text, true, 1));
     assert!(!migrates(Route::Embeddings, &text, true, 1));
@@ -225,4 +227,33 @@ fn a_token_id_prompt_migrates_with_the_generated_text_encoded_when_there_is_a_to
             "{raw}"
         );
     }
+}
+
+#[test]
+fn an_echoed_prompt_is_not_generated_text_and_is_not_echoed_again() {
+    let chunk = |text: &str| {
+        format!(
+            "data: {}\n\n",
+            json!({"id": "cmpl-a", "created": 1, "model": "m",
+                   "choices": [{"index": 0, "text": text, "finish_reason": null}]})
+        )
+    };
+    let body = json!({"model": "m", "prompt": "Once", "max_tokens": 5, "echo": true});
+    let mut m = migration(Route::Completions, body.clone());
+    // vLLM sends the prompt with the first token's text.
+    let passed = m.pass(Bytes::from(format!(
+        "{}{}",
+        chunk("Once upon"),
+        chunk(" a")
+    )));
+    assert!(!passed.broken);
+    let next: Value = serde_json::from_slice(&m.next_body().unwrap()).unwrap();
+    assert_eq!(next["prompt"], "Once upon a");
+    assert_eq!(next["echo"], false);
+    assert_eq!(next["max_tokens"], 3);
+
+    // An echo that is not the prompt: the generated text cannot be told apart.
+    let mut m = migration(Route::Completions, body);
+    m.pass(Bytes::from(chunk("Twice upon")));
+    assert_eq!(m.next_body(), None);
 }
