@@ -188,12 +188,12 @@ agent_sum() { # NAME: summed over the decode engines' agents
 }
 
 # engine_itl Q: the engines' own inter-token latency quantile Q in ms of wall time
-# (`vllm:inter_token_latency_seconds`, summed over the engines, interpolated within its bucket):
+# (`kvmesh_sim_inter_token_latency_seconds`, 1 ms buckets, summed over the engines, interpolated):
 # the decode iterations' time, without the proxy's or the load generator's scheduling delays.
 engine_itl() {
   local addr
   for addr in "${SIM_ADDRS[@]}"; do curl -sf "http://$addr/metrics"; done |
-    awk 'index($1, "vllm:inter_token_latency_seconds_bucket{") == 1 {
+    awk 'index($1, "kvmesh_sim_inter_token_latency_seconds_bucket{") == 1 {
         match($1, /le="[^"]*"/); le = substr($1, RSTART + 4, RLENGTH - 5)
         count[le == "+Inf" ? "inf" : le + 0] += $NF
       }
