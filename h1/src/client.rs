@@ -121,6 +121,8 @@ pub struct Roundtrip {
     keep_alive: bool,
     /// The engine closed the connection.
     eof: bool,
+    /// The body's first piece, decoded ahead by [`Roundtrip::check_buffered`].
+    lookahead: Option<Result<Option<Bytes>, RoundtripError>>,
 }
 
 /// No response head (`first_byte`) or no body piece (`idle`) within its time limit.
@@ -145,6 +147,7 @@ impl Roundtrip {
             framing: Framing::Length(0),
             keep_alive: false,
             eof: false,
+            lookahead: None,
         };
         Ok((roundtrip, reused))
     }
@@ -266,7 +269,23 @@ impl Roundtrip {
     /// body's first piece will not wait.
     #[inline]
     pub fn body_ready(&self) -> bool {
-        !self.connection.buf.is_empty() || self.framing.is_done()
+        self.lookahead.is_some() || !self.connection.buf.is_empty() || self.framing.is_done()
+    }
+
+    /// Decodes the body's first piece now when it is already buffered, so that a body
+    /// framed wrongly from its start shows before anything of the response is relayed
+    /// (the error); [`Roundtrip::take_buffered`] returns the piece next.
+    pub fn check_buffered(&mut self) -> Result<(), RoundtripError> {
+        if self.lookahead.is_none() {
+            self.lookahead = self.decode_buffered();
+        }
+        match self.lookahead.take() {
+            Some(Err(error)) => Err(error),
+            ahead => {
+                self.lookahead = ahead;
+                Ok(())
+            }
+        }
     }
 
     /// The next piece of the body; `None` at its end.
@@ -284,6 +303,10 @@ impl Roundtrip {
     /// The next piece of the body when it is already read (`None`: reading must wait).
     #[inline]
     pub fn take_buffered(&mut self) -> Option<Result<Option<Bytes>, RoundtripError>> {
+        self.lookahead.take().or_else(|| self.decode_buffered())
+    }
+
+    fn decode_buffered(&mut self) -> Option<Result<Option<Bytes>, RoundtripError>> {
         match self.framing.decode(&mut self.connection.buf, self.eof) {
             Ok(Decoded::Data(data)) => Some(Ok(Some(data))),
             Ok(Decoded::End) => Some(Ok(None)),

@@ -328,10 +328,42 @@ async fn ambiguous_engine_responses_are_502_and_their_connections_closed() {
     }
 }
 
+/// An engine that answers each request with `first`, then `rest` once `first` has had
+/// time to reach the proxy on its own (a response whose body goes wrong after its start).
+async fn two_part_engine(
+    first: &'static [u8],
+    rest: &'static [u8],
+) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let accepted = Arc::clone(&connections);
+    tokio::spawn(async move {
+        loop {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            accepted.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = vec![0; 64 * 1024];
+                while matches!(tcp.read(&mut buf).await, Ok(n) if n > 0) {
+                    if tcp.write_all(first).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    if tcp.write_all(rest).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, connections)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_badly_chunked_engine_body_cuts_the_response_and_its_connection() {
-    let (engine, connections) = counting_engine(
-        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n5;\0\r\nworld\r\n0\r\n\r\n",
+async fn an_engine_body_framed_wrongly_after_its_start_cuts_the_response_and_its_connection() {
+    let (engine, connections) = two_part_engine(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
+        b"5;\0\r\nworld\r\n0\r\n\r\n",
     )
     .await;
     let proxy = proxy_for(engine).await;
@@ -342,15 +374,40 @@ async fn a_badly_chunked_engine_body_cuts_the_response_and_its_connection() {
         let read = tokio::time::timeout(Duration::from_secs(10), tcp.read_to_end(&mut answer))
             .await
             .expect("the client connection is cut");
-        // The head waited for the body's first piece, so nothing reached the client: its
-        // connection is cut. (Had the head gone, the body would be cut short.)
+        // The head and the first piece left before the bad chunk came: the body is cut short.
         let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 200 "), "{answer:?}");
+        assert!(answer.contains("hello"), "{answer:?}");
         assert!(
             read.is_err() || !answer.ends_with("0\r\n\r\n"),
             "the body is not ended as if it were whole: {answer:?}"
         );
         assert!(!answer.contains("world"), "{answer:?}");
         assert_eq!(connections.load(Ordering::SeqCst), attempt);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_body_framed_wrongly_within_what_came_with_its_head_is_502() {
+    // A bad chunk line right behind a good chunk, read with the head: nothing has left yet.
+    let (engine, connections) = counting_engine(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n5;\0\r\nworld\r\n0\r\n\r\n",
+    )
+    .await;
+    let proxy = proxy_for(engine).await;
+    let mut client = Client::connect(proxy.main).await;
+    for attempt in 1..=2 {
+        client.send(&chat_request("")).await;
+        let (head, body, _) = client.response().await;
+        assert!(head.starts_with("HTTP/1.1 502 "), "{head}");
+        assert!(body.contains("\"upstream_unavailable\""), "{body}");
+        assert!(body.contains("malformed body"), "{body}");
+        assert!(!body.contains("hello"), "{body}");
+        assert_eq!(
+            connections.load(Ordering::SeqCst),
+            attempt,
+            "the engine connection that carried it is not reused"
+        );
     }
 }
 

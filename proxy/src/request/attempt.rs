@@ -280,7 +280,17 @@ async fn attempt_h1<F: Frontend>(
             detail: format!("{} before the response: {error}", instance.url()),
             reused,
         }),
-        Ok(Ok(())) => Ok(UpstreamSession::H1(upstream)),
+        Ok(Ok(())) => match upstream.check_buffered() {
+            Ok(()) => Ok(UpstreamSession::H1(upstream)),
+            // A body framed wrongly from its start, read with the head: nothing of it has
+            // reached the client, so the request fails over (or is answered 502) as one
+            // whose head was malformed.
+            Err(error) => Err(AttemptError::Retryable {
+                kind: FailureKind::Reset,
+                detail: format!("{} sent a malformed body: {error}", instance.url()),
+                reused,
+            }),
+        },
     }
 }
 
