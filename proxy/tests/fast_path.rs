@@ -266,30 +266,6 @@ async fn close_delimited_engine_bodies_reach_clients_chunked() {
     }
 }
 
-/// An engine that answers every request with `response` and counts the connections it
-/// accepted.
-async fn counting_engine(response: &'static [u8]) -> (SocketAddr, Arc<AtomicUsize>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let connections = Arc::new(AtomicUsize::new(0));
-    let accepted = Arc::clone(&connections);
-    tokio::spawn(async move {
-        loop {
-            let (mut tcp, _) = listener.accept().await.unwrap();
-            accepted.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(async move {
-                let mut buf = vec![0; 64 * 1024];
-                while matches!(tcp.read(&mut buf).await, Ok(n) if n > 0) {
-                    if tcp.write_all(response).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    (addr, connections)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ambiguous_engine_responses_are_502_and_their_connections_closed() {
     let cases: [(&'static [u8], &str); 3] = [
@@ -307,7 +283,7 @@ async fn ambiguous_engine_responses_are_502_and_their_connections_closed() {
         ),
     ];
     for (response, reason) in cases {
-        let (engine, connections) = counting_engine(response).await;
+        let (engine, connections) = scripted_engine(vec![response]).await;
         let proxy = proxy_for(engine).await;
         let mut client = Client::connect(proxy.main).await;
         for _ in 0..2 {
@@ -328,12 +304,10 @@ async fn ambiguous_engine_responses_are_502_and_their_connections_closed() {
     }
 }
 
-/// An engine that answers each request with `first`, then `rest` once `first` has had
-/// time to reach the proxy on its own (a response whose body goes wrong after its start).
-async fn two_part_engine(
-    first: &'static [u8],
-    rest: &'static [u8],
-) -> (SocketAddr, Arc<AtomicUsize>) {
+/// An engine that answers every request with `parts` in turn, each one given time to reach
+/// the proxy on its own (a response whose body goes wrong after its start), and counts its
+/// connections.
+async fn scripted_engine(parts: Vec<&'static [u8]>) -> (SocketAddr, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let connections = Arc::new(AtomicUsize::new(0));
@@ -342,15 +316,17 @@ async fn two_part_engine(
         loop {
             let (mut tcp, _) = listener.accept().await.unwrap();
             accepted.fetch_add(1, Ordering::SeqCst);
+            let parts = parts.clone();
             tokio::spawn(async move {
                 let mut buf = vec![0; 64 * 1024];
                 while matches!(tcp.read(&mut buf).await, Ok(n) if n > 0) {
-                    if tcp.write_all(first).await.is_err() {
-                        return;
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    if tcp.write_all(rest).await.is_err() {
-                        return;
+                    for (i, part) in parts.iter().enumerate() {
+                        if i > 0 {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                        if tcp.write_all(part).await.is_err() {
+                            return;
+                        }
                     }
                 }
             });
@@ -361,10 +337,10 @@ async fn two_part_engine(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_body_framed_wrongly_after_its_start_cuts_the_response_and_its_connection() {
-    let (engine, connections) = two_part_engine(
+    let (engine, connections) = scripted_engine(vec![
         b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
         b"5;\0\r\nworld\r\n0\r\n\r\n",
-    )
+    ])
     .await;
     let proxy = proxy_for(engine).await;
     for attempt in 1..=2 {
@@ -390,9 +366,9 @@ async fn an_engine_body_framed_wrongly_after_its_start_cuts_the_response_and_its
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_body_framed_wrongly_within_what_came_with_its_head_is_502() {
     // A bad chunk line right behind a good chunk, read with the head: nothing has left yet.
-    let (engine, connections) = counting_engine(
+    let (engine, connections) = scripted_engine(vec![
         b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n5;\0\r\nworld\r\n0\r\n\r\n",
-    )
+    ])
     .await;
     let proxy = proxy_for(engine).await;
     let mut client = Client::connect(proxy.main).await;

@@ -199,6 +199,18 @@ pub async fn proxy_metric_total(
     Ok(metric_total(&String::from_utf8_lossy(&metrics.body), name))
 }
 
+/// Asserts that `proxy` migrated exactly `streams` streams (`kvmesh_migrations_total`), one
+/// for each stream its killed engine carried.
+pub async fn assert_migrations(client: &HttpClient, proxy: &Spawned, streams: usize) {
+    let migrations = proxy_metric_total(client, proxy, "kvmesh_migrations_total")
+        .await
+        .expect("the proxy's metrics");
+    assert_eq!(
+        migrations, streams as f64,
+        "each stream on the killed engine moved once"
+    );
+}
+
 /// The value of the first sample of `metrics` (Prometheus text) whose line starts with
 /// `series` (name and labels, e.g. `kvmesh_events_connected` or `x{a="b"}`).
 pub fn metric(metrics: &str, series: &str) -> Option<f64> {

@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvmesh_e2e::cluster::{MODEL, engine_urls, proxy_config, start_engines, start_proxy};
-use kvmesh_e2e::control_plane::proxy_metric_total;
+use kvmesh_e2e::control_plane::assert_migrations;
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
 use kvmesh_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use kvmesh_proto::inference::infer_parameter::ParameterChoice;
@@ -961,12 +961,6 @@ async fn streams_on_a_killed_engine_continue_on_another() {
         );
         assert_eq!(output(last, "finish_reason"), "length", "{id}");
     }
-    let migrations = proxy_metric_total(&HttpClient::http1(), &proxy, "kvmesh_migrations_total")
-        .await
-        .unwrap();
-    assert_eq!(
-        migrations,
-        (REQUESTS / 2) as f64,
-        "round robin put half on the victim"
-    );
+    // Round robin put half on the victim.
+    assert_migrations(&HttpClient::http1(), &proxy, REQUESTS / 2).await;
 }

@@ -7,7 +7,7 @@ use http::Method;
 use kvmesh_e2e::cluster::{
     MODEL, await_status, chat_body, engine_urls, proxy_config, start_engines, start_proxy,
 };
-use kvmesh_e2e::control_plane::proxy_metric_total;
+use kvmesh_e2e::control_plane::assert_migrations;
 use kvmesh_e2e::sse::{assert_all_whole, open_streams, open_streams_with, sse_comments, sse_data};
 use kvmesh_e2e::{HttpClient, ScratchDir};
 
@@ -440,18 +440,48 @@ async fn a_spent_retry_budget_passes_the_answer_through_and_4xx_is_never_retried
     assert_eq!(retried, 0.0);
 }
 
+/// Two engines, one to be killed, behind a round-robin proxy.
+struct Pair {
+    _scratch: ScratchDir,
+    victim: kvmesh_e2e::Spawned,
+    survivor: kvmesh_e2e::Spawned,
+    victim_url: String,
+    proxy: kvmesh_e2e::Spawned,
+    client: HttpClient,
+}
+
+impl Pair {
+    fn start(name: &str) -> Self {
+        let scratch = ScratchDir::new(name).unwrap();
+        // Real-time decode (~6 ms per token): a 300-token stream lasts about two seconds.
+        let victim = start_engines(&scratch, 1, &[]).unwrap();
+        let survivor = start_engines(&scratch, 1, &[]).unwrap();
+        let victim_url = engine_urls(&victim)[0].clone();
+        let urls = [engine_urls(&victim), engine_urls(&survivor)].concat();
+        let proxy = start_proxy(&scratch, &proxy_config(&urls, "")).unwrap();
+        Self {
+            _scratch: scratch,
+            victim,
+            survivor,
+            victim_url,
+            proxy,
+            client: HttpClient::http1(),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_on_a_killed_engine_continue_on_another() {
     const STREAMS: usize = 20;
     const MAX_TOKENS: u64 = 300;
-    let scratch = ScratchDir::new("migrate").unwrap();
-    // Real-time decode (~6 ms per token): each stream lasts about two seconds.
-    let mut victim = start_engines(&scratch, 1, &[]).unwrap();
-    let survivor = start_engines(&scratch, 1, &[]).unwrap();
-    let victim_url = engine_urls(&victim)[0].clone();
-    let urls = [engine_urls(&victim), engine_urls(&survivor)].concat();
-    let proxy = start_proxy(&scratch, &proxy_config(&urls, "")).unwrap();
-    let client = HttpClient::http1();
+    let Pair {
+        _scratch,
+        mut victim,
+        survivor,
+        victim_url,
+        proxy,
+        client,
+    } = Pair::start("migrate");
 
     // Half chat, half completions; round robin puts every other one on the victim.
     let streams = open_streams(&client, &proxy.url("main"), STREAMS, MAX_TOKENS)
@@ -476,28 +506,21 @@ async fn streams_on_a_killed_engine_continue_on_another() {
         };
         assert_eq!(sse_comments(body), expected, "a stream first on {instance}");
     }
-    let migrations = proxy_metric_total(&client, &proxy, "kvmesh_migrations_total")
-        .await
-        .unwrap();
-    assert_eq!(
-        migrations,
-        (STREAMS / 2) as f64,
-        "each stream on the victim moved once"
-    );
+    assert_migrations(&client, &proxy, STREAMS / 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn echoed_streams_on_a_killed_engine_continue_without_a_second_echo() {
     const STREAMS: usize = 6;
     const MAX_TOKENS: u64 = 300;
-    let scratch = ScratchDir::new("migrate-echo").unwrap();
-    // Real-time decode (~6 ms per token): each stream lasts about two seconds.
-    let mut victim = start_engines(&scratch, 1, &[]).unwrap();
-    let survivor = start_engines(&scratch, 1, &[]).unwrap();
-    let victim_url = engine_urls(&victim)[0].clone();
-    let urls = [engine_urls(&victim), engine_urls(&survivor)].concat();
-    let proxy = start_proxy(&scratch, &proxy_config(&urls, "")).unwrap();
-    let client = HttpClient::http1();
+    let Pair {
+        _scratch,
+        mut victim,
+        survivor: _survivor,
+        victim_url,
+        proxy,
+        client,
+    } = Pair::start("migrate-echo");
 
     let prompt = |i: usize| format!("echo-marker-{i}");
     let requests = (0..STREAMS).map(|i| {
@@ -528,11 +551,5 @@ async fn echoed_streams_on_a_killed_engine_continue_without_a_second_echo() {
             "stream {i}: echoed once"
         );
     }
-    let migrations = proxy_metric_total(&client, &proxy, "kvmesh_migrations_total")
-        .await
-        .unwrap();
-    assert_eq!(
-        migrations, on_victim as f64,
-        "each stream on the victim moved once"
-    );
+    assert_migrations(&client, &proxy, on_victim).await;
 }
