@@ -59,6 +59,20 @@ begin_run() {
   DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
 }
 
+# common_option ARG...: the options every benchmark takes, for the option loop's last case:
+# --no-build, --bin-dir DIR, --doc FILE, --keep (read by cleanup) and --help (the script's
+# header); sets TAKEN to how many words it used. Anything else is an error.
+common_option() {
+  case $1 in
+    --no-build) BUILD=0; TAKEN=1 ;;
+    --bin-dir) BIN_DIR=$(cd "$2" && pwd); TAKEN=2 ;;
+    --doc) DOC=$2; TAKEN=2 ;;
+    --keep) KEEP_WORK_DIR=1; TAKEN=1 ;;
+    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown option $1 (see --help)" ;;
+  esac
+}
+
 # expect_alive LABEL PID...: fails (showing the dead process's stderr) unless every PID runs.
 expect_alive() {
   local label=$1 pid

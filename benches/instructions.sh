@@ -31,11 +31,7 @@ while (($#)); do
     --baseline) BASELINE=$(realpath "$2"); shift 2 ;;
     --n1) N1=$2; shift 2 ;;
     --n2) N2=$2; shift 2 ;;
-    --no-build) BUILD=0; shift ;;
-    --bin-dir) BIN_DIR=$2; shift 2 ;;
-    --doc) DOC=$2; shift 2 ;;
-    --keep) KEEP_WORK_DIR=1; shift ;;
-    *) die "unknown option $1 (see the header of $0)" ;;
+    *) common_option "$@"; shift "$TAKEN" ;;
   esac
 done
 [[ -x $BASELINE ]] || die "--baseline FILE (an executable kvmesh-proxy) is required"

@@ -68,14 +68,9 @@ while (($#)); do
     --rounds) ROUNDS=$2; shift 2 ;;
     --stream-duration) STREAM_DURATION=$2; shift 2 ;;
     --streams) STREAMS=$2; shift 2 ;;
-    --no-build) BUILD=0; shift ;;
-    --bin-dir) BIN_DIR=$(cd "$2" && pwd); shift 2 ;;
-    --doc) DOC=$2; shift 2 ;;
     --setups) SETUPS_ARG=$2; shift 2 ;;
     --baseline) BASELINE=$(realpath "$2"); shift 2 ;;
-    --keep) KEEP_WORK_DIR=1; shift ;; # read by cleanup (common.sh)
-    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) die "unknown option $1 (see --help)" ;;
+    *) common_option "$@"; shift "$TAKEN" ;;
   esac
 done
 

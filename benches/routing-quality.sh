@@ -81,12 +81,7 @@ while (($#)); do
     --workloads) WORKLOADS=$2; shift 2 ;;
     --kv-overlap-weight) KV_OVERLAP_WEIGHT=$2; shift 2 ;;
     --kv) [[ $2 == *=* ]] || die "--kv takes KEY=VALUE, not $2"; KV_SETTINGS+=("$2"); shift 2 ;;
-    --no-build) BUILD=0; shift ;;
-    --bin-dir) BIN_DIR=$(cd "$2" && pwd); shift 2 ;;
-    --doc) DOC=$2; shift 2 ;;
-    --keep) KEEP_WORK_DIR=1; shift ;; # read by cleanup (common.sh)
-    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) die "unknown option $1 (see --help)" ;;
+    *) common_option "$@"; shift "$TAKEN" ;;
   esac
 done
 # The plots go beside the document, where its section links them.

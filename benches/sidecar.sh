@@ -28,12 +28,7 @@ while (($#)); do
     --duration) DURATION=$2; shift 2 ;;
     --warmup) WARMUP=$2; shift 2 ;;
     --concurrency) CONCURRENCY=$2; shift 2 ;;
-    --no-build) BUILD=0; shift ;;
-    --bin-dir) BIN_DIR=$(cd "$2" && pwd); shift 2 ;;
-    --doc) DOC=$2; shift 2 ;;
-    --keep) KEEP_WORK_DIR=1; shift ;;
-    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) die "unknown option $1 (see --help)" ;;
+    *) common_option "$@"; shift "$TAKEN" ;;
   esac
 done
 
