@@ -36,6 +36,8 @@ use crate::request::pick::Pick;
 use crate::request::record::Record;
 use crate::route::Route;
 use crate::sse::data_values;
+
+use self::scan::{Scanned, first_choice};
 use crate::state::State;
 
 /// The search for an error object's key, built once.
@@ -249,6 +251,10 @@ impl Migration {
             self.created = head.get("created").cloned();
             self.model = head.get("model").cloned();
         }
+        if let Scanned::Choice { piece, finished } = first_choice(data, self.kind == Kind::Chat) {
+            self.take_piece(piece, finished);
+            return;
+        }
         let Ok(chunk) = serde_json::from_slice::<Chunk<'_>>(data) else {
             return;
         };
@@ -257,27 +263,33 @@ impl Migration {
                 Kind::Completion => choice.text.as_deref(),
                 Kind::Chat => choice.delta.as_ref().and_then(|d| d.content.as_deref()),
             };
-            let piece = match (piece, self.echoed.take()) {
-                (Some(piece), Some(prompt)) => match piece.strip_prefix(prompt.as_str()) {
-                    Some(generated) => Some(generated),
-                    None => {
-                        // Not the echo expected: the transcript cannot tell the text apart.
-                        self.left = 0;
-                        Some(piece)
-                    }
-                },
-                (piece, prompt) => {
-                    self.echoed = prompt;
-                    piece
+            self.take_piece(piece, choice.finish_reason.is_some());
+        }
+    }
+
+    /// Takes choice 0's `piece` of one event into the transcript (`finished`: the event
+    /// ended the choice).
+    fn take_piece(&mut self, piece: Option<&str>, finished: bool) {
+        let piece = match (piece, self.echoed.take()) {
+            (Some(piece), Some(prompt)) => match piece.strip_prefix(prompt.as_str()) {
+                Some(generated) => Some(generated),
+                None => {
+                    // Not the echo expected: the transcript cannot tell the text apart.
+                    self.left = 0;
+                    Some(piece)
                 }
-            };
-            if let Some(piece) = piece.filter(|p| !p.is_empty()) {
-                self.text.push_str(piece);
-                self.tokens += 1;
+            },
+            (piece, prompt) => {
+                self.echoed = prompt;
+                piece
             }
-            if choice.finish_reason.is_some() {
-                self.finished = true;
-            }
+        };
+        if let Some(piece) = piece.filter(|p| !p.is_empty()) {
+            self.text.push_str(piece);
+            self.tokens += 1;
+        }
+        if finished {
+            self.finished = true;
         }
     }
 
@@ -466,6 +478,8 @@ fn split_events(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
         Some(event)
     })
 }
+
+mod scan;
 
 #[cfg(test)]
 mod tests;
