@@ -650,9 +650,12 @@ async fn every_error_has_its_code() {
         Code::OutOfRange
     );
 
-    // The simulated engine runs in real time: 2000 tokens take seconds.
+    // The simulated engine runs in real time: 2000 tokens take seconds. The deadline goes as
+    // `grpc-timeout` alone: with `set_timeout` the client's own timer would race the proxy's
+    // answer and sometimes end the call first (CANCELLED, seen under load).
     let mut slow = tonic::Request::new(text_request("", "take your time", 2000, false));
-    slow.set_timeout(Duration::from_millis(300));
+    slow.metadata_mut()
+        .insert("grpc-timeout", "300m".parse().unwrap());
     let started = std::time::Instant::now();
     assert_eq!(
         code(client.model_infer(slow).await).0,
