@@ -7,7 +7,7 @@
 #                the decode engines' agents forward decode legs as they come
 #                (`--pace-max-inflight-bytes 0`)
 #   pd-paced     the same, the decode engines' agents pacing decode legs (their defaults:
-#                4 GiB in flight, held until the first token or bytes / rate, smallest
+#                4 GiB in flight (--pace-max-inflight-bytes), held until the first token or bytes / rate, smallest
 #                first, 250 ms age bound; rate = the link's)
 # Every engine has its kvmesh-agent in front as its inbound sidecar (etcd discovery, NATS
 # events), so every lane crosses the same hops. The PD lanes run once per interference model
@@ -27,7 +27,7 @@
 #                         a 400 Gb/s NIC); the sims get G × S of wall time, the pacer the same
 #   --interference F      --kv-transfer-interference of the engines (default 0.3)
 #   --scalings LIST       interference models, comma-separated (default any,per-transfer)
-#   --pace-max-inflight-bytes B  the paced agents' budget of bytes in flight (default: theirs)
+#   --pace-max-inflight-bytes B  the paced agents' budget of bytes in flight (default 4 GiB)
 #   --pace-hold-factor F  the paced agents' --pace-hold-factor (default: theirs)
 #   --lanes LIST          subset of agg,pd-unpaced,pd-paced (default all)
 #   --no-build            use the binaries already in --bin-dir
@@ -45,7 +45,7 @@ ENGINES=8
 LINK_GBPS=50
 INTERFERENCE=0.3
 SCALINGS=any,per-transfer
-PACE_INFLIGHT=
+PACE_INFLIGHT=$((4 << 30))
 PACE_HOLD=
 LANES=agg,pd-unpaced,pd-paced
 BUILD=1
@@ -109,7 +109,7 @@ start_sims() {
 # start_agents PACE: one inbound-sidecar agent per engine; PACE=0 leaves decode legs unpaced.
 start_agents() {
   local i pace=(--pace-rate-gbps "$WALL_GBPS")
-  [[ -n $PACE_INFLIGHT ]] && pace+=(--pace-max-inflight-bytes "$PACE_INFLIGHT")
+  pace+=(--pace-max-inflight-bytes "$PACE_INFLIGHT")
   [[ -n $PACE_HOLD ]] && pace+=(--pace-hold-factor "$PACE_HOLD")
   [[ $1 == 0 ]] && pace=(--pace-max-inflight-bytes 0)
   AGENT_PIDS=()
@@ -286,7 +286,7 @@ SECTION=$WORK_DIR/section.md
   echo "- Load average after the run: \`$(cut -d' ' -f1-3 /proc/loadavg)\`"
   requests=$(jq -r '.requests_ok + .errors_total' "$WORK_DIR/${RAN[0]}/report.json")
   echo "- Workload: the first $requests requests of \`$(basename "$TRACE")\` (token-id prompts, streamed), $ARRIVAL_SPEEDUP× faster than recorded; $ENGINES \`kvmesh-engine-sim\` engines at \`--speedup-ratio $SPEEDUP\` (times below are engine time: wall × $SPEEDUP), each with a ${LINK_GBPS} GB/s inbound KV link (engine time), Qwen3-8B's KV shape (147 kB per token), \`--kv-transfer-interference $INTERFERENCE\`. Every engine has its \`kvmesh-agent\` in front as its inbound sidecar; kvmesh-proxy routes with \`policy: kv\` (etcd discovery, NATS events), disaggregated lanes with \`mode: enforce\` over $((ENGINES / 2)) prefill and $((ENGINES / 2)) decode engines."
-  echo "- *Paced*: the decode engines' agents admit decode legs into ${PACE_INFLIGHT:-4 GiB (their default)} bytes in flight and a ${LINK_GBPS} GB/s token bucket, each transfer held until its first token or until its bytes at that rate have passed (hold factor ${PACE_HOLD:-1}), smallest first, 250 ms age bound; *unpaced*: \`--pace-max-inflight-bytes 0\`. Interference \`any\`: iterations $INTERFERENCE slower while any transfer runs; \`per-transfer\`: $INTERFERENCE slower per transfer in flight."
+  echo "- *Paced*: the decode engines' agents admit decode legs into $(awk -v b="$PACE_INFLIGHT" 'BEGIN { printf "%g GiB", b / 2^30 }') in flight and a ${LINK_GBPS} GB/s token bucket, each transfer held until its first token or until its bytes at that rate have passed (hold factor ${PACE_HOLD:-1}), smallest first, 250 ms age bound; *unpaced*: \`--pace-max-inflight-bytes 0\`. Interference \`any\`: iterations $INTERFERENCE slower while any transfer runs; \`per-transfer\`: $INTERFERENCE slower per transfer in flight."
   echo
   echo "| lane | interference | ok | errors | output tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | engine ITL p90 / p99 ms | transfers (GB, link s) | paced waits (mean ms) | seconds |"
   echo "|---|---|---:|---:|---:|---|---|---|---|---|---:|"

@@ -228,8 +228,15 @@ pub struct Cli {
         default_value_t = 147_456
     )]
     pub kv_bytes_per_token: u64,
-    /// The pod's KV-transfer budget: bytes in flight at once (0: decode legs unpaced).
-    #[arg(long, env = "KVMESH_AGENT_PACE_MAX_INFLIGHT_BYTES", default_value_t = PacerSettings::DEFAULT_MAX_IN_FLIGHT_BYTES)]
+    /// The pod's KV-transfer budget: bytes in flight at once (0, the default: decode legs
+    /// unpaced; measured, pacing cost time to first token everywhere and helped running
+    /// streams only on a slow link, docs/BENCHMARKS.md; 4294967296 is the budget measured
+    /// best there).
+    #[arg(
+        long,
+        env = "KVMESH_AGENT_PACE_MAX_INFLIGHT_BYTES",
+        default_value_t = 0
+    )]
     pub pace_max_inflight_bytes: u64,
     /// The pod's KV-transfer budget: link bandwidth given to transfers, GB/s (default: the
     /// GPUs' measured host-to-device bandwidth with the `cuda` feature, else 25).

@@ -31,7 +31,8 @@ pub struct PacerSettings {
 }
 
 impl PacerSettings {
-    /// Bytes in flight at once by default.
+    /// Bytes in flight at once when pacing is on and no budget is given (the agent paces
+    /// only when asked: `--pace-max-inflight-bytes`).
     pub const DEFAULT_MAX_IN_FLIGHT_BYTES: u64 = 4 << 30;
     /// The age bound by default.
     pub const DEFAULT_MAX_WAIT: Duration = Duration::from_millis(250);
@@ -39,7 +40,7 @@ impl PacerSettings {
     /// have moved it, or at its first token if that comes sooner.
     pub const DEFAULT_HOLD_FACTOR: f64 = 1.0;
 
-    /// The default budget over a link of `rate_bytes_per_sec`.
+    /// The default budget over a link of `rate_bytes_per_sec`, for pacing that is on.
     pub fn with_rate(rate_bytes_per_sec: f64) -> Self {
         Self {
             max_in_flight_bytes: Self::DEFAULT_MAX_IN_FLIGHT_BYTES,
