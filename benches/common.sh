@@ -6,6 +6,12 @@
 
 # shellcheck disable=SC2034 # used by the scripts that source this file
 BENCH_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# Defaults of the options every script takes (common_option), and the command as run, for
+# the documents (sourced before the script parses its arguments, so "$@" is still whole).
+BUILD=1
+BIN_DIR=$BENCH_ROOT/target/release
+DOC=$BENCH_ROOT/docs/BENCHMARKS.md
+COMMAND="benches/$(basename "$0")${*:+ $*}"
 CLK_TCK=$(getconf CLK_TCK)
 STARTED_PIDS=()
 

@@ -22,13 +22,9 @@ CONCURRENCY=32
 MAX_TOKENS=16
 PROMPT_WORDS=16
 TARGET_RPS=20000
-BUILD=1
-BIN_DIR=$BENCH_ROOT/target/release
-DOC=$BENCH_ROOT/docs/BENCHMARKS.md
 SIM_CPU=${SIM_CPU:-0}
 LOADGEN_CPU=${LOADGEN_CPU:-1}
 MODEL=sim-model
-COMMAND="benches/engine-sim.sh${*:+ $*}"
 
 while (($#)); do
   case $1 in

@@ -23,12 +23,8 @@ DURATION=10
 WARMUP=2
 CONCURRENCY=32
 PROMPT_WORDS=200
-BUILD=1
-BIN_DIR=$BENCH_ROOT/target/release
-DOC=$BENCH_ROOT/docs/BENCHMARKS.md
 MODEL=sim-model
 TOKENIZER=$BENCH_ROOT/.cache/tokenizers/qwen3
-COMMAND="benches/epp.sh${*:+ $*}"
 
 while (($#)); do
   case $1 in

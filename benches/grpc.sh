@@ -20,11 +20,7 @@ DURATION=10
 WARMUP=2
 CONCURRENCY=32
 MAX_TOKENS=16
-BUILD=1
-BIN_DIR=$BENCH_ROOT/target/release
-DOC=$BENCH_ROOT/docs/BENCHMARKS.md
 MODEL=sim-model
-COMMAND="benches/grpc.sh${*:+ $*}"
 
 while (($#)); do
   case $1 in

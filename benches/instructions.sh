@@ -19,13 +19,9 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 N1=200
 N2=1200
-BUILD=1
-BIN_DIR=$BENCH_ROOT/target/release
-DOC=$BENCH_ROOT/docs/BENCHMARKS.md
 TOKENIZER=$BENCH_ROOT/.cache/tokenizers/qwen3
 MODEL=sim-model
 BASELINE=
-COMMAND="benches/instructions.sh${*:+ $*}"
 while (($#)); do
   case $1 in
     --baseline) BASELINE=$(realpath "$2"); shift 2 ;;

@@ -48,10 +48,6 @@ SCALINGS=any,per-transfer
 PACE_INFLIGHT=$((4 << 30))
 PACE_HOLD=
 LANES=agg,pd-unpaced,pd-paced
-BUILD=1
-BIN_DIR=$BENCH_ROOT/target/release
-DOC=$BENCH_ROOT/docs/BENCHMARKS.md
-COMMAND="benches/pacing.sh${*:+ $*}"
 MODEL=sim-model
 
 while (($#)); do

@@ -58,15 +58,11 @@ LANES=kvmesh-rr,kvmesh-kv,kvmesh-precise,kvmesh-precise-2r,sglang,vllm-router,ng
 WORKLOADS=trace,chat
 KV_OVERLAP_WEIGHT=
 KV_SETTINGS=()
-BUILD=1
-BIN_DIR=$BENCH_ROOT/target/release
-DOC=$BENCH_ROOT/docs/BENCHMARKS.md
 CACHE_DIR=$BENCH_ROOT/.cache/bench
 TOKENIZER=$BENCH_ROOT/.cache/tokenizers/qwen3
 MODEL=sim-model
 SGLANG_VERSION=0.3.2
 VLLM_ROUTER_VERSION=0.1.17
-COMMAND="benches/routing-quality.sh${*:+ $*}"
 
 while (($#)); do
   case $1 in

@@ -18,10 +18,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 DURATION=10
 WARMUP=2
 CONCURRENCY=1
-BUILD=1
-BIN_DIR=$BENCH_ROOT/target/release
-DOC=$BENCH_ROOT/docs/BENCHMARKS.md
-COMMAND="benches/sidecar.sh${*:+ $*}"
 
 while (($#)); do
   case $1 in

@@ -14,7 +14,7 @@ use std::time::Duration;
 use support::{TestProxy, model_yaml};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 
 const BODY: &str = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
 
@@ -283,7 +283,7 @@ async fn ambiguous_engine_responses_are_502_and_their_connections_closed() {
         ),
     ];
     for (response, reason) in cases {
-        let (engine, connections) = scripted_engine(vec![response]).await;
+        let (engine, connections) = scripted_engine(vec![response], Arc::default()).await;
         let proxy = proxy_for(engine).await;
         let mut client = Client::connect(proxy.main).await;
         for _ in 0..2 {
@@ -304,10 +304,13 @@ async fn ambiguous_engine_responses_are_502_and_their_connections_closed() {
     }
 }
 
-/// An engine that answers every request with `parts` in turn, each one given time to reach
-/// the proxy on its own (a response whose body goes wrong after its start), and counts its
-/// connections.
-async fn scripted_engine(parts: Vec<&'static [u8]>) -> (SocketAddr, Arc<AtomicUsize>) {
+/// An engine that answers every request with `parts` in turn, each after the first once
+/// `next` is notified (the test saw the previous one arrive: a response whose body goes wrong
+/// after its start), and counts its connections.
+async fn scripted_engine(
+    parts: Vec<&'static [u8]>,
+    next: Arc<Notify>,
+) -> (SocketAddr, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let connections = Arc::new(AtomicUsize::new(0));
@@ -316,13 +319,13 @@ async fn scripted_engine(parts: Vec<&'static [u8]>) -> (SocketAddr, Arc<AtomicUs
         loop {
             let (mut tcp, _) = listener.accept().await.unwrap();
             accepted.fetch_add(1, Ordering::SeqCst);
-            let parts = parts.clone();
+            let (parts, next) = (parts.clone(), Arc::clone(&next));
             tokio::spawn(async move {
                 let mut buf = vec![0; 64 * 1024];
                 while matches!(tcp.read(&mut buf).await, Ok(n) if n > 0) {
                     for (i, part) in parts.iter().enumerate() {
                         if i > 0 {
-                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            next.notified().await;
                         }
                         if tcp.write_all(part).await.is_err() {
                             return;
@@ -337,16 +340,31 @@ async fn scripted_engine(parts: Vec<&'static [u8]>) -> (SocketAddr, Arc<AtomicUs
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_body_framed_wrongly_after_its_start_cuts_the_response_and_its_connection() {
-    let (engine, connections) = scripted_engine(vec![
-        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
-        b"5;\0\r\nworld\r\n0\r\n\r\n",
-    ])
+    let next = Arc::new(Notify::new());
+    let (engine, connections) = scripted_engine(
+        vec![
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
+            b"5;\0\r\nworld\r\n0\r\n\r\n",
+        ],
+        Arc::clone(&next),
+    )
     .await;
     let proxy = proxy_for(engine).await;
     for attempt in 1..=2 {
         let mut tcp = TcpStream::connect(proxy.main).await.unwrap();
         tcp.write_all(chat_request("").as_bytes()).await.unwrap();
         let mut answer = Vec::new();
+        let mut buf = [0; 4096];
+        // The bad chunk is sent once the first piece has reached the client.
+        while !String::from_utf8_lossy(&answer).contains("hello") {
+            let n = tokio::time::timeout(Duration::from_secs(10), tcp.read(&mut buf))
+                .await
+                .expect("the first piece arrives")
+                .unwrap();
+            assert!(n > 0, "cut before the first piece: {answer:?}");
+            answer.extend_from_slice(&buf[..n]);
+        }
+        next.notify_one();
         let read = tokio::time::timeout(Duration::from_secs(10), tcp.read_to_end(&mut answer))
             .await
             .expect("the client connection is cut");
@@ -366,9 +384,10 @@ async fn an_engine_body_framed_wrongly_after_its_start_cuts_the_response_and_its
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_body_framed_wrongly_within_what_came_with_its_head_is_502() {
     // A bad chunk line right behind a good chunk, read with the head: nothing has left yet.
-    let (engine, connections) = scripted_engine(vec![
-        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n5;\0\r\nworld\r\n0\r\n\r\n",
-    ])
+    let (engine, connections) = scripted_engine(
+        vec![b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n5;\0\r\nworld\r\n0\r\n\r\n"],
+        Arc::default(),
+    )
     .await;
     let proxy = proxy_for(engine).await;
     let mut client = Client::connect(proxy.main).await;

@@ -46,13 +46,13 @@ pub(crate) fn choose_pool(
     let first = fitting.first().copied().or(pools.last())?;
     let mut chosen = first;
     let mut why = String::new();
-    if let Some(missed) = missed_targets(instances, first, first, picker) {
-        let within = fitting
-            .iter()
-            .skip(1)
-            .find(|later| predicts_within(instances, later, first, picker));
+    let missed = misses(instances, first, first, picker).filter(|missed| !missed.is_empty());
+    if let Some(missed) = missed {
+        let within = fitting.iter().skip(1).find(|later| {
+            misses(instances, later, first, picker).is_some_and(|missed| missed.is_empty())
+        });
         if let Some(within) = within {
-            why = format!(" (pool {} predicted {missed})", first.name);
+            why = format!(" (pool {} predicted {})", first.name, missed.join(", "));
             chosen = within;
         }
     }
@@ -73,45 +73,47 @@ pub(crate) fn choose_pool(
     })
 }
 
-/// Which of `targets`' TTFT and ITL targets the best instance of `candidate` is predicted to
-/// miss, described (`None`: it meets them, the pool has none, or nothing predicts).
-fn missed_targets(
+/// The TTFT and ITL targets of `targets` the best instance of `candidate` is predicted to
+/// miss, described (empty: it meets them, or there are none); `None` when nothing predicts.
+fn misses(
     instances: &[Arc<Instance>],
     candidate: &PoolConfig,
     targets: &PoolConfig,
     picker: &Picker<'_>,
-) -> Option<String> {
-    let mut missed = Vec::new();
-    if let Some(target) = targets.ttft_target_ms {
-        let ttft = predicted(instances, candidate, picker, false)?.ttft_ms();
-        if ttft > target {
-            missed.push(format!("{ttft:.0} ms > ttft_target_ms {target:.0}"));
-        }
+) -> Option<Vec<String>> {
+    if targets.ttft_target_ms.is_none() && targets.itl_target_ms.is_none() {
+        return Some(Vec::new());
     }
-    if let Some(target) = targets.itl_target_ms {
-        let itl = predicted(instances, candidate, picker, true)?.itl_ms();
-        if itl > target {
-            missed.push(format!("{itl:.1} ms/token > itl_target_ms {target:.1}"));
-        }
-    }
-    (!missed.is_empty()).then(|| missed.join(", "))
-}
-
-/// Whether the best instance of `candidate` is predicted to meet `targets`' TTFT and ITL
-/// targets (false when nothing predicts).
-fn predicts_within(
-    instances: &[Arc<Instance>],
-    candidate: &PoolConfig,
-    targets: &PoolConfig,
-    picker: &Picker<'_>,
-) -> bool {
-    let ttft_met = targets.ttft_target_ms.is_none_or(|target| {
-        predicted(instances, candidate, picker, false).is_some_and(|c| c.ttft_ms() <= target)
+    // The ITL is the decode instances'; one prediction serves both where every member decodes.
+    let prefill_only = instances.iter().any(|instance| {
+        instance.pool() == Some(candidate.name.as_str()) && !instance.role().decodes()
     });
-    ttft_met
-        && targets.itl_target_ms.is_none_or(|target| {
-            predicted(instances, candidate, picker, true).is_some_and(|c| c.itl_ms() <= target)
-        })
+    let all = predicted(instances, candidate, picker, false)?;
+    let decoding = if prefill_only && targets.itl_target_ms.is_some() {
+        predicted(instances, candidate, picker, true)?
+    } else {
+        all
+    };
+    let mut missed = Vec::new();
+    if let Some(target) = targets
+        .ttft_target_ms
+        .filter(|&target| all.ttft_ms() > target)
+    {
+        missed.push(format!(
+            "{:.0} ms > ttft_target_ms {target:.0}",
+            all.ttft_ms()
+        ));
+    }
+    if let Some(target) = targets
+        .itl_target_ms
+        .filter(|&target| decoding.itl_ms() > target)
+    {
+        missed.push(format!(
+            "{:.1} ms/token > itl_target_ms {target:.1}",
+            decoding.itl_ms()
+        ));
+    }
+    Some(missed)
 }
 
 /// The cost the KV policy predicts for the request on the instance of `candidate` it would
