@@ -116,7 +116,7 @@ impl AgentMetrics {
             in_flight_bytes: gauge(
                 &r,
                 "kvmesh_agent_kv_transfer_bytes_in_flight",
-                "KV bytes of admitted decode-leg transfers not done yet (no first token)",
+                "KV bytes of admitted decode-leg transfers not done yet (no first token, and not yet their bytes at the paced rate)",
             )?,
             queued: gauge(
                 &r,
