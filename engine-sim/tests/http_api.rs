@@ -225,6 +225,72 @@ async fn multiple_prompts_give_one_choice_each() {
 }
 
 #[tokio::test]
+async fn n_gives_each_prompt_its_choices_with_the_prompt_counted_once() {
+    let engine = engine(fast()).await;
+    let addr = engine.local_addr();
+    let ask = |body: Value| post(Proto::H1, addr, "/v1/completions", body);
+    let one = ask(json!({"prompt": "a b", "max_tokens": 4})).await.json();
+    let r = ask(json!({"prompt": ["a b", "c d e"], "n": 2, "max_tokens": 4})).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    let v = r.json();
+    let texts: Vec<&str> = v["choices"]
+        .as_array()
+        .expect("choices")
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            assert_eq!(c["index"], i);
+            c["text"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(texts.len(), 4, "two choices per prompt");
+    assert_eq!(
+        texts[0], one["choices"][0]["text"],
+        "choice 0 is what n: 1 writes"
+    );
+    assert_ne!(texts[0], texts[1], "each choice its own words");
+    assert_eq!(v["usage"]["prompt_tokens"], 5, "each prompt once");
+    assert_eq!(v["usage"]["completion_tokens"], 16);
+
+    // Streamed chat: each choice opens with its role, and ends with its finish.
+    let r = post(
+        Proto::H1,
+        addr,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 2,
+               "stream": true, "stream_options": {"include_usage": true}}),
+    )
+    .await;
+    let events = sse_events(&r.text());
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    for index in 0..3 {
+        let mine: Vec<&Value> = chunks
+            .iter()
+            .flat_map(|c| c["choices"].as_array().unwrap())
+            .filter(|c| c["index"] == index)
+            .collect();
+        assert_eq!(mine[0]["delta"]["role"], "assistant", "choice {index}");
+        assert_eq!(
+            mine.len(),
+            3,
+            "choice {index}: role, a token, the last token"
+        );
+        assert!(!mine[2]["finish_reason"].is_null());
+    }
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 6, "{usage}");
+    for bad in [0, 17] {
+        let r = ask(json!({"prompt": "a", "n": bad})).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "n {bad}");
+        assert_eq!(r.json()["error"]["param"], "n");
+    }
+    engine.stop().await;
+}
+
+#[tokio::test]
 async fn chat_streams_over_h2c_with_usage() {
     let engine = engine(fast()).await;
     let addr = engine.local_addr();

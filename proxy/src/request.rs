@@ -26,7 +26,8 @@
 //! 7. **relay** ([`relay`]): the response head, then the body piece by piece (SSE timing,
 //!    metering, an error event if the engine breaks off).
 //!    A stream whose engine breaks off mid-way **migrates** ([`migrate`]): it goes back to
-//!    4 with a continuation of what was sent, relayed into the same client answer.
+//!    4 with a continuation of what was sent, relayed into the same client answer (a stream
+//!    of several choices then goes back to 4 for each choice left, in turn).
 //! 8. **release** ([`release`]): the engine connection back to its pool, or its failure
 //!    counted; the booking, in-flight count and slot guards dropped.
 //! 9. **record** ([`record`]): metrics and the log line, written by the front end that
@@ -248,6 +249,18 @@ async fn run<F: Frontend>(
         )
         .await;
         trace.relayed(&end);
+        if end == RelayEnd::ChoiceDone {
+            // A stream of several choices: the next unfinished one goes on from here.
+            if let Some(next) = migration.as_mut().and_then(Migration::next_choice_body) {
+                release(state, &pick.instance, engine, end, record).await;
+                body = next;
+                continue;
+            }
+            end = RelayEnd::UpstreamFailed {
+                kind: FailureKind::Reset,
+                clean: end_broken(frontend, FailureKind::Reset, record).await,
+            };
+        }
         if let RelayEnd::Broken(kind) = end {
             match migration.as_mut().and_then(Migration::next_body) {
                 Some(continuation) => {

@@ -22,6 +22,13 @@ pub fn sse_data(body: &[u8]) -> Vec<String> {
 /// `max_tokens` events carrying text, one final `[DONE]`, and a usage chunk (when there is
 /// one) that counts every token.
 pub fn assert_whole_stream(body: &[u8], max_tokens: u64, what: &str) {
+    assert_whole_choices(body, 1, max_tokens, what);
+}
+
+/// [`assert_whole_stream`] for a stream of `choices` choices (`n`): each of the indexes
+/// `0..choices` has exactly `max_tokens` events carrying text and one finish, and the usage
+/// chunk counts the tokens of them all.
+pub fn assert_whole_choices(body: &[u8], choices: u64, max_tokens: u64, what: &str) {
     let data = sse_data(body);
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{what}");
     assert_eq!(data.iter().filter(|d| *d == "[DONE]").count(), 1, "{what}");
@@ -36,23 +43,36 @@ pub fn assert_whole_stream(body: &[u8], max_tokens: u64, what: &str) {
     let ids: std::collections::BTreeSet<&str> =
         chunks.iter().filter_map(|c| c["id"].as_str()).collect();
     assert_eq!(ids.len(), 1, "{what}: one id throughout");
-    let content = |c: &serde_json::Value| {
-        let choice = &c["choices"][0];
-        choice["text"]
+    let mut tokens = vec![0u64; choices as usize];
+    let mut finishes = vec![0u64; choices as usize];
+    for choice in chunks.iter().flat_map(|c| c["choices"].as_array().unwrap()) {
+        let index = choice["index"].as_u64().expect("an index") as usize;
+        assert!(index < tokens.len(), "{what}: choice {index}");
+        let piece = choice["text"]
             .as_str()
-            .or_else(|| choice["delta"]["content"].as_str())
-            .is_some_and(|piece| !piece.is_empty())
-    };
-    let tokens = chunks.iter().filter(|c| content(c)).count() as u64;
-    assert_eq!(tokens, max_tokens, "{what}: every token once");
+            .or_else(|| choice["delta"]["content"].as_str());
+        tokens[index] += u64::from(piece.is_some_and(|piece| !piece.is_empty()));
+        finishes[index] += u64::from(!choice["finish_reason"].is_null());
+    }
+    assert_eq!(
+        tokens,
+        vec![max_tokens; choices as usize],
+        "{what}: every token once"
+    );
+    assert_eq!(
+        finishes,
+        vec![1; choices as usize],
+        "{what}: one finish each"
+    );
     if let Some(usage) = chunks
         .iter()
         .find_map(|c| c.get("usage").filter(|u| !u.is_null()))
     {
-        assert_eq!(usage["completion_tokens"], max_tokens, "{what}: {usage}");
+        let completion = choices * max_tokens;
+        assert_eq!(usage["completion_tokens"], completion, "{what}: {usage}");
         assert_eq!(
             usage["total_tokens"].as_u64(),
-            Some(usage["prompt_tokens"].as_u64().unwrap() + max_tokens),
+            Some(usage["prompt_tokens"].as_u64().unwrap() + completion),
             "{what}: {usage}"
         );
     }

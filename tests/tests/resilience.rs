@@ -8,7 +8,9 @@ use kvmesh_e2e::cluster::{
     MODEL, await_status, chat_body, engine_urls, proxy_config, start_engines, start_proxy,
 };
 use kvmesh_e2e::control_plane::assert_migrations;
-use kvmesh_e2e::sse::{assert_all_whole, open_streams, open_streams_with, sse_comments, sse_data};
+use kvmesh_e2e::sse::{
+    assert_all_whole, assert_whole_choices, open_streams, open_streams_with, sse_comments, sse_data,
+};
 use kvmesh_e2e::{HttpClient, ScratchDir};
 
 fn error_body(resp: &kvmesh_e2e::Response) -> serde_json::Value {
@@ -550,6 +552,66 @@ async fn echoed_streams_on_a_killed_engine_continue_without_a_second_echo() {
             1,
             "stream {i}: echoed once"
         );
+    }
+    assert_migrations(&client, &proxy, on_victim).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_of_several_choices_continue_each_choice_on_another() {
+    const STREAMS: usize = 6;
+    const CHOICES: u64 = 3;
+    const MAX_TOKENS: u64 = 200;
+    let Pair {
+        _scratch,
+        mut victim,
+        survivor,
+        victim_url,
+        proxy,
+        client,
+    } = Pair::start("migrate-choices");
+
+    // Half chat (with a usage chunk), half completions, each with three choices.
+    let requests = (0..STREAMS).map(|index| {
+        let (path, mut body) = if index % 2 == 0 {
+            let mut body = chat_body(&format!("choices {index}"), MAX_TOKENS as u32, true);
+            body["stream_options"] = serde_json::json!({"include_usage": true});
+            ("chat/completions", body)
+        } else {
+            let body = serde_json::json!({"model": MODEL, "prompt": format!("Choices {index}"),
+                                          "max_tokens": MAX_TOKENS, "stream": true});
+            ("completions", body)
+        };
+        body["n"] = CHOICES.into();
+        (path, body)
+    });
+    let streams = open_streams_with(&client, &proxy.url("main"), requests)
+        .await
+        .unwrap();
+    let on_victim = streams.iter().filter(|s| s.instance == victim_url).count();
+    assert_eq!(on_victim, STREAMS / 2, "round robin");
+    victim.kill();
+
+    let survivor_url = &engine_urls(&survivor)[0];
+    for stream in streams {
+        let (index, instance) = (stream.index, stream.instance.clone());
+        let rest = tokio::time::timeout(Duration::from_secs(30), stream.stream.rest())
+            .await
+            .expect("the stream ends in time")
+            .unwrap();
+        let body = [stream.first.as_ref(), rest.as_ref()].concat();
+        let what = format!("stream {index}");
+        assert_whole_choices(&body, CHOICES, MAX_TOKENS, &what);
+        // A moved stream's choices go on one after another, each saying so once.
+        let expected: Vec<String> = if instance == victim_url {
+            (0..CHOICES)
+                .map(|choice| {
+                    format!("x-kvmesh-route migration=1; choice={choice}; instance={survivor_url}")
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        assert_eq!(sse_comments(&body), expected, "{what}");
     }
     assert_migrations(&client, &proxy, on_victim).await;
 }

@@ -13,6 +13,7 @@ use crate::hashing::{BlockHasher, XXH3_SEED, content_seed};
 use crate::lora::Lora;
 use crate::protocol::prompt::PromptInput;
 use crate::protocol::requests::GenParams;
+use crate::protocol::responses::Usage;
 use crate::scheduler::{Handoff, SeqEvent, SeqOutcome, SeqRequest};
 
 /// Parses a JSON request body (400 when it does not fit `T`).
@@ -139,9 +140,12 @@ pub(crate) fn validate_lengths(
     Ok(())
 }
 
-/// Validates and queues one sequence per prompt, served with adapter `lora` (`None`: the base
-/// model), each with `handoff` (disaggregated legs have one prompt); returns the receiver of
-/// their events.
+/// Spreads the word seeds of a prompt's choices (an odd constant, the golden ratio's).
+const CHOICE_SEED_STEP: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// Validates and queues `params.n` sequences per prompt (choice `p * n + i` is prompt `p`'s
+/// `i`-th), served with adapter `lora` (`None`: the base model), each with `handoff`
+/// (disaggregated legs have one prompt); returns the receiver of their events.
 pub(crate) fn submit(
     state: &EngineState,
     prompts: Vec<Vec<u32>>,
@@ -154,20 +158,23 @@ pub(crate) fn submit(
     let (tx, rx) = mpsc::unbounded_channel();
     let mut hasher = BlockHasher::new();
     let hash_seed = lora.map_or(XXH3_SEED, Lora::hash_seed);
+    let n = params.n;
     let seqs = prompts
-        .into_iter()
+        .iter()
+        .flat_map(|prompt| (0..n).map(move |choice| (prompt, choice)))
         .enumerate()
-        .map(|(index, prompt)| {
+        .map(|(index, (prompt, choice))| {
             let prompt_hashes = if state.config.enable_prefix_caching {
-                hasher.sequence_hashes(&prompt, state.config.block_size, hash_seed)
+                hasher.sequence_hashes(prompt, state.config.block_size, hash_seed)
             } else {
                 Vec::new()
             };
             SeqRequest {
-                // Prompt counts are bounded by the body size, far below u32::MAX.
+                // Prompt and choice counts are bounded by the body size and `n`'s limit.
                 index: index as u32,
-                seed: content_seed(&prompt),
-                prompt,
+                // Choice 0 writes what `n: 1` would; the others their own words.
+                seed: content_seed(prompt) ^ (choice as u64).wrapping_mul(CHOICE_SEED_STEP),
+                prompt: prompt.clone(),
                 prompt_hashes,
                 lora: lora.cloned(),
                 max_tokens: params.max_tokens,
@@ -209,6 +216,17 @@ pub(crate) async fn cached_blocks(
         .cached_prefix(hashes)
         .await
         .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))
+}
+
+/// Adds a finished sequence to `usage`: its prompt once per prompt (on its first of `n`
+/// choices), as vLLM counts a prompt shared by several choices.
+pub(crate) fn add_usage(usage: &mut Usage, outcome: &SeqOutcome, n: usize) {
+    let (prompt, cached) = if (outcome.index as usize).is_multiple_of(n) {
+        (outcome.prompt_tokens, outcome.cached_tokens)
+    } else {
+        (0, 0)
+    };
+    usage.add(prompt, cached, outcome.completion_tokens);
 }
 
 /// Waits for `count` sequences to finish; outcomes ordered by index.

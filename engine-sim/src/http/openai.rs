@@ -11,8 +11,8 @@ use http::{Response, StatusCode};
 use super::body::{ResponseBody, json_response};
 use super::error::ApiError;
 use super::generation::{
-    cached_blocks, collect, model_name, parse_json, resolve_model, submit, tokenize_chat_ending,
-    tokenize_prompts,
+    add_usage, cached_blocks, collect, model_name, parse_json, resolve_model, submit,
+    tokenize_chat_ending, tokenize_prompts,
 };
 use super::sse::{SseBody, StreamFormatter, write_data, write_raw};
 use super::state::{EngineState, unix_now};
@@ -102,7 +102,7 @@ async fn run(
             )
         }
     };
-    let count = prompts.len();
+    let count = prompts.len() * params.n;
     let leg = Leg::of(&state, transfer.as_ref(), &params, count)?;
     let prefix = match endpoint {
         Endpoint::Completions => "cmpl-",
@@ -133,15 +133,16 @@ async fn run(
                 lora,
                 id,
                 created,
-                params.include_usage,
+                &params,
                 echo,
+                count,
             )),
             Endpoint::Chat => Box::new(ChatStream::new(
                 state.clone(),
                 lora,
                 id,
                 created,
-                params.include_usage,
+                &params,
                 count,
             )),
         };
@@ -150,7 +151,7 @@ async fn run(
     let outcomes = collect(rx, count).await?;
     let mut usage = Usage::new(state.config.prompt_tokens_details);
     for o in &outcomes {
-        usage.add(o.prompt_tokens, o.cached_tokens, o.completion_tokens);
+        add_usage(&mut usage, o, params.n);
     }
     let model = model_name(&state, lora.as_ref());
     let kv_transfer_params = match leg {
@@ -254,7 +255,7 @@ impl Leg {
         state: &EngineState,
         transfer: Option<&KvTransferParams>,
         params: &GenParams,
-        prompts: usize,
+        sequences: usize,
     ) -> Result<Self, ApiError> {
         let Some(transfer) = transfer else {
             return Ok(Self::Plain);
@@ -288,8 +289,8 @@ impl Leg {
             }
             Ok(None) => Self::Prefill,
         };
-        if prompts != 1 {
-            return invalid("a disaggregated leg takes exactly one prompt".to_owned());
+        if sequences != 1 {
+            return invalid("a disaggregated leg takes exactly one prompt and n: 1".to_owned());
         }
         Ok(leg)
     }
@@ -321,8 +322,12 @@ struct CompletionStream {
     created: u64,
     include_usage: bool,
     usage: Usage,
-    /// The prompt to put before the first generated text (`echo`), until it is sent.
+    /// Choices per prompt.
+    n: usize,
+    /// The prompt to put before each choice's first generated text (`echo`).
     echo: Option<String>,
+    /// Per choice: its echo is still to be sent.
+    echo_pending: Vec<bool>,
 }
 
 impl CompletionStream {
@@ -331,8 +336,9 @@ impl CompletionStream {
         lora: Option<Lora>,
         id: String,
         created: u64,
-        include_usage: bool,
+        params: &GenParams,
         echo: Option<String>,
+        choices: usize,
     ) -> Self {
         let usage = Usage::new(state.config.prompt_tokens_details);
         Self {
@@ -340,8 +346,10 @@ impl CompletionStream {
             lora,
             id,
             created,
-            include_usage,
+            include_usage: params.include_usage,
             usage,
+            n: params.n,
+            echo_pending: vec![echo.is_some(); choices],
             echo,
         }
     }
@@ -369,8 +377,7 @@ impl StreamFormatter for CompletionStream {
             SeqEvent::Delta { text, .. } if text.is_empty() => return,
             SeqEvent::Delta { index, text } => (*index, text.as_str(), None, None),
             SeqEvent::Finished(o) => {
-                self.usage
-                    .add(o.prompt_tokens, o.cached_tokens, o.completion_tokens);
+                add_usage(&mut self.usage, o, self.n);
                 (
                     o.index,
                     o.text.as_str(),
@@ -380,10 +387,14 @@ impl StreamFormatter for CompletionStream {
             }
             SeqEvent::Failed { message, .. } => return write_failure(out, message.clone()),
         };
-        // vLLM sends the echoed prompt with the first token's text.
-        let text = match self.echo.take() {
-            Some(prompt) => Cow::Owned(format!("{prompt}{text}")),
-            None => Cow::Borrowed(text),
+        // vLLM sends the echoed prompt with each choice's first token's text.
+        let pending = self.echo_pending.get_mut(index as usize);
+        let text = match (self.echo.as_deref(), pending) {
+            (Some(prompt), Some(pending)) if *pending => {
+                *pending = false;
+                Cow::Owned(format!("{prompt}{text}"))
+            }
+            _ => Cow::Borrowed(text),
         };
         let choice = CompletionChoice {
             index,
@@ -411,6 +422,8 @@ struct ChatStream {
     created: u64,
     include_usage: bool,
     usage: Usage,
+    /// Choices per prompt.
+    n: usize,
     started: Vec<bool>,
 }
 
@@ -420,7 +433,7 @@ impl ChatStream {
         lora: Option<Lora>,
         id: String,
         created: u64,
-        include_usage: bool,
+        params: &GenParams,
         choices: usize,
     ) -> Self {
         let usage = Usage::new(state.config.prompt_tokens_details);
@@ -429,8 +442,9 @@ impl ChatStream {
             lora,
             id,
             created,
-            include_usage,
+            include_usage: params.include_usage,
             usage,
+            n: params.n,
             started: vec![false; choices],
         }
     }
@@ -494,8 +508,7 @@ impl StreamFormatter for ChatStream {
             }
             SeqEvent::Finished(o) => {
                 self.start(o.index, out);
-                self.usage
-                    .add(o.prompt_tokens, o.cached_tokens, o.completion_tokens);
+                add_usage(&mut self.usage, o, self.n);
                 let content = (!o.text.is_empty()).then_some(o.text.as_str());
                 let delta = ChatDelta {
                     role: None,

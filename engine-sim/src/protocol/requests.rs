@@ -46,7 +46,7 @@ pub(crate) struct CompletionRequest {
     pub stream_options: Option<StreamOptions>,
     /// Stop strings.
     pub stop: Option<StopInput>,
-    /// Choices per prompt; only 1 is supported.
+    /// Choices per prompt (default 1).
     pub n: Option<i64>,
     /// Answer with the prompt before the generated text (a text prompt only here).
     pub echo: Option<bool>,
@@ -71,7 +71,7 @@ pub(crate) struct ChatRequest {
     pub stream_options: Option<StreamOptions>,
     /// Stop strings.
     pub stop: Option<StopInput>,
-    /// Choices; only 1 is supported.
+    /// Choices (default 1).
     pub n: Option<i64>,
     /// End the rendered prompt with the assistant turn's opening (vLLM's default: true).
     pub add_generation_prompt: Option<bool>,
@@ -145,6 +145,9 @@ pub(crate) struct SglSamplingParams {
     pub stop: Option<StopInput>,
 }
 
+/// The most choices (`n`) one request may ask for.
+const MAX_CHOICES: i64 = 16;
+
 /// Generation parameters common to every endpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct GenParams {
@@ -156,6 +159,8 @@ pub(crate) struct GenParams {
     pub stream: bool,
     /// Streaming: end with a usage-only chunk.
     pub include_usage: bool,
+    /// Choices per prompt (`n`), each its own sequence.
+    pub n: usize,
 }
 
 impl GenParams {
@@ -167,14 +172,16 @@ impl GenParams {
         stop: Option<StopInput>,
         n: Option<i64>,
     ) -> Result<Self, InvalidRequest> {
-        if let Some(n) = n
-            && n != 1
-        {
-            return Err(InvalidRequest::field(
-                "n",
-                format!("n must be 1 on this simulator, got {n}"),
-            ));
-        }
+        let n = match n {
+            None => 1,
+            Some(n @ 1..=MAX_CHOICES) => n as usize,
+            Some(n) => {
+                return Err(InvalidRequest::field(
+                    "n",
+                    format!("n must be between 1 and {MAX_CHOICES}, got {n}"),
+                ));
+            }
+        };
         let stream = stream.unwrap_or(false);
         if stream_options.is_some() && !stream {
             return Err(InvalidRequest::field(
@@ -189,6 +196,7 @@ impl GenParams {
             include_usage: stream_options
                 .and_then(|o| o.include_usage)
                 .unwrap_or(false),
+            n,
         })
     }
 
@@ -202,6 +210,7 @@ impl GenParams {
             stops: Arc::from([]),
             stream: stream.unwrap_or(false),
             include_usage: false,
+            n: 1,
         })
     }
 
@@ -219,6 +228,7 @@ impl GenParams {
             stops: stop_list(params.stop),
             stream: stream.unwrap_or(false),
             include_usage: false,
+            n: 1,
         })
     }
 }
@@ -298,7 +308,10 @@ mod tests {
         );
         assert!(GenParams::openai(Some(0), None, None, None, None).is_err());
         assert!(GenParams::openai(Some(-3), None, None, None, None).is_err());
-        assert!(GenParams::openai(None, None, None, None, Some(2)).is_err());
+        assert!(GenParams::openai(None, None, None, None, Some(0)).is_err());
+        assert!(GenParams::openai(None, None, None, None, Some(MAX_CHOICES + 1)).is_err());
+        let p = GenParams::openai(None, None, None, None, Some(3)).ok();
+        assert_eq!(p.map(|p| p.n), Some(3));
         let opts = StreamOptions {
             include_usage: Some(true),
         };

@@ -12,11 +12,17 @@
 //! first chunk's `id`, `created` and `model`, its opening role-only chat event is dropped, and
 //! its usage counts the tokens sent before it, so the client sees one stream.
 //!
-//! Only streams of one choice whose prompt can be extended are migrated: chat, and
-//! completions whose prompt is one string, or one list of token ids when the model has a
-//! tokenizer (the generated text is encoded and its ids appended). With `echo` (a string
-//! prompt only), the prompt the engine echoes before the first token is not generated text:
-//! the transcript leaves it out, and the continuation does not echo again.
+//! A stream of several choices (`n > 1`) keeps a transcript per choice. Each choice the
+//! engine had not finished goes on in turn, one continuation (`n: 1`) after another on the
+//! same client stream, with its events' `index` rewritten to the choice's; the `[DONE]` and
+//! usage chunk of every continuation but the last are dropped, and the last one's usage counts
+//! every choice's tokens.
+//!
+//! Only streams whose prompt can be extended are migrated: chat, and completions whose prompt
+//! is one string, or one list of token ids when the model has a tokenizer (the generated text
+//! is encoded and its ids appended). With `echo` (a string prompt, one choice), the prompt the
+//! engine echoes before the first token is not generated text: the transcript leaves it out,
+//! and the continuation does not echo again.
 
 use std::borrow::Cow;
 use std::sync::{Arc, LazyLock};
@@ -37,18 +43,32 @@ use crate::request::record::Record;
 use crate::route::Route;
 use crate::sse::data_values;
 
-use self::scan::{Scanned, first_choice};
+use self::scan::{Scanned, only_choice};
 use crate::state::State;
 
 /// The search for an error object's key, built once.
 static ERROR_KEY: LazyLock<memmem::Finder<'static>> =
     LazyLock::new(|| memmem::Finder::new(b"\"error\""));
 
+/// The most choices (`n`) of a stream that may migrate.
+const MAX_CHOICES: u64 = 128;
+
 /// What kind of stream is migrated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Chat,
     Completion,
+}
+
+/// One choice's part of a transcript.
+#[derive(Debug, Default, Clone)]
+struct ChoiceText {
+    /// Generated text relayed so far.
+    text: String,
+    /// Content events relayed so far (one token each, as engines stream them).
+    tokens: u64,
+    /// The engine finished it (a `finish_reason`).
+    finished: bool,
 }
 
 /// A stream's transcript and what its migrations may still do.
@@ -67,15 +87,15 @@ pub(crate) struct Migration {
     id: Option<Value>,
     created: Option<Value>,
     model: Option<Value>,
-    /// Generated text relayed so far.
-    text: String,
-    /// Content events relayed so far (one token each, as engines stream them).
-    tokens: u64,
-    /// Content events relayed before the continuation now running.
+    /// Each choice's transcript, by index (`n` of them).
+    choices: Vec<ChoiceText>,
+    /// The choice the continuation now running carries.
+    current: usize,
+    /// Its content events relayed before that continuation.
     base_tokens: u64,
-    /// The engine finished the choice (a `finish_reason`) or the stream (`[DONE]`).
-    finished: bool,
-    /// Migrations done.
+    /// The client's stream ended (`[DONE]` forwarded).
+    ended: bool,
+    /// Continuations started (migrations and the choices that went on after them).
     done: u32,
     /// How the client's answer is framed, once it started.
     framing: Option<ClientFraming>,
@@ -137,16 +157,19 @@ impl Migration {
         let Ok(Value::Object(request)) = serde_json::from_slice::<Value>(body) else {
             return None;
         };
-        let one_choice = request.get("n").is_none_or(|n| n.as_u64() == Some(1));
+        let n = match request.get("n") {
+            None | Some(Value::Null) => 1,
+            Some(n) => n.as_u64().filter(|n| (1..=MAX_CHOICES).contains(n))? as usize,
+        };
         let ids = kind == Kind::Completion && token_prompt(&request).is_some();
         let echo = kind == Kind::Completion && request.get("echo") == Some(&Value::Bool(true));
         let echoed = single_prompt(&request).filter(|_| echo).map(str::to_owned);
         let extendable = match kind {
             Kind::Chat => request.get("messages").is_some_and(Value::is_array),
-            Kind::Completion if echo => echoed.is_some(),
+            Kind::Completion if echo => echoed.is_some() && n == 1,
             Kind::Completion => single_prompt(&request).is_some() || (ids && tokenizer.is_some()),
         };
-        (one_choice && extendable).then(|| Self {
+        extendable.then(|| Self {
             kind,
             request,
             tokenizer: tokenizer.filter(|_| ids).cloned(),
@@ -155,10 +178,10 @@ impl Migration {
             id: None,
             created: None,
             model: None,
-            text: String::new(),
-            tokens: 0,
+            choices: vec![ChoiceText::default(); n],
+            current: 0,
             base_tokens: 0,
-            finished: false,
+            ended: false,
             done: 0,
             framing: None,
         })
@@ -180,20 +203,49 @@ impl Migration {
         self.framing = Some(framing);
     }
 
-    /// Whether a break now could continue elsewhere: migrations left, the engine had not
-    /// finished, the client's answer is an open SSE stream that identified itself.
+    /// Whether a break now could continue elsewhere: migrations left, a choice the engine
+    /// had not finished, the client's answer is an open SSE stream that identified itself.
     pub(crate) fn may_continue(&self) -> bool {
-        let tokens_left = ["max_tokens", "max_completion_tokens"].iter().all(|key| {
+        self.left > 0
+            && self.next_choice().is_some()
+            && self.id.is_some()
+            && self.framing == Some(ClientFraming::Open)
+    }
+
+    /// The choice the continuation now running carries, when the stream has several.
+    pub(crate) fn choice_carried(&self) -> Option<usize> {
+        (self.continuing() && self.choices.len() > 1).then_some(self.current)
+    }
+
+    /// Whether the continuation now running finished its choice and another one is to go on
+    /// (a stream of several choices): its engine's end is not the client's.
+    pub(crate) fn another_choice(&self) -> bool {
+        self.continuing() && self.choices[self.current].finished && self.next_choice().is_some()
+    }
+
+    /// The choice a continuation would carry: the current one while unfinished, else the
+    /// first unfinished one (`None`: the stream ended, or every choice did).
+    fn next_choice(&self) -> Option<usize> {
+        if self.ended {
+            return None;
+        }
+        let open = |index: &usize| {
+            let choice = &self.choices[*index];
+            !choice.finished && self.tokens_left(choice.tokens)
+        };
+        Some(self.current)
+            .filter(open)
+            .or_else(|| (0..self.choices.len()).find(open))
+    }
+
+    /// Whether a choice that generated `tokens` may generate more.
+    fn tokens_left(&self, tokens: u64) -> bool {
+        ["max_tokens", "max_completion_tokens"].iter().all(|key| {
             self.request
                 .get(*key)
                 .and_then(Value::as_u64)
-                .is_none_or(|limit| limit > self.tokens)
-        });
-        self.left > 0
-            && !self.finished
-            && tokens_left
-            && self.id.is_some()
-            && self.framing == Some(ClientFraming::Open)
+                .is_none_or(|limit| limit > tokens)
+        })
     }
 
     /// Takes in `events` (whole SSE events) on their way to the client: the transcript
@@ -225,6 +277,9 @@ impl Migration {
                 out.put_slice(event);
                 continue;
             }
+            if data == b"[DONE]" && self.another_choice() {
+                continue;
+            }
             if let Some(rewritten) = self.rewrite(data) {
                 self.observe(&rewritten);
                 out.put_slice(b"data: ");
@@ -241,7 +296,7 @@ impl Migration {
     /// Records one event's data in the transcript.
     fn observe(&mut self, data: &[u8]) {
         if data == b"[DONE]" {
-            self.finished = true;
+            self.ended = true;
             return;
         }
         if self.id.is_none()
@@ -251,25 +306,37 @@ impl Migration {
             self.created = head.get("created").cloned();
             self.model = head.get("model").cloned();
         }
-        if let Scanned::Choice { piece, finished } = first_choice(data, self.kind == Kind::Chat) {
-            self.take_piece(piece, finished);
+        let chat = self.kind == Kind::Chat;
+        if let Scanned::Choice {
+            index,
+            piece,
+            finished,
+        } = only_choice(data, chat)
+        {
+            self.take_piece(index, piece, finished);
             return;
         }
         let Ok(chunk) = serde_json::from_slice::<Chunk<'_>>(data) else {
             return;
         };
-        for choice in chunk.choices.iter().filter(|choice| choice.index == 0) {
+        for choice in &chunk.choices {
             let piece = match self.kind {
                 Kind::Completion => choice.text.as_deref(),
                 Kind::Chat => choice.delta.as_ref().and_then(|d| d.content.as_deref()),
             };
-            self.take_piece(piece, choice.finish_reason.is_some());
+            let index = usize::try_from(choice.index).unwrap_or(usize::MAX);
+            self.take_piece(index, piece, choice.finish_reason.is_some());
         }
     }
 
-    /// Takes choice 0's `piece` of one event into the transcript (`finished`: the event
+    /// Takes choice `index`'s `piece` of one event into the transcript (`finished`: the event
     /// ended the choice).
-    fn take_piece(&mut self, piece: Option<&str>, finished: bool) {
+    fn take_piece(&mut self, index: usize, piece: Option<&str>, finished: bool) {
+        let Some(choice) = self.choices.get_mut(index) else {
+            // A choice the request did not ask for: nothing can continue it.
+            self.left = 0;
+            return;
+        };
         let piece = match (piece, self.echoed.take()) {
             (Some(piece), Some(prompt)) => match piece.strip_prefix(prompt.as_str()) {
                 Some(generated) => Some(generated),
@@ -285,21 +352,32 @@ impl Migration {
             }
         };
         if let Some(piece) = piece.filter(|p| !p.is_empty()) {
-            self.text.push_str(piece);
-            self.tokens += 1;
+            choice.text.push_str(piece);
+            choice.tokens += 1;
         }
         if finished {
-            self.finished = true;
+            choice.finished = true;
         }
     }
 
-    /// A continuation event as the client should see it (`None`: dropped).
+    /// A continuation event as the client should see it (`None`: dropped): its stream's
+    /// `id`, `created` and `model`, its choice's index, and usage counting every choice.
     fn rewrite(&self, data: &[u8]) -> Option<Vec<u8>> {
         let Ok(Value::Object(mut chunk)) = serde_json::from_slice::<Value>(data) else {
             return Some(data.to_vec());
         };
         if self.kind == Kind::Chat && is_role_only(&chunk) {
             return None;
+        }
+        let usage = chunk.get("usage").is_some_and(Value::is_object);
+        if usage && self.another_choice() {
+            // The last choice's usage counts them all.
+            return None;
+        }
+        if let Some(Value::Array(choices)) = chunk.get_mut("choices") {
+            for choice in choices.iter_mut().filter_map(Value::as_object_mut) {
+                choice.insert("index".into(), self.current.into());
+            }
         }
         for (key, value) in [
             ("id", &self.id),
@@ -312,11 +390,15 @@ impl Migration {
         }
         if let Some(Value::Object(usage)) = chunk.get_mut("usage") {
             let before = self.base_tokens;
+            let others: u64 = (self.choices.iter().enumerate())
+                .filter(|(index, _)| *index != self.current)
+                .map(|(_, choice)| choice.tokens)
+                .sum();
             let get = |usage: &Map<String, Value>, key: &str| {
                 usage.get(key).and_then(Value::as_u64).unwrap_or(0)
             };
             let prompt = get(usage, "prompt_tokens").saturating_sub(before);
-            let completion = get(usage, "completion_tokens") + before;
+            let completion = get(usage, "completion_tokens") + before + others;
             usage.insert("prompt_tokens".into(), prompt.into());
             usage.insert("completion_tokens".into(), completion.into());
             usage.insert("total_tokens".into(), (prompt + completion).into());
@@ -325,33 +407,54 @@ impl Migration {
     }
 
     /// The body of the next continuation, when the stream may migrate now (migrations
-    /// left, the engine had not finished, something of the stream identified it); counts
-    /// the migration.
+    /// left, a choice the engine had not finished, something of the stream identified it);
+    /// counts the migration.
     pub(crate) fn next_body(&mut self) -> Option<Bytes> {
         if !self.may_continue() {
             return None;
         }
+        let body = self.continuation()?;
+        self.left -= 1;
+        Some(body)
+    }
+
+    /// The body of the continuation carrying the next unfinished choice, once the one now
+    /// running finished its own ([`Migration::another_choice`]); not a migration.
+    pub(crate) fn next_choice_body(&mut self) -> Option<Bytes> {
+        if !self.another_choice() {
+            return None;
+        }
+        self.continuation()
+    }
+
+    /// The request again for the next unfinished choice, with its text so far appended and
+    /// its token limits reduced by it (one choice: `n` dropped).
+    fn continuation(&mut self) -> Option<Bytes> {
+        let index = self.next_choice()?;
+        let choice = &self.choices[index];
         let mut request = self.request.clone();
         match self.kind {
-            Kind::Chat => extend_chat(&mut request, &self.text),
+            Kind::Chat => extend_chat(&mut request, &choice.text),
             Kind::Completion => match &self.tokenizer {
-                Some(tokenizer) => extend_token_prompt(&mut request, tokenizer, &self.text)?,
-                None => extend_prompt(&mut request, &self.text)?,
+                Some(tokenizer) => extend_token_prompt(&mut request, tokenizer, &choice.text)?,
+                None => extend_prompt(&mut request, &choice.text)?,
             },
         }
         if request.contains_key("echo") {
             // The client has the echo already.
             request.insert("echo".into(), Value::Bool(false));
         }
+        request.remove("n");
+        request.remove("best_of");
         for key in ["max_tokens", "max_completion_tokens", "min_tokens"] {
             if let Some(limit) = request.get(key).and_then(Value::as_u64) {
-                request.insert(key.into(), limit.saturating_sub(self.tokens).into());
+                request.insert(key.into(), limit.saturating_sub(choice.tokens).into());
             }
         }
         let body = serde_json::to_vec(&request).ok()?;
-        self.left -= 1;
         self.done += 1;
-        self.base_tokens = self.tokens;
+        self.current = index;
+        self.base_tokens = choice.tokens;
         Some(Bytes::from(body))
     }
 }

@@ -78,6 +78,9 @@ pub(crate) enum RelayEnd {
     /// The engine broke off a stream that may migrate: nothing was written for the break,
     /// the client's answer stays open for a continuation.
     Broken(FailureKind),
+    /// A continuation finished its choice of a stream of several, another one is to go on:
+    /// the engine's answer is whole, the client's stays open.
+    ChoiceDone,
 }
 
 /// Starts the client's answer to the engine response `engine` from `pick` (a continuation of
@@ -141,7 +144,7 @@ pub(crate) async fn relay<F: Frontend>(
     migration.started(framing);
     if continued.is_some()
         && !frontend
-            .write_body(migration_note(record.migrations, pick), false)
+            .write_body(migration_note(record.migrations, migration, pick), false)
             .await
     {
         return RelayEnd::ClientGone;
@@ -150,14 +153,19 @@ pub(crate) async fn relay<F: Frontend>(
 }
 
 /// The explanation of a continuation, for a client whose `x-kvmesh-route` header left before
-/// the break: an SSE comment (which clients skip), `: x-kvmesh-route migration=N; ` and the
-/// continuation's route (or `instance=URL` without `policy: kv`).
-fn migration_note(migrations: u32, pick: &Pick<'_>) -> Bytes {
+/// the break: an SSE comment (which clients skip), `: x-kvmesh-route migration=N; `, the
+/// choice it carries when the stream has several (`choice=I; `), and the continuation's route
+/// (or `instance=URL` without `policy: kv`).
+fn migration_note(migrations: u32, migration: &Migration, pick: &Pick<'_>) -> Bytes {
+    let choice = migration
+        .choice_carried()
+        .map(|index| format!("choice={index}; "))
+        .unwrap_or_default();
     let route = pick.route.as_ref().and_then(|route| route.to_str().ok());
     let note = match route {
-        Some(route) => format!(": x-kvmesh-route migration={migrations}; {route}\n\n"),
+        Some(route) => format!(": x-kvmesh-route migration={migrations}; {choice}{route}\n\n"),
         None => format!(
-            ": x-kvmesh-route migration={migrations}; instance={}\n\n",
+            ": x-kvmesh-route migration={migrations}; {choice}instance={}\n\n",
             pick.instance.url()
         ),
     };
@@ -241,6 +249,9 @@ pub(crate) async fn relay_body<F: Frontend>(
         if let (true, Some(booking)) = (last, ctx.booking) {
             booking.release();
         }
+        if last && migration.as_ref().is_some_and(|m| m.another_choice()) {
+            return choice_done(frontend, out).await;
+        }
         if (out.is_some() || last) && !frontend.write_body(out.unwrap_or_default(), last).await {
             return RelayEnd::ClientGone;
         }
@@ -257,10 +268,24 @@ pub(crate) async fn relay_body<F: Frontend>(
     if let Some(booking) = ctx.booking {
         booking.release();
     }
+    if migration.is_some_and(|m| m.another_choice()) {
+        return choice_done(frontend, Some(rest)).await;
+    }
     if !frontend.write_body(rest, true).await {
         return RelayEnd::ClientGone;
     }
     RelayEnd::Complete
+}
+
+/// Writes `out`, the last piece of a continuation whose choice finished, and leaves the
+/// client's answer open for the next choice.
+async fn choice_done<F: Frontend>(frontend: &mut F, out: Option<Bytes>) -> RelayEnd {
+    if let Some(out) = out.filter(|out| !out.is_empty())
+        && !frontend.write_body(out, false).await
+    {
+        return RelayEnd::ClientGone;
+    }
+    RelayEnd::ChoiceDone
 }
 
 /// Counts the tokens of `out`, a piece of the body on its way to the client, and charges

@@ -21,7 +21,7 @@ pub(crate) async fn release(
     record: &mut Record,
 ) -> bool {
     match end {
-        RelayEnd::Complete => {
+        RelayEnd::Complete | RelayEnd::ChoiceDone => {
             state.upstream.release(engine, instance.peer()).await;
             true
         }

@@ -262,7 +262,7 @@ impl RequestTrace {
     pub(crate) fn relayed(&mut self, end: &RelayEnd) {
         if let Some(spans) = self.recorded() {
             let failure = match end {
-                RelayEnd::Complete => None,
+                RelayEnd::Complete | RelayEnd::ChoiceDone => None,
                 RelayEnd::ClientGone => Some("client_gone"),
                 RelayEnd::UpstreamFailed { kind, .. } | RelayEnd::Broken(kind) => {
                     Some(kind.label())

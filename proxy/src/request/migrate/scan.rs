@@ -1,6 +1,6 @@
-//! Reading a stream event's first choice without parsing the event: the generated piece of
-//! choice 0 and whether it finished, for the common shape of a one-choice stream (one
-//! `"index": 0`, the piece as a string without escapes, a `finish_reason`). Anything else is
+//! Reading a stream event's choice without parsing the event: its index, generated piece and
+//! whether it finished, for the common shape of a stream's chunk (one choice, so one
+//! `"index"`, the piece as a string without escapes, a `finish_reason`). Anything else is
 //! left to serde ([`Scanned::Unsure`]), so the scan never decides what it is not sure of.
 //! A migration's transcript reads every event of every stream that may migrate; parsing each
 //! with serde was most of a stream's cost in the proxy (BENCHMARKS.md, *Instructions per
@@ -18,8 +18,11 @@ static FINISH: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"fini
 /// What the scan read of an event's data.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Scanned<'a> {
-    /// Choice 0, surely: its piece (`None`: none, or an empty one) and whether it finished.
+    /// The event's one choice, surely: its index, its piece (`None`: none, or an empty one)
+    /// and whether it finished.
     Choice {
+        /// Its `index`.
+        index: usize,
         /// The generated text it carries.
         piece: Option<&'a str>,
         /// It has a non-null `finish_reason`.
@@ -29,17 +32,16 @@ pub(super) enum Scanned<'a> {
     Unsure,
 }
 
-/// Scans `data` (one event's JSON) for choice 0's piece: `"text"` (completions) or
+/// Scans `data` (one event's JSON) for its one choice's piece: `"text"` (completions) or
 /// `"content"` (chat, `chat: true`).
-pub(super) fn first_choice(data: &[u8], chat: bool) -> Scanned<'_> {
+pub(super) fn only_choice(data: &[u8], chat: bool) -> Scanned<'_> {
     let mut indexes = INDEX.find_iter(data);
     let (Some(at), None) = (indexes.next(), indexes.next()) else {
         return Scanned::Unsure;
     };
-    let index = value_after(data, at + INDEX.needle().len()).unwrap_or_default();
-    if !index.starts_with(b"0") || index.get(1).is_some_and(u8::is_ascii_digit) {
+    let Some(index) = value_after(data, at + INDEX.needle().len()).and_then(small_number) else {
         return Scanned::Unsure;
-    }
+    };
     let field = if chat { &*CONTENT } else { &*TEXT };
     let mut fields = field.find_iter(data);
     let piece = match (fields.next(), fields.next()) {
@@ -64,7 +66,11 @@ pub(super) fn first_choice(data: &[u8], chat: bool) -> Scanned<'_> {
         },
         (Some(_), Some(_)) => return Scanned::Unsure,
     };
-    Scanned::Choice { piece, finished }
+    Scanned::Choice {
+        index,
+        piece,
+        finished,
+    }
 }
 
 /// What follows a field name ending at `end`: past blanks, a colon and blanks (`None`: no
@@ -72,6 +78,17 @@ pub(super) fn first_choice(data: &[u8], chat: bool) -> Scanned<'_> {
 fn value_after(data: &[u8], end: usize) -> Option<&[u8]> {
     let rest = data.get(end..)?.trim_ascii_start().strip_prefix(b":")?;
     Some(rest.trim_ascii_start())
+}
+
+/// The JSON number `value` starts with, when it is a small whole number written plainly
+/// (no leading zero, sign, fraction or exponent).
+fn small_number(value: &[u8]) -> Option<usize> {
+    let digits = value.iter().take_while(|b| b.is_ascii_digit()).count();
+    let rest = value.get(digits).copied().unwrap_or(b'}');
+    let plain = matches!(digits, 1..=4)
+        && (digits == 1 || value[0] != b'0')
+        && !matches!(rest, b'.' | b'e' | b'E');
+    plain.then(|| std::str::from_utf8(&value[..digits]).ok()?.parse().ok())?
 }
 
 /// A JSON string's text from just past its opening quote, when it has no escape (`None`:
@@ -91,52 +108,66 @@ mod tests {
 
     use super::*;
 
-    /// What serde reads of choice 0, as the scan should.
-    fn by_serde(data: &[u8], chat: bool) -> (Option<String>, bool) {
+    /// What serde reads of the one choice, as the scan should.
+    fn by_serde(data: &[u8], chat: bool) -> (u64, Option<String>, bool) {
         let value: Value = serde_json::from_slice(data).unwrap();
-        let mut piece = None;
-        let mut finished = false;
-        for choice in value["choices"].as_array().into_iter().flatten() {
-            if choice["index"].as_u64().unwrap_or(0) != 0 {
-                continue;
-            }
-            let text = if chat {
-                &choice["delta"]["content"]
-            } else {
-                &choice["text"]
-            };
-            piece = text.as_str().filter(|t| !t.is_empty()).map(str::to_owned);
-            finished |= !choice["finish_reason"].is_null();
-        }
-        (piece, finished)
+        let [choice] = value["choices"].as_array().unwrap().as_slice() else {
+            panic!("one choice: {value}");
+        };
+        let text = if chat {
+            &choice["delta"]["content"]
+        } else {
+            &choice["text"]
+        };
+        let piece = text.as_str().filter(|t| !t.is_empty()).map(str::to_owned);
+        let index = choice["index"].as_u64().unwrap();
+        (index, piece, !choice["finish_reason"].is_null())
     }
 
     #[test]
     fn vllms_chunks_are_read_without_parsing() {
         let chat = br#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" world"},"logprobs":null,"finish_reason":null}]}"#;
         assert_eq!(
-            first_choice(chat, true),
+            only_choice(chat, true),
             Scanned::Choice {
+                index: 0,
                 piece: Some(" world"),
                 finished: false
             }
         );
         let last = br#"{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"","logprobs":null,"finish_reason":"length","stop_reason":null}]}"#;
         assert_eq!(
-            first_choice(last, false),
+            only_choice(last, false),
             Scanned::Choice {
+                index: 0,
                 piece: None,
                 finished: true
             }
         );
         let usage = br#"{"id":"cmpl-1","choices":[],"usage":{"prompt_tokens":3}}"#;
-        assert_eq!(first_choice(usage, false), Scanned::Unsure);
+        assert_eq!(only_choice(usage, false), Scanned::Unsure);
         let escaped = br#"{"choices":[{"index":0,"text":"a \"quote\"","finish_reason":null}]}"#;
-        assert_eq!(first_choice(escaped, false), Scanned::Unsure);
-        let second = br#"{"choices":[{"index":1,"text":"x","finish_reason":null}]}"#;
-        assert_eq!(first_choice(second, false), Scanned::Unsure);
-        let tenth = br#"{"choices":[{"index":01,"text":"x","finish_reason":null}]}"#;
-        assert_eq!(first_choice(tenth, false), Scanned::Unsure);
+        assert_eq!(only_choice(escaped, false), Scanned::Unsure);
+        let second = br#"{"choices":[{"index":12,"text":"x","finish_reason":null}]}"#;
+        assert_eq!(
+            only_choice(second, false),
+            Scanned::Choice {
+                index: 12,
+                piece: Some("x"),
+                finished: false
+            }
+        );
+        for odd in ["01", "1.0", "1e1", "-1", "12345"] {
+            let data =
+                format!(r#"{{"choices":[{{"index":{odd},"text":"x","finish_reason":null}}]}}"#);
+            assert_eq!(
+                only_choice(data.as_bytes(), false),
+                Scanned::Unsure,
+                "{odd}"
+            );
+        }
+        let two = br#"{"choices":[{"index":0,"text":"x"},{"index":1,"text":"y"}]}"#;
+        assert_eq!(only_choice(two, false), Scanned::Unsure);
     }
 
     proptest! {
@@ -147,7 +178,7 @@ mod tests {
         fn a_sure_scan_agrees_with_serde(
             text in prop::option::of("\\PC{0,12}|[a-z \"\\\\]{0,8}|text|content|\"index\": 1"),
             finish in prop::option::of("stop|length"),
-            index in prop::sample::select(vec![0u64, 0, 0, 1, 10]),
+            index in prop::sample::select(vec![0u64, 0, 0, 1, 10, 123]),
             chat in any::<bool>(),
             pretty in any::<bool>(),
             extra in prop::option::of("\\PC{0,8}"),
@@ -163,8 +194,9 @@ mod tests {
             } else {
                 serde_json::to_vec(&chunk).unwrap()
             };
-            if let Scanned::Choice { piece, finished } = first_choice(&data, chat) {
-                prop_assert_eq!((piece.map(str::to_owned), finished), by_serde(&data, chat));
+            if let Scanned::Choice { index, piece, finished } = only_choice(&data, chat) {
+                let scanned = (index as u64, piece.map(str::to_owned), finished);
+                prop_assert_eq!(scanned, by_serde(&data, chat));
             }
         }
     }

@@ -18,7 +18,7 @@ fn migration(route: Route, body: Value) -> Migration {
 }
 
 #[test]
-fn only_single_choice_extendable_streams_migrate() {
+fn only_extendable_streams_migrate() {
     let migrates = |route, body: &Value, stream, limit| {
         Migration::new(route, body.to_string().as_bytes(), stream, limit, None).is_some()
     };
@@ -28,11 +28,15 @@ fn only_single_choice_extendable_streams_migrate() {
     assert!(!migrates(Route::ChatCompletions, &chat, true, 0));
     let mut two = chat.clone();
     two["n"] = 2.into();
+    assert!(migrates(Route::ChatCompletions, &two, true, 1));
+    two["n"] = 0.into();
     assert!(!migrates(Route::ChatCompletions, &two, true, 1));
     let ids = json!({"model": "m", "prompt": [1, 2, 3]});
     assert!(!migrates(Route::Completions, &ids, true, 1));
     let echo = json!({"model": "m", "prompt": "x", "echo": true});
     assert!(migrates(Route::Completions, &echo, true, 1));
+    let echoed_twice = json!({"model": "m", "prompt": "x", "echo": true, "n": 2});
+    assert!(!migrates(Route::Completions, &echoed_twice, true, 1));
     let echoed_ids = json!({"model": "m", "prompt": [1, 2, 3], "echo": true});
     assert!(!migrates(Route::Completions, &echoed_ids, true, 1));
     let text = json!({"model": "m", "prompt": ["x"]});
@@ -256,4 +260,114 @@ fn an_echoed_prompt_is_not_generated_text_and_is_not_echoed_again() {
     let mut m = migration(Route::Completions, body);
     m.pass(Bytes::from(chunk("Twice upon")));
     assert_eq!(m.next_body(), None);
+}
+
+/// A completions chunk of choice `index` from the stream `id`.
+fn text_chunk(id: &str, index: u64, text: &str, finish: Option<&str>) -> String {
+    let chunk = json!({"id": id, "created": 7, "model": "m", "object": "text_completion",
+                       "choices": [{"index": index, "text": text, "finish_reason": finish}]});
+    format!("data: {chunk}\n\n")
+}
+
+/// The data of each event of `forward`, parsed (`[DONE]` as a string).
+fn forwarded(forward: &Bytes) -> Vec<Value> {
+    let text = std::str::from_utf8(forward).unwrap();
+    crate::sse::data_values(text.as_bytes())
+        .map(|data| serde_json::from_slice(data).unwrap_or_else(|_| json!("[DONE]")))
+        .collect()
+}
+
+#[test]
+fn each_unfinished_choice_of_several_continues_in_turn() {
+    let mut m = migration(
+        Route::Completions,
+        json!({"model": "m", "prompt": "Once", "n": 3, "max_tokens": 4, "stream": true,
+               "stream_options": {"include_usage": true}}),
+    );
+    // Choice 1 finishes; 0 and 2 are cut after one and two tokens.
+    m.pass(Bytes::from(
+        [
+            text_chunk("cmpl-a", 0, " upon", None),
+            text_chunk("cmpl-a", 1, " there", Some("stop")),
+            text_chunk("cmpl-a", 2, " more", None),
+            text_chunk("cmpl-a", 2, " and", None),
+        ]
+        .concat(),
+    ));
+    assert!(m.may_continue());
+    let body: Value = serde_json::from_slice(&m.next_body().expect("migrates")).unwrap();
+    assert_eq!(
+        (&body["prompt"], &body["max_tokens"], body.get("n")),
+        (&json!("Once upon"), &json!(3), None),
+        "choice 0 first, alone"
+    );
+    assert_eq!(m.choice_carried(), Some(0));
+
+    // Choice 0's continuation: its index stays 0, its usage and [DONE] are dropped, since
+    // choice 2 is still to go on.
+    let passed = m.pass(Bytes::from(
+        [
+            text_chunk("cmpl-b", 0, " a", None),
+            text_chunk("cmpl-b", 0, " time", Some("length")),
+            format!(
+                "data: {}\n\ndata: [DONE]\n\n",
+                json!({"id": "cmpl-b", "created": 9, "model": "m", "choices": [],
+                       "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+            ),
+        ]
+        .concat(),
+    ));
+    let events = forwarded(&passed.forward);
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert!(
+        events
+            .iter()
+            .all(|e| e["id"] == "cmpl-a" && e["choices"][0]["index"] == 0)
+    );
+    assert!(m.another_choice());
+    assert!(m.next_body().is_none(), "the one migration was spent");
+
+    // Choice 2 goes on with its own text; the migration limit does not count it.
+    let body: Value = serde_json::from_slice(&m.next_choice_body().unwrap()).unwrap();
+    assert_eq!(
+        (&body["prompt"], &body["max_tokens"]),
+        (&json!("Once more and"), &json!(2))
+    );
+    assert_eq!(m.choice_carried(), Some(2));
+    let passed = m.pass(Bytes::from(
+        [
+            text_chunk("cmpl-c", 0, " so", None),
+            text_chunk("cmpl-c", 0, " on", Some("length")),
+            format!(
+                "data: {}\n\ndata: [DONE]\n\n",
+                json!({"id": "cmpl-c", "created": 9, "model": "m", "choices": [],
+                       "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}})
+            ),
+        ]
+        .concat(),
+    ));
+    let events = forwarded(&passed.forward);
+    assert_eq!(events.len(), 4, "{events:?}");
+    assert_eq!(events[0]["choices"][0]["index"], 2);
+    assert_eq!(events[1]["choices"][0]["index"], 2);
+    // 3 (choice 0) + 1 (choice 1) + 4 (choice 2) tokens; the prompt without choice 2's text.
+    assert_eq!(
+        events[2]["usage"],
+        json!({"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10})
+    );
+    assert_eq!(events[3], "[DONE]");
+    assert!(!m.another_choice());
+    assert!(!m.may_continue());
+}
+
+#[test]
+fn a_choice_the_request_did_not_ask_for_stops_migration() {
+    let mut m = migration(
+        Route::Completions,
+        json!({"model": "m", "prompt": "Once", "n": 2, "max_tokens": 4}),
+    );
+    m.pass(Bytes::from(text_chunk("cmpl-a", 0, " upon", None)));
+    assert!(m.may_continue());
+    m.pass(Bytes::from(text_chunk("cmpl-a", 2, " x", None)));
+    assert!(!m.may_continue());
 }
