@@ -1,16 +1,20 @@
 //! The accept loop: our own tokio listener (so port 0 works and shutdown is
 //! ours), TCP_NODELAY on every accepted socket, TLS termination or h2c
-//! detection, the HTTP/1 fast path for plaintext data connections, and draining.
+//! detection, the HTTP/1 fast path for the data connections' HTTP/1.1 (plaintext, or TLS
+//! that chose it), and draining.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use bytes::{Bytes, BytesMut};
 use pingora_core::apps::{HttpServerApp, ReusedHttpStream, ServerApp};
 use pingora_core::protocols::http::ServerSession;
+use pingora_core::protocols::http::v1::server::HttpSession;
 use pingora_core::protocols::l4::stream::Stream as L4Stream;
 use pingora_core::protocols::{ALPN, Stream};
 use pingora_core::server::ShutdownWatch;
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep, timeout, timeout_at};
@@ -28,6 +32,9 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(20);
 /// Poll interval while a client has sent only part of the h2 preface.
 const PREFACE_POLL: Duration = Duration::from_millis(1);
 
+/// Longest wait for a TLS connection's close_notify to leave once the fast path is done.
+const TLS_CLOSE_WAIT: Duration = Duration::from_secs(1);
+
 /// Keep-alive timeout of HTTP/1 client connections, in seconds (pingora's default).
 const H1_KEEPALIVE_SECS: u64 = 60;
 
@@ -37,8 +44,8 @@ pub(crate) struct ListenerApps<A> {
     pub(crate) h1: Arc<A>,
     /// App for connections opening with the h2 preface (`None`: HTTP/1 only).
     pub(crate) h2c: Option<Arc<A>>,
-    /// Serve plaintext HTTP/1 connections on our own fast path first, with this state
-    /// (`None`: pingora serves them, through `h1`).
+    /// Serve HTTP/1 connections (plaintext, or TLS without h2) on our own fast path first,
+    /// with this state (`None`: pingora serves them, through `h1`).
     pub(crate) fast: Option<Arc<ArcSwap<State>>>,
     /// Time a new connection has to send its first bytes.
     pub(crate) first_bytes_timeout: Duration,
@@ -106,10 +113,10 @@ pub(crate) async fn serve<A>(
 
 /// Serves one connection: over TLS (HTTP/2 or HTTP/1.1 by ALPN), or in
 /// plaintext HTTP/1 or, when it opens with the preface, h2c. HTTP/2 goes through
-/// pingora's [`ServerApp::process_new`]; plaintext HTTP/1 through the fast path when the
-/// listener has one, and the rest (or what the fast path hands over) through [`serve_h1`].
+/// pingora's [`ServerApp::process_new`]; HTTP/1 through the fast path when the listener has
+/// one, and the rest (or what the fast path hands over) through [`serve_h1`].
 async fn serve_connection<A>(
-    tcp: TcpStream,
+    mut tcp: TcpStream,
     h1: Arc<A>,
     h2c: Option<Arc<A>>,
     fast: Option<Arc<ArcSwap<State>>>,
@@ -123,13 +130,26 @@ async fn serve_connection<A>(
         // The handshake future is about 7 KiB: boxed, it is allocated only for TLS
         // connections and only while they handshake, instead of being part of every
         // connection's task for its whole life.
-        if let Some(stream) = Box::pin(tls.accept(tcp, first_bytes_timeout)).await {
-            if stream.selected_alpn_proto() == Some(ALPN::H2) {
-                let _ = h1.process_new(stream, &shutdown).await;
-            } else {
-                serve_h1(&h1, stream, &shutdown).await;
-            }
+        let Some(mut stream) = Box::pin(tls.accept(tcp, first_bytes_timeout)).await else {
+            return;
+        };
+        if stream.selected_alpn_proto() == Some(ALPN::H2) {
+            let _ = h1.process_new(stream, &shutdown).await;
+            return;
         }
+        let read = match fast {
+            None => Bytes::new(),
+            Some(states) => match serve_fast(&mut stream, &states, &shutdown).await {
+                ConnectionEnd::Done => {
+                    // TLS ends with close_notify, so that the client can tell the end of
+                    // an answer from a cut connection.
+                    let _ = timeout(TLS_CLOSE_WAIT, AsyncWriteExt::shutdown(&mut stream)).await;
+                    return;
+                }
+                ConnectionEnd::Handover(read) => read,
+            },
+        };
+        serve_h1(&h1, stream, read, &shutdown).await;
         return;
     }
     let h2c = match h2c {
@@ -147,29 +167,30 @@ async fn serve_connection<A>(
             .await;
         return;
     }
-    let stream = match fast {
-        None => L4Stream::from(tcp),
-        Some(states) => match serve_fast(tcp, &states, &shutdown).await {
+    let read = match fast {
+        None => Bytes::new(),
+        Some(states) => match serve_fast(&mut tcp, &states, &shutdown).await {
             ConnectionEnd::Done => return,
-            ConnectionEnd::Handover { tcp, read } => {
-                let mut stream = L4Stream::from(tcp);
-                stream.rewind(&read);
-                stream
-            }
+            ConnectionEnd::Handover(read) => read,
         },
     };
-    serve_h1(&h1, Box::new(stream), &shutdown).await;
+    serve_h1(&h1, Box::new(L4Stream::from(tcp)), read, &shutdown).await;
 }
 
-/// Serves an HTTP/1 connection, request after request while it is kept alive: what
-/// pingora's [`ServerApp::process_new`] does for HTTP/1, without its boxed future
-/// (about 4 KiB, most of it the HTTP/2 handshake), which would otherwise stay allocated
-/// for the whole life of every HTTP/1 connection.
-async fn serve_h1<A>(app: &Arc<A>, stream: Stream, shutdown: &ShutdownWatch)
+/// Serves an HTTP/1 connection whose first bytes, `read`, were already read (by the fast
+/// path), request after request while it is kept alive: what pingora's
+/// [`ServerApp::process_new`] does for HTTP/1, without its boxed future (about 4 KiB, most
+/// of it the HTTP/2 handshake), which would otherwise stay allocated for the whole life of
+/// every HTTP/1 connection.
+async fn serve_h1<A>(app: &Arc<A>, stream: Stream, read: Bytes, shutdown: &ShutdownWatch)
 where
     A: HttpServerApp + Send + Sync + 'static,
 {
-    let mut session = ServerSession::new_http1(stream);
+    let mut first = HttpSession::new(stream);
+    if !read.is_empty() {
+        first.set_pipelined_prefix(BytesMut::from(read));
+    }
+    let mut session = ServerSession::H1(first);
     session.set_keepalive((!*shutdown.borrow()).then_some(H1_KEEPALIVE_SECS));
     session.set_keepalive_reuses_remaining(
         app.server_options()

@@ -1,5 +1,5 @@
-//! The pingora front end of the data listeners (h2c, TLS, and HTTP/1.1 the fast path hands
-//! over): pingora drives it once per request (HTTP/1.1 keep-alive and h2c streams alike).
+//! The pingora front end of the data listeners (h2 over TLS, h2c, and HTTP/1 the fast path
+//! hands over): pingora drives it once per request (HTTP/1.1 keep-alive and h2c streams alike).
 //! It checks the head, matches the route, authenticates, answers the routes the proxy
 //! serves itself, reads the body and hands proxied requests to the spine
 //! ([`crate::request::proxy`]) through [`PingoraClient`].

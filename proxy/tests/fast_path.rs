@@ -407,7 +407,7 @@ async fn an_engine_body_framed_wrongly_within_what_came_with_its_head_is_502() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn http10_and_expect_requests_are_served_by_pingora() {
+async fn http10_requests_go_to_pingora_and_expect_gets_100_continue_or_a_413() {
     let (engine, _seen) = raw_engine(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
     let proxy = proxy_for(engine).await;
 
@@ -436,4 +436,17 @@ async fn http10_and_expect_requests_are_served_by_pingora() {
     );
     expecting.send(body).await;
     assert_eq!(expecting.response().await.1, "ok");
+
+    // A body announced over the limit is refused without a 100 asking for it.
+    let mut refused = Client::connect(proxy.main).await;
+    let too_large = chat_request("expect: 100-continue\r\n").replacen(
+        &format!("content-length: {}", BODY.len()),
+        "content-length: 999999999999",
+        1,
+    );
+    let (head, _) = too_large.split_at(too_large.len() - BODY.len());
+    refused.send(head).await;
+    let n = refused.tcp.read(&mut buf).await.unwrap();
+    let answer = String::from_utf8_lossy(&buf[..n]);
+    assert!(answer.starts_with("HTTP/1.1 413 "), "{answer}");
 }

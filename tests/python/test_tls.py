@@ -1,8 +1,12 @@
 """TLS at the edge with the official `openai` client: https over HTTP/1.1 and
 HTTP/2 (httpx with h2) trusting a CA generated for the test (rcgen, through
 `kvmesh-test-certs`); a client trusting another CA fails; an mTLS listener
-refuses a client without a certificate and serves one with it."""
+refuses a client without a certificate and serves one with it. On a raw `ssl`
+socket, an HTTP/1.1 connection moves on from a request the fast path proxies to
+one pingora serves (the framing corpus over TLS is in proxy/tests/framing.rs)."""
 
+import json
+import socket
 import ssl
 import subprocess
 
@@ -97,3 +101,40 @@ def test_mtls_listener_refuses_a_client_without_a_certificate(engines, certs, wo
         assert raw.parse().choices[0].message.content
     finally:
         proxy.stop()
+
+
+def tls_exchange(proxy, ca, request):
+    """Writes `request` on a TLS connection and reads until the proxy closes it (10 s)."""
+    host, port = proxy.listeners["main"].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as tcp:
+        with context(ca).wrap_socket(tcp, server_hostname="localhost") as tls:
+            tls.sendall(request)
+            answer = b""
+            while chunk := tls.recv(65536):
+                answer += chunk
+    return answer
+
+
+def statuses(raw):
+    """The status of each response in `raw` (each framed by its length), in order."""
+    found = []
+    while raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        fields = dict(line.lower().split(b": ", 1) for line in head.split(b"\r\n")[1:])
+        raw = rest[int(fields.get(b"content-length", b"0")) :]
+        found.append(int(head[9:12]))
+    return found
+
+
+BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "over TLS"}], "max_tokens": 2})
+POST = "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+
+
+def test_a_tls_connection_goes_on_from_a_proxied_request_to_one_pingora_serves(https, certs):
+    # Sent in one write: the second request's bytes arrive with the first, read by the fast
+    # path, and must reach pingora, which serves `GET /v1/models`.
+    proxied = f"{POST}Content-Length: {len(BODY)}\r\n\r\n{BODY}"
+    listing = "GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    raw = tls_exchange(https, certs / "ca.pem", (proxied + listing).encode())
+    assert statuses(raw) == [200, 200], raw
+    assert b'"chat.completion"' in raw and b'"object":"list"' in raw

@@ -16,9 +16,9 @@ use kvmesh_h1::head::{Known, RequestHead};
 use kvmesh_telemetry::traceparent::is_trace_field;
 use pingora_http::RequestHeader;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout_at};
 
+use super::io::ClientIo;
 use super::response::{write_error, write_relayed_head};
 use crate::api_error::ApiError;
 use crate::headers::{ClientFraming, EngineTarget, ProxyHeaders, X_REQUEST_ID, upstream_request};
@@ -46,9 +46,9 @@ pub(crate) enum BodyRead {
     Malformed,
 }
 
-/// One request's client on the fast path.
-pub(crate) struct FastConnection<'a> {
-    tcp: &'a mut TcpStream,
+/// One request's client on the fast path, over `S` (TCP or TLS).
+pub(crate) struct FastConnection<'a, S> {
+    io: &'a mut S,
     /// Bytes read from the client and not yet consumed.
     buf: &'a mut BytesMut,
     /// Response bytes not yet written.
@@ -64,17 +64,17 @@ pub(crate) struct FastConnection<'a> {
     chunked: bool,
 }
 
-impl<'a> FastConnection<'a> {
-    /// The client of `head`, read from `tcp` (with `buf` read ahead).
+impl<'a, S: ClientIo> FastConnection<'a, S> {
+    /// The client of `head`, read from `io` (with `buf` read ahead).
     pub(crate) fn new(
-        tcp: &'a mut TcpStream,
+        io: &'a mut S,
         buf: &'a mut BytesMut,
         out: &'a mut Vec<u8>,
         head: &'a RequestHead,
         close: bool,
     ) -> Self {
         Self {
-            tcp,
+            io,
             buf,
             out,
             head,
@@ -132,16 +132,22 @@ impl<'a> FastConnection<'a> {
 
     /// Reads more of the request by `deadline`.
     async fn read_within(&mut self, deadline: Instant) -> Result<(), BodyRead> {
-        match timeout_at(deadline, self.tcp.read_buf(self.buf)).await {
+        match timeout_at(deadline, self.io.read_buf(self.buf)).await {
             Err(_) => Err(BodyRead::Timeout),
             Ok(Ok(0) | Err(_)) => Err(BodyRead::Gone),
             Ok(Ok(_)) => Ok(()),
         }
     }
 
+    /// Tells a client that sent `Expect: 100-continue` to send its body; `false` when it is
+    /// gone.
+    pub(crate) async fn write_continue(&mut self) -> bool {
+        write_all(self.io, [b"HTTP/1.1 100 Continue\r\n\r\n", b"", b""]).await
+    }
+
     /// Writes what is pending; `false` when the client is gone.
     async fn flush(&mut self) -> bool {
-        let written = write_all(self.tcp, [self.out.as_slice(), b"", b""]).await;
+        let written = write_all(self.io, [self.out.as_slice(), b"", b""]).await;
         self.out.clear();
         written
     }
@@ -158,7 +164,7 @@ impl<'a> FastConnection<'a> {
     }
 }
 
-impl Frontend for FastConnection<'_> {
+impl<S: ClientIo> Frontend for FastConnection<'_, S> {
     fn engine_request(&self, target: &EngineTarget<'_>) -> pingora_error::Result<RequestHeader> {
         let mut client = RequestHeader::build(
             Method::POST,
@@ -221,21 +227,15 @@ impl Frontend for FastConnection<'_> {
     }
 
     async fn gone(&mut self) {
-        // The socket's own read-readiness slot (nothing else reads the client while a
-        // request is served), not `readable()`, which queues and unqueues a waiter each
-        // time this future is created and dropped: once per request and per body piece.
+        // Nothing else reads the client while a request is served: what it sends ahead is
+        // kept for the next request, up to a bound.
         poll_fn(|cx| {
             loop {
-                if ready!(self.tcp.poll_read_ready(cx)).is_err() {
-                    return Poll::Ready(());
-                }
                 self.buf.reserve(READ_RESERVE);
-                match self.tcp.try_read_buf(self.buf) {
-                    Ok(0) => return Poll::Ready(()),
+                match ready!(self.io.poll_read_ahead(cx, self.buf)) {
+                    Ok(0) | Err(_) => return Poll::Ready(()),
                     Ok(_) if self.buf.len() > MAX_READ_AHEAD => return Poll::Ready(()),
                     Ok(_) => {}
-                    Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
-                    Err(_) => return Poll::Ready(()),
                 }
             }
         })
@@ -279,20 +279,20 @@ impl Frontend for FastConnection<'_> {
                 tail = b"0\r\n\r\n";
             }
         }
-        let written = write_all(self.tcp, [self.out.as_slice(), &data, tail]).await;
+        let written = write_all(self.io, [self.out.as_slice(), &data, tail]).await;
         self.out.clear();
         written
     }
 }
 
 /// Writes every byte of `parts`, in order, with vectored writes; `false` on failure.
-async fn write_all(tcp: &mut TcpStream, mut parts: [&[u8]; 3]) -> bool {
+async fn write_all<S: ClientIo>(io: &mut S, mut parts: [&[u8]; 3]) -> bool {
     loop {
         let Some(first) = parts.iter().position(|part| !part.is_empty()) else {
             return true;
         };
         let slices = parts.map(IoSlice::new);
-        let written = match tcp.write_vectored(&slices[first..]).await {
+        let written = match io.write_vectored(&slices[first..]).await {
             Ok(0) | Err(_) => return false,
             Ok(written) => written,
         };

@@ -23,11 +23,11 @@ use kvmesh_h1::strict::{Violation, request_framing};
 use kvmesh_h1::waits::{Waits, Woken};
 use pingora_core::server::ShutdownWatch;
 use tokio::io::AsyncReadExt;
-use tokio::net::TcpStream;
 use tokio::sync::watch::error::RecvError;
 use tokio::time::Instant;
 
 use super::client::{BodyRead, FastConnection, READ_RESERVE};
+use super::io::ClientIo;
 use crate::api_error::{ApiError, ClientErrorReason};
 use crate::auth::AuthFailure;
 use crate::edge_metrics::Peer;
@@ -43,15 +43,10 @@ const MAX_HEAD: usize = 64 * 1024;
 
 /// How a fast-path connection ended.
 pub(crate) enum ConnectionEnd {
-    /// It is closed (or to be closed).
+    /// It is to be closed.
     Done,
-    /// Pingora serves the rest: `read` holds the bytes already read, unparsed.
-    Handover {
-        /// The client connection.
-        tcp: TcpStream,
-        /// What was read from it and not served.
-        read: Bytes,
-    },
+    /// Pingora serves the rest, beginning with these bytes already read, unparsed.
+    Handover(Bytes),
 }
 
 /// How reading a head ended.
@@ -70,11 +65,14 @@ struct FastRequest {
     framing: Framing,
     /// The client asked to close the connection after the response.
     close: bool,
+    /// The client waits for `100 Continue` before it sends the body (`Expect`).
+    expects_continue: bool,
 }
 
-/// Serves `tcp` until it closes, or until a request the fast path does not serve.
-pub(crate) async fn serve(
-    mut tcp: TcpStream,
+/// Serves `io` (a TCP connection, or a TLS one that chose HTTP/1.1) until it closes, or until
+/// a request the fast path does not serve.
+pub(crate) async fn serve<S: ClientIo>(
+    io: &mut S,
     states: &ArcSwap<State>,
     shutdown: &ShutdownWatch,
 ) -> ConnectionEnd {
@@ -87,7 +85,7 @@ pub(crate) async fn serve(
     let mut waits = Waits::new(changed, draining);
     loop {
         let head_timeout = states.load().limits.client_header_timeout;
-        let head = match read_head(&mut tcp, &mut buf, head_timeout, &mut waits, fresh).await {
+        let head = match read_head(io, &mut buf, head_timeout, &mut waits, fresh).await {
             HeadRead::Head(head) => head,
             HeadRead::Closed => return ConnectionEnd::Done,
             HeadRead::TimedOut => {
@@ -95,22 +93,17 @@ pub(crate) async fn serve(
                 state
                     .metrics
                     .client_error(ClientErrorReason::RequestTimeout);
-                answer_raw(&mut tcp, &ApiError::RequestTimeout).await;
+                answer_raw(io, &ApiError::RequestTimeout).await;
                 return ConnectionEnd::Done;
             }
-            HeadRead::Handover => {
-                return ConnectionEnd::Handover {
-                    tcp,
-                    read: buf.freeze(),
-                };
-            }
+            HeadRead::Handover => return ConnectionEnd::Handover(buf.freeze()),
         };
         // The state this request runs on to its end, whatever reloads happen meanwhile.
         let state = states.load_full();
         let framing = match request_framing(&head) {
             Ok(framing) => framing,
             Err(violation) => {
-                refuse(&state, &mut tcp, &mut buf, &mut out, &head, violation).await;
+                refuse(&state, io, &mut buf, &mut out, &head, violation).await;
                 return ConnectionEnd::Done;
             }
         };
@@ -118,10 +111,7 @@ pub(crate) async fn serve(
             let mut read = BytesMut::with_capacity(head.raw().len() + buf.len());
             read.extend_from_slice(head.raw());
             read.extend_from_slice(&buf);
-            return ConnectionEnd::Handover {
-                tcp,
-                read: read.freeze(),
-            };
+            return ConnectionEnd::Handover(read.freeze());
         };
         let close = request.close || *shutdown.borrow();
         let client_id = head
@@ -130,7 +120,7 @@ pub(crate) async fn serve(
             .and_then(|id| HeaderValue::from_bytes(id).ok());
         let mut record = Record::new(state.request_ids.resolve(client_id.as_ref()));
         record.route = Some(request.route);
-        let mut client = FastConnection::new(&mut tcp, &mut buf, &mut out, &head, close);
+        let mut client = FastConnection::new(io, &mut buf, &mut out, &head, close);
         let reusable = serve_request(&state, &mut client, &mut record, &head, &request).await;
         let close = client.close;
         // Answered before the body was read: the client may still be writing it.
@@ -139,7 +129,7 @@ pub(crate) async fn serve(
         if !reusable || close || *shutdown.borrow() {
             if linger {
                 // Boxed: the future exists only while a connection lingers.
-                Box::pin(lingering_close(&mut tcp)).await;
+                Box::pin(lingering_close(&mut *io)).await;
             }
             return ConnectionEnd::Done;
         }
@@ -149,9 +139,9 @@ pub(crate) async fn serve(
 
 /// Answers a head that breaks RFC 9112 (`violation`) with 400, then closes the connection
 /// with a lingering close (what follows the head cannot be told apart from a next request).
-async fn refuse(
+async fn refuse<S: ClientIo>(
     state: &State,
-    tcp: &mut TcpStream,
+    io: &mut S,
     buf: &mut BytesMut,
     out: &mut Vec<u8>,
     head: &RequestHead,
@@ -168,7 +158,7 @@ async fn refuse(
     if let RouteMatch::Found(route) = match_route(&method, head.path()) {
         record.route = Some(route);
     }
-    let mut client = FastConnection::new(tcp, buf, out, head, true);
+    let mut client = FastConnection::new(io, buf, out, head, true);
     client
         .reject(
             &mut record,
@@ -178,15 +168,15 @@ async fn refuse(
         .await;
     record.finish(&state.registry, &method, head.path());
     if !record.client_gone {
-        Box::pin(lingering_close(tcp)).await;
+        Box::pin(lingering_close(io)).await;
     }
 }
 
 /// Authentication and the body, then the spine; returns whether the connection
 /// can serve another request.
-async fn serve_request(
+async fn serve_request<S: ClientIo>(
     state: &State,
-    client: &mut FastConnection<'_>,
+    client: &mut FastConnection<'_, S>,
     record: &mut Record,
     head: &RequestHead,
     request: &FastRequest,
@@ -211,6 +201,14 @@ async fn serve_request(
     };
     let deadline = record.started + state.limits.client_header_timeout;
     let limit = state.limits.max_body_bytes;
+    // A body announced over the limit is refused without asking for it.
+    if request.expects_continue
+        && request.framing.announced() <= limit
+        && !client.write_continue().await
+    {
+        record.client_gone = true;
+        return false;
+    }
     let error = match client.read_body(request.framing, limit, deadline).await {
         Ok(body) => return proxy(state, client, record, key, body).await,
         Err(BodyRead::Gone) => {
@@ -234,8 +232,8 @@ async fn serve_request(
 }
 
 /// The request, when the fast path serves it: `POST` to a proxied route over HTTP/1.1, its
-/// body `framing` by length or chunked, with a head within the limits, no `Expect` and at
-/// most one `Connection` field.
+/// body `framing` by length or chunked, with a head within the limits, no `Expect` but
+/// `100-continue` and at most one `Connection` field.
 fn fast_request(
     head: &RequestHead,
     framing: Framing,
@@ -247,12 +245,15 @@ fn fast_request(
     let RouteMatch::Found(route) = match_route(&Method::POST, head.path()) else {
         return None;
     };
-    // Several `Connection` fields are pingora's to judge.
+    // Several `Connection` fields, and expectations other than `100-continue`, are pingora's
+    // to judge.
     let fields = &head.fields;
-    if !route.is_proxied()
-        || fields.get(Known::Expect).is_some()
-        || fields.repeated(Known::Connection)
-    {
+    let expects_continue = match fields.get(Known::Expect) {
+        None => false,
+        Some(value) if value.eq_ignore_ascii_case(b"100-continue") => true,
+        Some(_) => return None,
+    };
+    if !route.is_proxied() || fields.repeated(Known::Expect) || fields.repeated(Known::Connection) {
         return None;
     }
     let line = head.method().len() + head.target().len();
@@ -269,14 +270,15 @@ fn fast_request(
         route,
         framing,
         close,
+        expects_continue,
     })
 }
 
 /// Reads a request head within `limit`. Once shutdown begins, a connection gets a short
 /// grace to deliver a head already on its way. `fresh`: the connection's first request (a
 /// timeout is then a slow client, not an idle keep-alive connection).
-async fn read_head<C: Future<Output = Result<(), RecvError>>>(
-    tcp: &mut TcpStream,
+async fn read_head<S: ClientIo, C: Future<Output = Result<(), RecvError>>>(
+    io: &mut S,
     buf: &mut BytesMut,
     limit: Duration,
     waits: &mut Waits<'_, C>,
@@ -295,7 +297,7 @@ async fn read_head<C: Future<Output = Result<(), RecvError>>>(
         }
         buf.reserve(READ_RESERVE);
         // Bytes already waiting are taken without arming the timers.
-        match tcp.try_read_buf(buf) {
+        match io.try_read_buf(buf) {
             Ok(0) => return HeadRead::Closed,
             Ok(_) => continue,
             Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
@@ -311,7 +313,7 @@ async fn read_head<C: Future<Output = Result<(), RecvError>>>(
         });
         let read = tokio::select! {
             biased;
-            read = tcp.read_buf(buf) => read,
+            read = io.read_buf(buf) => read,
             woken = waits.wait(until) => match woken {
                 Woken::Shutdown => {
                     deadline = Some(until.min(Instant::now() + SHUTDOWN_GRACE));

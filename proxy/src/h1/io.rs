@@ -1,0 +1,70 @@
+//! The client connections the fast path serves: plaintext TCP, and TLS once its handshake
+//! chose HTTP/1.1 ([`ClientIo`]). Both are read the same way: what is already waiting is
+//! taken without arming a timer, and while a request is served the connection is read ahead
+//! (pipelined bytes kept) to see the client leave.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker, ready};
+
+use bytes::BytesMut;
+use pingora_core::protocols::IO;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+use tokio_util::io::poll_read_buf;
+
+/// A client connection of the fast path.
+pub(crate) trait ClientIo: AsyncRead + AsyncWrite + Unpin + Send {
+    /// Reads what is already waiting into `buf` without waiting (`WouldBlock`: nothing is).
+    fn try_read_buf(&mut self, buf: &mut BytesMut) -> io::Result<usize>;
+
+    /// Reads into `buf` once the client sent something (`Ok(0)`: it closed).
+    fn poll_read_ahead(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut BytesMut,
+    ) -> Poll<io::Result<usize>>;
+}
+
+impl ClientIo for TcpStream {
+    fn try_read_buf(&mut self, buf: &mut BytesMut) -> io::Result<usize> {
+        TcpStream::try_read_buf(self, buf)
+    }
+
+    fn poll_read_ahead(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut BytesMut,
+    ) -> Poll<io::Result<usize>> {
+        // The socket's own read-readiness slot, not `readable()`, which queues and unqueues
+        // a waiter each time its future is created and dropped: once per request and piece.
+        loop {
+            ready!(self.poll_read_ready(cx))?;
+            match TcpStream::try_read_buf(self, buf) {
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                read => return Poll::Ready(read),
+            }
+        }
+    }
+}
+
+/// A TLS connection (pingora's [`Stream`](pingora_core::protocols::Stream), its handshake done; written for any lifetime, as
+/// the futures that hold one are checked for `Send` over every lifetime).
+impl ClientIo for Box<dyn IO + '_> {
+    fn try_read_buf(&mut self, buf: &mut BytesMut) -> io::Result<usize> {
+        // Decrypted bytes already here come back at once; otherwise nothing waits on them.
+        let mut cx = Context::from_waker(Waker::noop());
+        match poll_read_buf(Pin::new(self), &mut cx, buf) {
+            Poll::Ready(read) => read,
+            Poll::Pending => Err(io::ErrorKind::WouldBlock.into()),
+        }
+    }
+
+    fn poll_read_ahead(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut BytesMut,
+    ) -> Poll<io::Result<usize>> {
+        poll_read_buf(Pin::new(self), cx, buf)
+    }
+}
