@@ -231,7 +231,6 @@ impl<S: ClientIo> Frontend for FastConnection<'_, S> {
         // kept for the next request, up to a bound.
         poll_fn(|cx| {
             loop {
-                self.buf.reserve(READ_RESERVE);
                 match ready!(self.io.poll_read_ahead(cx, self.buf)) {
                     Ok(0) | Err(_) => return Poll::Ready(()),
                     Ok(_) if self.buf.len() > MAX_READ_AHEAD => return Poll::Ready(()),

@@ -13,12 +13,16 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_util::io::poll_read_buf;
 
+use super::client::READ_RESERVE;
+
 /// A client connection of the fast path.
 pub(crate) trait ClientIo: AsyncRead + AsyncWrite + Unpin + Send {
     /// Reads what is already waiting into `buf` without waiting (`WouldBlock`: nothing is).
     fn try_read_buf(&mut self, buf: &mut BytesMut) -> io::Result<usize>;
 
-    /// Reads into `buf` once the client sent something (`Ok(0)`: it closed).
+    /// Reads into `buf` once the client sent something (`Ok(0)`: it closed), growing `buf`
+    /// only then: while a request is served, its body may still share `buf`'s allocation, so
+    /// growing it on every poll would allocate anew each time.
     fn poll_read_ahead(
         &mut self,
         cx: &mut Context<'_>,
@@ -40,6 +44,7 @@ impl ClientIo for TcpStream {
         // a waiter each time its future is created and dropped: once per request and piece.
         loop {
             ready!(self.poll_read_ready(cx))?;
+            buf.reserve(READ_RESERVE);
             match TcpStream::try_read_buf(self, buf) {
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
                 read => return Poll::Ready(read),
@@ -65,6 +70,7 @@ impl ClientIo for Box<dyn IO + '_> {
         cx: &mut Context<'_>,
         buf: &mut BytesMut,
     ) -> Poll<io::Result<usize>> {
+        // `poll_read_buf` grows a full `buf` by a little, and only when it reads.
         poll_read_buf(Pin::new(self), cx, buf)
     }
 }

@@ -84,11 +84,12 @@ fn value_after(data: &[u8], end: usize) -> Option<&[u8]> {
 /// (no leading zero, sign, fraction or exponent).
 fn small_number(value: &[u8]) -> Option<usize> {
     let digits = value.iter().take_while(|b| b.is_ascii_digit()).count();
-    let rest = value.get(digits).copied().unwrap_or(b'}');
     let plain = matches!(digits, 1..=4)
         && (digits == 1 || value[0] != b'0')
-        && !matches!(rest, b'.' | b'e' | b'E');
-    plain.then(|| std::str::from_utf8(&value[..digits]).ok()?.parse().ok())?
+        && !matches!(value.get(digits), Some(b'.' | b'e' | b'E'));
+    plain.then(|| {
+        (value[..digits].iter()).fold(0, |number, digit| number * 10 + usize::from(digit - b'0'))
+    })
 }
 
 /// A JSON string's text from just past its opening quote, when it has no escape (`None`:
