@@ -34,8 +34,9 @@ impl SessionShare {
     }
 }
 
-/// One proxy replica's in-flight load on one instance.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// One proxy replica's in-flight load on one instance, and how fast it learned the instance
+/// to be.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct InstanceLoadShare {
     /// The instance.
     pub instance_id: InstanceId,
@@ -45,12 +46,19 @@ pub struct InstanceLoadShare {
     pub blocks: u64,
     /// Its requests there.
     pub requests: u64,
+    /// The natural logarithm of the instance's speed factor against the cost model's profile,
+    /// as the replica learned it from its own requests' first tokens (absent: 0).
+    #[serde(default)]
+    pub speed_ln_factor: f64,
+    /// The first tokens it learned that from (absent: 0, nothing learned).
+    #[serde(default)]
+    pub speed_samples: u64,
 }
 
 /// One proxy replica's in-flight load on a model's instances, numbered: a newer share
 /// replaces the last, and a share counts for `ttl_ms` (a replica that stops sharing, because
 /// it died, stops counting).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoadShare {
     /// The sharing replica.
     pub replica: HexU64,
@@ -60,7 +68,7 @@ pub struct LoadShare {
     pub model: String,
     /// How long the share counts, in milliseconds.
     pub ttl_ms: u64,
-    /// Its load per instance (instances without any may be left out).
+    /// Its load per instance (instances without load or learned speed may be left out).
     pub instances: Vec<InstanceLoadShare>,
 }
 
@@ -133,8 +141,25 @@ mod tests {
         let share = LoadShare::from_json(json).expect("doc example");
         assert_eq!(share.instances[0].prefill_tokens, 4096);
         assert_eq!(
+            (
+                share.instances[0].speed_ln_factor,
+                share.instances[0].speed_samples
+            ),
+            (0.0, 0),
+            "a replica that shares no speed learned nothing"
+        );
+        assert_eq!(
             LoadShare::from_json(&share.to_json()).expect("round trip"),
             share
+        );
+        let json = br#"{"replica":"0000000000000007","seq":4,"model":"m","ttl_ms":3000,"instances":[{"instance_id":"00c0ffee00c0ffee","prefill_tokens":0,"blocks":0,"requests":0,"speed_ln_factor":0.5,"speed_samples":12}]}"#;
+        let share = LoadShare::from_json(json).expect("with speed");
+        assert_eq!(
+            (
+                share.instances[0].speed_ln_factor,
+                share.instances[0].speed_samples
+            ),
+            (0.5, 12)
         );
     }
 

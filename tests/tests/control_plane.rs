@@ -743,7 +743,7 @@ async fn await_explained(
     request: &serde_json::Value,
     session: Option<&str>,
     done: impl Fn(&serde_json::Value) -> bool,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<serde_json::Value> {
     let url = format!("{}/debug/route?route=completions", proxy.url("admin"));
     let mut headers = vec![("content-type", "application/json")];
     headers.extend(session.map(|session| ("x-session-id", session)));
@@ -756,7 +756,7 @@ async fn await_explained(
         anyhow::ensure!(response.status == 200, "debug/route: {}", response.status);
         let explained: serde_json::Value = serde_json::from_slice(&response.body)?;
         if done(&explained) {
-            return Ok(());
+            return Ok(explained);
         }
         anyhow::ensure!(Instant::now() < deadline, "never reached: {explained}");
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -773,7 +773,7 @@ fn explained_instance(explained: &serde_json::Value, instance: &str) -> serde_js
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replica_counts_the_requests_another_has_in_flight() -> anyhow::Result<()> {
+async fn a_replica_counts_the_requests_and_speeds_another_has_learned() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
     let setup = TwoReplicas::start("cp-replica-load").await?;
     let (proxy_a, proxy_b) = (&setup.proxy_a, &setup.proxy_b);
@@ -809,6 +809,25 @@ async fn a_replica_counts_the_requests_another_has_in_flight() -> anyhow::Result
         |explained| {
             let entry = explained_instance(explained, &engine);
             entry["active_requests"] == 1 && entry["active_blocks"].as_u64() >= Some(4)
+        },
+    )
+    .await?;
+    // Proxy A learned the engine's speed from the stream's first token, and shares it with
+    // the load: B, which saw no first token of its own, merges A's one sample with its prior
+    // (four samples of the profile's speed), so its factor is A's to the power 1/5.
+    let learned = await_explained(&client, proxy_a, &token_prompt(&probe, 1), None, |_| true)
+        .await
+        .map(|explained| explained_instance(&explained, &engine)["speed"].as_f64())?
+        .expect("a speed");
+    assert!((learned - 1.0).abs() > 1e-6, "A learned a speed: {learned}");
+    await_explained(
+        &client,
+        proxy_b,
+        &token_prompt(&probe, 1),
+        None,
+        |explained| {
+            let speed = explained_instance(explained, &engine)["speed"].as_f64();
+            speed.is_some_and(|speed| (speed.ln() - learned.ln() / 5.0).abs() < 1e-9)
         },
     )
     .await?;

@@ -37,7 +37,7 @@ use kvmesh_kv::{BlockHashes, KvEvent, LocalBlockHash, SequenceHash, WorkerKey};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::AbortHandle;
 
-use kvmesh_route::kv::{EventFeed, SessionBinding, SharedDecision, SharedLoad};
+use kvmesh_route::kv::{EventFeed, SessionBinding, SharedDecision, SharedLoad, SharedSpeed};
 
 use crate::control_plane::metrics::{ControlMetrics, Dropped, Malformed};
 use crate::control_plane::sequence::{Outcome, ResyncReason, SequenceTracker, Step};
@@ -221,12 +221,14 @@ impl Sharer {
             ttl_ms: LOAD_SHARE_TTL.as_millis() as u64,
             instances: own
                 .iter()
-                .filter(|(_, load)| load.requests > 0)
+                .filter(|(_, load)| load.requests > 0 || load.speed.samples > 0)
                 .map(|(&instance, load)| InstanceLoadShare {
                     instance_id: InstanceId(instance),
                     prefill_tokens: load.prefill_tokens,
                     blocks: load.blocks,
                     requests: load.requests,
+                    speed_ln_factor: load.speed.ln_factor,
+                    speed_samples: load.speed.samples,
                 })
                 .collect(),
         };
@@ -459,6 +461,10 @@ impl Actor {
                         prefill_tokens: load.prefill_tokens,
                         blocks: load.blocks,
                         requests: load.requests,
+                        speed: SharedSpeed {
+                            ln_factor: load.speed_ln_factor,
+                            samples: load.speed_samples,
+                        },
                     };
                     (load.instance_id.0, shared)
                 })

@@ -52,6 +52,6 @@ pub use decision::{Choice, Decision, KvRequest, SharedDecision};
 pub use event_feed::EventFeed;
 pub(crate) use explain::route_header;
 pub use explain::{Explanation, InstanceExplanation};
-pub use replicas::SharedLoad;
+pub use replicas::{SharedLoad, SharedSpeed};
 pub use router::KvRouter;
 pub use sessions::SessionBinding;

@@ -3,7 +3,9 @@
 //! Each replica's bookings are exact for its own requests but blind to the others'. So every
 //! replica shares, a few times a second and whenever it changed, what it has in flight per
 //! instance (prefill tokens, blocks, requests: [`SharedLoad`]), numbered; the others add it
-//! to their own when scoring. A share replaces that replica's previous one (an older number
+//! to their own when scoring. It shares what it learned of each instance's speed too
+//! ([`SharedSpeed`]), so that replicas predict the same times: each merges the others'
+//! samples with its own. A share replaces that replica's previous one (an older number
 //! is ignored), and lasts a TTL: a replica that dies stops sharing and its load disappears
 //! when its last share expires. KV blocks need no sharing: every replica reads every
 //! engine's KV events.
@@ -16,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 
-/// One replica's in-flight load on one instance.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// One replica's in-flight load on one instance, and its learned speed of it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct SharedLoad {
     /// Prompt tokens of its requests there still in prefill.
     pub prefill_tokens: u64,
@@ -25,6 +27,8 @@ pub struct SharedLoad {
     pub blocks: u64,
     /// Its requests there.
     pub requests: u64,
+    /// What its own first tokens taught it of the instance's speed.
+    pub speed: SharedSpeed,
 }
 
 impl SharedLoad {
@@ -32,6 +36,33 @@ impl SharedLoad {
         self.prefill_tokens += other.prefill_tokens;
         self.blocks += other.blocks;
         self.requests += other.requests;
+        self.speed = self.speed.merged(other.speed);
+    }
+}
+
+/// A learned speed factor as replicas share it: the mean of its samples' logarithms, and how
+/// many samples (0: nothing learned).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct SharedSpeed {
+    /// The factor's natural logarithm (above 0: slower than the cost model's profile).
+    pub ln_factor: f64,
+    /// The first tokens it was learned from.
+    pub samples: u64,
+}
+
+impl SharedSpeed {
+    /// Both together: the logarithms weighted by their samples.
+    pub fn merged(self, other: SharedSpeed) -> SharedSpeed {
+        let samples = self.samples + other.samples;
+        if samples == 0 {
+            return SharedSpeed::default();
+        }
+        let weighted =
+            self.ln_factor * self.samples as f64 + other.ln_factor * other.samples as f64;
+        SharedSpeed {
+            ln_factor: weighted / samples as f64,
+            samples,
+        }
     }
 }
 
@@ -119,6 +150,7 @@ mod tests {
             prefill_tokens,
             blocks,
             requests,
+            speed: SharedSpeed::default(),
         }
     }
 
@@ -142,9 +174,29 @@ mod tests {
         assert!(replicas.apply(1, 3, HashMap::new(), TTL, later));
         assert!(!replicas.apply(1, 2, HashMap::from([(7, load(999, 9, 9))]), TTL, later));
         assert_eq!(replicas.on(7), load(50, 5, 2));
+        // Speeds merge weighted by samples: 1 sample of factor e and 3 of factor 1.
+        let slow = SharedLoad {
+            speed: SharedSpeed {
+                ln_factor: 1.0,
+                samples: 1,
+            },
+            ..load(0, 0, 0)
+        };
+        let steady = SharedLoad {
+            speed: SharedSpeed {
+                ln_factor: 0.0,
+                samples: 3,
+            },
+            ..load(0, 0, 0)
+        };
+        assert!(replicas.apply(3, 1, HashMap::from([(8, slow)]), TTL, later));
+        assert!(replicas.apply(4, 1, HashMap::from([(8, steady)]), TTL, later));
+        let merged = replicas.on(8).speed;
+        assert_eq!(merged.samples, 4);
+        assert!((merged.ln_factor - 0.25).abs() < 1e-12, "{merged:?}");
         // Replica 2 stops sharing (it died): its load goes when its share expires.
         replicas.expire(now + TTL);
         assert_eq!(replicas.on(7), SharedLoad::default());
-        assert_eq!(replicas.on(8), SharedLoad::default());
+        assert_eq!(replicas.on(8).requests, 0);
     }
 }

@@ -5,7 +5,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use kvmesh_config::KvRoutingConfig;
-use kvmesh_kv::{ApproxConfig, ApproxConfigError, BlockHashes, OverlapScores};
+use kvmesh_kv::{ApproxConfig, ApproxConfigError, BlockHashes, OverlapScores, SequenceHash};
 use kvmesh_preprocess::ModelPreprocessor;
 use rand::Rng;
 use tokio::sync::mpsc;
@@ -159,12 +159,15 @@ impl KvRouter {
         self.admission.wake();
     }
 
-    /// `load` of `instance` with what the proxy does not book itself added: the other proxy
-    /// replicas' shared load, and the engine's foreign load (what its report holds beyond
-    /// this proxy's own requests, less the other replicas' blocks it already counts): its
-    /// blocks to the active blocks, and one block of prefill tokens per request waiting.
-    fn folded(&self, instance: u64, mut load: LoadSnapshot) -> LoadSnapshot {
+    /// Instance `instance`'s load (the prefix depth measured against `query`) with what the
+    /// proxy does not book itself added: the other proxy replicas' shared load, and the
+    /// engine's foreign load (what its report holds beyond this proxy's own requests, less the
+    /// other replicas' blocks it already counts): its blocks to the active blocks, and one
+    /// block of prefill tokens per request waiting. Its speed is learned from every replica's
+    /// first tokens.
+    fn folded(&self, instance: u64, query: &[SequenceHash]) -> LoadSnapshot {
         let replicas = self.replicas.on(instance);
+        let mut load = self.loads.snapshot(instance, query, replicas.speed);
         load.prefill_tokens = load.prefill_tokens.saturating_add(replicas.prefill_tokens);
         load.requests = load.requests.saturating_add(replicas.requests as usize);
         let foreign = load.foreign_blocks.saturating_sub(replicas.blocks);
@@ -336,7 +339,7 @@ impl KvRouter {
             RouteInput::Tokens(prompt) => &prompt.hashes.sequence[..],
             RouteInput::Fallback(_) => &[],
         };
-        self.folded(id, self.loads.snapshot(id, query))
+        self.folded(id, query)
     }
 
     /// Instance `id` (with `in_flight` requests and `load`) scored for `request`, when the
@@ -455,7 +458,7 @@ impl KvRouter {
                 continue;
             }
             any_available = true;
-            let load = self.folded(instance.id(), self.loads.snapshot(instance.id(), &[]));
+            let load = self.folded(instance.id(), &[]);
             if !self
                 .busy
                 .is_busy(load.blocks, load.prefill_tokens, load.capacity)
@@ -662,7 +665,7 @@ impl KvRouter {
         for instance in instances {
             let blocks = counts.get(&instance.id()).copied().unwrap_or(0);
             self.metrics.set_index_blocks(instance.url(), blocks);
-            let speed = self.loads.snapshot(instance.id(), &[]).speed;
+            let speed = self.folded(instance.id(), &[]).speed;
             self.metrics.set_instance_speed(instance.url(), speed);
         }
     }

@@ -12,6 +12,11 @@
 //! together, [`LearnedSpeed::shrunk_toward`]): a fleet that runs 4× faster than profiled is
 //! learned from its first answers, and a new instance is not taken for 4× slower than its
 //! peers until it has been tried (which would starve it of the requests that teach it).
+//!
+//! Proxy replicas share their factors ([`SharedSpeed`]); each scores with its own merged with
+//! the others', weighted by samples, so that replicas predict the same times.
+
+use crate::kv::replicas::SharedSpeed;
 
 /// Weight of one sample in the moving average.
 pub(crate) const LEARNING_RATE: f64 = 0.1;
@@ -51,6 +56,23 @@ impl LearnedSpeed {
     /// The factor's natural logarithm.
     pub(crate) fn ln_factor(&self) -> f64 {
         self.ln_factor
+    }
+
+    /// This speed as replicas share it.
+    pub(crate) fn shared(&self) -> SharedSpeed {
+        SharedSpeed {
+            ln_factor: self.ln_factor,
+            samples: self.samples,
+        }
+    }
+
+    /// This speed with `others`' samples (the other replicas') merged in.
+    pub(crate) fn with(&self, others: SharedSpeed) -> LearnedSpeed {
+        let merged = self.shared().merged(others);
+        LearnedSpeed {
+            ln_factor: merged.ln_factor,
+            samples: merged.samples,
+        }
     }
 
     /// Learns from one request: the profile predicted `profiled_ms` to its first token, it
