@@ -130,16 +130,14 @@ pub fn sse_comments(body: &[u8]) -> Vec<String> {
         .collect()
 }
 
-/// Opens `count` streams of `max_tokens` tokens through the proxy at `main` (its data
-/// listener's URL), each with its own prompt, alternately chat (with a usage chunk) and
-/// completions, and reads each one's first chunk.
-pub async fn open_streams(
-    client: &HttpClient,
-    main: &str,
+/// `count` streamed requests of `max_tokens` tokens, each with its own prompt, alternately
+/// chat (with a usage chunk) and completions: `(path under /v1/, body)` for
+/// [`open_streams_with`].
+pub fn chat_and_completions(
     count: usize,
     max_tokens: u64,
-) -> anyhow::Result<Vec<OpenStream>> {
-    let requests = (0..count).map(|index| {
+) -> impl Iterator<Item = (&'static str, serde_json::Value)> {
+    (0..count).map(move |index| {
         if index % 2 == 0 {
             let mut body = chat_body(&format!("tell story {index}"), max_tokens as u32, true);
             body["stream_options"] = serde_json::json!({"include_usage": true});
@@ -149,8 +147,19 @@ pub async fn open_streams(
                 "max_tokens": max_tokens, "stream": true});
             ("completions", body)
         }
-    });
-    open_streams_with(client, main, requests).await
+    })
+}
+
+/// Opens `count` streams of `max_tokens` tokens through the proxy at `main` (its data
+/// listener's URL), each with its own prompt, alternately chat (with a usage chunk) and
+/// completions, and reads each one's first chunk.
+pub async fn open_streams(
+    client: &HttpClient,
+    main: &str,
+    count: usize,
+    max_tokens: u64,
+) -> anyhow::Result<Vec<OpenStream>> {
+    open_streams_with(client, main, chat_and_completions(count, max_tokens)).await
 }
 
 /// Opens one stream per `(path under /v1/, body)` of `requests` through the proxy at `main`,

@@ -9,7 +9,8 @@ use kvmesh_e2e::cluster::{
 };
 use kvmesh_e2e::control_plane::assert_migrations;
 use kvmesh_e2e::sse::{
-    assert_all_whole, assert_whole_choices, open_streams, open_streams_with, sse_comments, sse_data,
+    OpenStream, assert_all_whole, assert_whole_choices, chat_and_completions, open_streams_with,
+    sse_comments, sse_data,
 };
 use kvmesh_e2e::{HttpClient, ScratchDir};
 
@@ -470,36 +471,45 @@ impl Pair {
             client: HttpClient::http1(),
         }
     }
+
+    /// Opens one stream per `(path under /v1/, body)` of `requests` and reads each one's
+    /// first chunk, then kills the victim; the streams, half of which round robin put on it.
+    async fn open_then_kill<'a>(
+        &mut self,
+        requests: impl IntoIterator<Item = (&'a str, serde_json::Value)>,
+    ) -> Vec<OpenStream> {
+        let streams = open_streams_with(&self.client, &self.proxy.url("main"), requests)
+            .await
+            .unwrap();
+        let on_victim = streams.iter().filter(|s| s.instance == self.victim_url);
+        assert_eq!(on_victim.count(), streams.len() / 2, "round robin");
+        self.victim.kill();
+        streams
+    }
+
+    /// The survivor's URL.
+    fn survivor_url(&self) -> String {
+        engine_urls(&self.survivor)[0].clone()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_on_a_killed_engine_continue_on_another() {
     const STREAMS: usize = 20;
     const MAX_TOKENS: u64 = 300;
-    let Pair {
-        _scratch,
-        mut victim,
-        survivor,
-        victim_url,
-        proxy,
-        client,
-    } = Pair::start("migrate");
+    let mut pair = Pair::start("migrate");
 
     // Half chat, half completions; round robin puts every other one on the victim.
-    let streams = open_streams(&client, &proxy.url("main"), STREAMS, MAX_TOKENS)
-        .await
-        .unwrap();
-    let on_victim = streams.iter().filter(|s| s.instance == victim_url).count();
-    assert_eq!(on_victim, STREAMS / 2);
-    victim.kill();
-
+    let streams = pair
+        .open_then_kill(chat_and_completions(STREAMS, MAX_TOKENS))
+        .await;
     let bodies = assert_all_whole(streams, MAX_TOKENS, Duration::from_secs(30))
         .await
         .unwrap();
     // Each moved stream says where it went on, once, in a comment clients skip.
-    let survivor_url = &engine_urls(&survivor)[0];
+    let survivor_url = pair.survivor_url();
     for (instance, body) in &bodies {
-        let expected = if *instance == victim_url {
+        let expected = if *instance == pair.victim_url {
             vec![format!(
                 "x-kvmesh-route migration=1; instance={survivor_url}"
             )]
@@ -508,21 +518,14 @@ async fn streams_on_a_killed_engine_continue_on_another() {
         };
         assert_eq!(sse_comments(body), expected, "a stream first on {instance}");
     }
-    assert_migrations(&client, &proxy, STREAMS / 2).await;
+    assert_migrations(&pair.client, &pair.proxy, STREAMS / 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn echoed_streams_on_a_killed_engine_continue_without_a_second_echo() {
     const STREAMS: usize = 6;
     const MAX_TOKENS: u64 = 300;
-    let Pair {
-        _scratch,
-        mut victim,
-        survivor: _survivor,
-        victim_url,
-        proxy,
-        client,
-    } = Pair::start("migrate-echo");
+    let mut pair = Pair::start("migrate-echo");
 
     let prompt = |i: usize| format!("echo-marker-{i}");
     let requests = (0..STREAMS).map(|i| {
@@ -530,13 +533,7 @@ async fn echoed_streams_on_a_killed_engine_continue_without_a_second_echo() {
                           "stream": true, "echo": true});
         ("completions", body)
     });
-    let streams = open_streams_with(&client, &proxy.url("main"), requests)
-        .await
-        .unwrap();
-    let on_victim = streams.iter().filter(|s| s.instance == victim_url).count();
-    assert_eq!(on_victim, STREAMS / 2, "round robin");
-    victim.kill();
-
+    let streams = pair.open_then_kill(requests).await;
     let bodies = assert_all_whole(streams, MAX_TOKENS, Duration::from_secs(30))
         .await
         .unwrap();
@@ -553,7 +550,7 @@ async fn echoed_streams_on_a_killed_engine_continue_without_a_second_echo() {
             "stream {i}: echoed once"
         );
     }
-    assert_migrations(&client, &proxy, on_victim).await;
+    assert_migrations(&pair.client, &pair.proxy, STREAMS / 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -561,37 +558,15 @@ async fn streams_of_several_choices_continue_each_choice_on_another() {
     const STREAMS: usize = 6;
     const CHOICES: u64 = 3;
     const MAX_TOKENS: u64 = 200;
-    let Pair {
-        _scratch,
-        mut victim,
-        survivor,
-        victim_url,
-        proxy,
-        client,
-    } = Pair::start("migrate-choices");
+    let mut pair = Pair::start("migrate-choices");
 
     // Half chat (with a usage chunk), half completions, each with three choices.
-    let requests = (0..STREAMS).map(|index| {
-        let (path, mut body) = if index % 2 == 0 {
-            let mut body = chat_body(&format!("choices {index}"), MAX_TOKENS as u32, true);
-            body["stream_options"] = serde_json::json!({"include_usage": true});
-            ("chat/completions", body)
-        } else {
-            let body = serde_json::json!({"model": MODEL, "prompt": format!("Choices {index}"),
-                                          "max_tokens": MAX_TOKENS, "stream": true});
-            ("completions", body)
-        };
+    let requests = chat_and_completions(STREAMS, MAX_TOKENS).map(|(path, mut body)| {
         body["n"] = CHOICES.into();
         (path, body)
     });
-    let streams = open_streams_with(&client, &proxy.url("main"), requests)
-        .await
-        .unwrap();
-    let on_victim = streams.iter().filter(|s| s.instance == victim_url).count();
-    assert_eq!(on_victim, STREAMS / 2, "round robin");
-    victim.kill();
-
-    let survivor_url = &engine_urls(&survivor)[0];
+    let streams = pair.open_then_kill(requests).await;
+    let survivor_url = pair.survivor_url();
     for stream in streams {
         let (index, instance) = (stream.index, stream.instance.clone());
         let rest = tokio::time::timeout(Duration::from_secs(30), stream.stream.rest())
@@ -602,7 +577,7 @@ async fn streams_of_several_choices_continue_each_choice_on_another() {
         let what = format!("stream {index}");
         assert_whole_choices(&body, CHOICES, MAX_TOKENS, &what);
         // A moved stream's choices go on one after another, each saying so once.
-        let expected: Vec<String> = if instance == victim_url {
+        let expected: Vec<String> = if instance == pair.victim_url {
             (0..CHOICES)
                 .map(|choice| {
                     format!("x-kvmesh-route migration=1; choice={choice}; instance={survivor_url}")
@@ -613,5 +588,5 @@ async fn streams_of_several_choices_continue_each_choice_on_another() {
         };
         assert_eq!(sse_comments(&body), expected, "{what}");
     }
-    assert_migrations(&client, &proxy, on_victim).await;
+    assert_migrations(&pair.client, &pair.proxy, STREAMS / 2).await;
 }
