@@ -65,6 +65,13 @@ impl TokenCount {
         }
     }
 
+    /// Takes in `chunk`, the next piece of an SSE body, whose data events carrying text were
+    /// already counted (`text_events`, by the migration transcript): only its usage is read.
+    pub(crate) fn observe_counted(&mut self, chunk: &[u8], text_events: u64) {
+        self.events += text_events;
+        self.take_usage(chunk);
+    }
+
     fn observe_events(&mut self, chunk: &[u8]) {
         let tokens = crate::sse::data_values(chunk)
             .filter(|data| has_text(data))

@@ -108,6 +108,9 @@ pub(crate) struct Passed {
     pub(crate) forward: Bytes,
     /// The engine sent an error event (not forwarded): the stream broke.
     pub(crate) broken: bool,
+    /// Events among `forward` that carried generated text (one token each), as the transcript
+    /// counted them.
+    pub(crate) text_events: u64,
 }
 
 /// One SSE chunk of an OpenAI stream, as far as the transcript reads it.
@@ -251,6 +254,7 @@ impl Migration {
     /// Takes in `events` (whole SSE events) on their way to the client: the transcript
     /// grows, a continuation's events are rewritten, an engine error event is held back.
     pub(crate) fn pass(&mut self, events: Bytes) -> Passed {
+        let before = self.text_events();
         if !self.continuing() && ERROR_KEY.find(&events).is_none() {
             for data in data_values(&events) {
                 self.observe(data);
@@ -258,6 +262,7 @@ impl Migration {
             return Passed {
                 forward: events,
                 broken: false,
+                text_events: self.text_events() - before,
             };
         }
         let mut out = BytesMut::with_capacity(events.len() + 64);
@@ -270,6 +275,7 @@ impl Migration {
                 return Passed {
                     forward: out.freeze(),
                     broken: true,
+                    text_events: self.text_events() - before,
                 };
             }
             if !self.continuing() {
@@ -290,7 +296,13 @@ impl Migration {
         Passed {
             forward: out.freeze(),
             broken: false,
+            text_events: self.text_events() - before,
         }
+    }
+
+    /// Content events relayed so far, every choice's.
+    fn text_events(&self) -> u64 {
+        self.choices.iter().map(|choice| choice.tokens).sum()
     }
 
     /// Records one event's data in the transcript.

@@ -229,6 +229,8 @@ pub(crate) async fn relay_body<F: Frontend>(
             }
             None => Some(chunk),
         };
+        // The transcript reads every event already: what it counted is not counted again.
+        let mut text_events = None;
         if let Some(migration) = migration.as_mut()
             && let Some(whole) = out.take()
         {
@@ -239,10 +241,11 @@ pub(crate) async fn relay_body<F: Frontend>(
                 }
                 return RelayEnd::Broken(FailureKind::Reset);
             }
+            text_events = Some(passed.text_events);
             out = Some(passed.forward);
         }
         if let Some(out) = out.as_ref() {
-            count(tokens, ctx, out);
+            count(tokens, ctx, out, text_events);
         }
         next = upstream.take_buffered();
         let last = matches!(next, Some(Ok(None))) && held.is_empty();
@@ -263,7 +266,7 @@ pub(crate) async fn relay_body<F: Frontend>(
     // is charged like the rest.
     let rest = held.split().freeze();
     if !rest.is_empty() {
-        count(tokens, ctx, &rest);
+        count(tokens, ctx, &rest, None);
     }
     if let Some(booking) = ctx.booking {
         booking.release();
@@ -288,10 +291,14 @@ async fn choice_done<F: Frontend>(frontend: &mut F, out: Option<Bytes>) -> Relay
     RelayEnd::ChoiceDone
 }
 
-/// Counts the tokens of `out`, a piece of the body on its way to the client, and charges
-/// them to the API key when it meters completions.
-fn count(tokens: &mut TokenCount, ctx: &RelayContext<'_>, out: &[u8]) {
-    tokens.observe(out, ctx.event_stream);
+/// Counts the tokens of `out`, a piece of the body on its way to the client (SSE: its data
+/// events carrying text, `text_events` when the migration transcript counted them), and
+/// charges them to the API key when it meters completions.
+fn count(tokens: &mut TokenCount, ctx: &RelayContext<'_>, out: &[u8], text_events: Option<u64>) {
+    match text_events.filter(|_| ctx.event_stream) {
+        Some(events) => tokens.observe_counted(out, events),
+        None => tokens.observe(out, ctx.event_stream),
+    }
     if let Some(meter) = ctx.meter {
         meter.charge_to(tokens.completion_tokens());
     }

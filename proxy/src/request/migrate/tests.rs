@@ -371,3 +371,53 @@ fn a_choice_the_request_did_not_ask_for_stops_migration() {
     m.pass(Bytes::from(text_chunk("cmpl-a", 2, " x", None)));
     assert!(!m.may_continue());
 }
+
+#[test]
+fn the_transcript_counts_the_text_events_the_token_counter_would() {
+    let role = json!({"id": "chatcmpl-a", "created": 7, "model": "m",
+                      "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]});
+    let last = json!({"id": "chatcmpl-a", "created": 7, "model": "m",
+                      "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]});
+    let usage = json!({"id": "chatcmpl-a", "choices": [],
+                       "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}});
+    let chat = format!(
+        "data: {role}\n\n{}{}{}data: {last}\n\ndata: {usage}\n\ndata: [DONE]\n\n",
+        chat_chunk("Hello", None),
+        chat_chunk(" \"there\"", None),
+        chat_chunk("!", Some("length")),
+    );
+    let completions = [
+        text_chunk("cmpl-a", 0, " upon", None),
+        text_chunk("cmpl-a", 0, "", Some("stop")),
+        text_chunk("cmpl-a", 1, " a", Some("length")),
+        "data: [DONE]\n\n".to_string(),
+    ]
+    .concat();
+    for (route, body, events, texts) in [
+        (
+            Route::ChatCompletions,
+            json!({"model": "m", "messages": []}),
+            chat,
+            3,
+        ),
+        (
+            Route::Completions,
+            json!({"model": "m", "prompt": "x", "n": 2}),
+            completions,
+            2,
+        ),
+    ] {
+        let mut m = migration(route, body);
+        let passed = m.pass(Bytes::from(events.clone()));
+        let mut counter = crate::usage::TokenCount::default();
+        counter.observe(events.as_bytes(), true);
+        let mut counted = crate::usage::TokenCount::default();
+        counted.observe_counted(events.as_bytes(), passed.text_events);
+        assert_eq!(passed.text_events, texts, "{events}");
+        assert_eq!(
+            (counted.completion_tokens(), counted.prompt_tokens()),
+            (counter.completion_tokens(), counter.prompt_tokens()),
+            "{events}"
+        );
+    }
+}
