@@ -31,6 +31,9 @@
 #   --kv KEY=VALUE        any other kvmesh policy: kv setting, e.g. --kv harm_weight=0.1
 #                         (repeatable; default: the proxy's defaults)
 #   --workloads LIST      trace,chat (default both)
+#   --second-replica-idle the kvmesh-precise-2r lane sends all its load to the first replica,
+#                         the second running beside it (sharing, receiving events) with none:
+#                         what a second proxy process costs on this machine, apart from routing
 #   --no-build            use the binaries already in --bin-dir
 #   --bin-dir DIR         where the binaries are (default target/release)
 #   --doc FILE            document to update (default docs/BENCHMARKS.md)
@@ -58,6 +61,7 @@ LANES=kvmesh-rr,kvmesh-kv,kvmesh-precise,kvmesh-precise-2r,sglang,vllm-router,ng
 WORKLOADS=trace,chat
 KV_OVERLAP_WEIGHT=
 KV_SETTINGS=()
+SECOND_REPLICA_IDLE=0
 CACHE_DIR=$BENCH_ROOT/.cache/bench
 TOKENIZER=$BENCH_ROOT/.cache/tokenizers/qwen3
 MODEL=sim-model
@@ -75,6 +79,7 @@ while (($#)); do
     --chat-sessions) CHAT_SESSIONS=$2; shift 2 ;;
     --lanes) LANES=$2; shift 2 ;;
     --workloads) WORKLOADS=$2; shift 2 ;;
+    --second-replica-idle) SECOND_REPLICA_IDLE=1; shift ;;
     --kv-overlap-weight) KV_OVERLAP_WEIGHT=$2; shift 2 ;;
     --kv) [[ $2 == *=* ]] || die "--kv takes KEY=VALUE, not $2"; KV_SETTINGS+=("$2"); shift 2 ;;
     *) common_option "$@"; shift "$TAKEN" ;;
@@ -230,7 +235,7 @@ events:
     start_bg PROXY2_PID "$RUN_DIR/proxy-2.out" env RUST_LOG=warn "$PROXY" --config "$RUN_DIR/kvmesh.yaml"
     wait_ready "$RUN_DIR/proxy-2.out" "$PROXY2_PID"
     ROUTER_PIDS+=("$PROXY2_PID")
-    ALSO_URLS=("http://$(listening "$RUN_DIR/proxy-2.out" main)")
+    ((SECOND_REPLICA_IDLE)) || ALSO_URLS=("http://$(listening "$RUN_DIR/proxy-2.out" main)")
   fi
 }
 
