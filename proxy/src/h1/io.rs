@@ -53,8 +53,9 @@ impl ClientIo for TcpStream {
     }
 }
 
-/// A TLS connection (pingora's [`Stream`](pingora_core::protocols::Stream), its handshake done; written for any lifetime, as
-/// the futures that hold one are checked for `Send` over every lifetime).
+/// A TLS connection: pingora's [`Stream`](pingora_core::protocols::Stream), its handshake
+/// done. Written for any lifetime, as the futures that hold one are checked for `Send` over
+/// every lifetime.
 impl ClientIo for Box<dyn IO + '_> {
     fn try_read_buf(&mut self, buf: &mut BytesMut) -> io::Result<usize> {
         // Decrypted bytes already here come back at once; otherwise nothing waits on them.
