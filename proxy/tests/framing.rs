@@ -1,8 +1,8 @@
-//! A strict HTTP/1.1 edge at the byte level, on the fast path in plaintext and over TLS
-//! (the same rules, the same counts): requests that frame their body ambiguously, name no single Host or a
-//! target in no valid form get 400 and a closed connection, and never reach an engine;
-//! chunked bodies are held to RFC 9112's grammar; absolute-form targets are served by their
-//! path; and an answer that comes before the body was read is followed by a lingering
+//! A strict HTTP/1.1 edge at the byte level, on the fast path in plaintext and over TLS (the
+//! same rules, the same counts): requests that frame their body ambiguously, name no single
+//! Host or a target in no valid form get 400 and a closed connection, and never reach an
+//! engine; chunked bodies are held to RFC 9112's grammar; absolute-form targets are served by
+//! their path; and an answer that comes before the body was read is followed by a lingering
 //! close, so that a client writing its whole body first still reads it.
 
 #[allow(dead_code)]
