@@ -560,9 +560,13 @@ async fn streams_of_several_choices_continue_each_choice_on_another() {
     const MAX_TOKENS: u64 = 200;
     let mut pair = Pair::start("migrate-choices");
 
-    // Half chat (with a usage chunk), half completions, each with three choices.
+    // Half chat (with a usage chunk), half completions echoing their prompt, each with three
+    // choices.
     let requests = chat_and_completions(STREAMS, MAX_TOKENS).map(|(path, mut body)| {
         body["n"] = CHOICES.into();
+        if path == "completions" {
+            body["echo"] = true.into();
+        }
         (path, body)
     });
     let streams = pair.open_then_kill(requests).await;
@@ -576,6 +580,24 @@ async fn streams_of_several_choices_continue_each_choice_on_another() {
         let body = [stream.first.as_ref(), rest.as_ref()].concat();
         let what = format!("stream {index}");
         assert_whole_choices(&body, CHOICES, MAX_TOKENS, &what);
+        if index % 2 == 1 {
+            // Each choice's text starts with the prompt, echoed once.
+            let prompt = format!("Once {index}");
+            let mut texts = vec![String::new(); CHOICES as usize];
+            for data in sse_data(&body) {
+                let Ok(chunk) = serde_json::from_str::<serde_json::Value>(&data) else {
+                    continue;
+                };
+                for choice in chunk["choices"].as_array().into_iter().flatten() {
+                    let at = choice["index"].as_u64().unwrap() as usize;
+                    texts[at].push_str(choice["text"].as_str().unwrap_or(""));
+                }
+            }
+            for text in &texts {
+                assert!(text.starts_with(&prompt), "{what}: {text:.60}");
+                assert_eq!(text.matches(&prompt).count(), 1, "{what}: {text:.60}");
+            }
+        }
         // A moved stream's choices go on one after another, each saying so once.
         let expected: Vec<String> = if instance == pair.victim_url {
             (0..CHOICES)

@@ -20,9 +20,9 @@
 //!
 //! Only streams whose prompt can be extended are migrated: chat, and completions whose prompt
 //! is one string, or one list of token ids when the model has a tokenizer (the generated text
-//! is encoded and its ids appended). With `echo` (a string prompt, one choice), the prompt the
-//! engine echoes before the first token is not generated text: the transcript leaves it out,
-//! and the continuation does not echo again.
+//! is encoded and its ids appended). With `echo` (a string prompt), the prompt the engine
+//! echoes before each choice's first token is not generated text: the transcript leaves it
+//! out, and a continuation echoes only for a choice that had not started.
 
 use std::borrow::Cow;
 use std::sync::{Arc, LazyLock};
@@ -69,6 +69,8 @@ struct ChoiceText {
     tokens: u64,
     /// The engine finished it (a `finish_reason`).
     finished: bool,
+    /// The engine is still to echo the prompt before its first token (`echo`).
+    echo_pending: bool,
 }
 
 /// A stream's transcript and what its migrations may still do.
@@ -79,7 +81,7 @@ pub(crate) struct Migration {
     request: Map<String, Value>,
     /// Encodes the generated text of a completions stream whose prompt is token ids.
     tokenizer: Option<Arc<ModelPreprocessor>>,
-    /// A completions prompt the engine echoes before the first token (`echo`), until seen.
+    /// A completions prompt the engine echoes before each choice's first token (`echo`).
     echoed: Option<String>,
     /// Migrations left.
     left: u32,
@@ -169,7 +171,7 @@ impl Migration {
         let echoed = single_prompt(&request).filter(|_| echo).map(str::to_owned);
         let extendable = match kind {
             Kind::Chat => request.get("messages").is_some_and(Value::is_array),
-            Kind::Completion if echo => echoed.is_some() && n == 1,
+            Kind::Completion if echo => echoed.is_some(),
             Kind::Completion => single_prompt(&request).is_some() || (ids && tokenizer.is_some()),
         };
         extendable.then(|| Self {
@@ -181,7 +183,13 @@ impl Migration {
             id: None,
             created: None,
             model: None,
-            choices: vec![ChoiceText::default(); n],
+            choices: vec![
+                ChoiceText {
+                    echo_pending: echo,
+                    ..ChoiceText::default()
+                };
+                n
+            ],
             current: 0,
             base_tokens: 0,
             ended: false,
@@ -349,19 +357,20 @@ impl Migration {
             self.left = 0;
             return;
         };
-        let piece = match (piece, self.echoed.take()) {
-            (Some(piece), Some(prompt)) => match piece.strip_prefix(prompt.as_str()) {
-                Some(generated) => Some(generated),
-                None => {
-                    // Not the echo expected: the transcript cannot tell the text apart.
-                    self.left = 0;
-                    Some(piece)
+        let echoed = self.echoed.as_deref().filter(|_| choice.echo_pending);
+        let piece = match (piece, echoed) {
+            (Some(piece), Some(prompt)) => {
+                choice.echo_pending = false;
+                match piece.strip_prefix(prompt) {
+                    Some(generated) => Some(generated),
+                    None => {
+                        // Not the echo expected: the transcript cannot tell the text apart.
+                        self.left = 0;
+                        Some(piece)
+                    }
                 }
-            },
-            (piece, prompt) => {
-                self.echoed = prompt;
-                piece
             }
+            (piece, _) => piece,
         };
         if let Some(piece) = piece.filter(|p| !p.is_empty()) {
             choice.text.push_str(piece);
@@ -453,8 +462,8 @@ impl Migration {
             },
         }
         if request.contains_key("echo") {
-            // The client has the echo already.
-            request.insert("echo".into(), Value::Bool(false));
+            // The client has the echo already, unless the choice had not started.
+            request.insert("echo".into(), Value::Bool(choice.echo_pending));
         }
         request.remove("n");
         request.remove("best_of");

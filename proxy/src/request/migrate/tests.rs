@@ -36,7 +36,7 @@ fn only_extendable_streams_migrate() {
     let echo = json!({"model": "m", "prompt": "x", "echo": true});
     assert!(migrates(Route::Completions, &echo, true, 1));
     let echoed_twice = json!({"model": "m", "prompt": "x", "echo": true, "n": 2});
-    assert!(!migrates(Route::Completions, &echoed_twice, true, 1));
+    assert!(migrates(Route::Completions, &echoed_twice, true, 1));
     let echoed_ids = json!({"model": "m", "prompt": [1, 2, 3], "echo": true});
     assert!(!migrates(Route::Completions, &echoed_ids, true, 1));
     let text = json!({"model": "m", "prompt": ["x"]});
@@ -420,4 +420,49 @@ fn the_transcript_counts_the_text_events_the_token_counter_would() {
             "{events}"
         );
     }
+}
+
+#[test]
+fn each_choice_strips_its_own_echo_and_one_not_started_is_echoed_by_its_continuation() {
+    let mut m = migration(
+        Route::Completions,
+        json!({"model": "m", "prompt": "Once", "echo": true, "n": 2, "max_tokens": 3}),
+    );
+    // Choice 0 starts (the prompt with its first token); choice 1 has not when the engine dies.
+    m.pass(Bytes::from(text_chunk("cmpl-a", 0, "Once upon", None)));
+    let body: Value = serde_json::from_slice(&m.next_body().expect("migrates")).unwrap();
+    assert_eq!(
+        (&body["prompt"], &body["echo"], &body["max_tokens"]),
+        (&json!("Once upon"), &json!(false), &json!(2)),
+        "choice 0 has its echo: only its text goes on"
+    );
+    m.pass(Bytes::from(
+        [
+            text_chunk("cmpl-b", 0, " a", None),
+            text_chunk("cmpl-b", 0, " time", Some("length")),
+            "data: [DONE]\n\n".to_string(),
+        ]
+        .concat(),
+    ));
+    let body: Value = serde_json::from_slice(&m.next_choice_body().unwrap()).unwrap();
+    assert_eq!(
+        (&body["prompt"], &body["echo"], &body["max_tokens"]),
+        (&json!("Once"), &json!(true), &json!(3)),
+        "choice 1 never started: its continuation echoes for it"
+    );
+    let passed = m.pass(Bytes::from(
+        [
+            text_chunk("cmpl-c", 0, "Once there", None),
+            text_chunk("cmpl-c", 0, " was", None),
+        ]
+        .concat(),
+    ));
+    assert_eq!(passed.text_events, 2);
+    assert_eq!(
+        m.choices[1].text, " there was",
+        "the echo is no generated text"
+    );
+    let events = forwarded(&passed.forward);
+    assert_eq!(events[0]["choices"][0]["index"], 1);
+    assert_eq!(events[0]["choices"][0]["text"], "Once there");
 }
