@@ -1,6 +1,7 @@
 //! What header fields mean between hops, on raw bytes: which fields describe one connection
-//! rather than the message (RFC 9110 §7.6.1), the tokens of a `Connection` value, and
-//! whether a `Content-Type` is an event stream. Names and values in any case.
+//! rather than the message (RFC 9110 §7.6.1), the tokens of a `Connection` value, whether an
+//! `Expect` value asks for `100 Continue` and whether a `Content-Type` is an event stream.
+//! Names and values in any case.
 
 /// Fields that describe one connection, not the message (RFC 9110 §7.6.1), plus `expect`,
 /// which the proxy answers itself. `name` in any case.
@@ -33,6 +34,12 @@ pub fn listed_in_connection(connection: &[u8], name: &[u8]) -> bool {
 #[inline]
 pub fn is_end_to_end(name: &[u8], connection: Option<&[u8]>) -> bool {
     !is_hop_by_hop(name) && !connection.is_some_and(|list| listed_in_connection(list, name))
+}
+
+/// Whether an `Expect` value asks for `100 Continue` before the body is sent.
+#[inline]
+pub fn is_100_continue(expect: &[u8]) -> bool {
+    expect.eq_ignore_ascii_case(b"100-continue")
 }
 
 /// Whether a `Content-Type` value is `text/event-stream` (parameters allowed).

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use pingora_core::apps::{HttpServerApp, ReusedHttpStream, ServerApp};
 use pingora_core::protocols::http::ServerSession;
 use pingora_core::protocols::http::v1::server::HttpSession;
@@ -138,7 +138,7 @@ async fn serve_connection<A>(
             return;
         }
         let read = match fast {
-            None => Bytes::new(),
+            None => BytesMut::new(),
             Some(states) => match serve_fast(&mut stream, &states, &shutdown).await {
                 ConnectionEnd::Done => {
                     // TLS ends with close_notify, so that the client can tell the end of
@@ -168,7 +168,7 @@ async fn serve_connection<A>(
         return;
     }
     let read = match fast {
-        None => Bytes::new(),
+        None => BytesMut::new(),
         Some(states) => match serve_fast(&mut tcp, &states, &shutdown).await {
             ConnectionEnd::Done => return,
             ConnectionEnd::Handover(read) => read,
@@ -182,13 +182,13 @@ async fn serve_connection<A>(
 /// [`ServerApp::process_new`] does for HTTP/1, without its boxed future (about 4 KiB, most
 /// of it the HTTP/2 handshake), which would otherwise stay allocated for the whole life of
 /// every HTTP/1 connection.
-async fn serve_h1<A>(app: &Arc<A>, stream: Stream, read: Bytes, shutdown: &ShutdownWatch)
+async fn serve_h1<A>(app: &Arc<A>, stream: Stream, read: BytesMut, shutdown: &ShutdownWatch)
 where
     A: HttpServerApp + Send + Sync + 'static,
 {
     let mut first = HttpSession::new(stream);
     if !read.is_empty() {
-        first.set_pipelined_prefix(BytesMut::from(read));
+        first.set_pipelined_prefix(read);
     }
     let mut session = ServerSession::H1(first);
     session.set_keepalive((!*shutdown.borrow()).then_some(H1_KEEPALIVE_SECS));

@@ -4,7 +4,7 @@
 
 use http::header::{self, HeaderName};
 use http::{HeaderMap, HeaderValue, Version};
-use kvmesh_h1::fields::{is_end_to_end, listed_in_connection};
+use kvmesh_h1::fields::{is_100_continue, is_end_to_end, listed_in_connection};
 use kvmesh_telemetry::traceparent::{TRACEPARENT, TRACESTATE, is_trace_field};
 use pingora_error::Result;
 use pingora_http::{RequestHeader, ResponseHeader};
@@ -173,7 +173,7 @@ pub(crate) fn expects_continue(request: &RequestHeader) -> bool {
     request
         .headers
         .get(header::EXPECT)
-        .is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+        .is_some_and(|value| is_100_continue(value.as_bytes()))
 }
 
 #[cfg(test)]

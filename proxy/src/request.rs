@@ -249,34 +249,45 @@ async fn run<F: Frontend>(
         )
         .await;
         trace.relayed(&end);
-        if end == RelayEnd::ChoiceDone {
-            // A stream of several choices: the next unfinished one goes on from here.
-            if let Some(next) = migration.as_mut().and_then(Migration::next_choice_body) {
-                release(state, &pick.instance, engine, end, record).await;
-                body = next;
-                continue;
-            }
-            end = RelayEnd::UpstreamFailed {
-                kind: FailureKind::Reset,
-                clean: end_broken(frontend, FailureKind::Reset, record).await,
-            };
-        }
-        if let RelayEnd::Broken(kind) = end {
-            match migration.as_mut().and_then(Migration::next_body) {
-                Some(continuation) => {
+        // A stream that broke off migrates; a continuation that finished one of several
+        // choices hands over to the next unfinished one.
+        let next = match end {
+            RelayEnd::Broken(kind) => migration
+                .as_mut()
+                .and_then(Migration::next_body)
+                .map(|body| (body, Some(kind))),
+            RelayEnd::ChoiceDone => migration
+                .as_mut()
+                .and_then(Migration::next_choice_body)
+                .map(|body| (body, None)),
+            _ => None,
+        };
+        if let Some((continuation, broke)) = next {
+            match broke {
+                Some(kind) => {
                     migrated(state, &pool, &pick, kind, record);
                     trace.migrating(kind);
                     failover.excluded.insert(pick.index);
-                    body = continuation;
-                    continue;
                 }
+                // The engine's answer is whole: its connection goes back to the pool.
                 None => {
-                    end = RelayEnd::UpstreamFailed {
-                        kind,
-                        clean: end_broken(frontend, kind, record).await,
-                    }
+                    release(state, &pick.instance, engine, end, record).await;
                 }
             }
+            body = continuation;
+            continue;
+        }
+        let unfinished = match end {
+            RelayEnd::Broken(kind) => Some(kind),
+            RelayEnd::ChoiceDone => Some(FailureKind::Reset),
+            _ => None,
+        };
+        if let Some(kind) = unfinished {
+            // Nowhere to go on: the client's stream ends with an error event.
+            end = RelayEnd::UpstreamFailed {
+                kind,
+                clean: end_broken(frontend, kind, record).await,
+            };
         }
         // 8. release
         let reusable = release(state, &pick.instance, engine, end, record).await;

@@ -158,24 +158,32 @@ pub(crate) fn submit(
     let (tx, rx) = mpsc::unbounded_channel();
     let mut hasher = BlockHasher::new();
     let hash_seed = lora.map_or(XXH3_SEED, Lora::hash_seed);
-    let n = params.n;
-    let seqs = prompts
-        .iter()
-        .flat_map(|prompt| (0..n).map(move |choice| (prompt, choice)))
-        .enumerate()
-        .map(|(index, (prompt, choice))| {
-            let prompt_hashes = if state.config.enable_prefix_caching {
-                hasher.sequence_hashes(prompt, state.config.block_size, hash_seed)
-            } else {
-                Vec::new()
-            };
-            SeqRequest {
+    let mut seqs = Vec::with_capacity(prompts.len() * params.n);
+    for mut prompt in prompts {
+        // Hashed and seeded once for all its choices; the last choice takes the prompt.
+        let mut prompt_hashes = if state.config.enable_prefix_caching {
+            hasher.sequence_hashes(&prompt, state.config.block_size, hash_seed)
+        } else {
+            Vec::new()
+        };
+        let seed = content_seed(&prompt);
+        for choice in 0..params.n {
+            let last = choice + 1 == params.n;
+            seqs.push(SeqRequest {
                 // Prompt and choice counts are bounded by the body size and `n`'s limit.
-                index: index as u32,
+                index: seqs.len() as u32,
                 // Choice 0 writes what `n: 1` would; the others their own words.
-                seed: content_seed(prompt) ^ (choice as u64).wrapping_mul(CHOICE_SEED_STEP),
-                prompt: prompt.clone(),
-                prompt_hashes,
+                seed: seed ^ (choice as u64).wrapping_mul(CHOICE_SEED_STEP),
+                prompt: if last {
+                    std::mem::take(&mut prompt)
+                } else {
+                    prompt.clone()
+                },
+                prompt_hashes: if last {
+                    std::mem::take(&mut prompt_hashes)
+                } else {
+                    prompt_hashes.clone()
+                },
                 lora: lora.cloned(),
                 max_tokens: params.max_tokens,
                 stops: params.stops.clone(),
@@ -183,9 +191,9 @@ pub(crate) fn submit(
                 arrival,
                 tx: tx.clone(),
                 handoff: handoff.clone(),
-            }
-        })
-        .collect();
+            });
+        }
+    }
     state
         .scheduler
         .submit(seqs)

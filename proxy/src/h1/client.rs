@@ -18,7 +18,7 @@ use pingora_http::RequestHeader;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::{Instant, timeout_at};
 
-use super::io::ClientIo;
+use super::io::{ClientIo, READ_RESERVE};
 use super::response::{write_error, write_relayed_head};
 use crate::api_error::ApiError;
 use crate::headers::{ClientFraming, EngineTarget, ProxyHeaders, X_REQUEST_ID, upstream_request};
@@ -29,9 +29,6 @@ use crate::upstream_session::UpstreamSession;
 
 /// Bytes a client may send ahead (pipelined) while its request is served.
 const MAX_READ_AHEAD: usize = 1 << 20;
-
-/// Room reserved in the read buffer before each read.
-pub(crate) const READ_RESERVE: usize = 8 * 1024;
 
 /// Why a request body could not be read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -13,7 +13,8 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_util::io::poll_read_buf;
 
-use super::client::READ_RESERVE;
+/// Room reserved in a read buffer before each read.
+pub(crate) const READ_RESERVE: usize = 8 * 1024;
 
 /// A client connection of the fast path.
 pub(crate) trait ClientIo: AsyncRead + AsyncWrite + Unpin + Send {

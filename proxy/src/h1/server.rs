@@ -12,11 +12,11 @@ use std::pin::pin;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use http::{HeaderValue, Method};
 use kvmesh_config::LimitsConfig;
 use kvmesh_h1::body::Framing;
-use kvmesh_h1::fields::listed_in_connection;
+use kvmesh_h1::fields::{is_100_continue, listed_in_connection};
 use kvmesh_h1::head::{Known, Parsed, RequestHead, parse_request};
 use kvmesh_h1::linger::lingering_close;
 use kvmesh_h1::strict::{Violation, request_framing};
@@ -26,8 +26,8 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::watch::error::RecvError;
 use tokio::time::Instant;
 
-use super::client::{BodyRead, FastConnection, READ_RESERVE};
-use super::io::ClientIo;
+use super::client::{BodyRead, FastConnection};
+use super::io::{ClientIo, READ_RESERVE};
 use crate::api_error::{ApiError, ClientErrorReason};
 use crate::auth::AuthFailure;
 use crate::edge_metrics::Peer;
@@ -46,7 +46,7 @@ pub(crate) enum ConnectionEnd {
     /// It is to be closed.
     Done,
     /// Pingora serves the rest, beginning with these bytes already read, unparsed.
-    Handover(Bytes),
+    Handover(BytesMut),
 }
 
 /// How reading a head ended.
@@ -96,7 +96,7 @@ pub(crate) async fn serve<S: ClientIo>(
                 answer_raw(io, &ApiError::RequestTimeout).await;
                 return ConnectionEnd::Done;
             }
-            HeadRead::Handover => return ConnectionEnd::Handover(buf.freeze()),
+            HeadRead::Handover => return ConnectionEnd::Handover(buf),
         };
         // The state this request runs on to its end, whatever reloads happen meanwhile.
         let state = states.load_full();
@@ -111,7 +111,7 @@ pub(crate) async fn serve<S: ClientIo>(
             let mut read = BytesMut::with_capacity(head.raw().len() + buf.len());
             read.extend_from_slice(head.raw());
             read.extend_from_slice(&buf);
-            return ConnectionEnd::Handover(read.freeze());
+            return ConnectionEnd::Handover(read);
         };
         let close = request.close || *shutdown.borrow();
         let client_id = head
@@ -250,7 +250,7 @@ fn fast_request(
     let fields = &head.fields;
     let expects_continue = match fields.get(Known::Expect) {
         None => false,
-        Some(value) if value.eq_ignore_ascii_case(b"100-continue") => true,
+        Some(value) if is_100_continue(value) => true,
         Some(_) => return None,
     };
     if !route.is_proxied() || fields.repeated(Known::Expect) || fields.repeated(Known::Connection) {

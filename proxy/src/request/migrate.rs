@@ -411,10 +411,7 @@ impl Migration {
         }
         if let Some(Value::Object(usage)) = chunk.get_mut("usage") {
             let before = self.base_tokens;
-            let others: u64 = (self.choices.iter().enumerate())
-                .filter(|(index, _)| *index != self.current)
-                .map(|(_, choice)| choice.tokens)
-                .sum();
+            let others = self.text_events() - self.choices[self.current].tokens;
             let get = |usage: &Map<String, Value>, key: &str| {
                 usage.get(key).and_then(Value::as_u64).unwrap_or(0)
             };

@@ -103,7 +103,6 @@ mod tests {
 
     use super::*;
     use crate::kv::load::NewRequest;
-    use crate::kv::replicas::SharedSpeed;
 
     fn booked(loads: &ActiveLoads) -> Option<u64> {
         let request = NewRequest {
@@ -120,7 +119,7 @@ mod tests {
         loads.add(0);
         let gauge = IntGauge::new("depth", "depth").unwrap();
         let admission = Admission::new(1, Duration::from_secs(1), gauge);
-        let blocks = || loads.snapshot(0, &[], SharedSpeed::default()).blocks;
+        let blocks = || loads.snapshot(0, &[]).blocks;
         let booking = Booking::new(&loads, &admission, 0, booked(&loads), 4);
         assert_eq!(blocks(), 1, "the request's own unshared block");
         booking.generated(3);

@@ -282,7 +282,7 @@ impl ActiveLoads {
     /// sequence hashes). Active block sets are prefix-closed (a request holding a block holds
     /// every block before it), so the depth is found by bisection. Its speed is learned from
     /// this proxy's samples and `others` (the other replicas').
-    pub(crate) fn snapshot(
+    pub(crate) fn snapshot_with(
         &self,
         instance: u64,
         query: &[SequenceHash],
@@ -310,6 +310,13 @@ impl ActiveLoads {
                 .shrunk_toward(f64::from_bits(self.fleet_ln_factor.load(Ordering::Relaxed))),
             capacity: load.capacity,
         }
+    }
+
+    /// Instance `instance`'s load as this proxy alone knows it (no other replica's speed
+    /// samples).
+    #[cfg(test)]
+    pub(crate) fn snapshot(&self, instance: u64, query: &[SequenceHash]) -> LoadSnapshot {
+        self.snapshot_with(instance, query, SharedSpeed::default())
     }
 
     /// Instance `instance`'s KV cache capacity in blocks (0: unknown).
@@ -515,7 +522,7 @@ mod tests {
         let loads = loads(2);
         let p = prompt(18, 0, 1); // 4 full blocks + a partial one
         let id = book(&loads, 1, &p, 10);
-        let snap = loads.snapshot(1, &p.hashes.sequence, SharedSpeed::default());
+        let snap = loads.snapshot(1, &p.hashes.sequence);
         assert_eq!(
             snap,
             LoadSnapshot {
@@ -527,7 +534,7 @@ mod tests {
             }
         );
         assert_eq!(
-            loads.snapshot(0, &p.hashes.sequence, SharedSpeed::default()),
+            loads.snapshot(0, &p.hashes.sequence),
             LoadSnapshot::default()
         );
         assert!(loads.prefill_done(1, id, Instant::now(), false));
@@ -535,12 +542,12 @@ mod tests {
             !loads.prefill_done(1, id, Instant::now(), false),
             "only once"
         );
-        let snap = loads.snapshot(1, &[], SharedSpeed::default());
+        let snap = loads.snapshot(1, &[]);
         assert_eq!((snap.prefill_tokens, snap.blocks), (0, 5));
         assert!(loads.release(1, id));
         assert!(!loads.release(1, id), "only once");
         assert_eq!(
-            loads.snapshot(1, &p.hashes.sequence, SharedSpeed::default()),
+            loads.snapshot(1, &p.hashes.sequence),
             LoadSnapshot::default()
         );
     }
@@ -551,26 +558,26 @@ mod tests {
         let p = prompt(16, 0, 1); // 4 full blocks, no tail
         let id = book(&loads, 0, &p, 16);
         let other = book(&loads, 0, &prompt(8, 0, 2), 8);
-        assert_eq!(loads.snapshot(0, &[], SharedSpeed::default()).blocks, 6);
+        assert_eq!(loads.snapshot(0, &[]).blocks, 6);
         assert!(loads.generated(0, id, 2));
         assert!(
             !loads.generated(0, id, 2),
             "the same count again changes nothing"
         );
         assert!(!loads.generated(0, id, 1), "never fewer than before");
-        assert_eq!(loads.snapshot(0, &[], SharedSpeed::default()).blocks, 8);
+        assert_eq!(loads.snapshot(0, &[]).blocks, 8);
         assert!(loads.generated(0, id, 3));
         assert_eq!(loads.own()[&0].blocks, 9, "replicas see them too");
         assert!(!loads.generated(0, 999, 5), "an unknown booking");
         assert!(loads.release(0, id));
         assert_eq!(
-            loads.snapshot(0, &[], SharedSpeed::default()).blocks,
+            loads.snapshot(0, &[]).blocks,
             2,
             "the other request's blocks stay"
         );
         assert!(!loads.generated(0, id, 9), "a released booking");
         assert!(loads.release(0, other));
-        assert_eq!(loads.snapshot(0, &[], SharedSpeed::default()).blocks, 0);
+        assert_eq!(loads.snapshot(0, &[]).blocks, 0);
     }
 
     #[test]
@@ -580,30 +587,20 @@ mod tests {
         let b = prompt(20, 12, 2); // blocks: s0 s1 s2 b3 b4
         let id_a = book(&loads, 0, &a, 16);
         let id_b = book(&loads, 0, &b, 8);
-        let snap = loads.snapshot(0, &b.hashes.sequence, SharedSpeed::default());
+        let snap = loads.snapshot(0, &b.hashes.sequence);
         assert_eq!(snap.blocks, 3 + 1 + 2);
         assert_eq!(snap.prefix_blocks, 5);
         assert_eq!(snap.prefill_tokens, 24);
         assert_eq!(snap.requests, 2);
         // A third prompt sharing only the first 12 tokens sees a 3-block active prefix.
         let c = prompt(16, 12, 3);
-        assert_eq!(
-            loads
-                .snapshot(0, &c.hashes.sequence, SharedSpeed::default())
-                .prefix_blocks,
-            3
-        );
+        assert_eq!(loads.snapshot(0, &c.hashes.sequence).prefix_blocks, 3);
         assert!(loads.release(0, id_a));
-        let snap = loads.snapshot(0, &a.hashes.sequence, SharedSpeed::default());
+        let snap = loads.snapshot(0, &a.hashes.sequence);
         assert_eq!(snap.blocks, 5, "b still holds the shared blocks");
         assert_eq!(snap.prefix_blocks, 3);
         assert!(loads.release(0, id_b));
-        assert_eq!(
-            loads
-                .snapshot(0, &b.hashes.sequence, SharedSpeed::default())
-                .blocks,
-            0
-        );
+        assert_eq!(loads.snapshot(0, &b.hashes.sequence).blocks, 0);
     }
 
     #[test]
@@ -615,9 +612,9 @@ mod tests {
             profiled_ttft_ms: 0.0,
         };
         let id = loads.book(0, request, Instant::now()).unwrap();
-        assert_eq!(loads.snapshot(0, &[], SharedSpeed::default()).blocks, 1);
+        assert_eq!(loads.snapshot(0, &[]).blocks, 1);
         assert!(loads.release(0, id));
-        assert_eq!(loads.snapshot(0, &[], SharedSpeed::default()).blocks, 0);
+        assert_eq!(loads.snapshot(0, &[]).blocks, 0);
         let unknown = NewRequest {
             prompt: None,
             prefill_tokens: 0,
@@ -639,21 +636,21 @@ mod tests {
         // Four full blocks of 4 tokens and a tail, its prefill not done yet.
         let held = prompt(4 * 4 + 3, 0, 1);
         let id = book(&loads, 0, &held, 19);
-        assert_eq!(loads.snapshot(0, &[], SharedSpeed::default()).blocks, 5);
+        assert_eq!(loads.snapshot(0, &[]).blocks, 5);
         // A report taken while it runs holds it, and 2 blocks and a queued request of others.
         loads.report(0, report(7, 2, Duration::ZERO));
-        let snap = loads.snapshot(0, &[], SharedSpeed::default());
+        let snap = loads.snapshot(0, &[]);
         assert_eq!(
             (snap.blocks, snap.foreign_blocks, snap.foreign_waiting),
             (5, 2, 1)
         );
         // It ends: its blocks go, the others' stay.
         assert!(loads.release(0, id));
-        let snap = loads.snapshot(0, &[], SharedSpeed::default());
+        let snap = loads.snapshot(0, &[]);
         assert_eq!((snap.blocks, snap.foreign_blocks), (0, 2));
         // A report scraped while it still ran, arriving after its release: only the others.
         loads.report(0, report(7, 1, Duration::from_secs(1)));
-        let snap = loads.snapshot(0, &[], SharedSpeed::default());
+        let snap = loads.snapshot(0, &[]);
         assert_eq!(
             (snap.blocks, snap.foreign_blocks, snap.foreign_waiting),
             (0, 2, 1)
@@ -661,12 +658,7 @@ mod tests {
         // With nothing of the proxy's held or released since the scrape, it is all foreign.
         let loads = self::loads(1);
         loads.report(0, report(5, 0, Duration::from_secs(1)));
-        assert_eq!(
-            loads
-                .snapshot(0, &[], SharedSpeed::default())
-                .foreign_blocks,
-            5
-        );
+        assert_eq!(loads.snapshot(0, &[]).foreign_blocks, 5);
     }
 
     #[test]
@@ -682,7 +674,7 @@ mod tests {
                 until: now + Duration::from_secs(60),
             },
         );
-        let snap = loads.snapshot(0, &[], SharedSpeed::default());
+        let snap = loads.snapshot(0, &[]);
         assert_eq!((snap.foreign_blocks, snap.foreign_waiting), (30, 2));
         loads.report(
             0,
@@ -693,10 +685,7 @@ mod tests {
                 until: now,
             },
         );
-        assert_eq!(
-            loads.snapshot(0, &[], SharedSpeed::default()),
-            LoadSnapshot::default()
-        );
+        assert_eq!(loads.snapshot(0, &[]), LoadSnapshot::default());
         loads.report(
             9,
             ReportedLoad {
@@ -706,10 +695,7 @@ mod tests {
                 until: now + Duration::from_secs(60),
             },
         );
-        assert_eq!(
-            loads.snapshot(9, &[], SharedSpeed::default()),
-            LoadSnapshot::default()
-        );
+        assert_eq!(loads.snapshot(9, &[]), LoadSnapshot::default());
     }
 
     #[test]
@@ -719,20 +705,13 @@ mod tests {
         let on_0 = book(&loads, 0, &p, 8);
         let on_2 = book(&loads, 2, &p, 8);
         loads.remove(0);
-        assert_eq!(
-            loads.snapshot(0, &[], SharedSpeed::default()),
-            LoadSnapshot::default()
-        );
+        assert_eq!(loads.snapshot(0, &[]), LoadSnapshot::default());
         assert!(!loads.release(0, on_0), "released after removal: a no-op");
-        assert_eq!(
-            loads.snapshot(2, &[], SharedSpeed::default()).requests,
-            1,
-            "others keep their load"
-        );
+        assert_eq!(loads.snapshot(2, &[]).requests, 1, "others keep their load");
         loads.add(7);
         loads.add(2);
         assert_eq!(
-            loads.snapshot(2, &[], SharedSpeed::default()).requests,
+            loads.snapshot(2, &[]).requests,
             1,
             "adding again keeps the load"
         );
@@ -763,15 +742,10 @@ mod tests {
         let now = start + Duration::from_secs(350);
         assert_eq!(loads.expire_stale(now - Duration::from_secs(300)), 1);
         assert_eq!(
-            loads.snapshot(0, &p.hashes.sequence, SharedSpeed::default()),
+            loads.snapshot(0, &p.hashes.sequence),
             LoadSnapshot::default()
         );
-        assert_eq!(
-            loads
-                .snapshot(1, &p.hashes.sequence, SharedSpeed::default())
-                .requests,
-            1
-        );
+        assert_eq!(loads.snapshot(1, &p.hashes.sequence).requests, 1);
         assert!(!loads.release(0, old_id), "the late release is a no-op");
         assert!(!loads.prefill_done(0, old_id, now, true));
         assert!(loads.release(1, young_id));
@@ -795,11 +769,11 @@ mod tests {
         assert!(loads.prefill_done(0, streamed, at, true));
         assert!(loads.prefill_done(1, whole, at, false));
         // One sample: both instances lean on the model's factor, 3.
-        assert!((loads.snapshot(0, &[], SharedSpeed::default()).speed - 3.0).abs() < 1e-9);
-        assert!((loads.snapshot(1, &[], SharedSpeed::default()).speed - 3.0).abs() < 1e-9);
+        assert!((loads.snapshot(0, &[]).speed - 3.0).abs() < 1e-9);
+        assert!((loads.snapshot(1, &[]).speed - 3.0).abs() < 1e-9);
         // A second first byte teaches nothing more.
         assert!(!loads.prefill_done(0, streamed, at + Duration::from_secs(9), true));
-        assert!((loads.snapshot(0, &[], SharedSpeed::default()).speed - 3.0).abs() < 1e-9);
+        assert!((loads.snapshot(0, &[]).speed - 3.0).abs() < 1e-9);
         // Instance 1 proves 3× faster than instance 0 over many requests.
         for _ in 0..200 {
             for (instance, ms) in [(0, 120), (1, 40)] {
@@ -808,8 +782,7 @@ mod tests {
                 loads.release(instance, id);
             }
         }
-        let ratio = loads.snapshot(0, &[], SharedSpeed::default()).speed
-            / loads.snapshot(1, &[], SharedSpeed::default()).speed;
+        let ratio = loads.snapshot(0, &[]).speed / loads.snapshot(1, &[]).speed;
         assert!((ratio - 3.0).abs() < 0.1, "{ratio}");
     }
 
@@ -835,8 +808,8 @@ mod tests {
         let ln_merged = 0.75 * 4f64.ln();
         // With the prior (this replica's fleet factor, 1) as four more samples.
         let expected = (4.0 * ln_merged / 8.0).exp();
-        let speed = loads.snapshot(0, &[], others).speed;
+        let speed = loads.snapshot_with(0, &[], others).speed;
         assert!((speed - expected).abs() < 1e-9, "{speed} vs {expected}");
-        assert!((loads.snapshot(0, &[], SharedSpeed::default()).speed - 1.0).abs() < 1e-9);
+        assert!((loads.snapshot(0, &[]).speed - 1.0).abs() < 1e-9);
     }
 }

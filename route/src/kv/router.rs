@@ -167,7 +167,7 @@ impl KvRouter {
     /// first tokens.
     fn folded(&self, instance: u64, query: &[SequenceHash]) -> LoadSnapshot {
         let replicas = self.replicas.on(instance);
-        let mut load = self.loads.snapshot(instance, query, replicas.speed);
+        let mut load = self.loads.snapshot_with(instance, query, replicas.speed);
         load.prefill_tokens = load.prefill_tokens.saturating_add(replicas.prefill_tokens);
         load.requests = load.requests.saturating_add(replicas.requests as usize);
         let foreign = load.foreign_blocks.saturating_sub(replicas.blocks);

@@ -10,7 +10,6 @@ use rand::rngs::StdRng;
 
 use super::*;
 use crate::candidates::{Candidates, Excluded};
-use crate::kv::replicas::SharedSpeed;
 use crate::metrics::KvFamilies;
 use crate::policy::PolicyInput;
 use crate::prepare::{FallbackReason, PromptKind};
@@ -184,7 +183,7 @@ fn bookings_hold_load_until_dropped_and_prefill_until_the_first_byte() {
     let decision = picked(choose(&router, &instances, &long, 3));
     let booking = router.commit(&decision, &long, Instant::now());
     let busy_one = decision.instance_id;
-    let load = router.loads.snapshot(busy_one, &[], SharedSpeed::default());
+    let load = router.loads.snapshot(busy_one, &[]);
     assert_eq!((load.prefill_tokens, load.blocks), (64, 16));
     // A different prompt goes to the idle instance: the other one has 16 blocks of prefill
     // and 16 of decode ahead of it.
@@ -194,11 +193,11 @@ fn bookings_hold_load_until_dropped_and_prefill_until_the_first_byte() {
         busy_one
     );
     booking.prefill_done(false);
-    let load = router.loads.snapshot(busy_one, &[], SharedSpeed::default());
+    let load = router.loads.snapshot(busy_one, &[]);
     assert_eq!((load.prefill_tokens, load.blocks), (0, 16));
     drop(booking);
     assert_eq!(
-        router.loads.snapshot(busy_one, &[], SharedSpeed::default()),
+        router.loads.snapshot(busy_one, &[]),
         LoadSnapshot::default()
     );
 }
@@ -243,15 +242,9 @@ fn requests_without_tokens_go_to_the_least_loaded_instance() {
     let decision = picked(choose(&router, &instances, &embedding, 5));
     assert_eq!(decision.index, 1);
     let booking = router.commit(&decision, &embedding, Instant::now());
-    assert_eq!(
-        router.loads.snapshot(1, &[], SharedSpeed::default()).blocks,
-        1
-    );
+    assert_eq!(router.loads.snapshot(1, &[]).blocks, 1);
     drop(booking);
-    assert_eq!(
-        router.loads.snapshot(1, &[], SharedSpeed::default()).blocks,
-        0
-    );
+    assert_eq!(router.loads.snapshot(1, &[]).blocks, 0);
 }
 
 #[test]
@@ -378,16 +371,12 @@ fn explaining_changes_nothing() {
     let decision = picked(choose(&router, &instances, &warm, 0));
     drop(router.commit(&decision, &warm, Instant::now()));
     let probe = request(&router, &conversation(1, 48));
-    let before: Vec<_> = (0..3)
-        .map(|i| router.loads.snapshot(i, &[], SharedSpeed::default()))
-        .collect();
+    let before: Vec<_> = (0..3).map(|i| router.loads.snapshot(i, &[])).collect();
     let cached = router.overlap.cached_blocks();
     let first = router.explain(&instances, &probe, 0, &mut StdRng::seed_from_u64(1));
     let second = router.explain(&instances, &probe, 0, &mut StdRng::seed_from_u64(2));
     assert_eq!(first, second, "deterministic without ties");
-    let after: Vec<_> = (0..3)
-        .map(|i| router.loads.snapshot(i, &[], SharedSpeed::default()))
-        .collect();
+    let after: Vec<_> = (0..3).map(|i| router.loads.snapshot(i, &[])).collect();
     assert_eq!(before, after);
     assert_eq!(cached, router.overlap.cached_blocks());
     let chosen = &first.instances[decision.index];
@@ -414,9 +403,7 @@ fn peeking_names_the_pick_without_booking_or_predicting_it() {
     let decision = picked(choose(&router, &instances, &warm, 0));
     drop(router.commit(&decision, &warm, Instant::now()));
     let next = PolicyInput::Kv(request(&router, &conversation(1, 48)));
-    let before: Vec<_> = (0..3)
-        .map(|i| router.loads.snapshot(i, &[], SharedSpeed::default()))
-        .collect();
+    let before: Vec<_> = (0..3).map(|i| router.loads.snapshot(i, &[])).collect();
     let cached = router.overlap.cached_blocks();
     let mut excluded = Excluded::default();
     let all = Candidates::new(&instances, &excluded, 0);
@@ -426,9 +413,7 @@ fn peeking_names_the_pick_without_booking_or_predicting_it() {
     let rest = Candidates::new(&instances, &excluded, 0);
     let fallback = router.peek(&rest, &next).unwrap();
     assert_ne!(fallback, decision.index);
-    let after: Vec<_> = (0..3)
-        .map(|i| router.loads.snapshot(i, &[], SharedSpeed::default()))
-        .collect();
+    let after: Vec<_> = (0..3).map(|i| router.loads.snapshot(i, &[])).collect();
     assert_eq!(before, after);
     assert_eq!(cached, router.overlap.cached_blocks());
     for index in 0..3 {
@@ -447,10 +432,7 @@ fn the_sweeper_drops_stale_bookings() {
     let booking = router.commit(&decision, &warm, start);
     assert_eq!(router.sweep(start + Duration::from_secs(299)), 0);
     assert_eq!(router.sweep(start + Duration::from_secs(301)), 1);
-    assert_eq!(
-        router.loads.snapshot(0, &[], SharedSpeed::default()),
-        LoadSnapshot::default()
-    );
+    assert_eq!(router.loads.snapshot(0, &[]), LoadSnapshot::default());
     drop(booking);
     assert_eq!(router.sweep_interval(), Duration::from_secs(30));
 }
@@ -499,10 +481,7 @@ fn a_removed_instance_loses_its_load_and_its_predictions() {
     let booking = router.commit(&decision, &warm, Instant::now());
     let gone = decision.instance_id;
     router.remove_instance(gone);
-    assert_eq!(
-        router.loads.snapshot(gone, &[], SharedSpeed::default()),
-        LoadSnapshot::default()
-    );
+    assert_eq!(router.loads.snapshot(gone, &[]), LoadSnapshot::default());
     assert!(router.overlap.cached_blocks().is_empty());
     drop(booking);
     let rest: Vec<Arc<Fake>> = instances
