@@ -129,6 +129,11 @@ impl AgentMetrics {
                 "kvmesh_agent_kv_transfers_admitted_total",
                 "Decode legs admitted into the KV-transfer budget",
             )?,
+            rate_bytes_per_second: gauge(
+                &r,
+                "kvmesh_agent_kv_transfer_rate_bytes_per_second",
+                "The rate decode-leg transfers are paced at: --pace-rate-gbps, else the GPUs' slowest measured host-to-device bandwidth (cuda feature), else 25 GB/s (0 while pacing is off)",
+            )?,
         };
         Ok(Self {
             events_received: counter(

@@ -62,6 +62,8 @@ pub struct PacerMetrics {
     pub wait_seconds: Histogram,
     /// Transfers admitted.
     pub admitted: IntCounter,
+    /// The paced rate, bytes per second (given, measured on the GPU, or the default).
+    pub rate_bytes_per_second: IntGauge,
 }
 
 #[derive(Debug)]
@@ -121,6 +123,9 @@ impl Drop for Permit {
 impl Pacer {
     /// A pacer with `settings`, its bucket full.
     pub fn new(settings: PacerSettings, metrics: PacerMetrics) -> Self {
+        metrics
+            .rate_bytes_per_second
+            .set(settings.rate_bytes_per_sec as i64);
         Self {
             settings,
             budget: Mutex::new(Budget {
@@ -317,6 +322,7 @@ mod tests {
             queued: IntGauge::new("queued", "h").unwrap(),
             wait_seconds: Histogram::with_opts(HistogramOpts::new("wait", "h")).unwrap(),
             admitted: IntCounter::with_opts(Opts::new("admitted", "h")).unwrap(),
+            rate_bytes_per_second: IntGauge::new("rate", "h").unwrap(),
         };
         Arc::new(Pacer::new(settings, metrics))
     }
