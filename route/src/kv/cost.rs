@@ -161,6 +161,10 @@ pub struct Cost {
     pub(crate) decode_blocks: u64,
     /// Time to first token as profiled, before the instance's learned speed.
     pub(crate) profiled_ttft_ms: f64,
+    /// The part of it that is this request's own prefill (its iterations, with what the
+    /// running streams add to each), as profiled: how long the engine works on it once the
+    /// prefill queued ahead of it is done.
+    pub(crate) profiled_own_ms: f64,
     /// Predicted time to first token there.
     pub(crate) ttft_ms: f64,
     /// Predicted time between its tokens there once it decodes: one decode iteration with
@@ -250,14 +254,20 @@ impl CostModel {
         } else {
             1.0
         };
-        let own_prefill_ms = self.profile.prefill_ms(new_prefill_tokens.max(1)).0;
+        let (own_prefill_ms, own_iterations) = self.profile.prefill_ms(new_prefill_tokens.max(1));
         let harm_ms = speed * own_prefill_ms * load.requests as f64;
         let profiled_ttft_ms = prefill_ms + transfer_ms + decode_ms;
+        let own_decode_ms = if load.active_blocks > 0 {
+            own_iterations as f64 * self.profile.decode_ms(usage)
+        } else {
+            0.0
+        };
         Cost {
             new_prefill_tokens,
             prefill_tokens,
             decode_blocks,
             profiled_ttft_ms,
+            profiled_own_ms: own_prefill_ms + own_decode_ms,
             ttft_ms: speed * profiled_ttft_ms,
             itl_ms: speed * self.profile.decode_ms(usage),
             harm_ms,

@@ -1,7 +1,12 @@
 //! Load accounting per instance (kv-routing §4), booked by the proxy at decision time:
 //!
 //! - **Active prefill tokens**: Σ over the instance's requests that have not produced their
-//!   first response byte of (prompt tokens − tokens predicted cached at decision time).
+//!   first response byte of (prompt tokens − tokens predicted cached at decision time), less
+//!   the part of the oldest one's that the engine has prefilled by now: it works on that one
+//!   since it was booked or since the instance's last first byte, whichever is later, at the
+//!   profiled time of its prefill scaled by the instance's learned speed (Dynamo's prefill
+//!   load model decays the oldest active prefill the same way). Without this, a request 90 %
+//!   through a 100k-token prefill counted as a whole queue of it.
 //! - **Active blocks**: the distinct prompt blocks of its in-flight requests, ref-counted by
 //!   sequence hash so a prefix shared by several requests counts once, plus one unshared block
 //!   per request for a trailing partial block (or for a request without tokens), plus the
@@ -26,7 +31,7 @@
 //! candidate once. Instances are keyed by their stable id, so discovery can add and remove
 //! them at run time. Time is passed in, so tests control the clock.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -114,6 +119,9 @@ pub(crate) struct NewRequest {
     pub(crate) prefill_tokens: u64,
     /// Time to first token the cost model's profile predicted there.
     pub(crate) profiled_ttft_ms: f64,
+    /// The part of that time the engine spends on this request's own prefill, as profiled
+    /// (0: unknown, then its prefill counts whole until its first byte).
+    pub(crate) profiled_own_ms: f64,
 }
 
 #[derive(Debug)]
@@ -126,6 +134,7 @@ struct ActiveRequest {
     /// Full blocks of output generated so far.
     output_blocks: u64,
     profiled_ttft_ms: f64,
+    profiled_own_ms: f64,
     started: Instant,
 }
 
@@ -140,6 +149,10 @@ impl ActiveRequest {
 #[derive(Debug, Default)]
 struct InstanceLoad {
     prefill_tokens: u64,
+    /// The requests still in prefill, oldest first (booking time, id).
+    in_prefill: BTreeSet<(Instant, u64)>,
+    /// When the last of its requests produced its first response byte.
+    last_prefill_done: Option<Instant>,
     /// Reference counts of the full blocks of in-flight requests.
     blocks: HashMap<SequenceHash, u32>,
     tail_blocks: u64,
@@ -157,6 +170,9 @@ struct InstanceLoad {
 impl InstanceLoad {
     fn add(&mut self, id: u64, request: ActiveRequest) {
         self.prefill_tokens += request.prefill_tokens;
+        if request.prefill_tokens > 0 {
+            self.in_prefill.insert((request.started, id));
+        }
         self.tail_blocks += u64::from(request.tail_block);
         for &hash in request.full_blocks() {
             *self.blocks.entry(hash).or_insert(0) += 1;
@@ -169,6 +185,7 @@ impl InstanceLoad {
             return false;
         };
         self.prefill_tokens -= request.prefill_tokens;
+        self.in_prefill.remove(&(request.started, id));
         self.tail_blocks -= u64::from(request.tail_block);
         self.output_blocks -= request.output_blocks;
         let mut freed = u64::from(request.tail_block) + request.output_blocks;
@@ -192,6 +209,27 @@ impl InstanceLoad {
         }
         self.released.push_back((now, freed));
         true
+    }
+
+    /// Active prefill tokens at `now` for an instance `speed` times slower than profiled: the
+    /// oldest request in prefill counts only what the engine has not prefilled of it yet.
+    fn prefill_tokens_at(&self, now: Instant, speed: f64) -> u64 {
+        let Some(&(_, id)) = self.in_prefill.first() else {
+            return self.prefill_tokens;
+        };
+        let Some(oldest) = self.requests.get(&id) else {
+            return self.prefill_tokens;
+        };
+        let took_ms = oldest.profiled_own_ms * speed;
+        if took_ms.is_nan() || took_ms <= 0.0 {
+            return self.prefill_tokens;
+        }
+        let began = self
+            .last_prefill_done
+            .map_or(oldest.started, |done| done.max(oldest.started));
+        let worked_ms = now.saturating_duration_since(began).as_secs_f64() * 1000.0;
+        let done = (oldest.prefill_tokens as f64 * (worked_ms / took_ms).min(1.0)) as u64;
+        self.prefill_tokens - done.min(oldest.prefill_tokens)
     }
 
     /// Blocks the proxy's own requests hold.
@@ -288,26 +326,38 @@ impl ActiveLoads {
         query: &[SequenceHash],
         others: SharedSpeed,
     ) -> LoadSnapshot {
+        self.snapshot_at(instance, query, others, Instant::now())
+    }
+
+    /// [`snapshot_with`](Self::snapshot_with) at `now`.
+    fn snapshot_at(
+        &self,
+        instance: u64,
+        query: &[SequenceHash],
+        others: SharedSpeed,
+        now: Instant,
+    ) -> LoadSnapshot {
         let Some(cell) = self.cell(instance) else {
             return LoadSnapshot::default();
         };
         let load = Self::lock(&cell);
         let depth = query.partition_point(|hash| load.blocks.contains_key(hash));
         let (foreign_blocks, foreign_waiting) = match load.foreign {
-            Some(foreign) if foreign.until > Instant::now() => (foreign.blocks, foreign.waiting),
+            Some(foreign) if foreign.until > now => (foreign.blocks, foreign.waiting),
             _ => (0, 0),
         };
+        let speed = load
+            .speed
+            .with(others)
+            .shrunk_toward(f64::from_bits(self.fleet_ln_factor.load(Ordering::Relaxed)));
         LoadSnapshot {
-            prefill_tokens: load.prefill_tokens,
+            prefill_tokens: load.prefill_tokens_at(now, speed),
             blocks: load.own_blocks(),
             prefix_blocks: u32::try_from(depth).unwrap_or(u32::MAX),
             requests: load.requests.len(),
             foreign_blocks,
             foreign_waiting,
-            speed: load
-                .speed
-                .with(others)
-                .shrunk_toward(f64::from_bits(self.fleet_ln_factor.load(Ordering::Relaxed))),
+            speed,
             capacity: load.capacity,
         }
     }
@@ -352,6 +402,7 @@ impl ActiveLoads {
             tail_block,
             output_blocks: 0,
             profiled_ttft_ms: request.profiled_ttft_ms,
+            profiled_own_ms: request.profiled_own_ms,
             started: now,
         };
         Self::lock(&cell).add(id, active);
@@ -384,9 +435,12 @@ impl ActiveLoads {
         };
         let tokens = std::mem::take(&mut request.prefill_tokens);
         let profiled = std::mem::take(&mut request.profiled_ttft_ms);
-        let observed = now.saturating_duration_since(request.started);
+        let started = request.started;
+        let observed = now.saturating_duration_since(started);
         load.prefill_tokens -= tokens;
         if tokens > 0 {
+            load.in_prefill.remove(&(started, id));
+            load.last_prefill_done = Some(load.last_prefill_done.map_or(now, |at| at.max(now)));
             self.changed.notify_one();
         }
         if first_token {
@@ -504,6 +558,7 @@ mod tests {
             prompt: Some(Arc::clone(prompt)),
             prefill_tokens: prefill,
             profiled_ttft_ms: 0.0,
+            profiled_own_ms: 0.0,
         };
         loads.book(instance, request, Instant::now()).unwrap()
     }
@@ -515,6 +570,69 @@ mod tests {
             loads.add(instance);
         }
         loads
+    }
+
+    /// Books `prefill` tokens on instance 0 at `at`, whose own prefill is profiled to take
+    /// `own_ms`.
+    fn book_timed(loads: &ActiveLoads, prefill: u64, own_ms: f64, at: Instant) -> u64 {
+        let request = NewRequest {
+            prompt: None,
+            prefill_tokens: prefill,
+            profiled_ttft_ms: own_ms,
+            profiled_own_ms: own_ms,
+        };
+        loads.book(0, request, at).unwrap()
+    }
+
+    fn prefill_at(loads: &ActiveLoads, at: Instant) -> u64 {
+        loads
+            .snapshot_at(0, &[], SharedSpeed::default(), at)
+            .prefill_tokens
+    }
+
+    #[test]
+    fn the_oldest_prefill_counts_only_what_the_engine_has_not_done_yet() {
+        let loads = loads(1);
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let first = book_timed(&loads, 1000, 100.0, t0);
+        let second = book_timed(&loads, 200, 40.0, ms(10));
+        // Only the oldest is being prefilled: a quarter of it is done after 25 ms.
+        assert_eq!(prefill_at(&loads, t0), 1200);
+        assert_eq!(prefill_at(&loads, ms(25)), 750 + 200);
+        // Past its profiled time it counts nothing, though its first byte is not there yet;
+        // the second waits behind it, whole.
+        assert_eq!(prefill_at(&loads, ms(300)), 200);
+        // The first byte at 120 ms: the second began then, not when it was booked.
+        assert!(loads.prefill_done(0, first, ms(120), false));
+        assert_eq!(prefill_at(&loads, ms(120)), 200);
+        assert_eq!(prefill_at(&loads, ms(130)), 150);
+        assert_eq!(prefill_at(&loads, ms(500)), 0);
+        assert!(loads.prefill_done(0, second, ms(150), false));
+        assert_eq!(prefill_at(&loads, ms(150)), 0);
+        // A request booked after that last first byte begins when it is booked; one whose
+        // own time is unknown (0) counts whole until its first byte.
+        book_timed(&loads, 400, 80.0, ms(1000));
+        assert_eq!(prefill_at(&loads, ms(1040)), 200);
+        let unknown = ActiveLoads::new();
+        unknown.add(0);
+        book_timed(&unknown, 400, 0.0, t0);
+        assert_eq!(prefill_at(&unknown, ms(10_000)), 400);
+    }
+
+    #[test]
+    fn a_slower_instance_prefills_its_oldest_request_more_slowly() {
+        let loads = loads(1);
+        let t0 = Instant::now();
+        book_timed(&loads, 1000, 100.0, t0);
+        // Twice as slow as profiled, as other replicas have learned it.
+        let slow = SharedSpeed {
+            ln_factor: 2f64.ln(),
+            samples: 1_000_000,
+        };
+        let at = t0 + Duration::from_millis(50);
+        assert_eq!(loads.snapshot_at(0, &[], slow, at).prefill_tokens, 750);
+        assert_eq!(prefill_at(&loads, at), 500);
     }
 
     #[test]
@@ -610,6 +728,7 @@ mod tests {
             prompt: None,
             prefill_tokens: 0,
             profiled_ttft_ms: 0.0,
+            profiled_own_ms: 0.0,
         };
         let id = loads.book(0, request, Instant::now()).unwrap();
         assert_eq!(loads.snapshot(0, &[]).blocks, 1);
@@ -619,6 +738,7 @@ mod tests {
             prompt: None,
             prefill_tokens: 0,
             profiled_ttft_ms: 0.0,
+            profiled_own_ms: 0.0,
         };
         assert_eq!(loads.book(5, unknown, Instant::now()), None);
     }
@@ -728,12 +848,14 @@ mod tests {
             prompt: Some(Arc::clone(&p)),
             prefill_tokens: 8,
             profiled_ttft_ms: 0.0,
+            profiled_own_ms: 0.0,
         };
         let old_id = loads.book(0, old, start).unwrap();
         let young = NewRequest {
             prompt: Some(Arc::clone(&p)),
             prefill_tokens: 8,
             profiled_ttft_ms: 0.0,
+            profiled_own_ms: 0.0,
         };
         let young_id = loads
             .book(1, young, start + Duration::from_secs(200))
@@ -761,6 +883,7 @@ mod tests {
                 prompt: Some(Arc::clone(&p)),
                 prefill_tokens: 8,
                 profiled_ttft_ms: 40.0,
+                profiled_own_ms: 40.0,
             };
             loads.book(instance, request, start).unwrap()
         };
@@ -794,6 +917,7 @@ mod tests {
             prompt: None,
             prefill_tokens: 8,
             profiled_ttft_ms: 40.0,
+            profiled_own_ms: 40.0,
         };
         // This replica saw one first token at the profile's time: factor 1.
         let id = loads.book(0, request, start).unwrap();

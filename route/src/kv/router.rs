@@ -519,6 +519,7 @@ impl KvRouter {
             prompt,
             prefill_tokens: decision.cost.new_prefill_tokens,
             profiled_ttft_ms: decision.cost.profiled_ttft_ms,
+            profiled_own_ms: decision.cost.profiled_own_ms,
         };
         if let (Some(sessions), Some(session)) = (&self.sessions, &request.session) {
             sessions.bind(session, decision.instance_id, now);

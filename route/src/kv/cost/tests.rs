@@ -70,6 +70,10 @@ fn an_idle_instance_costs_its_own_prefill_only() {
     assert!(close(cost.ttft_ms, 32.11, 0.01));
     assert_eq!(cost.harm_ms, 0.0);
     assert_eq!(cost.value, cost.ttft_ms);
+    assert_eq!(
+        cost.profiled_own_ms, cost.profiled_ttft_ms,
+        "no queue ahead"
+    );
     // A cached prefix of 40 blocks leaves 360 tokens.
     let cached = MODEL.cost(
         &shape,
@@ -140,6 +144,9 @@ fn queued_prefill_running_streams_and_speed_all_count() {
     let decode = 2.0 * profile.decode_ms(1004.0 / 2000.0);
     assert!(close(cost.profiled_ttft_ms, prefill + decode, 1e-9));
     assert!(close(cost.ttft_ms, 2.0 * (prefill + decode), 1e-9));
+    // Its own part: one iteration of its 36 tokens with the running streams' decode.
+    let own = profile.iteration_prefill_ms(36) + profile.decode_ms(1004.0 / 2000.0);
+    assert!(close(cost.profiled_own_ms, own, 1e-9), "{cost:?}");
     assert!(close(
         cost.harm_ms,
         2.0 * 5.0 * profile.iteration_prefill_ms(36),
