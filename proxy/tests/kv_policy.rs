@@ -470,9 +470,20 @@ async fn a_client_leaving_releases_its_blocks() {
         json["instances"][0]["active_requests"] == 1
     })
     .await;
-    // 2 full blocks and a partial one, and all 10 tokens still to prefill.
+    // 2 full blocks and a partial one, and at most its 10 tokens still to prefill.
     assert_eq!(held["instances"][0]["active_blocks"], 3);
-    assert_eq!(held["instances"][0]["active_prefill_tokens"], 10);
+    let prefill = held["instances"][0]["active_prefill_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(prefill <= 10, "{held}");
+    // The engine holds it, but past its profiled prefill time (about 23 ms) it is taken to
+    // be prefilled: its prefill no longer counts, its blocks do until it ends.
+    let prefilled = await_explained(proxy.admin, body, |json| {
+        json["instances"][0]["active_prefill_tokens"] == 0
+    })
+    .await;
+    assert_eq!(prefilled["instances"][0]["active_requests"], 1);
+    assert_eq!(prefilled["instances"][0]["active_blocks"], 3);
     client.abort();
     let released = await_explained(proxy.admin, body, |json| {
         json["instances"][0]["active_requests"] == 0

@@ -47,8 +47,13 @@ use crate::prepare::PromptBlocks;
 /// One instance's current load, as scoring reads it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct LoadSnapshot {
-    /// Active prefill tokens.
+    /// Active prefill tokens, less the oldest request's predicted progress (what scoring
+    /// predicts with).
     pub(crate) prefill_tokens: u64,
+    /// Active prefill tokens as booked, whole until each request's first byte (what the busy
+    /// threshold counts: it changes only with bookings and first bytes, which wake the
+    /// admission queue).
+    pub(crate) booked_prefill_tokens: u64,
     /// Active blocks (distinct prompt blocks plus per-request partial blocks).
     pub(crate) blocks: u64,
     /// Leading blocks of the queried prompt already among the active blocks.
@@ -72,6 +77,7 @@ impl Default for LoadSnapshot {
     fn default() -> Self {
         Self {
             prefill_tokens: 0,
+            booked_prefill_tokens: 0,
             blocks: 0,
             prefix_blocks: 0,
             requests: 0,
@@ -352,6 +358,7 @@ impl ActiveLoads {
             .shrunk_toward(f64::from_bits(self.fleet_ln_factor.load(Ordering::Relaxed)));
         LoadSnapshot {
             prefill_tokens: load.prefill_tokens_at(now, speed),
+            booked_prefill_tokens: load.prefill_tokens,
             blocks: load.own_blocks(),
             prefix_blocks: u32::try_from(depth).unwrap_or(u32::MAX),
             requests: load.requests.len(),
@@ -601,8 +608,11 @@ mod tests {
         assert_eq!(prefill_at(&loads, t0), 1200);
         assert_eq!(prefill_at(&loads, ms(25)), 750 + 200);
         // Past its profiled time it counts nothing, though its first byte is not there yet;
-        // the second waits behind it, whole.
+        // the second waits behind it, whole. As booked (the busy threshold's count), both
+        // count whole until their first bytes.
         assert_eq!(prefill_at(&loads, ms(300)), 200);
+        let booked = loads.snapshot_at(0, &[], SharedSpeed::default(), ms(300));
+        assert_eq!(booked.booked_prefill_tokens, 1200);
         // The first byte at 120 ms: the second began then, not when it was booked.
         assert!(loads.prefill_done(0, first, ms(120), false));
         assert_eq!(prefill_at(&loads, ms(120)), 200);
@@ -645,6 +655,7 @@ mod tests {
             snap,
             LoadSnapshot {
                 prefill_tokens: 10,
+                booked_prefill_tokens: 10,
                 blocks: 5,
                 prefix_blocks: 4,
                 requests: 1,

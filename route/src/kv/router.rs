@@ -169,15 +169,18 @@ impl KvRouter {
         let replicas = self.replicas.on(instance);
         let mut load = self.loads.snapshot_with(instance, query, replicas.speed);
         load.prefill_tokens = load.prefill_tokens.saturating_add(replicas.prefill_tokens);
+        load.booked_prefill_tokens = load
+            .booked_prefill_tokens
+            .saturating_add(replicas.prefill_tokens);
         load.requests = load.requests.saturating_add(replicas.requests as usize);
         let foreign = load.foreign_blocks.saturating_sub(replicas.blocks);
         load.blocks = load
             .blocks
             .saturating_add(replicas.blocks)
             .saturating_add(foreign);
-        load.prefill_tokens = load
-            .prefill_tokens
-            .saturating_add(load.foreign_waiting.saturating_mul(self.cost.block_size));
+        let foreign_prefill = load.foreign_waiting.saturating_mul(self.cost.block_size);
+        load.prefill_tokens = load.prefill_tokens.saturating_add(foreign_prefill);
+        load.booked_prefill_tokens = load.booked_prefill_tokens.saturating_add(foreign_prefill);
         load
     }
 
@@ -371,7 +374,7 @@ impl KvRouter {
             eligible,
             busy: self
                 .busy
-                .is_busy(load.blocks, load.prefill_tokens, load.capacity),
+                .is_busy(load.blocks, load.booked_prefill_tokens, load.capacity),
             overlap_blocks: overlap_blocks.min(request.shape.full_blocks),
             load,
             cost,
@@ -461,7 +464,7 @@ impl KvRouter {
             let load = self.folded(instance.id(), &[]);
             if !self
                 .busy
-                .is_busy(load.blocks, load.prefill_tokens, load.capacity)
+                .is_busy(load.blocks, load.booked_prefill_tokens, load.capacity)
             {
                 return true;
             }
