@@ -84,12 +84,7 @@ class Engine:
         return len(self.refs) + self.anonymous
 
     def cached_prefix(self, hashes):
-        n = 0
-        for h in hashes:
-            if h not in self.refs and h not in self.free:
-                break
-            n += 1
-        return n
+        return leading(hashes, lambda h: h in self.refs or h in self.free)
 
     def make_room(self):
         while self.used() + len(self.free) + 1 > CAPACITY and self.free:
@@ -207,7 +202,7 @@ class CacheAware:
         if max(loads) - min(loads) > self.abs and max(loads) > self.rel * min(loads):
             k = loads.index(min(loads))
         else:
-            matches = [prefix_until(tree, request.hashes, now) for tree in self.trees]
+            matches = [unexpired_prefix(tree, request.hashes, now) for tree in self.trees]
             best = max(matches)
             if best / max(1, len(request.hashes)) > self.threshold:
                 k = matches.index(best)
@@ -226,14 +221,19 @@ class CacheAware:
         self.in_flight[engine.index] = {r for r in self.in_flight[engine.index] if not r.done}
 
 
-def prefix_until(expiries, hashes, now):
-    """Leading `hashes` whose expiry in `expiries` is after `now`."""
+def leading(hashes, present):
+    """How many of `hashes`, from the first, are `present`."""
     n = 0
     for h in hashes:
-        if expiries.get(h, 0.0) <= now:
+        if not present(h):
             break
         n += 1
     return n
+
+
+def unexpired_prefix(expiries, hashes, now):
+    """Leading `hashes` whose expiry in `expiries` is after `now`."""
+    return leading(hashes, lambda h: expiries.get(h, 0.0) > now)
 
 
 class KvCost:
@@ -262,12 +262,12 @@ class KvCost:
 
     def cost(self, k, request, now):
         overlap = max(self.engines[k].cached_prefix(request.hashes),
-                      prefix_until(self.decided[k], request.hashes, now))
+                      unexpired_prefix(self.decided[k], request.hashes, now))
         new = max(1, request.isl - min(overlap * BLOCK, request.isl))
         active = set()
         for r in self.in_flight[k]:
             active.update(r.hashes)
-        shared = prefix_until({h: now + 1 for h in active}, request.hashes, now)
+        shared = leading(request.hashes, active.__contains__)
         usage = min(1.0, (len(active) + len(request.hashes) - shared) / CAPACITY)
         running = bool(self.in_flight[k])
         queue_ms, iterations = chunked_ms(self.queued(k, now) + new)

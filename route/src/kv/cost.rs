@@ -243,12 +243,14 @@ impl CostModel {
         } else {
             decode_blocks as f64 / load.total_blocks as f64
         };
-        // Any active block (the proxy's own or the engine's reported) is a running stream.
-        let decode_ms = if load.active_blocks > 0 {
-            iterations as f64 * self.profile.decode_ms(usage)
+        // Any active block (the proxy's own or the engine's reported) is a running stream,
+        // whose decode step every iteration carries.
+        let decode_step_ms = if load.active_blocks > 0 {
+            self.profile.decode_ms(usage)
         } else {
             0.0
         };
+        let decode_ms = iterations as f64 * decode_step_ms;
         let speed = if load.speed.is_finite() && load.speed > 0.0 {
             load.speed
         } else {
@@ -257,17 +259,12 @@ impl CostModel {
         let (own_prefill_ms, own_iterations) = self.profile.prefill_ms(new_prefill_tokens.max(1));
         let harm_ms = speed * own_prefill_ms * load.requests as f64;
         let profiled_ttft_ms = prefill_ms + transfer_ms + decode_ms;
-        let own_decode_ms = if load.active_blocks > 0 {
-            own_iterations as f64 * self.profile.decode_ms(usage)
-        } else {
-            0.0
-        };
         Cost {
             new_prefill_tokens,
             prefill_tokens,
             decode_blocks,
             profiled_ttft_ms,
-            profiled_own_ms: own_prefill_ms + own_decode_ms,
+            profiled_own_ms: own_prefill_ms + own_iterations as f64 * decode_step_ms,
             ttft_ms: speed * profiled_ttft_ms,
             itl_ms: speed * self.profile.decode_ms(usage),
             harm_ms,

@@ -168,20 +168,24 @@ impl KvRouter {
     fn folded(&self, instance: u64, query: &[SequenceHash]) -> LoadSnapshot {
         let replicas = self.replicas.on(instance);
         let mut load = self.loads.snapshot_with(instance, query, replicas.speed);
-        load.prefill_tokens = load.prefill_tokens.saturating_add(replicas.prefill_tokens);
-        load.booked_prefill_tokens = load
-            .booked_prefill_tokens
-            .saturating_add(replicas.prefill_tokens);
+        let added_prefill = replicas
+            .prefill_tokens
+            .saturating_add(load.foreign_waiting.saturating_mul(self.cost.block_size));
+        load.prefill_tokens = load.prefill_tokens.saturating_add(added_prefill);
+        load.booked_prefill_tokens = load.booked_prefill_tokens.saturating_add(added_prefill);
         load.requests = load.requests.saturating_add(replicas.requests as usize);
         let foreign = load.foreign_blocks.saturating_sub(replicas.blocks);
         load.blocks = load
             .blocks
             .saturating_add(replicas.blocks)
             .saturating_add(foreign);
-        let foreign_prefill = load.foreign_waiting.saturating_mul(self.cost.block_size);
-        load.prefill_tokens = load.prefill_tokens.saturating_add(foreign_prefill);
-        load.booked_prefill_tokens = load.booked_prefill_tokens.saturating_add(foreign_prefill);
         load
+    }
+
+    /// Whether an instance with `load` is over a busy threshold (prefill counted as booked).
+    fn is_busy(&self, load: &LoadSnapshot) -> bool {
+        self.busy
+            .is_busy(load.blocks, load.booked_prefill_tokens, load.capacity)
     }
 
     /// The proxy's own in-flight load per instance, to share with the other replicas.
@@ -372,9 +376,7 @@ impl KvRouter {
         );
         Evaluated {
             eligible,
-            busy: self
-                .busy
-                .is_busy(load.blocks, load.booked_prefill_tokens, load.capacity),
+            busy: self.is_busy(&load),
             overlap_blocks: overlap_blocks.min(request.shape.full_blocks),
             load,
             cost,
@@ -462,10 +464,7 @@ impl KvRouter {
             }
             any_available = true;
             let load = self.folded(instance.id(), &[]);
-            if !self
-                .busy
-                .is_busy(load.blocks, load.booked_prefill_tokens, load.capacity)
-            {
+            if !self.is_busy(&load) {
                 return true;
             }
         }
