@@ -814,7 +814,7 @@ async fn a_replica_counts_the_requests_and_speeds_another_has_learned() -> anyho
     .await?;
     // Proxy A learned the engine's speed from the stream's first token, and shares it with
     // the load: B, which saw no first token of its own, merges A's one sample with its prior
-    // (four samples of the profile's speed), so its factor is A's to the power 1/5.
+    // (sixteen samples of the profile's speed), so its factor is A's to the power 1/17.
     let learned = await_explained(&client, proxy_a, &token_prompt(&probe, 1), None, |_| true)
         .await
         .map(|explained| explained_instance(&explained, &engine)["speed"].as_f64())?
@@ -827,7 +827,7 @@ async fn a_replica_counts_the_requests_and_speeds_another_has_learned() -> anyho
         None,
         |explained| {
             let speed = explained_instance(explained, &engine)["speed"].as_f64();
-            speed.is_some_and(|speed| (speed.ln() - learned.ln() / 5.0).abs() < 1e-9)
+            speed.is_some_and(|speed| (speed.ln() - learned.ln() / 17.0).abs() < 1e-9)
         },
     )
     .await?;

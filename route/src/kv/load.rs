@@ -909,7 +909,7 @@ mod tests {
         assert!(!loads.prefill_done(0, streamed, at + Duration::from_secs(9), true));
         assert!((loads.snapshot(0, &[]).speed - 3.0).abs() < 1e-9);
         // Instance 1 proves 3× faster than instance 0 over many requests.
-        for _ in 0..200 {
+        for _ in 0..2000 {
             for (instance, ms) in [(0, 120), (1, 40)] {
                 let id = booked(instance);
                 loads.prefill_done(instance, id, start + Duration::from_millis(ms), true);
@@ -941,8 +941,8 @@ mod tests {
             samples: 3,
         };
         let ln_merged = 0.75 * 4f64.ln();
-        // With the prior (this replica's fleet factor, 1) as four more samples.
-        let expected = (4.0 * ln_merged / 8.0).exp();
+        // With the prior (this replica's fleet factor, 1) as PRIOR_SAMPLES more samples.
+        let expected = (4.0 * ln_merged / (4.0 + crate::kv::speed::PRIOR_SAMPLES)).exp();
         let speed = loads.snapshot_with(0, &[], others).speed;
         assert!((speed - expected).abs() < 1e-9, "{speed} vs {expected}");
         assert!((loads.snapshot(0, &[]).speed - 1.0).abs() < 1e-9);
