@@ -6,7 +6,9 @@ use std::collections::HashMap;
 use thiserror::Error;
 
 use crate::event::{BlockParent, KvEvent, StoredBlock};
-use crate::hash::{BlockHasher, ExternalHash, LocalBlockHash, SequenceHash, sequence_hash};
+use crate::hash::{
+    BlockHasher, ExternalHash, LocalBlockHash, SequenceHash, apply_cache_salt, sequence_hash,
+};
 use crate::keyed_hasher::KeyedState;
 
 /// An engine event that cannot be translated into kvmesh's hash space.
@@ -85,6 +87,22 @@ impl EngineBlockMap {
         tokens: &[u32],
         mm_hashes: &[M],
     ) -> Result<KvEvent, TranslateError> {
+        self.stored_salted(hasher, parent, block_ids, tokens, mm_hashes, None)
+    }
+
+    /// Like [`EngineBlockMap::stored_mm`], for blocks of a request with `cache_salt`: when the
+    /// event starts a sequence (`parent` `None`), its first block is salted as
+    /// [`BlockHasher::hash_salted_into`] salts a request's (see [`crate::salted_local_hash`]);
+    /// after a parent the salt is already in the parent's sequence hash and is not applied.
+    pub fn stored_salted<M: AsRef<[u64]>>(
+        &mut self,
+        hasher: &mut BlockHasher,
+        parent: Option<ExternalHash>,
+        block_ids: &[ExternalHash],
+        tokens: &[u32],
+        mm_hashes: &[M],
+        cache_salt: Option<&str>,
+    ) -> Result<KvEvent, TranslateError> {
         if tokens.len() != block_ids.len() * hasher.block_size() {
             return Err(TranslateError::TokenCount {
                 blocks: block_ids.len(),
@@ -103,6 +121,9 @@ impl EngineBlockMap {
         };
         self.locals.clear();
         hasher.extend_local_hashes_mm(tokens, mm_hashes, &mut self.locals);
+        if parent.is_none() {
+            apply_cache_salt(&mut self.locals, cache_salt);
+        }
         let mut previous = parent.map(|p| p.sequence);
         let mut blocks = Vec::with_capacity(block_ids.len());
         for (&external, &local) in block_ids.iter().zip(&self.locals) {
@@ -207,6 +228,47 @@ mod tests {
             })
         );
         assert!(map.is_empty());
+    }
+
+    #[test]
+    fn salted_blocks_hash_like_salted_requests() {
+        let mut hasher = BlockHasher::new(4, None).expect("block size");
+        let tokens: Vec<u32> = (0..12).collect();
+        let request = hasher.hash_salted(&tokens, Some("tenant-a"));
+        let mut map = EngineBlockMap::new();
+        let none: &[&[u64]] = &[];
+        let root = map
+            .stored_salted(
+                &mut hasher,
+                None,
+                &[ExternalHash(1), ExternalHash(2)],
+                &tokens[..8],
+                none,
+                Some("tenant-a"),
+            )
+            .expect("root chain");
+        // A continuation names the salt too (vLLM's extra keys do not, kvmesh's intake may):
+        // it is already in the parent's hash and must not be applied twice.
+        let tail = map
+            .stored_salted(
+                &mut hasher,
+                Some(ExternalHash(2)),
+                &[ExternalHash(3)],
+                &tokens[8..],
+                none,
+                Some("tenant-a"),
+            )
+            .expect("known parent");
+        let index = KvIndex::new();
+        index.apply(W, &root);
+        assert_eq!(index.apply(W, &tail).status(), crate::ApplyStatus::Ok);
+        assert_eq!(index.find_matches(&request.sequence).depth(W), 3);
+        let other = hasher.hash_salted(&tokens, Some("tenant-b"));
+        assert_eq!(index.find_matches(&other.sequence).depth(W), 0);
+        assert_eq!(
+            index.find_matches(&hasher.hash(&tokens).sequence).depth(W),
+            0
+        );
     }
 
     #[test]

@@ -3,11 +3,12 @@
 //! The rules are Dynamo's (see the crate docs): each full block of `block_size` tokens is hashed as
 //! its token ids encoded as little-endian `u32`s with seed [`XXH3_SEED`] (or the LoRA seed), a
 //! trailing partial block is never hashed, and sequence hashes chain each local hash onto the
-//! previous sequence hash.
+//! previous sequence hash. kvmesh adds one rule of its own: a request's `cache_salt` changes the
+//! local hash of its first block ([`salted_local_hash`]), and through the chain every block after.
 
 use std::num::NonZeroUsize;
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh3::{Xxh3, xxh3_64_with_seed};
 
 use crate::error::HashError;
 
@@ -36,6 +37,37 @@ pub fn lora_seed(lora_name: Option<&str>) -> u64 {
             XXH3_SEED.wrapping_add(xxh3_64_with_seed(name.as_bytes(), 0))
         }
         _ => XXH3_SEED,
+    }
+}
+
+/// Seed of the hash that folds a request's `cache_salt` into its first block
+/// ([`salted_local_hash`]): the ASCII bytes `cachesal` read as a big-endian `u64`, a value no
+/// other kvmesh hash uses as its seed.
+pub const CACHE_SALT_SEED: u64 = 0x6361_6368_6573_616c;
+
+/// The local hash of a sequence's **first** block under the request's `cache_salt`:
+/// `XXH3_64(LE_u64(local) ‖ UTF-8(salt), seed` [`CACHE_SALT_SEED`]`)`, where `local` is the
+/// block's hash without the salt (LoRA seed and multimodal hashes included).
+///
+/// This mirrors vLLM, which adds `cache_salt` to the extra keys of the block at token 0 only
+/// (`generate_block_hash_extra_keys`); the chain carries it into every later block, so two
+/// tenants' copies of one prompt share no block. An empty salt is no salt (vLLM tests the
+/// salt's truth); use [`apply_cache_salt`], which skips it.
+pub fn salted_local_hash(local: LocalBlockHash, salt: &str) -> LocalBlockHash {
+    let mut hasher = Xxh3::with_seed(CACHE_SALT_SEED);
+    hasher.update(&local.0.to_le_bytes());
+    hasher.update(salt.as_bytes());
+    LocalBlockHash(hasher.digest())
+}
+
+/// Folds `cache_salt` into `locals[0]`, where `locals` are the local hashes of blocks that
+/// **start** a sequence (never of a continuation). `None`, an empty salt or no block leave
+/// `locals` as they are, so unsalted prompts hash exactly as without this call.
+pub fn apply_cache_salt(locals: &mut [LocalBlockHash], cache_salt: Option<&str>) {
+    if let (Some(first), Some(salt)) = (locals.first_mut(), cache_salt)
+        && !salt.is_empty()
+    {
+        *first = salted_local_hash(*first, salt);
     }
 }
 
@@ -181,8 +213,21 @@ impl BlockHasher {
     /// Local and sequence hashes of every full block of `tokens`, written into `out`
     /// (cleared first; its allocations are reused).
     pub fn hash_into(&mut self, tokens: &[u32], out: &mut BlockHashes) {
+        self.hash_salted_into(tokens, None, out);
+    }
+
+    /// Like [`BlockHasher::hash_into`], for a request with `cache_salt` (vLLM's request field):
+    /// the first block's local hash is [`salted_local_hash`]'s, so every sequence hash differs
+    /// from the unsalted prompt's. `None` or an empty salt hashes exactly as `hash_into`.
+    pub fn hash_salted_into(
+        &mut self,
+        tokens: &[u32],
+        cache_salt: Option<&str>,
+        out: &mut BlockHashes,
+    ) {
         out.clear();
         self.extend_local_hashes(tokens, &mut out.local);
+        apply_cache_salt(&mut out.local, cache_salt);
         extend_sequence_hashes(None, &out.local, &mut out.sequence);
     }
 
@@ -201,8 +246,14 @@ impl BlockHasher {
 
     /// Local and sequence hashes of every full block of `tokens`.
     pub fn hash(&mut self, tokens: &[u32]) -> BlockHashes {
+        self.hash_salted(tokens, None)
+    }
+
+    /// Local and sequence hashes of every full block of `tokens` under `cache_salt` (see
+    /// [`BlockHasher::hash_salted_into`]).
+    pub fn hash_salted(&mut self, tokens: &[u32], cache_salt: Option<&str>) -> BlockHashes {
         let mut out = BlockHashes::default();
-        self.hash_into(tokens, &mut out);
+        self.hash_salted_into(tokens, cache_salt, &mut out);
         out
     }
 
@@ -327,6 +378,67 @@ mod tests {
         let mut plain = Vec::new();
         h.extend_local_hashes(&tokens, &mut plain);
         assert_ne!(a, plain);
+    }
+
+    #[test]
+    fn cache_salt_vectors() {
+        let tokens: Vec<u32> = (0..32).collect();
+        let mut h = hasher(16, None);
+        let plain = h.hash(&tokens);
+        let salted = h.hash_salted(&tokens, Some("tenant-a"));
+        // Derived with python xxhash: XXH3_64(LE_u64(15310707395893867146) ‖ b"tenant-a",
+        // seed 0x636163686573616c). engine-sim asserts the same numbers.
+        assert_eq!(salted.local[0].0, 16_092_681_004_478_993_183);
+        assert_eq!(
+            salted.local[1], plain.local[1],
+            "only the first block is salted"
+        );
+        assert_eq!(salted.sequence[0].0, salted.local[0].0);
+        assert_eq!(salted.sequence[1].0, 14_638_022_048_924_065_606);
+        assert_ne!(
+            salted.sequence[1], plain.sequence[1],
+            "the chain carries the salt"
+        );
+        let mut input = plain.local[0].0.to_le_bytes().to_vec();
+        input.extend_from_slice(b"tenant-a");
+        assert_eq!(
+            salted.local[0].0,
+            xxh3_64_with_seed(&input, CACHE_SALT_SEED)
+        );
+        assert_eq!(CACHE_SALT_SEED.to_be_bytes(), *b"cachesal");
+    }
+
+    #[test]
+    fn no_salt_and_empty_salt_hash_as_before() {
+        let tokens: Vec<u32> = (0..32).collect();
+        let mut h = hasher(16, Some("my-adapter"));
+        let plain = h.hash(&tokens);
+        assert_eq!(h.hash_salted(&tokens, None), plain);
+        assert_eq!(h.hash_salted(&tokens, Some("")), plain);
+        let mut locals = plain.local.clone();
+        apply_cache_salt(&mut locals, Some(""));
+        assert_eq!(locals, plain.local);
+        apply_cache_salt(&mut [], Some("x"));
+    }
+
+    #[test]
+    fn different_salts_share_no_block() {
+        let tokens: Vec<u32> = (0..64).collect();
+        let mut h = hasher(16, None);
+        let a = h.hash_salted(&tokens, Some("a"));
+        let b = h.hash_salted(&tokens, Some("b"));
+        let plain = h.hash(&tokens);
+        for i in 0..4 {
+            assert_ne!(a.sequence[i], b.sequence[i], "block {i}");
+            assert_ne!(a.sequence[i], plain.sequence[i], "block {i}");
+        }
+        assert_eq!(a, h.hash_salted(&tokens, Some("a")));
+        // A LoRA adapter named like the salt is a different namespace.
+        let lora = hasher(16, Some("a")).hash(&tokens);
+        assert_ne!(a.sequence[0], lora.sequence[0]);
+        // A salted prompt that extends another salted prompt shares its prefix.
+        let short = h.hash_salted(&tokens[..32], Some("a"));
+        assert_eq!(short.sequence[..], a.sequence[..2]);
     }
 
     #[test]

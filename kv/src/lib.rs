@@ -6,7 +6,10 @@
 //! [`XXH3_SEED`] (1337), over its token ids as little-endian `u32`s (hashed in place on
 //! little-endian targets); a trailing partial block is never hashed. A LoRA adapter changes the
 //! seed of local hashes ([`lora_seed`]); a block carrying multimodal objects appends their
-//! hashes, sorted, as 8-byte little-endian words. Sequence hashes chain each local hash onto the
+//! hashes, sorted, as 8-byte little-endian words. A request's `cache_salt` (vLLM's per-request
+//! cache namespace) re-hashes the local hash of the sequence's first block only
+//! ([`salted_local_hash`]; vLLM also salts only the block at token 0), so the chain carries it
+//! into every block; no salt or an empty one changes nothing. Sequence hashes chain each local hash onto the
 //! previous sequence hash ([`sequence_hash`]), always with seed 1337. The published test vectors
 //! are unit tests of `hash.rs`. Not implemented: Eagle (speculative) windows of `bs + 1` tokens.
 //!
@@ -127,8 +130,9 @@ pub use engine_blocks::{EngineBlockMap, TranslateError};
 pub use error::{ApproxConfigError, HashError};
 pub use event::{BlockParent, KvEvent, StoredBlock};
 pub use hash::{
-    BlockHasher, BlockHashes, ExternalHash, LocalBlockHash, SequenceHash, XXH3_SEED,
-    extend_sequence_hashes, lora_seed, sequence_hash,
+    BlockHasher, BlockHashes, CACHE_SALT_SEED, ExternalHash, LocalBlockHash, SequenceHash,
+    XXH3_SEED, apply_cache_salt, extend_sequence_hashes, lora_seed, salted_local_hash,
+    sequence_hash,
 };
 pub use index::{DEFAULT_SHARDS, IndexStats, KvIndex};
 pub use outcome::{ApplyOutcome, ApplyStatus};
