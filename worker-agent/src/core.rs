@@ -129,6 +129,7 @@ impl Core {
                     block_size,
                     lora_name,
                     mm_hashes,
+                    cache_salt,
                 } => {
                     let result = table.stored(
                         *parent,
@@ -137,6 +138,7 @@ impl Core {
                         *block_size,
                         lora_name.as_deref(),
                         mm_hashes,
+                        cache_salt.as_deref(),
                         out,
                     );
                     match result {

@@ -1,16 +1,17 @@
 //! Translation of one data-parallel rank's engine events into kvmesh's hash space.
 //!
 //! Each stored block is re-hashed from its token ids with `kvmesh_kv::BlockHasher` (LoRA seed
-//! and multimodal hashes included) and chained onto its parent's sequence hash. The table keeps,
-//! per engine block id, its parent, local and sequence hashes and a reference count: vLLM may
-//! store the same block twice, and only the last matching removal evicts it. The table is
-//! also the source of full snapshots.
+//! and multimodal hashes included; an event that starts a sequence salts its first block with
+//! the request's `cache_salt`, as the proxy salts the request's) and chained onto its parent's
+//! sequence hash. The table keeps, per engine block id, its parent, local and sequence hashes
+//! and a reference count: vLLM may store the same block twice, and only the last matching
+//! removal evicts it. The table is also the source of full snapshots.
 
 use std::collections::HashMap;
 
 use kvmesh_kv::{
     BlockHasher, BlockParent, ExternalHash, HashError, KvEvent, LocalBlockHash, SequenceHash,
-    StoredBlock, sequence_hash,
+    StoredBlock, apply_cache_salt, sequence_hash,
 };
 
 /// What a stored block is known as.
@@ -83,7 +84,8 @@ impl RankTable {
     /// Translates a store of `block_ids` (parent first) holding `tokens`, after `parent`.
     /// Appends the Stored events for blocks not held yet (a chain split where already-held
     /// blocks sit) to `out`; already-held blocks only gain a reference. Fails, changing
-    /// nothing, on an unknown parent or a size mismatch.
+    /// nothing, on an unknown parent or a size mismatch. `cache_salt` salts the first block
+    /// when there is no parent (after one, the parent's hash already carries it).
     #[allow(clippy::too_many_arguments)]
     pub fn stored(
         &mut self,
@@ -93,6 +95,7 @@ impl RankTable {
         block_size: usize,
         lora: Option<&str>,
         mm_hashes: &[Vec<u64>],
+        cache_salt: Option<&str>,
         out: &mut Vec<KvEvent>,
     ) -> Result<(), Miss> {
         if block_size != self.block_size {
@@ -124,6 +127,9 @@ impl RankTable {
         if hashed.is_err() {
             self.locals = locals;
             return Err(Miss::BlockSize);
+        }
+        if parent.is_none() {
+            apply_cache_salt(&mut locals, cache_salt);
         }
         let mut previous = parent;
         let mut run_parent = parent;

@@ -19,6 +19,14 @@ const V3: u64 = 0xfb1e_0e89_de67_bbf5;
 const V4: u64 = 0xc5d6_8bcc_15c0_e931;
 const V5: u64 = 0x447e_37b8_149e_1c03;
 const V6: u64 = 0xa9c2_dc86_ed2b_f616;
+const V8: u64 = 0x6a3c_5bb6_1d10_1cd6;
+const V9: u64 = 0x8210_825d_0aba_80af;
+const V10: u64 = 0x21e2_faf9_3d9a_bc58;
+const V11: u64 = 0xf448_2d79_5a36_884d;
+const V12: u64 = 0xb62a_a9d2_c871_1311;
+const V13: u64 = 0xc1bf_54a5_4f6f_9111;
+/// The fixture's 64-hex-digit salt: sha256("tenant-c").
+const HEX_SALT: &str = "3c88b6c4e7210d1c63de91a2dbfcc1bc996449f690e416d3cca323871e42798e";
 /// The first 16 hex digits of the multimodal identifier sha256("kvmesh fixture image").
 const V_MM: u64 = 0xaca5_f289_e3c6_75ec;
 
@@ -37,6 +45,7 @@ const VLLM_REMOVED: &[u8] = include_bytes!("fixtures/vllm-0.33.0-block-removed.m
 const VLLM_CLEARED: &[u8] = include_bytes!("fixtures/vllm-0.33.0-all-blocks-cleared.msgpack");
 const VLLM_MIXED: &[u8] = include_bytes!("fixtures/vllm-0.33.0-mixed-dp1.msgpack");
 const VLLM_BYTES: &[u8] = include_bytes!("fixtures/vllm-0.33.0-bytes-hashes.msgpack");
+const VLLM_SALT: &[u8] = include_bytes!("fixtures/vllm-0.33.0-cache-salt.msgpack");
 const SGLANG_STORED: &[u8] = include_bytes!("fixtures/sglang-0.5.23-block-stored.msgpack");
 const SGLANG_REMOVED: &[u8] = include_bytes!("fixtures/sglang-0.5.23-block-removed.msgpack");
 const SGLANG_CLEARED: &[u8] = include_bytes!("fixtures/sglang-0.5.23-all-blocks-cleared.msgpack");
@@ -61,6 +70,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, token_ids: Vec<u32>) -> EngineEve
         block_size: 16,
         lora_name: None,
         mm_hashes: vec![],
+        cache_salt: None,
     }
 }
 
@@ -72,6 +82,7 @@ fn with_lora(event: EngineEvent, name: &str) -> EngineEvent {
             token_ids,
             block_size,
             mm_hashes,
+            cache_salt,
             ..
         } => EngineEvent::Stored {
             block_hashes,
@@ -80,6 +91,30 @@ fn with_lora(event: EngineEvent, name: &str) -> EngineEvent {
             block_size,
             lora_name: Some(name.to_owned()),
             mm_hashes,
+            cache_salt,
+        },
+        other => other,
+    }
+}
+
+fn with_salt(event: EngineEvent, salt: &str) -> EngineEvent {
+    match event {
+        EngineEvent::Stored {
+            block_hashes,
+            parent,
+            token_ids,
+            block_size,
+            lora_name,
+            mm_hashes,
+            ..
+        } => EngineEvent::Stored {
+            block_hashes,
+            parent,
+            token_ids,
+            block_size,
+            lora_name,
+            mm_hashes,
+            cache_salt: Some(salt.to_owned()),
         },
         other => other,
     }
@@ -110,7 +145,33 @@ fn vllm_block_stored() {
                 block_size: 16,
                 lora_name: None,
                 mm_hashes: vec![vec![V_MM]],
+                cache_salt: None,
             },
+        ]
+    );
+}
+
+/// Extra keys made by vLLM's own `generate_block_hash_extra_keys` for requests with a
+/// `cache_salt`, published through `to_event_extra_keys`: the salt is a bare string in the
+/// first block's list only, after the LoRA name.
+#[test]
+fn vllm_cache_salt() {
+    let b = decode(EngineKind::Vllm, VLLM_SALT);
+    assert_eq!(b.dp_rank, Some(0));
+    assert_eq!(
+        b.events,
+        vec![
+            // extra_keys [["tenant-a"], nil].
+            with_salt(stored(&[V8, V9], None, tokens(5000, 32)), "tenant-a"),
+            // extra_keys [nil]: a continuation carries no salt (its parent's hash does).
+            stored(&[V10], Some(V9), tokens(5032, 16)),
+            // extra_keys [["sql-lora", "tenant-b"], ["sql-lora"]].
+            with_salt(
+                with_lora(stored(&[V11, V12], None, tokens(5000, 32)), "sql-lora"),
+                "tenant-b"
+            ),
+            // extra_keys [[sha256("tenant-c") hex]]: a salt, not a multimodal hash.
+            with_salt(stored(&[V13], None, tokens(5000, 16)), HEX_SALT),
         ]
     );
 }
@@ -216,12 +277,13 @@ fn sglang_mixed_batch_of_attention_dp_rank_1() {
 /// array, every event a map whose first key is `type`.
 #[test]
 fn wire_shape_is_a_positional_batch_of_tagged_maps() {
-    let all: [(&str, &[u8]); 9] = [
+    let all: [(&str, &[u8]); 10] = [
         ("vllm stored", VLLM_STORED),
         ("vllm removed", VLLM_REMOVED),
         ("vllm cleared", VLLM_CLEARED),
         ("vllm mixed", VLLM_MIXED),
         ("vllm bytes", VLLM_BYTES),
+        ("vllm salt", VLLM_SALT),
         ("sglang stored", SGLANG_STORED),
         ("sglang removed", SGLANG_REMOVED),
         ("sglang cleared", SGLANG_CLEARED),

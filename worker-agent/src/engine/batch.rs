@@ -62,6 +62,10 @@ pub enum EngineEvent {
         lora_name: Option<String>,
         /// Per block, the multimodal object hashes from `extra_keys` (empty when none).
         mm_hashes: Vec<Vec<u64>>,
+        /// The request's `cache_salt`, only on an event that starts a sequence (no parent):
+        /// vLLM's first block carries it in `extra_keys`, SGLang names it in `cache_salt`.
+        /// It salts the first block's hash ([`kvmesh_kv::salted_local_hash`]).
+        cache_salt: Option<String>,
     },
     /// Blocks were evicted.
     Removed {
@@ -99,7 +103,54 @@ struct Fields {
     medium: Option<String>,
     group_idx: Option<u64>,
     spec_kind: Option<String>,
+    /// SGLang's `cache_salt` field.
+    cache_salt: Option<String>,
+    extra: ExtraKeys,
+}
+
+/// What `extra_keys` holds for kvmesh: per block the multimodal hashes, and the first block's
+/// bare strings, which are resolved once the event's `lora_name` and parent are known
+/// ([`ExtraKeys::resolve`]).
+#[derive(Default)]
+struct ExtraKeys {
+    /// Per block (one entry per block once the field was read), the mm hashes found in
+    /// `[identifier, offset]` pairs, and in bare strings of blocks after the first.
     mm_hashes: Vec<Vec<u64>>,
+    /// The bare string items of the first block, with their positions in its list.
+    first_block_strings: Vec<(usize, String)>,
+}
+
+impl ExtraKeys {
+    /// The per-block mm hashes (empty when no block has one) and the cache salt.
+    ///
+    /// vLLM (`generate_block_hash_extra_keys`, published by `to_event_extra_keys`, checked
+    /// against vLLM 0.33.0's wheel) lists a block's keys in the order LoRA name (a bare
+    /// string, every block) + `[mm_identifier, offset]` pairs + `cache_salt` (a bare string,
+    /// only the block at token 0) + prompt-embeds digests (bytes). So in the first block of an
+    /// event without a parent, after a leading bare string equal to `lora_name`, the **last**
+    /// bare string is the salt (whatever it looks like: a 64-hex salt is still a salt). Any
+    /// other bare string is a multimodal hash if it is 64 hex digits (vLLM releases of early
+    /// 2026 published bare mm identifiers), and ignored otherwise; after a parent the first
+    /// block is not the request's first and carries no salt.
+    fn resolve(mut self, lora_name: Option<&str>, root: bool) -> (Vec<Vec<u64>>, Option<String>) {
+        let mut strings: Vec<String> = self
+            .first_block_strings
+            .into_iter()
+            .filter(|(position, item)| !(*position == 0 && Some(item.as_str()) == lora_name))
+            .map(|(_, item)| item)
+            .collect();
+        let salt = if root { strings.pop() } else { None };
+        let first: Vec<u64> = strings.iter().filter_map(|item| mm_hash(item)).collect();
+        if !first.is_empty()
+            && let Some(block) = self.mm_hashes.first_mut()
+        {
+            block.extend(first);
+        }
+        if self.mm_hashes.iter().all(Vec::is_empty) {
+            self.mm_hashes = Vec::new();
+        }
+        (self.mm_hashes, salt.filter(|s| !s.is_empty()))
+    }
 }
 
 fn hash(r: &mut Reader<'_>) -> Result<u64> {
@@ -174,13 +225,47 @@ fn mm_hash(item: &str) -> Option<u64> {
     u64::from_str_radix(&item[..16], 16).ok()
 }
 
-/// One item of a block's `extra_keys` list, as a multimodal hash if it is one: either a bare
-/// 64-hex string, or an `[mm_identifier, offset]` pair whose first element is that string —
-/// the shape vLLM's `to_event_extra_keys` publishes (checked against vLLM 0.33.0's own
-/// encoder by `tests/engine_fixtures.rs`); the offset is not part of kvmesh's hash.
-fn extra_key_item(r: &mut Reader<'_>) -> Result<Option<u64>> {
+/// SGLang's salt at `BlockStored` position 7: the `cache_salt` string itself, or a `metadata`
+/// map with a `cache_salt` key (wire-formats.md §2); `None` for anything else.
+fn metadata_salt(r: &mut Reader<'_>) -> Result<Option<String>> {
+    if r.kind()? != Kind::Map {
+        return optional_str(r);
+    }
+    let mut salt = None;
+    let n = r.map_len()?;
+    for _ in 0..n {
+        let is_salt = if r.kind()? == Kind::Str {
+            r.str()? == "cache_salt"
+        } else {
+            r.skip()?;
+            false
+        };
+        if is_salt {
+            salt = optional_str(r)?;
+        } else {
+            r.skip()?;
+        }
+    }
+    Ok(salt)
+}
+
+/// One item of a block's `extra_keys` list.
+#[derive(Debug, PartialEq)]
+enum ExtraItem<'a> {
+    /// A bare string: a LoRA name, a cache salt, or (early 2026 vLLM) a multimodal identifier.
+    Str(&'a str),
+    /// A multimodal hash from an `[mm_identifier, offset]` pair whose first element is a
+    /// 64-hex string — the shape vLLM's `to_event_extra_keys` publishes (checked against vLLM
+    /// 0.33.0's own encoder by `tests/engine_fixtures.rs`); the offset is not part of kvmesh's
+    /// hash.
+    Mm(u64),
+    /// Anything else (prompt-embeds digests, pairs of other shapes).
+    Other,
+}
+
+fn extra_key_item<'a>(r: &mut Reader<'a>) -> Result<ExtraItem<'a>> {
     match r.kind()? {
-        Kind::Str => Ok(mm_hash(r.str()?)),
+        Kind::Str => Ok(ExtraItem::Str(r.str()?)),
         Kind::Array => {
             let n = r.array_len()?;
             let mut found = None;
@@ -191,38 +276,40 @@ fn extra_key_item(r: &mut Reader<'_>) -> Result<Option<u64>> {
                     r.skip()?;
                 }
             }
-            Ok(found)
+            Ok(found.map_or(ExtraItem::Other, ExtraItem::Mm))
         }
-        _ => r.skip().map(|()| None),
+        _ => r.skip().map(|()| ExtraItem::Other),
     }
 }
 
-/// `extra_keys`: per block nil or a list of items; returns per-block mm hashes (empty when no
-/// block carries one).
-fn extra_keys(r: &mut Reader<'_>) -> Result<Vec<Vec<u64>>> {
+/// `extra_keys`: per block nil or a list of items (see [`ExtraKeys`]).
+fn extra_keys(r: &mut Reader<'_>) -> Result<ExtraKeys> {
+    let mut out = ExtraKeys::default();
     if r.kind()? != Kind::Array {
         r.skip()?;
-        return Ok(Vec::new());
+        return Ok(out);
     }
     let blocks = r.array_len()?;
-    let mut out = Vec::new();
-    let mut any = false;
-    for _ in 0..blocks {
+    for index in 0..blocks {
         let mut block = Vec::new();
         if r.kind()? == Kind::Array {
             let items = r.array_len()?;
-            for _ in 0..items {
-                if let Some(h) = extra_key_item(r)? {
-                    block.push(h);
+            for position in 0..items {
+                match extra_key_item(r)? {
+                    ExtraItem::Mm(h) => block.push(h),
+                    ExtraItem::Str(item) if index == 0 => {
+                        out.first_block_strings.push((position, item.to_owned()));
+                    }
+                    ExtraItem::Str(item) => block.extend(mm_hash(item)),
+                    ExtraItem::Other => {}
                 }
             }
         } else {
             r.skip()?;
         }
-        any |= !block.is_empty();
-        out.push(block);
+        out.mm_hashes.push(block);
     }
-    Ok(if any { out } else { Vec::new() })
+    Ok(out)
 }
 
 impl Fields {
@@ -237,7 +324,9 @@ impl Fields {
             "medium" => self.medium = optional_str(r)?,
             "group_idx" => self.group_idx = optional_int(r)?,
             "kv_cache_spec_kind" => self.spec_kind = optional_str(r)?,
-            "extra_keys" => self.mm_hashes = extra_keys(r)?,
+            "extra_keys" => self.extra = extra_keys(r)?,
+            "cache_salt" => self.cache_salt = optional_str(r)?,
+            "metadata" => self.cache_salt = metadata_salt(r)?,
             _ => r.skip()?,
         }
         Ok(())
@@ -258,6 +347,8 @@ impl Fields {
             ("BlockStored", 6) | ("BlockRemoved", 2) => Some("medium"),
             ("BlockStored", 7) if kind == EngineKind::Vllm => Some("lora_name"),
             ("BlockStored", 8) if kind == EngineKind::Vllm => Some("extra_keys"),
+            // SGLang 0.5.23's `cache_salt` (a string); earlier a `metadata` map holding it.
+            ("BlockStored", 7) if kind == EngineKind::Sglang => Some("metadata"),
             // Position 9 is group_idx in vLLM; some producers put other things there.
             ("BlockStored", 9) if kind == EngineKind::Vllm && r.kind()? == Kind::Int => {
                 Some("group_idx")
@@ -305,13 +396,18 @@ impl Fields {
                 if block_size == 0 || token_ids.is_empty() {
                     return Ok(EngineEvent::Ignored(IgnoreReason::Offload));
                 }
+                let lora_name = self.lora_name.filter(|n| !n.is_empty());
+                let root = self.parent.is_none();
+                let (mm_hashes, extra_salt) = self.extra.resolve(lora_name.as_deref(), root);
+                let named_salt = self.cache_salt.filter(|s| root && !s.is_empty());
                 Ok(EngineEvent::Stored {
                     block_hashes,
                     parent: self.parent,
                     token_ids,
                     block_size,
-                    lora_name: self.lora_name.filter(|n| !n.is_empty()),
-                    mm_hashes: self.mm_hashes,
+                    lora_name,
+                    mm_hashes,
+                    cache_salt: named_salt.or(extra_salt),
                 })
             }
             "BlockRemoved" => {

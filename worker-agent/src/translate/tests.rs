@@ -23,10 +23,10 @@ fn stored_blocks_get_kvmesh_sequence_hashes() {
     let toks = tokens(12);
     let mut out = Vec::new();
     table
-        .stored(None, &[100, 101], &toks[..8], 4, None, &[], &mut out)
+        .stored(None, &[100, 101], &toks[..8], 4, None, &[], None, &mut out)
         .expect("root");
     table
-        .stored(Some(101), &[102], &toks[8..], 4, None, &[], &mut out)
+        .stored(Some(101), &[102], &toks[8..], 4, None, &[], None, &mut out)
         .expect("child");
     let expected = BlockHasher::new(4, None).expect("hasher").hash(&toks);
     let published: Vec<SequenceHash> = out
@@ -49,7 +49,16 @@ fn lora_blocks_hash_with_the_lora_seed() {
     let toks = tokens(4);
     let mut out = Vec::new();
     table
-        .stored(None, &[1], &toks, 4, Some("my-adapter"), &[], &mut out)
+        .stored(
+            None,
+            &[1],
+            &toks,
+            4,
+            Some("my-adapter"),
+            &[],
+            None,
+            &mut out,
+        )
         .expect("lora store");
     let expected = BlockHasher::new(4, Some("my-adapter"))
         .expect("hasher")
@@ -62,11 +71,61 @@ fn lora_blocks_hash_with_the_lora_seed() {
 }
 
 #[test]
+fn salted_stores_match_salted_requests_only() {
+    let mut table = RankTable::new(4).expect("table");
+    let toks = tokens(12);
+    let mut out = Vec::new();
+    table
+        .stored(
+            None,
+            &[1, 2],
+            &toks[..8],
+            4,
+            None,
+            &[],
+            Some("tenant-a"),
+            &mut out,
+        )
+        .expect("salted root");
+    // The continuation names the salt too: after a parent it is not applied again.
+    table
+        .stored(
+            Some(2),
+            &[3],
+            &toks[8..],
+            4,
+            None,
+            &[],
+            Some("tenant-a"),
+            &mut out,
+        )
+        .expect("child");
+    // The same prompt unsalted, under other engine ids (vLLM hashes it differently).
+    table
+        .stored(None, &[11, 12, 13], &toks, 4, None, &[], None, &mut out)
+        .expect("unsalted root");
+    let index = KvIndex::new();
+    apply_all(&index, &out);
+    let mut hasher = BlockHasher::new(4, None).expect("hasher");
+    let a = hasher.hash_salted(&toks, Some("tenant-a"));
+    let b = hasher.hash_salted(&toks, Some("tenant-b"));
+    let plain = hasher.hash(&toks);
+    assert_eq!(index.find_matches(&a.sequence).depth(W), 3);
+    assert_eq!(index.find_matches(&plain.sequence).depth(W), 3);
+    assert_eq!(index.find_matches(&b.sequence).depth(W), 0);
+    assert_eq!(
+        table.len(),
+        6,
+        "the salted and unsalted blocks are distinct"
+    );
+}
+
+#[test]
 fn duplicate_stores_are_refcounted_and_split_chains() {
     let mut table = RankTable::new(2).expect("table");
     let mut out = Vec::new();
     table
-        .stored(None, &[1, 2], &[1, 2, 3, 4], 2, None, &[], &mut out)
+        .stored(None, &[1, 2], &[1, 2, 3, 4], 2, None, &[], None, &mut out)
         .expect("first");
     out.clear();
     // Blocks 1 and 2 again, extended by 3: only 3 is new, published after its parent 2.
@@ -78,6 +137,7 @@ fn duplicate_stores_are_refcounted_and_split_chains() {
             2,
             None,
             &[],
+            None,
             &mut out,
         )
         .expect("again");
@@ -106,15 +166,15 @@ fn misses_change_nothing() {
     let mut table = RankTable::new(2).expect("table");
     let mut out = Vec::new();
     assert_eq!(
-        table.stored(Some(7), &[1], &[1, 2], 2, None, &[], &mut out),
+        table.stored(Some(7), &[1], &[1, 2], 2, None, &[], None, &mut out),
         Err(Miss::UnknownParent)
     );
     assert_eq!(
-        table.stored(None, &[1], &[1, 2, 3], 2, None, &[], &mut out),
+        table.stored(None, &[1], &[1, 2, 3], 2, None, &[], None, &mut out),
         Err(Miss::TokenCount)
     );
     assert_eq!(
-        table.stored(None, &[1], &[1, 2, 3, 4], 4, None, &[], &mut out),
+        table.stored(None, &[1], &[1, 2, 3, 4], 4, None, &[], None, &mut out),
         Err(Miss::BlockSize)
     );
     assert!(out.is_empty() && table.is_empty());
@@ -125,7 +185,7 @@ fn clearing_one_rank_of_many_removes_its_blocks() {
     let mut table = RankTable::new(2).expect("table");
     let mut out = Vec::new();
     table
-        .stored(None, &[1, 2], &[1, 2, 3, 4], 2, None, &[], &mut out)
+        .stored(None, &[1, 2], &[1, 2, 3, 4], 2, None, &[], None, &mut out)
         .expect("store");
     out.clear();
     table.cleared(false, &mut out);
@@ -146,13 +206,13 @@ fn snapshots_rebuild_the_same_index() {
     let t: Vec<u32> = (0..16).collect();
     // A tree: 1-2-3 and 1-2-4, and a separate root 5-6 whose 6 is then evicted.
     table
-        .stored(None, &[1, 2, 3], &t[..6], 2, None, &[], &mut live)
+        .stored(None, &[1, 2, 3], &t[..6], 2, None, &[], None, &mut live)
         .expect("a");
     table
-        .stored(Some(2), &[4], &t[8..10], 2, None, &[], &mut live)
+        .stored(Some(2), &[4], &t[8..10], 2, None, &[], None, &mut live)
         .expect("b");
     table
-        .stored(None, &[5, 6], &t[10..14], 2, None, &[], &mut live)
+        .stored(None, &[5, 6], &t[10..14], 2, None, &[], None, &mut live)
         .expect("c");
     table.removed(&[6], &mut live);
     let live_index = KvIndex::new();

@@ -92,6 +92,7 @@ fn legacy_positional_events_of_every_length() {
             block_size: 2,
             lora_name: None,
             mm_hashes: vec![],
+            cache_salt: None,
         }
     );
     assert!(
@@ -290,12 +291,18 @@ fn sglang_position_seven_is_metadata_not_a_lora_name() {
             ..
         }
     ));
-    // The same bytes read as vLLM: position 7 is not a string, so no LoRA either.
+    assert!(
+        matches!(&b.events[0], EngineEvent::Stored { cache_salt: Some(salt), .. } if salt == "x"),
+        "the metadata map's cache_salt salts the root page"
+    );
+    // The same bytes read as vLLM: position 7 is not a string, so no LoRA either, and vLLM's
+    // salt is never read from there.
     let b = decode_ok(EngineKind::Vllm, &batch(vec![ev]));
     assert!(matches!(
         &b.events[0],
         EngineEvent::Stored {
             lora_name: None,
+            cache_salt: None,
             ..
         }
     ));
@@ -408,4 +415,196 @@ fn random_bytes_never_panic() {
         let _ = decode_batch(EngineKind::Vllm, &bytes);
         let _ = decode_batch(EngineKind::Sglang, &bytes);
     }
+}
+
+/// A vLLM map-form `BlockStored` (the shape of vLLM 0.26+, as `to_event_extra_keys` fills
+/// `extra_keys`) with `block_hashes.len()` blocks of 2 tokens.
+fn vllm_stored(hashes: &[u64], parent: Option<u64>, lora: Option<&str>, extra: Value) -> Value {
+    let tokens: Vec<u64> = (0..hashes.len() as u64 * 2).collect();
+    map(vec![
+        ("type", s("BlockStored")),
+        ("block_hashes", ints(hashes)),
+        ("parent_block_hash", parent.map_or(Value::Nil, Value::from)),
+        ("token_ids", ints(&tokens)),
+        ("block_size", Value::from(2)),
+        ("lora_id", lora.map_or(Value::Nil, |_| Value::from(1))),
+        ("medium", s("GPU")),
+        ("lora_name", lora.map_or(Value::Nil, s)),
+        ("extra_keys", extra),
+        ("group_idx", Value::from(0)),
+        ("kv_cache_spec_kind", s("full_attention")),
+    ])
+}
+
+fn keys(blocks: Vec<Option<Vec<Value>>>) -> Value {
+    Value::Array(
+        blocks
+            .into_iter()
+            .map(|b| b.map_or(Value::Nil, Value::Array))
+            .collect(),
+    )
+}
+
+/// `(cache_salt, lora_name, mm_hashes)` of each decoded Stored event.
+type Salted = (Option<String>, Option<String>, Vec<Vec<u64>>);
+
+fn salts(events: Vec<Value>) -> Vec<Salted> {
+    decode_ok(EngineKind::Vllm, &batch(events))
+        .events
+        .into_iter()
+        .map(|e| match e {
+            EngineEvent::Stored {
+                cache_salt,
+                lora_name,
+                mm_hashes,
+                ..
+            } => (cache_salt, lora_name, mm_hashes),
+            other => panic!("not a Stored event: {other:?}"),
+        })
+        .collect()
+}
+
+#[test]
+fn vllm_cache_salt_is_the_root_blocks_last_bare_string() {
+    let hex = format!("{:016x}{}", 0xfeed_u64, "0".repeat(48));
+    let hex_salt = "ab".repeat(32);
+    let got = salts(vec![
+        // A salted text prompt: [("tenant-a",), None].
+        vllm_stored(
+            &[1, 2],
+            None,
+            None,
+            keys(vec![Some(vec![s("tenant-a")]), None]),
+        ),
+        // An adapter's salted prompt: the LoRA name comes first, on every block.
+        vllm_stored(
+            &[3, 4],
+            None,
+            Some("sql-lora"),
+            keys(vec![
+                Some(vec![s("sql-lora"), s("tenant-a")]),
+                Some(vec![s("sql-lora")]),
+            ]),
+        ),
+        // The adapter alone: no salt.
+        vllm_stored(&[5], None, Some("x"), keys(vec![Some(vec![s("x")])])),
+        // A salt spelled like the adapter is still a salt.
+        vllm_stored(
+            &[6],
+            None,
+            Some("x"),
+            keys(vec![Some(vec![s("x"), s("x")])]),
+        ),
+        // Multimodal pair + salt + prompt-embeds digest, in vLLM's order.
+        vllm_stored(
+            &[7],
+            None,
+            None,
+            keys(vec![Some(vec![
+                Value::Array(vec![s(&hex), Value::from(0)]),
+                s("tenant-b"),
+                Value::Binary(vec![7; 32]),
+            ])]),
+        ),
+        // A salt of 64 hex digits (a sha256 of the tenant) is the salt, not an mm hash.
+        vllm_stored(&[8], None, None, keys(vec![Some(vec![s(&hex_salt)])])),
+        // An empty salt is no salt (vLLM rejects it).
+        vllm_stored(&[9], None, None, keys(vec![Some(vec![s("")])])),
+    ]);
+    let salt = |x: &str| Some(x.to_owned());
+    assert_eq!(
+        got,
+        vec![
+            (salt("tenant-a"), None, vec![]),
+            (salt("tenant-a"), salt("sql-lora"), vec![]),
+            (None, salt("x"), vec![]),
+            (salt("x"), salt("x"), vec![]),
+            (salt("tenant-b"), None, vec![vec![0xfeed]]),
+            (Some(hex_salt.clone()), None, vec![]),
+            (None, None, vec![]),
+        ]
+    );
+}
+
+#[test]
+fn events_after_a_parent_carry_no_salt() {
+    let hex = format!("{:016x}{}", 0xbeef_u64, "0".repeat(48));
+    let got = salts(vec![
+        // vLLM never salts a continuation; a bare string there is not taken for one.
+        vllm_stored(&[2], Some(1), None, keys(vec![Some(vec![s("tenant-a")])])),
+        // Early-2026 vLLM's bare mm identifiers still count as mm hashes there.
+        vllm_stored(&[3], Some(2), None, keys(vec![Some(vec![s(&hex)])])),
+        // A root event's earlier bare hex strings are mm hashes, the last one the salt.
+        vllm_stored(
+            &[4, 5],
+            None,
+            None,
+            keys(vec![
+                Some(vec![s(&hex), s("tenant-a")]),
+                Some(vec![s(&hex)]),
+            ]),
+        ),
+    ]);
+    assert_eq!(
+        got,
+        vec![
+            (None, None, vec![]),
+            (None, None, vec![vec![0xbeef]]),
+            (
+                Some("tenant-a".to_owned()),
+                None,
+                vec![vec![0xbeef], vec![0xbeef]]
+            ),
+        ]
+    );
+}
+
+#[test]
+fn sglang_cache_salt_field_salts_root_pages() {
+    let page = |hash: u64, parent: Option<u64>, salt: Value| {
+        map(vec![
+            ("type", s("BlockStored")),
+            ("block_hashes", ints(&[hash])),
+            ("parent_block_hash", parent.map_or(Value::Nil, Value::from)),
+            ("token_ids", ints(&[1, 2])),
+            ("block_size", Value::from(2)),
+            ("lora_id", Value::Nil),
+            ("medium", s("GPU")),
+            ("cache_salt", salt),
+            ("session_id", Value::Nil),
+            ("lora_name", Value::Nil),
+        ])
+    };
+    let positional = stored_positional(
+        ints(&[3]),
+        Value::Nil,
+        &[1, 2],
+        vec![Value::Nil, s("GPU"), s("tenant-c")],
+    );
+    let b = decode_ok(
+        EngineKind::Sglang,
+        &batch(vec![
+            page(1, None, s("tenant-a")),
+            page(2, Some(1), s("tenant-a")),
+            page(5, None, Value::Nil),
+            positional,
+        ]),
+    );
+    let got: Vec<Option<String>> = b
+        .events
+        .into_iter()
+        .map(|e| match e {
+            EngineEvent::Stored { cache_salt, .. } => cache_salt,
+            other => panic!("not a Stored event: {other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            Some("tenant-a".to_owned()),
+            None,
+            None,
+            Some("tenant-c".to_owned())
+        ]
+    );
 }
