@@ -105,8 +105,14 @@ fn check_listeners(config: &Config, root: &FieldPath) -> Checked {
 
 fn check_models(config: &Config, root: &FieldPath) -> Checked {
     let models = root.key("models");
-    if config.models.is_empty() {
-        return fail(models, "at least one model is required");
+    let discovered_serve =
+        config.discovery.kind != DiscoveryKind::Static && config.discovery.default_model.enabled;
+    if config.models.is_empty() && !discovered_serve {
+        return fail(
+            models,
+            "at least one model is required (or discovery kind etcd / in_process with \
+             default_model enabled, which serves the discovered models)",
+        );
     }
     let mut names: HashMap<&str, FieldPath> = HashMap::new();
     for (i, model) in config.models.iter().enumerate() {

@@ -343,6 +343,44 @@ fn at_least_one_model_is_required() {
     assert_eq!(invalid.field.unwrap().to_string(), "models");
     assert!(invalid.message.contains("at least one model"));
     assert_err("models: []\n", "models", "at least one model", 1, 9);
+    // The message says what else would do.
+    assert_err(
+        "models: []\n",
+        "models",
+        "(or discovery kind etcd / in_process with default_model enabled",
+        1,
+        9,
+    );
+    // Discovery without default_model serves no unlisted model: still refused.
+    assert_err(
+        "models: []\ndiscovery:\n  kind: etcd\n  default_model:\n    enabled: false\n",
+        "models",
+        "at least one model",
+        1,
+        9,
+    );
+}
+
+#[test]
+fn no_model_is_needed_when_discovery_serves_the_discovered_ones() {
+    for kind in ["etcd", "in_process"] {
+        for models in ["models: []\n", ""] {
+            let text = format!("{models}discovery:\n  kind: {kind}\n");
+            let config = Config::from_yaml_str(&text, "config.yaml")
+                .unwrap_or_else(|error| panic!("{text:?}: {error}"));
+            assert!(config.models.is_empty());
+            assert!(config.discovery.default_model.enabled);
+        }
+    }
+    let mut config = Config::default();
+    config.discovery.kind = kvmesh_config::DiscoveryKind::InProcess;
+    config.validate().unwrap();
+    config.discovery.default_model.enabled = false;
+    let error = config.validate().unwrap_err();
+    assert!(
+        error.to_string().contains("models: at least one model"),
+        "{error}"
+    );
 }
 
 #[test]

@@ -600,3 +600,72 @@ async fn a_reload_keeps_unchanged_models_and_moves_changed_ones_to_new_pools() {
         .expect_err("events change only on restart");
     assert!(error.to_string().contains("only on restart"), "{error}");
 }
+
+/// A ready record of instance `id` of `model` at `url`, whose engine runs blocks of
+/// `block_size` tokens.
+fn record_of(ns: &Namespace, model: &str, id: u64, url: &str, block_size: u32) -> InstanceRecord {
+    InstanceRecord {
+        instance_id: InstanceId(id),
+        model: model.to_string(),
+        url: url.to_string(),
+        protocol: "http1".to_string(),
+        block_size,
+        total_blocks: 1000,
+        dp_ranks: 1,
+        labels: Default::default(),
+        adapters: Vec::new(),
+        event_subject: ns.event_subject(model),
+        snapshot_subject: ns.snapshot_subject(InstanceId(id)),
+        state: InstanceState::Ready,
+        role: kvmesh_control::InstanceRole::Both,
+    }
+}
+
+/// The admin `GET /health` status and body.
+async fn health(admin: std::net::SocketAddr) -> (u16, serde_json::Value) {
+    let reply = send(admin, Method::GET, "/health", &[], Bytes::new()).await;
+    let status = reply.status.as_u16();
+    (status, reply.json().await)
+}
+
+#[tokio::test]
+async fn a_config_without_models_serves_the_discovered_ones() {
+    let harness = Harness::start_with(
+        "listeners:\n  - name: main\n    address: 127.0.0.1:0\nadmin:\n  address: 127.0.0.1:0\n\
+         health_check:\n  enabled: false\nmodels: []\n\
+         discovery:\n  kind: in_process\nevents:\n  kind: in_process\n  resync_timeout: 1s\n",
+    )
+    .await;
+    // Nothing listed, nothing discovered yet: served (no model lacks an instance), none known.
+    assert_eq!(health(harness.admin).await.0, 200);
+    assert!(harness.model_ids().await.is_empty());
+    let body = serde_json::json!({"model": "found", "prompt": "hi"}).to_string();
+    let json = [("content-type", "application/json")];
+    let unknown = send(
+        harness.main,
+        Method::POST,
+        "/v1/completions",
+        &json,
+        body.clone(),
+    )
+    .await;
+    assert_eq!(unknown.status, 404);
+    // An agent registers an engine of model `found`: the default model serves it.
+    let engine = Backend::ok().await;
+    let record = record_of(&harness.namespace, "found", 9, &engine.url, 16);
+    let key = harness.namespace.instance_key("found", InstanceId(9));
+    harness.registry.put(&key, &record, None).await.unwrap();
+    harness
+        .await_metric("kvmesh_discovery_instances{model=\"found\"} 1")
+        .await;
+    assert_eq!(harness.model_ids().await, ["found"]);
+    let served = send(harness.main, Method::POST, "/v1/completions", &json, body).await;
+    assert_eq!(served.status, 200);
+    assert_eq!(
+        served.header("x-kvmesh-instance"),
+        Some(engine.url.as_str())
+    );
+    assert_eq!(engine.requests().len(), 1);
+    let (status, body) = health(harness.admin).await;
+    assert_eq!((status, &body["status"]), (200, &serde_json::json!("ok")));
+}

@@ -27,7 +27,8 @@
 //! - a three-member etcd cluster loses its leader: the proxy keeps serving, an agent that
 //!   starts meanwhile registers, and every lease is renewed through the new leader;
 //! - etcd and NATS on TLS with user / password auth: the agent and the proxy connect with
-//!   their settings and route by events; an agent with a wrong password stops at once.
+//!   their settings and route by events; an agent with a wrong password stops at once;
+//! - a proxy whose config lists no model (`models: []`) serves the model an agent registers.
 //!
 //! Readiness comes from `LISTENING`/`READY` lines and metrics polled against a deadline. The
 //! tests run one at a time (they time leases and restarts on a 2-core machine).
@@ -1657,5 +1658,67 @@ async fn an_agent_restarted_with_its_fixed_id_within_its_lease_is_followed_again
     .await?;
     assert_continuation_on(&client, &proxy, &prompt, &engines[0]).await?;
     assert_no_panic(&proxy);
+    Ok(())
+}
+
+/// A proxy config with `models` as given (YAML after `models:`), discovery from etcd and
+/// events from NATS.
+fn proxy_config_with_models(servers: &Servers, models: &str) -> String {
+    format!(
+        "listeners:\n  - name: main\n    address: 127.0.0.1:0\nadmin:\n  address: 127.0.0.1:0\n\
+         health_check:\n  enabled: false\nmodels:{models}\n\
+         discovery:\n  kind: etcd\n  endpoint: {}\n  initial_sync_timeout: 5s\n\
+         events:\n  kind: nats\n  url: {}\n  resync_timeout: 1s\n",
+        servers.etcd.url(),
+        servers.nats.url()
+    )
+}
+
+/// Polls the proxy's admin `GET /health` until `done` holds for (status, body).
+async fn await_health(
+    client: &HttpClient,
+    proxy: &Spawned,
+    done: impl Fn(u16, &serde_json::Value) -> bool,
+) -> anyhow::Result<(u16, serde_json::Value)> {
+    let url = format!("{}/health", proxy.url("admin"));
+    let deadline = Instant::now() + CONVERGE;
+    loop {
+        let response = client.get(&url).await?;
+        let body = response.json()?;
+        if done(response.status, &body) {
+            return Ok((response.status, body));
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "never reached: {} {body}",
+            response.status
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_listing_no_model_serves_the_one_an_agent_registers() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-no-models")?;
+    let servers = Servers::start(&scratch).await?;
+    let (_sim, engines) = start_event_engines(&scratch, 1)?;
+    let engine = &engines[0];
+    let agent = start_agent(&scratch, &servers, engine, LONG_TTL, DRAIN)?;
+    // `models: []`: refused before issue 28, now served by discovery.default_model.
+    let proxy = start_proxy(&scratch, &proxy_config_with_models(&servers, " []"))?;
+    let client = HttpClient::default();
+    await_instances(&client, &metrics_url(&proxy), 1.0).await?;
+    let listed = client
+        .get(&format!("{}/v1/models", proxy.url("main")))
+        .await?
+        .json()?;
+    assert_eq!(listed["data"][0]["id"], MODEL, "{listed}");
+    let (status, instance, _) = complete(&client, &proxy, &prompt_tokens(1, 2)).await?;
+    assert_eq!((status, instance.as_str()), (200, engine.url.as_str()));
+    let (status, body) = await_health(&client, &proxy, |_, body| body["status"] == "ok").await?;
+    assert_eq!(status, 200, "{body}");
+    assert_no_panic(&proxy);
+    assert_no_panic(&agent);
     Ok(())
 }
