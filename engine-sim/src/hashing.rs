@@ -6,17 +6,23 @@
 //!   `seq[i] = XXH3_64(LE_u64(seq[i-1]) ‖ LE_u64(local[i]), 1337)` with `seq[0] = local[0]`.
 //!   The local seed is 1337 for the base model and, for a LoRA adapter's blocks,
 //!   `1337 wrapping_add XXH3_64(UTF-8(lora_name), seed 0)` ([`lora_seed`], the rule of
-//!   `kvmesh_kv::lora_seed`); chaining keeps seed 1337 either way;
+//!   `kvmesh_kv::lora_seed`); chaining keeps seed 1337 either way. A request's `cache_salt`
+//!   re-hashes the local hash of its **first** block only, as
+//!   `XXH3_64(LE_u64(local) ‖ UTF-8(salt), CACHE_SALT_SEED)` ([`salted_local_hash`], the rule
+//!   of `kvmesh_kv::salted_local_hash`), and the chain carries it into every later block;
 //! - the **engine hash** that KV events publish, deliberately different so consumers must
-//!   re-hash: `SHA-256(parent engine hash as 8 bytes big-endian ‖ LE_u32 tokens ‖ lora)` (no
-//!   parent bytes for the first block), where `lora` is `UTF-8(lora_name)` for an adapter's
-//!   blocks and nothing for the base model's, the way vLLM folds the LoRA name into its block
-//!   hash through `extra_keys`. Its integer form keeps the low 64 bits (the digest's last 8
-//!   bytes, big-endian), the way vLLM folds its digests into integers; the chain uses that
-//!   integer form of the parent.
+//!   re-hash: `SHA-256(parent engine hash as 8 bytes big-endian ‖ LE_u32 tokens ‖ lora ‖ salt)`
+//!   (no parent bytes for the first block), where `lora` is `UTF-8(lora_name)` for an
+//!   adapter's blocks and nothing for the base model's, and `salt` is
+//!   `b"\0cache_salt\0" ‖ UTF-8(cache_salt)` for a salted request's first block and nothing
+//!   otherwise: the way vLLM folds the LoRA name (every block) and the salt (the block at token
+//!   0) into its block hash through `extra_keys`. Its integer form keeps the low 64 bits (the
+//!   digest's last 8 bytes, big-endian), the way vLLM folds its digests into integers; the chain
+//!   uses that integer form of the parent.
 //!
 //! Both spaces therefore keep an adapter's blocks apart from the base model's and from every
-//! other adapter's: the prefix cache (keyed by sequence hash) never matches across them.
+//! other adapter's, and a salted prompt's blocks apart from the same prompt's under another
+//! salt or none: the prefix cache (keyed by sequence hash) never matches across them.
 
 use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -33,6 +39,19 @@ pub fn lora_seed(lora_name: Option<&str>) -> u64 {
         }
         _ => XXH3_SEED,
     }
+}
+
+/// Seed of the hash that folds a request's `cache_salt` into its first block: the ASCII bytes
+/// `cachesal` read big-endian (`kvmesh_kv::CACHE_SALT_SEED`).
+pub const CACHE_SALT_SEED: u64 = 0x6361_6368_6573_616c;
+
+/// The local hash of a sequence's first block under `cache_salt`:
+/// `XXH3_64(LE_u64(local) ‖ UTF-8(salt), CACHE_SALT_SEED)` (`kvmesh_kv::salted_local_hash`).
+pub fn salted_local_hash(local: u64, salt: &str) -> u64 {
+    let mut bytes = Vec::with_capacity(8 + salt.len());
+    bytes.extend_from_slice(&local.to_le_bytes());
+    bytes.extend_from_slice(salt.as_bytes());
+    xxh3_64_with_seed(&bytes, CACHE_SALT_SEED)
 }
 
 /// A block's engine hash: the full SHA-256 digest. KV events publish either the digest itself
@@ -86,6 +105,18 @@ impl BlockHasher {
         tokens: &[u32],
         lora_name: Option<&str>,
     ) -> EngineHash {
+        self.salted_engine_hash(parent, tokens, lora_name, None)
+    }
+
+    /// [`BlockHasher::engine_hash`] of a request's block with `cache_salt`, which only the
+    /// first block (no parent) carries; `None` or an empty salt is no salt.
+    pub fn salted_engine_hash(
+        &mut self,
+        parent: Option<u64>,
+        tokens: &[u32],
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> EngineHash {
         let mut digest = Sha256::new();
         if let Some(parent) = parent {
             digest.update(parent.to_be_bytes());
@@ -94,6 +125,10 @@ impl BlockHasher {
         digest.update(&self.bytes);
         if let Some(name) = lora_name {
             digest.update(name.as_bytes());
+        }
+        if let Some(salt) = cache_salt.filter(|s| parent.is_none() && !s.is_empty()) {
+            digest.update(b"\0cache_salt\0");
+            digest.update(salt.as_bytes());
         }
         EngineHash(digest.finalize().into())
     }
@@ -106,6 +141,20 @@ impl BlockHasher {
         out
     }
 
+    /// [`BlockHasher::sequence_hashes`] of a request with `cache_salt`: the first block's
+    /// local hash is [`salted_local_hash`]'s (`None` or an empty salt: unsalted).
+    pub fn salted_sequence_hashes(
+        &mut self,
+        tokens: &[u32],
+        block_size: usize,
+        seed: u64,
+        cache_salt: Option<&str>,
+    ) -> Vec<u64> {
+        let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
+        self.extend_salted_sequence_hashes(tokens, block_size, seed, cache_salt, &mut out);
+        out
+    }
+
     /// Appends the sequence hashes of full blocks of `tokens` beyond the `hashes.len()` already
     /// known, chaining onto the last one; local hashes seeded with `seed`.
     pub fn extend_sequence_hashes(
@@ -113,6 +162,19 @@ impl BlockHasher {
         tokens: &[u32],
         block_size: usize,
         seed: u64,
+        hashes: &mut Vec<u64>,
+    ) {
+        self.extend_salted_sequence_hashes(tokens, block_size, seed, None, hashes);
+    }
+
+    /// [`BlockHasher::extend_sequence_hashes`] of a request with `cache_salt`, which salts
+    /// the first block when it is among those hashed here.
+    pub fn extend_salted_sequence_hashes(
+        &mut self,
+        tokens: &[u32],
+        block_size: usize,
+        seed: u64,
+        cache_salt: Option<&str>,
         hashes: &mut Vec<u64>,
     ) {
         if block_size == 0 {
@@ -124,7 +186,10 @@ impl BlockHasher {
                 self.local_hash(&tokens[block * block_size..(block + 1) * block_size], seed);
             let seq = match hashes.last() {
                 Some(&parent) => chain_hash(parent, local),
-                None => local,
+                None => match cache_salt {
+                    Some(salt) if !salt.is_empty() => salted_local_hash(local, salt),
+                    _ => local,
+                },
             };
             hashes.push(seq);
         }
@@ -259,6 +324,47 @@ mod tests {
         assert_eq!(hashes[0], 10_414_274_580_423_718_356);
         // Chaining keeps seed 1337 for adapter blocks too.
         assert_eq!(hashes[1], chain_hash(hashes[0], 12_183_817_081_113_634_636));
+    }
+
+    #[test]
+    fn cache_salt_matches_the_kvmesh_rule() {
+        // The vectors of kvmesh_kv's cache_salt_vectors test: the proxy and the agent salt
+        // block hashes with them.
+        assert_eq!(CACHE_SALT_SEED.to_be_bytes(), *b"cachesal");
+        let tokens: Vec<u32> = (0..32).collect();
+        let mut h = BlockHasher::new();
+        let salted = h.salted_sequence_hashes(&tokens, 16, XXH3_SEED, Some("tenant-a"));
+        assert_eq!(
+            salted,
+            vec![16_092_681_004_478_993_183, 14_638_022_048_924_065_606]
+        );
+        assert_eq!(
+            salted[0],
+            salted_local_hash(15_310_707_395_893_867_146, "tenant-a")
+        );
+        let plain = h.sequence_hashes(&tokens, 16, XXH3_SEED);
+        assert_eq!(
+            h.salted_sequence_hashes(&tokens, 16, XXH3_SEED, None),
+            plain
+        );
+        assert_eq!(
+            h.salted_sequence_hashes(&tokens, 16, XXH3_SEED, Some("")),
+            plain
+        );
+        // Extending a salted prefix salts nothing more.
+        let mut grown = h.salted_sequence_hashes(&tokens[..20], 16, XXH3_SEED, Some("tenant-a"));
+        h.extend_salted_sequence_hashes(&tokens, 16, XXH3_SEED, Some("tenant-a"), &mut grown);
+        assert_eq!(grown, salted);
+        // The engine hash: the first block's input ends with the salt, a child's does not.
+        let first = h.salted_engine_hash(None, &tokens[..16], None, Some("tenant-a"));
+        let mut bytes: Vec<u8> = tokens[..16].iter().flat_map(|t| t.to_le_bytes()).collect();
+        bytes.extend_from_slice(b"\0cache_salt\0tenant-a");
+        assert_eq!(first.digest()[..], Sha256::digest(&bytes)[..]);
+        assert_ne!(first, h.engine_hash(None, &tokens[..16], None));
+        assert_eq!(
+            h.salted_engine_hash(Some(first.id()), &tokens[16..], None, Some("tenant-a")),
+            h.engine_hash(Some(first.id()), &tokens[16..], None)
+        );
     }
 
     #[test]

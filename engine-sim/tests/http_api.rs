@@ -544,14 +544,75 @@ async fn kv_events_announce_stored_blocks() {
             token_ids,
             block_size,
             lora,
+            cache_salt,
         } => {
             assert_eq!(block_hashes.len(), 2);
             assert_eq!(*parent_block_hash, None);
             assert_eq!(token_ids[..], prompt[..32]);
             assert_eq!(*block_size, 16);
             assert_eq!(*lora, None, "base-model blocks carry no adapter");
+            assert_eq!(*cache_salt, None);
         }
         other => panic!("unexpected {other:?}"),
+    }
+    engine.stop().await;
+}
+
+/// vLLM's `cache_salt`: the prompt is cached apart per salt (`cached_tokens` 0 for another
+/// salt or none, all full blocks but the last token's for the same salt), the store of its
+/// first block names the salt, and a bad salt is a 400 as in vLLM.
+#[tokio::test]
+async fn cache_salt_keeps_prompts_apart() {
+    let mut cfg = fast();
+    cfg.prompt_tokens_details = true;
+    let engine = engine(cfg).await;
+    let mut events = engine.subscribe_kv_events();
+    let prompt: Vec<u32> = (0..40).collect();
+    let cached = |salt: Option<&str>| {
+        let mut body = json!({"prompt": prompt, "max_tokens": 1});
+        if let Some(salt) = salt {
+            body["cache_salt"] = json!(salt);
+        }
+        let addr = engine.local_addr();
+        async move {
+            let v = post(Proto::H1, addr, "/v1/completions", body).await.json();
+            v["usage"]["prompt_tokens_details"]["cached_tokens"].clone()
+        }
+    };
+    assert_eq!(cached(Some("tenant-a")).await, 0);
+    assert_eq!(cached(Some("tenant-b")).await, 0);
+    assert_eq!(cached(None).await, 0);
+    assert_eq!(cached(Some("tenant-a")).await, 32);
+    assert_eq!(cached(None).await, 32);
+    let mut salts = Vec::new();
+    while salts.len() < 3 {
+        let batch = tokio::time::timeout(Duration::from_secs(5), events.recv())
+            .await
+            .expect("event")
+            .expect("batch");
+        for event in &batch.events {
+            if let KvEvent::BlockStored { cache_salt, .. } = event {
+                salts.push(cache_salt.as_deref().map(str::to_owned));
+            }
+        }
+    }
+    assert_eq!(
+        salts,
+        vec![
+            Some("tenant-a".to_owned()),
+            Some("tenant-b".to_owned()),
+            None
+        ]
+    );
+    for bad in [json!(""), json!("a/b"), json!(5)] {
+        let res = post(
+            Proto::H1,
+            engine.local_addr(),
+            "/v1/completions",
+            json!({"prompt": prompt, "max_tokens": 1, "cache_salt": bad}),
+        )
+        .await;
+        assert_eq!(res.status, 400, "{bad}");
     }
     engine.stop().await;
 }

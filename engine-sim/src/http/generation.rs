@@ -162,7 +162,12 @@ pub(crate) fn submit(
     for mut prompt in prompts {
         // Hashed and seeded once for all its choices; the last choice takes the prompt.
         let mut prompt_hashes = if state.config.enable_prefix_caching {
-            hasher.sequence_hashes(&prompt, state.config.block_size, hash_seed)
+            hasher.salted_sequence_hashes(
+                &prompt,
+                state.config.block_size,
+                hash_seed,
+                params.cache_salt.as_deref(),
+            )
         } else {
             Vec::new()
         };
@@ -185,6 +190,7 @@ pub(crate) fn submit(
                     prompt_hashes.clone()
                 },
                 lora: lora.cloned(),
+                cache_salt: params.cache_salt.clone(),
                 max_tokens: params.max_tokens,
                 stops: params.stops.clone(),
                 stream: params.stream,
@@ -201,22 +207,24 @@ pub(crate) fn submit(
     Ok(rx)
 }
 
-/// Leading full blocks of `prompt` (for `lora`) this engine's prefix cache holds, capped as
-/// vLLM caps a hit (the last prompt token is always computed): what a decode leg need not
-/// pull.
+/// Leading full blocks of `prompt` (for `lora`, under `cache_salt`) this engine's prefix
+/// cache holds, capped as vLLM caps a hit (the last prompt token is always computed): what a
+/// decode leg need not pull.
 pub(crate) async fn cached_blocks(
     state: &EngineState,
     prompt: &[u32],
     lora: Option<&Lora>,
+    cache_salt: Option<&str>,
 ) -> Result<usize, ApiError> {
     if !state.config.enable_prefix_caching {
         return Ok(0);
     }
     let block_size = state.config.block_size;
-    let mut hashes = BlockHasher::new().sequence_hashes(
+    let mut hashes = BlockHasher::new().salted_sequence_hashes(
         prompt,
         block_size,
         lora.map_or(XXH3_SEED, Lora::hash_seed),
+        cache_salt,
     );
     hashes.truncate(prompt.len().saturating_sub(1) / block_size);
     state

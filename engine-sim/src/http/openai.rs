@@ -66,7 +66,8 @@ async fn run(
                 req.stream_options.as_ref(),
                 req.stop,
                 req.n,
-            )?;
+            )?
+            .with_cache_salt(req.cache_salt)?;
             (
                 tokenize_prompts(&state, req.prompt, true, "prompt")?,
                 params,
@@ -92,7 +93,8 @@ async fn run(
                 req.stream_options.as_ref(),
                 req.stop,
                 req.n,
-            )?;
+            )?
+            .with_cache_salt(req.cache_salt)?;
             (
                 vec![tokenize_chat_ending(&state, &messages, ending, "messages")?],
                 params,
@@ -114,7 +116,10 @@ async fn run(
         Leg::Prefill => Handoff::Hold(id.clone()),
         Leg::Decode(remote) => {
             let cached = match prompts.first() {
-                Some(prompt) => cached_blocks(&state, prompt, lora.as_ref()).await?,
+                Some(prompt) => {
+                    let salt = params.cache_salt.as_deref();
+                    cached_blocks(&state, prompt, lora.as_ref(), salt).await?
+                }
                 None => 0,
             };
             match state.puller.pull(remote, cached, &state.metrics).await {

@@ -14,6 +14,7 @@
 mod lru;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use lru::LruList;
 
@@ -178,8 +179,10 @@ impl KvCache {
     }
 
     /// Makes a just-filled block a cached block under `hash`, recording a store event with its
-    /// `engine_hash`, `parent` engine hash and adapter `lora`. Returns false when caching is off
-    /// or another block already holds `hash` (the block then stays uncached, as in vLLM).
+    /// `engine_hash`, `parent` engine hash, adapter `lora` and request `cache_salt`. Returns
+    /// false when caching is off or another block already holds `hash` (the block then stays
+    /// uncached, as in vLLM).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn promote(
         &mut self,
         id: BlockId,
@@ -188,6 +191,7 @@ impl KvCache {
         parent: Option<EngineHash>,
         tokens: &[u32],
         lora: Option<&Lora>,
+        cache_salt: Option<&Arc<str>>,
     ) -> bool {
         if !self.prefix_caching || self.cached.contains_key(&hash) {
             return false;
@@ -197,8 +201,14 @@ impl KvCache {
         block.hash = Some(hash);
         block.engine_hash = engine_hash;
         self.cached.insert(hash, id);
-        self.events
-            .stored(engine_hash, parent, tokens, self.block_size, lora);
+        self.events.stored(
+            engine_hash,
+            parent,
+            tokens,
+            self.block_size,
+            lora,
+            cache_salt,
+        );
         true
     }
 
@@ -238,7 +248,7 @@ mod tests {
         let mut parent = None;
         for &h in hashes {
             let id = cache.allocate().expect("free block");
-            assert!(cache.promote(id, h, eh(h), parent, &[0, 0], None));
+            assert!(cache.promote(id, h, eh(h), parent, &[0, 0], None, None));
             parent = Some(eh(h));
             ids.push(id);
         }
@@ -322,7 +332,7 @@ mod tests {
         let mut c = KvCache::new(4, 2, true);
         store(&mut c, &[5]);
         let id = c.allocate().expect("block");
-        assert!(!c.promote(id, 5, eh(5), None, &[0, 0], None));
+        assert!(!c.promote(id, 5, eh(5), None, &[0, 0], None, None));
         c.release(&[id]);
         assert_eq!(c.inactive_blocks(), 0);
     }
@@ -331,7 +341,7 @@ mod tests {
     fn without_prefix_caching_nothing_matches() {
         let mut c = KvCache::new(4, 2, false);
         let id = c.allocate().expect("block");
-        assert!(!c.promote(id, 5, eh(5), None, &[0, 0], None));
+        assert!(!c.promote(id, 5, eh(5), None, &[0, 0], None, None));
         assert_eq!(c.lookup(&[5]), 0);
         assert!(c.take_events().is_empty());
     }

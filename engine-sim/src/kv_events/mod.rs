@@ -5,6 +5,8 @@
 //! (see `crate::zmq_events`). Hashes are engine hashes ([`EngineHash`]), not kvmesh's sequence
 //! hashes.
 
+use std::sync::Arc;
+
 use crate::hashing::EngineHash;
 use crate::lora::Lora;
 
@@ -23,6 +25,9 @@ pub enum KvEvent {
         block_size: usize,
         /// The LoRA adapter the blocks were computed with; `None` for the base model.
         lora: Option<Lora>,
+        /// The `cache_salt` of the request that stored the first block, only when that block
+        /// starts a sequence (no parent): vLLM lists it in that block's `extra_keys`.
+        cache_salt: Option<Arc<str>>,
     },
     /// Cached blocks were evicted.
     BlockRemoved {
@@ -52,8 +57,8 @@ pub(crate) struct EventBuffer {
 }
 
 impl EventBuffer {
-    /// Records that one block, computed with adapter `lora` (`None`: the base model), was
-    /// stored.
+    /// Records that one block, computed with adapter `lora` (`None`: the base model) for a
+    /// request with `cache_salt`, was stored.
     pub(crate) fn stored(
         &mut self,
         hash: EngineHash,
@@ -61,6 +66,7 @@ impl EventBuffer {
         tokens: &[u32],
         block_size: usize,
         lora: Option<&Lora>,
+        cache_salt: Option<&Arc<str>>,
     ) {
         if let Some(KvEvent::BlockStored {
             block_hashes,
@@ -80,6 +86,7 @@ impl EventBuffer {
             token_ids: tokens.to_vec(),
             block_size,
             lora: lora.cloned(),
+            cache_salt: cache_salt.filter(|_| parent.is_none()).cloned(),
         });
     }
 
@@ -120,9 +127,10 @@ mod tests {
             id: 1,
             name: "a".into(),
         };
-        b.stored(h(1), None, &[1, 2], 2, None);
-        b.stored(h(2), Some(h(1)), &[3, 4], 2, None);
-        b.stored(h(9), Some(h(5)), &[7, 8], 2, Some(&lora));
+        let salt: Arc<str> = Arc::from("tenant-a");
+        b.stored(h(1), None, &[1, 2], 2, None, Some(&salt));
+        b.stored(h(2), Some(h(1)), &[3, 4], 2, None, Some(&salt));
+        b.stored(h(9), Some(h(5)), &[7, 8], 2, Some(&lora), Some(&salt));
         b.removed(h(3));
         b.removed(h(4));
         let events = b.take();
@@ -135,6 +143,7 @@ mod tests {
                     token_ids: vec![1, 2, 3, 4],
                     block_size: 2,
                     lora: None,
+                    cache_salt: Some(salt.clone()),
                 },
                 KvEvent::BlockStored {
                     block_hashes: vec![h(9)],
@@ -142,6 +151,8 @@ mod tests {
                     token_ids: vec![7, 8],
                     block_size: 2,
                     lora: Some(lora),
+                    // Not the first block of its sequence: the salt is in its parent's hash.
+                    cache_salt: None,
                 },
                 KvEvent::BlockRemoved {
                     block_hashes: vec![h(3), h(4)]

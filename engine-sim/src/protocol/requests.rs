@@ -50,6 +50,8 @@ pub(crate) struct CompletionRequest {
     pub n: Option<i64>,
     /// Answer with the prompt before the generated text (a text prompt only here).
     pub echo: Option<bool>,
+    /// Prefix-cache namespace (see [`GenParams::with_cache_salt`]).
+    pub cache_salt: Option<String>,
     /// Disaggregated serving (vLLM's NixlConnector protocol).
     pub kv_transfer_params: Option<KvTransferParams>,
 }
@@ -78,6 +80,8 @@ pub(crate) struct ChatRequest {
     /// Leave the final (assistant) message open so generation continues it (vLLM's
     /// `continue_final_message`; needs `add_generation_prompt: false`).
     pub continue_final_message: Option<bool>,
+    /// Prefix-cache namespace (see [`GenParams::with_cache_salt`]).
+    pub cache_salt: Option<String>,
     /// Disaggregated serving (vLLM's NixlConnector protocol).
     pub kv_transfer_params: Option<KvTransferParams>,
 }
@@ -148,6 +152,9 @@ pub(crate) struct SglSamplingParams {
 /// The most choices (`n`) one request may ask for.
 const MAX_CHOICES: i64 = 16;
 
+/// The longest `cache_salt` vLLM accepts, in characters.
+const MAX_CACHE_SALT_CHARS: usize = 128;
+
 /// Generation parameters common to every endpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct GenParams {
@@ -161,6 +168,9 @@ pub(crate) struct GenParams {
     pub include_usage: bool,
     /// Choices per prompt (`n`), each its own sequence.
     pub n: usize,
+    /// The request's `cache_salt`: its prompt's first block (and so every block) is cached
+    /// apart from the same prompt's under another salt or none.
+    pub cache_salt: Option<Arc<str>>,
 }
 
 impl GenParams {
@@ -197,7 +207,33 @@ impl GenParams {
                 .and_then(|o| o.include_usage)
                 .unwrap_or(false),
             n,
+            cache_salt: None,
         })
+    }
+
+    /// Adds vLLM's `cache_salt` (chat and completions), validated as vLLM 0.33 does
+    /// (`validate_cache_salt`): a non-empty string of at most 128 characters without `@`,
+    /// `/`, `\` or NUL. vLLM adds it to the extra keys of the prompt's block at token 0, so
+    /// the prefix cache shares no block across salts.
+    pub(crate) fn with_cache_salt(mut self, salt: Option<String>) -> Result<Self, InvalidRequest> {
+        let Some(salt) = salt else {
+            return Ok(self);
+        };
+        if salt.is_empty() {
+            return Err(InvalidRequest::field(
+                "cache_salt",
+                "Parameter 'cache_salt' must be a non-empty string if provided.",
+            ));
+        }
+        if salt.chars().count() > MAX_CACHE_SALT_CHARS || salt.contains(['@', '/', '\\', '\0']) {
+            return Err(InvalidRequest::field(
+                "cache_salt",
+                "Parameter 'cache_salt' must be at most 128 characters and must not contain \
+                 '@', '/', '\\', or NUL.",
+            ));
+        }
+        self.cache_salt = Some(Arc::from(salt));
+        Ok(self)
     }
 
     /// Validates the Responses API fields (`max_output_tokens`, `stream`).
@@ -211,6 +247,7 @@ impl GenParams {
             stream: stream.unwrap_or(false),
             include_usage: false,
             n: 1,
+            cache_salt: None,
         })
     }
 
@@ -229,6 +266,7 @@ impl GenParams {
             stream: stream.unwrap_or(false),
             include_usage: false,
             n: 1,
+            cache_salt: None,
         })
     }
 }
@@ -326,6 +364,31 @@ mod tests {
         let p = p.ok();
         assert_eq!(p.as_ref().map(|p| p.include_usage), Some(true));
         assert_eq!(p.map(|p| p.stops.to_vec()), Some(vec!["x".to_owned()]));
+    }
+
+    #[test]
+    fn cache_salt_is_validated_as_vllm_does() {
+        let salt = |s: &str| {
+            GenParams::openai(None, None, None, None, None)
+                .and_then(|p| p.with_cache_salt(Some(s.to_owned())))
+                .map(|p| p.cache_salt.map(|s| s.to_string()))
+        };
+        assert_eq!(salt("tenant-a").ok(), Some(Some("tenant-a".to_owned())));
+        assert_eq!(salt(&"é".repeat(128)).map(|s| s.is_some()).ok(), Some(true));
+        for bad in ["", "a@b", "a/b", "a\\b", "a\0b", &"x".repeat(129)] {
+            let error = salt(bad).expect_err(bad);
+            assert_eq!(error.param, Some("cache_salt"), "{bad}");
+        }
+        let none =
+            GenParams::openai(None, None, None, None, None).and_then(|p| p.with_cache_salt(None));
+        assert_eq!(none.map(|p| p.cache_salt).ok(), Some(None));
+        let req: CompletionRequest =
+            serde_json::from_str(r#"{"prompt":"x","cache_salt":"s"}"#).expect("valid");
+        assert_eq!(req.cache_salt.as_deref(), Some("s"));
+        let req: ChatRequest =
+            serde_json::from_str(r#"{"messages":[],"cache_salt":"s"}"#).expect("valid");
+        assert_eq!(req.cache_salt.as_deref(), Some("s"));
+        assert!(serde_json::from_str::<ChatRequest>(r#"{"messages":[],"cache_salt":5}"#).is_err());
     }
 
     #[test]

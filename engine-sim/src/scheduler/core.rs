@@ -313,10 +313,11 @@ impl SchedulerCore {
                 break;
             };
             if self.prefix_caching {
-                self.hasher.extend_sequence_hashes(
+                self.hasher.extend_salted_sequence_hashes(
                     &seq.tokens,
                     self.block_size,
                     seq.hash_seed,
+                    seq.cache_salt.as_deref(),
                     &mut seq.hashes,
                 );
             }
@@ -365,19 +366,23 @@ impl SchedulerCore {
         if seq.engine_hashes.len() >= full {
             return;
         }
-        self.hasher.extend_sequence_hashes(
+        self.hasher.extend_salted_sequence_hashes(
             &seq.tokens[..full * self.block_size],
             self.block_size,
             seq.hash_seed,
+            seq.cache_salt.as_deref(),
             &mut seq.hashes,
         );
         let current = seq.epoch == self.cache.epoch();
         for b in seq.engine_hashes.len()..full {
             let tokens = &seq.tokens[b * self.block_size..(b + 1) * self.block_size];
             let parent = seq.engine_hashes.last().copied();
-            let engine_hash =
-                self.hasher
-                    .engine_hash(parent.map(|p| p.id()), tokens, seq.lora_name());
+            let engine_hash = self.hasher.salted_engine_hash(
+                parent.map(|p| p.id()),
+                tokens,
+                seq.lora_name(),
+                seq.cache_salt.as_deref(),
+            );
             if current {
                 self.cache.promote(
                     seq.blocks[b],
@@ -386,6 +391,7 @@ impl SchedulerCore {
                     parent,
                     tokens,
                     seq.lora.as_ref(),
+                    seq.cache_salt.as_ref(),
                 );
             }
             seq.engine_hashes.push(engine_hash);

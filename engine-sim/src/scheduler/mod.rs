@@ -42,10 +42,14 @@ pub(crate) struct SeqRequest {
     pub index: u32,
     /// Prompt token ids.
     pub prompt: Vec<u32>,
-    /// Sequence hashes of the prompt's full blocks (in `lora`'s hash space).
+    /// Sequence hashes of the prompt's full blocks (in `lora`'s hash space, the first block
+    /// salted with `cache_salt`).
     pub prompt_hashes: Vec<u64>,
     /// The LoRA adapter to run with; `None` for the base model.
     pub lora: Option<Lora>,
+    /// The request's `cache_salt`: its first block's hashes are salted (see
+    /// [`crate::hashing::salted_local_hash`]); `None` for none.
+    pub cache_salt: Option<Arc<str>>,
     /// Seed of the generated words.
     pub seed: u64,
     /// Tokens to generate at most.

@@ -1,5 +1,6 @@
 //! One prompt's life inside the scheduler.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
@@ -26,6 +27,8 @@ pub(crate) struct Sequence {
     pub lora: Option<Lora>,
     /// Seed of its local block hashes (see [`crate::hashing::lora_seed`]).
     pub hash_seed: u64,
+    /// The request's `cache_salt`, which salts its first block's hashes.
+    pub cache_salt: Option<Arc<str>>,
     /// Engine hashes of the leading blocks handled so far (parents of the next store).
     pub engine_hashes: Vec<EngineHash>,
     /// Block table.
@@ -76,6 +79,7 @@ impl Sequence {
             hashes: req.prompt_hashes,
             hash_seed: req.lora.as_ref().map_or(XXH3_SEED, Lora::hash_seed),
             lora: req.lora,
+            cache_salt: req.cache_salt,
             engine_hashes: Vec::new(),
             blocks: Vec::new(),
             computed: 0,

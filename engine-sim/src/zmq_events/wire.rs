@@ -5,9 +5,14 @@
 //! `type` key (vLLM PR #42892). Hashes are unsigned 64-bit ints or 32-byte bins.
 //!
 //! A LoRA adapter's `BlockStored` carries its `lora_id` (an int) and `lora_name` (a string) in
-//! both forms, nil for the base model; the map form's `extra_keys` hold, per block, the keys
-//! vLLM folded into the block hash: `[lora_name]` for an adapter's block, nil otherwise (the
-//! positional form stops at `lora_name`).
+//! both forms, nil for the base model. `extra_keys` hold, per block, the keys vLLM folded into
+//! the block hash, in vLLM's order and untagged shapes (`to_event_extra_keys`): the adapter's
+//! name on every block of an adapter, then the request's `cache_salt` (a bare string) on the
+//! first block of a sequence (an event without a parent); nil for a block with neither. The
+//! map form always has them; the positional form stops at `lora_name` unless the event carries
+//! a salt, which it writes at position 8 as vLLM's positional encoding does.
+
+use std::sync::Arc;
 
 use crate::config::{KvEventEncoding, KvEventHash};
 use crate::hashing::EngineHash;
@@ -101,6 +106,27 @@ impl Writer<'_> {
         }
     }
 
+    /// Per block, the keys vLLM folded into its hash: `[lora_name?, cache_salt?]`, the salt
+    /// on the first block only (it is set only on events that start a sequence).
+    fn extra_keys(&mut self, blocks: usize, lora: Option<&Lora>, salt: Option<&Arc<str>>) {
+        self.array(blocks);
+        for block in 0..blocks {
+            let salt = salt.filter(|_| block == 0);
+            let n = usize::from(lora.is_some()) + usize::from(salt.is_some());
+            if n == 0 {
+                self.nil();
+                continue;
+            }
+            self.array(n);
+            if let Some(l) = lora {
+                self.str(&l.name);
+            }
+            if let Some(salt) = salt {
+                self.str(salt);
+            }
+        }
+    }
+
     fn tokens(&mut self, tokens: &[u32]) {
         self.array(tokens.len());
         for &t in tokens {
@@ -116,8 +142,9 @@ impl Writer<'_> {
                 token_ids,
                 block_size,
                 lora,
+                cache_salt,
             } => {
-                self.array(8);
+                self.array(if cache_salt.is_some() { 9 } else { 8 });
                 self.str("BlockStored");
                 self.hashes(block_hashes);
                 self.optional_hash(parent_block_hash.as_ref());
@@ -126,6 +153,9 @@ impl Writer<'_> {
                 self.lora_id(lora.as_ref());
                 self.str(MEDIUM);
                 self.lora_name(lora.as_ref());
+                if cache_salt.is_some() {
+                    self.extra_keys(block_hashes.len(), lora.as_ref(), cache_salt.as_ref());
+                }
             }
             KvEvent::BlockRemoved { block_hashes } => {
                 self.array(3);
@@ -148,6 +178,7 @@ impl Writer<'_> {
                 token_ids,
                 block_size,
                 lora,
+                cache_salt,
             } => {
                 self.map(11);
                 self.str("type");
@@ -167,16 +198,7 @@ impl Writer<'_> {
                 self.str("lora_name");
                 self.lora_name(lora.as_ref());
                 self.str("extra_keys");
-                self.array(block_hashes.len());
-                for _ in block_hashes {
-                    match lora {
-                        Some(l) => {
-                            self.array(1);
-                            self.str(&l.name);
-                        }
-                        None => self.nil(),
-                    }
-                }
+                self.extra_keys(block_hashes.len(), lora.as_ref(), cache_salt.as_ref());
                 self.str("group_idx");
                 self.uint(0);
                 self.str("kv_cache_spec_kind");
@@ -245,6 +267,7 @@ mod tests {
             token_ids: vec![1, 2, 3, 4],
             block_size: 2,
             lora: None,
+            cache_salt: None,
         }
     }
 
@@ -258,6 +281,28 @@ mod tests {
                 id: 3,
                 name: "sql-lora".into(),
             }),
+            cache_salt: None,
+        }
+    }
+
+    fn salted(event: KvEvent, salt: &str) -> KvEvent {
+        match event {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora,
+                ..
+            } => KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora,
+                cache_salt: Some(Arc::from(salt)),
+            },
+            other => other,
         }
     }
 
@@ -338,6 +383,7 @@ mod tests {
             token_ids: vec![3, 4],
             block_size: 2,
             lora: None,
+            cache_salt: None,
         };
         let v = encode(
             KvEventEncoding::Map,
@@ -391,6 +437,46 @@ mod tests {
             field(s, "extra_keys"),
             &Value::Array(vec![
                 Value::Array(vec![name.clone()]),
+                Value::Array(vec![name])
+            ])
+        );
+    }
+
+    #[test]
+    fn salted_stores_list_the_salt_after_the_lora_name_on_the_first_block() {
+        let name = Value::from("sql-lora");
+        let salt = Value::from("tenant-a");
+        let v = encode(
+            KvEventEncoding::Map,
+            KvEventHash::Int,
+            &[
+                salted(stored(), "tenant-a"),
+                salted(adapter_stored(), "tenant-a"),
+            ],
+        );
+        assert_eq!(
+            field(&v[1][0], "extra_keys"),
+            &Value::Array(vec![Value::Array(vec![salt.clone()]), Value::Nil])
+        );
+        assert_eq!(
+            field(&v[1][1], "extra_keys"),
+            &Value::Array(vec![
+                Value::Array(vec![name.clone(), salt.clone()]),
+                Value::Array(vec![name.clone()])
+            ])
+        );
+        // The positional form writes extra_keys at position 8 when there is a salt.
+        let v = encode(
+            KvEventEncoding::Positional,
+            KvEventHash::Int,
+            &[salted(adapter_stored(), "tenant-a")],
+        );
+        let s = v[1][0].as_array().expect("stored array");
+        assert_eq!(s.len(), 9, "{v}");
+        assert_eq!(
+            s[8],
+            Value::Array(vec![
+                Value::Array(vec![name.clone(), salt]),
                 Value::Array(vec![name])
             ])
         );

@@ -49,6 +49,7 @@ fn request(
         prompt,
         prompt_hashes,
         lora: None,
+        cache_salt: None,
         max_tokens,
         stops: stops.iter().map(|s| (*s).to_owned()).collect(),
         stream,
@@ -269,6 +270,63 @@ fn adapter_blocks_match_only_the_same_adapter() {
             (Some(b), first(&mut h, Some("b"))),
         ]
     );
+}
+
+#[test]
+fn salted_prompts_match_only_the_same_salt() {
+    let mut f = fixture(&config(4, 64));
+    let prompt: Vec<u32> = (0..10).collect();
+    let salted = |salt: Option<&str>| {
+        let (mut r, rx) = request(prompt.clone(), 4, 1, false, &[]);
+        r.cache_salt = salt.map(Arc::from);
+        r.prompt_hashes = BlockHasher::new().salted_sequence_hashes(&r.prompt, 4, XXH3_SEED, salt);
+        (r, rx)
+    };
+    let mut cached = |req: (SeqRequest, UnboundedReceiver<SeqEvent>)| {
+        let (r, mut rx) = req;
+        f.core.enqueue(r);
+        run_until_idle(&mut f.core);
+        outcome(&mut rx).cached_tokens
+    };
+    assert_eq!(cached(salted(Some("a"))), 0);
+    assert_eq!(cached(salted(Some("a"))), 8);
+    assert_eq!(cached(salted(None)), 0);
+    assert_eq!(cached(salted(Some("b"))), 0);
+    assert_eq!(cached(salted(None)), 8);
+    // A salted prompt shorter than a block: its first block fills while it decodes, and is
+    // salted then too.
+    let (mut short, _rx) = request((0..3).collect(), 4, 2, false, &[]);
+    short.cache_salt = Some(Arc::from("c"));
+    f.core.enqueue(short);
+    run_until_idle(&mut f.core);
+
+    // The store of a sequence's first block names the salt; its engine hash carries it, and
+    // only the first block's does.
+    let mut h = BlockHasher::new();
+    let mut stores = Vec::new();
+    while let Ok(batch) = f.events.try_recv() {
+        for e in &batch.events {
+            if let KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash: None,
+                token_ids,
+                cache_salt,
+                ..
+            } = e
+            {
+                let salt = cache_salt.as_deref();
+                let first = h.salted_engine_hash(None, &token_ids[..4], None, salt);
+                assert_eq!(block_hashes[0], first);
+                if let Some(&second) = block_hashes.get(1) {
+                    let unsalted = h.engine_hash(Some(first.id()), &token_ids[4..8], None);
+                    assert_eq!(second, unsalted);
+                }
+                stores.push(salt.map(str::to_owned));
+            }
+        }
+    }
+    let salt = |s: &str| Some(s.to_owned());
+    assert_eq!(stores, vec![salt("a"), None, salt("b"), salt("c")]);
 }
 
 #[test]
