@@ -47,4 +47,4 @@ pub use content_format::ContentFormat;
 pub use encoder_kind::{EncoderKind, EncoderPreference};
 pub use error::{PreprocessError, Result};
 pub use preprocessor::ModelPreprocessor;
-pub use request::ChatRequest;
+pub use request::{CacheSalt, ChatRequest};

@@ -11,8 +11,8 @@ use serde::{Deserialize, Deserializer};
 use crate::error::{PreprocessError, Result};
 
 /// The fields of an OpenAI chat-completions request body that decide the rendered prompt:
-/// `messages`, `tools`, `add_generation_prompt` and `chat_template_kwargs`. Every other field
-/// is skipped without being parsed. Message texts borrow from the body where JSON escapes allow.
+/// `messages`, `tools`, `add_generation_prompt` and `chat_template_kwargs`, plus `cache_salt`,
+/// which decides its block hashes. Every other field is skipped without being parsed. Message texts borrow from the body where JSON escapes allow.
 #[derive(Debug, Deserialize)]
 pub struct ChatRequest<'a> {
     #[serde(borrow)]
@@ -23,6 +23,9 @@ pub struct ChatRequest<'a> {
     pub(crate) add_generation_prompt: Option<bool>,
     #[serde(default)]
     pub(crate) chat_template_kwargs: Option<Value>,
+    /// Not a template field: the prefix-cache namespace the block hashes must carry.
+    #[serde(default, borrow)]
+    pub(crate) cache_salt: CacheSalt<'a>,
 }
 
 impl<'a> ChatRequest<'a> {
@@ -35,6 +38,84 @@ impl<'a> ChatRequest<'a> {
     /// The number of messages.
     pub fn message_count(&self) -> usize {
         self.messages.len()
+    }
+
+    /// The request's `cache_salt` (see [`CacheSalt`]).
+    pub fn cache_salt(&self) -> Option<&str> {
+        self.cache_salt.as_deref()
+    }
+}
+
+/// A request's `cache_salt`: vLLM's per-request prefix-cache namespace (chat and completions
+/// bodies), which vLLM folds into the hash of the prompt's first block, so prompts under
+/// different salts share no cached block. `Some` only for a non-empty string (borrowed from
+/// the body unless it has escapes); absent, null, empty or any other type is `None`, and never
+/// fails the body (the engine judges such a value, and vLLM salts nothing with an empty one).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct CacheSalt<'a>(Option<Cow<'a, str>>);
+
+impl CacheSalt<'_> {
+    /// The salt, when there is one.
+    pub fn as_deref(&self) -> Option<&str> {
+        self.0.as_deref()
+    }
+}
+
+struct CacheSaltVisitor;
+
+impl<'de> Visitor<'de> for CacheSaltVisitor {
+    type Value = CacheSalt<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(CacheSalt((!v.is_empty()).then_some(Cow::Borrowed(v))))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(CacheSalt((!v.is_empty()).then(|| Cow::Owned(v.to_owned()))))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+        Ok(CacheSalt((!v.is_empty()).then_some(Cow::Owned(v))))
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(CacheSalt(None))
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(CacheSalt(None))
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(CacheSalt(None))
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(CacheSalt(None))
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(CacheSalt(None))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(CacheSalt(None))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(CacheSalt(None))
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for CacheSalt<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(CacheSaltVisitor)
     }
 }
 
@@ -263,6 +344,36 @@ mod tests {
             &parts[1],
             ContentPart::Text(Cow::Borrowed("bare"))
         ));
+    }
+
+    #[test]
+    fn cache_salt_is_read_and_never_fails_the_body() {
+        let salt = |body: &str| {
+            ChatRequest::from_slice(body.as_bytes())
+                .expect("a valid body")
+                .cache_salt()
+                .map(str::to_owned)
+        };
+        let msgs = r#""messages": [{"role": "user", "content": "hi"}]"#;
+        let with = |v: &str| format!("{{{msgs}, \"cache_salt\": {v}}}");
+        assert_eq!(salt(&with(r#""tenant-a""#)), Some("tenant-a".into()));
+        assert_eq!(salt(&with(r#""t\u0041""#)), Some("tA".into()));
+        assert_eq!(salt(&format!("{{{msgs}}}")), None);
+        let others = [
+            "null",
+            r#""""#,
+            "5",
+            "-1.5",
+            "true",
+            "[1, [2]]",
+            r#"{"a": {"b": 1}}"#,
+        ];
+        for v in others {
+            assert_eq!(salt(&with(v)), None, "{v}");
+        }
+        let body = with(r#""b""#);
+        let req = ChatRequest::from_slice(body.as_bytes()).unwrap();
+        assert!(matches!(req.cache_salt.0, Some(Cow::Borrowed("b"))));
     }
 
     #[test]

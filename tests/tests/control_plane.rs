@@ -28,7 +28,10 @@
 //!   starts meanwhile registers, and every lease is renewed through the new leader;
 //! - etcd and NATS on TLS with user / password auth: the agent and the proxy connect with
 //!   their settings and route by events; an agent with a wrong password stops at once;
-//! - a proxy whose config lists no model (`models: []`) serves the model an agent registers.
+//! - a proxy whose config lists no model (`models: []`) serves the model an agent registers;
+//! - vLLM's `cache_salt`: a prompt the engine cached under one salt is predicted to hit for
+//!   that salt only, not for another salt or none (engine, agent and proxy salt the first
+//!   block alike).
 //!
 //! Readiness comes from `LISTENING`/`READY` lines and metrics polled against a deadline. The
 //! tests run one at a time (they time leases and restarts on a 2-core machine).
@@ -1720,5 +1723,56 @@ async fn a_proxy_listing_no_model_serves_the_one_an_agent_registers() -> anyhow:
     assert_eq!(status, 200, "{body}");
     assert_no_panic(&proxy);
     assert_no_panic(&agent);
+    Ok(())
+}
+
+/// vLLM's `cache_salt` (per-tenant cache isolation): engine-sim salts the prompt's first block
+/// and lists the salt in that block's `extra_keys`, the agent re-hashes the block with it, and
+/// the proxy hashes the request with it. So the prompt cached under salt A is predicted as an
+/// overlap for A again, never for salt B or no salt, and B's own copy is kept apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_salted_prompt_is_predicted_to_hit_only_under_its_own_salt() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let setup = OneEngine::start("cp-salt").await?;
+    let (proxy, client) = (&setup.proxy, HttpClient::default());
+    let prompt = prompt_tokens(4242, 8);
+    let salted = |salt: Option<&str>| {
+        let mut request = token_prompt(&prompt, 1);
+        if let Some(salt) = salt {
+            request["cache_salt"] = serde_json::Value::from(salt);
+        }
+        request
+    };
+    let overlap =
+        |explained: &serde_json::Value| explained["instances"][0]["overlap_blocks"].clone();
+    let send = |salt: Option<&str>| {
+        let (client, request) = (client.clone(), salted(salt));
+        let url = format!("{}/v1/completions", proxy.url("main"));
+        async move {
+            let response = client.post_json(&url, &request).await?;
+            anyhow::ensure!(response.status == 200, "proxy answered {}", response.status);
+            anyhow::Ok(())
+        }
+    };
+    let explain = |salt: Option<&str>, blocks: u64| {
+        let request = salted(salt);
+        let client = client.clone();
+        async move { await_explained(&client, proxy, &request, None, |e| overlap(e) == blocks).await }
+    };
+
+    send(Some("tenant-a")).await?;
+    // Under A the engine's 8 blocks are in the index (the agent's events arrived) ...
+    explain(Some("tenant-a"), 8).await?;
+    // ... and under B or without a salt none of them is.
+    for other in [Some("tenant-b"), None] {
+        let explained = explain(other, 0).await?;
+        assert_eq!(overlap(&explained), 0, "{other:?}: {explained}");
+    }
+    // B's copy of the prompt is its own: after it, both salts hit, the unsalted prompt not.
+    send(Some("tenant-b")).await?;
+    explain(Some("tenant-b"), 8).await?;
+    explain(Some("tenant-a"), 8).await?;
+    let explained = explain(None, 0).await?;
+    assert_eq!(overlap(&explained), 0, "{explained}");
     Ok(())
 }

@@ -21,10 +21,12 @@ enum Kind {
     Bool,
     /// A stop string (in JSON: one string or a list of strings).
     Stop,
+    /// One string.
+    Text,
 }
 
 /// Every accepted parameter, as named in the OpenAI completion request.
-const PARAMETERS: [(&str, Kind); 12] = [
+const PARAMETERS: [(&str, Kind); 13] = [
     ("max_tokens", Kind::Integer),
     ("min_tokens", Kind::Integer),
     ("temperature", Kind::Number),
@@ -37,11 +39,14 @@ const PARAMETERS: [(&str, Kind); 12] = [
     ("repetition_penalty", Kind::Number),
     ("ignore_eos", Kind::Bool),
     ("stop", Kind::Stop),
+    // vLLM's per-request prefix-cache namespace; the proxy salts the prompt's block hashes
+    // with it as the engine salts its cache.
+    ("cache_salt", Kind::Text),
 ];
 
 /// The accepted parameter names, for messages and ModelConfig.
-pub(crate) const PARAMETER_NAMES: [&str; 12] = {
-    let mut names = [""; 12];
+pub(crate) const PARAMETER_NAMES: [&str; 13] = {
+    let mut names = [""; 13];
     let mut i = 0;
     while i < PARAMETERS.len() {
         names[i] = PARAMETERS[i].0;
@@ -112,7 +117,7 @@ fn wrong_type(name: &str, kind: Kind) -> InvalidInput {
         Kind::Integer => "an integer",
         Kind::Number => "a finite number",
         Kind::Bool => "a boolean",
-        Kind::Stop => "a string",
+        Kind::Stop | Kind::Text => "a string",
     };
     InvalidInput::new(format!("parameter {name:?} must be {expected}"))
 }
@@ -124,7 +129,7 @@ fn typed_value(kind: Kind, choice: Option<&ParameterChoice>) -> Option<Value> {
         (Kind::Integer | Kind::Number, ParameterChoice::Uint64Param(n)) => Some(Value::from(*n)),
         (Kind::Number, ParameterChoice::DoubleParam(x)) => finite(*x),
         (Kind::Bool, ParameterChoice::BoolParam(b)) => Some(Value::from(*b)),
-        (Kind::Stop, ParameterChoice::StringParam(s)) => Some(Value::from(s.as_str())),
+        (Kind::Stop | Kind::Text, ParameterChoice::StringParam(s)) => Some(Value::from(s.as_str())),
         _ => None,
     }
 }
@@ -143,7 +148,7 @@ fn json_value(kind: Kind, value: Value) -> Option<Value> {
             "false" | "False" => Some(Value::Bool(false)),
             _ => None,
         },
-        (Kind::Stop, Value::String(s)) => Some(Value::String(s)),
+        (Kind::Stop | Kind::Text, Value::String(s)) => Some(Value::String(s)),
         (Kind::Stop, Value::Array(items)) if items.iter().all(Value::is_string) => {
             Some(Value::Array(items))
         }
@@ -187,6 +192,10 @@ mod tests {
             ("seed", ParameterChoice::Uint64Param(7)),
             ("ignore_eos", ParameterChoice::BoolParam(true)),
             ("stop", ParameterChoice::StringParam("\n\n".into())),
+            (
+                "cache_salt",
+                ParameterChoice::StringParam("tenant-a".into()),
+            ),
             ("sequence_id", ParameterChoice::Int64Param(3)),
             (
                 "triton_enable_empty_final_response",
@@ -197,7 +206,7 @@ mod tests {
         assert_eq!(
             body,
             json!({"max_tokens": 12, "temperature": 0.5, "top_p": 1, "seed": 7,
-                   "ignore_eos": true, "stop": "\n\n"})
+                   "ignore_eos": true, "stop": "\n\n", "cache_salt": "tenant-a"})
         );
     }
 
@@ -216,6 +225,8 @@ mod tests {
                 .0
                 .starts_with("unknown parameter \"max_token\"; supported: max_tokens")
         );
+        let error = apply(&[("cache_salt", ParameterChoice::Int64Param(1))]).unwrap_err();
+        assert_eq!(error.0, "parameter \"cache_salt\" must be a string");
         let mut body = Map::new();
         let no_value = HashMap::from([("seed".to_string(), InferParameter::default())]);
         assert!(apply_parameters(&no_value, &mut body).is_err());
@@ -238,6 +249,7 @@ mod tests {
             r#"[1]"#,
             r#"{"max_tokens": 1.5}"#,
             r#"{"stop": [1]}"#,
+            r#"{"cache_salt": ["a"]}"#,
             r#"{"beam": 2}"#,
         ] {
             assert!(apply_sampling_json(bad, &mut body).is_err(), "{bad}");
@@ -248,5 +260,6 @@ mod tests {
     fn names_are_listed_in_order() {
         assert_eq!(PARAMETER_NAMES[0], "max_tokens");
         assert_eq!(PARAMETER_NAMES[11], "stop");
+        assert_eq!(PARAMETER_NAMES[12], "cache_salt");
     }
 }

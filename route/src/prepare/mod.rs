@@ -9,6 +9,10 @@
 //!   `forward_token_ids`, a single string prompt is replaced by its ids in the forwarded body.
 //! - Embeddings and responses route without tokens: embeddings leave no KV cache behind, and
 //!   the responses API's input is not rendered by the preprocessor yet.
+//! - Chat and completions bodies may carry `cache_salt` (vLLM's per-request prefix-cache
+//!   namespace): it salts the first block's hash, so the prompt matches only blocks cached
+//!   under the same salt, as vLLM only reuses those ([`kvmesh_kv::salted_local_hash`]; the
+//!   worker-agent salts the engine's blocks alike).
 //!
 //! Everything here is synchronous; [`offload`] decides where it runs.
 
@@ -22,7 +26,7 @@ use kvmesh_preprocess::{ChatRequest, ModelPreprocessor, PreprocessError};
 pub mod offload;
 mod prompt;
 
-use prompt::{Prompt, completion_prompt, with_token_prompt};
+use prompt::{Prompt, completion_fields, with_token_prompt};
 
 /// What kind of prompt a request body carries, by the endpoint it was sent to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,9 +53,15 @@ pub struct PromptBlocks {
 impl PromptBlocks {
     /// Hashes `ids` with `hasher`.
     pub fn hash(ids: &[u32], hasher: &mut BlockHasher) -> Self {
+        Self::hash_salted(ids, None, hasher)
+    }
+
+    /// Hashes `ids` with `hasher`, the first block salted with `cache_salt`
+    /// ([`BlockHasher::hash_salted`]; `None` hashes as [`PromptBlocks::hash`]).
+    pub fn hash_salted(ids: &[u32], cache_salt: Option<&str>, hasher: &mut BlockHasher) -> Self {
         Self {
             tokens: ids.len(),
-            hashes: hasher.hash(ids),
+            hashes: hasher.hash_salted(ids, cache_salt),
             block_size: hasher.block_size(),
         }
     }
@@ -216,11 +226,22 @@ impl Preparer {
         }
     }
 
-    fn hash(&self, ids: &[u32], mut times: StageTimes) -> (RouteInput, StageTimes) {
+    /// Hashes `ids` into blocks, the first salted with the request's `cache_salt` (as vLLM
+    /// salts the prompt's first block, and the agent the engine's first block of it).
+    fn hash(
+        &self,
+        ids: &[u32],
+        cache_salt: Option<&str>,
+        mut times: StageTimes,
+    ) -> (RouteInput, StageTimes) {
         let start = Instant::now();
         let hasher = BlockHasher::new(self.block_size, self.adapter.as_deref());
         let input = match hasher {
-            Ok(mut hasher) => RouteInput::Tokens(Arc::new(PromptBlocks::hash(ids, &mut hasher))),
+            Ok(mut hasher) => RouteInput::Tokens(Arc::new(PromptBlocks::hash_salted(
+                ids,
+                cache_salt,
+                &mut hasher,
+            ))),
             Err(_) => RouteInput::Fallback(FallbackReason::TokenizeFailed),
         };
         times.hash = Some(start.elapsed());
@@ -233,9 +254,10 @@ impl Preparer {
             return Ok(Prepared::fallback(FallbackReason::NoTokenizer, times));
         };
         let start = Instant::now();
-        let rendered = ChatRequest::from_slice(body).and_then(|r| model.render_chat(&r));
+        let rendered = ChatRequest::from_slice(body)
+            .and_then(|request| model.render_chat(&request).map(|text| (request, text)));
         times.template = Some(start.elapsed());
-        let rendered = match rendered {
+        let (request, rendered) = match rendered {
             Ok(rendered) => rendered,
             Err(error) => return fallback_or_invalid(error, times),
         };
@@ -246,7 +268,7 @@ impl Preparer {
             Ok(ids) => ids,
             Err(error) => return fallback_or_invalid(error, times),
         };
-        let (input, times) = self.hash(&ids, times);
+        let (input, times) = self.hash(&ids, request.cache_salt(), times);
         Ok(Prepared {
             input,
             times,
@@ -257,15 +279,16 @@ impl Preparer {
     fn completion(&self, body: &Bytes, forward: bool) -> Prepared {
         let mut times = StageTimes::default();
         let start = Instant::now();
-        let prompt = completion_prompt(body);
+        let fields = completion_fields(body);
         times.template = Some(start.elapsed());
-        let prompt = match prompt {
-            Ok(Some(prompt)) => prompt,
-            Ok(None) | Err(_) => return Prepared::fallback(FallbackReason::NoPrompt, times),
+        let (prompt, cache_salt) = match fields {
+            Ok((Some(prompt), cache_salt)) => (prompt, cache_salt),
+            Ok((None, _)) | Err(_) => return Prepared::fallback(FallbackReason::NoPrompt, times),
         };
+        let cache_salt = cache_salt.as_deref();
         let (text, single) = match prompt {
             Prompt::Tokens(ids) => {
-                let (input, times) = self.hash(&ids, times);
+                let (input, times) = self.hash(&ids, cache_salt, times);
                 return Prepared {
                     input,
                     times,
@@ -288,7 +311,7 @@ impl Preparer {
         let rewritten = rewrite
             .then(|| with_token_prompt(body, &text, &ids))
             .flatten();
-        let (input, times) = self.hash(&ids, times);
+        let (input, times) = self.hash(&ids, cache_salt, times);
         Prepared {
             input,
             times,
@@ -362,6 +385,53 @@ mod tests {
         assert_ne!(hashes(&adapter), hashes(&base));
         let other = base.for_adapter(Arc::from("chat-lora"));
         assert_ne!(hashes(&adapter), hashes(&other));
+    }
+
+    #[test]
+    fn cache_salt_salts_chat_and_completion_prompts() {
+        let p = preparer(false);
+        let hashes = |body: &'static str| {
+            tokens(
+                &p.prepare(
+                    PromptKind::Completion,
+                    &Bytes::from_static(body.as_bytes()),
+                    true,
+                )
+                .unwrap(),
+            )
+            .hashes
+            .clone()
+        };
+        let ids = [1, 2, 3, 4, 5, 6, 7, 8];
+        let mut hasher = BlockHasher::new(4, None).unwrap();
+        let plain = hasher.hash(&ids);
+        let a = hashes(r#"{"prompt":[1,2,3,4,5,6,7,8],"cache_salt":"tenant-a"}"#);
+        assert_eq!(a, hasher.hash_salted(&ids, Some("tenant-a")));
+        assert_ne!(a.sequence[0], plain.sequence[0]);
+        assert_ne!(a.sequence[1], plain.sequence[1]);
+        let b = hashes(r#"{"cache_salt":"tenant-b","prompt":[[1,2,3,4,5,6,7,8]]}"#);
+        assert_eq!(b, hasher.hash_salted(&ids, Some("tenant-b")));
+        assert_ne!(a, b);
+        // No salt, an empty one or one of another type: the plain hashes.
+        for body in [
+            r#"{"prompt":[1,2,3,4,5,6,7,8]}"#,
+            r#"{"prompt":[1,2,3,4,5,6,7,8],"cache_salt":null}"#,
+            r#"{"prompt":[1,2,3,4,5,6,7,8],"cache_salt":""}"#,
+            r#"{"prompt":[1,2,3,4,5,6,7,8],"cache_salt":7}"#,
+        ] {
+            assert_eq!(hashes(body), plain, "{body}");
+        }
+        // The LoRA seed and the salt together, as the agent hashes an adapter's salted blocks.
+        let body = Bytes::from_static(br#"{"prompt":[1,2,3,4,5,6,7,8],"cache_salt":"tenant-a"}"#);
+        let adapter = p.for_adapter(Arc::from("sql-lora"));
+        let prepared = adapter
+            .prepare(PromptKind::Completion, &body, true)
+            .unwrap();
+        let mut seeded = BlockHasher::new(4, Some("sql-lora")).unwrap();
+        assert_eq!(
+            tokens(&prepared).hashes,
+            seeded.hash_salted(&ids, Some("tenant-a"))
+        );
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::borrow::Cow;
 use std::fmt;
 
 use bytes::Bytes;
+use kvmesh_preprocess::CacheSalt;
 use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, SeqAccess, Visitor};
 
@@ -23,10 +24,20 @@ pub(crate) enum Prompt<'a> {
     Tokens(Vec<u32>),
 }
 
-/// Reads `prompt` from a completions body: `Ok(None)` when it is absent, null or an empty list;
-/// an error when it has none of the four shapes.
+/// The `prompt` of [`completion_fields`].
+#[cfg(test)]
 pub(crate) fn completion_prompt(body: &[u8]) -> Result<Option<Prompt<'_>>, serde_json::Error> {
-    serde_json::from_slice::<CompletionBody<'_>>(body).map(|body| body.prompt.and_then(|p| p.0))
+    completion_fields(body).map(|(prompt, _)| prompt)
+}
+
+/// Reads `prompt` and `cache_salt` from a completions body. The prompt is `None` when it is
+/// absent, null or an empty list, and an error when it has none of the four shapes; the salt
+/// never fails the body (see [`CacheSalt`]).
+pub(crate) fn completion_fields(
+    body: &[u8],
+) -> Result<(Option<Prompt<'_>>, CacheSalt<'_>), serde_json::Error> {
+    serde_json::from_slice::<CompletionBody<'_>>(body)
+        .map(|body| (body.prompt.and_then(|p| p.0), body.cache_salt))
 }
 
 /// `body` with its string `prompt` replaced by `ids`, or `None` when `text` is not the body's
@@ -62,6 +73,8 @@ pub(crate) fn with_token_prompt(body: &Bytes, text: &str, ids: &[u32]) -> Option
 struct CompletionBody<'a> {
     #[serde(borrow, default)]
     prompt: Option<PromptField<'a>>,
+    #[serde(borrow, default)]
+    cache_salt: CacheSalt<'a>,
 }
 
 /// The `prompt` value: `None` for an empty list.
@@ -203,6 +216,25 @@ mod tests {
             prompt(r#"{"prompt":"tab\tand \u00e9"}"#),
             Some(Prompt::Text(Cow::Owned(text))) if text == "tab\tand é"
         ));
+    }
+
+    #[test]
+    fn reads_the_cache_salt_beside_the_prompt() {
+        let salt = |body: &str| {
+            let (_, salt) = completion_fields(body.as_bytes()).unwrap();
+            salt.as_deref().map(str::to_owned)
+        };
+        assert_eq!(
+            salt(r#"{"cache_salt":"t","prompt":"x"}"#),
+            Some("t".to_owned())
+        );
+        assert_eq!(
+            salt(r#"{"prompt":"x","cache_salt":"t"}"#),
+            Some("t".to_owned())
+        );
+        assert_eq!(salt(r#"{"prompt":"x"}"#), None);
+        assert_eq!(salt(r#"{"prompt":"x","cache_salt":{"a":[1]}}"#), None);
+        assert_eq!(salt(r#"{"prompt":"x","cache_salt":""}"#), None);
     }
 
     #[test]
