@@ -93,7 +93,8 @@ pub struct DefaultModelConfig {
     /// Tokenizer directory used for every such model (`policy: kv`).
     pub tokenizer: Option<PathBuf>,
     /// Settings of `policy: kv`; `block_size` is taken from the first instance record of
-    /// the model (the engine's own block size) rather than from here.
+    /// the model (the engine's own block size); set here, it is used only for a record that
+    /// gives none (else 16).
     pub kv: KvRoutingConfig,
     /// Migrations per stream (see `models[].migration_limit`; `null`: the default).
     pub migration_limit: Option<u32>,

@@ -4,6 +4,10 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+/// Tokens per KV block of a model whose `kv.block_size` is unset and whose block size no
+/// instance record has given (static backends only): vLLM's default on GPUs.
+pub const FALLBACK_BLOCK_SIZE: usize = 16;
+
 /// Longest accepted `approx_ttl` (one year), so expiry instants never overflow.
 pub const MAX_APPROX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 
@@ -16,7 +20,11 @@ pub const MAX_APPROX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 #[serde(default, deny_unknown_fields)]
 pub struct KvRoutingConfig {
     /// Tokens per KV block; must equal the engines' block size (vLLM `--block-size`).
-    pub block_size: usize,
+    /// `null` (default): the block size of the model's first instance record (the engine's
+    /// own, which its agent registers), or [`FALLBACK_BLOCK_SIZE`] (16) for a model with
+    /// static backends only. An instance whose engine runs another block size is scored by
+    /// predictions alone and reported (admin `/health` says `degraded`).
+    pub block_size: Option<usize>,
     /// Weight of the predicted prefill time against the decode time in the cost
     /// (`speed × (overlap_weight × prefill_ms + decode_ms) + harm_weight × harm_ms`).
     pub overlap_weight: f64,
@@ -65,7 +73,7 @@ pub struct KvRoutingConfig {
 impl Default for KvRoutingConfig {
     fn default() -> Self {
         Self {
-            block_size: 64,
+            block_size: None,
             overlap_weight: 1.0,
             harm_weight: 0.0,
             overlap_credit_decay: 0.0,
@@ -86,6 +94,13 @@ impl Default for KvRoutingConfig {
 }
 
 impl KvRoutingConfig {
+    /// `block_size`, or [`FALLBACK_BLOCK_SIZE`] when unset (or 0).
+    pub fn block_size_or_fallback(&self) -> usize {
+        self.block_size
+            .filter(|&size| size > 0)
+            .unwrap_or(FALLBACK_BLOCK_SIZE)
+    }
+
     /// Active decode blocks above which an instance is busy, when both
     /// `total_kv_blocks` and `busy_decode_blocks_fraction` are on.
     pub fn busy_decode_blocks(&self) -> Option<f64> {

@@ -12,8 +12,11 @@ fn is_header_name_byte(byte: u8) -> bool {
 
 /// Checks the `kv` section at `path`.
 pub(crate) fn check_kv(kv: &KvRoutingConfig, path: &FieldPath) -> Checked {
-    if kv.block_size == 0 {
-        return fail(path.key("block_size"), "must be at least 1");
+    if kv.block_size == Some(0) {
+        return fail(
+            path.key("block_size"),
+            "must be at least 1 (or null: the engines' own, from their instance records)",
+        );
     }
     non_negative(kv.overlap_weight, path.key("overlap_weight"))?;
     non_negative(kv.harm_weight, path.key("harm_weight"))?;

@@ -86,7 +86,8 @@ fn minimal_config_gets_every_default() {
     assert_eq!(model.tokenizer, None);
     assert!(!model.forward_token_ids);
     let kv = &model.kv;
-    assert_eq!(kv.block_size, 64);
+    assert_eq!(kv.block_size, None);
+    assert_eq!(kv.block_size_or_fallback(), 16);
     assert_eq!(kv.overlap_weight, 1.0);
     assert_eq!(kv.temperature, 0.0);
     assert_eq!(kv.approx_ttl, Duration::from_secs(120));
@@ -381,6 +382,35 @@ fn no_model_is_needed_when_discovery_serves_the_discovered_ones() {
         error.to_string().contains("models: at least one model"),
         "{error}"
     );
+}
+
+#[test]
+fn kv_block_size_is_unset_by_default_and_null_means_unset() {
+    let kv = |body: &str| {
+        let text = format!("{KV_MODEL}    kv:\n{body}");
+        Config::from_yaml_str(&text, "kv.yaml")
+            .unwrap_or_else(|error| panic!("{body:?}: {error}"))
+            .models[0]
+            .kv
+            .clone()
+    };
+    assert_eq!(KvRoutingConfig::default().block_size, None);
+    assert_eq!(kv("      overlap_weight: 1\n").block_size, None);
+    assert_eq!(kv("      block_size: null\n").block_size, None);
+    assert_eq!(kv("      block_size: ~\n").block_size, None);
+    let fixed = kv("      block_size: 32\n");
+    assert_eq!(fixed.block_size, Some(32));
+    assert_eq!(fixed.block_size_or_fallback(), 32);
+    assert_eq!(kv("      block_size: null\n").block_size_or_fallback(), 16);
+    assert_eq!(kvmesh_config::FALLBACK_BLOCK_SIZE, 16);
+    let discovered = Config::from_yaml_str(
+        &format!(
+            "{MINIMAL}discovery:\n  kind: etcd\n  default_model:\n    kv:\n      block_size: 32\n"
+        ),
+        "kv.yaml",
+    )
+    .unwrap();
+    assert_eq!(discovered.discovery.default_model.kv.block_size, Some(32));
 }
 
 #[test]
@@ -758,7 +788,7 @@ fn kv_policy_settings_parse() {
     );
     assert!(model.forward_token_ids);
     let kv = &model.kv;
-    assert_eq!(kv.block_size, 16);
+    assert_eq!(kv.block_size, Some(16));
     assert_eq!(kv.overlap_weight, 2.0);
     assert_eq!(kv.temperature, 0.5);
     assert_eq!(kv.approx_ttl, Duration::from_secs(30));

@@ -22,6 +22,7 @@ use kvmesh_route::prepare::InvalidPrompt;
 use crate::api_error::{ApiError, error_json};
 use crate::clock::now_millis;
 use crate::headers::content_length;
+use crate::pool::ModelPool;
 use crate::reload::{Reloader, Trigger};
 use crate::request::admit::{instances_for, resolve_model};
 use crate::request::prepare::prepare_prompt;
@@ -79,44 +80,83 @@ impl AdminApp {
     }
 
     fn health(&self) -> (u16, HeaderValue, Bytes) {
-        let now = now_millis();
         let state = self.state.load();
-        let models: Vec<ModelHealth> = state
-            .registry
-            .pools()
-            .iter()
-            .map(|pool| {
-                let current = pool.instances();
-                let instances: Vec<InstanceHealth> = current
-                    .iter()
-                    .map(|instance| InstanceHealth {
+        let draining = *self.draining.borrow();
+        let (code, body) = health(&state.registry.pools(), draining, now_millis());
+        (code, JSON, Bytes::from(body))
+    }
+}
+
+/// The `GET /health` status and body for `pools`: 200 `ok` while every model has an available
+/// instance; 200 `degraded` when, besides, an instance's engine runs another KV block size
+/// than its model (scored by predictions alone; `degraded` names each); 503 `unavailable`
+/// when some model has none, `draining` during shutdown.
+fn health(pools: &[Arc<ModelPool>], draining: bool, now: u64) -> (u16, Vec<u8>) {
+    let mut degraded = Vec::new();
+    let models: Vec<ModelHealth> = pools
+        .iter()
+        .map(|pool| {
+            let current = pool.instances();
+            let router = pool.balancer().kv_router();
+            let instances: Vec<InstanceHealth> = current
+                .iter()
+                .map(|instance| {
+                    let block_size_mismatch = router.and_then(|router| {
+                        let engine = router.block_size_conflict(instance.id())?;
+                        Some(BlockSizeMismatch {
+                            engine_block_size: engine,
+                            kv_block_size: router.block_size(),
+                        })
+                    });
+                    if let Some(mismatch) = &block_size_mismatch {
+                        degraded.push(format!(
+                            "model {:?}: instance {} runs KV blocks of {} tokens, not the model's \
+                             {}: scored by predictions alone, not by its KV events",
+                            pool.name(),
+                            instance.url(),
+                            mismatch.engine_block_size,
+                            mismatch.kv_block_size
+                        ));
+                    }
+                    InstanceHealth {
                         url: instance.url().to_string(),
                         state: instance.membership().label(),
                         healthy: instance.is_healthy(),
                         ejected: instance.is_ejected(now),
                         in_flight: instance.in_flight(),
-                    })
-                    .collect();
-                ModelHealth {
-                    name: pool.name().to_string(),
-                    available: current.iter().filter(|i| i.is_available(now)).count(),
-                    instances,
-                }
-            })
-            .collect();
-        let draining = *self.draining.borrow();
-        let all_served = models.iter().all(|model| model.available > 0);
-        let status = if draining {
-            "draining"
-        } else if all_served {
-            "ok"
-        } else {
-            "unavailable"
-        };
-        let code = if status == "ok" { 200 } else { 503 };
-        let body = serde_json::to_vec(&Health { status, models }).unwrap_or_default();
-        (code, JSON, Bytes::from(body))
-    }
+                        block_size_mismatch,
+                    }
+                })
+                .collect();
+            ModelHealth {
+                name: pool.name().to_string(),
+                available: current.iter().filter(|i| i.is_available(now)).count(),
+                kv_block_size: router.map(|router| router.block_size()),
+                instances,
+            }
+        })
+        .collect();
+    let all_served = models.iter().all(|model| model.available > 0);
+    let status = if draining {
+        "draining"
+    } else if !all_served {
+        "unavailable"
+    } else if degraded.is_empty() {
+        "ok"
+    } else {
+        "degraded"
+    };
+    let code = if matches!(status, "ok" | "degraded") {
+        200
+    } else {
+        503
+    };
+    let health = Health {
+        status,
+        degraded,
+        models,
+    };
+    (code, serde_json::to_vec(&health).unwrap_or_default())
 }
 
 /// `POST /debug/route?route=chat_completions|completions`: reads a request body and explains
@@ -226,7 +266,11 @@ struct Explained<'a> {
 
 #[derive(Serialize)]
 struct Health {
+    /// `ok`, `degraded` (served, with a problem `degraded` names), `unavailable`, `draining`.
     status: &'static str,
+    /// What makes the status `degraded`, one line each (absent when nothing does).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    degraded: Vec<String>,
     models: Vec<ModelHealth>,
 }
 
@@ -234,6 +278,10 @@ struct Health {
 struct ModelHealth {
     name: String,
     available: usize,
+    /// `policy: kv`: tokens per KV block now (`kv.block_size`, else the first instance
+    /// record's, else 16).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_block_size: Option<u64>,
     instances: Vec<InstanceHealth>,
 }
 
@@ -245,6 +293,17 @@ struct InstanceHealth {
     healthy: bool,
     ejected: bool,
     in_flight: u64,
+    /// Its engine runs another KV block size than its model (absent when they agree).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    block_size_mismatch: Option<BlockSizeMismatch>,
+}
+
+#[derive(Serialize)]
+struct BlockSizeMismatch {
+    /// The engine's, from its instance record.
+    engine_block_size: u64,
+    /// The model's.
+    kv_block_size: u64,
 }
 
 #[async_trait]
@@ -347,5 +406,56 @@ mod tests {
         );
         assert!(route_param(Some("route=embeddings")).is_err());
         assert!(route_param(Some("route")).is_err());
+    }
+
+    #[test]
+    fn an_engine_of_another_block_size_degrades_health_without_failing_readiness() {
+        let yaml = "models:\n  - name: m\n    policy: kv\n    backends:\n      \
+                    - url: http://127.0.0.1:9\n      - url: http://127.0.0.1:10\n";
+        let config = kvmesh_config::Config::from_yaml_str(yaml, "test.yaml").expect("config");
+        let metrics = crate::metrics::Metrics::new().expect("metrics");
+        let (state, _) = crate::server::build_state(&config, &metrics, None).expect("state");
+        let pools = state.registry.pools();
+        let json = |(code, body): (u16, Vec<u8>)| {
+            let body: serde_json::Value = serde_json::from_slice(&body).expect("json");
+            (code, body)
+        };
+        let (code, body) = json(health(&pools, false, 0));
+        assert_eq!((code, body["status"].as_str()), (200, Some("ok")), "{body}");
+        assert!(body.get("degraded").is_none(), "{body}");
+        assert_eq!(
+            body["models"][0]["kv_block_size"], 16,
+            "static backends only"
+        );
+        let router = pools[0].balancer().kv_router().expect("policy kv");
+        router.fit_block_size(0, 16);
+        router.fit_block_size(1, 32);
+        let (code, body) = json(health(&pools, false, 0));
+        assert_eq!(
+            (code, body["status"].as_str()),
+            (200, Some("degraded")),
+            "{body}"
+        );
+        let reasons = body["degraded"].as_array().expect("reasons");
+        assert_eq!(reasons.len(), 1, "{body}");
+        let reason = reasons[0].as_str().unwrap_or_default();
+        assert!(
+            reason.contains("http://127.0.0.1:10") && reason.contains("32 tokens"),
+            "{reason}"
+        );
+        let instances = &body["models"][0]["instances"];
+        assert!(instances[0].get("block_size_mismatch").is_none(), "{body}");
+        assert_eq!(
+            instances[1]["block_size_mismatch"],
+            serde_json::json!({"engine_block_size": 32, "kv_block_size": 16})
+        );
+        // Draining and unavailable still win over degraded.
+        let (code, body) = json(health(&pools, true, 0));
+        assert_eq!((code, body["status"].as_str()), (503, Some("draining")));
+        for instance in pools[0].instances().iter() {
+            instance.set_membership(crate::instance::Membership::NotReady);
+        }
+        let (code, body) = json(health(&pools, false, 0));
+        assert_eq!((code, body["status"].as_str()), (503, Some("unavailable")));
     }
 }

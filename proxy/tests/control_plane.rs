@@ -669,3 +669,175 @@ async fn a_config_without_models_serves_the_discovered_ones() {
     let (status, body) = health(harness.admin).await;
     assert_eq!((status, &body["status"]), (200, &serde_json::json!("ok")));
 }
+
+#[tokio::test]
+async fn an_unset_block_size_comes_from_the_first_record_and_another_degrades_health() {
+    let harness = Harness::start_with(
+        "listeners:\n  - name: main\n    address: 127.0.0.1:0\nadmin:\n  address: 127.0.0.1:0\n\
+         health_check:\n  enabled: false\n\
+         models:\n  - name: m\n    policy: kv\n    backends: []\n\
+         discovery:\n  kind: in_process\nevents:\n  kind: in_process\n  resync_timeout: 1s\n",
+    )
+    .await;
+    let ns = &harness.namespace;
+    let (first, second) = (Backend::ok().await, Backend::ok().await);
+    let a = prompt(1, 6);
+    // The first engine runs blocks of 4 tokens (BLOCK): the model takes them, so its
+    // snapshot's blocks match a prompt the proxy cuts into blocks of 4.
+    let agent = FakeAgent::serve(&harness.bus, &ns.snapshot_subject(InstanceId(1))).await;
+    agent.script(SnapshotReply::Snapshot {
+        events: vec![RankedEvent {
+            dp_rank: 0,
+            event: stored(&a, 0, 6, 100),
+        }],
+        last_seq: 1,
+    });
+    let key = |id: u64| ns.instance_key(MODEL, InstanceId(id));
+    let one = record_of(ns, MODEL, 1, &first.url, BLOCK as u32);
+    harness.registry.put(&key(1), &one, None).await.unwrap();
+    harness.await_overlap(&first.url, &a, 6).await;
+    let explain = |tokens: Vec<u32>| async move {
+        let body = serde_json::json!({"model": MODEL, "prompt": tokens}).to_string();
+        let headers = [("content-type", "application/json")];
+        let path = "/debug/route?route=completions";
+        send(harness.admin, Method::POST, path, &headers, body)
+            .await
+            .json()
+            .await
+    };
+    assert_eq!(explain(a.clone()).await["block_size"], BLOCK);
+    let (status, body) = health(harness.admin).await;
+    assert_eq!(
+        (status, &body["status"]),
+        (200, &serde_json::json!("ok")),
+        "{body}"
+    );
+    assert_eq!(body["models"][0]["kv_block_size"], BLOCK, "{body}");
+
+    // A second engine runs blocks of 8: it is served, scored by predictions alone (its
+    // snapshot is not indexed), and the conflict shows in /health, the gauge and the
+    // explanation. Readiness is unchanged (200).
+    let other = FakeAgent::serve(&harness.bus, &ns.snapshot_subject(InstanceId(2))).await;
+    other.script(SnapshotReply::Snapshot {
+        events: vec![RankedEvent {
+            dp_rank: 0,
+            event: stored(&a, 0, 6, 300),
+        }],
+        last_seq: 1,
+    });
+    let two = record_of(ns, MODEL, 2, &second.url, 8);
+    harness.registry.put(&key(2), &two, None).await.unwrap();
+    harness
+        .await_metric(&format!(
+            "kvmesh_route_block_size_mismatch{{instance=\"{}\",model=\"m\"}} 1",
+            second.url
+        ))
+        .await;
+    harness
+        .await_metric(&format!(
+            "kvmesh_route_block_size_mismatch{{instance=\"{}\",model=\"m\"}} 0",
+            first.url
+        ))
+        .await;
+    harness
+        .await_metric("kvmesh_kv_event_batches_dropped_total{reason=\"block_size_mismatch\"} 1")
+        .await;
+    let (status, body) = health(harness.admin).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["status"], "degraded", "{body}");
+    let reasons = body["degraded"].to_string();
+    assert!(
+        reasons.contains(&second.url) && reasons.contains("8 tokens"),
+        "{body}"
+    );
+    let instances = body["models"][0]["instances"].as_array().unwrap().clone();
+    let entry = |url: &str| {
+        instances
+            .iter()
+            .find(|i| i["url"] == url)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {url} in {body}"))
+    };
+    assert_eq!(
+        entry(&second.url)["block_size_mismatch"],
+        serde_json::json!({"engine_block_size": 8, "kv_block_size": BLOCK})
+    );
+    assert!(entry(&first.url).get("block_size_mismatch").is_none());
+    let explained = explain(a.clone()).await;
+    let of = |url: &str| {
+        explained["instances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|i| i["instance"] == url)
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(of(&second.url)["block_size_mismatch"], 8, "{explained}");
+    assert_eq!(of(&second.url)["overlap_blocks"], 0, "{explained}");
+    assert_eq!(of(&first.url)["overlap_blocks"], 6, "{explained}");
+    assert!(of(&first.url).get("block_size_mismatch").is_none());
+
+    // It leaves: healthy again.
+    harness.registry.delete(&key(2)).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, body) = health(harness.admin).await;
+        if body["status"] == "ok" {
+            assert_eq!(status, 200);
+            assert!(body.get("degraded").is_none(), "{body}");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{body}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn once_no_registered_instance_is_left_the_next_record_sets_the_block_size() {
+    let harness = Harness::start_with(
+        "listeners:\n  - name: main\n    address: 127.0.0.1:0\nadmin:\n  address: 127.0.0.1:0\n\
+         health_check:\n  enabled: false\n\
+         models:\n  - name: m\n    policy: kv\n    backends: []\n\
+         discovery:\n  kind: in_process\nevents:\n  kind: in_process\n  resync_timeout: 1s\n",
+    )
+    .await;
+    let ns = &harness.namespace;
+    let admin = harness.admin;
+    let await_block_size = |size: u64| async move {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let (_, body) = health(admin).await;
+            if body["models"][0]["kv_block_size"] == size {
+                return body;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{body}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    await_block_size(16).await;
+    let key = |id: u64| ns.instance_key(MODEL, InstanceId(id));
+    let put = |id: u64, block_size: u32| {
+        let record = record_of(
+            ns,
+            MODEL,
+            id,
+            &format!("http://127.0.0.1:{}", 41000 + id),
+            block_size,
+        );
+        let registry = Arc::clone(&harness.registry);
+        let key = key(id);
+        async move { registry.put(&key, &record, None).await.unwrap() }
+    };
+    put(1, 8).await;
+    await_block_size(8).await;
+    harness.registry.delete(&key(1)).await.unwrap();
+    await_block_size(16).await;
+    put(2, 32).await;
+    await_block_size(32).await;
+    // The engine restarted with another block size: its record replaces the instance, and
+    // as it is the only one, the model takes the new size (nothing is degraded).
+    put(2, 64).await;
+    let body = await_block_size(64).await;
+    assert_eq!(body["status"], "ok", "{body}");
+}

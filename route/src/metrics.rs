@@ -32,6 +32,7 @@ pub struct KvFamilies {
     busy_rejections: IntCounterVec,
     queue_depth: IntGaugeVec,
     fallbacks: IntCounterVec,
+    block_size_mismatch: IntGaugeVec,
 }
 
 impl KvFamilies {
@@ -95,6 +96,13 @@ impl KvFamilies {
             ),
             &["model", "reason"],
         )?;
+        let block_size_mismatch = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_route_block_size_mismatch",
+                "policy kv: 1 while an instance's engine runs another KV block size (from its instance record) than its model's kv.block_size; it is then scored by predictions alone, not by its KV events.",
+            ),
+            &["model", "instance"],
+        )?;
         registry.register(Box::new(overlap_blocks.clone()))?;
         registry.register(Box::new(decision_seconds.clone()))?;
         registry.register(Box::new(index_blocks.clone()))?;
@@ -103,6 +111,7 @@ impl KvFamilies {
         registry.register(Box::new(busy_rejections.clone()))?;
         registry.register(Box::new(queue_depth.clone()))?;
         registry.register(Box::new(fallbacks.clone()))?;
+        registry.register(Box::new(block_size_mismatch.clone()))?;
         Ok(Self {
             overlap_blocks,
             decision_seconds,
@@ -112,6 +121,7 @@ impl KvFamilies {
             busy_rejections,
             queue_depth,
             fallbacks,
+            block_size_mismatch,
         })
     }
 
@@ -131,6 +141,7 @@ impl KvFamilies {
             queue_depth: self.queue_depth.with_label_values(&[model]),
             fallbacks: FallbackReason::ALL
                 .map(|reason| self.fallbacks.with_label_values(&[model, reason.label()])),
+            block_size_mismatch: self.block_size_mismatch.clone(),
         }
     }
 
@@ -138,6 +149,9 @@ impl KvFamilies {
     pub fn forget_instance(&self, model: &str, instance: &str) {
         let _ = self.index_blocks.remove_label_values(&[model, instance]);
         let _ = self.instance_speed.remove_label_values(&[model, instance]);
+        let _ = self
+            .block_size_mismatch
+            .remove_label_values(&[model, instance]);
     }
 }
 
@@ -199,6 +213,8 @@ pub struct KvMetrics {
     /// `kvmesh_route_queue_depth{model}`.
     pub(crate) queue_depth: IntGauge,
     fallbacks: [IntCounter; FALLBACK_REASONS],
+    /// `kvmesh_route_block_size_mismatch{model,instance}`, resolved per scrape.
+    block_size_mismatch: IntGaugeVec,
 }
 
 impl KvMetrics {
@@ -221,6 +237,14 @@ impl KvMetrics {
         self.instance_speed
             .with_label_values(&[self.model.as_str(), instance])
             .set(speed);
+    }
+
+    /// Sets `kvmesh_route_block_size_mismatch` of `instance` (its URL): 1 while its engine
+    /// runs another block size than the model.
+    pub fn set_block_size_mismatch(&self, instance: &str, mismatch: bool) {
+        self.block_size_mismatch
+            .with_label_values(&[self.model.as_str(), instance])
+            .set(i64::from(mismatch));
     }
 
     /// Counts a request routed without tokens.
@@ -258,6 +282,8 @@ mod tests {
         kv.busy_rejections.inc();
         kv.queue_depth.set(2);
         kv.count_fallback(FallbackReason::NoTokenizer);
+        kv.set_block_size_mismatch("http://b:2", true);
+        kv.set_block_size_mismatch("http://a:1", false);
         let out = text(&registry);
         families.forget_instance("qwen3", "http://b:2");
         assert!(!text(&registry).contains("http://b:2"));
@@ -271,6 +297,8 @@ mod tests {
             "kvmesh_route_busy_rejections_total{model=\"qwen3\"} 1",
             "kvmesh_route_queue_depth{model=\"qwen3\"} 2",
             "kvmesh_route_fallbacks_total{model=\"qwen3\",reason=\"no_tokenizer\"} 1",
+            "kvmesh_route_block_size_mismatch{instance=\"http://b:2\",model=\"qwen3\"} 1",
+            "kvmesh_route_block_size_mismatch{instance=\"http://a:1\",model=\"qwen3\"} 0",
         ] {
             assert!(out.contains(line), "missing {line:?} in\n{out}");
         }

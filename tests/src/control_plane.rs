@@ -71,12 +71,31 @@ pub fn start_timed_event_engines(
     spawn_event_engines(scratch, engines, &[])
 }
 
+/// [`start_event_engines`] with engines of `block_size`-token KV blocks instead of
+/// [`BLOCK_SIZE`].
+pub fn start_event_engines_of_block_size(
+    scratch: &ScratchDir,
+    engines: usize,
+    block_size: usize,
+) -> anyhow::Result<(Spawned, Vec<Engine>)> {
+    spawn_event_engines_of(scratch, engines, block_size, &["--no-delay"])
+}
+
 fn spawn_event_engines(
     scratch: &ScratchDir,
     engines: usize,
     extra: &[&str],
 ) -> anyhow::Result<(Spawned, Vec<Engine>)> {
-    let block_size = BLOCK_SIZE.to_string();
+    spawn_event_engines_of(scratch, engines, BLOCK_SIZE, extra)
+}
+
+fn spawn_event_engines_of(
+    scratch: &ScratchDir,
+    engines: usize,
+    block_size: usize,
+    extra: &[&str],
+) -> anyhow::Result<(Spawned, Vec<Engine>)> {
+    let block_size = block_size.to_string();
     let mut args = vec![
         "--block-size",
         &block_size,

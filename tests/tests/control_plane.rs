@@ -31,7 +31,9 @@
 //! - a proxy whose config lists no model (`models: []`) serves the model an agent registers;
 //! - vLLM's `cache_salt`: a prompt the engine cached under one salt is predicted to hit for
 //!   that salt only, not for another salt or none (engine, agent and proxy salt the first
-//!   block alike).
+//!   block alike);
+//! - a listed model without `kv.block_size` takes its engine's (32) from the instance record
+//!   and routes by its events; an engine of another block size makes `/health` degraded.
 //!
 //! Readiness comes from `LISTENING`/`READY` lines and metrics polled against a deadline. The
 //! tests run one at a time (they time leases and restarts on a 2-core machine).
@@ -47,8 +49,8 @@ use kvmesh_e2e::cluster::{MODEL, start_proxy};
 use kvmesh_e2e::control_plane::{
     BLOCK_SIZE, Engine, Servers, agent_args, agent_args_for, await_metric, control_proxy_config,
     control_proxy_config_for, metric, metric_total, model_prompt, prompt_tokens,
-    proxy_metric_total, start_agent, start_event_engines, start_event_engines_with,
-    start_timed_event_engines, token_prompt,
+    proxy_metric_total, start_agent, start_event_engines, start_event_engines_of_block_size,
+    start_event_engines_with, start_timed_event_engines, token_prompt,
 };
 use kvmesh_e2e::sse::{assert_all_whole, open_streams};
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
@@ -1723,6 +1725,109 @@ async fn a_proxy_listing_no_model_serves_the_one_an_agent_registers() -> anyhow:
     assert_eq!(status, 200, "{body}");
     assert_no_panic(&proxy);
     assert_no_panic(&agent);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unset_kv_block_size_is_the_engines_and_another_engines_degrades_health()
+-> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-block-size")?;
+    let servers = Servers::start(&scratch).await?;
+    // The first engine runs 32-token blocks (vLLM's CPU default), not the proxy's fallback 16.
+    let (_sim_32, wide) = start_event_engines_of_block_size(&scratch, 1, 32)?;
+    let first = &wide[0];
+    let agent_32 = Spawned::start(
+        "kvmesh-agent",
+        &agent_args(&servers, first, LONG_TTL, DRAIN),
+        scratch.path(),
+    )?;
+    // A listed `policy: kv` model without `kv.block_size`.
+    let models = format!("\n  - name: {MODEL}\n    policy: kv\n    backends: []");
+    let proxy = start_proxy(&scratch, &proxy_config_with_models(&servers, &models))?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    await_instances(&client, &metrics, 1.0).await?;
+    await_events_live(&client, &metrics).await?;
+
+    // (a) A prompt cached on the engine behind the proxy's back (8 blocks of 16 tokens: 4 of
+    // 32) reaches the proxy's index through the engine's events: the model cut it into the
+    // engine's 32-token blocks, so the overlap is the engine's.
+    let prompt = prompt_tokens(40, 8);
+    complete_on(&client, first, &prompt).await?;
+    let explained = await_explained(&client, &proxy, &token_prompt(&prompt, 1), None, |e| {
+        explained_instance(e, &first.url)["overlap_blocks"]
+            .as_u64()
+            .is_some_and(|blocks| blocks > 0)
+    })
+    .await?;
+    assert_eq!(explained["block_size"], 32, "{explained}");
+    let entry = explained_instance(&explained, &first.url);
+    assert!(entry.get("block_size_mismatch").is_none(), "{explained}");
+    let (status, instance, route) = complete(&client, &proxy, &prompt).await?;
+    assert_eq!((status, instance.as_str()), (200, first.url.as_str()));
+    assert!(!route.contains("overlap_blocks=0;"), "{route}");
+    assert!(!route.contains("block_size_mismatch"), "{route}");
+    let (status, body) = await_health(&client, &proxy, |_, body| body["status"] == "ok").await?;
+    assert_eq!(
+        (status, &body["models"][0]["kv_block_size"]),
+        (200, &serde_json::json!(32))
+    );
+
+    // (b) A second engine runs 16-token blocks: served, but scored approximately; /health
+    // says degraded (readiness unchanged: 200) and names it, and the gauge counts it.
+    let (_sim_16, narrow) = start_event_engines(&scratch, 1)?;
+    let second = &narrow[0];
+    let agent_16 = start_agent(&scratch, &servers, second, LONG_TTL, DRAIN)?;
+    await_instances(&client, &metrics, 2.0).await?;
+    let (status, body) =
+        await_health(&client, &proxy, |_, body| body["status"] == "degraded").await?;
+    assert_eq!(status, 200, "{body}");
+    let reasons = body["degraded"].to_string();
+    assert!(
+        reasons.contains(&second.url) && reasons.contains("16 tokens"),
+        "{body}"
+    );
+    assert!(!reasons.contains(&first.url), "{body}");
+    let mismatch = |engine: &Engine| {
+        format!(
+            "kvmesh_route_block_size_mismatch{{instance=\"{}\",model=\"{MODEL}\"}}",
+            engine.url
+        )
+    };
+    await_metric(&client, &metrics, &mismatch(second), |v| v == 1.0, CONVERGE).await?;
+    await_metric(&client, &metrics, &mismatch(first), |v| v == 0.0, CONVERGE).await?;
+    let explained = await_explained(&client, &proxy, &token_prompt(&prompt, 1), None, |e| {
+        explained_instance(e, &second.url)["block_size_mismatch"] == 16
+    })
+    .await?;
+    assert!(
+        explained_instance(&explained, &first.url)
+            .get("block_size_mismatch")
+            .is_none(),
+        "{explained}"
+    );
+    // Its engine's events are not indexed: what it caches shows no overlap from events.
+    let other = prompt_tokens(41, 8);
+    complete_on(&client, second, &other).await?;
+    await_metric(
+        &client,
+        &metrics,
+        "kvmesh_kv_event_batches_dropped_total{reason=\"block_size_mismatch\"}",
+        |v| v >= 1.0,
+        CONVERGE,
+    )
+    .await?;
+    let explained =
+        await_explained(&client, &proxy, &token_prompt(&other, 1), None, |_| true).await?;
+    assert_eq!(
+        explained_instance(&explained, &second.url)["overlap_blocks"],
+        0,
+        "{explained}"
+    );
+    for process in [&proxy, &agent_32, &agent_16] {
+        assert_no_panic(process);
+    }
     Ok(())
 }
 

@@ -775,8 +775,13 @@ impl Actor {
         };
         let model = member.model.as_str();
         let mut needs_repair = false;
+        // An engine of another block size than its model: its blocks could never match.
+        let approximate_only = member.feed.is_approximate_only(id);
         for step in outcome.steps {
             match step {
+                Step::Snapshot(_) | Step::Batch(_) if approximate_only => {
+                    self.metrics.dropped(Dropped::BlockSizeMismatch, 1);
+                }
                 Step::Clear => member.feed.clear_instance(id),
                 Step::Snapshot(ranked) => {
                     let worker = WorkerKey::new(id, ranked.dp_rank);

@@ -12,6 +12,13 @@
 //!   instance left leaves the registry (`GET /v1/models`), a configured one stays (503).
 //! - **Disconnected**: nothing changes (the last known instances keep serving) until the watch
 //!   re-lists and reports only the differences.
+//!
+//! Block sizes (`policy: kv`): a model whose `kv.block_size` is unset takes the block size of
+//! its first instance record (a discovered model's pool is built with it), again once no
+//! registered instance is left; an instance whose engine runs another size than its model
+//! is scored by predictions alone and reported (a WARN, admin `/health` `degraded`,
+//! `kvmesh_route_block_size_mismatch`). A record whose block size changed replaces its
+//! instance.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,6 +28,7 @@ use kvmesh_config::{
     KvRoutingConfig, Protocol, Role,
 };
 use kvmesh_control::{InstanceRecord, InstanceRole, InstanceState, Namespace, WatchEvent};
+use kvmesh_route::kv::BlockSizeFit;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
@@ -45,6 +53,8 @@ struct Registered {
     adapters: Vec<String>,
     /// The record it came from (a reload that gives its model a new pool re-applies it).
     record: InstanceRecord,
+    /// When it joined, in join order (a new pool fits the block sizes in this order).
+    joined: u64,
 }
 
 /// Where the reloader announces a [`Reloaded`] state.
@@ -80,6 +90,8 @@ pub(crate) struct MembershipApplier {
     /// Names of the models the config lists (they stay even without instances).
     configured: Vec<String>,
     by_key: HashMap<String, Registered>,
+    /// The next [`Registered::joined`].
+    joins: u64,
     intake: Option<mpsc::UnboundedSender<IntakeInput>>,
     metrics: ControlMetrics,
     spawner: Option<Spawner>,
@@ -100,6 +112,7 @@ impl MembershipApplier {
             default_model: config.discovery.default_model.clone(),
             configured: config.models.iter().map(|m| m.name.clone()).collect(),
             by_key: HashMap::new(),
+            joins: 0,
             intake,
             metrics,
             spawner: None,
@@ -147,7 +160,8 @@ impl MembershipApplier {
         if let Some(known) = self.by_key.get(&key) {
             let same = known.id == spec.id
                 && known.url == spec.url.as_str()
-                && known.protocol == spec.protocol;
+                && known.protocol == spec.protocol
+                && known.record.block_size == record.block_size;
             if same && let Some(pool) = state.registry.get(&known.model) {
                 if let Some(instance) = pool.instance(spec.id) {
                     if instance.membership() != membership {
@@ -177,17 +191,7 @@ impl MembershipApplier {
         let Some(pool) = self.pool_for(state, &record) else {
             return;
         };
-        if let Some(router) = pool.balancer().kv_router()
-            && u64::from(record.block_size) != router.block_size()
-        {
-            tracing::warn!(
-                model = %pool.name(),
-                instance = %record.url,
-                engine_block_size = record.block_size,
-                kv_block_size = router.block_size(),
-                "the engine's block size differs from kv.block_size: its cached prefixes will not match"
-            );
-        }
+        fit_block_size(&pool, &record);
         let instance = self.builder.instance(pool.name(), &spec);
         instance.set_membership(membership);
         pool.add_instance(Arc::clone(&instance));
@@ -209,6 +213,7 @@ impl MembershipApplier {
         );
         self.count(&pool);
         self.feed_intake(&record, &pool);
+        self.joins += 1;
         self.by_key.insert(
             key,
             Registered {
@@ -218,6 +223,7 @@ impl MembershipApplier {
                 protocol: spec.protocol,
                 adapters: spec.adapters,
                 record,
+                joined: self.joins,
             },
         );
     }
@@ -240,7 +246,8 @@ impl MembershipApplier {
 
     /// After a reload swapped `old` for `reloaded.state`: the new pools get their sweepers
     /// (and probes for instances no old pool had), each registered instance whose model got
-    /// a new pool has its capacity set there and its events moved there (the intake asks its
+    /// a new pool has its block size fitted (in join order: the first sets an unset one) and
+    /// its capacity set there, and its events moved there (the intake asks its
     /// agent for a snapshot), an instance whose model has no pool now is applied again
     /// (its model is then served with the discovery defaults), and the pools left behind
     /// are retired.
@@ -264,8 +271,13 @@ impl MembershipApplier {
                 }
             }
         }
-        let keys: Vec<String> = self.by_key.keys().cloned().collect();
-        for key in keys {
+        let mut keys: Vec<(u64, String)> = self
+            .by_key
+            .iter()
+            .map(|(key, known)| (known.joined, key.clone()))
+            .collect();
+        keys.sort_unstable();
+        for (_, key) in keys {
             let Some(known) = self.by_key.get(&key).cloned() else {
                 continue;
             };
@@ -278,6 +290,7 @@ impl MembershipApplier {
             }
             match after {
                 Some(pool) if pool.instance(known.id).is_some() => {
+                    fit_block_size(&pool, &known.record);
                     if let Some(router) = pool.balancer().kv_router() {
                         router.set_capacity(known.id, known.record.total_blocks);
                     }
@@ -319,6 +332,13 @@ impl MembershipApplier {
             tracing::info!(model = %known.model, instance = %known.url, "instance left");
         }
         self.count(&pool);
+        let registered = self.by_key.values().any(|other| other.model == known.model);
+        if !registered
+            && let Some(router) = pool.balancer().kv_router()
+            && router.reset_block_size()
+        {
+            tracing::info!(model = %known.model, "no registered instance left: the next instance record sets the block size");
+        }
         let configured = self.configured.contains(&known.model);
         if !configured && pool.instances().is_empty() {
             state.registry.remove(&known.model);
@@ -403,12 +423,40 @@ async fn instance_spec(record: &InstanceRecord) -> Result<InstanceSpec, String> 
     })
 }
 
-/// A discovered model's settings: the defaults, with the engine's block size.
+/// Fits the block size of the record's engine to `pool`'s model (`policy: kv`): an unset
+/// one is taken from it; another than the model's is a conflict, logged loudly (the instance
+/// is then scored by predictions alone, and reported by `/health` and a gauge).
+fn fit_block_size(pool: &ModelPool, record: &InstanceRecord) {
+    let Some(router) = pool.balancer().kv_router() else {
+        return;
+    };
+    match router.fit_block_size(record.instance_id.0, u64::from(record.block_size)) {
+        BlockSizeFit::Adopted => tracing::info!(
+            model = %pool.name(),
+            instance = %record.url,
+            block_size = record.block_size,
+            "kv.block_size unset: the model takes the block size of its first instance record"
+        ),
+        BlockSizeFit::Matches => {}
+        BlockSizeFit::Differs { model } => tracing::warn!(
+            model = %pool.name(),
+            instance = %record.url,
+            engine_block_size = record.block_size,
+            kv_block_size = model,
+            "the engine's KV block size differs from its model's: its KV events cannot match, \
+             so it is scored by predictions alone (admin /health reports the model degraded); \
+             run every engine of a model with one block size, or set kv.block_size to theirs"
+        ),
+    }
+}
+
+/// A discovered model's settings: the defaults, with the engine's block size (else
+/// `default_model.kv.block_size`, else 16).
 fn default_model_spec(defaults: &DefaultModelConfig, record: &InstanceRecord) -> ModelSpec {
     let block_size = usize::try_from(record.block_size)
         .ok()
         .filter(|&size| size > 0)
-        .unwrap_or(defaults.kv.block_size);
+        .unwrap_or_else(|| defaults.kv.block_size_or_fallback());
     ModelSpec {
         name: record.model.clone(),
         aliases: Vec::new(),
@@ -416,7 +464,7 @@ fn default_model_spec(defaults: &DefaultModelConfig, record: &InstanceRecord) ->
         tokenizer: defaults.tokenizer.clone(),
         forward_token_ids: false,
         kv: KvRoutingConfig {
-            block_size,
+            block_size: Some(block_size),
             ..defaults.kv.clone()
         },
         migration_limit: defaults.migration_limit.unwrap_or(DEFAULT_MIGRATION_LIMIT),

@@ -73,6 +73,9 @@ pub(crate) enum Dropped {
     Overflow,
     /// Numbered past the last batch its instance's agent says it published: not the agent's.
     AheadOfAgent,
+    /// From an instance whose engine runs another block size than its model (a batch or a
+    /// snapshot): its blocks could never match, it is scored by predictions alone.
+    BlockSizeMismatch,
 }
 
 impl Dropped {
@@ -82,6 +85,7 @@ impl Dropped {
             Self::Stale => "stale",
             Self::Overflow => "overflow",
             Self::AheadOfAgent => "ahead_of_agent",
+            Self::BlockSizeMismatch => "block_size_mismatch",
         }
     }
 }
@@ -135,7 +139,7 @@ impl ControlMetrics {
         let dropped = IntCounterVec::new(
             Opts::new(
                 "kvmesh_kv_event_batches_dropped_total",
-                "KV event batches not applied, by reason (unknown_instance, stale, overflow).",
+                "KV event batches not applied, by reason (unknown_instance, stale, overflow, ahead_of_agent, block_size_mismatch).",
             ),
             &["reason"],
         )?;

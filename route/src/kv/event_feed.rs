@@ -17,9 +17,12 @@
 //! by 7 % and raised its reuse, chat unchanged within noise (docs/configuration.md, *The
 //! defaults*). A fallback starts with them already predicted instead of an empty cache.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
+
+use arc_swap::ArcSwap;
 
 use kvmesh_kv::{
     ApplyOutcome, ApproxConfig, ApproxConfigError, BlockHashes, KvEvent, KvIndex, OverlapScores,
@@ -39,6 +42,9 @@ pub struct EventFeed {
     index: KvIndex,
     predicted: Approximate,
     live: AtomicBool,
+    /// Instances whose events are not indexed (their engine's block size differs from the
+    /// model's, so their hashes could never match): they are scored by predictions alone.
+    approximate_only: ArcSwap<HashSet<u64>>,
 }
 
 impl EventFeed {
@@ -48,6 +54,7 @@ impl EventFeed {
             index: KvIndex::default(),
             predicted: Approximate::new(limits)?,
             live: AtomicBool::new(false),
+            approximate_only: ArcSwap::from_pointee(HashSet::new()),
         })
     }
 
@@ -57,8 +64,12 @@ impl EventFeed {
     }
 
     /// Applies one of `worker`'s KV events; a cleared cache also drops the instance's
-    /// predicted blocks.
+    /// predicted blocks. The events of an instance that is
+    /// [approximate only](Self::is_approximate_only) are not indexed (an empty outcome).
     pub fn apply(&self, worker: WorkerKey, event: &KvEvent) -> ApplyOutcome {
+        if self.is_approximate_only(worker.instance_id) {
+            return ApplyOutcome::default();
+        }
         if matches!(event, KvEvent::Cleared) {
             self.predicted.remove_instance(worker.instance_id);
         }
@@ -70,6 +81,34 @@ impl EventFeed {
     pub fn clear_instance(&self, instance: u64) {
         self.index.remove_worker(instance);
         self.predicted.remove_instance(instance);
+    }
+
+    /// From now on instance `instance`'s events are not indexed (`true`; what the index held
+    /// of it is dropped) or are again (`false`): while its engine's block size differs from
+    /// the model's, its hashes could never match, and it is scored by predictions alone.
+    pub fn set_approximate_only(&self, instance: u64, on: bool) {
+        if self.approximate_only.load().contains(&instance) == on {
+            return;
+        }
+        self.approximate_only.rcu(|current| {
+            let mut next = HashSet::clone(current);
+            if on {
+                next.insert(instance);
+            } else {
+                next.remove(&instance);
+            }
+            next
+        });
+        if on {
+            self.index.remove_worker(instance);
+        }
+    }
+
+    /// Whether instance `instance`'s events are left out of the index
+    /// ([`Self::set_approximate_only`]).
+    pub fn is_approximate_only(&self, instance: u64) -> bool {
+        let excluded = self.approximate_only.load();
+        !excluded.is_empty() && excluded.contains(&instance)
     }
 
     /// Whether lookups read the event-fed index beside the predictions (else the predictions
@@ -214,5 +253,42 @@ mod tests {
         assert_eq!(predicted.depth(WorkerKey::new(1, 0)), 0);
         assert_eq!(predicted.depth(WorkerKey::new(2, 0)), 0);
         assert_eq!(predicted.depth(WorkerKey::new(3, 0)), 4);
+    }
+
+    #[test]
+    fn an_approximate_only_instance_is_scored_by_its_predictions_alone() {
+        let (feed, source) = source();
+        feed.set_live(true);
+        let mut hasher = BlockHasher::new(4, None).unwrap();
+        let prompt = hasher.hash(&(0..16).collect::<Vec<u32>>());
+        let stored = KvEvent::stored(
+            None,
+            prompt
+                .local
+                .iter()
+                .enumerate()
+                .map(|(i, &local)| (ExternalHash(i as u64), local)),
+        );
+        let now = Instant::now();
+        feed.apply(WorkerKey::new(1, 0), &stored);
+        feed.apply(WorkerKey::new(2, 0), &stored);
+        feed.set_approximate_only(2, true);
+        assert!(feed.is_approximate_only(2) && !feed.is_approximate_only(1));
+        // What the index held of it is gone, and its events are not indexed any more.
+        assert_eq!(
+            feed.apply(WorkerKey::new(2, 0), &stored),
+            ApplyOutcome::default()
+        );
+        let scores = source.find_matches(&prompt.sequence, now);
+        assert_eq!(scores.depth(WorkerKey::new(1, 0)), 4);
+        assert_eq!(scores.depth(WorkerKey::new(2, 0)), 0);
+        // Its routing decisions still predict its cache.
+        source.record(WorkerKey::new(2, 0), &prompt, now);
+        let scores = source.find_matches(&prompt.sequence, now);
+        assert_eq!(scores.depth(WorkerKey::new(2, 0)), 4);
+        feed.set_approximate_only(2, false);
+        assert!(!feed.is_approximate_only(2));
+        feed.apply(WorkerKey::new(2, 0), &stored);
+        assert_eq!(source.cached_blocks().len(), 2);
     }
 }

@@ -94,6 +94,28 @@ pub struct InstanceExplanation {
     pub(crate) cost: f64,
     /// Chance of being chosen (0 for ineligible or busy instances).
     pub(crate) probability: f64,
+    /// The block size of the instance's engine (from its instance record) when it differs
+    /// from the model's `block_size`: its overlap is then predicted from routing decisions,
+    /// not read from its KV events. Absent when they agree.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) block_size_mismatch: Option<u64>,
+}
+
+/// [`route_header`], followed by `; block_size_mismatch=<the engine's block size>` when the
+/// chosen instance's engine runs another block size than the model: its overlap was
+/// predicted from routing decisions, not read from its KV events.
+pub(crate) fn route_header_noting(
+    instance: &str,
+    decision: &Decision,
+    request: &KvRequest,
+    block_size_mismatch: Option<u64>,
+) -> String {
+    let mut text = route_header(instance, decision, request);
+    if let Some(engine) = block_size_mismatch {
+        text.push_str("; block_size_mismatch=");
+        text.push_str(&engine.to_string());
+    }
+    text
 }
 
 #[cfg(test)]
@@ -143,5 +165,28 @@ mod tests {
         };
         let header = route_header("http://h:1", &decision, &fallback);
         assert!(header.ends_with("; fallback=route"));
+    }
+
+    #[test]
+    fn the_header_notes_an_engine_of_another_block_size() {
+        let decision = Decision {
+            index: 0,
+            instance_id: 3,
+            overlap_blocks: 2,
+            cost: Cost {
+                ttft_ms: 1.0,
+                value: 2.0,
+                ..Cost::default()
+            },
+            affinity: false,
+        };
+        let request = KvRequest::without_prompt();
+        let plain = route_header("http://h:1", &decision, &request);
+        assert_eq!(
+            route_header_noting("http://h:1", &decision, &request, None),
+            plain
+        );
+        let noted = route_header_noting("http://h:1", &decision, &request, Some(32));
+        assert_eq!(noted, format!("{plain}; block_size_mismatch=32"));
     }
 }

@@ -29,8 +29,12 @@
 //!
 //! Every routed response carries `x-kvmesh-route` ([`explain`]); `POST /debug/route` on the
 //! admin listener explains a request without forwarding it.
+//!
+//! The block size is `kv.block_size`, or the first instance record's ([`block_size`]); an
+//! instance whose engine runs another is scored by predictions alone and reported.
 
 mod admission;
+mod block_size;
 mod booking;
 mod busy;
 mod cost;
@@ -46,11 +50,12 @@ mod sessions;
 mod speed;
 
 pub use admission::Rejected;
+pub use block_size::BlockSizeFit;
 pub use booking::Booking;
 pub use cost::{Cost, RequestShape};
 pub use decision::{Choice, Decision, KvRequest, SharedDecision};
 pub use event_feed::EventFeed;
-pub(crate) use explain::route_header;
+pub(crate) use explain::route_header_noting;
 pub use explain::{Explanation, InstanceExplanation};
 pub use replicas::{SharedLoad, SharedSpeed};
 pub use router::KvRouter;

@@ -12,6 +12,7 @@ use tokio::sync::mpsc;
 
 use crate::candidates::{Candidate, CandidateSet};
 use crate::kv::admission::{Admission, Rejected};
+use crate::kv::block_size::{BlockSizeFit, ModelBlockSize};
 use crate::kv::booking::Booking;
 use crate::kv::busy::BusyThresholds;
 use crate::kv::cost::{CandidateLoad, Cost, CostModel, EngineProfile, RequestShape};
@@ -46,6 +47,10 @@ struct Evaluated {
 #[derive(Debug)]
 pub struct KvRouter {
     preparer: Preparer,
+    /// Tokens per block: `kv.block_size`, or the first instance record's; and the instances
+    /// whose engines run another size.
+    block_size: ModelBlockSize,
+    /// The cost's weights and profile (its block size is [`Self::block_size`]'s).
     cost: CostModel,
     temperature: f64,
     busy: BusyThresholds,
@@ -55,8 +60,8 @@ pub struct KvRouter {
     loads: ActiveLoads,
     admission: Admission,
     stale_after: Duration,
-    /// Tokens per output block booked as a stream generates them (0: `track_output_blocks` off).
-    output_block_size: u64,
+    /// Book a stream's output blocks as it generates them (`kv.track_output_blocks`).
+    track_output_blocks: bool,
     /// KV capacity of an instance when its record does not say (`kv.total_kv_blocks`).
     total_kv_blocks: Option<u64>,
     /// Session bindings (`None`: `kv.session_header` is empty).
@@ -93,10 +98,15 @@ impl KvRouter {
             Some(feed) => Box::new(EventFed::new(Arc::clone(feed))),
             None => Box::new(Approximate::new(limits)?),
         };
+        let block_size = ModelBlockSize::new(config.block_size);
         Ok(Self {
-            preparer: Preparer::new(tokenizer, config.block_size, forward_token_ids),
+            preparer: Preparer::with_shared_block_size(
+                tokenizer,
+                block_size.shared(),
+                forward_token_ids,
+            ),
             cost: CostModel {
-                block_size: config.block_size.max(1) as u64,
+                block_size: block_size.get(),
                 overlap_weight: config.overlap_weight,
                 harm_weight: config.harm_weight,
                 overlap_credit_decay: config.overlap_credit_decay,
@@ -113,18 +123,55 @@ impl KvRouter {
                 metrics.queue_depth.clone(),
             ),
             stale_after: config.stale_request_timeout,
-            output_block_size: if config.track_output_blocks {
-                config.block_size.max(1) as u64
-            } else {
-                0
-            },
+            track_output_blocks: config.track_output_blocks,
             total_kv_blocks: config.total_kv_blocks.filter(|&total| total > 0),
             sessions: (!config.session_header.is_empty())
                 .then(|| Sessions::new(&config.session_header, config.session_ttl)),
             replicas: ReplicaLoads::default(),
             decisions: OnceLock::new(),
+            block_size,
             metrics,
         })
+    }
+
+    /// The cost model with the block size in force.
+    #[inline]
+    fn cost_model(&self) -> CostModel {
+        CostModel {
+            block_size: self.block_size(),
+            ..self.cost
+        }
+    }
+
+    /// Instance `instance`'s engine runs KV blocks of `engine` tokens (from its instance
+    /// record; 0: unknown). While the model has no block size (`kv.block_size` unset, no
+    /// registered instance yet) it takes this one; an engine of another size is a conflict:
+    /// its KV events are not indexed (they could never match), it is scored by the proxy's
+    /// predictions alone, and its KV capacity is converted into the model's blocks.
+    pub fn fit_block_size(&self, instance: u64, engine: u64) -> BlockSizeFit {
+        let fit = self.block_size.fit(instance, engine);
+        if let Some(feed) = &self.events {
+            feed.set_approximate_only(instance, matches!(fit, BlockSizeFit::Differs { .. }));
+        }
+        fit
+    }
+
+    /// No instance registered for the model is left: unless `kv.block_size` is set, the next
+    /// instance record sets the block size again. Returns whether it was unset.
+    pub fn reset_block_size(&self) -> bool {
+        self.block_size.reset()
+    }
+
+    /// The block size of instance `instance`'s engine when it differs from the model's (the
+    /// instance is then scored by predictions alone).
+    pub fn block_size_conflict(&self, instance: u64) -> Option<u64> {
+        self.block_size.conflict(instance)
+    }
+
+    /// Every instance whose engine runs another block size than the model, with that size,
+    /// by id.
+    pub fn block_size_conflicts(&self) -> Vec<(u64, u64)> {
+        self.block_size.conflicts()
     }
 
     /// Starts accounting load for instance `instance` (it joined the pool).
@@ -134,7 +181,16 @@ impl KvRouter {
 
     /// Instance `instance`'s engine holds `total_blocks` KV blocks (0: unknown, then
     /// `kv.total_kv_blocks`): its busy threshold and its decode cost are measured against it.
+    /// An engine whose block size differs from the model's has its capacity converted into
+    /// the model's blocks.
     pub fn set_capacity(&self, instance: u64, total_blocks: u64) {
+        let total_blocks = match self.block_size.conflict(instance) {
+            Some(engine) => {
+                let tokens = u128::from(total_blocks) * u128::from(engine);
+                u64::try_from(tokens / u128::from(self.block_size().max(1))).unwrap_or(u64::MAX)
+            }
+            None => total_blocks,
+        };
         self.loads.set_capacity(instance, total_blocks);
         self.admission.wake();
     }
@@ -153,6 +209,10 @@ impl KvRouter {
     pub fn remove_instance(&self, instance: u64) {
         self.loads.remove(instance);
         self.overlap.remove_instance(instance);
+        self.block_size.forget(instance);
+        if let Some(feed) = &self.events {
+            feed.set_approximate_only(instance, false);
+        }
         if let Some(sessions) = &self.sessions {
             sessions.remove_instance(instance);
         }
@@ -170,7 +230,7 @@ impl KvRouter {
         let mut load = self.loads.snapshot_with(instance, query, replicas.speed);
         let added_prefill = replicas
             .prefill_tokens
-            .saturating_add(load.foreign_waiting.saturating_mul(self.cost.block_size));
+            .saturating_add(load.foreign_waiting.saturating_mul(self.block_size()));
         load.prefill_tokens = load.prefill_tokens.saturating_add(added_prefill);
         load.booked_prefill_tokens = load.booked_prefill_tokens.saturating_add(added_prefill);
         load.requests = load.requests.saturating_add(replicas.requests as usize);
@@ -288,9 +348,10 @@ impl KvRouter {
         self.events.as_ref()
     }
 
-    /// Tokens per block.
+    /// Tokens per block now: `kv.block_size`, else the first instance record's, else 16.
+    #[inline]
     pub fn block_size(&self) -> u64 {
-        self.cost.block_size
+        self.block_size.get()
     }
 
     /// How requests are turned into blocks.
@@ -326,7 +387,7 @@ impl KvRouter {
         match &prepared.input {
             RouteInput::Tokens(prompt) => KvRequest {
                 input: prepared.input.clone(),
-                shape: RequestShape::new(prompt.tokens as u64, self.cost.block_size),
+                shape: RequestShape::new(prompt.tokens as u64, prompt.block_size as u64),
                 scores: self.overlap.find_matches(&prompt.hashes.sequence, now),
                 session: None,
             },
@@ -361,7 +422,7 @@ impl KvRouter {
         eligible: bool,
     ) -> Evaluated {
         let overlap_blocks = instance_depth(&request.scores, id);
-        let cost = self.cost.cost(
+        let cost = self.cost_model().cost(
             &request.shape,
             &CandidateLoad {
                 overlap_blocks,
@@ -527,12 +588,17 @@ impl KvRouter {
             sessions.bind(session, decision.instance_id, now);
         }
         let id = self.loads.book(decision.instance_id, booked, now);
+        let output_block_size = if self.track_output_blocks {
+            self.block_size()
+        } else {
+            0
+        };
         Booking::new(
             &self.loads,
             &self.admission,
             decision.instance_id,
             id,
-            self.output_block_size,
+            output_block_size,
         )
     }
 
@@ -594,7 +660,7 @@ impl KvRouter {
             RouteInput::Fallback(reason) => (0, Some(reason.label())),
         };
         Explanation {
-            block_size: self.cost.block_size,
+            block_size: self.block_size(),
             overlap_weight: self.cost.overlap_weight,
             harm_weight: self.cost.harm_weight,
             overlap_credit_decay: self.cost.overlap_credit_decay,
@@ -631,6 +697,7 @@ impl KvRouter {
                     harm_ms: e.cost.harm_ms,
                     cost: e.cost.value,
                     probability,
+                    block_size_mismatch: self.block_size.conflict(instance.id()),
                 })
                 .collect(),
         }
@@ -670,6 +737,9 @@ impl KvRouter {
             self.metrics.set_index_blocks(instance.url(), blocks);
             let speed = self.folded(instance.id(), &[]).speed;
             self.metrics.set_instance_speed(instance.url(), speed);
+            let mismatch = self.block_size.conflict(instance.id()).is_some();
+            self.metrics
+                .set_block_size_mismatch(instance.url(), mismatch);
         }
     }
 }

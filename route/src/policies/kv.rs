@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use crate::candidates::CandidateSet;
-use crate::kv::{Choice, KvRequest, KvRouter, route_header};
+use crate::kv::{Choice, KvRequest, KvRouter, route_header_noting};
 use crate::policy::{NoPick, Picked, Policy, PolicyInput};
 
 impl KvRouter {
@@ -36,10 +36,11 @@ impl KvRouter {
                 Ok(Picked {
                     index: decision.index,
                     booking: Some(booking),
-                    explanation: Some(route_header(
+                    explanation: Some(route_header_noting(
                         candidates.url(decision.index),
                         &decision,
                         request,
+                        self.block_size_conflict(decision.instance_id),
                     )),
                 })
             }

@@ -17,6 +17,7 @@
 //! Everything here is synchronous; [`offload`] decides where it runs.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -172,7 +173,8 @@ pub struct InvalidPrompt(pub String);
 #[derive(Debug, Clone)]
 pub struct Preparer {
     tokenizer: Option<Arc<ModelPreprocessor>>,
-    block_size: usize,
+    /// Tokens per block, shared with the model's router (an instance record may set it).
+    block_size: Arc<AtomicU64>,
     forward_token_ids: bool,
     /// The LoRA adapter whose seed the block hashes use (`None`: the base model).
     adapter: Option<Arc<str>>,
@@ -185,9 +187,20 @@ impl Preparer {
         block_size: usize,
         forward_token_ids: bool,
     ) -> Self {
+        let block_size = Arc::new(AtomicU64::new(block_size.max(1) as u64));
+        Self::with_shared_block_size(tokenizer, block_size, forward_token_ids)
+    }
+
+    /// [`Preparer::new`] hashing by whatever `block_size` holds when a request comes (the
+    /// model's router sets it from the first instance record).
+    pub(crate) fn with_shared_block_size(
+        tokenizer: Option<Arc<ModelPreprocessor>>,
+        block_size: Arc<AtomicU64>,
+        forward_token_ids: bool,
+    ) -> Self {
         Self {
             tokenizer,
-            block_size: block_size.max(1),
+            block_size,
             forward_token_ids,
             adapter: None,
         }
@@ -235,7 +248,8 @@ impl Preparer {
         mut times: StageTimes,
     ) -> (RouteInput, StageTimes) {
         let start = Instant::now();
-        let hasher = BlockHasher::new(self.block_size, self.adapter.as_deref());
+        let block_size = self.block_size.load(Ordering::Relaxed).max(1) as usize;
+        let hasher = BlockHasher::new(block_size, self.adapter.as_deref());
         let input = match hasher {
             Ok(mut hasher) => RouteInput::Tokens(Arc::new(PromptBlocks::hash_salted(
                 ids,

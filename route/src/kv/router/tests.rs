@@ -95,7 +95,7 @@ fn router_and_metrics(config: KvRoutingConfig, n: usize) -> (KvRouter, Vec<Arc<F
 
 fn config() -> KvRoutingConfig {
     KvRoutingConfig {
-        block_size: BLOCK,
+        block_size: Some(BLOCK),
         ..KvRoutingConfig::default()
     }
 }
@@ -741,4 +741,167 @@ fn another_replicas_decision_draws_the_siblings_of_its_prompt() {
         assert_eq!(chosen.instance_id, decision.instance_id, "seed {seed}");
         assert_eq!(chosen.overlap_blocks, 10);
     }
+}
+
+/// The prompt blocks of a request with tokens.
+fn prompt_of(request: &KvRequest) -> Arc<crate::prepare::PromptBlocks> {
+    match &request.input {
+        RouteInput::Tokens(prompt) => Arc::clone(prompt),
+        RouteInput::Fallback(reason) => panic!("no tokens: {reason:?}"),
+    }
+}
+
+/// A KV event storing every block of `request`'s prompt.
+fn stored_event(request: &KvRequest) -> kvmesh_kv::KvEvent {
+    let prompt = prompt_of(request);
+    kvmesh_kv::KvEvent::stored(
+        None,
+        prompt
+            .hashes
+            .local
+            .iter()
+            .enumerate()
+            .map(|(i, &local)| (kvmesh_kv::ExternalHash(i as u64), local)),
+    )
+}
+
+#[test]
+fn an_unset_block_size_is_the_first_records_and_another_engines_is_scored_approximately() {
+    use crate::policy::Policy;
+    let (registry, families) = {
+        let registry = Registry::new();
+        let families = KvFamilies::register(&registry).unwrap();
+        (registry, families)
+    };
+    let instances = instances(2);
+    let unset = KvRoutingConfig {
+        block_size: None,
+        ..config()
+    };
+    let router = KvRouter::new(&unset, None, false, true, families.model("m")).unwrap();
+    for instance in &instances {
+        router.add_instance(instance.id());
+    }
+    let feed = Arc::clone(router.event_feed().expect("events on"));
+    feed.set_live(true);
+    assert_eq!(router.block_size(), 16, "no record yet: vLLM's GPU default");
+    assert_eq!(request(&router, &conversation(1, 64)).shape.full_blocks, 4);
+    // The first record sets it: the prompts are cut into the engine's blocks from now on.
+    assert_eq!(router.fit_block_size(0, 4), BlockSizeFit::Adopted);
+    assert_eq!(router.block_size(), 4);
+    let prompt = request(&router, &conversation(1, 64));
+    assert_eq!(
+        (prompt.shape.full_blocks, prompt_of(&prompt).block_size),
+        (16, 4)
+    );
+    // Instance 1's engine runs blocks of 8 tokens: a conflict. Its events are not indexed
+    // (they could never match), its capacity counts in the model's blocks.
+    assert_eq!(
+        router.fit_block_size(1, 8),
+        BlockSizeFit::Differs { model: 4 }
+    );
+    assert_eq!(router.block_size_conflicts(), [(1, 8)]);
+    assert!(feed.is_approximate_only(1) && !feed.is_approximate_only(0));
+    router.set_capacity(1, 100);
+    let event = stored_event(&prompt);
+    feed.apply(kvmesh_kv::WorkerKey::new(0, 0), &event);
+    feed.apply(kvmesh_kv::WorkerKey::new(1, 0), &event);
+    let prompt = request(&router, &conversation(1, 64));
+    let explanation = router.explain(&instances, &prompt, 0, &mut StdRng::seed_from_u64(0));
+    assert_eq!(explanation.block_size, 4);
+    let (matching, other) = (&explanation.instances[0], &explanation.instances[1]);
+    assert_eq!(
+        (matching.overlap_blocks, matching.block_size_mismatch),
+        (16, None)
+    );
+    assert_eq!(
+        (other.overlap_blocks, other.block_size_mismatch),
+        (0, Some(8))
+    );
+    assert_eq!(other.kv_capacity_blocks, 200, "100 blocks of 8 tokens");
+    let json = serde_json::to_value(&explanation).unwrap();
+    assert_eq!(json["instances"][1]["block_size_mismatch"], 8);
+    assert!(json["instances"][0].get("block_size_mismatch").is_none());
+    // Routed there anyway, its header says so; its own decisions still predict its cache.
+    let mut excluded = Excluded::default();
+    excluded.insert(0);
+    let input = PolicyInput::Kv(prompt);
+    let picked = router
+        .pick(&Candidates::new(&instances, &excluded, 0), &input)
+        .expect("instance 1");
+    assert_eq!(picked.index, 1);
+    let header = picked.explanation.clone().unwrap_or_default();
+    assert!(header.ends_with("; block_size_mismatch=8"), "{header}");
+    drop(picked);
+    let again = request(&router, &conversation(1, 64));
+    let explanation = router.explain(&instances, &again, 0, &mut StdRng::seed_from_u64(0));
+    assert_eq!(explanation.instances[1].overlap_blocks, 16, "predicted");
+    let mut excluded = Excluded::default();
+    excluded.insert(1);
+    let header = router
+        .pick(
+            &Candidates::new(&instances, &excluded, 0),
+            &PolicyInput::Kv(again),
+        )
+        .expect("instance 0")
+        .explanation
+        .unwrap_or_default();
+    assert!(header.contains("overlap_blocks=16"), "{header}");
+    assert!(!header.contains("block_size_mismatch"), "{header}");
+    // The gauge says which instance conflicts.
+    router.refresh_gauges(&instances);
+    let mut out = Vec::new();
+    TextEncoder::new()
+        .encode(&registry.gather(), &mut out)
+        .unwrap();
+    let text = String::from_utf8(out).unwrap();
+    for (instance, value) in [(&instances[0], 0), (&instances[1], 1)] {
+        let series = format!(
+            "kvmesh_route_block_size_mismatch{{instance=\"{}\",model=\"m\"}} {value}\n",
+            instance.url()
+        );
+        assert!(text.contains(&series), "{text}");
+    }
+    // It leaves: no conflict; every registered instance gone, the next record sets it again.
+    router.remove_instance(1);
+    assert!(router.block_size_conflicts().is_empty());
+    assert!(!feed.is_approximate_only(1));
+    assert!(router.reset_block_size());
+    assert_eq!(router.block_size(), 16);
+    router.add_instance(1);
+    assert_eq!(router.fit_block_size(1, 8), BlockSizeFit::Adopted);
+    assert_eq!(router.block_size(), 8);
+}
+
+#[test]
+fn a_configured_block_size_stays_whatever_the_records_say() {
+    let (router, _) = router_with(config(), 2);
+    assert_eq!(router.block_size(), BLOCK as u64);
+    assert_eq!(
+        router.fit_block_size(0, 0),
+        BlockSizeFit::Matches,
+        "unknown"
+    );
+    assert_eq!(
+        router.fit_block_size(0, BLOCK as u64),
+        BlockSizeFit::Matches
+    );
+    assert_eq!(
+        router.fit_block_size(1, 16),
+        BlockSizeFit::Differs {
+            model: BLOCK as u64
+        }
+    );
+    assert!(!router.reset_block_size());
+    assert_eq!(router.block_size(), BLOCK as u64);
+    assert_eq!(router.block_size_conflict(1), Some(16));
+    // Without KV events there is nothing to leave out; the conflict is still reported.
+    assert!(router.event_feed().is_none());
+    router.set_capacity(1, 10);
+    let (instances, probe) = (instances(2), request(&router, &conversation(2, 8)));
+    let explanation = router.explain(&instances, &probe, 0, &mut StdRng::seed_from_u64(0));
+    assert_eq!(
+        explanation.instances[1].kv_capacity_blocks, 40,
+        "10 blocks of 16"
+    );
 }
