@@ -39,6 +39,15 @@ struct Connection {
     timer: LazyTimer,
 }
 
+impl Connection {
+    /// Whether the idle connection has nothing to read: neither a close from the engine nor
+    /// bytes it should not have sent between responses.
+    fn is_quiet(&self) -> bool {
+        let mut probe = [0u8; 1];
+        matches!(self.tcp.try_read(&mut probe), Err(error) if error.kind() == io::ErrorKind::WouldBlock)
+    }
+}
+
 /// Idle engine connections, per engine address.
 #[derive(Debug)]
 pub struct ConnectionPool {
@@ -57,7 +66,14 @@ impl ConnectionPool {
         }
     }
 
-    /// The most recently returned idle connection to `addr` that has not idled out.
+    /// The most recently returned idle connection to `addr` that has not idled out and that
+    /// the engine has not closed meanwhile.
+    ///
+    /// Engines behind Python servers close idle connections early (vLLM's, SGLang's and
+    /// TensorRT-LLM's uvicorn after 5 s); every connection idle since a burst goes stale at
+    /// once, and a request that met two of them in turn failed with "closed the connection
+    /// before responding". A close that has reached this host shows as readiness to read,
+    /// which costs no system call to look at while the connection is quiet.
     fn take(&self, addr: SocketAddr) -> Option<Connection> {
         let mut idle = self
             .idle
@@ -66,7 +82,7 @@ impl ConnectionPool {
         let connections = idle.get_mut(&addr)?;
         let now = Instant::now();
         while let Some((connection, since)) = connections.pop() {
-            if now.duration_since(since) < self.idle_timeout {
+            if now.duration_since(since) < self.idle_timeout && connection.is_quiet() {
                 return Some(connection);
             }
         }
@@ -372,8 +388,18 @@ mod tests {
     use super::*;
     use tokio::net::TcpListener;
 
-    /// An engine that answers each request on a connection with `responses`, in turn.
+    /// An engine that answers each request on a connection with `responses`, in turn, then
+    /// closes it.
     async fn engine(responses: Vec<&'static [u8]>) -> SocketAddr {
+        serve(responses, false).await
+    }
+
+    /// [`engine`], keeping the connection open after the responses until the client closes.
+    async fn engine_holding(responses: Vec<&'static [u8]>) -> SocketAddr {
+        serve(responses, true).await
+    }
+
+    async fn serve(responses: Vec<&'static [u8]>, hold: bool) -> SocketAddr {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move {
@@ -386,6 +412,9 @@ mod tests {
                     read.extend_from_slice(&buf[..n]);
                 }
                 tcp.write_all(response).await.unwrap();
+            }
+            if hold {
+                let _ = tcp.read(&mut [0; 1]).await;
             }
         });
         addr
@@ -401,7 +430,7 @@ mod tests {
 
     #[tokio::test]
     async fn connections_are_reused_after_whole_responses() {
-        let addr = engine(vec![
+        let addr = engine_holding(vec![
             b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
             b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
         ])
@@ -420,6 +449,59 @@ mod tests {
         }
         let (_, reused) = Roundtrip::open(&pool, addr, None).await.unwrap();
         assert!(reused, "the second response left the connection reusable");
+    }
+
+    #[tokio::test]
+    async fn a_pooled_connection_the_engine_closed_is_not_reused() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            // One response, then the idle connection is closed (uvicorn's keep-alive timeout).
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0; 4096];
+            let _ = tcp.read(&mut buf).await.unwrap();
+            tcp.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            drop(tcp);
+            closed_tx.send(()).unwrap();
+            // A new connection is served.
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            let _ = tcp.read(&mut buf).await.unwrap();
+            tcp.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nnew")
+                .await
+                .unwrap();
+            let _ = tcp.read(&mut buf).await;
+        });
+        let pool = ConnectionPool::new(4, Duration::from_secs(60));
+        let (mut roundtrip, _) = Roundtrip::open(&pool, addr, None).await.unwrap();
+        roundtrip
+            .request_head()
+            .extend_from_slice(b"GET / HTTP/1.1\r\n\r\n");
+        roundtrip.send(b"").await.unwrap();
+        roundtrip.read_head().await.unwrap();
+        let mut bodies = vec![body(&mut roundtrip).await];
+        roundtrip.release(&pool);
+        closed_rx.await.unwrap();
+        // Until the close reaches the pooled socket's readiness, the pool still offers it.
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while let Some(connection) = pool.take(addr) {
+                pool.put(addr, connection);
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the engine's close reaches the pool");
+        let (mut roundtrip, reused) = Roundtrip::open(&pool, addr, None).await.unwrap();
+        assert!(!reused, "the closed connection was skipped for a new one");
+        roundtrip
+            .request_head()
+            .extend_from_slice(b"GET / HTTP/1.1\r\n\r\n");
+        roundtrip.send(b"").await.unwrap();
+        roundtrip.read_head().await.unwrap();
+        bodies.push(body(&mut roundtrip).await);
+        assert_eq!(bodies, [&b"ok"[..], b"new"]);
     }
 
     #[tokio::test]
