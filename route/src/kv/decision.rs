@@ -18,6 +18,9 @@ pub struct KvRequest {
     pub(crate) shape: RequestShape,
     /// Each instance's cached overlap.
     pub(crate) scores: OverlapScores,
+    /// The part of `scores` the engines reported (KV events), without this proxy's
+    /// predictions; `None` without live events.
+    pub(crate) reported: Option<OverlapScores>,
     /// The session it belongs to (`kv.session_header`), if any.
     pub(crate) session: Option<Arc<str>>,
 }
@@ -79,6 +82,7 @@ impl KvRequest {
             input: RouteInput::Fallback(FallbackReason::NoPrompt),
             shape: RequestShape::default(),
             scores: OverlapScores::default(),
+            reported: None,
             session: None,
         }
     }

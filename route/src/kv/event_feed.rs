@@ -147,6 +147,20 @@ impl OverlapSource for EventFed {
         }
     }
 
+    fn find_matches_reported(
+        &self,
+        query: &[SequenceHash],
+        now: Instant,
+    ) -> (OverlapScores, Option<OverlapScores>) {
+        let predicted = self.feed.predicted.find_matches(query, now);
+        if self.feed.is_live() {
+            let reported = self.feed.index.find_matches(query);
+            (reported.clone().merge(predicted), Some(reported))
+        } else {
+            (predicted, None)
+        }
+    }
+
     fn record(&self, worker: WorkerKey, blocks: &BlockHashes, now: Instant) -> u64 {
         self.feed.predicted.record(worker, blocks, now)
     }

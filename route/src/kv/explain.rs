@@ -4,11 +4,15 @@
 use serde::Serialize;
 
 use crate::kv::decision::{Decision, KvRequest};
+use crate::kv::overlap::instance_depth;
 use crate::prepare::RouteInput;
 
 /// The value of `x-kvmesh-route`: `instance=http://…; overlap_blocks=12; prompt_blocks=20;
-/// ttft_ms=24.4; cost=31.5`, with `; session=bound` when the request's session chose the
-/// instance and `; fallback=<reason>` for a request routed without tokens.
+/// ttft_ms=24.4; cost=31.5`, with `; reported_blocks=9` while KV events flow (the part of
+/// the overlap the instance's engine reported caching, without this proxy's predictions of
+/// its own decisions: what the engine's `cached_tokens` should show), `; session=bound` when
+/// the request's session chose the instance and `; fallback=<reason>` for a request routed
+/// without tokens.
 pub(crate) fn route_header(instance: &str, decision: &Decision, request: &KvRequest) -> String {
     let mut text = format!(
         "instance={instance}; overlap_blocks={}; prompt_blocks={}; ttft_ms={:.1}; cost={:.1}",
@@ -17,6 +21,11 @@ pub(crate) fn route_header(instance: &str, decision: &Decision, request: &KvRequ
         decision.cost.ttft_ms,
         decision.cost.value
     );
+    if let Some(reported) = &request.reported {
+        let blocks = instance_depth(reported, decision.instance_id).min(request.shape.full_blocks);
+        text.push_str("; reported_blocks=");
+        text.push_str(&blocks.to_string());
+    }
     if decision.affinity {
         text.push_str("; session=bound");
     }
@@ -67,6 +76,9 @@ pub struct InstanceExplanation {
     pub(crate) busy: bool,
     /// Cached prefix blocks of this request.
     pub(crate) overlap_blocks: u32,
+    /// The part of them its engine reported caching (KV events), without this proxy's
+    /// predictions; `None` while events do not flow.
+    pub(crate) reported_blocks: Option<u32>,
     /// Active prefill tokens now.
     pub(crate) active_prefill_tokens: u64,
     /// Active blocks now.
@@ -122,7 +134,7 @@ pub(crate) fn route_header_noting(
 mod tests {
     use std::sync::Arc;
 
-    use kvmesh_kv::OverlapScores;
+    use kvmesh_kv::{OverlapScores, WorkerKey, WorkerOverlap};
 
     use super::*;
     use crate::kv::cost::{Cost, RequestShape};
@@ -150,6 +162,7 @@ mod tests {
             input: RouteInput::Tokens(Arc::new(prompt)),
             shape: RequestShape::new(1300, 64),
             scores: OverlapScores::default(),
+            reported: None,
             session: None,
         };
         let header = route_header("http://127.0.0.1:8001", &decision, &request);
@@ -161,10 +174,28 @@ mod tests {
             input: RouteInput::Fallback(FallbackReason::Route),
             shape: RequestShape::default(),
             scores: OverlapScores::default(),
+            reported: None,
             session: None,
         };
         let header = route_header("http://h:1", &decision, &fallback);
         assert!(header.ends_with("; fallback=route"));
+        // With live events, the engine-reported part of the chosen instance's overlap.
+        let reported = OverlapScores {
+            workers: vec![WorkerOverlap {
+                worker: WorkerKey::new(1, 0),
+                depth: 9,
+                cached_blocks: 40,
+            }],
+        };
+        let with_events = KvRequest {
+            reported: Some(reported),
+            ..request
+        };
+        let header = route_header("http://127.0.0.1:8001", &decision, &with_events);
+        assert!(
+            header.ends_with("; cost=31.5; reported_blocks=9"),
+            "{header}"
+        );
     }
 
     #[test]

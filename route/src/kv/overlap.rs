@@ -24,6 +24,15 @@ use kvmesh_kv::{
 pub(crate) trait OverlapSource: Send + Sync + fmt::Debug {
     /// How many leading blocks of `query` each instance caches.
     fn find_matches(&self, query: &[SequenceHash], now: Instant) -> OverlapScores;
+    /// [`find_matches`](Self::find_matches), with the part the engines reported themselves
+    /// (their KV events, without this proxy's predictions) where that is known apart.
+    fn find_matches_reported(
+        &self,
+        query: &[SequenceHash],
+        now: Instant,
+    ) -> (OverlapScores, Option<OverlapScores>) {
+        (self.find_matches(query, now), None)
+    }
     /// A routing decision sent `blocks` to `worker` at `now`; returns how many predicted
     /// blocks were pruned to stay under the size bound.
     fn record(&self, worker: WorkerKey, blocks: &BlockHashes, now: Instant) -> u64;

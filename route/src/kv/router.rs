@@ -385,16 +385,23 @@ impl KvRouter {
     /// Looks a prepared request up in the index (nothing recorded).
     pub fn lookup(&self, prepared: &Prepared, now: Instant) -> KvRequest {
         match &prepared.input {
-            RouteInput::Tokens(prompt) => KvRequest {
-                input: prepared.input.clone(),
-                shape: RequestShape::new(prompt.tokens as u64, prompt.block_size as u64),
-                scores: self.overlap.find_matches(&prompt.hashes.sequence, now),
-                session: None,
-            },
+            RouteInput::Tokens(prompt) => {
+                let (scores, reported) = self
+                    .overlap
+                    .find_matches_reported(&prompt.hashes.sequence, now);
+                KvRequest {
+                    input: prepared.input.clone(),
+                    shape: RequestShape::new(prompt.tokens as u64, prompt.block_size as u64),
+                    scores,
+                    reported,
+                    session: None,
+                }
+            }
             RouteInput::Fallback(_) => KvRequest {
                 input: prepared.input.clone(),
                 shape: RequestShape::default(),
                 scores: OverlapScores::default(),
+                reported: None,
                 session: None,
             },
         }
@@ -684,6 +691,9 @@ impl KvRouter {
                     eligible: e.eligible,
                     busy: e.busy,
                     overlap_blocks: e.overlap_blocks,
+                    reported_blocks: request.reported.as_ref().map(|reported| {
+                        instance_depth(reported, instance.id()).min(request.shape.full_blocks)
+                    }),
                     active_prefill_tokens: e.load.prefill_tokens,
                     active_blocks: e.load.blocks,
                     active_requests: e.load.requests,
