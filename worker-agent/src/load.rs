@@ -90,6 +90,12 @@ pub(crate) async fn run(
             continue;
         };
         metrics.load_reports.with_label_values(&["ok"]).inc();
+        metrics
+            .engine_running
+            .set(i64::try_from(report.running).unwrap_or(i64::MAX));
+        metrics
+            .engine_waiting
+            .set(i64::try_from(report.waiting).unwrap_or(i64::MAX));
         if let Err(e) = bus.publish(&subject, Bytes::from(report.to_json())).await {
             tracing::debug!(error = %e, "cannot publish a load report");
         }

@@ -50,6 +50,10 @@ pub struct AgentMetrics {
     pub adapters: IntGauge,
     /// `kvmesh_agent_load_reports_total{result}`: engine `/metrics` scrapes (`ok`, `error`).
     pub load_reports: IntCounterVec,
+    /// `kvmesh_agent_engine_running_requests`: the running requests of the last load report.
+    pub engine_running: IntGauge,
+    /// `kvmesh_agent_engine_waiting_requests`: the waiting requests of the last load report.
+    pub engine_waiting: IntGauge,
     /// `kvmesh_agent_inbound_requests_total{outcome}`: requests through the inbound sidecar
     /// (`forwarded`, `engine_unreachable`, `bad_request`).
     pub inbound_requests: IntCounterVec,
@@ -210,6 +214,16 @@ impl AgentMetrics {
                 "kvmesh_agent_adapters",
                 "LoRA adapters the engine's /v1/models lists",
             )?,
+            engine_running: gauge(
+                &r,
+                "kvmesh_agent_engine_running_requests",
+                "Running requests in the last load report",
+            )?,
+            engine_waiting: gauge(
+                &r,
+                "kvmesh_agent_engine_waiting_requests",
+                "Waiting requests in the last load report",
+            )?,
             load_reports: counter_vec(
                 &r,
                 "kvmesh_agent_load_reports_total",
@@ -267,6 +281,8 @@ mod tests {
             "kvmesh_agent_engine_healthy",
             "kvmesh_agent_adapters",
             "kvmesh_agent_load_reports_total",
+            "kvmesh_agent_engine_running_requests",
+            "kvmesh_agent_engine_waiting_requests",
         ] {
             assert!(text.contains(name), "{name} missing from\n{text}");
         }
