@@ -142,6 +142,8 @@ struct ActiveRequest {
     profiled_ttft_ms: f64,
     profiled_own_ms: f64,
     started: Instant,
+    /// This proxy's other requests in flight there when it was booked.
+    ahead: usize,
 }
 
 impl ActiveRequest {
@@ -403,6 +405,7 @@ impl ActiveLoads {
         let cell = self.cell(instance)?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let tail_block = request.prompt.as_deref().is_none_or(PromptBlocks::has_tail);
+        let mut load = Self::lock(&cell);
         let active = ActiveRequest {
             prompt: request.prompt,
             prefill_tokens: request.prefill_tokens,
@@ -411,8 +414,10 @@ impl ActiveLoads {
             profiled_ttft_ms: request.profiled_ttft_ms,
             profiled_own_ms: request.profiled_own_ms,
             started: now,
+            ahead: load.requests.len(),
         };
-        Self::lock(&cell).add(id, active);
+        load.add(id, active);
+        drop(load);
         self.changed.notify_one();
         Some(id)
     }
@@ -443,6 +448,7 @@ impl ActiveLoads {
         let tokens = std::mem::take(&mut request.prefill_tokens);
         let profiled = std::mem::take(&mut request.profiled_ttft_ms);
         let started = request.started;
+        let weight = 1.0 / (1 + request.ahead) as f64;
         let observed = now.saturating_duration_since(started);
         load.prefill_tokens -= tokens;
         if tokens > 0 {
@@ -452,15 +458,19 @@ impl ActiveLoads {
         }
         if first_token {
             let observed_ms = observed.as_secs_f64() * 1000.0;
-            load.speed.observe(profiled, observed_ms);
-            drop(load);
-            let mut fleet = self
-                .fleet_speed
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            fleet.observe(profiled, observed_ms);
-            self.fleet_ln_factor
-                .store(fleet.ln_factor().to_bits(), Ordering::Relaxed);
+            // The fleet first: an instance's first sample is clipped around it.
+            let fleet_ln = {
+                let mut fleet = self
+                    .fleet_speed
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                fleet.observe(profiled, observed_ms, weight, None);
+                self.fleet_ln_factor
+                    .store(fleet.ln_factor().to_bits(), Ordering::Relaxed);
+                fleet.ln_factor()
+            };
+            load.speed
+                .observe(profiled, observed_ms, weight, Some(fleet_ln));
         }
         tokens > 0
     }

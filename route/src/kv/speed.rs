@@ -21,6 +21,15 @@
 //! whole burst onto one of them. A truly slower instance still shows: 3× slower, it is
 //! scored 1.7× slower after 16 samples and 2.1× after 32 (tests below).
 //!
+//! A first token that waited behind other requests on the instance measures the load model's
+//! errors as much as the instance's speed: a real vLLM on CPU serves a burst's requests one
+//! after another through its API server, so the fourth of four took about four times the
+//! first's time while the profile predicted nearly the same for both, and whichever of two
+//! identical engines had drawn more of a burst learned itself slower, by 1.3× after five
+//! bursts of eight, which made it draw 1 of the next 8 streams. So each sample weighs
+//! `1 / (1 + requests in flight there at booking)`: a request booked on an idle instance
+//! counts whole, the fourth of a burst a quarter.
+//!
 //! Proxy replicas share their factors ([`SharedSpeed`]); each scores with its own merged with
 //! the others', weighted by samples, so that replicas predict the same times.
 
@@ -40,19 +49,13 @@ pub(crate) const PRIOR_SAMPLES: f64 = 16.0;
 const MAX_STEP: f64 = std::f64::consts::LN_2;
 
 /// One instance's (or one model's) learned speed factor.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub(crate) struct LearnedSpeed {
     ln_factor: f64,
+    /// Samples learned from (what replicas share).
     samples: u64,
-}
-
-impl Default for LearnedSpeed {
-    fn default() -> Self {
-        Self {
-            ln_factor: 0.0,
-            samples: 0,
-        }
-    }
+    /// Their weights summed (each at most 1).
+    weight: f64,
 }
 
 impl LearnedSpeed {
@@ -60,7 +63,7 @@ impl LearnedSpeed {
     /// [`PRIOR_SAMPLES`] samples: the prior alone before any sample of its own, its own
     /// factor once it has many.
     pub(crate) fn shrunk_toward(&self, prior_ln_factor: f64) -> f64 {
-        let own = self.samples as f64;
+        let own = self.weight;
         ((own * self.ln_factor + PRIOR_SAMPLES * prior_ln_factor) / (own + PRIOR_SAMPLES)).exp()
     }
 
@@ -83,25 +86,48 @@ impl LearnedSpeed {
         LearnedSpeed {
             ln_factor: merged.ln_factor,
             samples: merged.samples,
+            weight: self.weight + others.samples as f64,
         }
     }
 
     /// Learns from one request: the profile predicted `profiled_ms` to its first token, it
-    /// took `observed_ms`. Nonsense (zero, negative, not finite) is ignored.
-    pub(crate) fn observe(&mut self, profiled_ms: f64, observed_ms: f64) {
+    /// took `observed_ms`; the sample weighs `weight` (0 to 1: `1 / (1 + requests ahead)`).
+    /// A first sample is clipped around `prior_ln_factor` when there is one (an instance's
+    /// first request is often its engine's slowest: a real vLLM's first took 20× its later
+    /// ones, and taken whole it marked one of two identical engines 1.4× slower than the
+    /// other). Nonsense (zero, negative, not finite) is ignored.
+    pub(crate) fn observe(
+        &mut self,
+        profiled_ms: f64,
+        observed_ms: f64,
+        weight: f64,
+        prior_ln_factor: Option<f64>,
+    ) {
         if !(profiled_ms > 0.0 && observed_ms > 0.0 && (profiled_ms * observed_ms).is_finite()) {
+            return;
+        }
+        let weight = if weight.is_finite() {
+            weight.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        if weight == 0.0 {
             return;
         }
         let sample = (observed_ms / profiled_ms).clamp(1.0 / MAX_SAMPLE, MAX_SAMPLE);
         // The first sample counts whole (a fleet 4× faster than profiled is learned at once);
-        // later ones as in a mean until the moving average's window is full.
-        let step = if self.samples == 0 {
-            sample.ln()
+        // later ones as in a weighted mean until the moving average's window is full.
+        if self.weight == 0.0 {
+            self.ln_factor = match prior_ln_factor {
+                Some(prior) => prior + (sample.ln() - prior).clamp(-MAX_STEP, MAX_STEP),
+                None => sample.ln(),
+            };
         } else {
-            (sample.ln() - self.ln_factor).clamp(-MAX_STEP, MAX_STEP)
-        };
-        let rate = (1.0 / (self.samples + 1) as f64).max(LEARNING_RATE);
-        self.ln_factor += rate * step;
+            let step = (sample.ln() - self.ln_factor).clamp(-MAX_STEP, MAX_STEP);
+            let rate = (weight / (self.weight + weight)).max(LEARNING_RATE * weight);
+            self.ln_factor += rate * step;
+        }
+        self.weight += weight;
         self.samples += 1;
     }
 }
@@ -121,7 +147,7 @@ mod tests {
             (speed.shrunk_toward(speed.ln_factor), speed.samples),
             (1.0, 0)
         );
-        speed.observe(100.0, 25.0);
+        speed.observe(100.0, 25.0, 1.0, None);
         assert!(close(speed.shrunk_toward(speed.ln_factor), 0.25));
         assert_eq!(speed.samples, 1);
     }
@@ -129,18 +155,18 @@ mod tests {
     #[test]
     fn later_samples_average_and_outliers_are_bounded() {
         let mut speed = LearnedSpeed::default();
-        speed.observe(10.0, 10.0);
-        speed.observe(10.0, 20.0);
+        speed.observe(10.0, 10.0, 1.0, None);
+        speed.observe(10.0, 20.0, 1.0, None);
         // The mean of ln 1 and ln 2.
         assert!(close(speed.shrunk_toward(speed.ln_factor), 2f64.sqrt()));
         let mut stuck = LearnedSpeed::default();
-        stuck.observe(10.0, 10.0);
-        stuck.observe(1.0, 1e9);
+        stuck.observe(10.0, 10.0, 1.0, None);
+        stuck.observe(1.0, 1e9, 1.0, None);
         // A 100× sample counts as a 2× one.
         assert!(close(stuck.shrunk_toward(stuck.ln_factor), 2f64.sqrt()));
         // Converges on a steady ratio.
         for _ in 0..600 {
-            speed.observe(40.0, 120.0);
+            speed.observe(40.0, 120.0, 1.0, None);
         }
         assert!((speed.shrunk_toward(speed.ln_factor) - 3.0).abs() < 1e-6);
     }
@@ -150,11 +176,11 @@ mod tests {
         let mut speed = LearnedSpeed::default();
         let prior = 0.25f64.ln();
         assert!(close(speed.shrunk_toward(prior), 0.25));
-        speed.observe(10.0, 10.0);
+        speed.observe(10.0, 10.0, 1.0, None);
         // One sample of factor 1 against sixteen of 0.25.
         assert!(close(speed.shrunk_toward(prior), 0.25f64.powf(16.0 / 17.0)));
         for _ in 0..2000 {
-            speed.observe(10.0, 10.0);
+            speed.observe(10.0, 10.0, 1.0, None);
         }
         assert!((speed.shrunk_toward(prior) - 1.0).abs() < 0.02);
     }
@@ -183,8 +209,8 @@ mod tests {
         let mut slow_samples = noisy(seed ^ 0x9e37_79b9, 10.0 * slow, noise);
         for _ in 0..n {
             for (own, sample) in [(&mut fast, fast_samples()), (&mut slower, slow_samples())] {
-                LearnedSpeed::observe(own, 10.0, 10.0 * sample);
-                LearnedSpeed::observe(&mut fleet, 10.0, 10.0 * sample);
+                LearnedSpeed::observe(&mut fleet, 10.0, 10.0 * sample, 1.0, None);
+                LearnedSpeed::observe(own, 10.0, 10.0 * sample, 1.0, Some(fleet.ln_factor));
             }
         }
         let fleet: LearnedSpeed = fleet;
@@ -203,6 +229,58 @@ mod tests {
                 assert!(ratio < 1.25, "seed {seed}, {n} samples each: {a} vs {b}");
             }
         }
+    }
+
+    #[test]
+    fn samples_that_waited_behind_others_weigh_less() {
+        // Bursts served one request after another: the k-th of a burst on an instance waits
+        // for the k - 1 before it, k times the first's time, booked with k - 1 ahead. Two
+        // identical instances draw 6 and 2 of each burst of 8, four bursts.
+        let (mut busy, mut quiet, mut fleet) = (
+            LearnedSpeed::default(),
+            LearnedSpeed::default(),
+            LearnedSpeed::default(),
+        );
+        for _ in 0..4 {
+            for (own, drawn) in [(&mut busy, 6), (&mut quiet, 2)] {
+                for k in 1..=drawn {
+                    let weight = 1.0 / f64::from(k);
+                    fleet.observe(10.0, 100.0 * f64::from(k), weight, None);
+                    own.observe(10.0, 100.0 * f64::from(k), weight, Some(fleet.ln_factor));
+                }
+            }
+        }
+        let (busy, quiet) = (
+            busy.shrunk_toward(fleet.ln_factor),
+            quiet.shrunk_toward(fleet.ln_factor),
+        );
+        assert!(busy / quiet < 1.25, "{busy} vs {quiet}");
+        // Counted whole, the busy one would have learned itself 1.6× slower.
+        let (mut whole_busy, mut whole_quiet) = (LearnedSpeed::default(), LearnedSpeed::default());
+        for _ in 0..4 {
+            for (own, drawn) in [(&mut whole_busy, 6), (&mut whole_quiet, 2)] {
+                for k in 1..=drawn {
+                    own.observe(10.0, 100.0 * f64::from(k), 1.0, None);
+                }
+            }
+        }
+        let unweighted = whole_busy.shrunk_toward(whole_busy.ln_factor)
+            / whole_quiet.shrunk_toward(whole_quiet.ln_factor);
+        assert!(unweighted > 1.5, "{unweighted}");
+    }
+
+    #[test]
+    fn a_cold_first_request_is_clipped_around_the_fleet() {
+        let mut fleet = LearnedSpeed::default();
+        fleet.observe(10.0, 50.0, 1.0, None);
+        // A new instance's first request takes 20× the fleet's.
+        let mut new = LearnedSpeed::default();
+        new.observe(10.0, 1000.0, 1.0, Some(fleet.ln_factor));
+        assert!(close(new.ln_factor, 5f64.ln() + std::f64::consts::LN_2));
+        // Without a fleet to go by, it counts whole.
+        let mut alone = LearnedSpeed::default();
+        alone.observe(10.0, 1000.0, 1.0, None);
+        assert!(close(alone.ln_factor, 100f64.ln()));
     }
 
     #[test]
@@ -228,7 +306,7 @@ mod tests {
             (f64::NAN, 1.0),
             (1.0, f64::INFINITY),
         ] {
-            speed.observe(profiled, observed);
+            speed.observe(profiled, observed, 1.0, None);
         }
         assert_eq!(speed, LearnedSpeed::default());
     }
