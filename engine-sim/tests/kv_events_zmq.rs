@@ -416,13 +416,15 @@ async fn replay(engine: &EngineHandle, start: u64) -> Vec<(u64, Vec<Event>)> {
             .expect("a replay reply in time")
             .expect("message")
             .into_vec();
-        assert_eq!(frames.len(), 3, "[empty, seq, payload]");
+        // As a running vLLM 0.32.0 sends them: [empty, topic, seq, payload].
+        assert_eq!(frames.len(), 4, "[empty, topic, seq, payload]");
         assert!(frames[0].is_empty(), "delimiter");
-        if frames[1][..] == [0xFF; 8] {
-            assert!(frames[2].is_empty(), "the end marker has an empty payload");
+        if frames[2][..] == [0xFF; 8] {
+            assert!(frames[1].is_empty(), "the end marker has an empty topic");
+            assert!(frames[3].is_empty(), "the end marker has an empty payload");
             return out;
         }
-        out.push((seq_of(&frames[1]), decode_payload(&frames[2])));
+        out.push((seq_of(&frames[2]), decode_payload(&frames[3])));
     }
 }
 

@@ -84,7 +84,8 @@ pub(crate) async fn start(
                 .await
                 .map_err(|e| zmq_error("cannot start the KV event replay socket", e))?;
             let buffer = Arc::new(ReplayBuffer::new(config.buffer_steps));
-            tasks.push(tokio::spawn(replay::serve(router, buffer.clone())));
+            let topic = Bytes::from(config.topic.clone().into_bytes());
+            tasks.push(tokio::spawn(replay::serve(router, buffer.clone(), topic)));
             (Some(buffer), Some(addr))
         }
         None => (None, None),

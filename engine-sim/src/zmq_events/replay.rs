@@ -1,8 +1,9 @@
 //! The replay ROUTER socket: the last `buffer_steps` batches, served on request.
 //!
 //! Request as the ROUTER sees it: `[identity, empty, start_seq u64 BE]` (other shapes are
-//! ignored). Reply: `[identity, empty, seq BE, payload]` for each buffered batch with
-//! `seq >= start_seq`, then the end marker `[identity, empty, 0xFF x 8 (-1), empty]`.
+//! ignored). Reply: `[identity, empty, topic, seq BE, payload]` for each buffered batch with
+//! `seq >= start_seq`, then the end marker `[identity, empty, empty, 0xFF x 8 (-1), empty]`:
+//! the shape a running vLLM 0.32.0 sends (its `ZmqEventPublisher._service_replay`).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -57,16 +58,17 @@ impl ReplayBuffer {
     }
 }
 
-fn reply(identity: &Bytes, seq: Bytes, payload: Bytes) -> ZmqMessage {
+fn reply(identity: &Bytes, topic: Bytes, seq: Bytes, payload: Bytes) -> ZmqMessage {
     let mut msg = ZmqMessage::from(identity.clone());
     msg.push_back(Bytes::new());
+    msg.push_back(topic);
     msg.push_back(seq);
     msg.push_back(payload);
     msg
 }
 
-/// Answers replay requests until the socket fails.
-pub(crate) async fn serve(mut socket: RouterSocket, buffer: Arc<ReplayBuffer>) {
+/// Answers replay requests until the socket fails; batches carry `topic`.
+pub(crate) async fn serve(mut socket: RouterSocket, buffer: Arc<ReplayBuffer>, topic: Bytes) {
     loop {
         let request = match socket.recv().await {
             Ok(request) => request.into_vec(),
@@ -98,12 +100,14 @@ pub(crate) async fn serve(mut socket: RouterSocket, buffer: Arc<ReplayBuffer>) {
             .map(|(seq, payload)| {
                 reply(
                     identity,
+                    topic.clone(),
                     Bytes::copy_from_slice(&seq.to_be_bytes()),
                     payload,
                 )
             })
             .chain(std::iter::once(reply(
                 identity,
+                Bytes::new(),
                 Bytes::from_static(&END_SEQ),
                 Bytes::new(),
             )));

@@ -97,6 +97,51 @@ impl Intake {
         self.metrics.replays.with_label_values(&[result]).inc();
     }
 
+    /// At start, with a replay socket: applies what the engine's buffer holds (batches
+    /// published before this agent subscribed, which no live message would bring) and
+    /// records the last one in `tracker`. Counted `ok` when the buffer reaches back to the
+    /// engine's first batch, `incomplete` when it does not (older batches are lost); an
+    /// engine not answering yet (it starts after the agent) is not a failure.
+    async fn replay_at_start(&self, tracker: &mut SeqTracker) {
+        let Some(endpoint) = &self.replay_endpoint else {
+            return;
+        };
+        let batches = match replay::fetch(endpoint, 0).await {
+            Ok(batches) => batches,
+            Err(why) => {
+                tracing::debug!(rank = self.rank, %why, "no replay at start");
+                return;
+            }
+        };
+        let Some(&(first, _)) = batches.first() else {
+            return;
+        };
+        for (seq, payload) in batches {
+            if tracker.last().is_some_and(|last| seq <= last) {
+                continue;
+            }
+            self.process(&payload, Instant::now());
+            tracker.applied(seq);
+        }
+        let result = if first == 0 { "ok" } else { "incomplete" };
+        tracing::info!(
+            rank = self.rank,
+            first,
+            last = tracker.last(),
+            result,
+            "started after the engine: replayed its buffer"
+        );
+        if first > 0 {
+            tracing::warn!(
+                rank = self.rank,
+                from = 0,
+                until = first,
+                "KV events were lost"
+            );
+        }
+        self.metrics.replays.with_label_values(&[result]).inc();
+    }
+
     /// Handles one live message `[topic, seq, payload]`.
     async fn on_message(&self, tracker: &mut SeqTracker, frames: &[Bytes], received: Instant) {
         let [_topic, seq, payload] = frames else {
@@ -155,8 +200,9 @@ impl Intake {
             return;
         }
         tracing::info!(rank = self.rank, endpoint = %self.endpoint, "subscribed to engine KV events");
-        let _ = connected.send(());
         let mut tracker = SeqTracker::default();
+        self.replay_at_start(&mut tracker).await;
+        let _ = connected.send(());
         loop {
             match socket.recv().await {
                 Ok(msg) => {
