@@ -259,6 +259,7 @@ pub async fn start(
     })?;
 
     let mut subscribed = Vec::new();
+    let (recovered, _) = watch::channel(0u64);
     for (rank, (events, replay)) in endpoints.into_iter().enumerate() {
         let (tx, rx) = oneshot::channel();
         subscribed.push(rx);
@@ -271,7 +272,7 @@ pub async fn start(
             core: core.clone(),
             metrics: metrics.clone(),
         };
-        tasks.push(tokio::spawn(intake.run(tx)));
+        tasks.push(tokio::spawn(intake.run(tx, recovered.subscribe())));
     }
     let deadline = tokio::time::Instant::now() + config.startup_timeout;
     for rx in subscribed {
@@ -378,6 +379,7 @@ pub async fn start(
         engine.clone(),
         config.health_interval,
         desired.clone(),
+        recovered,
         metrics.clone(),
     )));
     tasks.push(tokio::spawn(facts.run(

@@ -35,10 +35,13 @@ fn advertise(state: &watch::Sender<InstanceState>, healthy: bool) {
 }
 
 /// Polls every `interval` until aborted.
+/// `recovered` counts the engine's returns from unreachable (the KV event intakes then
+/// reconnect: the engine may have restarted).
 pub(crate) async fn run(
     engine: EngineClient,
     interval: Duration,
     state: watch::Sender<InstanceState>,
+    recovered: watch::Sender<u64>,
     metrics: AgentMetrics,
 ) {
     let mut failures = 0u32;
@@ -48,6 +51,9 @@ pub(crate) async fn run(
     loop {
         tick.tick().await;
         if probe(&engine, timeout).await {
+            if failures >= FAILURES_BEFORE_NOT_READY {
+                recovered.send_modify(|returns| *returns += 1);
+            }
             failures = 0;
             metrics.engine_healthy.set(1);
             advertise(&state, true);

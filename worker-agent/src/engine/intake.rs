@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 use zeromq::{Socket, SocketRecv, SubSocket};
 
 use super::batch::decode_batch;
@@ -183,8 +183,9 @@ impl Intake {
         tracker.applied(seq);
     }
 
-    /// Connects, signals `connected`, then runs until the task is aborted.
-    pub(crate) async fn run(self, connected: oneshot::Sender<()>) {
+    /// A SUB socket connected and subscribed to the engine's PUB endpoint (retried until it
+    /// is); `None` when subscribing fails.
+    async fn subscribe(&self) -> Option<SubSocket> {
         let mut socket = SubSocket::new();
         loop {
             match socket.connect(&self.endpoint).await {
@@ -197,14 +198,73 @@ impl Intake {
         }
         if let Err(e) = socket.subscribe(&self.topic).await {
             tracing::error!(error = %e, "cannot subscribe to engine KV events");
-            return;
+            return None;
         }
         tracing::info!(rank = self.rank, endpoint = %self.endpoint, "subscribed to engine KV events");
+        Some(socket)
+    }
+
+    /// After the engine came back from unreachable: it may have restarted, with an empty
+    /// cache and its numbers from 0 again (which live messages alone cannot tell once the
+    /// new engine has published past the old last number). A replay buffer that does not
+    /// reach the last applied number, or no replay socket to ask, means a new engine: its
+    /// blocks are forgotten and numbering starts over. Otherwise what was missed is applied.
+    async fn resume(&self, tracker: &mut SeqTracker) {
+        let buffered = match &self.replay_endpoint {
+            Some(endpoint) => replay::fetch(endpoint, 0).await.ok(),
+            None => None,
+        };
+        let restarted = match (&buffered, tracker.last()) {
+            (_, None) => false,
+            (Some(batches), Some(last)) => batches.last().is_none_or(|&(seq, _)| seq < last),
+            (None, Some(_)) => true,
+        };
+        if restarted {
+            tracing::info!(
+                rank = self.rank,
+                "engine came back restarted: forgetting its blocks"
+            );
+            self.core.reset_rank(self.rank);
+            *tracker = SeqTracker::default();
+        }
+        for (seq, payload) in buffered.unwrap_or_default() {
+            if tracker.last().is_none_or(|last| seq > last) {
+                self.process(&payload, Instant::now());
+                tracker.applied(seq);
+            }
+        }
+    }
+
+    /// Connects, signals `connected`, then runs until the task is aborted; reconnects each
+    /// time `recovered` changes (the engine came back from unreachable).
+    pub(crate) async fn run(
+        self,
+        connected: oneshot::Sender<()>,
+        mut recovered: watch::Receiver<u64>,
+    ) {
+        let Some(mut socket) = self.subscribe().await else {
+            return;
+        };
         let mut tracker = SeqTracker::default();
         self.replay_at_start(&mut tracker).await;
         let _ = connected.send(());
         loop {
-            match socket.recv().await {
+            let received = tokio::select! {
+                received = socket.recv() => received,
+                changed = recovered.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    drop(socket);
+                    let Some(resubscribed) = self.subscribe().await else {
+                        return;
+                    };
+                    socket = resubscribed;
+                    self.resume(&mut tracker).await;
+                    continue;
+                }
+            };
+            match received {
                 Ok(msg) => {
                     let received = Instant::now();
                     let frames = msg.into_vec();
