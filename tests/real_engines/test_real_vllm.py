@@ -1,0 +1,404 @@
+"""kvmesh in front of two real vLLM engines, checked against what the engines themselves report.
+
+The tests run in file order on one cluster (conftest.py): the ones that kill or restart an
+engine come last.
+"""
+
+import concurrent.futures
+import json
+import random
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from conftest import (
+    BLOCK_SIZE,
+    MODEL,
+    get_json,
+    http,
+    metric_sum,
+    metrics,
+    wait_until,
+)
+
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
+    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu river stone "
+    "cloud maple copper silver garden harbor lantern meadow orbit prism quartz saddle timber "
+    "velvet willow amber basil cedar dune ember fjord grove heron iris jasper kelp lotus"
+).split()
+
+
+def text(rng, words):
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def client(cluster):
+    return openai.OpenAI(base_url=cluster.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def route_of(headers):
+    """`x-kvmesh-route` as a dict."""
+    out = {}
+    for part in headers["x-kvmesh-route"].split(";"):
+        key, _, value = part.strip().partition("=")
+        out[key] = value
+    return out
+
+
+def chat(cluster, messages, max_tokens=1, **extra):
+    """One non-streamed chat through the proxy: (route dict, usage, completion)."""
+    raw = client(cluster).chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, **extra
+    )
+    completion = raw.parse()
+    return route_of(raw.headers), completion.usage, completion
+
+
+def agent_blocks_published(cluster, engine):
+    agent = cluster.agents[engine.name]
+    return metric_sum(metrics(agent.url("agent") + "/metrics"), "kvmesh_agent_blocks_published_total")
+
+
+def settle_after(cluster, engine, before, new_blocks):
+    """Until `engine`'s agent has published the `new_blocks` blocks the last request stored
+    (evictions in the same batches only add to the count) and the proxy applied them."""
+    wait_until(
+        f"{engine.name}'s agent to publish {new_blocks} new blocks",
+        lambda: agent_blocks_published(cluster, engine) >= before + new_blocks,
+        timeout=30,
+    )
+    cluster.events_settled()
+
+
+def cap(prompt_tokens):
+    """The most blocks vLLM reports cached for a prompt: its last token is always computed."""
+    return (prompt_tokens - 1) // BLOCK_SIZE
+
+
+def test_the_index_predicts_exactly_what_the_engine_reports_cached_also_under_churn(cluster):
+    """One request at a time, each after the index applied the previous one's events: the
+    overlap the proxy says the chosen engine reported equals the engine's own
+    `cached_tokens / block_size`. Conversations grow and new ones start until both 160-block
+    caches have evicted (BlockRemoved is applied)."""
+    rng = random.Random(7)
+    cluster.events_settled()
+    conversations = []
+    checked = hits = 0
+    for step in range(48):
+        if not conversations or (step % 3 == 0 and len(conversations) < 12):
+            conversations.append([{"role": "system", "content": text(rng, 150)}])
+        convo = rng.choice(conversations)
+        # Every turn adds well over a block of fresh tokens, so vLLM's cap never applies and
+        # every request stores at least one new block.
+        convo.append({"role": "user", "content": text(rng, 200)})
+        befores = {e.name: agent_blocks_published(cluster, e) for e in cluster.engines}
+        route, usage, completion = chat(cluster, convo)
+        engine = cluster.engine_by_url(route["instance"])
+        cached = usage.prompt_tokens_details.cached_tokens
+        assert cached % BLOCK_SIZE == 0
+        assert cached // BLOCK_SIZE < cap(usage.prompt_tokens), "the fresh tail is never cached"
+        assert "reported_blocks" in route, route
+        assert int(route["reported_blocks"]) == cached // BLOCK_SIZE, (step, route, usage)
+        checked += 1
+        hits += cached > 0
+        convo.append({"role": "assistant", "content": completion.choices[0].message.content or ""})
+        new_blocks = usage.prompt_tokens // BLOCK_SIZE - cached // BLOCK_SIZE
+        settle_after(cluster, engine, befores[engine.name], new_blocks)
+    page = metrics(cluster.admin + "/metrics")
+    assert hits >= 10, f"only {hits} of {checked} requests hit a cached prefix"
+    assert metric_sum(page, "kvmesh_kv_events_applied_total", event_type="removed", status="ok") > 0, (
+        "the caches never evicted: the churn half of the test did not run"
+    )
+    for status in ("parent_not_found", "block_not_found", "invalid"):
+        assert metric_sum(page, "kvmesh_kv_events_applied_total", status=status) == 0, status
+
+
+def test_a_full_hit_is_reported_after_vllms_cap(cluster):
+    """The same prompt twice on one engine: the second is a full hit, which vLLM reports as
+    at most (prompt_tokens - 1) // block_size blocks; the index predicts the whole prompt."""
+    rng = random.Random(11)
+    messages = [{"role": "user", "content": text(rng, 150)}]
+    cluster.events_settled()
+    route, usage, _ = chat(cluster, messages)
+    engine = cluster.engine_by_url(route["instance"])
+    wait_until("the first request's blocks in the index", lambda: reported_on(cluster, engine, messages)
+               == usage.prompt_tokens // BLOCK_SIZE, timeout=30)
+    again, usage2, _ = chat(cluster, messages)
+    assert again["instance"] == route["instance"], "a full hit goes where it is cached"
+    assert int(again["reported_blocks"]) == usage.prompt_tokens // BLOCK_SIZE
+    assert usage2.prompt_tokens_details.cached_tokens // BLOCK_SIZE == min(
+        int(again["reported_blocks"]), cap(usage2.prompt_tokens)
+    )
+
+
+def reported_on(cluster, engine, messages):
+    """The blocks of `messages` the proxy's index holds as reported by `engine`."""
+    explained = explain(cluster, messages)
+    entry = next(i for i in explained["instances"] if i["instance"].rstrip("/") == engine.url)
+    return entry["reported_blocks"]
+
+
+def explain(cluster, messages):
+    status, _, body = http(
+        "POST", cluster.admin + "/debug/route", {"model": MODEL, "messages": messages, "max_tokens": 1}
+    )
+    assert status == 200, body
+    return json.loads(body)
+
+
+def stream_chat(cluster, messages, max_tokens, api=None, barrier=None):
+    """A streamed chat: (instance, text, usage); sent once `barrier` (if any) lets it."""
+    api = api or client(cluster)
+    if barrier is not None:
+        barrier.wait(timeout=30)
+    raw = api.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, stream=True,
+        stream_options={"include_usage": True},
+    )
+    instance = route_of(raw.headers)["instance"]
+    pieces, usage = [], None
+    for chunk in raw.parse():
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+    return instance, "".join(pieces), usage
+
+
+def burst_of_streams(cluster, prompts, max_tokens):
+    """The streams of `prompts`, sent at once from one client (connections opened ahead)."""
+    api = client(cluster)
+    api.models.list()
+    barrier = threading.Barrier(len(prompts))
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda m: stream_chat(cluster, m, max_tokens, api, barrier), prompts))
+
+
+@pytest.mark.parametrize("burst", range(3))
+def test_a_burst_of_distinct_prompts_spreads_over_idle_engines(cluster, burst):
+    """8 concurrent streams with distinct prompts on 2 idle engines: each gets at least 3."""
+    cluster.events_settled()
+    wait_until("both engines idle", lambda: all(
+        metric_sum(e.metrics(), "vllm:num_requests_running") == 0 for e in cluster.engines))
+    rng = random.Random(100 + burst)
+    prompts = [[{"role": "user", "content": text(rng, 40)}] for _ in range(8)]
+    results = burst_of_streams(cluster, prompts, 32)
+    per_engine = {e.url: 0 for e in cluster.engines}
+    for instance, _, usage in results:
+        per_engine[instance.rstrip("/")] += 1
+        assert usage is not None and usage.completion_tokens == 32
+    assert min(per_engine.values()) >= 3, per_engine
+
+
+def test_identical_engines_learn_speeds_that_agree(cluster):
+    """After the bursts above (at least 12 first tokens each), the two identical engines'
+    learned speed factors agree within 25 %."""
+    explained = explain(cluster, [{"role": "user", "content": "hello"}])
+    speeds = [i["speed"] for i in explained["instances"]]
+    assert len(speeds) == 2
+    assert max(speeds) / min(speeds) < 1.25, speeds
+
+
+def test_multi_turn_chats_stick_and_the_engines_cache_proves_it(cluster):
+    """Six conversations of four turns, interleaved: every later turn goes to the engine of
+    the first and that engine reports its earlier turns cached."""
+    rng = random.Random(5)
+    convos = [[{"role": "system", "content": text(rng, 50)}] for _ in range(6)]
+    homes = {}
+    later_prompt = later_cached = 0
+    for turn in range(4):
+        for i, convo in enumerate(convos):
+            convo.append({"role": "user", "content": text(rng, 30)})
+            route, usage, completion = chat(cluster, convo, max_tokens=8)
+            instance = route["instance"]
+            if turn == 0:
+                homes[i] = instance
+            else:
+                assert instance == homes[i], f"conversation {i} moved at turn {turn}"
+                later_prompt += usage.prompt_tokens
+                later_cached += usage.prompt_tokens_details.cached_tokens
+            convo.append({"role": "assistant", "content": completion.choices[0].message.content or ""})
+    assert later_cached / later_prompt > 0.6, (later_cached, later_prompt)
+
+
+def test_the_agents_running_count_equals_the_engines(cluster):
+    """With N long streams held open on one engine, the agent's report (the proxy's
+    /debug/route shows the engine-reported load) equals vLLM's own
+    `vllm:num_requests_running`, which equals N."""
+    engine = cluster.engines[0]
+    n = 3
+    rng = random.Random(9)
+
+    def long_stream(_):
+        # Straight to the engine: the proxy's own bookings do not count.
+        status, _, body = http("POST", engine.url + "/v1/completions", {
+            "model": MODEL, "prompt": text(rng, 20), "max_tokens": 600, "ignore_eos": True,
+        }, timeout=120)
+        return status
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(long_stream, i) for i in range(n)]
+        wait_until("the engine running the streams",
+                   lambda: metric_sum(engine.metrics(), "vllm:num_requests_running") == n, timeout=30)
+        agent = cluster.agents[engine.name]
+
+        def reported():
+            page = metrics(agent.url("agent") + "/metrics")
+            return metric_sum(page, "kvmesh_agent_engine_running_requests") == n
+
+        wait_until("the agent to report n running", reported, timeout=10)
+        assert metric_sum(engine.metrics(), "vllm:num_requests_running") == n
+        assert all(f.result() == 200 for f in futures)
+
+
+def test_salted_prompts_hit_only_under_their_own_salt(cluster):
+    """vLLM salts a prompt's first block with `cache_salt`: the index must hash as it does,
+    or tenants' prefixes look shared."""
+    rng = random.Random(21)
+    messages = [{"role": "user", "content": text(rng, 200)}]
+    cluster.events_settled()
+    first, usage, _ = chat(cluster, messages, extra_body={"cache_salt": "tenant-a"})
+    engine = cluster.engine_by_url(first["instance"])
+    blocks = usage.prompt_tokens // BLOCK_SIZE
+
+    def reported(salt):
+        body = {"model": MODEL, "messages": messages, "max_tokens": 1}
+        if salt:
+            body["cache_salt"] = salt
+        status, _, raw = http("POST", cluster.admin + "/debug/route", body)
+        assert status == 200, raw
+        entry = next(i for i in json.loads(raw)["instances"] if i["instance"].rstrip("/") == engine.url)
+        return entry["reported_blocks"]
+
+    wait_until("tenant-a's blocks in the index", lambda: reported("tenant-a") == blocks, timeout=30)
+    assert reported("tenant-b") == 0 and reported(None) == 0
+    again, usage_a, _ = chat(cluster, messages, extra_body={"cache_salt": "tenant-a"})
+    assert again["instance"] == first["instance"]
+    assert usage_a.prompt_tokens_details.cached_tokens == min(blocks, cap(usage.prompt_tokens)) * BLOCK_SIZE
+    other, usage_b, _ = chat(cluster, messages, extra_body={"cache_salt": "tenant-b"})
+    assert int(other["reported_blocks"]) == 0
+    assert usage_b.prompt_tokens_details.cached_tokens == 0
+
+
+def direct_chat(engine, messages):
+    """A chat straight to the engine (the proxy never sees it): its usage."""
+    status, _, body = http("POST", engine.url + "/v1/chat/completions",
+                           {"model": MODEL, "messages": messages, "max_tokens": 1}, timeout=60)
+    assert status == 200, body
+    return json.loads(body)["usage"]
+
+
+def test_reset_prefix_cache_clears_the_engines_entries(cluster):
+    """vLLM's `POST /reset_prefix_cache` (dev mode) publishes AllBlocksCleared with its next
+    step's events: the index then drops that engine's blocks."""
+    engine = cluster.engines[0]
+    rng = random.Random(31)
+    messages = [{"role": "user", "content": text(rng, 120)}]
+    usage = direct_chat(engine, messages)
+    blocks = usage["prompt_tokens"] // BLOCK_SIZE
+    wait_until("the blocks in the index", lambda: reported_on(cluster, engine, messages) == blocks)
+    status, _, body = http("POST", engine.url + "/reset_prefix_cache")
+    assert status == 200, body
+    direct_chat(engine, [{"role": "user", "content": "one more step"}])
+    wait_until("the cleared cache in the index", lambda: reported_on(cluster, engine, messages) == 0)
+    page = metrics(cluster.admin + "/metrics")
+    assert metric_sum(page, "kvmesh_kv_events_applied_total", event_type="cleared", status="ok") >= 1
+
+
+def test_an_agent_started_after_its_engine_replays_what_it_missed(cluster):
+    """Blocks stored while the engine had no agent reach the index through the engine's replay
+    socket once an agent starts."""
+    engine = cluster.engines[1]
+    cluster.stop_agent(engine)
+    cluster.wait_instances(1)
+    rng = random.Random(41)
+    messages = [{"role": "user", "content": text(rng, 120)}]
+    usage = direct_chat(engine, messages)
+    blocks = usage["prompt_tokens"] // BLOCK_SIZE
+    agent = cluster.start_agent(engine)
+    cluster.wait_instances(2)
+    wait_until("the replayed blocks in the index", lambda: reported_on(cluster, engine, messages) == blocks)
+    page = metrics(agent.url("agent") + "/metrics")
+    assert metric_sum(page, "kvmesh_agent_replays_total", result="ok") >= 1
+
+
+def test_a_model_discovered_but_not_listed_is_served(cluster):
+    """A proxy with `models: []` serves the model the agents register (discovery's
+    default_model, with the tokenizer and policy kv), precise routing included."""
+    from conftest import TOKENIZER, Proc
+
+    cfg = cluster.workdir / "unlisted.yaml"
+    cfg.write_text(
+        "listeners:\n  - name: main\n    address: 127.0.0.1:0\n"
+        "admin:\n  address: 127.0.0.1:0\n"
+        "models: []\n"
+        f"discovery:\n  kind: etcd\n  endpoint: {cluster.etcd.url}\n"
+        f"  default_model:\n    tokenizer: {TOKENIZER}\n"
+        f"events:\n  kind: nats\n  url: {cluster.nats.url}\n"
+    )
+    proxy = Proc("kvmesh-proxy", ["--config", str(cfg)], cluster.workdir)
+    try:
+        api = openai.OpenAI(base_url=proxy.url("main") + "/v1", api_key="unused", max_retries=0)
+
+        def served():
+            return [m.id for m in api.models.list().data] == [MODEL]
+
+        wait_until("the discovered model", served, timeout=30)
+        messages = [{"role": "user", "content": text(random.Random(51), 100)}]
+        first = route_of(api.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=1).headers)
+        engine = cluster.engine_by_url(first["instance"])
+        wait_until("the blocks in the unlisted proxy's index", lambda: route_of(
+            api.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=1).headers
+        ).get("reported_blocks", "0") != "0", timeout=30)
+        assert engine.url in first["instance"]
+    finally:
+        proxy.stop()
+
+
+def test_streams_survive_a_sigkill_of_their_engine_and_usage_counts_once(cluster):
+    """Streams on an engine that is SIGKILLed mid-stream complete on the other one."""
+    rng = random.Random(61)
+    prompts = [[{"role": "user", "content": text(rng, 30)}] for _ in range(6)]
+    api = client(cluster)
+    api.models.list()
+    streams = []
+    for messages in prompts:
+        raw = api.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=200, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        streams.append((route_of(raw.headers)["instance"].rstrip("/"), raw.parse()))
+    victim = cluster.engine_by_url(streams[0][0])
+    on_victim = [s for s in streams if s[0] == victim.url]
+    # Every stream has started before the kill.
+    firsts = [next(iter(stream)) for _, stream in streams]
+    assert len(firsts) == len(streams)
+    victim.kill()
+    for _, stream in streams:
+        usage, tokens = None, 0
+        for chunk in stream:
+            if chunk.usage is not None:
+                assert usage is None, "usage is sent once"
+                usage = chunk.usage
+            tokens += sum(1 for c in chunk.choices if c.delta.content)
+        assert usage is not None and usage.completion_tokens == 200, usage
+    page = metrics(cluster.admin + "/metrics")
+    assert metric_sum(page, "kvmesh_migrations_total") >= len(on_victim) >= 1
+
+
+def test_an_engine_restarted_under_its_agent_leaves_the_index_equal_to_its_cache(cluster):
+    """The engine killed above comes back empty: the index must not keep its old blocks."""
+    engine = next(e for e in cluster.engines if e.proc is None)
+    rng = random.Random(71)
+    messages = [{"role": "user", "content": text(rng, 120)}]
+    engine.launch()
+    engine.wait_ready()
+    cluster.wait_instances(2, timeout=60)
+    assert reported_on(cluster, engine, messages) == 0
+    usage = direct_chat(engine, messages)
+    blocks = usage["prompt_tokens"] // BLOCK_SIZE
+    wait_until("the restarted engine's blocks", lambda: reported_on(cluster, engine, messages) == blocks)
