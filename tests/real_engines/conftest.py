@@ -13,8 +13,8 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,14 +23,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN_DIR = Path(os.environ.get("KVMESH_BIN_DIR", ROOT / "target" / "debug"))
+sys.path.insert(0, str(ROOT / "tests" / "python"))
+from kvmesh_processes import Proc  # noqa: E402 (the Python suite's launcher)
+
 TOKENIZER = ROOT / ".cache" / "tokenizers" / "qwen3"
 MODEL = "qwen3"
 BLOCK_SIZE = 32
 CACHE_BLOCKS = 160
 # A cold engine start on this 2-core machine, two at once, import and model load included.
 ENGINE_START_TIMEOUT_S = 300
-READY_TIMEOUT_S = 60
 
 
 def free_port():
@@ -101,54 +102,6 @@ def metric_sum(page, name, **labels):
         if all(found.get(k) == v for k, v in labels.items()):
             total += value
     return total
-
-
-class Proc:
-    """A project binary that prints `LISTENING <name> <addr>` lines and `READY`."""
-
-    def __init__(self, binary, args, log_dir, env=None):
-        path = BIN_DIR / binary
-        if not path.exists():
-            raise RuntimeError(f"{path} missing: run `cargo build --workspace --bins` first")
-        self.name = binary
-        self.log_path = Path(log_dir) / f"{binary}-{id(self)}.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [str(path), *args],
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info"), **(env or {})},
-        )
-        self.listeners = {}
-        ready = threading.Event()
-
-        def read():
-            for raw in self.proc.stdout:
-                line = raw.decode(errors="replace").strip()
-                if line == "READY":
-                    ready.set()
-                elif line.startswith("LISTENING "):
-                    _, name, addr = line.split()[:3]
-                    self.listeners[name] = addr
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(READY_TIMEOUT_S) or self.proc.poll() is not None:
-            self.stop()
-            raise RuntimeError(f"{binary} failed to start: {self.log_path.read_text(errors='replace')[-4000:]}")
-
-    def url(self, name):
-        return f"http://{self.listeners[name]}"
-
-    def log(self):
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self._log.close()
 
 
 class Server:

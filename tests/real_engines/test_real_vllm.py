@@ -204,10 +204,13 @@ def test_identical_engines_learn_speeds_that_agree(cluster):
 
 
 def test_multi_turn_chats_stick_and_the_engines_cache_proves_it(cluster):
-    """Six conversations of four turns, interleaved: every later turn goes to the engine of
-    the first and that engine reports its earlier turns cached."""
+    """Four conversations of four turns, interleaved: every later turn goes to the engine of
+    the first and that engine reports its earlier turns cached. Their system prompts are
+    long enough (about 500 tokens) for the cache to matter: with a 50-token one, skipping it
+    saves the profile under a millisecond and a conversation moved with the engines'
+    learned speeds."""
     rng = random.Random(5)
-    convos = [[{"role": "system", "content": text(rng, 50)}] for _ in range(6)]
+    convos = [[{"role": "system", "content": text(rng, 500)}] for _ in range(4)]
     homes = {}
     later_prompt = later_cached = 0
     for turn in range(4):
