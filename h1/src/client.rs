@@ -420,6 +420,15 @@ mod tests {
         addr
     }
 
+    /// Sends `GET /` and reads the response head.
+    async fn get(roundtrip: &mut Roundtrip) {
+        roundtrip
+            .request_head()
+            .extend_from_slice(b"GET / HTTP/1.1\r\n\r\n");
+        roundtrip.send(b"").await.unwrap();
+        roundtrip.read_head().await.unwrap();
+    }
+
     async fn body(roundtrip: &mut Roundtrip) -> Vec<u8> {
         let mut body = Vec::new();
         while let Some(piece) = roundtrip.read_body().await.unwrap() {
@@ -438,11 +447,7 @@ mod tests {
         let pool = ConnectionPool::new(4, Duration::from_secs(60));
         for expected in [&b"ok"[..], b"hi"] {
             let (mut roundtrip, _) = Roundtrip::open(&pool, addr, None).await.unwrap();
-            roundtrip
-                .request_head()
-                .extend_from_slice(b"GET / HTTP/1.1\r\n\r\n");
-            roundtrip.send(b"").await.unwrap();
-            roundtrip.read_head().await.unwrap();
+            get(&mut roundtrip).await;
             assert_eq!(roundtrip.head().unwrap().status, 200);
             assert_eq!(body(&mut roundtrip).await, expected);
             roundtrip.release(&pool);
@@ -476,11 +481,7 @@ mod tests {
         });
         let pool = ConnectionPool::new(4, Duration::from_secs(60));
         let (mut roundtrip, _) = Roundtrip::open(&pool, addr, None).await.unwrap();
-        roundtrip
-            .request_head()
-            .extend_from_slice(b"GET / HTTP/1.1\r\n\r\n");
-        roundtrip.send(b"").await.unwrap();
-        roundtrip.read_head().await.unwrap();
+        get(&mut roundtrip).await;
         let mut bodies = vec![body(&mut roundtrip).await];
         roundtrip.release(&pool);
         closed_rx.await.unwrap();
@@ -495,11 +496,7 @@ mod tests {
         .expect("the engine's close reaches the pool");
         let (mut roundtrip, reused) = Roundtrip::open(&pool, addr, None).await.unwrap();
         assert!(!reused, "the closed connection was skipped for a new one");
-        roundtrip
-            .request_head()
-            .extend_from_slice(b"GET / HTTP/1.1\r\n\r\n");
-        roundtrip.send(b"").await.unwrap();
-        roundtrip.read_head().await.unwrap();
+        get(&mut roundtrip).await;
         bodies.push(body(&mut roundtrip).await);
         assert_eq!(bodies, [&b"ok"[..], b"new"]);
     }
@@ -528,11 +525,7 @@ mod tests {
         let addr = engine(vec![b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc"]).await;
         let pool = ConnectionPool::new(4, Duration::from_secs(60));
         let (mut roundtrip, _) = Roundtrip::open(&pool, addr, None).await.unwrap();
-        roundtrip
-            .request_head()
-            .extend_from_slice(b"GET / HTTP/1.1\r\n\r\n");
-        roundtrip.send(b"").await.unwrap();
-        roundtrip.read_head().await.unwrap();
+        get(&mut roundtrip).await;
         assert_eq!(roundtrip.read_body().await.unwrap().unwrap(), &b"abc"[..]);
         assert!(roundtrip.read_body().await.is_err());
     }

@@ -51,9 +51,6 @@ class Proc:
     def url(self, name):
         return f"http://{self.listeners[name]}"
 
-    def log(self):
-        return self.log_path.read_text(errors="replace")
-
     def stop(self):
         if self.proc.poll() is None:
             self.proc.kill()

@@ -176,23 +176,18 @@ class Engine:
 
         wait_until(f"vLLM {self.name} healthy", healthy, timeout=timeout, interval=0.5)
 
-    def kill(self, sig=signal.SIGKILL):
-        """Signals the whole process group (API server, engine core, worker) and reaps it."""
+    def kill(self):
+        """SIGKILLs the whole process group (API server, engine core, worker) and reaps it."""
         if self.proc is None:
             return
         try:
-            os.killpg(self.proc.pid, sig)
+            os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait()
         # The engine core and worker leave with their group; wait until the port is free.
         wait_until(f"vLLM {self.name} gone", lambda: http_refused(self.url), timeout=60, interval=0.2)
         self.proc = None
-
-    def restart(self):
-        self.kill(signal.SIGTERM)
-        self.launch()
-        self.wait_ready()
 
     def metrics(self):
         return metrics(self.url + "/metrics")
@@ -216,11 +211,11 @@ def proxy_config(etcd, nats, models_yaml, extra=""):
     )
 
 
-def listed_model(block_size=BLOCK_SIZE):
-    kv = f"    kv:\n      block_size: {block_size}\n" if block_size else ""
+def listed_model():
+    """The model as a new user lists it: no `kv.block_size` (the agents' records set it)."""
     return (
         f"models:\n  - name: {MODEL}\n    policy: kv\n    tokenizer: {TOKENIZER}\n"
-        f"    migration_limit: 3\n{kv}    backends: []\n"
+        f"    migration_limit: 3\n    backends: []\n"
     )
 
 

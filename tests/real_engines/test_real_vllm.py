@@ -203,6 +203,13 @@ def test_identical_engines_learn_speeds_that_agree(cluster):
     assert max(speeds) / min(speeds) < 1.25, speeds
 
 
+def agents_report_idle(cluster):
+    """Until every agent's last load report shows its engine with nothing running."""
+    wait_until("the agents to report idle engines", lambda: all(
+        metric_sum(metrics(a.url("agent") + "/metrics"), "kvmesh_agent_engine_running_requests") == 0
+        for a in cluster.agents.values()))
+
+
 def test_multi_turn_chats_stick_and_the_engines_cache_proves_it(cluster):
     """Four conversations of four turns, interleaved: every later turn goes to the engine of
     the first and that engine reports its earlier turns cached. Their system prompts are
@@ -216,6 +223,9 @@ def test_multi_turn_chats_stick_and_the_engines_cache_proves_it(cluster):
     for turn in range(4):
         for i, convo in enumerate(convos):
             convo.append({"role": "user", "content": text(rng, 30)})
+            # The engines' load reports must not still show the previous turn running: a
+            # report scraped during it, arriving after it ended, books it a second time.
+            agents_report_idle(cluster)
             route, usage, completion = chat(cluster, convo, max_tokens=8)
             instance = route["instance"]
             if turn == 0:

@@ -139,12 +139,7 @@ impl EventFed {
 
 impl OverlapSource for EventFed {
     fn find_matches(&self, query: &[SequenceHash], now: Instant) -> OverlapScores {
-        let predicted = self.feed.predicted.find_matches(query, now);
-        if self.feed.is_live() {
-            self.feed.index.find_matches(query).merge(predicted)
-        } else {
-            predicted
-        }
+        self.find_matches_reported(query, now).0
     }
 
     fn find_matches_reported(

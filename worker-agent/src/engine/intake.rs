@@ -116,13 +116,7 @@ impl Intake {
         let Some(&(first, _)) = batches.first() else {
             return;
         };
-        for (seq, payload) in batches {
-            if tracker.last().is_some_and(|last| seq <= last) {
-                continue;
-            }
-            self.process(&payload, Instant::now());
-            tracker.applied(seq);
-        }
+        self.apply_newer(tracker, batches);
         let result = if first == 0 { "ok" } else { "incomplete" };
         tracing::info!(
             rank = self.rank,
@@ -227,7 +221,12 @@ impl Intake {
             self.core.reset_rank(self.rank);
             *tracker = SeqTracker::default();
         }
-        for (seq, payload) in buffered.unwrap_or_default() {
+        self.apply_newer(tracker, buffered.unwrap_or_default());
+    }
+
+    /// Applies the replayed `batches` numbered after the last one `tracker` applied.
+    fn apply_newer(&self, tracker: &mut SeqTracker, batches: Vec<(u64, Bytes)>) {
+        for (seq, payload) in batches {
             if tracker.last().is_none_or(|last| seq > last) {
                 self.process(&payload, Instant::now());
                 tracker.applied(seq);
