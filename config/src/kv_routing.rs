@@ -68,6 +68,8 @@ pub struct KvRoutingConfig {
     /// (their stream never ended as far as the proxy could tell).
     #[serde(deserialize_with = "crate::duration::deserialize")]
     pub stale_request_timeout: Duration,
+    /// Checking the KV index against the engines' own `cached_tokens`.
+    pub cache_check: KvCacheCheckConfig,
 }
 
 impl Default for KvRoutingConfig {
@@ -89,6 +91,7 @@ impl Default for KvRoutingConfig {
             session_ttl: Duration::from_secs(600),
             track_output_blocks: false,
             stale_request_timeout: Duration::from_secs(300),
+            cache_check: KvCacheCheckConfig::default(),
         }
     }
 }
@@ -132,6 +135,30 @@ impl Default for KvQueueConfig {
         Self {
             max_size: 0,
             timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// How `policy: kv` checks its KV index against what the engines report they had cached
+/// (`usage.prompt_tokens_details.cached_tokens`, with KV events only).
+///
+/// An instance whose last `window` judged answers disagreed with the index `mismatches`
+/// times or more is scored by predictions alone and resynced from its agent.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvCacheCheckConfig {
+    /// Judged answers remembered per instance; 0: the check is off.
+    pub window: usize,
+    /// Disagreements among them that make the instance approximate and resync it; in
+    /// `1..=window`.
+    pub mismatches: usize,
+}
+
+impl Default for KvCacheCheckConfig {
+    fn default() -> Self {
+        Self {
+            window: 8,
+            mismatches: 3,
         }
     }
 }

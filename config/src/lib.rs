@@ -50,7 +50,9 @@ pub use events::{EventsConfig, EventsKind, JetStreamConfig};
 pub use field_path::{FieldPath, Segment};
 pub use grpc::{GRPC_LISTENER, GrpcConfig, MAX_GRPC_MESSAGE_BYTES};
 pub use health_check::HealthCheckConfig;
-pub use kv_routing::{FALLBACK_BLOCK_SIZE, KvQueueConfig, KvRoutingConfig, MAX_APPROX_TTL};
+pub use kv_routing::{
+    FALLBACK_BLOCK_SIZE, KvCacheCheckConfig, KvQueueConfig, KvRoutingConfig, MAX_APPROX_TTL,
+};
 pub use limits::LimitsConfig;
 pub use listener::{AdminConfig, ListenerConfig};
 pub use model::{

@@ -44,6 +44,16 @@ pub(crate) fn check_kv(kv: &KvRoutingConfig, path: &FieldPath) -> Checked {
     }
     positive(kv.queue.timeout, path.key("queue").key("timeout"))?;
     positive(kv.session_ttl, path.key("session_ttl"))?;
+    let check = &kv.cache_check;
+    if check.window > 0 && !(1..=check.window).contains(&check.mismatches) {
+        return fail(
+            path.key("cache_check").key("mismatches"),
+            format!(
+                "{} is not in 1..={} (the window)",
+                check.mismatches, check.window
+            ),
+        );
+    }
     if !kv.session_header.bytes().all(is_header_name_byte) {
         return fail(
             path.key("session_header"),

@@ -99,6 +99,7 @@ fn minimal_config_gets_every_default() {
     assert_eq!(kv.queue.max_size, 0);
     assert_eq!(kv.queue.timeout, Duration::from_secs(5));
     assert_eq!(kv.stale_request_timeout, Duration::from_secs(300));
+    assert_eq!((kv.cache_check.window, kv.cache_check.mismatches), (8, 3));
 }
 
 #[test]
@@ -848,6 +849,22 @@ fn kv_policy_settings_are_validated() {
         8,
         26,
     );
+    for mismatches in ["0", "9"] {
+        assert_err(
+            &kv(&format!(
+                "      cache_check:\n        mismatches: {mismatches}\n"
+            )),
+            "models[0].kv.cache_check.mismatches",
+            "the window",
+            9,
+            21,
+        );
+    }
+    let off = Config::from_yaml_str(
+        &kv("      cache_check:\n        window: 0\n        mismatches: 0\n"),
+        "kv.yaml",
+    );
+    assert_eq!(off.unwrap().models[0].kv.cache_check.window, 0);
     for ratio in ["0", "1.5"] {
         assert_err(
             &kv(&format!("      approx_prune_ratio: {ratio}\n")),

@@ -24,7 +24,8 @@
 //!    request picks again after a backoff, within `limits.retries` and the model's retry
 //!    budget.
 //! 7. **relay** ([`relay`]): the response head, then the body piece by piece (SSE timing,
-//!    metering, an error event if the engine breaks off).
+//!    metering, an error event if the engine breaks off). A whole answer's usage goes back
+//!    to the booking ([`pick::report_cached`]): its `cached_tokens` checks the KV index.
 //!    A stream whose engine breaks off mid-way **migrates** ([`migrate`]): it goes back to
 //!    4 with a continuation of what was sent, relayed into the same client answer (a stream
 //!    of several choices then goes back to 4 for each choice left, in turn).
@@ -68,7 +69,7 @@ use attempt::{Failover, attempt};
 use frontend::Frontend;
 use kvmesh_route::prepare::{InvalidPrompt, Preparer};
 use migrate::{Migration, migrated};
-use pick::{pick, queue};
+use pick::{pick, queue, report_cached};
 use pool_choice::choose_pool;
 use prefill::{Prefilled, prefill, prefill_only};
 use prepare::{charge_prompt, prepare};
@@ -249,6 +250,12 @@ async fn run<F: Frontend>(
         )
         .await;
         trace.relayed(&end);
+        // The engine's cached_tokens checks the KV index: a whole answer to the prompt the
+        // pick was made for (not a continuation, not a decode leg that pulled its KV).
+        let remote_prefill = matches!(prefilled, Some(Prefilled::Remote { .. }));
+        if matches!(end, RelayEnd::Complete) && record.migrations == 0 && !remote_prefill {
+            report_cached(&pick, &record.tokens);
+        }
         // A stream that broke off migrates; a continuation that finished one of several
         // choices hands over to the next unfinished one.
         let next = match end {

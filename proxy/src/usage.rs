@@ -1,7 +1,9 @@
 //! Counting a response's tokens as its body passes: the completion tokens (SSE: one per data
 //! event that carries text, corrected by a reported `usage.completion_tokens`; other bodies:
-//! their `usage.completion_tokens`) and the prompt tokens the engine reports
-//! (`usage.prompt_tokens`). Feeds the token metrics and the API keys' token meter.
+//! their `usage.completion_tokens`), the prompt tokens the engine reports
+//! (`usage.prompt_tokens`) and the part it had cached
+//! (`usage.prompt_tokens_details.cached_tokens`). Feeds the token metrics, the API keys'
+//! token meter and the KV index's check against the engine.
 //!
 //! SSE bodies arrive as whole events (the relay holds an event back until it is complete),
 //! so each piece is read line by line. Events without text are not tokens: `[DONE]`, a chat
@@ -11,8 +13,9 @@ use std::sync::LazyLock;
 
 use memchr::memmem::Finder;
 
-/// The end both usage fields share: `"completion_tokens"` (the authoritative completion
-/// count) and `"prompt_tokens"` (the prompt's). One forward search finds either.
+/// The end the usage fields share: `"completion_tokens"` (the authoritative completion
+/// count), `"prompt_tokens"` (the prompt's) and `"cached_tokens"` (its cached part). One
+/// forward search finds each.
 static TOKENS_FIELD_END: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"_tokens\""));
 /// The searches for what the data of an event without text holds (built once: a search
 /// built per call cost more than the search).
@@ -46,6 +49,8 @@ pub(crate) struct TokenCount {
     completion: Option<u64>,
     /// The last reported `prompt_tokens`.
     prompt: Option<u64>,
+    /// The last reported `cached_tokens`.
+    cached: Option<u64>,
 }
 
 impl TokenCount {
@@ -79,7 +84,8 @@ impl TokenCount {
         self.events += tokens as u64;
     }
 
-    /// Takes the last `"completion_tokens": N` and `"prompt_tokens": N` of `text`.
+    /// Takes the last `"completion_tokens": N`, `"prompt_tokens": N` and
+    /// `"cached_tokens": N` of `text`.
     fn take_usage(&mut self, text: &[u8]) {
         let end = TOKENS_FIELD_END.needle().len();
         for at in TOKENS_FIELD_END.find_iter(text) {
@@ -89,6 +95,8 @@ impl TokenCount {
                 self.completion = number().or(self.completion);
             } else if field.ends_with(b"\"prompt") {
                 self.prompt = number().or(self.prompt);
+            } else if field.ends_with(b"\"cached") {
+                self.cached = number().or(self.cached);
             }
         }
     }
@@ -101,6 +109,11 @@ impl TokenCount {
     /// The prompt tokens the engine reported, if it did.
     pub(crate) fn prompt_tokens(&self) -> Option<u64> {
         self.prompt
+    }
+
+    /// The prompt tokens the engine reported it had cached, if it did.
+    pub(crate) fn cached_tokens(&self) -> Option<u64> {
+        self.cached
     }
 }
 
@@ -158,6 +171,22 @@ mod tests {
             (count.completion_tokens(), count.prompt_tokens()),
             (7, Some(9))
         );
+        assert_eq!(count.cached_tokens(), None);
+    }
+
+    #[test]
+    fn the_cached_part_of_the_prompt_is_read_as_vllm_reports_it() {
+        // vLLM 0.32's usage with --enable-prompt-tokens-details.
+        let body = br#"{"usage":{"prompt_tokens":70,"total_tokens":71,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":64}}}"#;
+        let mut count = TokenCount::default();
+        count.observe(&body[..40], false);
+        count.observe(&body[40..], false);
+        assert_eq!(count.prompt_tokens(), Some(70));
+        assert_eq!(count.cached_tokens(), Some(64));
+        let mut streamed = TokenCount::default();
+        let event = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":70,\"prompt_tokens_details\": {\"cached_tokens\": 32}}}\n\n";
+        streamed.observe(event, true);
+        assert_eq!(streamed.cached_tokens(), Some(32));
     }
 
     #[test]

@@ -841,3 +841,107 @@ async fn once_no_registered_instance_is_left_the_next_record_sets_the_block_size
     let body = await_block_size(64).await;
     assert_eq!(body["status"], "ok", "{body}");
 }
+
+/// An engine answering every request with usage whose `cached_tokens` is `cached`'s value.
+async fn engine_reporting(cached: Arc<std::sync::atomic::AtomicU64>) -> Backend {
+    Backend::start(move |_| {
+        let tokens = cached.load(std::sync::atomic::Ordering::Relaxed);
+        async move {
+            let body = serde_json::json!({
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 26, "completion_tokens": 1, "total_tokens": 27,
+                          "prompt_tokens_details": {"cached_tokens": tokens}},
+            });
+            http::Response::builder()
+                .header("content-type", "application/json")
+                .body(support::full(body.to_string()))
+                .unwrap()
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn answers_that_keep_disagreeing_with_the_index_untrust_the_instance_until_its_resync() {
+    let harness = Harness::start().await;
+    let cached = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let engine = engine_reporting(Arc::clone(&cached)).await;
+    let id = 0xC1;
+    let agent = FakeAgent::serve(
+        &harness.bus,
+        &harness.namespace.snapshot_subject(InstanceId(id)),
+    )
+    .await;
+    let a = prompt(1, 6);
+    agent.script(SnapshotReply::Snapshot {
+        events: vec![RankedEvent {
+            dp_rank: 0,
+            event: stored(&a, 0, 6, 100),
+        }],
+        last_seq: 1,
+    });
+    harness.register(id, &engine.url).await;
+    harness.await_overlap(&engine.url, &a, 6).await;
+    harness
+        .await_metric("kvmesh_kv_index_source{mode=\"events\",model=\"m\"} 1")
+        .await;
+    // 26 tokens: the 6 cached blocks and 2 more tokens (vLLM's cap allows all 6 as a hit).
+    let mut tokens = a.clone();
+    tokens.extend([1, 2]);
+    let body = serde_json::json!({"model": MODEL, "prompt": tokens, "max_tokens": 1}).to_string();
+    let complete = || async {
+        let reply = send(
+            harness.main,
+            Method::POST,
+            "/v1/completions",
+            &[("content-type", "application/json")],
+            body.clone(),
+        )
+        .await;
+        assert_eq!(reply.status, 200);
+        let route = reply
+            .header("x-kvmesh-route")
+            .unwrap_or_default()
+            .to_string();
+        reply.text().await.unwrap();
+        route
+    };
+    let answers = |result: &str, n: u64| {
+        format!("kvmesh_route_cache_check_answers_total{{model=\"m\",result=\"{result}\"}} {n}\n")
+    };
+    cached.store(24, std::sync::atomic::Ordering::Relaxed);
+    assert!(complete().await.contains("reported_blocks=6"));
+    harness.await_metric(&answers("agreed", 1)).await;
+    // The engine lost its cache and the index never heard of it: three of the last eight
+    // answers disagree, and the instance is resynced. Its agent's snapshot is the truth.
+    cached.store(0, std::sync::atomic::Ordering::Relaxed);
+    agent.script(SnapshotReply::Snapshot {
+        events: Vec::new(),
+        last_seq: 1,
+    });
+    for _ in 0..3 {
+        complete().await;
+    }
+    harness.await_metric(&answers("disagreed", 3)).await;
+    harness
+        .await_metric("kvmesh_kv_resyncs_total{reason=\"cache_check\"} 1")
+        .await;
+    let untrusted = format!(
+        "kvmesh_route_cache_check_untrusted{{instance=\"{}\",model=\"m\"}} 0\n",
+        engine.url
+    );
+    harness.await_metric(&untrusted).await;
+    assert_eq!(
+        agent.requests(),
+        [SnapshotRequest::full(), SnapshotRequest::full()]
+    );
+    let mismatches = format!(
+        "kvmesh_route_cache_check_mismatches_total{{instance=\"{}\",model=\"m\"}} 3\n",
+        engine.url
+    );
+    assert!(harness.metrics().await.contains(&mismatches));
+    // Trusted again, the index holds what the engine holds: the next answer agrees.
+    assert!(complete().await.contains("reported_blocks=0"));
+    harness.await_metric(&answers("agreed", 2)).await;
+}

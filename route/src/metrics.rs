@@ -9,6 +9,7 @@ use prometheus::{
     IntGaugeVec, Opts, Registry,
 };
 
+use crate::kv::cache_check::Verdict;
 use crate::prepare::{FALLBACK_REASONS, FallbackReason};
 
 /// Routing-decision stage buckets (seconds): from a hash lookup to a long tokenization.
@@ -19,6 +20,11 @@ const STAGE_BUCKETS: &[f64] = &[
 /// Overlap buckets (blocks).
 const OVERLAP_BUCKETS: &[f64] = &[
     0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0,
+];
+
+/// Buckets of an index's expected minus an engine's actual cached blocks.
+const CHECK_BUCKETS: &[f64] = &[
+    -64.0, -16.0, -4.0, -2.0, -1.0, 0.0, 1.0, 2.0, 4.0, 16.0, 64.0,
 ];
 
 /// The families of `policy: kv`.
@@ -33,6 +39,10 @@ pub struct KvFamilies {
     queue_depth: IntGaugeVec,
     fallbacks: IntCounterVec,
     block_size_mismatch: IntGaugeVec,
+    cache_check_blocks: HistogramVec,
+    cache_check_answers: IntCounterVec,
+    cache_check_mismatches: IntCounterVec,
+    cache_check_untrusted: IntGaugeVec,
 }
 
 impl KvFamilies {
@@ -103,6 +113,35 @@ impl KvFamilies {
             ),
             &["model", "instance"],
         )?;
+        let cache_check_blocks = HistogramVec::new(
+            HistogramOpts::new(
+                "kvmesh_route_cache_check_blocks",
+                "policy kv: per judged answer, the prompt blocks the KV index expected the engine to have cached minus those its cached_tokens reported (both capped as vLLM caps a full hit).",
+            )
+            .buckets(CHECK_BUCKETS.to_vec()),
+            &["model"],
+        )?;
+        let cache_check_answers = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_route_cache_check_answers_total",
+                "policy kv: answers checked against the KV index by their cached_tokens, by result (agreed, disagreed, without_cached_tokens: usage without prompt_tokens_details, not judged).",
+            ),
+            &["model", "result"],
+        )?;
+        let cache_check_mismatches = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_route_cache_check_mismatches_total",
+                "policy kv: answers whose cached_tokens disagreed with the KV index, per instance.",
+            ),
+            &["model", "instance"],
+        )?;
+        let cache_check_untrusted = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_route_cache_check_untrusted",
+                "policy kv: 1 while an instance is scored by predictions alone because its answers' cached_tokens disagreed with the KV index (kv.cache_check), until its resync answers.",
+            ),
+            &["model", "instance"],
+        )?;
         registry.register(Box::new(overlap_blocks.clone()))?;
         registry.register(Box::new(decision_seconds.clone()))?;
         registry.register(Box::new(index_blocks.clone()))?;
@@ -112,6 +151,10 @@ impl KvFamilies {
         registry.register(Box::new(queue_depth.clone()))?;
         registry.register(Box::new(fallbacks.clone()))?;
         registry.register(Box::new(block_size_mismatch.clone()))?;
+        registry.register(Box::new(cache_check_blocks.clone()))?;
+        registry.register(Box::new(cache_check_answers.clone()))?;
+        registry.register(Box::new(cache_check_mismatches.clone()))?;
+        registry.register(Box::new(cache_check_untrusted.clone()))?;
         Ok(Self {
             overlap_blocks,
             decision_seconds,
@@ -122,6 +165,10 @@ impl KvFamilies {
             queue_depth,
             fallbacks,
             block_size_mismatch,
+            cache_check_blocks,
+            cache_check_answers,
+            cache_check_mismatches,
+            cache_check_untrusted,
         })
     }
 
@@ -142,6 +189,11 @@ impl KvFamilies {
             fallbacks: FallbackReason::ALL
                 .map(|reason| self.fallbacks.with_label_values(&[model, reason.label()])),
             block_size_mismatch: self.block_size_mismatch.clone(),
+            cache_check_blocks: self.cache_check_blocks.with_label_values(&[model]),
+            cache_check_answers: CHECK_RESULTS
+                .map(|result| self.cache_check_answers.with_label_values(&[model, result])),
+            cache_check_mismatches: self.cache_check_mismatches.clone(),
+            cache_check_untrusted: self.cache_check_untrusted.clone(),
         }
     }
 
@@ -151,6 +203,12 @@ impl KvFamilies {
         let _ = self.instance_speed.remove_label_values(&[model, instance]);
         let _ = self
             .block_size_mismatch
+            .remove_label_values(&[model, instance]);
+        let _ = self
+            .cache_check_mismatches
+            .remove_label_values(&[model, instance]);
+        let _ = self
+            .cache_check_untrusted
             .remove_label_values(&[model, instance]);
     }
 }
@@ -215,7 +273,18 @@ pub struct KvMetrics {
     fallbacks: [IntCounter; FALLBACK_REASONS],
     /// `kvmesh_route_block_size_mismatch{model,instance}`, resolved per scrape.
     block_size_mismatch: IntGaugeVec,
+    /// `kvmesh_route_cache_check_blocks{model}`.
+    cache_check_blocks: Histogram,
+    /// `kvmesh_route_cache_check_answers_total{model,result}`, in [`CHECK_RESULTS`] order.
+    cache_check_answers: [IntCounter; 3],
+    /// `kvmesh_route_cache_check_mismatches_total{model,instance}`, resolved per mismatch.
+    cache_check_mismatches: IntCounterVec,
+    /// `kvmesh_route_cache_check_untrusted{model,instance}`, resolved per scrape.
+    cache_check_untrusted: IntGaugeVec,
 }
+
+/// The `result` labels of `kvmesh_route_cache_check_answers_total`.
+const CHECK_RESULTS: [&str; 3] = ["agreed", "disagreed", "without_cached_tokens"];
 
 impl KvMetrics {
     /// Records the time one stage took.
@@ -245,6 +314,31 @@ impl KvMetrics {
         self.block_size_mismatch
             .with_label_values(&[self.model.as_str(), instance])
             .set(i64::from(mismatch));
+    }
+
+    /// Sets `kvmesh_route_cache_check_untrusted` of `instance` (its URL).
+    pub fn set_cache_check_untrusted(&self, instance: &str, untrusted: bool) {
+        self.cache_check_untrusted
+            .with_label_values(&[self.model.as_str(), instance])
+            .set(i64::from(untrusted));
+    }
+
+    /// Counts an answer of `instance` (its URL) judged against the index: `verdict`, and the
+    /// expected minus the actual cached blocks.
+    pub(crate) fn count_cache_check(&self, instance: &str, verdict: Verdict, difference: i64) {
+        self.cache_check_blocks.observe(difference as f64);
+        let agreed = verdict == Verdict::Agreed;
+        self.cache_check_answers[usize::from(!agreed)].inc();
+        if !agreed {
+            self.cache_check_mismatches
+                .with_label_values(&[self.model.as_str(), instance])
+                .inc();
+        }
+    }
+
+    /// Counts an answer with usage but without `cached_tokens` (not judged).
+    pub(crate) fn count_without_cached_tokens(&self) {
+        self.cache_check_answers[2].inc();
     }
 
     /// Counts a request routed without tokens.

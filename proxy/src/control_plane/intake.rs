@@ -22,6 +22,8 @@
 //!   index once all its instances have answered.
 //! - Load reports refresh the reporting instance's reported load (see
 //!   `kvmesh_route::kv`), valid for `events.load_report_ttl`.
+//! - An instance whose answers' `cached_tokens` kept disagreeing with the index
+//!   (`kv.cache_check`) is resynced; the snapshot's answer makes it trusted again.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Weak};
@@ -344,12 +346,14 @@ impl Intake {
         } = self;
         let mut connection = bus.connection_state();
         let (answers_tx, mut answers) = mpsc::unbounded_channel();
+        let (untrusted_tx, mut untrusted) = mpsc::unbounded_channel();
         let durable = bus.is_durable();
         let mut actor = Actor {
             bus,
             settings,
             metrics,
             answers: answers_tx,
+            untrusted: untrusted_tx,
             permits: Arc::new(Semaphore::new(MAX_CONCURRENT_RESYNCS)),
             members: HashMap::new(),
             models: HashMap::new(),
@@ -381,6 +385,7 @@ impl Intake {
                 Some(message) = decisions.next() => actor.on_decision(&message),
                 Some(input) = inputs.recv() => actor.on_input(input),
                 Some(answer) = answers.recv() => actor.on_answer(answer),
+                Some(id) = untrusted.recv() => actor.on_untrusted(id),
                 changed = connection.changed() => {
                     if changed.is_err() {
                         break;
@@ -400,6 +405,8 @@ struct Actor {
     settings: IntakeSettings,
     metrics: ControlMetrics,
     answers: mpsc::UnboundedSender<ResyncAnswer>,
+    /// Where the models' event feeds name the instances their cache check untrusted.
+    untrusted: mpsc::UnboundedSender<u64>,
     permits: Arc<Semaphore>,
     members: HashMap<u64, Member>,
     models: HashMap<String, ModelSync>,
@@ -599,6 +606,7 @@ impl Actor {
         if new_pool {
             self.share(&pool);
         }
+        feed.resync_requests_to(self.untrusted.clone());
         let sync = self
             .models
             .entry(model.clone())
@@ -673,6 +681,7 @@ impl Actor {
                 let outcome = self.tracker.on_reply(answer.id, reply);
                 self.execute(answer.id, outcome);
                 if let Some(member) = self.members.get(&answer.id) {
+                    member.feed.trust(answer.id);
                     let model = member.model.clone();
                     if let Some(sync) = self.models.get_mut(&model) {
                         sync.awaiting.remove(&answer.id);
@@ -686,6 +695,19 @@ impl Actor {
                 let request = self.tracker.resync(answer.id);
                 self.request(answer.id, request, ResyncReason::Retry, RETRY_MAX);
             }
+        }
+    }
+
+    /// Instance `id`'s answers disagreed with the index too often: resync it (its feed
+    /// trusts it again when the snapshot's answer is applied).
+    fn on_untrusted(&mut self, id: u64) {
+        if !self.members.contains_key(&id) {
+            return;
+        }
+        tracing::info!(id = %format_args!("{id:016x}"), "resyncing an instance its cache check untrusted");
+        if self.connected && !self.tracker.is_resyncing(id) {
+            let request = self.tracker.resync(id);
+            self.request(id, request, ResyncReason::CacheCheck, Duration::ZERO);
         }
     }
 

@@ -46,17 +46,21 @@ pub(crate) enum ResyncReason {
     Repair,
     /// A resync request failed, timed out or got an unreadable answer, and is sent again.
     Retry,
+    /// The engine's answers' `cached_tokens` kept disagreeing with the index
+    /// (`kv.cache_check`).
+    CacheCheck,
 }
 
 impl ResyncReason {
     /// Every reason, for metric handles.
-    pub(crate) const ALL: [Self; 6] = [
+    pub(crate) const ALL: [Self; 7] = [
         Self::FirstSight,
         Self::Gap,
         Self::Reconnect,
         Self::Overflow,
         Self::Repair,
         Self::Retry,
+        Self::CacheCheck,
     ];
 
     /// The metric label.
@@ -68,6 +72,7 @@ impl ResyncReason {
             Self::Overflow => "overflow",
             Self::Repair => "repair",
             Self::Retry => "retry",
+            Self::CacheCheck => "cache_check",
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Queueing and picking (phases 3 and 4 of [`crate::request`]): a request waits in the
 //! policy's bounded queue while every instance is busy (`policy: kv`); then the policy names
-//! the next instance not tried yet, booking the request's load on it (`policy: kv`).
+//! the next instance not tried yet, booking the request's load on it (`policy: kv`). Once
+//! the answer is whole, its usage goes back to the booking ([`report_cached`]).
 
 use std::sync::Arc;
 
@@ -16,6 +17,7 @@ use crate::pool::ModelPool;
 use crate::request::frontend::{Frontend, unless_gone};
 use crate::request::prepare::Picker;
 use crate::request::stop::Stop;
+use crate::usage::TokenCount;
 
 /// Seconds a client should wait after a 503 because every instance was busy.
 const BUSY_RETRY_AFTER_SECS: u64 = 1;
@@ -67,6 +69,17 @@ pub(crate) fn pick<'a>(
         booking: picked.booking,
         route: picked.explanation.map(route_header),
     })
+}
+
+/// Hands the engine's usage in `tokens` (a whole answer to the prompt `pick` was made for)
+/// to its booking, which judges the KV index by the answer's `cached_tokens` (`policy: kv`
+/// under live KV events; an answer without usage says nothing).
+pub(crate) fn report_cached(pick: &Pick<'_>, tokens: &TokenCount) {
+    if let Some(booking) = &pick.booking
+        && tokens.prompt_tokens().is_some()
+    {
+        booking.engine_cached(pick.instance.url().as_str(), tokens.cached_tokens());
+    }
 }
 
 /// `x-kvmesh-route` with `explanation` as its value.

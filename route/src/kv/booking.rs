@@ -2,13 +2,26 @@
 //! response byte ([`Booking::prefill_done`]), everything when the guard drops (the response
 //! ended, the client left, or the attempt failed and the request is routed again). While a
 //! stream runs, its output grows the load a block at a time ([`Booking::generated`]). Each
-//! release wakes the requests waiting for admission.
+//! release wakes the requests waiting for admission. Under live KV events it also carries
+//! what the index expects the engine to report cached, to judge the answer by
+//! ([`Booking::engine_cached`], [`crate::kv::cache_check`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use crate::kv::admission::Admission;
+use crate::kv::cache_check::{Expectation, Verdict};
+use crate::kv::event_feed::EventFeed;
 use crate::kv::load::ActiveLoads;
+use crate::metrics::KvMetrics;
+
+/// What the index expects a request's answer to report cached, and where to judge it.
+#[derive(Debug)]
+pub(crate) struct AnswerCheck<'a> {
+    pub(crate) feed: &'a EventFeed,
+    pub(crate) metrics: &'a KvMetrics,
+    pub(crate) expected: Expectation,
+}
 
 /// One request's booked load on one instance.
 #[derive(Debug)]
@@ -21,6 +34,8 @@ pub struct Booking<'a> {
     block_size: u64,
     /// Output tokens generated so far.
     output_tokens: AtomicU64,
+    /// What its answer is judged against (`None`: it is not judged).
+    check: Option<AnswerCheck<'a>>,
 }
 
 impl<'a> Booking<'a> {
@@ -41,6 +56,54 @@ impl<'a> Booking<'a> {
             id,
             block_size,
             output_tokens: AtomicU64::new(0),
+            check: None,
+        }
+    }
+
+    /// The booking, whose answer is judged by `check`.
+    pub(crate) fn checked_by(mut self, check: Option<AnswerCheck<'a>>) -> Self {
+        self.check = check;
+        self
+    }
+
+    /// The engine's whole answer reported its usage, with `cached_tokens` (`None`: without
+    /// `prompt_tokens_details.cached_tokens`). Judged against what the index expected of
+    /// instance `instance_url` (a booking without an expectation ignores it): counted,
+    /// and past the threshold the instance is untrusted and resynced. Call it only for an
+    /// answer to the prompt the booking was made for (not a decode leg, not a migrated
+    /// stream's continuation).
+    pub fn engine_cached(&self, instance_url: &str, cached_tokens: Option<u64>) {
+        let Some(check) = &self.check else {
+            return;
+        };
+        let Some(tokens) = cached_tokens else {
+            check.metrics.count_without_cached_tokens();
+            if check.feed.without_cached_tokens(self.instance) {
+                tracing::warn!(
+                    instance = instance_url,
+                    "the engine's usage has no prompt_tokens_details.cached_tokens: its KV cache \
+                     cannot be checked against the index (vLLM: --enable-prompt-tokens-details)"
+                );
+            }
+            return;
+        };
+        let expected = &check.expected;
+        let actual = expected.actual_blocks(tokens);
+        let Some(verdict) = check.feed.judge(self.instance, expected, actual) else {
+            return;
+        };
+        let difference = i64::from(expected.reported) - i64::from(actual);
+        check
+            .metrics
+            .count_cache_check(instance_url, verdict, difference);
+        if verdict == Verdict::Tripped {
+            tracing::warn!(
+                instance = instance_url,
+                expected_blocks = expected.reported,
+                actual_blocks = actual,
+                "the engine's cached_tokens keep disagreeing with the KV index: scoring the \
+                 instance by predictions alone and resyncing it"
+            );
         }
     }
 

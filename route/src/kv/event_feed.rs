@@ -16,19 +16,27 @@
 //! Keeping them for `approx_ttl` (120 s) instead of 2 s cut the conversation trace's TTFT p50
 //! by 7 % and raised its reuse, chat unchanged within noise (docs/configuration.md, *The
 //! defaults*). A fallback starts with them already predicted instead of an empty cache.
+//!
+//! The feed also checks itself against the engines' answers ([`crate::kv::cache_check`]): an
+//! instance whose answers keep disagreeing with the index is *untrusted* (scored by its
+//! predictions alone, its events still applied) and a resync of it is asked for
+//! ([`EventFeed::resync_requests_to`]) until its snapshot makes it trusted again.
 
 use std::collections::HashSet;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
+use kvmesh_config::KvCacheCheckConfig;
+use tokio::sync::mpsc;
 
 use kvmesh_kv::{
     ApplyOutcome, ApproxConfig, ApproxConfigError, BlockHashes, KvEvent, KvIndex, OverlapScores,
     SequenceHash, WorkerKey,
 };
 
+use crate::kv::cache_check::{CacheCheck, CacheCheckState, Expectation, Verdict};
 use crate::kv::overlap::{Approximate, OverlapSource};
 
 /// The event-fed index of one model, its routing decisions beside it, and whether the index
@@ -45,17 +53,93 @@ pub struct EventFeed {
     /// Instances whose events are not indexed (their engine's block size differs from the
     /// model's, so their hashes could never match): they are scored by predictions alone.
     approximate_only: ArcSwap<HashSet<u64>>,
+    /// Instances whose answers disagreed with the index too often: scored by predictions
+    /// alone until a resync answers (their events are still indexed).
+    untrusted: ArcSwap<HashSet<u64>>,
+    /// The answers judged against the index.
+    check: CacheCheck,
+    /// Where an untrusted instance's resync is asked for (the intake).
+    resyncs: Mutex<Option<mpsc::UnboundedSender<u64>>>,
 }
 
 impl EventFeed {
-    /// An empty feed whose decisions are predicted as approximate mode's are (`limits`).
-    pub fn new(limits: ApproxConfig) -> Result<Self, ApproxConfigError> {
+    /// An empty feed whose decisions are predicted as approximate mode's are (`limits`),
+    /// checked against the engines' answers as `check` says.
+    pub fn new(
+        limits: ApproxConfig,
+        check: &KvCacheCheckConfig,
+    ) -> Result<Self, ApproxConfigError> {
         Ok(Self {
             index: KvIndex::default(),
             predicted: Approximate::new(limits)?,
             live: AtomicBool::new(false),
             approximate_only: ArcSwap::from_pointee(HashSet::new()),
+            untrusted: ArcSwap::from_pointee(HashSet::new()),
+            check: CacheCheck::new(check),
+            resyncs: Mutex::new(None),
         })
+    }
+
+    /// From now on, the id of every instance that becomes untrusted goes to `requests`, whose
+    /// receiver resyncs it and then calls [`Self::trust`].
+    pub fn resync_requests_to(&self, requests: mpsc::UnboundedSender<u64>) {
+        *self.resyncs.lock().unwrap_or_else(PoisonError::into_inner) = Some(requests);
+    }
+
+    /// Instance `instance` was resynced from its agent's snapshot: its overlap is read from
+    /// the index again, and its check starts over.
+    pub fn trust(&self, instance: u64) {
+        self.check.trusted(instance);
+        toggle(&self.untrusted, instance, false);
+    }
+
+    /// Whether instance `instance` is scored by its predictions alone because its answers
+    /// disagreed with the index (until its resync answers).
+    pub fn is_untrusted(&self, instance: u64) -> bool {
+        let untrusted = self.untrusted.load();
+        !untrusted.is_empty() && untrusted.contains(&instance)
+    }
+
+    /// Whether answers are judged against the index now: the check is on and events flow.
+    pub(crate) fn checks(&self) -> bool {
+        self.check.is_on() && self.is_live()
+    }
+
+    /// Judges an answer of instance `instance` that reported `actual` blocks cached against
+    /// what its routing decision `expected`; past the check's threshold the instance is
+    /// untrusted and its resync asked for. `None`: not judged (the instance is untrusted).
+    pub(crate) fn judge(
+        &self,
+        instance: u64,
+        expected: &Expectation,
+        actual: u32,
+    ) -> Option<Verdict> {
+        let verdict = self.check.judge(instance, expected, actual)?;
+        if verdict == Verdict::Tripped {
+            toggle(&self.untrusted, instance, true);
+            let resyncs = self.resyncs.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(resyncs) = resyncs.as_ref() {
+                let _ = resyncs.send(instance);
+            }
+        }
+        Some(verdict)
+    }
+
+    /// Counts an answer of instance `instance` with usage but no `cached_tokens`; returns
+    /// whether it was the instance's first.
+    pub(crate) fn without_cached_tokens(&self, instance: u64) -> bool {
+        self.check.without_details(instance)
+    }
+
+    /// Instance `instance`'s check, for `/debug/route` (`None`: off or nothing counted).
+    pub(crate) fn check_state(&self, instance: u64) -> Option<CacheCheckState> {
+        self.check.state(instance)
+    }
+
+    /// Forgets instance `instance`'s check and trust (it left the pool).
+    pub(crate) fn forget_check(&self, instance: u64) {
+        self.check.forget(instance);
+        toggle(&self.untrusted, instance, false);
     }
 
     /// The index the intake applies events to (read-only uses: lookups, sizes).
@@ -87,19 +171,7 @@ impl EventFeed {
     /// of it is dropped) or are again (`false`): while its engine's block size differs from
     /// the model's, its hashes could never match, and it is scored by predictions alone.
     pub fn set_approximate_only(&self, instance: u64, on: bool) {
-        if self.approximate_only.load().contains(&instance) == on {
-            return;
-        }
-        self.approximate_only.rcu(|current| {
-            let mut next = HashSet::clone(current);
-            if on {
-                next.insert(instance);
-            } else {
-                next.remove(&instance);
-            }
-            next
-        });
-        if on {
+        if toggle(&self.approximate_only, instance, on) && on {
             self.index.remove_worker(instance);
         }
     }
@@ -121,6 +193,23 @@ impl EventFeed {
     pub fn set_live(&self, live: bool) {
         self.live.store(live, Ordering::Release);
     }
+}
+
+/// Puts `instance` into `set` (`on`) or takes it out; returns whether that changed the set.
+fn toggle(set: &ArcSwap<HashSet<u64>>, instance: u64, on: bool) -> bool {
+    if set.load().contains(&instance) == on {
+        return false;
+    }
+    set.rcu(|current| {
+        let mut next = HashSet::clone(current);
+        if on {
+            next.insert(instance);
+        } else {
+            next.remove(&instance);
+        }
+        next
+    });
+    true
 }
 
 /// Overlaps from the event-fed index and the predictions while events flow, else from the
@@ -149,7 +238,13 @@ impl OverlapSource for EventFed {
     ) -> (OverlapScores, Option<OverlapScores>) {
         let predicted = self.feed.predicted.find_matches(query, now);
         if self.feed.is_live() {
-            let reported = self.feed.index.find_matches(query);
+            let mut reported = self.feed.index.find_matches(query);
+            let untrusted = self.feed.untrusted.load();
+            if !untrusted.is_empty() {
+                reported
+                    .workers
+                    .retain(|overlap| !untrusted.contains(&overlap.worker.instance_id));
+            }
             (reported.clone().merge(predicted), Some(reported))
         } else {
             (predicted, None)
@@ -192,7 +287,7 @@ mod tests {
             ttl: TTL,
             ..ApproxConfig::default()
         };
-        let feed = Arc::new(EventFeed::new(limits).unwrap());
+        let feed = Arc::new(EventFeed::new(limits, &KvCacheCheckConfig::default()).unwrap());
         (Arc::clone(&feed), EventFed::new(feed))
     }
 

@@ -3,6 +3,7 @@
 
 use serde::Serialize;
 
+use crate::kv::cache_check::CacheCheckState;
 use crate::kv::decision::{Decision, KvRequest};
 use crate::kv::overlap::instance_depth;
 use crate::prepare::RouteInput;
@@ -111,6 +112,10 @@ pub struct InstanceExplanation {
     /// not read from its KV events. Absent when they agree.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) block_size_mismatch: Option<u64>,
+    /// How its engine's answers compared with the index (`kv.cache_check`); absent while
+    /// the check is off or nothing was counted yet.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) cache_check: Option<CacheCheckState>,
 }
 
 /// [`route_header`], followed by `; block_size_mismatch=<the engine's block size>` when the

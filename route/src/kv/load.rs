@@ -378,6 +378,19 @@ impl ActiveLoads {
         self.snapshot_with(instance, query, SharedSpeed::default())
     }
 
+    /// Whether instance `instance` has no request of this proxy in flight and none ended
+    /// within `grace` before `now` (its engine's KV events have had time to arrive).
+    pub(crate) fn settled(&self, instance: u64, now: Instant, grace: Duration) -> bool {
+        self.cell(instance).is_some_and(|cell| {
+            let load = Self::lock(&cell);
+            load.requests.is_empty()
+                && load
+                    .released
+                    .back()
+                    .is_none_or(|(at, _)| now.saturating_duration_since(*at) >= grace)
+        })
+    }
+
     /// Instance `instance`'s KV cache capacity in blocks (0: unknown).
     pub(crate) fn capacity(&self, instance: u64) -> u64 {
         self.cell(instance)

@@ -32,11 +32,16 @@
 //!
 //! The block size is `kv.block_size`, or the first instance record's ([`block_size`]); an
 //! instance whose engine runs another is scored by predictions alone and reported.
+//!
+//! Under live KV events the router checks its index against the engines' own accounting
+//! ([`cache_check`]): each answer's `cached_tokens` is compared with the overlap the engine
+//! had reported, and an instance that keeps disagreeing is scored approximately and resynced.
 
 mod admission;
 mod block_size;
 mod booking;
 mod busy;
+pub(crate) mod cache_check;
 mod cost;
 mod decision;
 mod event_feed;
@@ -52,6 +57,7 @@ mod speed;
 pub use admission::Rejected;
 pub use block_size::BlockSizeFit;
 pub use booking::Booking;
+pub use cache_check::{CacheCheckState, CheckedAnswer};
 pub use cost::{Cost, RequestShape};
 pub use decision::{Choice, Decision, KvRequest, SharedDecision};
 pub use event_feed::EventFeed;

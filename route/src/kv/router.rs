@@ -13,8 +13,9 @@ use tokio::sync::mpsc;
 use crate::candidates::{Candidate, CandidateSet};
 use crate::kv::admission::{Admission, Rejected};
 use crate::kv::block_size::{BlockSizeFit, ModelBlockSize};
-use crate::kv::booking::Booking;
+use crate::kv::booking::{AnswerCheck, Booking};
 use crate::kv::busy::BusyThresholds;
+use crate::kv::cache_check::{Expectation, SETTLE_GRACE};
 use crate::kv::cost::{CandidateLoad, Cost, CostModel, EngineProfile, RequestShape};
 use crate::kv::decision::{Choice, Decision, KvRequest, SharedDecision};
 use crate::kv::event_feed::{EventFed, EventFeed};
@@ -90,7 +91,7 @@ impl KvRouter {
             prune_target_ratio: config.approx_prune_ratio,
         };
         let events = if kv_events {
-            Some(Arc::new(EventFeed::new(limits)?))
+            Some(Arc::new(EventFeed::new(limits, &config.cache_check)?))
         } else {
             None
         };
@@ -212,6 +213,7 @@ impl KvRouter {
         self.block_size.forget(instance);
         if let Some(feed) = &self.events {
             feed.set_approximate_only(instance, false);
+            feed.forget_check(instance);
         }
         if let Some(sessions) = &self.sessions {
             sessions.remove_instance(instance);
@@ -594,6 +596,7 @@ impl KvRouter {
         if let (Some(sessions), Some(session)) = (&self.sessions, &request.session) {
             sessions.bind(session, decision.instance_id, now);
         }
+        let check = self.answer_check(decision.instance_id, request, now);
         let id = self.loads.book(decision.instance_id, booked, now);
         let output_block_size = if self.track_output_blocks {
             self.block_size()
@@ -607,6 +610,48 @@ impl KvRouter {
             id,
             output_block_size,
         )
+        .checked_by(check)
+    }
+
+    /// What the index expects instance `instance`'s answer to `request` to report cached,
+    /// judged when it comes ([`crate::kv::cache_check`]); `None` when it is not judged: the
+    /// check is off, events do not flow, the request has no tokens, or the instance is
+    /// scored approximately. Taken before the request is booked: whether the instance had
+    /// other requests in flight decides how much the proxy's own predictions may add.
+    fn answer_check(
+        &self,
+        instance: u64,
+        request: &KvRequest,
+        now: Instant,
+    ) -> Option<AnswerCheck<'_>> {
+        let feed = self.events.as_deref().filter(|feed| feed.checks())?;
+        let reported = request.reported.as_ref()?;
+        let RouteInput::Tokens(prompt) = &request.input else {
+            return None;
+        };
+        if feed.is_approximate_only(instance) || feed.is_untrusted(instance) {
+            return None;
+        }
+        let block_size = prompt.block_size.max(1);
+        let cap = u32::try_from(prompt.tokens.saturating_sub(1) / block_size).unwrap_or(u32::MAX);
+        let reported = instance_depth(reported, instance).min(cap);
+        let settled = self.replicas.on(instance).requests == 0
+            && self.loads.settled(instance, now, SETTLE_GRACE);
+        let allowed = if settled {
+            reported
+        } else {
+            instance_depth(&request.scores, instance).min(cap)
+        };
+        Some(AnswerCheck {
+            feed,
+            metrics: &self.metrics,
+            expected: Expectation {
+                reported,
+                allowed,
+                cap,
+                block_size: u32::try_from(block_size).unwrap_or(u32::MAX),
+            },
+        })
     }
 
     /// How each instance would be scored for `request` now, and which one would be chosen;
@@ -708,6 +753,10 @@ impl KvRouter {
                     cost: e.cost.value,
                     probability,
                     block_size_mismatch: self.block_size.conflict(instance.id()),
+                    cache_check: self
+                        .events
+                        .as_deref()
+                        .and_then(|feed| feed.check_state(instance.id())),
                 })
                 .collect(),
         }
@@ -750,6 +799,10 @@ impl KvRouter {
             let mismatch = self.block_size.conflict(instance.id()).is_some();
             self.metrics
                 .set_block_size_mismatch(instance.url(), mismatch);
+            if let Some(feed) = &self.events {
+                self.metrics
+                    .set_cache_check_untrusted(instance.url(), feed.is_untrusted(instance.id()));
+            }
         }
     }
 }

@@ -905,3 +905,184 @@ fn a_configured_block_size_stays_whatever_the_records_say() {
         "10 blocks of 16"
     );
 }
+
+/// Books `request` on instance `index` of `instances` (the others excluded).
+fn pick_on<'r>(
+    router: &'r KvRouter,
+    instances: &[Arc<Fake>],
+    request: KvRequest,
+    index: usize,
+) -> crate::policy::Picked<'r> {
+    use crate::policy::Policy;
+    let mut excluded = Excluded::default();
+    for other in (0..instances.len()).filter(|&i| i != index) {
+        excluded.insert(other);
+    }
+    let picked = router
+        .pick(
+            &Candidates::new(instances, &excluded, 0),
+            &PolicyInput::Kv(request),
+        )
+        .expect("the one instance left");
+    assert_eq!(picked.index, index);
+    picked
+}
+
+#[test]
+fn answers_check_the_index_and_an_instance_that_keeps_disagreeing_is_resynced() {
+    let registry = Registry::new();
+    let families = KvFamilies::register(&registry).unwrap();
+    let instances = instances(2);
+    let checked = KvRoutingConfig {
+        cache_check: kvmesh_config::KvCacheCheckConfig {
+            window: 4,
+            mismatches: 2,
+        },
+        ..config()
+    };
+    let router = KvRouter::new(&checked, None, false, true, families.model("m")).unwrap();
+    for instance in &instances {
+        router.add_instance(instance.id());
+    }
+    let feed = Arc::clone(router.event_feed().expect("events on"));
+    feed.set_live(true);
+    let (resyncs, mut resync_requests) = mpsc::unbounded_channel();
+    feed.resync_requests_to(resyncs);
+    let url = |i: usize| instances[i].url.clone();
+    // Instance 0's engine reported all 16 blocks of a 64-token prompt.
+    let cached = request(&router, &conversation(1, 64));
+    feed.apply(kvmesh_kv::WorkerKey::new(0, 0), &stored_event(&cached));
+    let ask = || request(&router, &conversation(1, 66));
+    // Its answer agrees: 64 tokens cached (the cap, ⌊65 / 4⌋ = 16 blocks, allows them all).
+    let picked = pick_on(&router, &instances, ask(), 0);
+    let booking = picked.booking.expect("booked");
+    booking.engine_cached(&url(0), Some(64));
+    drop(booking);
+    // The engine evicted half without the index hearing of it: fewer blocks than reported
+    // disagree, whatever else runs there.
+    let booking = pick_on(&router, &instances, ask(), 0).booking.unwrap();
+    booking.engine_cached(&url(0), Some(32));
+    drop(booking);
+    assert!(resync_requests.try_recv().is_err(), "one disagreement of 2");
+    assert!(!feed.is_untrusted(0));
+    let booking = pick_on(&router, &instances, ask(), 0).booking.unwrap();
+    booking.engine_cached(&url(0), Some(0));
+    drop(booking);
+    // Two of the last four: untrusted, its resync asked for, scored by predictions alone.
+    assert_eq!(resync_requests.try_recv().ok(), Some(0));
+    assert!(feed.is_untrusted(0));
+    let explanation = router.explain(&instances, &ask(), 0, &mut StdRng::seed_from_u64(0));
+    let first = &explanation.instances[0];
+    assert_eq!(first.reported_blocks, Some(0), "its events are not read");
+    assert_eq!(
+        first.overlap_blocks, 16,
+        "its routing decisions still predict it"
+    );
+    let state = first.cache_check.clone().expect("checked");
+    assert_eq!((state.judged, state.disagreed), (3, 2));
+    assert!(state.untrusted);
+    assert_eq!(
+        state.last,
+        Some(crate::kv::CheckedAnswer {
+            expected_blocks: 16,
+            actual_blocks: 0
+        })
+    );
+    // Until its resync answers, its answers are not judged.
+    let booking = pick_on(&router, &instances, ask(), 0).booking.unwrap();
+    booking.engine_cached(&url(0), Some(0));
+    drop(booking);
+    router.refresh_gauges(&instances);
+    let text = |registry: &Registry| {
+        let mut out = Vec::new();
+        TextEncoder::new()
+            .encode(&registry.gather(), &mut out)
+            .unwrap();
+        String::from_utf8(out).unwrap()
+    };
+    let metrics = text(&registry);
+    for series in [
+        "kvmesh_route_cache_check_answers_total{model=\"m\",result=\"agreed\"} 1\n".to_string(),
+        "kvmesh_route_cache_check_answers_total{model=\"m\",result=\"disagreed\"} 2\n".to_string(),
+        "kvmesh_route_cache_check_blocks_count{model=\"m\"} 3\n".to_string(),
+        "kvmesh_route_cache_check_blocks_sum{model=\"m\"} 24\n".to_string(),
+        format!(
+            "kvmesh_route_cache_check_mismatches_total{{instance=\"{}\",model=\"m\"}} 2\n",
+            url(0)
+        ),
+        format!(
+            "kvmesh_route_cache_check_untrusted{{instance=\"{}\",model=\"m\"}} 1\n",
+            url(0)
+        ),
+    ] {
+        assert!(metrics.contains(&series), "{series} in\n{metrics}");
+    }
+    // The resync's answer: trusted again, with an empty window.
+    feed.trust(0);
+    assert!(!feed.is_untrusted(0));
+    let again = router.explain(&instances, &ask(), 0, &mut StdRng::seed_from_u64(0));
+    assert_eq!(again.instances[0].reported_blocks, Some(16));
+    assert_eq!(again.instances[0].cache_check.as_ref().unwrap().recent, 0);
+}
+
+#[test]
+fn blocks_the_index_never_heard_of_disagree_unless_requests_in_flight_explain_them() {
+    let (router, instances) = {
+        let registry = Registry::new();
+        let families = KvFamilies::register(&registry).unwrap();
+        let instances = instances(2);
+        let router = KvRouter::new(&config(), None, false, true, families.model("m")).unwrap();
+        for instance in &instances {
+            router.add_instance(instance.id());
+        }
+        (router, instances)
+    };
+    let feed = Arc::clone(router.event_feed().expect("events on"));
+    feed.set_live(true);
+    let url = instances[1].url.clone();
+    let state = || {
+        let probe = request(&router, &conversation(9, 8));
+        router
+            .explain(&instances, &probe, 0, &mut StdRng::seed_from_u64(0))
+            .instances[1]
+            .cache_check
+            .clone()
+            .expect("checked")
+    };
+    // A settled instance (nothing in flight, nothing ended lately) must be exact: the
+    // engine had 8 blocks the index never heard of.
+    let booking = pick_on(
+        &router,
+        &instances,
+        request(&router, &conversation(1, 40)),
+        1,
+    )
+    .booking
+    .unwrap();
+    booking.engine_cached(&url, Some(32));
+    drop(booking);
+    assert_eq!((state().judged, state().disagreed), (1, 1));
+    // With a sibling in flight there, its blocks may already be cached before their
+    // events arrive: up to the predicted overlap agrees.
+    let sibling = pick_on(
+        &router,
+        &instances,
+        request(&router, &conversation(2, 40)),
+        1,
+    );
+    let booking = pick_on(
+        &router,
+        &instances,
+        request(&router, &conversation(2, 42)),
+        1,
+    )
+    .booking
+    .unwrap();
+    booking.engine_cached(&url, Some(40));
+    assert_eq!((state().judged, state().disagreed), (2, 1));
+    // Usage without cached_tokens is counted, not judged.
+    booking.engine_cached(&url, None);
+    let state = state();
+    assert_eq!((state.judged, state.without_cached_tokens), (2, 1));
+    drop((booking, sibling));
+}
