@@ -239,10 +239,13 @@ class Cluster:
         self.proxy = Proc("kvmesh-proxy", ["--config", str(cfg)], workdir)
         self.wait_instances(2)
 
-    def start_agent(self, engine):
+    def start_agent(self, engine, events=None):
+        """Starts `engine`'s agent, reading its KV events at `events` (default: the engine's
+        own publisher; replays always come from the engine)."""
         args = [
             "--engine-url", engine.url, "--model", MODEL,
-            "--kv-events-endpoint", engine.events, "--kv-events-replay-endpoint", engine.replay,
+            "--kv-events-endpoint", events or engine.events,
+            "--kv-events-replay-endpoint", engine.replay,
             "--kv-events-topic", "kv-events",
             "--etcd", self.etcd.url, "--nats", self.nats.url,
             "--lease-ttl", "3s", "--drain", "0s", "--load-interval", "100ms", "--health-interval", "200ms",

@@ -74,6 +74,15 @@ def settle_after(cluster, engine, before, new_blocks):
     cluster.events_settled()
 
 
+def cache_check_answers(cluster):
+    """`kvmesh_route_cache_check_answers_total` of the model, by result."""
+    page = metrics(cluster.admin + "/metrics")
+    return {
+        result: metric_sum(page, "kvmesh_route_cache_check_answers_total", model=MODEL, result=result)
+        for result in ("agreed", "disagreed", "without_cached_tokens")
+    }
+
+
 def cap(prompt_tokens):
     """The most blocks vLLM reports cached for a prompt: its last token is always computed."""
     return (prompt_tokens - 1) // BLOCK_SIZE
@@ -86,6 +95,7 @@ def test_the_index_predicts_exactly_what_the_engine_reports_cached_also_under_ch
     caches have evicted (BlockRemoved is applied)."""
     rng = random.Random(7)
     cluster.events_settled()
+    judged_before = cache_check_answers(cluster)
     conversations = []
     checked = hits = 0
     for step in range(48):
@@ -115,6 +125,10 @@ def test_the_index_predicts_exactly_what_the_engine_reports_cached_also_under_ch
     )
     for status in ("parent_not_found", "block_not_found", "invalid"):
         assert metric_sum(page, "kvmesh_kv_events_applied_total", status=status) == 0, status
+    # The proxy's own check of its index against the engines' cached_tokens agreed with
+    # every one of these answers.
+    judged = {k: v - judged_before[k] for k, v in cache_check_answers(cluster).items()}
+    assert judged == {"agreed": checked, "disagreed": 0, "without_cached_tokens": 0}, judged
 
 
 def test_a_full_hit_is_reported_after_vllms_cap(cluster):

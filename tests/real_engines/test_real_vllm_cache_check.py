@@ -1,0 +1,147 @@
+"""The proxy checks its KV index against what the real engine says it had cached
+(`kv.cache_check`, docs/configuration.md "The index checks itself"). Runs after
+test_real_vllm.py: it replaces an agent, after which the suite's `events_settled` (agents'
+published events against the proxy's applied ones) no longer balances.
+
+KV events lost between an engine and its agent leave the index stale without any sequence
+gap the proxy could see: the engine's own `cached_tokens` shows it, the instance is untrusted
+and resynced, and once the agent sees the gap in the engine's numbers and replays what it
+missed, the index agrees with the engine again.
+"""
+
+import random
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+from conftest import BLOCK_SIZE, ROOT, metric_sum, metrics, wait_until
+from test_real_vllm import chat, direct_chat, reported_on, text
+
+RELAY = Path(__file__).with_name("zmq_relay.py")
+
+
+class Relay:
+    """tests/real_engines/zmq_relay.py between `engine`'s KV event publisher and its agent."""
+
+    def __init__(self, engine, workdir):
+        from conftest import free_port
+
+        python = subprocess.run(
+            [str(ROOT / "scripts" / "vllm.sh"), "python"], check=True, capture_output=True, text=True
+        ).stdout.strip().splitlines()[-1]
+        port = free_port()
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.log_path = workdir / "zmq-relay.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [python, str(RELAY), engine.events, str(port)],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        self._await_line("ready")
+
+    def lines(self):
+        return self.log_path.read_text(errors="replace").splitlines()
+
+    def _await_line(self, line):
+        def seen():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"relay exited: {self.log_path.read_text(errors='replace')}")
+            return line in self.lines()
+
+        wait_until(f"the relay to say {line!r}", seen, timeout=30)
+
+    def dropped(self):
+        counts = [int(m.group(1)) for m in map(re.compile(r"dropped (\d+)").fullmatch, self.lines()) if m]
+        return max(counts, default=0)
+
+    def cut(self):
+        self.proc.send_signal(signal.SIGUSR1)
+        self._await_line("cut")
+
+    def restore(self):
+        self.proc.send_signal(signal.SIGUSR2)
+        self._await_line("restored")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._log.close()
+
+
+def check_counters(cluster, engine):
+    page = metrics(cluster.admin + "/metrics")
+    answers = {
+        result: metric_sum(page, "kvmesh_route_cache_check_answers_total", result=result)
+        for result in ("agreed", "disagreed")
+    }
+    answers["mismatches"] = metric_sum(
+        page, "kvmesh_route_cache_check_mismatches_total", instance=engine.url + "/"
+    ) + metric_sum(page, "kvmesh_route_cache_check_mismatches_total", instance=engine.url)
+    answers["resyncs"] = metric_sum(page, "kvmesh_kv_resyncs_total", reason="cache_check")
+    return answers
+
+
+def test_events_lost_between_engine_and_agent_are_caught_by_cached_tokens_and_repaired(cluster):
+    engine = cluster.engines[1]
+    relay = Relay(engine, cluster.workdir)
+    try:
+        cluster.stop_agent(engine)
+        cluster.start_agent(engine, events=relay.endpoint)
+        cluster.wait_instances(2)
+        rng = random.Random(53)
+        # Three prefixes the index learns on engine b while its events flow.
+        prefixes = [[{"role": "system", "content": text(rng, 300)}] for _ in range(3)]
+        for prefix in prefixes:
+            usage = direct_chat(engine, prefix)
+            blocks = usage["prompt_tokens"] // BLOCK_SIZE
+            wait_until("the prefix in the index", lambda p=prefix, b=blocks: reported_on(cluster, engine, p) == b)
+        relay.cut()
+        before = check_counters(cluster, engine)
+        # Fresh prompts fill b's 160-block cache and evict the prefixes; neither the stores
+        # nor the removals reach the agent, so the index still says b holds the prefixes.
+        flood = [[{"role": "user", "content": text(rng, 900)}] for _ in range(6)]
+        stored = sum(direct_chat(engine, messages)["prompt_tokens"] // BLOCK_SIZE for messages in flood)
+        assert stored > 160, stored
+        wait_until("the relay to drop the flood's events", lambda: relay.dropped() >= len(flood))
+        for prefix in prefixes:
+            messages = prefix + [{"role": "user", "content": text(rng, 20)}]
+            route, usage, _ = chat(cluster, messages)
+            assert route["instance"].rstrip("/") == engine.url, route
+            reported = int(route["reported_blocks"])
+            cached = usage.prompt_tokens_details.cached_tokens // BLOCK_SIZE
+            assert reported > cached, (route, usage)
+        # Three disagreements of the last eight: b is untrusted and resynced.
+        after = wait_until(
+            "the check to untrust and resync b",
+            lambda: (lambda c: c["resyncs"] > before["resyncs"] and c)(check_counters(cluster, engine)),
+        )
+        assert after["disagreed"] - before["disagreed"] >= 3, (before, after)
+        assert after["mismatches"] - before["mismatches"] >= 3, (before, after)
+        # The relay passes events again: b's next batch shows the agent the gap, it replays
+        # what it missed from the engine, and the index holds what b holds.
+        relay.restore()
+        # (A prompt with fresh full blocks: a step that stores nothing publishes no batch.)
+        direct_chat(engine, [{"role": "user", "content": text(rng, 60)}])
+        last = flood[-1]
+        last_blocks = direct_chat(engine, last)["prompt_tokens"] // BLOCK_SIZE
+        wait_until("the repaired index", lambda: reported_on(cluster, engine, last) == last_blocks, timeout=60)
+        agent = cluster.agents[engine.name]
+        page = metrics(agent.url("agent") + "/metrics")
+        assert metric_sum(page, "kvmesh_agent_engine_seq_gaps_total") >= 1
+        agreed_before = check_counters(cluster, engine)["agreed"]
+        route, usage, _ = chat(cluster, last + [{"role": "user", "content": text(rng, 20)}])
+        assert route["instance"].rstrip("/") == engine.url, route
+        assert int(route["reported_blocks"]) == usage.prompt_tokens_details.cached_tokens // BLOCK_SIZE
+        wait_until(
+            "the answer judged in agreement",
+            lambda: check_counters(cluster, engine)["agreed"] == agreed_before + 1,
+        )
+    finally:
+        # The rest of the suite runs against b's agent reading the engine directly.
+        if engine.name in cluster.agents:
+            cluster.stop_agent(engine)
+        cluster.start_agent(engine)
+        cluster.wait_instances(2)
+        relay.stop()
