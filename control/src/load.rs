@@ -17,6 +17,17 @@ pub struct LoadReport {
     pub kv_usage: f64,
     /// When it was scraped, in Unix milliseconds.
     pub at_ms: u64,
+    /// Whether the agent's view of the engine's KV cache is whole: `false` once KV events
+    /// were lost that the engine's replay buffer could not restore (an agent started after
+    /// its engine whose buffer no longer reaches back, a gap the replay could not fill),
+    /// until the engine clears its cache or restarts. Absent (older agents): whole.
+    #[serde(default = "whole")]
+    pub events_complete: bool,
+}
+
+/// The default of [`LoadReport::events_complete`].
+fn whole() -> bool {
+    true
 }
 
 impl LoadReport {
@@ -41,6 +52,9 @@ mod tests {
         let report = LoadReport::from_json(json).expect("doc example");
         assert_eq!(report.running, 3);
         assert_eq!(report.kv_usage, 0.42);
+        assert!(report.events_complete, "an older agent's report: whole");
+        let lossy = br#"{"instance_id":"00c0ffee00c0ffee","running":0,"waiting":0,"kv_usage":0,"at_ms":1,"events_complete":false}"#;
+        assert!(!LoadReport::from_json(lossy).unwrap().events_complete);
         assert_eq!(
             LoadReport::from_json(&report.to_json()).expect("round trip"),
             report

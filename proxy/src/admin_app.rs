@@ -89,7 +89,8 @@ impl AdminApp {
 
 /// The `GET /health` status and body for `pools`: 200 `ok` while every model has an available
 /// instance; 200 `degraded` when, besides, an instance's engine runs another KV block size
-/// than its model (scored by predictions alone; `degraded` names each); 503 `unavailable`
+/// than its model or its agent lost KV events its engine could not replay (scored by
+/// predictions alone; `degraded` names each); 503 `unavailable`
 /// when some model has none, `draining` during shutdown.
 fn health(pools: &[Arc<ModelPool>], draining: bool, now: u64) -> (u16, Vec<u8>) {
     let mut degraded = Vec::new();
@@ -118,6 +119,17 @@ fn health(pools: &[Arc<ModelPool>], draining: bool, now: u64) -> (u16, Vec<u8>) 
                             mismatch.kv_block_size
                         ));
                     }
+                    let events_incomplete =
+                        router.is_some_and(|router| router.events_incomplete(instance.id()));
+                    if events_incomplete {
+                        degraded.push(format!(
+                            "model {:?}: instance {}'s agent lost KV events its engine could \
+                             not replay: scored by predictions alone until the engine clears \
+                             its cache or restarts",
+                            pool.name(),
+                            instance.url()
+                        ));
+                    }
                     InstanceHealth {
                         url: instance.url().to_string(),
                         state: instance.membership().label(),
@@ -125,6 +137,7 @@ fn health(pools: &[Arc<ModelPool>], draining: bool, now: u64) -> (u16, Vec<u8>) 
                         ejected: instance.is_ejected(now),
                         in_flight: instance.in_flight(),
                         block_size_mismatch,
+                        events_incomplete,
                     }
                 })
                 .collect();
@@ -296,6 +309,9 @@ struct InstanceHealth {
     /// Its engine runs another KV block size than its model (absent when they agree).
     #[serde(skip_serializing_if = "Option::is_none")]
     block_size_mismatch: Option<BlockSizeMismatch>,
+    /// Its agent lost KV events the engine could not replay (absent when it did not).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    events_incomplete: bool,
 }
 
 #[derive(Serialize)]

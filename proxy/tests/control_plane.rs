@@ -945,3 +945,69 @@ async fn answers_that_keep_disagreeing_with_the_index_untrust_the_instance_until
     assert!(complete().await.contains("reported_blocks=0"));
     harness.await_metric(&answers("agreed", 2)).await;
 }
+
+#[tokio::test]
+async fn an_agent_that_lost_events_its_engine_could_not_replay_degrades_its_instance() {
+    let harness = Harness::start().await;
+    let engine = Backend::ok().await;
+    let id = 0xD1;
+    let agent = FakeAgent::serve(
+        &harness.bus,
+        &harness.namespace.snapshot_subject(InstanceId(id)),
+    )
+    .await;
+    let a = prompt(2, 4);
+    agent.script(SnapshotReply::Snapshot {
+        events: vec![RankedEvent {
+            dp_rank: 0,
+            event: stored(&a, 0, 4, 200),
+        }],
+        last_seq: 1,
+    });
+    harness.register(id, &engine.url).await;
+    harness.await_overlap(&engine.url, &a, 4).await;
+    let report = |complete: bool| kvmesh_control::LoadReport {
+        instance_id: InstanceId(id),
+        running: 0,
+        waiting: 0,
+        kv_usage: 0.0,
+        at_ms: 0,
+        events_complete: complete,
+    };
+    let subject = harness.namespace.load_subject(MODEL);
+    let gauge = |value: u8| {
+        format!(
+            "kvmesh_route_kv_events_incomplete{{instance=\"{}\",model=\"m\"}} {value}\n",
+            engine.url
+        )
+    };
+    harness
+        .bus
+        .publish(&subject, Bytes::from(report(false).to_json()))
+        .await
+        .unwrap();
+    harness.await_metric(&gauge(1)).await;
+    let (status, degraded) = health(harness.admin).await;
+    assert_eq!(status, 200);
+    assert_eq!(degraded["status"], "degraded", "{degraded}");
+    let line = degraded["degraded"][0].as_str().unwrap();
+    assert!(
+        line.contains(&engine.url) && line.contains("lost KV events"),
+        "{line}"
+    );
+    assert_eq!(
+        degraded["models"][0]["instances"][0]["events_incomplete"],
+        true
+    );
+    // Scored by its predictions alone: its reported blocks are not read.
+    harness.await_overlap(&engine.url, &a, 0).await;
+    // Whole again (its engine cleared its cache or restarted): precise again.
+    harness
+        .bus
+        .publish(&subject, Bytes::from(report(true).to_json()))
+        .await
+        .unwrap();
+    harness.await_metric(&gauge(0)).await;
+    harness.await_overlap(&engine.url, &a, 4).await;
+    assert_eq!(health(harness.admin).await.1["status"], "ok");
+}

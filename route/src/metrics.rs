@@ -43,6 +43,7 @@ pub struct KvFamilies {
     cache_check_answers: IntCounterVec,
     cache_check_mismatches: IntCounterVec,
     cache_check_untrusted: IntGaugeVec,
+    events_incomplete: IntGaugeVec,
 }
 
 impl KvFamilies {
@@ -142,6 +143,13 @@ impl KvFamilies {
             ),
             &["model", "instance"],
         )?;
+        let events_incomplete = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_route_kv_events_incomplete",
+                "policy kv: 1 while an instance's agent has lost KV events its engine could not replay (its load reports say so); the instance is scored by predictions alone until its engine clears its cache or restarts.",
+            ),
+            &["model", "instance"],
+        )?;
         registry.register(Box::new(overlap_blocks.clone()))?;
         registry.register(Box::new(decision_seconds.clone()))?;
         registry.register(Box::new(index_blocks.clone()))?;
@@ -155,6 +163,7 @@ impl KvFamilies {
         registry.register(Box::new(cache_check_answers.clone()))?;
         registry.register(Box::new(cache_check_mismatches.clone()))?;
         registry.register(Box::new(cache_check_untrusted.clone()))?;
+        registry.register(Box::new(events_incomplete.clone()))?;
         Ok(Self {
             overlap_blocks,
             decision_seconds,
@@ -169,6 +178,7 @@ impl KvFamilies {
             cache_check_answers,
             cache_check_mismatches,
             cache_check_untrusted,
+            events_incomplete,
         })
     }
 
@@ -194,6 +204,7 @@ impl KvFamilies {
                 .map(|result| self.cache_check_answers.with_label_values(&[model, result])),
             cache_check_mismatches: self.cache_check_mismatches.clone(),
             cache_check_untrusted: self.cache_check_untrusted.clone(),
+            events_incomplete: self.events_incomplete.clone(),
         }
     }
 
@@ -209,6 +220,9 @@ impl KvFamilies {
             .remove_label_values(&[model, instance]);
         let _ = self
             .cache_check_untrusted
+            .remove_label_values(&[model, instance]);
+        let _ = self
+            .events_incomplete
             .remove_label_values(&[model, instance]);
     }
 }
@@ -281,6 +295,8 @@ pub struct KvMetrics {
     cache_check_mismatches: IntCounterVec,
     /// `kvmesh_route_cache_check_untrusted{model,instance}`, resolved per scrape.
     cache_check_untrusted: IntGaugeVec,
+    /// `kvmesh_route_kv_events_incomplete{model,instance}`, resolved per scrape.
+    events_incomplete: IntGaugeVec,
 }
 
 /// The `result` labels of `kvmesh_route_cache_check_answers_total`.
@@ -321,6 +337,13 @@ impl KvMetrics {
         self.cache_check_untrusted
             .with_label_values(&[self.model.as_str(), instance])
             .set(i64::from(untrusted));
+    }
+
+    /// Sets `kvmesh_route_kv_events_incomplete` of `instance` (its URL).
+    pub fn set_events_incomplete(&self, instance: &str, incomplete: bool) {
+        self.events_incomplete
+            .with_label_values(&[self.model.as_str(), instance])
+            .set(i64::from(incomplete));
     }
 
     /// Counts an answer of `instance` (its URL) judged against the index: `verdict`, and the

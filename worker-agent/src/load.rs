@@ -50,6 +50,7 @@ pub fn parse_load(
         waiting: waiting.max(0.0) as u64,
         kv_usage: kv_usage.clamp(0.0, 1.0),
         at_ms,
+        events_complete: true,
     })
 }
 
@@ -85,10 +86,11 @@ pub(crate) async fn run(
                 None
             }
         };
-        let Some(report) = report else {
+        let Some(mut report) = report else {
             metrics.load_reports.with_label_values(&["error"]).inc();
             continue;
         };
+        report.events_complete = metrics.events_complete.get() == 1;
         metrics.load_reports.with_label_values(&["ok"]).inc();
         metrics
             .engine_running

@@ -54,6 +54,10 @@ pub struct AgentMetrics {
     pub engine_running: IntGauge,
     /// `kvmesh_agent_engine_waiting_requests`: the waiting requests of the last load report.
     pub engine_waiting: IntGauge,
+    /// `kvmesh_agent_kv_events_complete`: 1 while the agent's view of the engine's cache is
+    /// whole, 0 once events were lost that no replay restored (until the engine clears its
+    /// cache or restarts); the load reports carry it to the proxies.
+    pub events_complete: IntGauge,
     /// `kvmesh_agent_inbound_requests_total{outcome}`: requests through the inbound sidecar
     /// (`forwarded`, `engine_unreachable`, `bad_request`).
     pub inbound_requests: IntCounterVec,
@@ -224,6 +228,15 @@ impl AgentMetrics {
                 "kvmesh_agent_engine_waiting_requests",
                 "Waiting requests in the last load report",
             )?,
+            events_complete: {
+                let whole = gauge(
+                    &r,
+                    "kvmesh_agent_kv_events_complete",
+                    "1 while the agent's view of the engine's KV cache is whole, 0 once KV events were lost that no replay restored",
+                )?;
+                whole.set(1);
+                whole
+            },
             load_reports: counter_vec(
                 &r,
                 "kvmesh_agent_load_reports_total",

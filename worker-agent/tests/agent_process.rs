@@ -254,6 +254,58 @@ async fn an_agent_started_after_the_engine_catches_up_from_its_replay_buffer() {
     engine.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_whose_engine_buffer_no_longer_reaches_back_reports_its_view_incomplete() {
+    let servers = Servers::start("lossy").await;
+    let engine = engine_keeping(KvEventEncoding::Positional, KvEventHash::Int, Some(1)).await;
+    let engine_addr = engine.local_addr();
+    // Two batches before the agent exists; the engine's buffer keeps only the last.
+    complete(engine_addr, &prompt(1, 3)).await;
+    complete(engine_addr, &prompt(2, 2)).await;
+    let bus = servers.bus().await;
+    let mut loads = bus
+        .subscribe(&Namespace::default().load_subject(MODEL))
+        .await
+        .expect("subscribe");
+    let events = format!("tcp://{}", engine.kv_events_addr().expect("events addr"));
+    let replay = format!("tcp://{}", engine.kv_replay_addr().expect("replay addr"));
+    let agent = AgentProcess::start(
+        &servers,
+        &format!("http://{engine_addr}"),
+        &events,
+        Some(&replay),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        agent
+            .metric("kvmesh_agent_replays_total{result=\"incomplete\"}")
+            .await,
+        1.0
+    );
+    assert_eq!(agent.metric("kvmesh_agent_kv_events_complete").await, 0.0);
+    assert!(!next_report(&mut loads).await.events_complete);
+    // The engine clears its cache (AllBlocksCleared): nothing lost matters any more.
+    let (status, _) = http(engine_addr, "POST", "/reset_prefix_cache", "").await;
+    assert_eq!(status, 200);
+    complete(engine_addr, &prompt(3, 1)).await;
+    let deadline = tokio::time::Instant::now() + 10 * SECOND;
+    while !next_report(&mut loads).await.events_complete {
+        assert!(tokio::time::Instant::now() < deadline, "never whole again");
+    }
+    assert_eq!(agent.metric("kvmesh_agent_kv_events_complete").await, 1.0);
+    engine.stop().await;
+}
+
+/// The next load report on `loads`.
+async fn next_report(loads: &mut kvmesh_control::Subscription) -> LoadReport {
+    let message = tokio::time::timeout(5 * SECOND, loads.next())
+        .await
+        .expect("load report in time")
+        .expect("subscription open");
+    LoadReport::from_json(&message.payload).expect("valid load report")
+}
+
 /// A msgpack batch `[ts, [["BlockStored", [ids], nil, tokens, 16]], 0]`.
 fn stored_batch(ids: &[u64], tokens: &[u32]) -> Vec<u8> {
     let mut out = Vec::new();

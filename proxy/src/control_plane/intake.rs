@@ -573,6 +573,16 @@ impl Actor {
                 age,
                 self.settings.load_report_ttl,
             );
+            if member
+                .feed
+                .set_events_incomplete(id, !report.events_complete)
+            {
+                if report.events_complete {
+                    tracing::info!(instance = %member.pool.name(), id = %format_args!("{id:016x}"), "the agent's view of its engine's KV cache is whole again: scored by its KV events");
+                } else {
+                    tracing::warn!(model = %member.pool.name(), id = %format_args!("{id:016x}"), "the agent lost KV events its engine could not replay: scoring the instance by predictions alone until its engine clears its cache or restarts");
+                }
+            }
             self.metrics
                 .load_reports
                 .with_label_values(&[member.model.as_str()])

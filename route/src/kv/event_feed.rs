@@ -56,6 +56,9 @@ pub struct EventFeed {
     /// Instances whose answers disagreed with the index too often: scored by predictions
     /// alone until a resync answers (their events are still indexed).
     untrusted: ArcSwap<HashSet<u64>>,
+    /// Instances whose agent lost KV events its engine could not replay (its load reports
+    /// say so): scored by predictions alone until its view is whole again.
+    incomplete: ArcSwap<HashSet<u64>>,
     /// The answers judged against the index.
     check: CacheCheck,
     /// Where an untrusted instance's resync is asked for (the intake).
@@ -75,6 +78,7 @@ impl EventFeed {
             live: AtomicBool::new(false),
             approximate_only: ArcSwap::from_pointee(HashSet::new()),
             untrusted: ArcSwap::from_pointee(HashSet::new()),
+            incomplete: ArcSwap::from_pointee(HashSet::new()),
             check: CacheCheck::new(check),
             resyncs: Mutex::new(None),
         })
@@ -98,6 +102,20 @@ impl EventFeed {
     pub fn is_untrusted(&self, instance: u64) -> bool {
         let untrusted = self.untrusted.load();
         !untrusted.is_empty() && untrusted.contains(&instance)
+    }
+
+    /// Instance `instance`'s agent says its view of the engine's cache is not whole (`true`:
+    /// it lost KV events its engine could not replay) or is again; while not whole, the
+    /// instance is scored by its predictions alone. Returns whether that changed.
+    pub fn set_events_incomplete(&self, instance: u64, incomplete: bool) -> bool {
+        toggle(&self.incomplete, instance, incomplete)
+    }
+
+    /// Whether instance `instance`'s agent lost KV events its engine could not replay
+    /// ([`Self::set_events_incomplete`]).
+    pub fn is_events_incomplete(&self, instance: u64) -> bool {
+        let incomplete = self.incomplete.load();
+        !incomplete.is_empty() && incomplete.contains(&instance)
     }
 
     /// Whether answers are judged against the index now: the check is on and events flow.
@@ -140,6 +158,7 @@ impl EventFeed {
     pub(crate) fn forget_check(&self, instance: u64) {
         self.check.forget(instance);
         toggle(&self.untrusted, instance, false);
+        toggle(&self.incomplete, instance, false);
     }
 
     /// The index the intake applies events to (read-only uses: lookups, sizes).
@@ -239,11 +258,12 @@ impl OverlapSource for EventFed {
         let predicted = self.feed.predicted.find_matches(query, now);
         if self.feed.is_live() {
             let mut reported = self.feed.index.find_matches(query);
-            let untrusted = self.feed.untrusted.load();
-            if !untrusted.is_empty() {
-                reported
-                    .workers
-                    .retain(|overlap| !untrusted.contains(&overlap.worker.instance_id));
+            let (untrusted, incomplete) = (self.feed.untrusted.load(), self.feed.incomplete.load());
+            if !untrusted.is_empty() || !incomplete.is_empty() {
+                reported.workers.retain(|overlap| {
+                    let instance = overlap.worker.instance_id;
+                    !untrusted.contains(&instance) && !incomplete.contains(&instance)
+                });
             }
             (reported.clone().merge(predicted), Some(reported))
         } else {

@@ -116,6 +116,10 @@ pub struct InstanceExplanation {
     /// the check is off or nothing was counted yet.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) cache_check: Option<CacheCheckState>,
+    /// Its agent lost KV events the engine could not replay: its overlap is predicted from
+    /// routing decisions until the agent's view is whole again. Absent when whole.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) events_incomplete: bool,
 }
 
 /// [`route_header`], followed by `; block_size_mismatch=<the engine's block size>` when the

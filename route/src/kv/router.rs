@@ -169,6 +169,14 @@ impl KvRouter {
         self.block_size.conflict(instance)
     }
 
+    /// Whether instance `instance`'s agent lost KV events its engine could not replay (it is
+    /// then scored by predictions alone).
+    pub fn events_incomplete(&self, instance: u64) -> bool {
+        self.events
+            .as_deref()
+            .is_some_and(|feed| feed.is_events_incomplete(instance))
+    }
+
     /// Every instance whose engine runs another block size than the model, with that size,
     /// by id.
     pub fn block_size_conflicts(&self) -> Vec<(u64, u64)> {
@@ -629,7 +637,10 @@ impl KvRouter {
         let RouteInput::Tokens(prompt) = &request.input else {
             return None;
         };
-        if feed.is_approximate_only(instance) || feed.is_untrusted(instance) {
+        if feed.is_approximate_only(instance)
+            || feed.is_untrusted(instance)
+            || feed.is_events_incomplete(instance)
+        {
             return None;
         }
         let block_size = prompt.block_size.max(1);
@@ -757,6 +768,10 @@ impl KvRouter {
                         .events
                         .as_deref()
                         .and_then(|feed| feed.check_state(instance.id())),
+                    events_incomplete: self
+                        .events
+                        .as_deref()
+                        .is_some_and(|feed| feed.is_events_incomplete(instance.id())),
                 })
                 .collect(),
         }
@@ -800,8 +815,11 @@ impl KvRouter {
             self.metrics
                 .set_block_size_mismatch(instance.url(), mismatch);
             if let Some(feed) = &self.events {
+                let id = instance.id();
                 self.metrics
-                    .set_cache_check_untrusted(instance.url(), feed.is_untrusted(instance.id()));
+                    .set_cache_check_untrusted(instance.url(), feed.is_untrusted(id));
+                self.metrics
+                    .set_events_incomplete(instance.url(), feed.is_events_incomplete(id));
             }
         }
     }

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use tokio::sync::{oneshot, watch};
 use zeromq::{Socket, SocketRecv, SubSocket};
 
-use super::batch::decode_batch;
+use super::batch::{EngineEvent, decode_batch};
 use super::replay;
 use super::sequence::{SeqAction, SeqTracker};
 use crate::config::EngineKind;
@@ -52,6 +52,14 @@ impl Intake {
                         "batch names another rank"
                     );
                 }
+                if batch
+                    .events
+                    .iter()
+                    .any(|event| matches!(event, EngineEvent::Cleared))
+                {
+                    // The engine's cache is empty: nothing lost before counts any more.
+                    self.metrics.events_complete.set(1);
+                }
                 self.core.apply(self.rank, &batch, received);
             }
             Err(why) => {
@@ -93,6 +101,7 @@ impl Intake {
         };
         if result != "ok" {
             tracing::warn!(rank = self.rank, from, until, result, "KV events were lost");
+            self.metrics.events_complete.set(0);
         }
         self.metrics.replays.with_label_values(&[result]).inc();
     }
@@ -132,6 +141,7 @@ impl Intake {
                 until = first,
                 "KV events were lost"
             );
+            self.metrics.events_complete.set(0);
         }
         self.metrics.replays.with_label_values(&[result]).inc();
     }
@@ -156,6 +166,8 @@ impl Intake {
                     "engine event sequence restarted: forgetting its blocks"
                 );
                 self.core.reset_rank(self.rank);
+                // A new engine: what was lost of the old one's events no longer matters.
+                self.metrics.events_complete.set(1);
             }
             SeqAction::CatchUp { from } => {
                 if self.replay_endpoint.is_some() {

@@ -51,6 +51,15 @@ impl Servers {
 
 /// An engine-sim engine publishing KV events with replay.
 pub async fn engine(encoding: KvEventEncoding, hash: KvEventHash) -> EngineHandle {
+    engine_keeping(encoding, hash, None).await
+}
+
+/// [`engine`], whose replay buffer keeps `buffer_steps` batches (`None`: engine-sim's default).
+pub async fn engine_keeping(
+    encoding: KvEventEncoding,
+    hash: KvEventHash,
+    buffer_steps: Option<usize>,
+) -> EngineHandle {
     let mut config = SimConfig {
         model: MODEL.to_owned(),
         block_size: BLOCK,
@@ -61,6 +70,9 @@ pub async fn engine(encoding: KvEventEncoding, hash: KvEventHash) -> EngineHandl
     config.kv_events.replay_endpoint = Some("tcp://127.0.0.1:0".into());
     config.kv_events.encoding = encoding;
     config.kv_events.hash = hash;
+    if let Some(steps) = buffer_steps {
+        config.kv_events.buffer_steps = steps;
+    }
     let mut engines = kvmesh_engine_sim::spawn_engines(&config, [127, 0, 0, 1].into(), 0, 1)
         .await
         .expect("engine starts");
