@@ -23,22 +23,12 @@ use hyper_util::server::conn::auto;
 use prometheus::IntCounterVec;
 use tokio::net::TcpListener;
 
+use kvmesh_h1::fields::{is_end_to_end, listed_in_connection};
+
 use crate::sidecar::pacer::{Pacer, Permit};
 
 /// Largest request body forwarded.
 const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
-
-/// Header fields that belong to one hop (RFC 9110 §7.6.1), not forwarded.
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authorization",
-];
 
 /// The forwarder of one pod.
 #[derive(Debug)]
@@ -139,19 +129,22 @@ impl Inbound {
     }
 }
 
-/// `headers` without the hop-by-hop fields (and those `Connection` names).
+/// `headers` without the hop-by-hop fields and those `Connection` names: the proxy's list
+/// (`kvmesh_h1::fields`), so both hops drop the same fields.
 fn end_to_end(mut headers: HeaderMap) -> HeaderMap {
-    let named: Vec<HeaderName> = headers
-        .get_all(http::header::CONNECTION)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
+    let dropped: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| {
+            let name = name.as_str().as_bytes();
+            !is_end_to_end(name, None)
+                || headers
+                    .get_all(http::header::CONNECTION)
+                    .iter()
+                    .any(|value| listed_in_connection(value.as_bytes(), name))
+        })
+        .cloned()
         .collect();
-    for name in HOP_BY_HOP {
-        headers.remove(name);
-    }
-    for name in named {
+    for name in dropped {
         headers.remove(name);
     }
     headers
@@ -252,5 +245,37 @@ pub(crate) async fn serve(listener: TcpListener, inbound: Arc<Inbound>) {
                 tracing::debug!(%error, "inbound connection ended");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_fields_and_those_connection_names_are_dropped_as_the_proxy_drops_them() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("connection", "keep-alive, x-private"),
+            ("connection", "x-other"),
+            ("keep-alive", "timeout=5"),
+            ("x-private", "1"),
+            ("x-other", "2"),
+            ("te", "trailers"),
+            ("proxy-authenticate", "Basic"),
+            ("proxy-authorization", "Basic eA=="),
+            ("expect", "100-continue"),
+            ("content-type", "application/json"),
+            ("x-request-id", "r1"),
+        ] {
+            headers.append(
+                HeaderName::from_static(name),
+                HeaderValue::from_static(value),
+            );
+        }
+        let kept = end_to_end(headers);
+        let mut names: Vec<&str> = kept.keys().map(HeaderName::as_str).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["content-type", "x-request-id"]);
     }
 }
