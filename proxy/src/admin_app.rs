@@ -90,7 +90,8 @@ impl AdminApp {
 /// The `GET /health` status and body for `pools`: 200 `ok` while every model has an available
 /// instance; 200 `degraded` when, besides, an instance's engine runs another KV block size
 /// than its model or its agent lost KV events its engine could not replay (scored by
-/// predictions alone; `degraded` names each); 503 `unavailable`
+/// predictions alone), or it only prefills for a model that is not disaggregated (it takes
+/// no requests); `degraded` names each; 503 `unavailable`
 /// when some model has none, `draining` during shutdown.
 fn health(pools: &[Arc<ModelPool>], draining: bool, now: u64) -> (u16, Vec<u8>) {
     let mut degraded = Vec::new();
@@ -130,6 +131,16 @@ fn health(pools: &[Arc<ModelPool>], draining: bool, now: u64) -> (u16, Vec<u8>) 
                             instance.url()
                         ));
                     }
+                    let prefill_only_unused =
+                        instance.is_unused_prefill_only(pool.disaggregation().is_some());
+                    if prefill_only_unused {
+                        degraded.push(format!(
+                            "model {:?}: instance {} is registered prefill only but the model \
+                             has no disaggregation entry: it takes no requests",
+                            pool.name(),
+                            instance.url()
+                        ));
+                    }
                     InstanceHealth {
                         url: instance.url().to_string(),
                         state: instance.membership().label(),
@@ -138,12 +149,19 @@ fn health(pools: &[Arc<ModelPool>], draining: bool, now: u64) -> (u16, Vec<u8>) 
                         in_flight: instance.in_flight(),
                         block_size_mismatch,
                         events_incomplete,
+                        prefill_only_unused,
                     }
                 })
                 .collect();
             ModelHealth {
                 name: pool.name().to_string(),
-                available: current.iter().filter(|i| i.is_available(now)).count(),
+                available: current
+                    .iter()
+                    .filter(|i| {
+                        i.is_available(now)
+                            && !i.is_unused_prefill_only(pool.disaggregation().is_some())
+                    })
+                    .count(),
                 kv_block_size: router.map(|router| router.block_size()),
                 instances,
             }
@@ -312,6 +330,10 @@ struct InstanceHealth {
     /// Its agent lost KV events the engine could not replay (absent when it did not).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     events_incomplete: bool,
+    /// It only prefills and its model is not disaggregated: it takes no requests (absent
+    /// otherwise).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    prefill_only_unused: bool,
 }
 
 #[derive(Serialize)]

@@ -139,6 +139,12 @@ pub(crate) enum ApiError {
         /// Seconds until an instance may be back (`Retry-After`).
         retry_after_secs: u64,
     },
+    /// 503: every instance of a model that is not disaggregated only prefills (`--role
+    /// prefill`): none takes a whole request.
+    OnlyPrefillInstances {
+        /// The model.
+        model: String,
+    },
     /// 503: a disaggregated model's prefill leg failed and its `on_prefill_failure` is
     /// `fail`.
     PrefillFailed {
@@ -239,6 +245,7 @@ impl ApiError {
             Self::HeadersTooLarge { .. } => 431,
             Self::UpstreamUnavailable { .. } => 502,
             Self::NoHealthyInstance { .. }
+            | Self::OnlyPrefillInstances { .. }
             | Self::Overloaded { .. }
             | Self::ConcurrencyLimited { .. }
             | Self::PrefillFailed { .. } => 503,
@@ -265,6 +272,7 @@ impl ApiError {
             Self::RateLimited { .. } => "requests",
             Self::ModelNotFound { .. } | Self::UnknownPath { .. } => "not_found_error",
             Self::NoHealthyInstance { .. }
+            | Self::OnlyPrefillInstances { .. }
             | Self::Overloaded { .. }
             | Self::ConcurrencyLimited { .. }
             | Self::PrefillFailed { .. } => "service_unavailable",
@@ -286,6 +294,7 @@ impl ApiError {
             Self::RequestTimeout => "request_timeout",
             Self::InvalidPrompt(_) => "invalid_prompt",
             Self::NoHealthyInstance { .. } => "no_healthy_instance",
+            Self::OnlyPrefillInstances { .. } => "only_prefill_instances",
             Self::Overloaded { .. } => "all_instances_busy",
             Self::UpstreamTimeout => "upstream_timeout",
             Self::UpstreamUnavailable { .. } => "upstream_unavailable",
@@ -334,6 +343,11 @@ impl ApiError {
             Self::NoHealthyInstance { model, .. } => {
                 format!("no healthy instance of model {model:?} is available; retry later")
             }
+            Self::OnlyPrefillInstances { model } => format!(
+                "every instance of model {model:?} is registered prefill only (--role prefill) \
+                 and the model has no `disaggregation` entry, so none takes a whole request: \
+                 register decode or both instances, or configure disaggregation for it"
+            ),
             Self::UpstreamTimeout => "the engine did not answer in time".to_string(),
             Self::UpstreamUnavailable { detail } => {
                 format!("the engine could not be reached: {detail}")
@@ -400,6 +414,7 @@ impl ApiError {
             Self::MalformedRequest => ClientErrorReason::MalformedRequest,
             Self::InvalidFraming(_) => ClientErrorReason::InvalidFraming,
             Self::NoHealthyInstance { .. }
+            | Self::OnlyPrefillInstances { .. }
             | Self::Overloaded { .. }
             | Self::ConcurrencyLimited { .. }
             | Self::UpstreamTimeout

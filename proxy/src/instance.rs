@@ -293,11 +293,18 @@ impl Instance {
     }
 
     /// Copies live state into the instance gauges (called before a scrape).
-    pub(crate) fn refresh_gauges(&self, now_ms: u64) {
+    pub(crate) fn refresh_gauges(&self, now_ms: u64, disaggregated: bool) {
         self.metrics.set_state(
             i64::try_from(self.in_flight()).unwrap_or(i64::MAX),
             self.is_available(now_ms),
+            self.is_unused_prefill_only(disaggregated),
         );
+    }
+
+    /// Whether the instance takes no request at all: it only prefills (`--role prefill`)
+    /// and its model is not `disaggregated`, so it never gets a prefill leg.
+    pub(crate) fn is_unused_prefill_only(&self, disaggregated: bool) -> bool {
+        !disaggregated && !self.role().decodes()
     }
 }
 

@@ -69,6 +69,7 @@ pub(crate) struct Metrics {
     output_tokens_total: IntCounterVec,
     instance_in_flight: IntGaugeVec,
     instance_healthy: IntGaugeVec,
+    instance_prefill_only_unused: IntGaugeVec,
     client_errors: [IntCounter; CLIENT_ERROR_REASONS],
     kv: KvFamilies,
     /// Authentication, limits, TLS and reload families.
@@ -212,6 +213,13 @@ impl Metrics {
             ),
             &["model", "instance"],
         )?;
+        let instance_prefill_only_unused = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_instance_prefill_only_unused",
+                "1 while the instance is registered prefill only (--role prefill) for a model without a disaggregation entry: it takes no requests.",
+            ),
+            &["model", "instance"],
+        )?;
         let client_errors_vec = IntCounterVec::new(
             Opts::new(
                 "kvmesh_client_errors_total",
@@ -237,6 +245,7 @@ impl Metrics {
         registry.register(Box::new(output_tokens_total.clone()))?;
         registry.register(Box::new(instance_in_flight.clone()))?;
         registry.register(Box::new(instance_healthy.clone()))?;
+        registry.register(Box::new(instance_prefill_only_unused.clone()))?;
         registry.register(Box::new(client_errors_vec))?;
         let kv = KvFamilies::register(&registry)?;
         let edge = EdgeMetrics::new(&registry)?;
@@ -260,6 +269,7 @@ impl Metrics {
             output_tokens_total,
             instance_in_flight,
             instance_healthy,
+            instance_prefill_only_unused,
             client_errors,
             kv,
             edge,
@@ -343,6 +353,9 @@ impl Metrics {
                 .instance_in_flight
                 .with_label_values(&[model, instance]),
             healthy: self.instance_healthy.with_label_values(&[model, instance]),
+            prefill_only_unused: self
+                .instance_prefill_only_unused
+                .with_label_values(&[model, instance]),
         }
     }
 
@@ -359,6 +372,9 @@ impl Metrics {
             .remove_label_values(&[model, instance]);
         let _ = self
             .instance_healthy
+            .remove_label_values(&[model, instance]);
+        let _ = self
+            .instance_prefill_only_unused
             .remove_label_values(&[model, instance]);
         self.kv.forget_instance(model, instance);
     }
@@ -563,6 +579,7 @@ pub(crate) struct InstanceMetrics {
     errors: [IntCounter; FAILURE_KINDS],
     in_flight: IntGauge,
     healthy: IntGauge,
+    prefill_only_unused: IntGauge,
 }
 
 impl InstanceMetrics {
@@ -573,10 +590,12 @@ impl InstanceMetrics {
         }
     }
 
-    /// Sets the state gauges.
-    pub(crate) fn set_state(&self, in_flight: i64, healthy: bool) {
+    /// Sets the state gauges (`unused`: a prefill-only instance of a model that is not
+    /// disaggregated, which takes no requests).
+    pub(crate) fn set_state(&self, in_flight: i64, healthy: bool, unused: bool) {
         self.in_flight.set(in_flight);
         self.healthy.set(i64::from(healthy));
+        self.prefill_only_unused.set(i64::from(unused));
     }
 }
 
@@ -625,7 +644,7 @@ mod tests {
         model.inter_token_latency.observe(0.01);
         let instance = metrics.instance("qwen3", "http://127.0.0.1:1");
         instance.count_error(FailureKind::Connect);
-        instance.set_state(3, true);
+        instance.set_state(3, true, false);
         metrics.client_error(ClientErrorReason::MissingModel);
         let out = text(&metrics);
         for line in [

@@ -237,8 +237,9 @@ impl ModelPool {
     pub(crate) fn refresh_gauges(&self) {
         let now = now_millis();
         let instances = self.instances();
+        let disaggregated = self.disaggregation().is_some();
         for instance in instances.iter() {
-            instance.refresh_gauges(now);
+            instance.refresh_gauges(now, disaggregated);
         }
         self.balancer.refresh_gauges(&instances);
     }

@@ -69,9 +69,9 @@ use attempt::{Failover, attempt};
 use frontend::Frontend;
 use kvmesh_route::prepare::{InvalidPrompt, Preparer};
 use migrate::{Migration, migrated};
-use pick::{pick, queue, report_cached};
+use pick::{pick, queue, report_cached, whole_request_exclusions};
 use pool_choice::choose_pool;
-use prefill::{Prefilled, prefill, prefill_only};
+use prefill::{Prefilled, prefill};
 use prepare::{charge_prompt, prepare};
 use record::Record;
 use relay::{RelayEnd, end_broken, relay};
@@ -150,6 +150,8 @@ async fn run<F: Frontend>(
     trace.phase(Phase::Queue);
     queue(&pool, &instances, &picker, frontend).await?;
     let mut failover = Failover::new(state, &pool);
+    // Prefill-only instances take no whole request and no decode leg.
+    failover.excluded = whole_request_exclusions(&pool, &instances)?;
     let tokenizer = pool.balancer().preparer().and_then(Preparer::tokenizer);
     let mut migration = Migration::new(
         route,
@@ -163,7 +165,6 @@ async fn run<F: Frontend>(
         None => None,
         Some(config) => {
             trace.phase(Phase::Prefill);
-            failover.excluded = prefill_only(&instances);
             let model = (&*pool, config);
             let prefilled =
                 prefill(state, frontend, model, &instances, &picker, &body, record).await?;

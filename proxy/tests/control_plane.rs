@@ -77,6 +77,12 @@ impl Harness {
 
     /// Registers instance `id` at `url`.
     async fn register(&self, id: u64, url: &str) {
+        self.register_as(id, url, kvmesh_control::InstanceRole::Both)
+            .await;
+    }
+
+    /// Registers instance `id` at `url` in `role`.
+    async fn register_as(&self, id: u64, url: &str, role: kvmesh_control::InstanceRole) {
         let record = InstanceRecord {
             instance_id: InstanceId(id),
             model: MODEL.to_string(),
@@ -90,7 +96,7 @@ impl Harness {
             event_subject: self.namespace.event_subject(MODEL),
             snapshot_subject: self.namespace.snapshot_subject(InstanceId(id)),
             state: InstanceState::Ready,
-            role: kvmesh_control::InstanceRole::Both,
+            role,
         };
         let key = self.namespace.instance_key(MODEL, InstanceId(id));
         self.registry.put(&key, &record, None).await.unwrap();
@@ -1010,4 +1016,72 @@ async fn an_agent_that_lost_events_its_engine_could_not_replay_degrades_its_inst
     harness.await_metric(&gauge(0)).await;
     harness.await_overlap(&engine.url, &a, 4).await;
     assert_eq!(health(harness.admin).await.1["status"], "ok");
+}
+
+#[tokio::test]
+async fn a_prefill_only_instance_of_a_model_without_disaggregation_takes_no_requests() {
+    let harness = Harness::start().await;
+    let (prefill, both) = (Backend::ok().await, Backend::ok().await);
+    harness
+        .register_as(0xE1, &prefill.url, kvmesh_control::InstanceRole::Prefill)
+        .await;
+    harness.register(0xE2, &both.url).await;
+    harness
+        .await_metric(&format!(
+            "kvmesh_instance_prefill_only_unused{{instance=\"{}\",model=\"m\"}} 1\n",
+            prefill.url
+        ))
+        .await;
+    let complete = || async {
+        let body = serde_json::json!({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1});
+        send(
+            harness.main,
+            Method::POST,
+            "/v1/completions",
+            &[("content-type", "application/json")],
+            body.to_string(),
+        )
+        .await
+    };
+    for _ in 0..4 {
+        assert_eq!(complete().await.status, 200);
+    }
+    assert_eq!(both.requests().len(), 4);
+    assert!(prefill.requests().is_empty(), "no whole request");
+    let (status, degraded) = health(harness.admin).await;
+    assert_eq!((status, &degraded["status"]), (200, &"degraded".into()));
+    let line = degraded["degraded"][0].as_str().unwrap();
+    assert!(
+        line.contains(&prefill.url) && line.contains("prefill only"),
+        "{line}"
+    );
+    // Only the prefill-only instance left: 503, naming the cause.
+    harness
+        .registry
+        .delete(&harness.namespace.instance_key(MODEL, InstanceId(0xE2)))
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let reply = loop {
+        let reply = complete().await;
+        if reply.status != 200 || tokio::time::Instant::now() > deadline {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(reply.status, 503);
+    let error = reply.json().await;
+    assert_eq!(error["error"]["code"], "only_prefill_instances", "{error}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--role prefill")
+    );
+    assert!(prefill.requests().is_empty());
+    assert_eq!(
+        health(harness.admin).await.0,
+        503,
+        "nothing serves the model"
+    );
 }

@@ -76,6 +76,17 @@ impl Excluded {
         }
     }
 
+    /// How many indexes are marked.
+    pub fn len(&self) -> usize {
+        let high: u32 = self.high.iter().map(|word| word.count_ones()).sum();
+        (self.low.count_ones() + high) as usize
+    }
+
+    /// Whether no index is marked.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Whether `index` was tried.
     #[inline]
     pub fn contains(&self, index: usize) -> bool {
@@ -157,6 +168,8 @@ mod tests {
         for n in items {
             assert_eq!(odd.contains(n), n % 2 == 1, "{n}");
         }
+        assert_eq!(odd.len(), 65);
+        assert!(Excluded::default().is_empty());
     }
 
     #[test]
@@ -167,6 +180,8 @@ mod tests {
             excluded.insert(i);
             assert!(excluded.contains(i));
         }
+        excluded.insert(5);
+        assert_eq!(excluded.len(), 7, "each index once");
         assert!(!excluded.contains(1));
         assert!(!excluded.contains(65));
         assert!(!excluded.contains(999));

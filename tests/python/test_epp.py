@@ -32,6 +32,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc  # 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, struct_pb2  # noqa: E402
 
 KV = "kv-model"
+PD = "pd-model"
 LIMITED = "limited-model"
 MAX_BODY = 65536
 DEST = "x-gateway-destination-endpoint"
@@ -51,6 +52,7 @@ def backends(proc):
 def cluster(workdir):
     kv = Proc("kvmesh-engine-sim", ["--engines", "3", "--port", "0", "--model", KV, "--no-delay"], workdir)
     limited = Proc("kvmesh-engine-sim", ["--engines", "1", "--port", "0", "--model", LIMITED, "--no-delay"], workdir)
+    pd = Proc("kvmesh-engine-sim", ["--engines", "2", "--port", "0", "--model", PD, "--no-delay"], workdir)
     urls = lambda proc: "".join(f"      - url: http://{addr}\n" for addr in backends(proc))  # noqa: E731
     config = (
         "listeners: []\nadmin:\n  address: 127.0.0.1:0\n"
@@ -60,14 +62,19 @@ def cluster(workdir):
         f"    kv:\n      block_size: 16\n    backends:\n{urls(kv)}"
         f"  - name: {LIMITED}\n    concurrency:\n      max_in_flight: 1\n      queue_size: 0\n"
         f"    backends:\n{urls(limited)}"
+        f"  - name: {PD}\n    policy: kv\n    kv:\n      block_size: 16\n"
+        f"    disaggregation:\n      mode: enforce\n    backends:\n"
+        f"      - url: http://{backends(pd)[0]}\n        role: prefill\n"
+        f"      - url: http://{backends(pd)[1]}\n        role: decode\n"
     )
     cfg = workdir / "epp.yaml"
     cfg.write_text(config)
     proxy = Proc("kvmesh-proxy", ["--config", str(cfg)], workdir)
-    yield {"proxy": proxy, "kv": backends(kv), "limited": backends(limited)}
+    yield {"proxy": proxy, "kv": backends(kv), "limited": backends(limited), "pd": backends(pd)}
     proxy.stop()
     kv.stop()
     limited.stop()
+    pd.stop()
 
 
 def run(coroutine):
@@ -323,6 +330,23 @@ def test_the_subset_hint_limits_the_pick_and_an_empty_choice_is_503(cluster):
     before = metric(cluster, f'kvmesh_epp_decisions_total{{model="{KV}",status="503"}}')
     run(go())
     assert metric(cluster, f'kvmesh_epp_decisions_total{{model="{KV}",status="503"}}') == before + 2
+
+
+def test_a_prefill_only_engine_is_never_named_for_a_whole_request(cluster):
+    """The picker leaves out what the spine leaves out: an engine registered prefill only
+    takes no whole request, as the pick or as a fallback."""
+    prefill, decode = cluster["pd"]
+
+    async def go():
+        async with channel(cluster) as chan:
+            for n in range(6):
+                exchange = Exchange(chan)
+                endpoints = await exchange.pick("/v1/completions", completion([n, 1, 2, 3], model=PD))
+                assert endpoints == [decode], (endpoints, prefill)
+                await exchange.respond(endpoints[0])
+                await exchange.close()
+
+    run(go())
 
 
 def test_the_served_endpoint_carries_the_load_until_the_response_ends(cluster):

@@ -193,6 +193,15 @@ impl MembershipApplier {
         };
         fit_block_size(&pool, &record);
         let instance = self.builder.instance(pool.name(), &spec);
+        if instance.is_unused_prefill_only(pool.disaggregation().is_some()) {
+            tracing::warn!(
+                model = %pool.name(),
+                instance = %record.url,
+                "the instance is registered prefill only (--role prefill) but its model has no \
+                 disaggregation entry: it takes no requests (admin /health reports the model \
+                 degraded); configure disaggregation for the model or register it --role both"
+            );
+        }
         instance.set_membership(membership);
         pool.add_instance(Arc::clone(&instance));
         pool.set_adapters(spec.id, spec.adapters.clone());

@@ -18,7 +18,7 @@ use crate::epp::request_read::Seen;
 use crate::instance::Instance;
 use crate::pool::ModelPool;
 use crate::request::admit::{Resolved, resolve_model};
-use crate::request::pick::{Pick, overloaded, pick};
+use crate::request::pick::{Pick, overloaded, pick, whole_request_exclusions};
 use crate::request::prepare::{Picker, picker_for};
 use crate::state::State;
 
@@ -160,15 +160,25 @@ pub(crate) async fn queue(
         .map_err(|rejected| Refusal::new(pool.name(), overloaded(pool, rejected.describe())))
 }
 
-/// The instances the gateway does not allow: those whose `ip:port` is not in the subset
-/// hint (none without a hint).
-pub(crate) fn outside_subset(instances: &[Arc<Instance>], subset: Option<&[String]>) -> Excluded {
-    let Some(subset) = subset else {
-        return Excluded::default();
-    };
-    Excluded::matching(instances, |instance| {
-        !subset.iter().any(|allowed| allowed == endpoint(instance))
-    })
+/// The instances the picker may not name for a request of `pool`: those that take no
+/// whole request (prefill only, as the spine leaves them out) and those whose `ip:port` is
+/// not in the gateway's subset hint. `Err`: nothing of a model that is not disaggregated
+/// takes whole requests.
+pub(crate) fn not_allowed(
+    pool: &ModelPool,
+    instances: &[Arc<Instance>],
+    subset: Option<&[String]>,
+) -> Result<Excluded, Refusal> {
+    let mut excluded = whole_request_exclusions(pool, instances)
+        .map_err(|error| Refusal::new(pool.name(), error))?;
+    if let Some(subset) = subset {
+        for (index, instance) in instances.iter().enumerate() {
+            if !subset.iter().any(|allowed| allowed == endpoint(instance)) {
+                excluded.insert(index);
+            }
+        }
+    }
+    Ok(excluded)
 }
 
 /// Picks among the instances not `excluded` (booking the request's load), then names up to

@@ -9,7 +9,8 @@
 //!    policy; the session named.
 //! 4. **queue** ([`queue`]): under `policy: kv`, a bounded wait while every instance is
 //!    busy.
-//! 5. **pick** ([`pick_with_fallbacks`]): among the instances the subset hint allows, the
+//! 5. **pick** ([`pick_with_fallbacks`]): among the instances that take whole requests (not
+//!    prefill-only ones, [`not_allowed`]) and the subset hint allows, the
 //!    pick (its load booked) and the fallbacks after it.
 //! 6. **answer**: the endpoints in the destination header and the dynamic metadata (with
 //!    full duplex bodies, the request body carried back); a refusal instead becomes an
@@ -25,8 +26,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse;
 
 use crate::api_error::ApiError;
 use crate::epp::decide::{
-    Refusal, endpoint_list, model_slot, outside_subset, pick_with_fallbacks, prepare, queue,
-    resolve,
+    Refusal, endpoint_list, model_slot, not_allowed, pick_with_fallbacks, prepare, queue, resolve,
 };
 use crate::epp::follow::{Decided, follow};
 use crate::epp::messages::{
@@ -87,7 +87,10 @@ pub(crate) async fn exchange(state: Arc<State>, settings: Arc<Settings>, mut wir
         return refuse(&wire, &state, &refusal, started).await;
     }
     // 5. pick
-    let excluded = outside_subset(&instances, seen.subset.as_deref());
+    let excluded = match not_allowed(&pool, &instances, seen.subset.as_deref()) {
+        Ok(excluded) => excluded,
+        Err(refusal) => return refuse(&wire, &state, &refusal, started).await,
+    };
     let picked = pick_with_fallbacks(
         &state,
         &pool,

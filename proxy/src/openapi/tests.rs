@@ -73,6 +73,7 @@ fn every_api_error() -> Vec<ApiError> {
             model: "m".into(),
             retry_after_secs: 1,
         },
+        ApiError::OnlyPrefillInstances { model: "m".into() },
         ApiError::UpstreamTimeout,
         ApiError::UpstreamUnavailable {
             detail: "refused".into(),
@@ -112,6 +113,7 @@ fn every_api_error() -> Vec<ApiError> {
             | ApiError::InvalidPrompt(_)
             | ApiError::Overloaded { .. }
             | ApiError::NoHealthyInstance { .. }
+            | ApiError::OnlyPrefillInstances { .. }
             | ApiError::UpstreamTimeout
             | ApiError::UpstreamUnavailable { .. }
             | ApiError::PrefillFailed { .. }

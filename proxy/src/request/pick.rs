@@ -15,6 +15,7 @@ use crate::clock::now_millis;
 use crate::instance::Instance;
 use crate::pool::ModelPool;
 use crate::request::frontend::{Frontend, unless_gone};
+use crate::request::prefill::prefill_only;
 use crate::request::prepare::Picker;
 use crate::request::stop::Stop;
 use crate::usage::TokenCount;
@@ -51,6 +52,23 @@ pub(crate) async fn queue<F: Frontend>(
             admitted.map_err(|rejected| Stop::Answer(overloaded(pool, rejected.describe())))
         }
     }
+}
+
+/// What every pick of a whole request (or a decode leg) of `pool` leaves out of `instances`:
+/// the instances that only prefill. `Err` when that leaves nothing of a model that is not
+/// disaggregated: the 503 naming the cause.
+pub(crate) fn whole_request_exclusions(
+    pool: &ModelPool,
+    instances: &[Arc<Instance>],
+) -> Result<Excluded, ApiError> {
+    let excluded = prefill_only(instances);
+    if pool.disaggregation().is_none() && !instances.is_empty() && excluded.len() == instances.len()
+    {
+        return Err(ApiError::OnlyPrefillInstances {
+            model: pool.name().to_string(),
+        });
+    }
+    Ok(excluded)
 }
 
 /// Picks the next instance of `instances` (the pool's, loaded once per request) not in
