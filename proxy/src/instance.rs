@@ -110,6 +110,14 @@ impl Candidate for Instance {
     fn is_available(&self, now_ms: u64) -> bool {
         Instance::is_available(self, now_ms)
     }
+
+    fn pool(&self) -> Option<&str> {
+        Instance::pool(self)
+    }
+
+    fn decodes(&self) -> bool {
+        self.role().decodes()
+    }
 }
 
 impl Instance {

@@ -126,7 +126,7 @@ async fn run<F: Frontend>(
     trace.model(&pool, resolved.adapter.as_deref());
     record.pool = Some(Arc::clone(&pool));
     let permit = admit_key(state, key, pool.name())?;
-    let _slot = model_slot(state, &pool, frontend).await?;
+    let _slot = model_slot(state, &pool, frontend.gone()).await?;
     // 2. prepare
     trace.phase(Phase::Prepare);
     let mut body = resolved.body;
@@ -148,7 +148,7 @@ async fn run<F: Frontend>(
     }
     // 3. queue
     trace.phase(Phase::Queue);
-    queue(&pool, &instances, &picker, frontend).await?;
+    queue(&pool, &instances, &picker, frontend.gone()).await?;
     let mut failover = Failover::new(state, &pool);
     // Prefill-only instances take no whole request and no decode leg.
     failover.excluded = whole_request_exclusions(&pool, &instances)?;

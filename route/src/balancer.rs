@@ -7,7 +7,7 @@ use std::time::Instant;
 use kvmesh_config::PolicyKind;
 
 use crate::candidates::{Candidate, CandidateSet};
-use crate::kv::{KvRouter, Rejected};
+use crate::kv::{Choice, Cost, KvRouter, Rejected};
 use crate::policies::{LeastRequest, PowerOfTwo, Random, RoundRobin};
 use crate::policy::{NoPick, Picked, Policy, PolicyInput};
 use crate::prepare::{Prepared, Preparer};
@@ -65,6 +65,13 @@ impl Balancer {
         }
     }
 
+    /// Whether a request may wait for admission ([`Self::admit`]): only `policy: kv` has a
+    /// queue; other policies admit at once, with no future to poll.
+    #[inline]
+    pub fn queues(&self) -> bool {
+        self.kv_router().is_some()
+    }
+
     /// Waits (bounded) while every instance is busy (`policy: kv`; other policies admit at
     /// once).
     pub async fn admit<C: Candidate>(
@@ -75,6 +82,29 @@ impl Balancer {
         match self.kv_router() {
             Some(router) => router.admit(instances, now_ms).await,
             None => Ok(()),
+        }
+    }
+
+    /// The request header naming a request's session, when the policy binds sessions
+    /// (`policy: kv` with `kv.session_header`).
+    pub fn session_header(&self) -> Option<&str> {
+        self.kv_router().and_then(KvRouter::session_header)
+    }
+
+    /// What the policy predicts for `input` on the instance of `candidates` it would choose
+    /// now, booking and recording nothing; `None`: the policy predicts nothing (only
+    /// `policy: kv` with a prompt does), or no instance is eligible and not busy.
+    pub fn predict<S: CandidateSet + ?Sized>(
+        &self,
+        candidates: &S,
+        input: &PolicyInput,
+    ) -> Option<Cost> {
+        let (Some(router), PolicyInput::Kv(request)) = (self.kv_router(), input) else {
+            return None;
+        };
+        match router.choose(candidates, request, &mut rand::thread_rng()) {
+            Choice::Picked(decision) => Some(decision.cost),
+            Choice::AllBusy | Choice::NoneEligible => None,
         }
     }
 

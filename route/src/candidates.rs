@@ -13,6 +13,14 @@ pub trait Candidate {
     fn in_flight(&self) -> u64;
     /// Whether it may take requests at clock time `now_ms` (member, healthy, not ejected).
     fn is_available(&self, now_ms: u64) -> bool;
+    /// The pool of its model it belongs to (`None`: none).
+    fn pool(&self) -> Option<&str> {
+        None
+    }
+    /// Whether it takes decode legs and whole requests (`false`: it only prefills).
+    fn decodes(&self) -> bool {
+        true
+    }
 }
 
 /// A model's instances as one pick sees them; indices run `0..len()`.

@@ -30,12 +30,16 @@
 
 mod balancer;
 mod candidates;
+mod disaggregation;
 pub mod kv;
 pub mod metrics;
 pub mod policies;
 mod policy;
+mod pools;
 pub mod prepare;
 
 pub use balancer::Balancer;
 pub use candidates::{Candidate, CandidateSet, Candidates, Excluded};
+pub use disaggregation::prefills_locally;
 pub use policy::{NoPick, Picked, Policy, PolicyInput};
+pub use pools::{PoolChoice, choose_pool};

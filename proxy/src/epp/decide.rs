@@ -7,7 +7,6 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use kvmesh_route::kv::KvRouter;
 use kvmesh_route::prepare::{InvalidPrompt, PromptKind};
 use kvmesh_route::{Candidates, Excluded, NoPick};
 use tokio::sync::OwnedSemaphorePermit;
@@ -17,9 +16,12 @@ use crate::clock::now_millis;
 use crate::epp::request_read::Seen;
 use crate::instance::Instance;
 use crate::pool::ModelPool;
-use crate::request::admit::{Resolved, resolve_model};
-use crate::request::pick::{Pick, overloaded, pick, whole_request_exclusions};
+use crate::request::admit::{Resolved, model_slot as spine_slot, resolve_model};
+use crate::request::pick::{
+    Pick, overloaded, pick, queue as spine_queue, whole_request_exclusions,
+};
 use crate::request::prepare::{Picker, picker_for};
+use crate::request::stop::Stop;
 use crate::state::State;
 
 /// Header naming the model of a request without a body (set by the Inference Extension's
@@ -101,22 +103,15 @@ pub(crate) fn resolve(state: &State, seen: &Seen) -> Result<Resolved, Refusal> {
     })
 }
 
-/// A slot of the model's concurrency limit, when it has one (bounded wait).
+/// A slot of the model's concurrency limit, when it has one: the spine's step (the gateway
+/// has no client to watch leave; its stream ends the exchange instead).
 pub(crate) async fn model_slot(
     state: &State,
     pool: &ModelPool,
 ) -> Result<Option<OwnedSemaphorePermit>, Refusal> {
-    let Some(slots) = state.concurrency.get(pool.name()) else {
-        return Ok(None);
-    };
-    slots.acquire().await.map(Some).map_err(|rejection| {
-        let error = ApiError::ConcurrencyLimited {
-            model: pool.name().to_string(),
-            reason: rejection.describe(),
-            retry_after_secs: slots.retry_after_secs(),
-        };
-        Refusal::new(pool.name(), error)
-    })
+    spine_slot(state, pool, std::future::pending())
+        .await
+        .map_err(|stop| refusal(pool, stop))
 }
 
 /// How the request `seen` to `resolved`'s pool picks: its prompt prepared for the pool's
@@ -130,8 +125,7 @@ pub(crate) async fn prepare<'a>(
 ) -> Result<Picker<'a>, Refusal> {
     let session = pool
         .balancer()
-        .kv_router()
-        .and_then(KvRouter::session_header)
+        .session_header()
         .and_then(|name| seen.header(name));
     let kind = match seen.header(":path").map(|path| path.split('?').next()) {
         Some(Some("/v1/chat/completions")) => PromptKind::Chat,
@@ -147,17 +141,30 @@ pub(crate) async fn prepare<'a>(
         })
 }
 
-/// Under `policy: kv`, waits (bounded) while every instance is busy; else 429.
+/// Under `policy: kv`, waits (bounded) while every instance is busy (the spine's step);
+/// else 429.
 pub(crate) async fn queue(
     pool: &ModelPool,
     instances: &[Arc<Instance>],
     picker: &Picker<'_>,
 ) -> Result<(), Refusal> {
-    picker
-        .balancer
-        .admit(instances, now_millis)
+    spine_queue(pool, instances, picker, std::future::pending())
         .await
-        .map_err(|rejected| Refusal::new(pool.name(), overloaded(pool, rejected.describe())))
+        .map_err(|stop| refusal(pool, stop))
+}
+
+/// The refusal of a spine step that stopped a request to `pool`.
+fn refusal(pool: &ModelPool, stop: Stop) -> Refusal {
+    match stop {
+        Stop::Answer(error) => Refusal::new(pool.name(), error),
+        // No client is watched: nothing leaves before the step ends.
+        Stop::ClientGone => Refusal::new(
+            pool.name(),
+            ApiError::UpstreamUnavailable {
+                detail: "the exchange ended".to_string(),
+            },
+        ),
+    }
 }
 
 /// The instances the picker may not name for a request of `pool`: those that take no

@@ -13,7 +13,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use crate::api_error::ApiError;
 use crate::auth::{ApiKey, KeyPermit, KeyRejection};
 use crate::pool::{Instances, ModelPool};
-use crate::request::frontend::{Frontend, unless_gone};
+use crate::request::frontend::unless;
 use crate::request::stop::Stop;
 use crate::request_fields::{FieldsError, extract, with_model_name};
 use crate::state::State;
@@ -103,16 +103,17 @@ fn key_rejection(state: &State, rejection: KeyRejection, model: String) -> ApiEr
 }
 
 /// A slot of the model's concurrency limit, when it has one (waiting for it, bounded,
-/// unless `frontend`'s client leaves first). A model without a limit costs no wait.
-pub(crate) async fn model_slot<F: Frontend>(
+/// unless the client leaves first: `gone` completes). A model without a limit costs no
+/// wait. The spine and the endpoint picker both take their slot here.
+pub(crate) async fn model_slot(
     state: &State,
     pool: &ModelPool,
-    frontend: &mut F,
+    gone: impl Future<Output = ()>,
 ) -> Result<Option<OwnedSemaphorePermit>, Stop> {
     let Some(slots) = state.concurrency.get(pool.name()) else {
         return Ok(None);
     };
-    match unless_gone(frontend, slots.acquire()).await {
+    match unless(gone, slots.acquire()).await {
         None => Err(Stop::ClientGone),
         Some(Ok(slot)) => Ok(Some(slot)),
         Some(Err(rejection)) => Err(Stop::Answer(ApiError::ConcurrencyLimited {

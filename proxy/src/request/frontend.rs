@@ -100,15 +100,23 @@ pub(crate) trait Frontend: Send {
     }
 }
 
-/// Runs `work` unless the client leaves first (`None`).
+/// Runs `work` unless `frontend`'s client leaves first (`None`).
 pub(crate) async fn unless_gone<F: Frontend, T>(
     frontend: &mut F,
+    work: impl Future<Output = T>,
+) -> Option<T> {
+    unless(frontend.gone(), work).await
+}
+
+/// Runs `work` unless `gone` completes first (`None`): the client left.
+pub(crate) async fn unless<T>(
+    gone: impl Future<Output = ()>,
     work: impl Future<Output = T>,
 ) -> Option<T> {
     tokio::select! {
         biased;
         output = work => Some(output),
-        () = frontend.gone() => None,
+        () = gone => None,
     }
 }
 

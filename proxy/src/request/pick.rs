@@ -14,7 +14,7 @@ use crate::api_error::ApiError;
 use crate::clock::now_millis;
 use crate::instance::Instance;
 use crate::pool::ModelPool;
-use crate::request::frontend::{Frontend, unless_gone};
+use crate::request::frontend::unless;
 use crate::request::prefill::prefill_only;
 use crate::request::prepare::Picker;
 use crate::request::stop::Stop;
@@ -35,18 +35,19 @@ pub(crate) struct Pick<'a> {
     pub(crate) route: Option<HeaderValue>,
 }
 
-/// Waits (bounded, unless `frontend`'s client leaves first) while every instance is busy;
-/// `Err`: the 503 to answer. Only `policy: kv` queues: other policies cost no wait.
-pub(crate) async fn queue<F: Frontend>(
+/// Waits (bounded, unless the client leaves first: `gone` completes) while every instance
+/// is busy; `Err`: the 503 to answer. Only `policy: kv` queues: other policies cost no wait.
+/// The spine and the endpoint picker both queue here.
+pub(crate) async fn queue(
     pool: &ModelPool,
     instances: &[Arc<Instance>],
     picker: &Picker<'_>,
-    frontend: &mut F,
+    gone: impl Future<Output = ()>,
 ) -> Result<(), Stop> {
-    let Some(router) = picker.balancer.kv_router() else {
+    if !picker.balancer.queues() {
         return Ok(());
-    };
-    match unless_gone(frontend, router.admit(instances, now_millis)).await {
+    }
+    match unless(gone, picker.balancer.admit(instances, now_millis)).await {
         None => Err(Stop::ClientGone),
         Some(admitted) => {
             admitted.map_err(|rejected| Stop::Answer(overloaded(pool, rejected.describe())))

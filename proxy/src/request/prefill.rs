@@ -15,9 +15,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::HeaderValue;
-use kvmesh_config::{DisaggregationConfig, DisaggregationMode, PrefillFailure};
-use kvmesh_route::kv::Choice;
-use kvmesh_route::{Candidates, Excluded, PolicyInput};
+use kvmesh_config::{DisaggregationConfig, PrefillFailure};
+use kvmesh_route::{Candidates, Excluded, prefills_locally};
 use serde_json::{Map, Value, json};
 
 use crate::api_error::ApiError;
@@ -79,7 +78,16 @@ pub(crate) async fn prefill<F: Frontend>(
     let metrics = pool.metrics();
     let route = record.route.unwrap_or(Route::ChatCompletions);
     let decode_excluded = prefill_only(instances);
-    if let Some(why) = stays_local(config, instances, picker, route, &decode_excluded) {
+    let decoders = Candidates::new(instances, &decode_excluded, now_millis());
+    let generates = matches!(route, Route::ChatCompletions | Route::Completions);
+    let local = prefills_locally(
+        picker.balancer,
+        config,
+        (generates, route.label()),
+        &decoders,
+        &picker.input,
+    );
+    if let Some(why) = local {
         metrics.prefill_leg(PrefillLeg::Local);
         return Ok(Prefilled::Local(why));
     }
@@ -103,40 +111,6 @@ pub(crate) async fn prefill<F: Frontend>(
             }
         }
     }
-}
-
-/// Why the request prefills on its decode instance (`None`: it prefills remotely).
-fn stays_local(
-    config: &DisaggregationConfig,
-    instances: &[Arc<Instance>],
-    picker: &Picker<'_>,
-    route: Route,
-    decode_excluded: &Excluded,
-) -> Option<String> {
-    if !matches!(route, Route::ChatCompletions | Route::Completions) {
-        return Some(format!("route {}", route.label()));
-    }
-    if config.mode == DisaggregationMode::Enforce {
-        return None;
-    }
-    let (Some(router), PolicyInput::Kv(request)) = (picker.balancer.kv_router(), &picker.input)
-    else {
-        return Some("no prompt".to_string());
-    };
-    if picker.input.prompt_tokens().is_none() {
-        return Some("prompt not tokenized: no tokenizer, or content it cannot read".to_string());
-    }
-    let candidates = Candidates::new(instances, decode_excluded, now_millis());
-    let uncached = match router.choose(&candidates, request, &mut rand::thread_rng()) {
-        Choice::Picked(decision) => decision.cost.new_prefill_tokens(),
-        Choice::AllBusy | Choice::NoneEligible => return None,
-    };
-    (uncached < config.min_remote_prefill_tokens).then(|| {
-        format!(
-            "{uncached} uncached tokens < min_remote_prefill_tokens {}",
-            config.min_remote_prefill_tokens
-        )
-    })
 }
 
 /// Why a prefill leg did not prefill.

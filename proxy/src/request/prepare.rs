@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use kvmesh_route::kv::KvRouter;
 use kvmesh_route::prepare::{InvalidPrompt, Prepared, Preparer, PromptKind, offload};
 use kvmesh_route::{Balancer, PolicyInput};
 
@@ -39,8 +38,7 @@ pub(crate) async fn prepare<'a, F: Frontend>(
 ) -> Result<Picker<'a>, InvalidPrompt> {
     let session = pool
         .balancer()
-        .kv_router()
-        .and_then(KvRouter::session_header)
+        .session_header()
         .and_then(|name| frontend.header(name));
     let (picker, rewritten) = picker_for(
         state,
