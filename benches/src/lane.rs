@@ -149,6 +149,8 @@ impl Lane {
             ttft: None,
             e2e: finished_at.saturating_duration_since(origin),
             output_tokens: scan::completion_tokens(&self.body).unwrap_or(0),
+            prompt_tokens: scan::prompt_tokens(&self.body),
+            cached_tokens: scan::cached_tokens(&self.body),
             finished_at,
         })
     }
@@ -186,6 +188,8 @@ impl Lane {
                 .map(|first| first.saturating_duration_since(origin)),
             e2e: finished_at.saturating_duration_since(origin),
             output_tokens: progress.output_tokens(),
+            prompt_tokens: progress.prompt_tokens,
+            cached_tokens: progress.cached_tokens,
             finished_at,
         })
     }

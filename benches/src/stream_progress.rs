@@ -14,6 +14,10 @@ pub struct StreamProgress {
     pub content_events: u64,
     /// Completion tokens reported by a usage chunk, if any.
     pub reported_tokens: Option<u64>,
+    /// Prompt tokens reported by a usage chunk, if any.
+    pub prompt_tokens: Option<u64>,
+    /// Prompt tokens the engine reported served from its prefix cache, if any.
+    pub cached_tokens: Option<u64>,
     /// The `[DONE]` line arrived.
     pub done: bool,
     /// An error object arrived.
@@ -34,6 +38,8 @@ impl StreamProgress {
             last_content: None,
             content_events: 0,
             reported_tokens: None,
+            prompt_tokens: None,
+            cached_tokens: None,
             done: false,
             error: false,
         }
@@ -53,6 +59,10 @@ impl StreamProgress {
         }
         if let Some(tokens) = event.completion_tokens {
             self.reported_tokens = Some(tokens);
+        }
+        if event.prompt_tokens.is_some() {
+            self.prompt_tokens = event.prompt_tokens;
+            self.cached_tokens = event.cached_tokens;
         }
         self.done |= event.done;
         self.error |= event.error;
@@ -104,6 +114,8 @@ mod tests {
         p.observe(content(), t0, &mut gaps);
         let usage = DataEvent {
             completion_tokens: Some(16),
+            prompt_tokens: Some(100),
+            cached_tokens: Some(96),
             ..DataEvent::default()
         };
         p.observe(usage, t0, &mut gaps);
@@ -113,6 +125,7 @@ mod tests {
         };
         p.observe(done, t0, &mut gaps);
         assert_eq!(p.output_tokens(), 16);
+        assert_eq!((p.prompt_tokens, p.cached_tokens), (Some(100), Some(96)));
         assert!(p.done);
         assert!(!p.error);
     }
