@@ -15,6 +15,7 @@ mod server;
 mod sglang;
 mod sse;
 mod state;
+mod tokenize;
 
 pub(crate) use server::serve;
 pub(crate) use state::{EngineState, SideChannels};

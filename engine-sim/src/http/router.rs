@@ -13,7 +13,7 @@ use super::body::ResponseBody;
 use super::error::ApiError;
 use super::openai::Endpoint;
 use super::state::EngineState;
-use super::{embeddings, info, kv_faults, kv_read, lora, openai, responses, sglang};
+use super::{embeddings, info, kv_faults, kv_read, lora, openai, responses, sglang, tokenize};
 use crate::kv_transfer::pull::READ_PATH;
 
 /// Largest accepted request body.
@@ -35,6 +35,7 @@ enum Route {
     Chat,
     Responses,
     Embeddings,
+    Tokenize,
     Generate,
     ResetPrefixCache,
     KvFaults,
@@ -65,6 +66,7 @@ fn lookup(path: &str) -> Option<(Route, &'static str)> {
         "/v1/chat/completions" => (Route::Chat, "POST"),
         "/v1/responses" => (Route::Responses, "POST"),
         "/v1/embeddings" => (Route::Embeddings, "POST"),
+        "/tokenize" => (Route::Tokenize, "POST"),
         "/generate" => (Route::Generate, "POST"),
         "/reset_prefix_cache" => (Route::ResetPrefixCache, "POST"),
         "/sim/kv_events/faults" => (Route::KvFaults, "POST"),
@@ -136,6 +138,7 @@ async fn route(
         Route::Chat => openai::handle(state.clone(), Endpoint::Chat, read_body(req).await?).await,
         Route::Responses => responses::handle(state.clone(), read_body(req).await?).await,
         Route::Embeddings => embeddings::handle(state, &read_body(req).await?),
+        Route::Tokenize => tokenize::handle(state, &read_body(req).await?),
         Route::Generate => sglang::handle(state.clone(), read_body(req).await?).await,
         Route::ResetPrefixCache => info::reset_prefix_cache(state.clone()).await,
         Route::KvFaults => kv_faults::handle(state.clone(), read_body(req).await?).await,
