@@ -24,16 +24,15 @@ use pingora_core::apps::{
 };
 use pingora_core::protocols::http::ServerSession;
 use pingora_core::server::ShutdownWatch;
-use pingora_http::RequestHeader;
 
 use crate::api_error::{ApiError, ClientErrorReason};
 use crate::auth::{ApiKey, AuthFailure};
 use crate::edge_metrics::Peer;
-use crate::headers::EngineTarget;
 use crate::headers::{
     ClientFraming, ProxyHeaders, X_REQUEST_ID, content_length, downstream_response,
     expects_continue, upstream_request,
 };
+use crate::headers::{EngineHead, EngineTarget, InvalidHead};
 use crate::limits::{HeadRead, answer_unread_head, check_head, malformed_head_error, read_head};
 use crate::metrics::Metrics;
 use crate::openapi;
@@ -328,8 +327,8 @@ struct PingoraClient<'a> {
 }
 
 impl Frontend for PingoraClient<'_> {
-    fn engine_request(&self, target: &EngineTarget<'_>) -> pingora_error::Result<RequestHeader> {
-        upstream_request(self.session.req_header(), target)
+    fn engine_request(&self, target: &EngineTarget<'_>) -> Result<EngineHead, InvalidHead> {
+        Ok(upstream_request(self.session.req_header(), target))
     }
 
     fn header(&self, name: &str) -> Option<&str> {

@@ -3,7 +3,7 @@
 //! are added to responses.
 
 use http::header::{self, HeaderName};
-use http::{HeaderMap, HeaderValue, Version};
+use http::{HeaderMap, HeaderValue, Method, Version};
 use kvmesh_h1::fields::{is_100_continue, is_end_to_end, listed_in_connection};
 use kvmesh_telemetry::traceparent::{TRACEPARENT, TRACESTATE, is_trace_field};
 use pingora_error::Result;
@@ -62,22 +62,36 @@ pub(crate) struct EngineTarget<'a> {
     pub(crate) trace: Option<&'a TraceHeaders>,
 }
 
+/// The head of an engine request, as kvmesh owns it (whichever transport then writes it).
+#[derive(Debug, Clone)]
+pub(crate) struct EngineHead {
+    /// The method.
+    pub(crate) method: Method,
+    /// The path and query.
+    pub(crate) path: String,
+    /// The fields.
+    pub(crate) headers: HeaderMap,
+}
+
+/// A client head no engine request can be made of (said).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct InvalidHead(pub(crate) String);
+
+impl std::fmt::Display for InvalidHead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 /// The request sent to a backend: the client's method, path and end-to-end
 /// headers, `Host` set to the backend, the body's exact length, the
 /// request id and, while tracing, the proxy's trace context.
-pub(crate) fn upstream_request(
-    client: &RequestHeader,
-    target: &EngineTarget<'_>,
-) -> Result<RequestHeader> {
+pub(crate) fn upstream_request(client: &RequestHeader, target: &EngineTarget<'_>) -> EngineHead {
     let path = client
         .uri
         .path_and_query()
         .map_or("/", |path| path.as_str());
-    let mut request = RequestHeader::build(
-        client.method.clone(),
-        path.as_bytes(),
-        Some(client.headers.len() + 2),
-    )?;
+    let mut headers = HeaderMap::with_capacity(client.headers.len() + 2);
     for (name, value) in &client.headers {
         if *name == header::HOST
             || *name == header::CONTENT_LENGTH
@@ -87,15 +101,19 @@ pub(crate) fn upstream_request(
         {
             continue;
         }
-        request.append_header(name.clone(), value.clone())?;
+        headers.append(name.clone(), value.clone());
     }
-    request.insert_header(header::HOST, target.host.clone())?;
-    request.insert_header(header::CONTENT_LENGTH, target.body_len)?;
-    request.insert_header(X_REQUEST_ID, target.request_id.clone())?;
+    headers.insert(header::HOST, target.host.clone());
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(target.body_len));
+    headers.insert(X_REQUEST_ID, target.request_id.clone());
     for (name, value) in target.trace.iter().flat_map(|trace| trace.fields()) {
-        request.insert_header(name, value.clone())?;
+        headers.insert(name, value.clone());
     }
-    Ok(request)
+    EngineHead {
+        method: client.method.clone(),
+        path: path.to_string(),
+        headers,
+    }
 }
 
 /// How the response body is framed towards the client.
@@ -220,9 +238,9 @@ mod tests {
             request_id: &id,
             trace: None,
         };
-        let request = upstream_request(&client_request(), &target).unwrap();
+        let request = upstream_request(&client_request(), &target);
         assert_eq!(request.method, "POST");
-        assert_eq!(request.uri.to_string(), "/v1/chat/completions?x=1");
+        assert_eq!(request.path, "/v1/chat/completions?x=1");
         let headers = &request.headers;
         assert_eq!(headers["host"], "127.0.0.1:8001");
         assert_eq!(headers["content-length"], "42");
@@ -259,7 +277,7 @@ mod tests {
             request_id: &id,
             trace: None,
         };
-        let off = upstream_request(&client, &target).unwrap();
+        let off = upstream_request(&client, &target);
         assert_eq!(off.headers["traceparent"], theirs);
         assert_eq!(off.headers["tracestate"], "a=1");
 
@@ -269,7 +287,7 @@ mod tests {
             tracestate: None,
         };
         target.trace = Some(&trace);
-        let on = upstream_request(&client, &target).unwrap();
+        let on = upstream_request(&client, &target);
         let values: Vec<_> = on.headers.get_all("traceparent").iter().collect();
         assert_eq!(values, [ours]);
         assert!(!on.headers.contains_key("tracestate"), "theirs is replaced");
@@ -278,7 +296,7 @@ mod tests {
             ..trace.clone()
         };
         target.trace = Some(&with_state);
-        let on = upstream_request(&client, &target).unwrap();
+        let on = upstream_request(&client, &target);
         let values: Vec<_> = on.headers.get_all("tracestate").iter().collect();
         assert_eq!(values, ["b=2"]);
     }

@@ -4,12 +4,17 @@
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use kvmesh_h1::client::ConnectionPool;
 use pingora_core::connectors::ConnectorOptions;
 use pingora_core::connectors::http::Connector;
 use pingora_core::protocols::http::client::HttpSession;
 use pingora_core::upstreams::peer::HttpPeer;
+use pingora_error::ErrorType;
+use pingora_http::RequestHeader;
 
+use crate::failure::FailureKind;
+use crate::headers::EngineHead;
 use crate::upstream_session::UpstreamSession;
 
 /// What an [`Upstream`] is built from: two equal settings give interchangeable connectors,
@@ -117,4 +122,53 @@ impl Upstream {
             }
         }
     }
+}
+
+/// `head` as pingora's client writes it (h2c and `https://` engines).
+pub(crate) fn pingora_request(head: &EngineHead) -> pingora_error::Result<RequestHeader> {
+    let mut request = RequestHeader::build(
+        head.method.clone(),
+        head.path.as_bytes(),
+        Some(head.headers.len()),
+    )?;
+    for (name, value) in &head.headers {
+        request.append_header(name.clone(), value.clone())?;
+    }
+    Ok(request)
+}
+
+/// Sends `request` and `body` on `session` and reads the response head (informational ones
+/// skipped). `Err`: the failure's kind, and what pingora said.
+pub(crate) async fn pingora_exchange(
+    session: &mut HttpSession,
+    request: RequestHeader,
+    body: &Bytes,
+) -> Result<(), (FailureKind, String)> {
+    let exchange = async {
+        session.write_request_header(Box::new(request)).await?;
+        if !body.is_empty() {
+            session.write_request_body(body.clone(), true).await?;
+        }
+        session.finish_request_body().await?;
+        loop {
+            session.read_response_header().await?;
+            let informational = session
+                .response_header()
+                .is_some_and(|header| header.status.is_informational());
+            if !informational {
+                return Ok::<(), Box<pingora_error::Error>>(());
+            }
+        }
+    };
+    exchange.await.map_err(|error| {
+        let kind = match error.etype() {
+            ErrorType::ConnectTimedout
+            | ErrorType::ConnectRefused
+            | ErrorType::ConnectNoRoute
+            | ErrorType::ConnectError => FailureKind::Connect,
+            ErrorType::ReadTimedout | ErrorType::WriteTimedout => FailureKind::Timeout,
+            _ => FailureKind::Reset,
+        };
+        (kind, error.to_string())
+    })
 }

@@ -17,8 +17,8 @@ use crate::grpc::engine_json::{error_message, parse_completion};
 use crate::grpc::failure::Failure;
 use crate::grpc::outputs::{Piece, Reply};
 use crate::grpc::sse::{DONE, SseData};
-use crate::headers::EngineTarget;
 use crate::headers::{ClientFraming, ProxyHeaders, upstream_request};
+use crate::headers::{EngineHead, EngineTarget, InvalidHead};
 use crate::metrics::Metrics;
 use crate::request::frontend::{Frontend, Unrelayable};
 use crate::request::record::Record;
@@ -264,8 +264,8 @@ fn broke_off(kind: FailureKind) -> Failure {
 }
 
 impl Frontend for GrpcClient<'_> {
-    fn engine_request(&self, target: &EngineTarget<'_>) -> pingora_error::Result<RequestHeader> {
-        upstream_request(self.head, target)
+    fn engine_request(&self, target: &EngineTarget<'_>) -> Result<EngineHead, InvalidHead> {
+        Ok(upstream_request(self.head, target))
     }
 
     /// The call's `traceparent` and `tracestate` metadata; other names: the engine head's.

@@ -21,7 +21,10 @@ use tokio::time::{Instant, timeout_at};
 use super::io::{ClientIo, READ_RESERVE};
 use super::response::{write_error, write_relayed_head};
 use crate::api_error::ApiError;
-use crate::headers::{ClientFraming, EngineTarget, ProxyHeaders, X_REQUEST_ID, upstream_request};
+use crate::headers::{
+    ClientFraming, EngineHead, EngineTarget, InvalidHead, ProxyHeaders, X_REQUEST_ID,
+    upstream_request,
+};
 use crate::metrics::Metrics;
 use crate::request::frontend::{Frontend, Unrelayable};
 use crate::request::record::Record;
@@ -162,12 +165,14 @@ impl<'a, S: ClientIo> FastConnection<'a, S> {
 }
 
 impl<S: ClientIo> Frontend for FastConnection<'_, S> {
-    fn engine_request(&self, target: &EngineTarget<'_>) -> pingora_error::Result<RequestHeader> {
+    fn engine_request(&self, target: &EngineTarget<'_>) -> Result<EngineHead, InvalidHead> {
+        let invalid = |error: Box<pingora_error::Error>| InvalidHead(error.to_string());
         let mut client = RequestHeader::build(
             Method::POST,
             self.head.origin_form(),
             Some(self.head.fields.len()),
-        )?;
+        )
+        .map_err(invalid)?;
         for (name, value) in self.head.fields.iter() {
             if !self.forwards(name) {
                 continue;
@@ -175,10 +180,10 @@ impl<S: ClientIo> Frontend for FastConnection<'_, S> {
             if let (Ok(name), Ok(value)) =
                 (HeaderName::from_bytes(name), HeaderValue::from_bytes(value))
             {
-                client.append_header(name, value)?;
+                client.append_header(name, value).map_err(invalid)?;
             }
         }
-        upstream_request(&client, target)
+        Ok(upstream_request(&client, target))
     }
 
     fn header(&self, name: &str) -> Option<&str> {
@@ -194,7 +199,7 @@ impl<S: ClientIo> Frontend for FastConnection<'_, S> {
         &self,
         target: &EngineTarget<'_>,
         out: &mut Vec<u8>,
-    ) -> pingora_error::Result<()> {
+    ) -> Result<(), InvalidHead> {
         out.extend_from_slice(self.head.method());
         out.push(b' ');
         out.extend_from_slice(self.head.origin_form());

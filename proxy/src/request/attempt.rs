@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::HeaderValue;
-use pingora_error::ErrorType;
 use tokio::time::timeout;
 
 use crate::api_error::ApiError;
@@ -23,6 +22,7 @@ use crate::request::pick::{Pick, overloaded};
 use crate::request::stop::Stop;
 use crate::retry::RetryReason;
 use crate::state::State;
+use crate::upstream::{pingora_exchange, pingora_request};
 use crate::upstream_session::UpstreamSession;
 use kvmesh_h1::client::{Roundtrip, RoundtripError, TimedOut};
 use kvmesh_route::{CandidateSet, Candidates, Excluded, NoPick};
@@ -302,46 +302,24 @@ async fn attempt_pingora<F: Frontend>(
     body: &Bytes,
     target: &EngineTarget<'_>,
 ) -> Result<UpstreamSession, AttemptError> {
-    let request = client
+    let unforwardable =
+        |error: &dyn std::fmt::Display| AttemptError::Unforwardable(error.to_string());
+    let head = client
         .engine_request(target)
-        .map_err(|error| AttemptError::Unforwardable(error.to_string()))?;
+        .map_err(|error| unforwardable(&error))?;
+    let request = pingora_request(&head).map_err(|error| unforwardable(&error))?;
     let (mut upstream, reused) = state
         .upstream
         .session(instance.peer())
         .await
         .map_err(|error| connect_failed(instance, error))?;
-    let exchange = async {
-        upstream.write_request_header(Box::new(request)).await?;
-        if !body.is_empty() {
-            upstream.write_request_body(body.clone(), true).await?;
-        }
-        upstream.finish_request_body().await?;
-        loop {
-            upstream.read_response_header().await?;
-            let informational = upstream
-                .response_header()
-                .is_some_and(|header| header.status.is_informational());
-            if !informational {
-                return Ok::<(), Box<pingora_error::Error>>(());
-            }
-        }
-    };
+    let exchange = pingora_exchange(&mut upstream, request, body);
     match within_first_byte(state, client, exchange).await? {
-        Err(error) => {
-            let kind = match error.etype() {
-                ErrorType::ConnectTimedout
-                | ErrorType::ConnectRefused
-                | ErrorType::ConnectNoRoute
-                | ErrorType::ConnectError => FailureKind::Connect,
-                ErrorType::ReadTimedout | ErrorType::WriteTimedout => FailureKind::Timeout,
-                _ => FailureKind::Reset,
-            };
-            Err(AttemptError::Retryable {
-                kind,
-                detail: format!("{} before the response: {error}", instance.url()),
-                reused,
-            })
-        }
+        Err((kind, error)) => Err(AttemptError::Retryable {
+            kind,
+            detail: format!("{} before the response: {error}", instance.url()),
+            reused,
+        }),
         Ok(()) => Ok(UpstreamSession::Pingora(Box::new(upstream))),
     }
 }

@@ -7,24 +7,19 @@
 use std::future::Future;
 
 use bytes::Bytes;
-use pingora_http::RequestHeader;
 
 use crate::api_error::ApiError;
 use crate::failure::FailureKind;
-use crate::headers::{ClientFraming, EngineTarget, ProxyHeaders};
+use crate::headers::{ClientFraming, EngineHead, EngineTarget, InvalidHead, ProxyHeaders};
 use crate::metrics::Metrics;
 use crate::request::record::Record;
 use crate::upstream_session::UpstreamSession;
 
 /// Writes `request` as an HTTP/1.1 head.
-pub(crate) fn write_request_head(request: &RequestHeader, out: &mut Vec<u8>) {
+pub(crate) fn write_request_head(request: &EngineHead, out: &mut Vec<u8>) {
     out.extend_from_slice(request.method.as_str().as_bytes());
     out.push(b' ');
-    let target = request
-        .uri
-        .path_and_query()
-        .map_or("/", |path| path.as_str());
-    out.extend_from_slice(target.as_bytes());
+    out.extend_from_slice(request.path.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
     for (name, value) in &request.headers {
         out.extend_from_slice(name.as_str().as_bytes());
@@ -38,8 +33,9 @@ pub(crate) fn write_request_head(request: &RequestHeader, out: &mut Vec<u8>) {
 /// A front end's client of one proxied request: where it came from and where its answer
 /// goes. Front ends parse and write; everything in between is the spine's.
 pub(crate) trait Frontend: Send {
-    /// The engine request's head, for pingora's client (h2c and `https://` engines).
-    fn engine_request(&self, target: &EngineTarget<'_>) -> pingora_error::Result<RequestHeader>;
+    /// The engine request's head (for the transports that take a head: h2c and `https://`
+    /// engines).
+    fn engine_request(&self, target: &EngineTarget<'_>) -> Result<EngineHead, InvalidHead>;
 
     /// The engine request's head written as HTTP/1.1 into `out`, for plaintext HTTP/1.1
     /// engines.
@@ -47,7 +43,7 @@ pub(crate) trait Frontend: Send {
         &self,
         target: &EngineTarget<'_>,
         out: &mut Vec<u8>,
-    ) -> pingora_error::Result<()> {
+    ) -> Result<(), InvalidHead> {
         write_request_head(&self.engine_request(target)?, out);
         Ok(())
     }
