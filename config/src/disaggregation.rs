@@ -30,12 +30,24 @@ pub enum PrefillFailure {
     Fail,
 }
 
+/// The engines' disaggregation protocol: how the legs are built and joined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DisaggregationProtocol {
+    /// vLLM's: the prefill leg asks for `kv_transfer_params`, which the decode leg carries
+    /// (NixlConnector and the other KV connectors).
+    #[default]
+    Vllm,
+}
+
 /// `models[].disaggregation`.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DisaggregationConfig {
     /// When to prefill remotely.
     pub mode: DisaggregationMode,
+    /// The engines' protocol for the two legs.
+    pub protocol: DisaggregationProtocol,
     /// `conditional`: the uncached prompt tokens (on the chosen decode instance) from which
     /// the prefill runs remotely.
     pub min_remote_prefill_tokens: u64,
@@ -59,6 +71,7 @@ impl Default for DisaggregationConfig {
     fn default() -> Self {
         Self {
             mode: DisaggregationMode::Conditional,
+            protocol: DisaggregationProtocol::Vllm,
             min_remote_prefill_tokens: 512,
             on_prefill_failure: PrefillFailure::Aggregated,
             kv_bytes_per_token: 147_456,

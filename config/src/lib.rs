@@ -41,7 +41,9 @@ pub use backend_url::{BackendUrl, BackendUrlError};
 pub use concurrency::ConcurrencyConfig;
 pub use config::Config;
 pub use control_security::{ControlTlsConfig, EtcdAuthConfig, NatsAuthConfig};
-pub use disaggregation::{DisaggregationConfig, DisaggregationMode, PrefillFailure};
+pub use disaggregation::{
+    DisaggregationConfig, DisaggregationMode, DisaggregationProtocol, PrefillFailure,
+};
 pub use discovery::{DEFAULT_NAMESPACE, DefaultModelConfig, DiscoveryConfig, DiscoveryKind};
 pub use duration::{DurationError, format_duration, parse_duration};
 pub use epp::{EPP_LISTENER, EppConfig, MAX_EPP_FALLBACKS};

@@ -41,6 +41,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         &[
             "adapters",
             "discovery",
+            "engine_protocol",
             "health",
             "instance",
             "outlier",

@@ -36,6 +36,7 @@ mod control_plane;
 mod data_app;
 mod discovery;
 mod edge_metrics;
+mod engine_protocol;
 mod epp;
 mod error;
 mod failure;

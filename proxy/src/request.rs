@@ -166,8 +166,9 @@ async fn run<F: Frontend>(
         Some(config) => {
             trace.phase(Phase::Prefill);
             let model = (&*pool, config);
+            let leg = (&*record, &mut *trace);
             let prefilled =
-                prefill(state, frontend, model, &instances, &picker, &body, record).await?;
+                prefill(state, frontend, model, &instances, &picker, &body, leg).await?;
             if let Prefilled::Remote {
                 instance,
                 body: decode_leg,

@@ -70,6 +70,12 @@ impl Failover {
     /// counted in the model's retry budget.
     pub(crate) fn new(state: &State, pool: &ModelPool) -> Self {
         pool.retry_budget().request(&state.retry, now_millis());
+        Self::for_leg(state)
+    }
+
+    /// A disaggregated request's prefill leg, which may retry as the request may; the
+    /// request is already counted in the model's retry budget.
+    pub(crate) fn for_leg(state: &State) -> Self {
         Self {
             excluded: Excluded::default(),
             attempts_left: state.limits.retries.saturating_add(1),

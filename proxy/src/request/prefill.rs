@@ -1,37 +1,44 @@
-//! The prefill leg of a disaggregated model (phase 4a of [`crate::request`]), in vLLM's
-//! NixlConnector protocol as its own disaggregation proxy speaks it: the client's request
-//! with `kv_transfer_params.do_remote_decode`, `stream: false` and one token goes to a
-//! prefill instance chosen by the model's KV policy; the `kv_transfer_params` of its JSON
-//! answer go into the client's request, which the spine then sends to a decode instance
-//! (the decode leg) as it sends any request.
+//! The prefill leg of a disaggregated model (phase 3a of [`crate::request`]): the model's
+//! engine protocol ([`crate::engine_protocol`], `disaggregation.protocol`) builds the
+//! prefill leg from the client's request; it goes to a prefill instance chosen by the
+//! model's policy, attempt by attempt the spine's way (traced, judged, failed over and
+//! retried within `limits.retries` and the retry budget); the protocol joins the answer
+//! into the decode leg, which the spine then sends to a decode instance as it sends any
+//! request.
 //!
-//! With `mode: conditional` the prefill stays on the decode instance when the part of the
-//! prompt the decode instance the policy would choose does not cache is shorter than
-//! `min_remote_prefill_tokens`. A failed prefill leg (no prefill instance, an error, an answer
-//! without `kv_transfer_params`) serves the request whole on the decode instance, or answers
-//! 503 with `on_prefill_failure: fail`.
+//! Whether a request prefills remotely at all is a routing decision
+//! ([`kvmesh_route::prefills_locally`]): with `mode: conditional` it stays on the decode
+//! instance when the part of the prompt that instance does not cache is shorter than
+//! `min_remote_prefill_tokens`. A failed prefill leg (no prefill instance left, an error, an
+//! answer the protocol cannot use) serves the request whole on the decode instance, or
+//! answers 503 with `on_prefill_failure: fail`.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use http::HeaderValue;
-use kvmesh_config::{DisaggregationConfig, PrefillFailure};
+use kvmesh_config::{DisaggregationConfig, DisaggregationProtocol, PrefillFailure};
 use kvmesh_route::{Candidates, Excluded, prefills_locally};
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 
 use crate::api_error::ApiError;
 use crate::clock::now_millis;
+use crate::engine_protocol::{self, Legs};
+use crate::failure::FailureKind;
 use crate::instance::Instance;
 use crate::metrics::PrefillLeg;
 use crate::pool::ModelPool;
-use crate::request::attempt::{AttemptError, attempt};
+use crate::request::attempt::{Failover, attempt};
 use crate::request::frontend::Frontend;
 use crate::request::pick::pick;
 use crate::request::prepare::Picker;
 use crate::request::record::Record;
+use crate::request::respond::judge;
 use crate::request::stop::Stop;
+use crate::request::trace::RequestTrace;
 use crate::route::Route;
 use crate::state::State;
+use crate::upstream_session::UpstreamSession;
 
 /// Where a request of a disaggregated model prefills.
 #[derive(Debug)]
@@ -73,7 +80,7 @@ pub(crate) async fn prefill<F: Frontend>(
     instances: &[Arc<Instance>],
     picker: &Picker<'_>,
     body: &Bytes,
-    record: &Record,
+    (record, trace): (&Record, &mut RequestTrace),
 ) -> Result<Prefilled, Stop> {
     let metrics = pool.metrics();
     let route = record.route.unwrap_or(Route::ChatCompletions);
@@ -91,7 +98,14 @@ pub(crate) async fn prefill<F: Frontend>(
         metrics.prefill_leg(PrefillLeg::Local);
         return Ok(Prefilled::Local(why));
     }
-    match remote(state, frontend, instances, picker, body, &record.request_id).await {
+    let remote = match engine_protocol::legs(config.protocol) {
+        Legs::Sequential => {
+            let model = (pool, config.protocol);
+            let request = (&record.request_id, trace);
+            remote(state, frontend, model, instances, picker, body, request).await
+        }
+    };
+    match remote {
         Ok(prefilled) => {
             metrics.prefill_leg(PrefillLeg::Remote);
             Ok(prefilled)
@@ -121,86 +135,88 @@ enum LegError {
     Failed(String),
 }
 
-/// Picks a prefill instance, sends it the prefill leg and builds the decode leg's body.
+impl From<Stop> for LegError {
+    fn from(stop: Stop) -> Self {
+        match stop {
+            Stop::ClientGone => Self::ClientGone,
+            Stop::Answer(error) => Self::Failed(error.message()),
+        }
+    }
+}
+
+/// Sends the prefill leg to a prefill instance and builds the decode leg's body. Each
+/// attempt goes the spine's way: traced, judged (a 5xx counts towards the instance's
+/// ejection), failed over to another prefill instance (a connect failure, a stale pooled
+/// connection, a retryable status or a first-byte timeout) within `limits.retries` and the
+/// model's retry budget.
 async fn remote<F: Frontend>(
     state: &State,
     frontend: &mut F,
+    (pool, protocol): (&ModelPool, DisaggregationProtocol),
     instances: &[Arc<Instance>],
     picker: &Picker<'_>,
     body: &Bytes,
-    request_id: &HeaderValue,
+    (request_id, trace): (&HeaderValue, &mut RequestTrace),
 ) -> Result<Prefilled, LegError> {
-    let mut request: Map<String, Value> = serde_json::from_slice(body)
+    let request: Map<String, Value> = serde_json::from_slice(body)
         .map_err(|error| LegError::Failed(format!("the body is not a JSON object: {error}")))?;
-    let not_prefilling = Excluded::matching(instances, |instance| !instance.role().prefills());
-    let picked = pick(instances, picker, &not_prefilling)
-        .map_err(|why| LegError::Failed(format!("no prefill instance ({why:?})")))?;
-    let instance = Arc::clone(&picked.instance);
-    let leg = Bytes::from(
-        serde_json::to_vec(&prefill_request(&request))
-            .map_err(|error| LegError::Failed(error.to_string()))?,
-    );
-    let in_flight = instance.start_request();
-    let answer = match attempt(state, frontend, &instance, &leg, request_id, None).await {
-        Ok(engine) => engine,
-        Err(AttemptError::ClientGone) => return Err(LegError::ClientGone),
-        Err(AttemptError::Retryable { kind, detail, .. }) => {
-            instance.record_failure(kind, &state.outlier, now_millis());
-            return Err(LegError::Failed(detail));
+    let leg = engine_protocol::prefill_leg(protocol, &request).map_err(LegError::Failed)?;
+    let mut failover = Failover::for_leg(state);
+    failover.excluded = Excluded::matching(instances, |instance| !instance.role().prefills());
+    loop {
+        let picked = match pick(instances, picker, &failover.excluded) {
+            Ok(picked) => picked,
+            Err(why) => {
+                return Err(LegError::Failed(
+                    match failover.exhausted(state, pool, why) {
+                        ApiError::UpstreamUnavailable { detail } => detail,
+                        _ => format!("no prefill instance ({why:?})"),
+                    },
+                ));
+            }
+        };
+        let instance = Arc::clone(&picked.instance);
+        let in_flight = instance.start_request();
+        let engine_trace = trace.attempt(&instance);
+        let answer = match attempt(state, frontend, &instance, &leg, request_id, engine_trace).await
+        {
+            Ok(answer) => answer,
+            Err(error) => {
+                drop(in_flight);
+                trace.attempt_failed(&error);
+                failover.failed(state, pool, instances, &picked, error)?;
+                failover.backoff(frontend).await?;
+                continue;
+            }
+        };
+        let Some(status) = judge(state, &instance, &answer) else {
+            return Err(LegError::Failed(format!("{}: no status", instance.url())));
+        };
+        trace.answered(status);
+        if failover.retries_status(state, pool, instances, &picked, status) {
+            drop((answer, in_flight));
+            trace.retried();
+            failover.backoff(frontend).await?;
+            continue;
         }
-        Err(AttemptError::Timeout) => {
-            return Err(LegError::Failed(format!(
-                "{}: no response head in time",
-                instance.url()
-            )));
+        if let Some(booking) = &picked.booking {
+            booking.prefill_done(false);
         }
-        Err(AttemptError::Unforwardable(detail)) => return Err(LegError::Failed(detail)),
-    };
-    if let Some(booking) = &picked.booking {
-        booking.prefill_done(false);
+        let answer = read_answer(state, &instance, answer).await?;
+        drop(in_flight);
+        let body = engine_protocol::decode_leg(protocol, request, &answer)
+            .map_err(|error| LegError::Failed(format!("{}: {error}", instance.url())))?;
+        return Ok(Prefilled::Remote { instance, body });
     }
-    let params = read_params(state, &instance, answer).await?;
-    drop(in_flight);
-    request.insert("kv_transfer_params".to_string(), params);
-    let body = serde_json::to_vec(&request).map_err(|error| LegError::Failed(error.to_string()))?;
-    Ok(Prefilled::Remote {
-        instance,
-        body: Bytes::from(body),
-    })
 }
 
-/// The prefill leg of the client's `request`, as vLLM's disaggregation proxy builds it.
-fn prefill_request(request: &Map<String, Value>) -> Map<String, Value> {
-    let mut leg = request.clone();
-    leg.insert(
-        "kv_transfer_params".to_string(),
-        json!({
-            "do_remote_decode": true,
-            "do_remote_prefill": false,
-            "remote_engine_id": null,
-            "remote_block_ids": null,
-            "remote_host": null,
-            "remote_port": null,
-        }),
-    );
-    leg.insert("stream".to_string(), Value::Bool(false));
-    leg.insert("max_tokens".to_string(), json!(1));
-    if leg.contains_key("max_completion_tokens") {
-        leg.insert("max_completion_tokens".to_string(), json!(1));
-    }
-    for field in ["stream_options", "min_tokens", "min_completion_tokens"] {
-        leg.remove(field);
-    }
-    leg
-}
-
-/// Reads the prefill instance's whole answer and takes its `kv_transfer_params`; the
+/// Reads the prefill instance's whole answer, a 200 (anything else is a failed leg); the
 /// connection goes back to the pool.
-async fn read_params(
+async fn read_answer(
     state: &State,
     instance: &Instance,
-    mut answer: crate::upstream_session::UpstreamSession,
-) -> Result<Value, LegError> {
+    mut answer: UpstreamSession,
+) -> Result<Vec<u8>, LegError> {
     let status = answer.status().unwrap_or(0);
     let limit = usize::try_from(state.limits.max_body_bytes).unwrap_or(usize::MAX);
     let mut bytes = Vec::new();
@@ -224,6 +240,7 @@ async fn read_params(
             }
             Ok(None) => break,
             Err(error) => {
+                instance.record_failure(FailureKind::Reset, &state.outlier, now_millis());
                 return Err(LegError::Failed(format!("{}: {error}", instance.url())));
             }
         }
@@ -237,51 +254,5 @@ async fn read_params(
             text.chars().take(200).collect::<String>()
         )));
     }
-    let mut answer: Map<String, Value> = serde_json::from_slice(&bytes).map_err(|error| {
-        LegError::Failed(format!(
-            "{}: the answer is not JSON: {error}",
-            instance.url()
-        ))
-    })?;
-    match answer.remove("kv_transfer_params") {
-        Some(params @ Value::Object(_)) => Ok(params),
-        _ => Err(LegError::Failed(format!(
-            "{}: the answer carries no kv_transfer_params (is the engine started with a \
-             KV connector?)",
-            instance.url()
-        ))),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_prefill_leg_is_the_request_with_one_token_no_stream_and_the_params() {
-        let request: Map<String, Value> = serde_json::from_str(
-            r#"{"model":"m","prompt":"hi","max_tokens":50,"stream":true,
-                "stream_options":{"include_usage":true},"min_tokens":4,"temperature":0.5}"#,
-        )
-        .unwrap();
-        let leg = prefill_request(&request);
-        assert_eq!(leg["max_tokens"], 1);
-        assert_eq!(leg["stream"], false);
-        assert_eq!(leg["temperature"], 0.5);
-        assert_eq!(leg["prompt"], "hi");
-        for gone in ["stream_options", "min_tokens", "min_completion_tokens"] {
-            assert!(!leg.contains_key(gone), "{gone}");
-        }
-        assert!(!leg.contains_key("max_completion_tokens"));
-        assert_eq!(
-            leg["kv_transfer_params"],
-            json!({"do_remote_decode": true, "do_remote_prefill": false,
-                   "remote_engine_id": null, "remote_block_ids": null,
-                   "remote_host": null, "remote_port": null})
-        );
-        let chat: Map<String, Value> =
-            serde_json::from_str(r#"{"model":"m","messages":[],"max_completion_tokens":9}"#)
-                .unwrap();
-        assert_eq!(prefill_request(&chat)["max_completion_tokens"], 1);
-    }
+    Ok(bytes)
 }
