@@ -33,6 +33,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, st
 
 KV = "kv-model"
 PD = "pd-model"
+POOLED = "pooled-model"
 LIMITED = "limited-model"
 MAX_BODY = 65536
 DEST = "x-gateway-destination-endpoint"
@@ -53,6 +54,7 @@ def cluster(workdir):
     kv = Proc("kvmesh-engine-sim", ["--engines", "3", "--port", "0", "--model", KV, "--no-delay"], workdir)
     limited = Proc("kvmesh-engine-sim", ["--engines", "1", "--port", "0", "--model", LIMITED, "--no-delay"], workdir)
     pd = Proc("kvmesh-engine-sim", ["--engines", "2", "--port", "0", "--model", PD, "--no-delay"], workdir)
+    pooled = Proc("kvmesh-engine-sim", ["--engines", "2", "--port", "0", "--model", POOLED, "--no-delay"], workdir)
     urls = lambda proc: "".join(f"      - url: http://{addr}\n" for addr in backends(proc))  # noqa: E731
     config = (
         "listeners: []\nadmin:\n  address: 127.0.0.1:0\n"
@@ -66,15 +68,27 @@ def cluster(workdir):
         f"    disaggregation:\n      mode: enforce\n    backends:\n"
         f"      - url: http://{backends(pd)[0]}\n        role: prefill\n"
         f"      - url: http://{backends(pd)[1]}\n        role: decode\n"
+        f"  - name: {POOLED}\n    policy: kv\n    kv:\n      block_size: 16\n"
+        f"    pools:\n      - name: short\n        max_input_tokens: 100\n      - name: long\n"
+        f"    backends:\n"
+        f"      - url: http://{backends(pooled)[0]}\n        pool: short\n"
+        f"      - url: http://{backends(pooled)[1]}\n        pool: long\n"
     )
     cfg = workdir / "epp.yaml"
     cfg.write_text(config)
     proxy = Proc("kvmesh-proxy", ["--config", str(cfg)], workdir)
-    yield {"proxy": proxy, "kv": backends(kv), "limited": backends(limited), "pd": backends(pd)}
+    yield {
+        "proxy": proxy,
+        "kv": backends(kv),
+        "limited": backends(limited),
+        "pd": backends(pd),
+        "pooled": backends(pooled),
+    }
     proxy.stop()
     kv.stop()
     limited.stop()
     pd.stop()
+    pooled.stop()
 
 
 def run(coroutine):
@@ -343,6 +357,23 @@ def test_a_prefill_only_engine_is_never_named_for_a_whole_request(cluster):
                 exchange = Exchange(chan)
                 endpoints = await exchange.pick("/v1/completions", completion([n, 1, 2, 3], model=PD))
                 assert endpoints == [decode], (endpoints, prefill)
+                await exchange.respond(endpoints[0])
+                await exchange.close()
+
+    run(go())
+
+
+def test_a_models_pools_take_prompts_as_in_the_proxy(cluster):
+    """The picker chooses the pool as the proxy's own path does: a prompt that fits the
+    short pool is picked there, a longer one in the long pool, fallbacks included."""
+    short, long = cluster["pooled"]
+
+    async def go():
+        async with channel(cluster) as chan:
+            for tokens, engine in ((list(range(50)), short), (list(range(1000, 1300)), long)):
+                exchange = Exchange(chan)
+                endpoints = await exchange.pick("/v1/completions", completion(tokens, model=POOLED))
+                assert endpoints == [engine], (len(tokens), endpoints)
                 await exchange.respond(endpoints[0])
                 await exchange.close()
 
