@@ -70,6 +70,8 @@ pub struct KvRoutingConfig {
     pub stale_request_timeout: Duration,
     /// Checking the KV index against the engines' own `cached_tokens`.
     pub cache_check: KvCacheCheckConfig,
+    /// Checking the proxy's tokenizer and chat template against each engine's `/tokenize`.
+    pub tokenizer_check: KvTokenizerCheckConfig,
 }
 
 impl Default for KvRoutingConfig {
@@ -92,6 +94,7 @@ impl Default for KvRoutingConfig {
             track_output_blocks: false,
             stale_request_timeout: Duration::from_secs(300),
             cache_check: KvCacheCheckConfig::default(),
+            tokenizer_check: KvTokenizerCheckConfig::default(),
         }
     }
 }
@@ -159,6 +162,33 @@ impl Default for KvCacheCheckConfig {
         Self {
             window: 8,
             mismatches: 3,
+        }
+    }
+}
+
+/// How `policy: kv` checks, once per instance when it registers, that the model's tokenizer
+/// and chat template give the token ids its engine gives (`POST /tokenize` with a few probe
+/// prompts): an engine that tokenizes otherwise can never match the proxy's block hashes.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvTokenizerCheckConfig {
+    /// Compare (the model needs a `tokenizer`); false: never compared.
+    pub enabled: bool,
+    /// How long to keep asking an engine that does not answer yet (it may still be
+    /// starting); then the instance stays unchecked.
+    #[serde(deserialize_with = "crate::duration::deserialize")]
+    pub deadline: Duration,
+    /// Longest wait for one answer.
+    #[serde(deserialize_with = "crate::duration::deserialize")]
+    pub timeout: Duration,
+}
+
+impl Default for KvTokenizerCheckConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            deadline: Duration::from_secs(600),
+            timeout: Duration::from_secs(10),
         }
     }
 }

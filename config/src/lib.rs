@@ -53,7 +53,8 @@ pub use field_path::{FieldPath, Segment};
 pub use grpc::{GRPC_LISTENER, GrpcConfig, MAX_GRPC_MESSAGE_BYTES};
 pub use health_check::HealthCheckConfig;
 pub use kv_routing::{
-    FALLBACK_BLOCK_SIZE, KvCacheCheckConfig, KvQueueConfig, KvRoutingConfig, MAX_APPROX_TTL,
+    FALLBACK_BLOCK_SIZE, KvCacheCheckConfig, KvQueueConfig, KvRoutingConfig,
+    KvTokenizerCheckConfig, MAX_APPROX_TTL,
 };
 pub use limits::LimitsConfig;
 pub use listener::{AdminConfig, ListenerConfig};

@@ -54,6 +54,14 @@ pub(crate) fn check_kv(kv: &KvRoutingConfig, path: &FieldPath) -> Checked {
             ),
         );
     }
+    positive(
+        kv.tokenizer_check.deadline,
+        path.key("tokenizer_check").key("deadline"),
+    )?;
+    positive(
+        kv.tokenizer_check.timeout,
+        path.key("tokenizer_check").key("timeout"),
+    )?;
     if !kv.session_header.bytes().all(is_header_name_byte) {
         return fail(
             path.key("session_header"),

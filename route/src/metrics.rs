@@ -9,6 +9,7 @@ use prometheus::{
     IntGaugeVec, Opts, Registry,
 };
 
+use crate::kv::TokenizerOutcome;
 use crate::kv::cache_check::Verdict;
 use crate::prepare::{FALLBACK_REASONS, FallbackReason};
 
@@ -44,6 +45,8 @@ pub struct KvFamilies {
     cache_check_mismatches: IntCounterVec,
     cache_check_untrusted: IntGaugeVec,
     events_incomplete: IntGaugeVec,
+    tokenizer_mismatch: IntGaugeVec,
+    tokenizer_checks: IntCounterVec,
 }
 
 impl KvFamilies {
@@ -150,6 +153,20 @@ impl KvFamilies {
             ),
             &["model", "instance"],
         )?;
+        let tokenizer_mismatch = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_route_tokenizer_mismatch",
+                "policy kv: 1 while an instance's engine tokenized a probe prompt (its /tokenize, asked when it registered) otherwise than the proxy's tokenizer and chat template; it is then scored by predictions alone, not by its KV events.",
+            ),
+            &["model", "instance"],
+        )?;
+        let tokenizer_checks = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_route_tokenizer_checks_total",
+                "policy kv: instances whose engine's /tokenize was compared with the proxy's tokenizer, by outcome (agreed, mismatched, unchecked: no /tokenize, refused, or no answer before kv.tokenizer_check.deadline).",
+            ),
+            &["model", "outcome"],
+        )?;
         registry.register(Box::new(overlap_blocks.clone()))?;
         registry.register(Box::new(decision_seconds.clone()))?;
         registry.register(Box::new(index_blocks.clone()))?;
@@ -164,6 +181,8 @@ impl KvFamilies {
         registry.register(Box::new(cache_check_mismatches.clone()))?;
         registry.register(Box::new(cache_check_untrusted.clone()))?;
         registry.register(Box::new(events_incomplete.clone()))?;
+        registry.register(Box::new(tokenizer_mismatch.clone()))?;
+        registry.register(Box::new(tokenizer_checks.clone()))?;
         Ok(Self {
             overlap_blocks,
             decision_seconds,
@@ -179,6 +198,8 @@ impl KvFamilies {
             cache_check_mismatches,
             cache_check_untrusted,
             events_incomplete,
+            tokenizer_mismatch,
+            tokenizer_checks,
         })
     }
 
@@ -205,6 +226,9 @@ impl KvFamilies {
             cache_check_mismatches: self.cache_check_mismatches.clone(),
             cache_check_untrusted: self.cache_check_untrusted.clone(),
             events_incomplete: self.events_incomplete.clone(),
+            tokenizer_mismatch: self.tokenizer_mismatch.clone(),
+            tokenizer_checks: TokenizerOutcome::LABELS
+                .map(|outcome| self.tokenizer_checks.with_label_values(&[model, outcome])),
         }
     }
 
@@ -223,6 +247,9 @@ impl KvFamilies {
             .remove_label_values(&[model, instance]);
         let _ = self
             .events_incomplete
+            .remove_label_values(&[model, instance]);
+        let _ = self
+            .tokenizer_mismatch
             .remove_label_values(&[model, instance]);
     }
 }
@@ -297,6 +324,11 @@ pub struct KvMetrics {
     cache_check_untrusted: IntGaugeVec,
     /// `kvmesh_route_kv_events_incomplete{model,instance}`, resolved per scrape.
     events_incomplete: IntGaugeVec,
+    /// `kvmesh_route_tokenizer_mismatch{model,instance}`, resolved per scrape.
+    tokenizer_mismatch: IntGaugeVec,
+    /// `kvmesh_route_tokenizer_checks_total{model,outcome}`, in [`TokenizerOutcome::LABELS`]
+    /// order.
+    tokenizer_checks: [IntCounter; 3],
 }
 
 /// The `result` labels of `kvmesh_route_cache_check_answers_total`.
@@ -344,6 +376,21 @@ impl KvMetrics {
         self.events_incomplete
             .with_label_values(&[self.model.as_str(), instance])
             .set(i64::from(incomplete));
+    }
+
+    /// Sets `kvmesh_route_tokenizer_mismatch` of `instance` (its URL): 1 while its engine
+    /// tokenizes otherwise than the proxy.
+    pub fn set_tokenizer_mismatch(&self, instance: &str, mismatch: bool) {
+        self.tokenizer_mismatch
+            .with_label_values(&[self.model.as_str(), instance])
+            .set(i64::from(mismatch));
+    }
+
+    /// Counts an instance's tokenizer check by its outcome.
+    pub(crate) fn count_tokenizer_check(&self, outcome: &TokenizerOutcome) {
+        if let Some(counter) = self.tokenizer_checks.get(outcome.index()) {
+            counter.inc();
+        }
     }
 
     /// Counts an answer of `instance` (its URL) judged against the index: `verdict`, and the
@@ -401,6 +448,8 @@ mod tests {
         kv.count_fallback(FallbackReason::NoTokenizer);
         kv.set_block_size_mismatch("http://b:2", true);
         kv.set_block_size_mismatch("http://a:1", false);
+        kv.set_tokenizer_mismatch("http://b:2", true);
+        kv.count_tokenizer_check(&TokenizerOutcome::Agreed);
         let out = text(&registry);
         families.forget_instance("qwen3", "http://b:2");
         assert!(!text(&registry).contains("http://b:2"));
@@ -416,6 +465,9 @@ mod tests {
             "kvmesh_route_fallbacks_total{model=\"qwen3\",reason=\"no_tokenizer\"} 1",
             "kvmesh_route_block_size_mismatch{instance=\"http://b:2\",model=\"qwen3\"} 1",
             "kvmesh_route_block_size_mismatch{instance=\"http://a:1\",model=\"qwen3\"} 0",
+            "kvmesh_route_tokenizer_mismatch{instance=\"http://b:2\",model=\"qwen3\"} 1",
+            "kvmesh_route_tokenizer_checks_total{model=\"qwen3\",outcome=\"agreed\"} 1",
+            "kvmesh_route_tokenizer_checks_total{model=\"qwen3\",outcome=\"unchecked\"} 0",
         ] {
             assert!(out.contains(line), "missing {line:?} in\n{out}");
         }

@@ -6,6 +6,7 @@ use serde::Serialize;
 use crate::kv::cache_check::CacheCheckState;
 use crate::kv::decision::{Decision, KvRequest};
 use crate::kv::overlap::instance_depth;
+use crate::kv::tokenizer_check::TokenizerMismatch;
 use crate::prepare::RouteInput;
 
 /// The value of `x-kvmesh-route`: `instance=http://…; overlap_blocks=12; prompt_blocks=20;
@@ -112,6 +113,11 @@ pub struct InstanceExplanation {
     /// not read from its KV events. Absent when they agree.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) block_size_mismatch: Option<u64>,
+    /// Where the instance's engine tokenized a probe otherwise than the proxy (its
+    /// `/tokenize`, checked when it registered): its overlap is then predicted from routing
+    /// decisions, not read from its KV events. Absent when they agree or were not compared.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) tokenizer_mismatch: Option<TokenizerMismatch>,
     /// How its engine's answers compared with the index (`kv.cache_check`); absent while
     /// the check is off or nothing was counted yet.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -123,18 +129,24 @@ pub struct InstanceExplanation {
 }
 
 /// [`route_header`], followed by `; block_size_mismatch=<the engine's block size>` when the
-/// chosen instance's engine runs another block size than the model: its overlap was
-/// predicted from routing decisions, not read from its KV events.
+/// chosen instance's engine runs another block size than the model, and by
+/// `; tokenizer_mismatch=<probe>` when it tokenized that probe otherwise than the proxy:
+/// either way its overlap was predicted from routing decisions, not read from its KV events.
 pub(crate) fn route_header_noting(
     instance: &str,
     decision: &Decision,
     request: &KvRequest,
     block_size_mismatch: Option<u64>,
+    tokenizer_mismatch: Option<&str>,
 ) -> String {
     let mut text = route_header(instance, decision, request);
     if let Some(engine) = block_size_mismatch {
         text.push_str("; block_size_mismatch=");
         text.push_str(&engine.to_string());
+    }
+    if let Some(probe) = tokenizer_mismatch {
+        text.push_str("; tokenizer_mismatch=");
+        text.push_str(probe);
     }
     text
 }
@@ -223,10 +235,12 @@ mod tests {
         let request = KvRequest::without_prompt();
         let plain = route_header("http://h:1", &decision, &request);
         assert_eq!(
-            route_header_noting("http://h:1", &decision, &request, None),
+            route_header_noting("http://h:1", &decision, &request, None, None),
             plain
         );
-        let noted = route_header_noting("http://h:1", &decision, &request, Some(32));
+        let noted = route_header_noting("http://h:1", &decision, &request, Some(32), None);
         assert_eq!(noted, format!("{plain}; block_size_mismatch=32"));
+        let noted = route_header_noting("http://h:1", &decision, &request, None, Some("chat"));
+        assert_eq!(noted, format!("{plain}; tokenizer_mismatch=chat"));
     }
 }

@@ -36,6 +36,9 @@
 //! Under live KV events the router checks its index against the engines' own accounting
 //! ([`cache_check`]): each answer's `cached_tokens` is compared with the overlap the engine
 //! had reported, and an instance that keeps disagreeing is scored approximately and resynced.
+//!
+//! Once per instance, the proxy compares its own token ids with the engine's `/tokenize`
+//! ([`tokenizer_check`]): an engine that tokenizes otherwise is scored approximately too.
 
 mod admission;
 mod block_size;
@@ -53,6 +56,7 @@ mod router;
 mod select;
 mod sessions;
 mod speed;
+mod tokenizer_check;
 
 pub use admission::Rejected;
 pub use block_size::BlockSizeFit;
@@ -66,3 +70,7 @@ pub use explain::{Explanation, InstanceExplanation};
 pub use replicas::{SharedLoad, SharedSpeed};
 pub use router::KvRouter;
 pub use sessions::SessionBinding;
+pub use tokenizer_check::{
+    Probe, RunningCheck, TokenizerChecks, TokenizerMismatch, TokenizerOutcome, compare, engine_ids,
+    probes,
+};

@@ -25,6 +25,7 @@ use crate::kv::overlap::{Approximate, OverlapSource, instance_depth, worker_key}
 use crate::kv::replicas::{ReplicaLoads, SharedLoad};
 use crate::kv::select::{Scored, probabilities, select};
 use crate::kv::sessions::{SessionBinding, Sessions};
+use crate::kv::tokenizer_check::{TokenizerChecks, TokenizerOutcome};
 use crate::metrics::{KvMetrics, RouteStage};
 use crate::prepare::{Prepared, Preparer, RouteInput};
 
@@ -51,6 +52,8 @@ pub struct KvRouter {
     /// Tokens per block: `kv.block_size`, or the first instance record's; and the instances
     /// whose engines run another size.
     block_size: ModelBlockSize,
+    /// Whether each instance's engine tokenizes as the proxy does.
+    tokenizer_checks: TokenizerChecks,
     /// The cost's weights and profile (its block size is [`Self::block_size`]'s).
     cost: CostModel,
     temperature: f64,
@@ -131,6 +134,7 @@ impl KvRouter {
             replicas: ReplicaLoads::default(),
             decisions: OnceLock::new(),
             block_size,
+            tokenizer_checks: TokenizerChecks::new(config.tokenizer_check.clone()),
             metrics,
         })
     }
@@ -152,9 +156,34 @@ impl KvRouter {
     pub fn fit_block_size(&self, instance: u64, engine: u64) -> BlockSizeFit {
         let fit = self.block_size.fit(instance, engine);
         if let Some(feed) = &self.events {
-            feed.set_approximate_only(instance, matches!(fit, BlockSizeFit::Differs { .. }));
+            let differs = matches!(fit, BlockSizeFit::Differs { .. });
+            feed.set_approximate_only(
+                instance,
+                differs || self.tokenizer_checks.is_mismatched(instance),
+            );
         }
         fit
+    }
+
+    /// The tokenizer checks of the model's instances ([`crate::kv::tokenizer_check`]).
+    pub fn tokenizer_checks(&self) -> &TokenizerChecks {
+        &self.tokenizer_checks
+    }
+
+    /// Records how instance `instance`'s engine tokenizes compared with the proxy, and counts
+    /// it. An engine that tokenizes otherwise caches blocks the proxy's hashes can never
+    /// match: its KV events are not indexed and it is scored by predictions alone, as for a
+    /// block-size conflict.
+    pub fn record_tokenizer_check(&self, instance: u64, outcome: TokenizerOutcome) {
+        self.metrics.count_tokenizer_check(&outcome);
+        let mismatched = matches!(outcome, TokenizerOutcome::Mismatched(_));
+        self.tokenizer_checks.record(instance, outcome);
+        if let Some(feed) = &self.events {
+            feed.set_approximate_only(
+                instance,
+                mismatched || self.block_size.conflict(instance).is_some(),
+            );
+        }
     }
 
     /// No instance registered for the model is left: unless `kv.block_size` is set, the next
@@ -219,6 +248,7 @@ impl KvRouter {
         self.loads.remove(instance);
         self.overlap.remove_instance(instance);
         self.block_size.forget(instance);
+        self.tokenizer_checks.forget(instance);
         if let Some(feed) = &self.events {
             feed.set_approximate_only(instance, false);
             feed.forget_check(instance);
@@ -764,6 +794,7 @@ impl KvRouter {
                     cost: e.cost.value,
                     probability,
                     block_size_mismatch: self.block_size.conflict(instance.id()),
+                    tokenizer_mismatch: self.tokenizer_checks.mismatch(instance.id()),
                     cache_check: self
                         .events
                         .as_deref()
@@ -814,6 +845,10 @@ impl KvRouter {
             let mismatch = self.block_size.conflict(instance.id()).is_some();
             self.metrics
                 .set_block_size_mismatch(instance.url(), mismatch);
+            self.metrics.set_tokenizer_mismatch(
+                instance.url(),
+                self.tokenizer_checks.is_mismatched(instance.id()),
+            );
             if let Some(feed) = &self.events {
                 let id = instance.id();
                 self.metrics

@@ -41,6 +41,9 @@ impl KvRouter {
                         &decision,
                         request,
                         self.block_size_conflict(decision.instance_id),
+                        self.tokenizer_checks()
+                            .mismatch(decision.instance_id)
+                            .map(|mismatch| mismatch.probe),
                     )),
                 })
             }
