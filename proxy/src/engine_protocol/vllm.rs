@@ -1,7 +1,12 @@
-//! vLLM's disaggregated serving, as its own disaggregation proxy speaks it: the prefill leg
-//! is the request with one output token, no stream and `kv_transfer_params` asking for a
-//! remote decode; the prefill engine's answer carries the `kv_transfer_params` the decode
-//! engine pulls the KV with, put into the decode leg.
+//! vLLM's protocol beyond the OpenAI API:
+//!
+//! - **Disaggregated serving**, as its own disaggregation proxy speaks it: the prefill leg
+//!   is the request with one output token, no stream and `kv_transfer_params` asking for a
+//!   remote decode; the prefill engine's answer carries the `kv_transfer_params` the decode
+//!   engine pulls the KV with, put into the decode leg.
+//! - **Continuing a chat**: a migrated stream's text so far as the assistant's final message,
+//!   with `continue_final_message: true` and `add_generation_prompt: false` (SGLang reads the
+//!   same fields).
 
 use bytes::Bytes;
 use serde_json::{Map, Value, json};
@@ -57,6 +62,21 @@ pub(crate) fn decode_leg(mut request: Map<String, Value>, answer: &[u8]) -> Resu
     serde_json::to_vec(&request)
         .map(Bytes::from)
         .map_err(|error| error.to_string())
+}
+
+/// The chat `request` continuing `text` as the assistant's final message (appended to one
+/// the client already asked to continue).
+pub(crate) fn continue_chat(request: &mut Map<String, Value>, text: &str) {
+    let continuing = request.get("continue_final_message") == Some(&Value::Bool(true));
+    if let Some(Value::Array(messages)) = request.get_mut("messages") {
+        let last = messages.last_mut().filter(|_| continuing);
+        match last.and_then(|m| m.get_mut("content")) {
+            Some(Value::String(content)) => content.push_str(text),
+            _ => messages.push(json!({"role": "assistant", "content": text})),
+        }
+    }
+    request.insert("continue_final_message".into(), Value::Bool(true));
+    request.insert("add_generation_prompt".into(), Value::Bool(false));
 }
 
 #[cfg(test)]

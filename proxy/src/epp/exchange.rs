@@ -6,9 +6,8 @@
 //!    the body.
 //! 2. **admit** ([`resolve`], [`model_slot`]): the model, the model's concurrency slot.
 //! 3. **prepare** ([`prepare`]): the prompt rendered, tokenized and hashed for the model's
-//!    policy; the session named.
-//! 3a. **pool** (models with `pools`): the spine's choice
-//!    ([`crate::request::pool_choice::choose_pool`]); the rest picks among its instances.
+//!    policy; the session named. A model with `pools` then chooses its pool as the spine
+//!    does ([`crate::request::pool_choice::choose_pool`]); the rest picks among its instances.
 //! 4. **queue** ([`queue`]): under `policy: kv`, a bounded wait while every instance is
 //!    busy.
 //! 5. **pick** ([`pick_with_fallbacks`]): among the instances that take whole requests (not
@@ -85,7 +84,7 @@ pub(crate) async fn exchange(state: Arc<State>, settings: Arc<Settings>, mut wir
         Ok(picker) => picker,
         Err(refusal) => return refuse(&wire, &state, &refusal, started).await,
     };
-    // 3a. the pool (models with pools), as the spine chooses it
+    // 3. the pool (models with pools), as the spine chooses it
     let instances = choose_pool(&pool, &instances, &picker).map_or(instances, |c| c.instances);
     // 4. queue
     if let Err(refusal) = queue(&pool, &instances, &picker).await {

@@ -6,8 +6,8 @@
 //! While a stream is relayed, [`Migration`] keeps its transcript: the `id`, `created` and
 //! `model` of its chunks, the text generated so far and how many content events carried it.
 //! When the engine breaks off, the request is sent again with that text appended:
-//! completions with the prompt extended by it, chat with a final assistant message holding
-//! it and vLLM's `continue_final_message: true`, `add_generation_prompt: false`; the token
+//! completions with the prompt extended by it, chat continued as the engine's protocol
+//! continues a final assistant message ([`crate::engine_protocol::vllm::continue_chat`]); the token
 //! limit shrinks by the events already sent. The continuation's events are rewritten to the
 //! first chunk's `id`, `created` and `model`, its opening role-only chat event is dropped, and
 //! its usage counts the tokens sent before it, so the client sees one stream.
@@ -32,9 +32,10 @@ use kvmesh_preprocess::ModelPreprocessor;
 use memchr::memmem;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 
 use crate::clock::now_millis;
+use crate::engine_protocol::vllm;
 use crate::failure::FailureKind;
 use crate::headers::ClientFraming;
 use crate::pool::ModelPool;
@@ -452,7 +453,7 @@ impl Migration {
         let choice = &self.choices[index];
         let mut request = self.request.clone();
         match self.kind {
-            Kind::Chat => extend_chat(&mut request, &choice.text),
+            Kind::Chat => vllm::continue_chat(&mut request, &choice.text),
             Kind::Completion => match &self.tokenizer {
                 Some(tokenizer) => extend_token_prompt(&mut request, tokenizer, &choice.text)?,
                 None => extend_prompt(&mut request, &choice.text)?,
@@ -535,21 +536,6 @@ fn extend_prompt(request: &mut Map<String, Value>, text: &str) -> Option<()> {
     let prompt = format!("{}{text}", single_prompt(request)?);
     request.insert("prompt".into(), Value::String(prompt));
     Some(())
-}
-
-/// The chat request continuing `text` as the assistant's final message (appended to one the
-/// client already asked to continue).
-fn extend_chat(request: &mut Map<String, Value>, text: &str) {
-    let continuing = request.get("continue_final_message") == Some(&Value::Bool(true));
-    if let Some(Value::Array(messages)) = request.get_mut("messages") {
-        let last = messages.last_mut().filter(|_| continuing);
-        match last.and_then(|m| m.get_mut("content")) {
-            Some(Value::String(content)) => content.push_str(text),
-            _ => messages.push(json!({"role": "assistant", "content": text})),
-        }
-    }
-    request.insert("continue_final_message".into(), Value::Bool(true));
-    request.insert("add_generation_prompt".into(), Value::Bool(false));
 }
 
 /// Whether a chat chunk only opens the assistant's message (a role and no content).

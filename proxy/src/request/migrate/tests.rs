@@ -1,5 +1,6 @@
 use super::*;
 use crate::headers::ClientFraming;
+use serde_json::json;
 
 fn chat_chunk(content: &str, finish: Option<&str>) -> String {
     let chunk = json!({
