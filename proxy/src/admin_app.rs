@@ -16,7 +16,7 @@ use tokio::sync::watch;
 use tokio::time::timeout;
 
 use kvmesh_h1::strict::Violation;
-use kvmesh_route::kv::Explanation;
+use kvmesh_route::kv::{Explanation, TokenizerMismatch, TokenizerOutcome};
 use kvmesh_route::prepare::InvalidPrompt;
 
 use crate::api_error::{ApiError, error_json};
@@ -89,8 +89,8 @@ impl AdminApp {
 
 /// The `GET /health` status and body for `pools`: 200 `ok` while every model has an available
 /// instance; 200 `degraded` when, besides, an instance's engine runs another KV block size
-/// than its model or its agent lost KV events its engine could not replay (scored by
-/// predictions alone), or it only prefills for a model that is not disaggregated (it takes
+/// than its model, tokenizes otherwise than the proxy, or its agent lost KV events its engine
+/// could not replay (scored by predictions alone), or it only prefills for a model that is not disaggregated (it takes
 /// no requests); `degraded` names each; 503 `unavailable`
 /// when some model has none, `draining` during shutdown.
 fn health(pools: &[Arc<ModelPool>], draining: bool, now: u64) -> (u16, Vec<u8>) {
@@ -118,6 +118,23 @@ fn health(pools: &[Arc<ModelPool>], draining: bool, now: u64) -> (u16, Vec<u8>) 
                             instance.url(),
                             mismatch.engine_block_size,
                             mismatch.kv_block_size
+                        ));
+                    }
+                    let tokenizer_check =
+                        router.and_then(|router| router.tokenizer_checks().outcome(instance.id()));
+                    let tokenizer_mismatch = match &tokenizer_check {
+                        Some(TokenizerOutcome::Mismatched(mismatch)) => Some(mismatch.clone()),
+                        _ => None,
+                    };
+                    if let Some(mismatch) = &tokenizer_mismatch {
+                        degraded.push(format!(
+                            "model {:?}: instance {}'s engine tokenizes the {} probe otherwise \
+                             than the proxy's tokenizer and chat template (from token {}): \
+                             scored by predictions alone, not by its KV events",
+                            pool.name(),
+                            instance.url(),
+                            mismatch.probe,
+                            mismatch.position
                         ));
                     }
                     let events_incomplete =
@@ -148,6 +165,8 @@ fn health(pools: &[Arc<ModelPool>], draining: bool, now: u64) -> (u16, Vec<u8>) 
                         ejected: instance.is_ejected(now),
                         in_flight: instance.in_flight(),
                         block_size_mismatch,
+                        tokenizer_check: tokenizer_check.as_ref().map(TokenizerOutcome::label),
+                        tokenizer_mismatch,
                         events_incomplete,
                         prefill_only_unused,
                     }
@@ -327,6 +346,13 @@ struct InstanceHealth {
     /// Its engine runs another KV block size than its model (absent when they agree).
     #[serde(skip_serializing_if = "Option::is_none")]
     block_size_mismatch: Option<BlockSizeMismatch>,
+    /// How its engine's `/tokenize` compared with the proxy's tokenizer: `agreed`,
+    /// `mismatched`, `unchecked` (absent: not compared, or not yet).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tokenizer_check: Option<&'static str>,
+    /// Where its engine tokenized a probe otherwise (absent unless mismatched).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tokenizer_mismatch: Option<TokenizerMismatch>,
     /// Its agent lost KV events the engine could not replay (absent when it did not).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     events_incomplete: bool,
@@ -444,6 +470,52 @@ mod tests {
         );
         assert!(route_param(Some("route=embeddings")).is_err());
         assert!(route_param(Some("route")).is_err());
+    }
+
+    #[test]
+    fn an_engine_that_tokenizes_otherwise_degrades_health_without_failing_readiness() {
+        let yaml = "models:\n  - name: m\n    policy: kv\n    backends:\n      \
+                    - url: http://127.0.0.1:9\n      - url: http://127.0.0.1:10\n";
+        let config = kvmesh_config::Config::from_yaml_str(yaml, "test.yaml").expect("config");
+        let metrics = crate::metrics::Metrics::new().expect("metrics");
+        let (state, _) = crate::server::build_state(&config, &metrics, None).expect("state");
+        let pools = state.registry.pools();
+        let router = pools[0].balancer().kv_router().expect("policy kv");
+        router.record_tokenizer_check(0, TokenizerOutcome::Agreed);
+        router.record_tokenizer_check(
+            1,
+            TokenizerOutcome::Mismatched(TokenizerMismatch {
+                probe: "chat",
+                position: 5,
+                proxy_token: Some(198),
+                engine_token: Some(271),
+                proxy_tokens: 40,
+                engine_tokens: 39,
+            }),
+        );
+        let (code, body) = health(&pools, false, 0);
+        let body: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(
+            (code, body["status"].as_str()),
+            (200, Some("degraded")),
+            "{body}"
+        );
+        let reasons = body["degraded"].as_array().expect("reasons");
+        assert_eq!(reasons.len(), 1, "{body}");
+        let reason = reasons[0].as_str().unwrap_or_default();
+        assert!(
+            reason.contains("http://127.0.0.1:10") && reason.contains("chat probe"),
+            "{reason}"
+        );
+        let instances = &body["models"][0]["instances"];
+        assert_eq!(instances[0]["tokenizer_check"], "agreed", "{body}");
+        assert!(instances[0].get("tokenizer_mismatch").is_none(), "{body}");
+        assert_eq!(instances[1]["tokenizer_check"], "mismatched", "{body}");
+        assert_eq!(instances[1]["tokenizer_mismatch"]["position"], 5, "{body}");
+        assert_eq!(
+            instances[1]["tokenizer_mismatch"]["engine_token"], 271,
+            "{body}"
+        );
     }
 
     #[test]

@@ -68,6 +68,7 @@ mod sse;
 mod state;
 mod tls;
 mod token_timing;
+mod tokenizer_check;
 mod upstream;
 mod upstream_session;
 mod usage;

@@ -41,6 +41,7 @@ use crate::request_id::RequestIds;
 use crate::retry::RetryPolicy;
 use crate::state::State;
 use crate::tls::{ListenerTls, TlsSettings, TlsTerminator, upstream_ca_file};
+use crate::tokenizer_check::spawn_checks as spawn_tokenizer_checks;
 use crate::upstream::{Upstream, UpstreamSettings};
 
 /// Name the admin listener is announced under.
@@ -518,13 +519,15 @@ pub(crate) fn has_control_plane(config: &Config) -> bool {
 }
 
 /// Starts `state`'s background tasks (health probes of its instances, KV
-/// sweepers); they end when the returned set is dropped or aborted.
+/// sweepers, tokenizer checks of instances not checked yet); they end when the returned set
+/// is dropped or aborted.
 pub(crate) fn spawn_state_tasks(state: &Arc<State>, config: &Config) -> JoinSet<()> {
     let mut tasks = JoinSet::new();
     if config.health_check.enabled {
         spawn_probes(state, &Arc::new(config.health_check.clone()), &mut tasks);
     }
     spawn_sweepers(state, &mut tasks);
+    spawn_tokenizer_checks(state, &mut tasks);
     tasks
 }
 

@@ -18,7 +18,8 @@
 //! registered instance is left; an instance whose engine runs another size than its model
 //! is scored by predictions alone and reported (a WARN, admin `/health` `degraded`,
 //! `kvmesh_route_block_size_mismatch`). A record whose block size changed replaces its
-//! instance.
+//! instance. A joining instance's engine tokenizer is compared with the model's
+//! ([`crate::tokenizer_check`]), in the background.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -41,6 +42,7 @@ use crate::kv_sweeper::spawn_sweeper;
 use crate::pool::ModelPool;
 use crate::pool_builder::PoolBuilder;
 use crate::state::State;
+use crate::tokenizer_check::spawn_check as spawn_tokenizer_check;
 
 /// Where one registered instance lives.
 #[derive(Debug, Clone)]
@@ -208,10 +210,11 @@ impl MembershipApplier {
         if let Some(router) = pool.balancer().kv_router() {
             router.set_capacity(spec.id, record.total_blocks);
         }
-        if let Some(spawner) = &mut self.spawner
-            && let Some(health) = &spawner.health_check
-        {
-            spawn_probe(state, &instance, health, &mut spawner.tasks);
+        if let Some(spawner) = &mut self.spawner {
+            if let Some(health) = &spawner.health_check {
+                spawn_probe(state, &instance, health, &mut spawner.tasks);
+            }
+            spawn_tokenizer_check(state, &pool, &instance, &mut spawner.tasks);
         }
         tracing::info!(
             model = %pool.name(),
@@ -300,6 +303,11 @@ impl MembershipApplier {
             match after {
                 Some(pool) if pool.instance(known.id).is_some() => {
                     fit_block_size(&pool, &known.record);
+                    if let (Some(spawner), Some(instance)) =
+                        (&mut self.spawner, pool.instance(known.id))
+                    {
+                        spawn_tokenizer_check(new, &pool, &instance, &mut spawner.tasks);
+                    }
                     if let Some(router) = pool.balancer().kv_router() {
                         router.set_capacity(known.id, known.record.total_blocks);
                     }
