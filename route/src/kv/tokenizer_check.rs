@@ -362,6 +362,39 @@ mod tests {
     }
 
     #[test]
+    fn a_mismatched_instance_is_scored_by_predictions_alone_whatever_its_block_size() {
+        use crate::kv::{BlockSizeFit, KvRouter};
+        use crate::metrics::KvFamilies;
+        use kvmesh_config::KvRoutingConfig;
+
+        let families = KvFamilies::register(&prometheus::Registry::new()).unwrap();
+        let config = KvRoutingConfig {
+            block_size: Some(16),
+            ..KvRoutingConfig::default()
+        };
+        let router = KvRouter::new(&config, None, false, true, families.model("m")).unwrap();
+        let feed = router.event_feed().expect("KV events").clone();
+        let mismatch = compare(&probe(&[1, 2]), &[1, 3]).unwrap();
+        router.record_tokenizer_check(1, TokenizerOutcome::Mismatched(mismatch));
+        router.record_tokenizer_check(2, TokenizerOutcome::Agreed);
+        assert!(feed.is_approximate_only(1) && !feed.is_approximate_only(2));
+        // Its block size fits: still approximate; another instance's conflict stays when its
+        // tokenizer agrees.
+        assert_eq!(router.fit_block_size(1, 16), BlockSizeFit::Matches);
+        assert!(feed.is_approximate_only(1));
+        assert_eq!(
+            router.fit_block_size(3, 32),
+            BlockSizeFit::Differs { model: 16 }
+        );
+        router.record_tokenizer_check(3, TokenizerOutcome::Agreed);
+        assert!(feed.is_approximate_only(3));
+        // It leaves: nothing remembered.
+        router.remove_instance(1);
+        assert!(!feed.is_approximate_only(1));
+        assert_eq!(router.tokenizer_checks().outcome(1), None);
+    }
+
+    #[test]
     fn outcomes_are_kept_per_instance_and_a_mismatch_is_read_apart() {
         let checks = TokenizerChecks::new(KvTokenizerCheckConfig::default());
         assert!(checks.settings().enabled);
