@@ -41,8 +41,13 @@ async fn an_engine_that_tokenizes_otherwise_is_found_and_reported() {
     let engine_tokenizer = tokenizer.join("tokenizer.json").display().to_string();
     let scratch = ScratchDir::new("tokenizer-check").unwrap();
     let client = HttpClient::http1();
-    let same = start_engines(&scratch, 1, &["--tokenizer", &engine_tokenizer]).unwrap();
-    let other = start_engines(&scratch, 1, &[]).unwrap();
+    let same = start_engines(
+        &scratch,
+        1,
+        &["--no-delay", "--tokenizer", &engine_tokenizer],
+    )
+    .unwrap();
+    let other = start_engines(&scratch, 1, &["--no-delay"]).unwrap();
     let (same_url, other_url) = (engine_urls(&same).remove(0), engine_urls(&other).remove(0));
     let config = proxy_config(&[same_url.clone(), other_url.clone()], "").replace(
         "policy: round_robin",
