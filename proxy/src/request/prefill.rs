@@ -18,7 +18,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::HeaderValue;
 use kvmesh_config::{DisaggregationConfig, DisaggregationProtocol, PrefillFailure};
-use kvmesh_route::{Candidates, Excluded, prefills_locally};
+use kvmesh_route::{CandidateSet, Candidates, Excluded, prefills_locally};
 use serde_json::{Map, Value};
 
 use crate::api_error::ApiError;
@@ -94,15 +94,28 @@ pub(crate) async fn prefill<F: Frontend>(
         &decoders,
         &picker.input,
     );
-    if let Some(why) = local {
-        metrics.prefill_leg(PrefillLeg::Local);
-        return Ok(Prefilled::Local(why));
-    }
+    let now = now_millis();
+    let not_prefilling = match local {
+        Some(why) => Err(why),
+        None => prefill_exclusions(
+            &decoders,
+            |at| instances[at].role().prefills(),
+            |at| instances[at].is_available(now),
+        ),
+    };
+    let not_prefilling = match not_prefilling {
+        Ok(excluded) => excluded,
+        Err(why) => {
+            metrics.prefill_leg(PrefillLeg::Local);
+            return Ok(Prefilled::Local(why));
+        }
+    };
     let remote = match engine_protocol::legs(config.protocol) {
         Legs::Sequential => {
             let model = (pool, config.protocol);
             let request = (&record.request_id, trace);
-            remote(state, frontend, model, instances, picker, body, request).await
+            let picks = (picker, not_prefilling);
+            remote(state, frontend, model, instances, picks, body, request).await
         }
     };
     match remote {
@@ -125,6 +138,37 @@ pub(crate) async fn prefill<F: Frontend>(
             }
         }
     }
+}
+
+/// The instances a prefill leg may not go to: those that do not prefill, and the one
+/// instance that can take the decode leg when there is only one (the decode leg never goes
+/// where the prefill leg went: a `both` instance whose peers are down would prefill for
+/// nobody). `Err` (why) when that leaves no available prefill instance: the request then
+/// prefills where it decodes. `decoders` are the instances that may take the decode leg;
+/// `prefills` and `available` say so of instance `at`.
+fn prefill_exclusions(
+    decoders: &impl CandidateSet,
+    prefills: impl Fn(usize) -> bool,
+    available: impl Fn(usize) -> bool,
+) -> Result<Excluded, String> {
+    let mut excluded = Excluded::default();
+    for at in (0..decoders.len()).filter(|&at| !prefills(at)) {
+        excluded.insert(at);
+    }
+    let sole_decoder = (decoders.eligible_count() == 1)
+        .then(|| decoders.nth_eligible(0))
+        .flatten()
+        .filter(|&at| prefills(at));
+    if let Some(only) = sole_decoder {
+        excluded.insert(only);
+        let others = (0..decoders.len()).any(|at| !excluded.contains(at) && available(at));
+        if !others {
+            return Err(
+                "the only instance that can decode is the only prefill instance".to_string(),
+            );
+        }
+    }
+    Ok(excluded)
 }
 
 /// Why a prefill leg did not prefill.
@@ -154,7 +198,7 @@ async fn remote<F: Frontend>(
     frontend: &mut F,
     (pool, protocol): (&ModelPool, DisaggregationProtocol),
     instances: &[Arc<Instance>],
-    picker: &Picker<'_>,
+    (picker, not_prefilling): (&Picker<'_>, Excluded),
     body: &Bytes,
     (request_id, trace): (&HeaderValue, &mut RequestTrace),
 ) -> Result<Prefilled, LegError> {
@@ -162,7 +206,7 @@ async fn remote<F: Frontend>(
         .map_err(|error| LegError::Failed(format!("the body is not a JSON object: {error}")))?;
     let leg = engine_protocol::prefill_leg(protocol, &request).map_err(LegError::Failed)?;
     let mut failover = Failover::for_leg(state);
-    failover.excluded = Excluded::matching(instances, |instance| !instance.role().prefills());
+    failover.excluded = not_prefilling;
     loop {
         let picked = match pick(instances, picker, &failover.excluded) {
             Ok(picked) => picked,
@@ -255,4 +299,77 @@ async fn read_answer(
         )));
     }
     Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Instances as (available, decodes) pairs, all eligible for the decode pick when
+    /// available and decoding.
+    struct Fleet(Vec<(bool, bool)>);
+
+    impl CandidateSet for Fleet {
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+        fn is_eligible(&self, index: usize) -> bool {
+            self.0[index] == (true, true)
+        }
+        fn in_flight(&self, _: usize) -> u64 {
+            0
+        }
+        fn id(&self, index: usize) -> u64 {
+            index as u64
+        }
+        fn url(&self, _: usize) -> &str {
+            ""
+        }
+    }
+
+    fn exclusions(fleet: &[(bool, bool, bool)]) -> Result<Vec<usize>, String> {
+        let decoders = Fleet(
+            fleet
+                .iter()
+                .map(|&(up, _, decodes)| (up, decodes))
+                .collect(),
+        );
+        let excluded = prefill_exclusions(&decoders, |at| fleet[at].1, |at| fleet[at].0)?;
+        Ok((0..fleet.len())
+            .filter(|&at| excluded.contains(at))
+            .collect())
+    }
+
+    // (available, prefills, decodes)
+    const BOTH_UP: (bool, bool, bool) = (true, true, true);
+    const BOTH_DOWN: (bool, bool, bool) = (false, true, true);
+    const PREFILL_UP: (bool, bool, bool) = (true, true, false);
+    const PREFILL_DOWN: (bool, bool, bool) = (false, true, false);
+    const DECODE_UP: (bool, bool, bool) = (true, false, true);
+
+    #[test]
+    fn the_only_instance_left_that_decodes_does_not_prefill_for_itself() {
+        // Two `both` instances, one down: the live one would prefill, then nothing is
+        // left for the decode leg (it never goes where the prefill went): it prefills and
+        // decodes the request itself.
+        assert_eq!(
+            exclusions(&[BOTH_UP, BOTH_DOWN]),
+            Err("the only instance that can decode is the only prefill instance".to_string())
+        );
+        // With a prefill instance beside it, that one prefills.
+        assert_eq!(exclusions(&[BOTH_UP, PREFILL_UP]), Ok(vec![0]));
+        assert_eq!(
+            exclusions(&[BOTH_UP, PREFILL_DOWN]),
+            Err("the only instance that can decode is the only prefill instance".to_string())
+        );
+    }
+
+    #[test]
+    fn otherwise_only_instances_that_do_not_prefill_are_left_out() {
+        assert_eq!(exclusions(&[BOTH_UP, BOTH_UP]), Ok(vec![]));
+        assert_eq!(exclusions(&[PREFILL_UP, DECODE_UP]), Ok(vec![1]));
+        // A decode-only instance alone: the prefill instances are judged as before (none
+        // up is a failed prefill leg, as `on_prefill_failure` says).
+        assert_eq!(exclusions(&[PREFILL_DOWN, DECODE_UP]), Ok(vec![1]));
+    }
 }
