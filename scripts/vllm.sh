@@ -99,6 +99,8 @@ serve() {
   [ -n "$blocks" ] && args+=(--num-gpu-blocks-override "$blocks")
   if [ -n "$side" ]; then
     export VLLM_NIXL_SIDE_CHANNEL_PORT="$side"
+    # NIXL's progress thread would spin a whole core per idle engine (sitecustomize.py says why).
+    export PYTHONPATH="$repo/scripts/vllm${PYTHONPATH:+:$PYTHONPATH}"
     args+=(--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}')
   fi
   export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_CPU_OMP_THREADS_BIND=nobind \

@@ -4,7 +4,9 @@ events, all on loopback, started once for the whole suite.
 
 Every engine runs the one configuration the tests need (block size 32, a 160-block cache so
 that prompts evict, prompt-token details, KV events with replay, dev mode for
-`/reset_prefix_cache`). Engines are restarted only by the test whose subject is a restart.
+`/reset_prefix_cache`, NixlConnector `kv_both` with CPU buffers for prefill/decode, each
+engine with its own side-channel port). Engines are restarted only by the test whose subject
+is a restart.
 """
 
 import json
@@ -152,6 +154,8 @@ class Engine:
     def __init__(self, name, workdir):
         self.name = name
         self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
+        # NixlConnector's side channel (prefill/decode): each engine its own.
+        self.side_channel_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.events = f"tcp://127.0.0.1:{self.events_port}"
         self.replay = f"tcp://127.0.0.1:{self.replay_port}"
@@ -163,7 +167,8 @@ class Engine:
         self.proc = subprocess.Popen(
             [str(ROOT / "scripts" / "vllm.sh"), "serve", "--port", str(self.port),
              "--events-port", str(self.events_port), "--replay-port", str(self.replay_port),
-             "--blocks", str(CACHE_BLOCKS), "--block-size", str(BLOCK_SIZE)],
+             "--blocks", str(CACHE_BLOCKS), "--block-size", str(BLOCK_SIZE),
+             "--side-channel-port", str(self.side_channel_port)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
         log.close()
@@ -217,6 +222,27 @@ def listed_model():
         f"models:\n  - name: {MODEL}\n    policy: kv\n    tokenizer: {TOKENIZER}\n"
         f"    migration_limit: 3\n    backends: []\n"
     )
+
+
+def disaggregated_proxy(workdir, prefill, decode, on_prefill_failure="fail", min_remote_prefill_tokens=256):
+    """A second proxy (the suite's own keeps its config) serving the model disaggregated
+    over static backends: `prefill` (an engine URL) prefills, `decode` decodes, under
+    `mode: conditional`. Active health checks are off, so a dead engine is found by the
+    prefill leg itself."""
+    cfg = workdir / f"pd-{on_prefill_failure}-{free_port()}.yaml"
+    cfg.write_text(
+        "listeners:\n  - name: main\n    address: 127.0.0.1:0\n"
+        "admin:\n  address: 127.0.0.1:0\n"
+        "health_check:\n  enabled: false\n"
+        f"models:\n  - name: {MODEL}\n    policy: kv\n    tokenizer: {TOKENIZER}\n"
+        f"    kv:\n      block_size: {BLOCK_SIZE}\n"
+        "    disaggregation:\n      mode: conditional\n"
+        f"      min_remote_prefill_tokens: {min_remote_prefill_tokens}\n"
+        f"      on_prefill_failure: {on_prefill_failure}\n"
+        f"    backends:\n      - url: {prefill}\n        role: prefill\n"
+        f"      - url: {decode}\n        role: decode\n"
+    )
+    return Proc("kvmesh-proxy", ["--config", str(cfg)], workdir)
 
 
 class Cluster:
