@@ -417,6 +417,84 @@ def test_streams_survive_a_sigkill_of_their_engine_and_usage_counts_once(cluster
     assert metric_sum(page, "kvmesh_migrations_total") >= len(on_victim) >= 1
 
 
+def test_a_dead_prefill_engine_is_served_whole_or_refused_as_configured(cluster):
+    """The engine SIGKILLed above is the prefill backend of a disaggregated proxy (a second
+    one, with `mode: conditional`), the live one its decode backend: with
+    `on_prefill_failure: aggregated` the decode engine serves a long prompt whole; with
+    `fail` the client gets 503 `prefill_failed` naming the failure."""
+    from conftest import disaggregated_proxy
+
+    dead = next(e for e in cluster.engines if e.proc is None)
+    decode = next(e for e in cluster.engines if e.proc is not None)
+    messages = [{"role": "user", "content": text(random.Random(84), 400)}]
+
+    def served():
+        return metric_sum(decode.metrics(), "vllm:request_success_total")
+
+    aggregated = disaggregated_proxy(cluster.workdir, dead.url, decode.url, on_prefill_failure="aggregated")
+    try:
+        before = served()
+        api = openai.OpenAI(base_url=aggregated.url("main") + "/v1", api_key="unused", max_retries=0, timeout=60)
+        raw = api.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=4, stream=True, stream_options={"include_usage": True})
+        usage = [c.usage for c in raw.parse() if c.usage is not None]
+        route = route_of(raw.headers)
+        assert route["prefill"].startswith(f"local (prefill leg failed: connect to {dead.url}"), route
+        assert route["instance"].rstrip("/") == decode.url, route
+        assert [u.completion_tokens for u in usage] == [4]
+        assert served() == before + 1
+        page = metrics(aggregated.url("admin") + "/metrics")
+        assert metric_sum(page, "kvmesh_prefill_legs_total", model=MODEL, outcome="failed") == 1
+    finally:
+        aggregated.stop()
+    strict = disaggregated_proxy(cluster.workdir, dead.url, decode.url, on_prefill_failure="fail")
+    try:
+        before = served()
+        status, _, body = http("POST", strict.url("main") + "/v1/chat/completions",
+                               {"model": MODEL, "messages": messages, "max_tokens": 4})
+        assert status == 503, body
+        error = json.loads(body)["error"]
+        assert error["code"] == "prefill_failed" and dead.url in error["message"], error
+        assert served() == before
+    finally:
+        strict.stop()
+
+
+def test_a_disaggregated_model_of_discovered_engines_is_served_by_the_one_left(cluster):
+    """The agents register their engines `role: both`: a proxy that disaggregates the model
+    over them, with one engine dead, has a single instance that can decode. It must not
+    prefill there for a decode leg that then finds no instance (it did: 503
+    no_healthy_instance for every long prompt); it prefills and decodes the request itself."""
+    from conftest import TOKENIZER, Proc, proxy_config
+
+    decode = next(e for e in cluster.engines if e.proc is not None)
+    cfg = cluster.workdir / "pd-discovered.yaml"
+    cfg.write_text(proxy_config(
+        cluster.etcd.url, cluster.nats.url,
+        f"models:\n  - name: {MODEL}\n    policy: kv\n    tokenizer: {TOKENIZER}\n"
+        "    disaggregation:\n      mode: enforce\n      on_prefill_failure: fail\n    backends: []\n",
+    ))
+    proxy = Proc("kvmesh-proxy", ["--config", str(cfg)], cluster.workdir)
+    try:
+        def one_available():
+            health = get_json(proxy.url("admin") + "/health")
+            model = health["models"][0]
+            return model["available"] == 1 and len(model["instances"]) == 2
+
+        wait_until("the live engine alone available", one_available, timeout=30)
+        before = metric_sum(decode.metrics(), "vllm:request_success_total")
+        status, headers, body = http("POST", proxy.url("main") + "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": text(random.Random(85), 400)}],
+            "max_tokens": 4})
+        assert status == 200, body
+        route = route_of(headers)
+        assert route["prefill"] == "local (the only instance that can decode is the only prefill instance)", route
+        assert route["instance"].rstrip("/") == decode.url, route
+        assert metric_sum(decode.metrics(), "vllm:request_success_total") == before + 1
+    finally:
+        proxy.stop()
+
+
 def test_an_engine_restarted_under_its_agent_leaves_the_index_equal_to_its_cache(cluster):
     """The engine killed above comes back empty: the index must not keep its old blocks."""
     engine = next(e for e in cluster.engines if e.proc is None)
