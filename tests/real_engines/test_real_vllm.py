@@ -388,7 +388,9 @@ def test_a_model_discovered_but_not_listed_is_served(cluster):
 
 
 def test_streams_survive_a_sigkill_of_their_engine_and_usage_counts_once(cluster):
-    """Streams on an engine that is SIGKILLed mid-stream complete on the other one."""
+    """Streams on an engine that is SIGKILLed mid-stream complete on the other one. (600
+    tokens each: with 200, the first stream on the victim, served alone while the others
+    were still being opened, sometimes finished before the kill.)"""
     rng = random.Random(61)
     prompts = [[{"role": "user", "content": text(rng, 30)}] for _ in range(6)]
     api = client(cluster)
@@ -396,7 +398,7 @@ def test_streams_survive_a_sigkill_of_their_engine_and_usage_counts_once(cluster
     streams = []
     for messages in prompts:
         raw = api.chat.completions.with_raw_response.create(
-            model=MODEL, messages=messages, max_tokens=200, stream=True,
+            model=MODEL, messages=messages, max_tokens=600, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         streams.append((route_of(raw.headers)["instance"].rstrip("/"), raw.parse()))
     victim = cluster.engine_by_url(streams[0][0])
@@ -412,7 +414,7 @@ def test_streams_survive_a_sigkill_of_their_engine_and_usage_counts_once(cluster
                 assert usage is None, "usage is sent once"
                 usage = chunk.usage
             tokens += sum(1 for c in chunk.choices if c.delta.content)
-        assert usage is not None and usage.completion_tokens == 200, usage
+        assert usage is not None and usage.completion_tokens == 600, usage
     page = metrics(cluster.admin + "/metrics")
     assert metric_sum(page, "kvmesh_migrations_total") >= len(on_victim) >= 1
 
