@@ -35,6 +35,8 @@ real_cleanup() {
     for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -KILL -- "-$pid" 2>/dev/null || true
   done
+  # cleanup reads the exit status from $?; set -e must not end the trap at the subshell.
+  set +e
   (exit "$status")
   cleanup
 }
