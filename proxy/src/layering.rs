@@ -52,7 +52,10 @@ const LAYERS: &[(&str, &[&str])] = &[
             "upstream_session",
         ],
     ),
-    ("state", &["health_check", "kv_sweeper", "state"]),
+    (
+        "state",
+        &["health_check", "kv_sweeper", "state", "tokenizer_check"],
+    ),
     ("request", &["request"]),
     (
         "frontends",
