@@ -36,8 +36,8 @@ pub struct Cli {
     /// Served model name.
     #[arg(long, default_value = "sim-model")]
     pub model: String,
-    /// Tokens per KV block.
-    #[arg(long, default_value_t = 64)]
+    /// Tokens per KV block (GPU vLLM's default, 16).
+    #[arg(long, default_value_t = 16)]
     pub block_size: usize,
     /// KV cache capacity in blocks.
     #[arg(long, default_value_t = 16_384)]
@@ -86,8 +86,8 @@ pub struct Cli {
     /// First frame of every KV event message.
     #[arg(long, default_value = "")]
     pub kv_events_topic: String,
-    /// Event layout: legacy positional arrays or maps with a `type` key.
-    #[arg(long, value_enum, default_value_t = KvEventEncoding::Positional)]
+    /// Event layout: maps with a `type` key (what vLLM sends) or legacy positional arrays.
+    #[arg(long, value_enum, default_value_t = KvEventEncoding::Map)]
     pub kv_events_encoding: KvEventEncoding,
     /// Block hash form: u64 ints or 32-byte SHA-256 digests.
     #[arg(long, value_enum, default_value_t = KvEventHash::Int)]

@@ -21,9 +21,10 @@ pub enum PreemptionMode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum KvEventEncoding {
     /// Legacy positional arrays (vLLM up to mid 2026), trailing nil fields omitted.
-    #[default]
     Positional,
-    /// One msgpack map per event with a `type` key (vLLM PR #42892 and later).
+    /// One msgpack map per event with a `type` key (vLLM PR #42892 and later; what vLLM
+    /// 0.32 sends).
+    #[default]
     Map,
 }
 
@@ -225,7 +226,7 @@ impl Default for KvEventsConfig {
             endpoint: None,
             replay_endpoint: None,
             topic: String::new(),
-            encoding: KvEventEncoding::Positional,
+            encoding: KvEventEncoding::Map,
             hash: KvEventHash::Int,
             buffer_steps: 10_000,
         }
@@ -312,7 +313,8 @@ impl Default for SimConfig {
     fn default() -> Self {
         Self {
             model: "sim-model".to_owned(),
-            block_size: 64,
+            // GPU vLLM's default block size.
+            block_size: 16,
             num_gpu_blocks: 16_384,
             max_num_seqs: 256,
             max_num_batched_tokens: 8_192,
@@ -386,7 +388,9 @@ mod tests {
     fn defaults_match_the_cli() {
         let c = SimConfig::default();
         assert_eq!(c.model, "sim-model");
-        assert_eq!(c.block_size, 64);
+        // GPU vLLM's defaults: 16-token blocks, events as maps (what vLLM 0.32 sends).
+        assert_eq!(c.block_size, 16);
+        assert_eq!(c.kv_events.encoding, KvEventEncoding::Map);
         assert_eq!(c.num_gpu_blocks, 16_384);
         assert_eq!(c.max_num_seqs, 256);
         assert_eq!(c.max_num_batched_tokens, 8_192);

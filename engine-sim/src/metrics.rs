@@ -431,7 +431,7 @@ mod tests {
         ] {
             assert!(text.lines().any(|x| x == line), "missing {line} in\n{text}");
         }
-        assert!(text.contains("block_size=\"64\""));
+        assert!(text.contains("block_size=\"16\""));
         assert!(!text.contains("kvmesh_sim_kv_event"));
         assert_eq!(m.snapshot().successes, 1);
     }

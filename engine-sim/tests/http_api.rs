@@ -651,9 +651,15 @@ async fn bad_requests_get_openai_errors() {
             json!({"prompt": []}),
             StatusCode::BAD_REQUEST,
         ),
+        // A prompt that leaves no room for one token (vLLM 0.32's `input_tokens` error).
         (
             "/v1/completions",
-            json!({"prompt": (0..60).collect::<Vec<u32>>(), "max_tokens": 10}),
+            json!({"prompt": (0..64).collect::<Vec<u32>>(), "max_tokens": 1}),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": []}),
             StatusCode::BAD_REQUEST,
         ),
         (
@@ -687,6 +693,27 @@ async fn bad_requests_get_openai_errors() {
         assert!(v["error"].get("param").is_some());
         assert!(r.headers.contains_key("x-engine-id"));
     }
+    // As vLLM 0.32: the too-long prompt's error names `input_tokens`; a `max_tokens` past the
+    // context length is not refused, the sequence stops there.
+    let r = post(
+        Proto::H1,
+        addr,
+        "/v1/completions",
+        json!({"prompt": (0..64).collect::<Vec<u32>>()}),
+    )
+    .await;
+    assert_eq!(r.json()["error"]["param"], "input_tokens");
+    let r = post(
+        Proto::H1,
+        addr,
+        "/v1/completions",
+        json!({"prompt": (0..60).collect::<Vec<u32>>(), "max_tokens": 10}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
     // Raw invalid JSON.
     let stream = TcpStream::connect(addr).await.expect("connect");
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))

@@ -108,7 +108,10 @@ pub(crate) fn tokenize_chat_ending(
         .map_err(|m| ApiError::bad_request(m).with_param(param))
 }
 
-/// Checks every prompt against the context length and the cache size.
+/// Checks every prompt against the context length and the cache size, as vLLM 0.32 does: a
+/// prompt that leaves no room for one generated token is refused (`param: input_tokens`); a
+/// longer `max_tokens` is not, its sequence stops at the context length instead
+/// ([`max_tokens_within`]).
 pub(crate) fn validate_lengths(
     state: &EngineState,
     prompts: &[Vec<u32>],
@@ -119,15 +122,15 @@ pub(crate) fn validate_lengths(
         if prompt.is_empty() {
             return Err(ApiError::bad_request("The prompt cannot be empty.").with_param("prompt"));
         }
-        let total = prompt.len().saturating_add(max_tokens);
-        if total > cfg.max_model_len {
+        if prompt.len() >= cfg.max_model_len {
             return Err(ApiError::bad_request(format!(
-                "This model's maximum context length is {} tokens. However, you requested {total} tokens ({} in the messages, {max_tokens} in the completion). Please reduce the length of the messages or completion.",
+                "This model's maximum context length is {} tokens. However, your prompt contains {} input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt.",
                 cfg.max_model_len,
                 prompt.len(),
             ))
-            .with_param("max_tokens"));
+            .with_param("input_tokens"));
         }
+        let total = prompt.len() + max_tokens_within(cfg.max_model_len, prompt.len(), max_tokens);
         // The last generated token never needs KV, hence `total - 1`.
         let blocks = cfg.blocks_for(total - 1);
         if blocks > cfg.num_gpu_blocks {
@@ -138,6 +141,12 @@ pub(crate) fn validate_lengths(
         }
     }
     Ok(())
+}
+
+/// The tokens a sequence may generate: `max_tokens`, cut where prompt and completion reach
+/// the context length `max_model_len` (vLLM 0.32 finishes such a request with `length`).
+pub(crate) fn max_tokens_within(max_model_len: usize, prompt: usize, max_tokens: usize) -> usize {
+    max_tokens.min(max_model_len.saturating_sub(prompt))
 }
 
 /// Spreads the word seeds of a prompt's choices (an odd constant, the golden ratio's).
@@ -172,6 +181,8 @@ pub(crate) fn submit(
             Vec::new()
         };
         let seed = content_seed(&prompt);
+        let max_tokens =
+            max_tokens_within(state.config.max_model_len, prompt.len(), params.max_tokens);
         for choice in 0..params.n {
             let last = choice + 1 == params.n;
             seqs.push(SeqRequest {
@@ -191,7 +202,7 @@ pub(crate) fn submit(
                 },
                 lora: lora.cloned(),
                 cache_salt: params.cache_salt.clone(),
-                max_tokens: params.max_tokens,
+                max_tokens,
                 stops: params.stops.clone(),
                 stream: params.stream,
                 arrival,
@@ -266,4 +277,17 @@ pub(crate) async fn collect(
     }
     outcomes.sort_by_key(|o| o.index);
     Ok(outcomes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::max_tokens_within;
+
+    #[test]
+    fn max_tokens_stop_at_the_context_length_as_in_vllm() {
+        // vLLM 0.32, max_model_len 4096: a 4000-token prompt with max_tokens 200 generates 96.
+        assert_eq!(max_tokens_within(4096, 4000, 200), 96);
+        assert_eq!(max_tokens_within(4096, 100, 200), 200);
+        assert_eq!(max_tokens_within(4096, 4095, 16), 1);
+    }
 }

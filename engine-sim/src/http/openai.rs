@@ -17,10 +17,12 @@ use super::generation::{
 use super::sse::{SseBody, StreamFormatter, write_data, write_raw};
 use super::state::{EngineState, unix_now};
 use crate::chat_template::Ending;
-use crate::kv_transfer::params::{KvTransferParams, RemotePrefill};
+use crate::kv_transfer::params::{KvTransferParams, PrefillCounts, RemotePrefill};
 use crate::lora::Lora;
 use crate::protocol::prompt::PromptInput;
-use crate::protocol::requests::{ChatRequest, CompletionRequest, GenParams};
+use crate::protocol::requests::{
+    ChatRequest, CompletionRequest, GenParams, non_empty_conversation,
+};
 use crate::protocol::responses::{
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatDelta, ChatMessageOut, Completion,
     CompletionChoice, Usage,
@@ -80,6 +82,7 @@ async fn run(
             let req: ChatRequest = parse_json(body)?;
             let lora = resolve_model(&state, req.model.as_deref())?;
             let messages = req.chat_messages()?;
+            non_empty_conversation(&messages)?;
             let ending = Ending::from_request(
                 req.add_generation_prompt,
                 req.continue_final_message,
@@ -162,16 +165,19 @@ async fn run(
     let kv_transfer_params = match leg {
         Leg::Prefill => {
             let (host, port) = state.side_channel.clone();
-            let blocks = outcomes
-                .first()
-                .map(|o| o.held_blocks.clone())
-                .unwrap_or_default();
+            let first = outcomes.first();
+            let blocks = first.map(|o| o.held_blocks.clone()).unwrap_or_default();
+            let counts = PrefillCounts {
+                prompt_tokens: first.map_or(0, |o| o.prompt_tokens),
+                cached_tokens: first.map_or(0, |o| o.cached_tokens),
+            };
             Some(KvTransferParams::prefilled(
                 &state.addr,
                 host,
                 port,
                 id.clone(),
                 blocks,
+                counts,
             ))
         }
         Leg::Plain | Leg::Decode(_) => None,
@@ -198,7 +204,7 @@ async fn run(
                     })
                     .collect(),
                 usage: Some(usage),
-                kv_transfer_params,
+                kv_transfer_params: Some(kv_transfer_params),
             },
         ),
         Endpoint::Chat => json_response(
@@ -222,7 +228,7 @@ async fn run(
                     })
                     .collect(),
                 usage: Some(usage),
-                kv_transfer_params,
+                kv_transfer_params: Some(kv_transfer_params),
             },
         ),
     })
@@ -486,6 +492,7 @@ impl ChatStream {
                 delta,
                 logprobs: None,
                 finish_reason: None,
+                stop_reason: None,
             }],
             None,
         );
@@ -507,6 +514,7 @@ impl StreamFormatter for ChatStream {
                         delta,
                         logprobs: None,
                         finish_reason: None,
+                        stop_reason: None,
                     };
                     self.write(out, vec![choice], None);
                 }
@@ -524,6 +532,7 @@ impl StreamFormatter for ChatStream {
                     delta,
                     logprobs: None,
                     finish_reason: Some(o.finish.as_str()),
+                    stop_reason: Some(o.stop.as_deref()),
                 };
                 self.write(out, vec![choice], None);
             }

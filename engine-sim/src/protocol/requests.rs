@@ -297,6 +297,19 @@ fn stop_list(stop: Option<StopInput>) -> Arc<[String]> {
     list.into_iter().filter(|s| !s.is_empty()).collect()
 }
 
+/// vLLM 0.32's 400 for a chat request without messages (its `param` is null).
+pub(crate) fn non_empty_conversation(messages: &[ChatMessage]) -> Result<(), InvalidRequest> {
+    if messages.is_empty() {
+        return Err(InvalidRequest {
+            message: "Cannot apply chat template to an empty conversation. Provide at least \
+                      one message."
+                .to_owned(),
+            param: None,
+        });
+    }
+    Ok(())
+}
+
 impl ChatRequest {
     /// The messages with their content parts joined by newlines.
     pub(crate) fn chat_messages(&self) -> Result<Vec<ChatMessage>, InvalidRequest> {
@@ -422,6 +435,21 @@ mod tests {
         let ok: CompletionRequest =
             serde_json::from_str(r#"{"prompt":[1,2],"stop":"x","stream":null}"#).expect("valid");
         assert_eq!(ok.prompt, PromptInput::Tokens(vec![1, 2]));
+    }
+
+    #[test]
+    fn an_empty_conversation_is_refused_as_vllm_does() {
+        let error = non_empty_conversation(&[]).expect_err("no messages");
+        assert_eq!(
+            error.message,
+            "Cannot apply chat template to an empty conversation. Provide at least one message."
+        );
+        assert_eq!(error.param, None);
+        let one = ChatMessage {
+            role: "user".to_owned(),
+            content: "hi".to_owned(),
+        };
+        assert!(non_empty_conversation(&[one]).is_ok());
     }
 
     #[test]

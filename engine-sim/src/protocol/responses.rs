@@ -64,9 +64,11 @@ pub(crate) struct Completion<'a> {
     /// Token counts; omitted on streaming chunks other than the usage chunk.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
-    /// A prefill leg's handle on its held KV, for the decode leg.
+    /// A prefill leg's handle on its held KV, for the decode leg. vLLM puts the key on every
+    /// whole answer (`null` but on a prefill leg) and on no stream chunk: `Some(None)` is the
+    /// `null`, `None` leaves the key out.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub kv_transfer_params: Option<KvTransferParams>,
+    pub kv_transfer_params: Option<Option<KvTransferParams>>,
 }
 
 /// A completion choice (also the streaming chunk choice).
@@ -100,9 +102,11 @@ pub(crate) struct ChatCompletion<'a, C> {
     /// Token counts; omitted on streaming chunks other than the usage chunk.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
-    /// A prefill leg's handle on its held KV, for the decode leg.
+    /// A prefill leg's handle on its held KV, for the decode leg. vLLM puts the key on every
+    /// whole answer (`null` but on a prefill leg) and on no stream chunk: `Some(None)` is the
+    /// `null`, `None` leaves the key out.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub kv_transfer_params: Option<KvTransferParams>,
+    pub kv_transfer_params: Option<Option<KvTransferParams>>,
 }
 
 /// A non-streaming chat choice.
@@ -140,6 +144,10 @@ pub(crate) struct ChatChunkChoice<'a> {
     pub logprobs: Option<()>,
     /// Set on the last content chunk.
     pub finish_reason: Option<&'static str>,
+    /// The matched stop string: vLLM sends the key (often `null`) on the chunk that carries
+    /// `finish_reason` only; `None` leaves it out.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<Option<&'a str>>,
 }
 
 /// A streaming chat delta; the first carries the role.
@@ -227,4 +235,69 @@ pub(crate) struct SglFinish<'a> {
     /// For `stop`: the matched string.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub matched: Option<&'a str>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(kv: Option<Option<KvTransferParams>>) -> serde_json::Value {
+        let body = Completion {
+            id: "cmpl-1",
+            object: "text_completion",
+            created: 0,
+            model: "m",
+            choices: Vec::new(),
+            usage: None,
+            kv_transfer_params: kv,
+        };
+        serde_json::to_value(&body).unwrap()
+    }
+
+    #[test]
+    fn kv_transfer_params_is_null_on_a_whole_answer_and_absent_from_chunks() {
+        // vLLM 0.32: `"kv_transfer_params": null` on every non-streamed answer.
+        assert_eq!(
+            chunk(Some(None))["kv_transfer_params"],
+            serde_json::Value::Null
+        );
+        assert!(
+            chunk(Some(None))
+                .as_object()
+                .unwrap()
+                .contains_key("kv_transfer_params")
+        );
+        assert!(
+            !chunk(None)
+                .as_object()
+                .unwrap()
+                .contains_key("kv_transfer_params")
+        );
+    }
+
+    #[test]
+    fn a_chat_chunk_carries_stop_reason_only_with_its_finish_reason() {
+        let choice = |finish: Option<&'static str>, stop: Option<Option<&'static str>>| {
+            serde_json::to_value(ChatChunkChoice {
+                index: 0,
+                delta: ChatDelta {
+                    role: None,
+                    content: Some("x"),
+                },
+                logprobs: None,
+                finish_reason: finish,
+                stop_reason: stop,
+            })
+            .unwrap()
+        };
+        let last = choice(Some("length"), Some(None));
+        assert_eq!(last["stop_reason"], serde_json::Value::Null);
+        assert!(last.as_object().unwrap().contains_key("stop_reason"));
+        assert!(
+            !choice(None, None)
+                .as_object()
+                .unwrap()
+                .contains_key("stop_reason")
+        );
+    }
 }

@@ -76,8 +76,7 @@ impl Inbound {
         if params.get("do_remote_prefill")? != true {
             return None;
         }
-        let blocks = params.get("remote_block_ids")?.as_array()?.len() as u64;
-        Some(blocks * self.bytes_per_block)
+        Some(remote_blocks(params.get("remote_block_ids")?)? * self.bytes_per_block)
     }
 
     async fn forward(&self, request: Request<Incoming>) -> Response<ForwardBody> {
@@ -248,9 +247,31 @@ pub(crate) async fn serve(listener: TcpListener, inbound: Arc<Inbound>) {
     }
 }
 
+/// How many blocks `remote_block_ids` names: vLLM 0.32 sends one list per KV cache group
+/// (`[[1, 2, 3]]`; a block of every group covers the same tokens, so the longest list counts),
+/// older vLLM one flat list.
+fn remote_blocks(ids: &serde_json::Value) -> Option<u64> {
+    let ids = ids.as_array()?;
+    let grouped = ids.iter().filter_map(serde_json::Value::as_array);
+    match grouped.map(Vec::len).max() {
+        Some(longest) => Some(longest as u64),
+        None => Some(ids.len() as u64),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn remote_block_ids_count_in_vllm_032s_grouped_form_and_the_flat_one() {
+        let count = |text: &str| remote_blocks(&serde_json::from_str(text).unwrap());
+        // What a vLLM 0.32 prefill engine with NixlConnector answers: one full-attention group.
+        assert_eq!(count("[[1,2,3,4,5,6,7,8,9,10]]"), Some(10));
+        assert_eq!(count("[1,2,3]"), Some(3));
+        assert_eq!(count("[]"), Some(0));
+        assert_eq!(count("null"), None);
+    }
 
     #[test]
     fn hop_by_hop_fields_and_those_connection_names_are_dropped_as_the_proxy_drops_them() {
