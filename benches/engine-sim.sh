@@ -53,7 +53,7 @@ trap 'exit 130' INT TERM
 LOAD_BEFORE=$(machine_lines)
 DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
 
-start_bg SIM_PID "$WORK_DIR/sim.out" taskset -c "$SIM_CPU" "$SIM" --no-delay --engines 1 --port 0
+start_bg SIM_PID "$WORK_DIR/sim.out" taskset -c "$SIM_CPU" "$SIM" --no-delay --engines 1 --port 0 --block-size 64
 wait_ready "$WORK_DIR/sim.out" "$SIM_PID"
 SIM_ADDR=$(listening "$WORK_DIR/sim.out" 'engine-[0-9]+' | head -n 1)
 [[ -n $SIM_ADDR ]] || die "the sim announced no listener"
@@ -83,7 +83,7 @@ SECTION=$WORK_DIR/section.md
   echo
   echo "$LOAD_BEFORE"
   echo "- Load average after the run: \`$(cut -d' ' -f1-3 /proc/loadavg)\`"
-  echo "- \`kvmesh-engine-sim --no-delay --engines 1 --port 0\` pinned with \`taskset -c $SIM_CPU\`; \`kvmesh-bench\` (one runtime thread) pinned with \`taskset -c $LOADGEN_CPU\`."
+  echo "- \`kvmesh-engine-sim --no-delay --engines 1 --port 0 --block-size 64\` pinned with \`taskset -c $SIM_CPU\`; \`kvmesh-bench\` (one runtime thread) pinned with \`taskset -c $LOADGEN_CPU\`."
   echo "- Load: chat completions, $PROMPT_WORDS-word prompt, max_tokens $MAX_TOKENS, closed loop, $CONCURRENCY HTTP/1.1 keep-alive connections, $DURATION measured after a $WARMUP warm-up run."
   echo "- Sim CPU per request: utime + stime from \`/proc/PID/stat\` over the measured run. Generator CPU near 100 % would mean the generator, not the sim, was the limit."
   echo

@@ -40,7 +40,7 @@ need_bins "$SIM" "$PROXY" "$BENCH"
 
 begin_run grpc
 
-start_bg SIM_PID "$WORK_DIR/sim.out" "$SIM" --no-delay --engines 2 --port 0 --model "$MODEL"
+start_bg SIM_PID "$WORK_DIR/sim.out" "$SIM" --no-delay --engines 2 --port 0 --block-size 64 --model "$MODEL"
 wait_ready "$WORK_DIR/sim.out" "$SIM_PID"
 {
   printf 'listeners:\n  - name: main\n    address: 127.0.0.1:0\nadmin:\n  address: 127.0.0.1:0\n'

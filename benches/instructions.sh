@@ -47,7 +47,7 @@ WORK_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvmesh-instructions.XXXXXX")
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
-start_bg SIM_PID "$WORK_DIR/sim.out" "$SIM" --no-delay --engines 2 --port 0
+start_bg SIM_PID "$WORK_DIR/sim.out" "$SIM" --no-delay --engines 2 --port 0 --block-size 64
 wait_ready "$WORK_DIR/sim.out" "$SIM_PID"
 mapfile -t SIM_ADDRS < <(listening "$WORK_DIR/sim.out" 'engine-[0-9]+')
 

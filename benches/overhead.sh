@@ -128,7 +128,7 @@ DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
 start_sims() { # VAR_PID OUT ARGS...: two engines in one process, pinned to the server core.
   local var=$1 out=$2
   shift 2
-  start_bg "$var" "$out" taskset -c "$SERVER_CPU" "$SIM" --engines 2 --port 0 "$@"
+  start_bg "$var" "$out" taskset -c "$SERVER_CPU" "$SIM" --engines 2 --port 0 --block-size 64 "$@"
   wait_ready "$out" "${!var}"
 }
 start_sims SIM_PID "$WORK_DIR/sim.out" --no-delay
@@ -400,7 +400,7 @@ SECTION=$WORK_DIR/section.md
   echo
   echo "$LOAD_BEFORE"
   echo "- Load average after the run: \`$(cut -d' ' -f1-3 /proc/loadavg)\`"
-  echo "- Backends: one \`kvmesh-engine-sim --no-delay --engines 2 --port 0\` process (two engines); *direct* loads engine 0 only."
+  echo "- Backends: one \`kvmesh-engine-sim --no-delay --engines 2 --port 0 --block-size 64\` process (two engines); *direct* loads engine 0 only."
   echo "- Load: \`kvmesh-bench\`, chat completions, $PROMPT_WORDS-word prompt, max_tokens $MAX_TOKENS, closed loop, HTTP/1.1 keep-alive; every measured run follows a $WARMUP warm-up run."
   echo "- $ROUNDS rounds, each running every setup and mode in turn; each cell is the median over the rounds (req/s also shows the range), errors are summed."
   echo "- Pinning: load generator \`taskset -c $LOADGEN_CPU\` with one runtime thread; sims and the proxy under test \`taskset -c $SERVER_CPU\`. Sim and proxy share one core, so saturated req/s measures sim + proxy CPU per request; the generator's CPU use is in its reports."

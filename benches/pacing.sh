@@ -87,7 +87,7 @@ begin_run pacing
 # EVENT_ADDRS, SIM_ROLES.
 start_sims() {
   local role=$1 count=$2 scaling=$3 out=$RUN_DIR/sim-$1.out
-  start_bg SIM_PID "$out" "$SIM" --engines "$count" --port 0 --model "$MODEL" \
+  start_bg SIM_PID "$out" "$SIM" --engines "$count" --port 0 --block-size 64 --model "$MODEL" \
     --speedup-ratio "$SPEEDUP" --role "$role" --kv-link-gbps "$WALL_GBPS" \
     --kv-transfer-interference "$INTERFERENCE" --kv-transfer-interference-scaling "$scaling" \
     --kv-events-endpoint tcp://127.0.0.1:0

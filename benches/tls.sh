@@ -42,7 +42,7 @@ begin_run tls
 openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost \
   -addext "subjectAltName=DNS:localhost,IP:127.0.0.1" \
   -keyout "$WORK_DIR/key.pem" -out "$WORK_DIR/cert.pem" 2>/dev/null
-start_bg SIM_PID "$WORK_DIR/sim.out" "$SIM" --no-delay --engines 1 --port 0
+start_bg SIM_PID "$WORK_DIR/sim.out" "$SIM" --no-delay --engines 1 --port 0 --block-size 64
 wait_ready "$WORK_DIR/sim.out" "$SIM_PID"
 ENGINE=$(listening "$WORK_DIR/sim.out" engine-0)
 cat >"$WORK_DIR/proxy.yaml" <<YAML

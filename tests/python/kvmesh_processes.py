@@ -11,6 +11,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 BIN_DIR = Path(os.environ.get("KVMESH_BIN_DIR", ROOT / "target" / "debug"))
 READY_TIMEOUT_S = 60
+# engine-sim's block size follows GPU vLLM (16); these suites were written against its old
+# default, 64, and pin it wherever a test does not name one.
+SIM_BLOCK_SIZE = "64"
 
 
 class Proc:
@@ -18,6 +21,8 @@ class Proc:
 
     def __init__(self, binary, args, log_dir, env=None):
         path = BIN_DIR / binary
+        if binary == "kvmesh-engine-sim" and "--block-size" not in args:
+            args = ["--block-size", SIM_BLOCK_SIZE, *args]
         if not path.exists():
             raise RuntimeError(f"{path} missing: run `cargo build --workspace --bins` first")
         self.name = binary
