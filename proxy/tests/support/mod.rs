@@ -152,7 +152,9 @@ impl Backend {
                                 body,
                                 version: parts.version,
                             };
-                            if request.path != "/health" {
+                            // The proxy's own probes (health checks, the tokenizer
+                            // check) are not requests it forwards.
+                            if !matches!(request.path.as_str(), "/health" | "/tokenize") {
                                 recorded.lock().unwrap().push(request.clone());
                             }
                             Ok::<_, Infallible>(handler(request).await)
@@ -189,7 +191,7 @@ impl Backend {
         self.connections.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Requests received so far (health probes excluded).
+    /// Requests received so far (the proxy's health and tokenizer probes excluded).
     pub fn requests(&self) -> Vec<Recorded> {
         self.requests.lock().unwrap().clone()
     }
