@@ -15,7 +15,6 @@ use crate::clock::now_millis;
 use crate::instance::Instance;
 use crate::pool::ModelPool;
 use crate::request::frontend::unless;
-use crate::request::prefill::prefill_only;
 use crate::request::prepare::Picker;
 use crate::request::stop::Stop;
 use crate::usage::TokenCount;
@@ -53,6 +52,12 @@ pub(crate) async fn queue(
             admitted.map_err(|rejected| Stop::Answer(overloaded(pool, rejected.describe())))
         }
     }
+}
+
+/// The instances that take no decode legs (prefill only), excluded from a disaggregated
+/// model's decode picks.
+pub(crate) fn prefill_only(instances: &[Arc<Instance>]) -> Excluded {
+    Excluded::matching(instances, |instance| !instance.role().decodes())
 }
 
 /// What every pick of a whole request (or a decode leg) of `pool` leaves out of `instances`:

@@ -30,7 +30,7 @@ use crate::metrics::PrefillLeg;
 use crate::pool::ModelPool;
 use crate::request::attempt::{Failover, attempt};
 use crate::request::frontend::Frontend;
-use crate::request::pick::pick;
+use crate::request::pick::{pick, prefill_only};
 use crate::request::prepare::Picker;
 use crate::request::record::Record;
 use crate::request::respond::judge;
@@ -63,12 +63,6 @@ impl Prefilled {
             Self::Remote { instance, .. } => format!("prefill={}; ", instance.url()),
         }
     }
-}
-
-/// The instances that take no decode legs (prefill only), excluded from a disaggregated
-/// model's decode picks.
-pub(crate) fn prefill_only(instances: &[Arc<Instance>]) -> Excluded {
-    Excluded::matching(instances, |instance| !instance.role().decodes())
 }
 
 /// Runs the prefill leg of `record`'s request (its `body`) to `pool`, a disaggregated model
