@@ -50,6 +50,10 @@ pub struct InstanceLoadShare {
     /// as the replica learned it from its own requests' first tokens (absent: 0).
     #[serde(default)]
     pub speed_ln_factor: f64,
+    /// The variance of those first tokens' logarithms around it (absent: 0, which the
+    /// receiver reads as unknown and assumes its prior spread).
+    #[serde(default)]
+    pub speed_ln_variance: f64,
     /// The first tokens it learned that from (absent: 0, nothing learned).
     #[serde(default)]
     pub speed_samples: u64,

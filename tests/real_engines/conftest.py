@@ -274,7 +274,7 @@ class Cluster:
             "--kv-events-replay-endpoint", engine.replay,
             "--kv-events-topic", "kv-events",
             "--etcd", self.etcd.url, "--nats", self.nats.url,
-            "--lease-ttl", "6s", "--drain", "0s", "--load-interval", "100ms", "--health-interval", "200ms",
+            "--lease-ttl", "10s", "--drain", "0s", "--load-interval", "100ms", "--health-interval", "200ms",
         ]
         agent = Proc("kvmesh-agent", args, self.workdir)
         self.agents[engine.name] = agent

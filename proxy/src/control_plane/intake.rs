@@ -230,6 +230,7 @@ impl Sharer {
                     blocks: load.blocks,
                     requests: load.requests,
                     speed_ln_factor: load.speed.ln_factor,
+                    speed_ln_variance: load.speed.ln_variance,
                     speed_samples: load.speed.samples,
                 })
                 .collect(),
@@ -470,6 +471,7 @@ impl Actor {
                         requests: load.requests,
                         speed: SharedSpeed {
                             ln_factor: load.speed_ln_factor,
+                            ln_variance: load.speed_ln_variance,
                             samples: load.speed_samples,
                         },
                     };

@@ -662,6 +662,7 @@ mod tests {
         let slow = SharedSpeed {
             ln_factor: 2f64.ln(),
             samples: 1_000_000,
+            ..SharedSpeed::default()
         };
         let at = t0 + Duration::from_millis(50);
         assert_eq!(loads.snapshot_at(0, &[], slow, at).prefill_tokens, 750);
@@ -962,10 +963,16 @@ mod tests {
         let others = SharedSpeed {
             ln_factor: 4f64.ln(),
             samples: 3,
+            ..SharedSpeed::default()
         };
         let ln_merged = 0.75 * 4f64.ln();
+        // Their pooled spread around it: 1 sample ln 4 × 0.75 away, 3 samples ln 4 × 0.25.
+        let variance = 4f64.ln().powi(2) * (0.75f64.powi(2) + 3.0 * 0.25f64.powi(2)) / 4.0;
+        // Assumed spread (0.25) as two more samples; two standard errors of 4 samples' mean.
+        let margin = 2.0 * ((4.0 * variance + 2.0 * 0.25) / 6.0 / 4.0).sqrt();
         // With the prior (this replica's fleet factor, 1) as PRIOR_SAMPLES more samples.
-        let expected = (4.0 * ln_merged / (4.0 + crate::kv::speed::PRIOR_SAMPLES)).exp();
+        let proven = ln_merged - margin;
+        let expected = (4.0 * proven / (4.0 + crate::kv::speed::PRIOR_SAMPLES)).exp();
         let speed = loads.snapshot_with(0, &[], others).speed;
         assert!((speed - expected).abs() < 1e-9, "{speed} vs {expected}");
         assert!((loads.snapshot(0, &[]).speed - 1.0).abs() < 1e-9);

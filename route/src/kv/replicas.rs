@@ -46,6 +46,8 @@ impl SharedLoad {
 pub struct SharedSpeed {
     /// The factor's natural logarithm (above 0: slower than the cost model's profile).
     pub ln_factor: f64,
+    /// The variance of its samples' logarithms around it (0: unknown or all alike).
+    pub ln_variance: f64,
     /// The first tokens it was learned from.
     pub samples: u64,
 }
@@ -57,10 +59,14 @@ impl SharedSpeed {
         if samples == 0 {
             return SharedSpeed::default();
         }
-        let weighted =
-            self.ln_factor * self.samples as f64 + other.ln_factor * other.samples as f64;
+        let (n1, n2) = (self.samples as f64, other.samples as f64);
+        let ln_factor = (self.ln_factor * n1 + other.ln_factor * n2) / samples as f64;
+        // Pooled: each side's spread around its own mean plus that mean's distance from both's.
+        let spread =
+            |speed: &SharedSpeed| speed.ln_variance + (speed.ln_factor - ln_factor).powi(2);
         SharedSpeed {
-            ln_factor: weighted / samples as f64,
+            ln_factor,
+            ln_variance: (n1 * spread(&self) + n2 * spread(&other)) / samples as f64,
             samples,
         }
     }
@@ -179,6 +185,7 @@ mod tests {
             speed: SharedSpeed {
                 ln_factor: 1.0,
                 samples: 1,
+                ..SharedSpeed::default()
             },
             ..load(0, 0, 0)
         };
@@ -186,6 +193,7 @@ mod tests {
             speed: SharedSpeed {
                 ln_factor: 0.0,
                 samples: 3,
+                ..SharedSpeed::default()
             },
             ..load(0, 0, 0)
         };
