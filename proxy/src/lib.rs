@@ -24,58 +24,32 @@
 //! # }
 //! ```
 
-mod accept;
-mod adapters;
-mod admin_app;
-mod api_error;
-mod auth;
-#[doc(hidden)]
-pub mod bench_support;
-mod clock;
-mod control_plane;
-mod data_app;
-mod discovery;
-mod edge_metrics;
-mod engine_protocol;
-mod epp;
-mod error;
-mod failure;
-mod grpc;
-mod h1;
-mod headers;
-mod health;
-mod health_check;
-mod instance;
-mod kv_sweeper;
-mod layering;
-mod limits;
-mod metrics;
-mod openapi;
-mod outlier;
-mod pool;
-mod pool_builder;
-mod registry;
-mod reload;
-mod request;
-mod request_body;
-mod request_fields;
-mod request_id;
-mod respond;
-mod retry;
-mod route;
-mod server;
-mod sse;
-mod state;
-mod tls;
-mod token_timing;
-mod tokenizer_check;
-mod upstream;
-mod upstream_session;
-mod usage;
+// The layers, each a directory, lowest first: a layer imports only from its own directory
+// and those before it (`runtime/layering.rs` checks it; docs/architecture.md draws them).
 
-pub use auth::sha256_hex;
-pub use control_plane::ControlPlane;
-pub use error::ProxyError;
-pub use reload::{ReloadError, ReloadHandle};
-pub use server::{ADMIN_LISTENER, BoundListener, Proxy, serve_until};
-pub use tls::{TlsError, check_config_files};
+// The API's shapes.
+mod openai;
+// Policy at the edge.
+mod edge;
+// The Prometheus families.
+mod metrics;
+// What talks to engines.
+mod engines;
+// The per-config state and the tasks that walk it.
+mod state;
+// The spine: one proxied request, phase by phase.
+mod request;
+// What talks to clients.
+mod frontend;
+// Building and running it all.
+mod runtime;
+
+#[doc(hidden)]
+pub use runtime::bench_support;
+
+pub use edge::auth::sha256_hex;
+pub use edge::error::ProxyError;
+pub use edge::tls::{TlsError, check_config_files};
+pub use runtime::control_plane::ControlPlane;
+pub use runtime::reload::{ReloadError, ReloadHandle};
+pub use runtime::server::{ADMIN_LISTENER, BoundListener, Proxy, serve_until};

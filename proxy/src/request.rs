@@ -58,12 +58,12 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::HeaderValue;
 
-use crate::api_error::ApiError;
-use crate::auth::ApiKey;
-use crate::failure::FailureKind;
-use crate::metrics::GaugeGuard;
-use crate::route::Route;
-use crate::state::State;
+use crate::edge::auth::ApiKey;
+use crate::metrics::failure::FailureKind;
+use crate::metrics::families::GaugeGuard;
+use crate::openai::api_error::ApiError;
+use crate::openai::route::Route;
+use crate::state::shared::State;
 use admit::{admit_key, instances_for, model_slot, resolve_model};
 use attempt::{Failover, attempt};
 use frontend::Frontend;

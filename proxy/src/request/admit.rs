@@ -10,13 +10,13 @@ use std::time::Instant;
 use bytes::Bytes;
 use tokio::sync::OwnedSemaphorePermit;
 
-use crate::api_error::ApiError;
-use crate::auth::{ApiKey, KeyPermit, KeyRejection};
-use crate::pool::{Instances, ModelPool};
+use crate::edge::auth::{ApiKey, KeyPermit, KeyRejection};
+use crate::engines::pool::{Instances, ModelPool};
+use crate::openai::api_error::ApiError;
+use crate::openai::request_fields::{FieldsError, extract, with_model_name};
 use crate::request::frontend::unless;
 use crate::request::stop::Stop;
-use crate::request_fields::{FieldsError, extract, with_model_name};
-use crate::state::State;
+use crate::state::shared::State;
 
 /// A request's model, resolved from its body.
 pub(crate) struct Resolved {

@@ -8,12 +8,12 @@ use std::future::Future;
 
 use bytes::Bytes;
 
-use crate::api_error::ApiError;
-use crate::failure::FailureKind;
-use crate::headers::{ClientFraming, EngineHead, EngineTarget, InvalidHead, ProxyHeaders};
-use crate::metrics::Metrics;
+use crate::engines::upstream_session::UpstreamSession;
+use crate::metrics::failure::FailureKind;
+use crate::metrics::families::Metrics;
+use crate::openai::api_error::ApiError;
+use crate::openai::headers::{ClientFraming, EngineHead, EngineTarget, InvalidHead, ProxyHeaders};
 use crate::request::record::Record;
-use crate::upstream_session::UpstreamSession;
 
 /// Writes `request` as an HTTP/1.1 head.
 pub(crate) fn write_request_head(request: &EngineHead, out: &mut Vec<u8>) {

@@ -7,7 +7,7 @@
 //! `model` of its chunks, the text generated so far and how many content events carried it.
 //! When the engine breaks off, the request is sent again with that text appended:
 //! completions with the prompt extended by it, chat continued as the engine's protocol
-//! continues a final assistant message ([`crate::engine_protocol::vllm::continue_chat`]); the token
+//! continues a final assistant message ([`crate::engines::protocol::vllm::continue_chat`]); the token
 //! limit shrinks by the events already sent. The continuation's events are rewritten to the
 //! first chunk's `id`, `created` and `model`, its opening role-only chat event is dropped, and
 //! its usage counts the tokens sent before it, so the client sees one stream.
@@ -34,18 +34,18 @@ use serde::Deserialize;
 use serde::de::IgnoredAny;
 use serde_json::{Map, Value};
 
-use crate::clock::now_millis;
-use crate::engine_protocol::vllm;
-use crate::failure::FailureKind;
-use crate::headers::ClientFraming;
-use crate::pool::ModelPool;
+use crate::engines::clock::now_millis;
+use crate::engines::pool::ModelPool;
+use crate::engines::protocol::vllm;
+use crate::metrics::failure::FailureKind;
+use crate::openai::headers::ClientFraming;
+use crate::openai::route::Route;
+use crate::openai::sse::data_values;
 use crate::request::pick::Pick;
 use crate::request::record::Record;
-use crate::route::Route;
-use crate::sse::data_values;
 
 use self::scan::{Scanned, only_choice};
-use crate::state::State;
+use crate::state::shared::State;
 
 /// The search for an error object's key, built once.
 static ERROR_KEY: LazyLock<memmem::Finder<'static>> =

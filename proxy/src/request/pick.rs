@@ -10,14 +10,14 @@ use http::HeaderValue;
 use kvmesh_route::kv::Booking;
 use kvmesh_route::{Candidates, Excluded, NoPick, Policy};
 
-use crate::api_error::ApiError;
-use crate::clock::now_millis;
-use crate::instance::Instance;
-use crate::pool::ModelPool;
+use crate::engines::clock::now_millis;
+use crate::engines::instance::Instance;
+use crate::engines::pool::ModelPool;
+use crate::openai::api_error::ApiError;
+use crate::openai::usage::TokenCount;
 use crate::request::frontend::unless;
 use crate::request::prepare::Picker;
 use crate::request::stop::Stop;
-use crate::usage::TokenCount;
 
 /// Seconds a client should wait after a 503 because every instance was busy.
 const BUSY_RETRY_AFTER_SECS: u64 = 1;

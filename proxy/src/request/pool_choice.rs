@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
-use crate::clock::now_millis;
-use crate::instance::Instance;
-use crate::pool::{Instances, ModelPool};
+use crate::engines::clock::now_millis;
+use crate::engines::instance::Instance;
+use crate::engines::pool::{Instances, ModelPool};
 use crate::request::prepare::Picker;
 
 /// The pool a request goes to.

@@ -1,5 +1,5 @@
 //! The prefill leg of a disaggregated model (phase 3a of [`crate::request`]): the model's
-//! engine protocol ([`crate::engine_protocol`], `disaggregation.protocol`) builds the
+//! engine protocol ([`crate::engines::protocol`], `disaggregation.protocol`) builds the
 //! prefill leg from the client's request; it goes to a prefill instance chosen by the
 //! model's policy, attempt by attempt the spine's way (traced, judged, failed over and
 //! retried within `limits.retries` and the retry budget); the protocol joins the answer
@@ -21,13 +21,15 @@ use kvmesh_config::{DisaggregationConfig, DisaggregationProtocol, PrefillFailure
 use kvmesh_route::{CandidateSet, Candidates, Excluded, prefills_locally};
 use serde_json::{Map, Value};
 
-use crate::api_error::ApiError;
-use crate::clock::now_millis;
-use crate::engine_protocol::{self, Legs};
-use crate::failure::FailureKind;
-use crate::instance::Instance;
-use crate::metrics::PrefillLeg;
-use crate::pool::ModelPool;
+use crate::engines::clock::now_millis;
+use crate::engines::instance::Instance;
+use crate::engines::pool::ModelPool;
+use crate::engines::protocol::{self as engine_protocol, Legs};
+use crate::engines::upstream_session::UpstreamSession;
+use crate::metrics::failure::FailureKind;
+use crate::metrics::families::PrefillLeg;
+use crate::openai::api_error::ApiError;
+use crate::openai::route::Route;
 use crate::request::attempt::{Failover, attempt};
 use crate::request::frontend::Frontend;
 use crate::request::pick::{pick, prefill_only};
@@ -36,9 +38,7 @@ use crate::request::record::Record;
 use crate::request::respond::judge;
 use crate::request::stop::Stop;
 use crate::request::trace::RequestTrace;
-use crate::route::Route;
-use crate::state::State;
-use crate::upstream_session::UpstreamSession;
+use crate::state::shared::State;
 
 /// Where a request of a disaggregated model prefills.
 #[derive(Debug)]

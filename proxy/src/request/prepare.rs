@@ -9,12 +9,12 @@ use bytes::Bytes;
 use kvmesh_route::prepare::{InvalidPrompt, Prepared, Preparer, PromptKind, offload};
 use kvmesh_route::{Balancer, PolicyInput};
 
-use crate::auth::{KeyPermit, prompt_tokens};
-use crate::pool::ModelPool;
+use crate::edge::auth::{KeyPermit, prompt_tokens};
+use crate::engines::pool::ModelPool;
+use crate::openai::route::Route;
 use crate::request::frontend::Frontend;
 use crate::request::record::Record;
-use crate::route::Route;
-use crate::state::State;
+use crate::state::shared::State;
 
 /// How one request picks its instances: the model's policy and its input for the request.
 pub(crate) struct Picker<'a> {

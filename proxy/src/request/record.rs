@@ -6,14 +6,14 @@ use std::sync::Arc;
 use http::{HeaderValue, Method};
 use tokio::time::Instant;
 
-use crate::api_error::ApiError;
-use crate::auth::CompletionMeter;
-use crate::failure::FailureKind;
-use crate::metrics::Metrics;
-use crate::pool::ModelPool;
-use crate::registry::ModelRegistry;
-use crate::route::Route;
-use crate::usage::TokenCount;
+use crate::edge::auth::CompletionMeter;
+use crate::engines::pool::ModelPool;
+use crate::engines::registry::ModelRegistry;
+use crate::metrics::failure::FailureKind;
+use crate::metrics::families::Metrics;
+use crate::openai::api_error::ApiError;
+use crate::openai::route::Route;
+use crate::openai::usage::TokenCount;
 
 /// Status logged when the client left before a response was written.
 const CLIENT_CLOSED: u16 = 499;

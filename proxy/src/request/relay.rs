@@ -21,20 +21,20 @@ use tokio::time::Instant;
 
 use kvmesh_route::kv::Booking;
 
-use crate::api_error::error_json;
-use crate::auth::CompletionMeter;
-use crate::failure::FailureKind;
-use crate::headers::{ClientFraming, ProxyHeaders};
-use crate::instance::Instance;
-use crate::metrics::ModelMetrics;
+use crate::edge::auth::CompletionMeter;
+use crate::engines::instance::Instance;
+use crate::engines::upstream_session::UpstreamSession;
+use crate::metrics::failure::FailureKind;
+use crate::metrics::families::ModelMetrics;
+use crate::metrics::token_timing::TokenTiming;
+use crate::openai::api_error::error_json;
+use crate::openai::headers::{ClientFraming, ProxyHeaders};
+use crate::openai::sse::SseScanner;
+use crate::openai::usage::TokenCount;
 use crate::request::frontend::{Frontend, Unrelayable};
 use crate::request::migrate::Migration;
 use crate::request::pick::Pick;
 use crate::request::record::Record;
-use crate::sse::SseScanner;
-use crate::token_timing::TokenTiming;
-use crate::upstream_session::UpstreamSession;
-use crate::usage::TokenCount;
 
 /// Largest incomplete SSE event held back before it is forwarded anyway.
 const MAX_HELD_BYTES: usize = 1 << 20;

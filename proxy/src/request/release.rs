@@ -4,12 +4,12 @@
 //! in-flight count and the model's concurrency slot are guards, released when the spine
 //! drops them.)
 
-use crate::clock::now_millis;
-use crate::instance::Instance;
+use crate::engines::clock::now_millis;
+use crate::engines::instance::Instance;
+use crate::engines::upstream_session::UpstreamSession;
 use crate::request::record::Record;
 use crate::request::relay::RelayEnd;
-use crate::state::State;
-use crate::upstream_session::UpstreamSession;
+use crate::state::shared::State;
 
 /// Releases the engine connection after a relay that ended with `end`; returns whether the
 /// client connection is still in a reusable state.

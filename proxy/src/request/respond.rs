@@ -2,11 +2,11 @@
 //! instance's ejection. (Whether a retryable status is
 //! tried again elsewhere is [`crate::request::attempt::Failover::retries_status`]'s call.)
 
-use crate::clock::now_millis;
-use crate::failure::FailureKind;
-use crate::instance::Instance;
-use crate::state::State;
-use crate::upstream_session::UpstreamSession;
+use crate::engines::clock::now_millis;
+use crate::engines::instance::Instance;
+use crate::engines::upstream_session::UpstreamSession;
+use crate::metrics::failure::FailureKind;
+use crate::state::shared::State;
 
 /// The status of `engine`'s response from `instance`, counted for its ejection; `None` when
 /// it has none.

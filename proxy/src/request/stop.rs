@@ -1,6 +1,6 @@
 //! Why a proxied request stops before the engine's answer reaches the client.
 
-use crate::api_error::ApiError;
+use crate::openai::api_error::ApiError;
 
 /// A request that ends early: with an error the front end answers, or because its client
 /// left.

@@ -18,15 +18,15 @@ use kvmesh_telemetry::traceparent::{self, TRACEPARENT, TRACESTATE, TraceParent};
 use opentelemetry::trace::{Span as _, SpanKind, Status, TraceContextExt, Tracer as _};
 use opentelemetry::{Context, KeyValue};
 
-use crate::headers::TraceHeaders;
-use crate::instance::Instance;
-use crate::pool::ModelPool;
+use crate::engines::instance::Instance;
+use crate::engines::pool::ModelPool;
+use crate::openai::headers::TraceHeaders;
+use crate::openai::route::Route;
 use crate::request::attempt::AttemptError;
 use crate::request::frontend::Frontend;
 use crate::request::record::Record;
 use crate::request::relay::RelayEnd;
-use crate::route::Route;
-use crate::state::State;
+use crate::state::shared::State;
 
 /// The OpenTelemetry SDK's span.
 type Span = <kvmesh_telemetry::Tracer as opentelemetry::trace::Tracer>::Span;
@@ -288,7 +288,7 @@ impl RequestTrace {
     }
 
     /// The stream broke off (`kind`) and continues on another instance.
-    pub(crate) fn migrating(&mut self, kind: crate::failure::FailureKind) {
+    pub(crate) fn migrating(&mut self, kind: crate::metrics::failure::FailureKind) {
         if let Some(spans) = self.recorded() {
             let attributes = vec![KeyValue::new("kvmesh.migration.reason", kind.label())];
             spans.migration = Some(spans.child("migration", SpanKind::Internal, attributes));
