@@ -23,6 +23,12 @@ pub struct LoadReport {
     /// until the engine clears its cache or restarts. Absent (older agents): whole.
     #[serde(default = "whole")]
     pub events_complete: bool,
+    /// The `seq` of the last KV event batch the agent numbered for the instance (published,
+    /// or lost on the way: a failed publish, a partition the agent's NATS client could not
+    /// see). A proxy whose applied batches stay behind it for a whole report interval
+    /// resyncs the gap, even when no later batch comes. Absent (older agents): unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_seq: Option<u64>,
 }
 
 /// The default of [`LoadReport::events_complete`].
@@ -55,6 +61,9 @@ mod tests {
         assert!(report.events_complete, "an older agent's report: whole");
         let lossy = br#"{"instance_id":"00c0ffee00c0ffee","running":0,"waiting":0,"kv_usage":0,"at_ms":1,"events_complete":false}"#;
         assert!(!LoadReport::from_json(lossy).unwrap().events_complete);
+        assert_eq!(report.last_seq, None, "an older agent's report: no seq");
+        let numbered = br#"{"instance_id":"00c0ffee00c0ffee","running":0,"waiting":0,"kv_usage":0,"at_ms":1,"last_seq":17}"#;
+        assert_eq!(LoadReport::from_json(numbered).unwrap().last_seq, Some(17));
         assert_eq!(
             LoadReport::from_json(&report.to_json()).expect("round trip"),
             report

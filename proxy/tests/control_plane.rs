@@ -979,6 +979,7 @@ async fn an_agent_that_lost_events_its_engine_could_not_replay_degrades_its_inst
         kv_usage: 0.0,
         at_ms: 0,
         events_complete: complete,
+        last_seq: None,
     };
     let subject = harness.namespace.load_subject(MODEL);
     let gauge = |value: u8| {
@@ -1016,6 +1017,68 @@ async fn an_agent_that_lost_events_its_engine_could_not_replay_degrades_its_inst
     harness.await_metric(&gauge(0)).await;
     harness.await_overlap(&engine.url, &a, 4).await;
     assert_eq!(health(harness.admin).await.1["status"], "ok");
+}
+
+#[tokio::test]
+async fn batches_lost_with_no_later_batch_are_found_by_the_agents_load_reports() {
+    let harness = Harness::start().await;
+    let engine = Backend::ok().await;
+    let id = 0xD2;
+    let agent = FakeAgent::serve(
+        &harness.bus,
+        &harness.namespace.snapshot_subject(InstanceId(id)),
+    )
+    .await;
+    let (a, b) = (prompt(4, 4), prompt(5, 4));
+    agent.script(SnapshotReply::Snapshot {
+        events: vec![RankedEvent {
+            dp_rank: 0,
+            event: stored(&a, 0, 4, 200),
+        }],
+        last_seq: 1,
+    });
+    harness.register(id, &engine.url).await;
+    harness.await_overlap(&engine.url, &a, 4).await;
+    // The agent numbered batches 2 and 3 (b's blocks); neither reached the bus, and its
+    // engine went idle: no later batch shows the gap. Its load reports say it.
+    agent.script(SnapshotReply::Snapshot {
+        events: vec![
+            RankedEvent {
+                dp_rank: 0,
+                event: stored(&a, 0, 4, 200),
+            },
+            RankedEvent {
+                dp_rank: 0,
+                event: stored(&b, 0, 4, 300),
+            },
+        ],
+        last_seq: 3,
+    });
+    let report = kvmesh_control::LoadReport {
+        instance_id: InstanceId(id),
+        running: 0,
+        waiting: 0,
+        kv_usage: 0.0,
+        at_ms: 0,
+        events_complete: true,
+        last_seq: Some(3),
+    };
+    let subject = harness.namespace.load_subject(MODEL);
+    for _ in 0..2 {
+        harness
+            .bus
+            .publish(&subject, Bytes::from(report.to_json()))
+            .await
+            .unwrap();
+    }
+    harness.await_overlap(&engine.url, &b, 4).await;
+    assert_eq!(
+        agent.requests(),
+        [SnapshotRequest::full(), SnapshotRequest::from_seq(2)]
+    );
+    harness
+        .await_metric("kvmesh_kv_resyncs_total{reason=\"gap\"} 1")
+        .await;
 }
 
 #[tokio::test]

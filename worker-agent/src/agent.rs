@@ -387,6 +387,7 @@ pub async fn start(
         block_size,
         facts_tx,
     )));
+    let load_core = core.clone();
     let status = Arc::new(Status {
         instance_id: id,
         written: written.clone(),
@@ -431,11 +432,11 @@ pub async fn start(
     handle.tasks.push(tokio::spawn(load::run(
         engine,
         config.engine_kind,
-        id,
         bus,
         ns.load_subject(&config.model),
         config.load_interval,
         metrics,
+        load_core,
     )));
     Ok(handle)
 }

@@ -234,6 +234,11 @@ impl Core {
         }
     }
 
+    /// The instance whose batches it numbers.
+    pub(crate) fn instance_id(&self) -> InstanceId {
+        self.instance_id
+    }
+
     /// The newest published batch number.
     pub(crate) fn last_seq(&self) -> u64 {
         self.lock().last_seq

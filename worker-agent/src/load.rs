@@ -8,6 +8,7 @@ use bytes::Bytes;
 use kvmesh_control::{EventBus, InstanceId, LoadReport};
 
 use crate::config::EngineKind;
+use crate::core::Core;
 use crate::http_client::EngineClient;
 use crate::metrics::AgentMetrics;
 use crate::prom_text;
@@ -51,19 +52,22 @@ pub fn parse_load(
         kv_usage: kv_usage.clamp(0.0, 1.0),
         at_ms,
         events_complete: true,
+        last_seq: None,
     })
 }
 
-/// Scrapes and publishes until aborted.
+/// Scrapes and publishes until aborted: the load of `core`'s instance, with the last batch
+/// number `core` issued.
 pub(crate) async fn run(
     engine: EngineClient,
     kind: EngineKind,
-    instance_id: InstanceId,
     bus: Arc<dyn EventBus>,
     subject: String,
     interval: Duration,
     metrics: AgentMetrics,
+    core: Arc<Core>,
 ) {
+    let instance_id = core.instance_id();
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let timeout = interval.max(Duration::from_millis(500));
@@ -91,6 +95,7 @@ pub(crate) async fn run(
             continue;
         };
         report.events_complete = metrics.events_complete.get() == 1;
+        report.last_seq = Some(core.last_seq());
         metrics.load_reports.with_label_values(&["ok"]).inc();
         metrics
             .engine_running

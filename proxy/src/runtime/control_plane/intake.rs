@@ -590,6 +590,14 @@ impl Actor {
                 .with_label_values(&[member.model.as_str()])
                 .inc();
         }
+        // A durable stream's consumer may lag far behind the reports, and loses nothing.
+        if let Some(last_seq) = report.last_seq
+            && self.connected
+            && !self.durable
+        {
+            let outcome = self.tracker.on_reported(id, last_seq);
+            self.execute(id, outcome);
+        }
     }
 
     fn on_input(&mut self, input: IntakeInput) {

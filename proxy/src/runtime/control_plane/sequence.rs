@@ -114,6 +114,8 @@ struct Cursor {
     buffer: BTreeMap<u64, EventBatch>,
     /// The buffer overflowed: resync again once the current reply is applied.
     overflowed: bool,
+    /// The last batch number the agent's previous load report said it had numbered.
+    reported: Option<u64>,
 }
 
 /// The cursors of every instance whose batches arrive.
@@ -213,6 +215,28 @@ impl SequenceTracker {
     pub(crate) fn resync(&mut self, instance: u64) -> SnapshotRequest {
         self.cursors.entry(instance).or_default().resyncing = true;
         SnapshotRequest::full()
+    }
+
+    /// Takes the last batch number an agent's load report says it numbered for `instance`.
+    /// When the batches applied are still behind the number the report *before* said (a
+    /// whole report interval for those batches to arrive), they were lost on the way (a
+    /// failed publish, a partition the agent's client could not see): the gap is resynced
+    /// although no later batch came to show it.
+    pub(crate) fn on_reported(&mut self, instance: u64, last_seq: u64) -> Outcome {
+        let mut outcome = Outcome::default();
+        let Some(cursor) = self.cursors.get_mut(&instance) else {
+            return outcome;
+        };
+        let previous = cursor.reported.replace(last_seq);
+        let Some(last) = cursor.last else {
+            return outcome;
+        };
+        if !cursor.resyncing && previous.is_some_and(|reported| reported > last) {
+            outcome.gaps = 1;
+            cursor.resyncing = true;
+            outcome.request = Some((SnapshotRequest::from_seq(last + 1), ResyncReason::Gap));
+        }
+        outcome
     }
 
     /// Forgets `instance` (it left discovery): a later batch counts as a first sight.
@@ -354,6 +378,41 @@ mod tests {
         assert!(!tracker.is_resyncing(ID));
         // The agent's own next batch applies as usual.
         assert_eq!(applied(&tracker.on_batch(batch(2))), [2]);
+    }
+
+    /// A tracker whose instance is synced up to batch `last`.
+    fn synced(last: u64) -> SequenceTracker {
+        let mut tracker = SequenceTracker::default();
+        tracker.on_batch(batch(last));
+        tracker.on_reply(ID, snapshot(last));
+        assert!(!tracker.is_resyncing(ID));
+        tracker
+    }
+
+    #[test]
+    fn batches_lost_with_no_later_batch_are_found_by_the_load_reports() {
+        let mut tracker = synced(3);
+        // The agent numbered 4 and 5; neither arrived. The first report that says so may
+        // have overtaken them on the way: nothing yet.
+        assert_eq!(tracker.on_reported(ID, 5).request, None);
+        // A report later they are still missing: the gap is asked for.
+        let lost = tracker.on_reported(ID, 5);
+        assert_eq!(lost.gaps, 1);
+        assert_eq!(
+            lost.request,
+            Some((SnapshotRequest::from_seq(4), ResyncReason::Gap))
+        );
+        // While that resync is in flight, reports ask for nothing more.
+        assert_eq!(tracker.on_reported(ID, 6).request, None);
+        // Reports that the applied batches keep up with ask for nothing.
+        let mut steady = synced(3);
+        for seq in 4..8 {
+            assert_eq!(steady.on_reported(ID, seq).request, None);
+            steady.on_batch(batch(seq));
+        }
+        assert_eq!(steady.on_reported(ID, 7).request, None);
+        // An instance never synced, or unknown, is left to its first batch.
+        assert_eq!(SequenceTracker::default().on_reported(ID, 9).request, None);
     }
 
     #[test]
