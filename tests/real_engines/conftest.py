@@ -265,15 +265,16 @@ class Cluster:
         self.proxy = Proc("kvmesh-proxy", ["--config", str(cfg)], workdir)
         self.wait_instances(2)
 
-    def start_agent(self, engine, events=None):
+    def start_agent(self, engine, events=None, nats=None):
         """Starts `engine`'s agent, reading its KV events at `events` (default: the engine's
-        own publisher; replays always come from the engine)."""
+        own publisher; replays always come from the engine) and publishing to the NATS
+        server at `nats` (default: the suite's)."""
         args = [
             "--engine-url", engine.url, "--model", MODEL,
             "--kv-events-endpoint", events or engine.events,
             "--kv-events-replay-endpoint", engine.replay,
             "--kv-events-topic", "kv-events",
-            "--etcd", self.etcd.url, "--nats", self.nats.url,
+            "--etcd", self.etcd.url, "--nats", nats or self.nats.url,
             "--lease-ttl", "10s", "--drain", "0s", "--load-interval", "100ms", "--health-interval", "200ms",
         ]
         agent = Proc("kvmesh-agent", args, self.workdir)

@@ -7,38 +7,59 @@ KV events lost between an engine and its agent leave the index stale without any
 gap the proxy could see: the engine's own `cached_tokens` shows it, the instance is untrusted
 and resynced, and once the agent sees the gap in the engine's numbers and replays what it
 missed, the index agrees with the engine again.
+
+KV events lost between the agent and NATS (a partition the agent's client cannot see) leave a
+gap in the agent's own sequence numbers, which its load reports show the proxy once they flow
+again.
 """
 
 import random
 import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 from conftest import BLOCK_SIZE, ROOT, metric_sum, metrics, wait_until
-from test_real_vllm import chat, direct_chat, reported_on, text
+from test_real_vllm import agent_blocks_published, chat, direct_chat, reported_on, text
 
-RELAY = Path(__file__).with_name("zmq_relay.py")
+HERE = Path(__file__).parent
 
 
 class Relay:
-    """tests/real_engines/zmq_relay.py between `engine`'s KV event publisher and its agent."""
+    """A relay process the test cuts (SIGUSR1) and restores (SIGUSR2): tests/real_engines/
+    zmq_relay.py between an engine's KV event publisher and its agent (`Relay.zmq`), or
+    tcp_relay.py between an agent and nats-server (`Relay.tcp`)."""
 
-    def __init__(self, engine, workdir):
+    def __init__(self, argv, log_path, endpoint):
+        self.endpoint = endpoint
+        self.log_path = log_path
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._await_line("ready")
+
+    @classmethod
+    def zmq(cls, engine, workdir):
+        """Between `engine`'s KV event publisher and its agent (the vLLM install's Python has
+        pyzmq)."""
         from conftest import free_port
 
         python = subprocess.run(
             [str(ROOT / "scripts" / "vllm.sh"), "python"], check=True, capture_output=True, text=True
         ).stdout.strip().splitlines()[-1]
         port = free_port()
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.log_path = workdir / "zmq-relay.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [python, str(RELAY), engine.events, str(port)],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
-        self._await_line("ready")
+        return cls([python, str(HERE / "zmq_relay.py"), engine.events, str(port)],
+                   workdir / "zmq-relay.log", f"tcp://127.0.0.1:{port}")
+
+    @classmethod
+    def tcp(cls, nats_url, workdir):
+        """Between an agent and the NATS server at `nats_url`."""
+        from conftest import free_port
+
+        port = free_port()
+        upstream = nats_url.removeprefix("nats://")
+        return cls([sys.executable, str(HERE / "tcp_relay.py"), upstream, str(port)],
+                   workdir / "tcp-relay.log", f"nats://127.0.0.1:{port}")
 
     def lines(self):
         return self.log_path.read_text(errors="replace").splitlines()
@@ -85,7 +106,7 @@ def check_counters(cluster, engine):
 
 def test_events_lost_between_engine_and_agent_are_caught_by_cached_tokens_and_repaired(cluster):
     engine = cluster.engines[1]
-    relay = Relay(engine, cluster.workdir)
+    relay = Relay.zmq(engine, cluster.workdir)
     try:
         cluster.stop_agent(engine)
         cluster.start_agent(engine, events=relay.endpoint)
@@ -140,6 +161,47 @@ def test_events_lost_between_engine_and_agent_are_caught_by_cached_tokens_and_re
         )
     finally:
         # The rest of the suite runs against b's agent reading the engine directly.
+        if engine.name in cluster.agents:
+            cluster.stop_agent(engine)
+        cluster.start_agent(engine)
+        cluster.wait_instances(2)
+        relay.stop()
+
+
+def test_events_lost_between_agent_and_nats_show_as_a_sequence_gap_and_are_repaired(cluster):
+    """A partition between engine b's agent and the bus that its NATS client cannot see: every
+    byte it sends is dropped while the connection stays open. The agent publishes what b
+    stores; the proxy applies none of it. When the partition ends (the connection is closed,
+    the client reconnects), the agent's load reports carry the last batch number it issued,
+    past the last one the proxy applied: the gap is resynced with no further batch, and the
+    index holds what b stored meanwhile."""
+    engine = cluster.engines[1]
+    relay = Relay.tcp(cluster.nats.url, cluster.workdir)
+    try:
+        cluster.stop_agent(engine)
+        cluster.start_agent(engine, nats=relay.endpoint)
+        cluster.wait_instances(2)
+        rng = random.Random(59)
+        flowing = [{"role": "user", "content": text(rng, 200)}]
+        blocks = direct_chat(engine, flowing)["prompt_tokens"] // BLOCK_SIZE
+        wait_until("a prompt's blocks through the relay", lambda: reported_on(cluster, engine, flowing) == blocks)
+        relay.cut()
+        gaps_before = metric_sum(metrics(cluster.admin + "/metrics"), "kvmesh_kv_resyncs_total", reason="gap")
+        published_before = agent_blocks_published(cluster, engine)
+        missed = [[{"role": "user", "content": text(rng, 200)}] for _ in range(3)]
+        missed_blocks = [direct_chat(engine, m)["prompt_tokens"] // BLOCK_SIZE for m in missed]
+        # The agent published every one of those blocks, into the partition.
+        wait_until("the agent to publish the missed blocks", lambda: agent_blocks_published(cluster, engine)
+                   >= published_before + sum(missed_blocks))
+        wait_until("the relay to drop the agent's batches", lambda: relay.dropped() > 0)
+        assert [reported_on(cluster, engine, m) for m in missed] == [0, 0, 0]
+        relay.restore()
+        # No further batch: the agent's load reports say how far its numbering went.
+        wait_until("the repaired index", lambda: [reported_on(cluster, engine, m) for m in missed]
+                   == missed_blocks, timeout=60)
+        gaps = metric_sum(metrics(cluster.admin + "/metrics"), "kvmesh_kv_resyncs_total", reason="gap")
+        assert gaps > gaps_before, (gaps_before, gaps)
+    finally:
         if engine.name in cluster.agents:
             cluster.stop_agent(engine)
         cluster.start_agent(engine)
