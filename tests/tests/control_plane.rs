@@ -819,21 +819,28 @@ async fn a_replica_counts_the_requests_and_speeds_another_has_learned() -> anyho
     )
     .await?;
     // Proxy A learned the engine's speed from the stream's first token, and shares it with
-    // the load: B, which saw no first token of its own, merges A's one sample with its prior
-    // (sixteen samples of the profile's speed), so its factor is A's to the power 1/17.
+    // the load: B, which saw no first token of its own, merges A's one sample. It scores
+    // it against its own fleet's factor (the profile's, 1): the distance less two standard
+    // errors of one sample under the assumed spread (variance 2 × 0.25 / 3), pulled toward
+    // the profile as if that were sixteen samples (route/src/kv/speed.rs).
     let learned = await_explained(&client, proxy_a, &token_prompt(&probe, 1), None, |_| true)
         .await
         .map(|explained| explained_instance(&explained, &engine)["speed"].as_f64())?
         .expect("a speed");
     assert!((learned - 1.0).abs() > 1e-6, "A learned a speed: {learned}");
+    let margin = 2.0 * (0.5f64 / 3.0).sqrt();
+    let proven = learned.ln().signum() * (learned.ln().abs() - margin).max(0.0);
+    let expected = (proven / 17.0).exp();
     await_explained(
         &client,
         proxy_b,
         &token_prompt(&probe, 1),
         None,
         |explained| {
-            let speed = explained_instance(explained, &engine)["speed"].as_f64();
-            speed.is_some_and(|speed| (speed.ln() - learned.ln() / 17.0).abs() < 1e-9)
+            let entry = explained_instance(explained, &engine);
+            let speed = entry["speed"].as_f64();
+            entry["speed_samples"] == 1
+                && speed.is_some_and(|speed| (speed - expected).abs() < 1e-9)
         },
     )
     .await?;

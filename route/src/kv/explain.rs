@@ -98,6 +98,9 @@ pub struct InstanceExplanation {
     pub(crate) decode_blocks: u64,
     /// How much slower than profiled the instance proved to be (1: as profiled).
     pub(crate) speed: f64,
+    /// The first tokens `speed` was learned from (this replica's and those other replicas
+    /// shared).
+    pub(crate) speed_samples: u64,
     /// Predicted time to first token there, ms.
     pub(crate) predicted_ttft_ms: f64,
     /// Predicted time between its tokens there, ms.

@@ -68,6 +68,8 @@ pub(crate) struct LoadSnapshot {
     pub(crate) foreign_waiting: u64,
     /// How much slower than profiled the instance proved to be.
     pub(crate) speed: f64,
+    /// The first tokens that was learned from, this replica's and the others' it merged.
+    pub(crate) speed_samples: u64,
     /// Its KV cache capacity in blocks, as its engine reported it (0: unknown).
     pub(crate) capacity: u64,
 }
@@ -84,6 +86,7 @@ impl Default for LoadSnapshot {
             foreign_blocks: 0,
             foreign_waiting: 0,
             speed: 1.0,
+            speed_samples: 0,
             capacity: 0,
         }
     }
@@ -354,10 +357,9 @@ impl ActiveLoads {
             Some(foreign) if foreign.until > now => (foreign.blocks, foreign.waiting),
             _ => (0, 0),
         };
-        let speed = load
-            .speed
-            .with(others)
-            .shrunk_toward(f64::from_bits(self.fleet_ln_factor.load(Ordering::Relaxed)));
+        let learned = load.speed.with(others);
+        let speed =
+            learned.shrunk_toward(f64::from_bits(self.fleet_ln_factor.load(Ordering::Relaxed)));
         LoadSnapshot {
             prefill_tokens: load.prefill_tokens_at(now, speed),
             booked_prefill_tokens: load.prefill_tokens,
@@ -367,6 +369,7 @@ impl ActiveLoads {
             foreign_blocks,
             foreign_waiting,
             speed,
+            speed_samples: learned.shared().samples,
             capacity: load.capacity,
         }
     }

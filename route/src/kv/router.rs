@@ -788,6 +788,7 @@ impl KvRouter {
                     prefill_tokens: e.cost.prefill_tokens,
                     decode_blocks: e.cost.decode_blocks,
                     speed: e.load.speed,
+                    speed_samples: e.load.speed_samples,
                     predicted_ttft_ms: e.cost.ttft_ms,
                     predicted_itl_ms: e.cost.itl_ms,
                     harm_ms: e.cost.harm_ms,
