@@ -2,7 +2,10 @@
 //! re-divided every millisecond), and while any runs the engine's iterations slow down.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// tokio's clock: the engine's own time, which a paused test runtime advances exactly.
+use tokio::time::Instant;
 
 /// How often a transfer's share of the link is re-divided.
 const TICK: Duration = Duration::from_millis(1);
