@@ -21,7 +21,7 @@ import pytest
 
 from conftest import ALIAS, MODEL, ROOT, Proc, proxy_config
 
-SPEC_FILE = ROOT / "proxy" / "src" / "openapi" / "openapi.json"
+SPEC_FILE = ROOT / "proxy" / "src" / "openai" / "openapi" / "openapi.json"
 CLIENT_HEADER_TIMEOUT_S = 2
 FIRST_BYTE_TIMEOUT_S = 1
 DEAD_MODEL = "dead-model"
