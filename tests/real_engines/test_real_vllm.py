@@ -388,9 +388,10 @@ def test_a_model_discovered_but_not_listed_is_served(cluster):
 
 
 def test_streams_survive_a_sigkill_of_their_engine_and_usage_counts_once(cluster):
-    """Streams on an engine that is SIGKILLed mid-stream complete on the other one. (600
-    tokens each: with 200, the first stream on the victim, served alone while the others
-    were still being opened, sometimes finished before the kill.)"""
+    """Streams on an engine that is SIGKILLed mid-stream complete on the other one. (1,200
+    tokens each, and the victim is checked to be running all of its streams when it is
+    killed: with 200, and once with 600, streams on the victim finished before the kill,
+    one of them between its last token and its usage chunk.)"""
     rng = random.Random(61)
     prompts = [[{"role": "user", "content": text(rng, 30)}] for _ in range(6)]
     api = client(cluster)
@@ -398,7 +399,7 @@ def test_streams_survive_a_sigkill_of_their_engine_and_usage_counts_once(cluster
     streams = []
     for messages in prompts:
         raw = api.chat.completions.with_raw_response.create(
-            model=MODEL, messages=messages, max_tokens=600, stream=True,
+            model=MODEL, messages=messages, max_tokens=1200, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         streams.append((route_of(raw.headers)["instance"].rstrip("/"), raw.parse()))
     victim = cluster.engine_by_url(streams[0][0])
@@ -406,6 +407,8 @@ def test_streams_survive_a_sigkill_of_their_engine_and_usage_counts_once(cluster
     # Every stream has started before the kill.
     firsts = [next(iter(stream)) for _, stream in streams]
     assert len(firsts) == len(streams)
+    running = metric_sum(victim.metrics(), "vllm:num_requests_running")
+    assert running == len(on_victim), f"the victim runs {running} of its {len(on_victim)} streams"
     victim.kill()
     for _, stream in streams:
         usage, tokens = None, 0
@@ -414,7 +417,7 @@ def test_streams_survive_a_sigkill_of_their_engine_and_usage_counts_once(cluster
                 assert usage is None, "usage is sent once"
                 usage = chunk.usage
             tokens += sum(1 for c in chunk.choices if c.delta.content)
-        assert usage is not None and usage.completion_tokens == 600, usage
+        assert usage is not None and usage.completion_tokens == 1200, usage
     page = metrics(cluster.admin + "/metrics")
     assert metric_sum(page, "kvmesh_migrations_total") >= len(on_victim) >= 1
 
