@@ -952,6 +952,23 @@ async fn answers_that_keep_disagreeing_with_the_index_untrust_the_instance_until
     harness.await_metric(&answers("agreed", 2)).await;
 }
 
+/// An agent's load report of an idle engine.
+fn idle_report(
+    id: u64,
+    events_complete: bool,
+    last_seq: Option<u64>,
+) -> kvmesh_control::LoadReport {
+    kvmesh_control::LoadReport {
+        instance_id: InstanceId(id),
+        running: 0,
+        waiting: 0,
+        kv_usage: 0.0,
+        at_ms: 0,
+        events_complete,
+        last_seq,
+    }
+}
+
 #[tokio::test]
 async fn an_agent_that_lost_events_its_engine_could_not_replay_degrades_its_instance() {
     let harness = Harness::start().await;
@@ -972,15 +989,7 @@ async fn an_agent_that_lost_events_its_engine_could_not_replay_degrades_its_inst
     });
     harness.register(id, &engine.url).await;
     harness.await_overlap(&engine.url, &a, 4).await;
-    let report = |complete: bool| kvmesh_control::LoadReport {
-        instance_id: InstanceId(id),
-        running: 0,
-        waiting: 0,
-        kv_usage: 0.0,
-        at_ms: 0,
-        events_complete: complete,
-        last_seq: None,
-    };
+    let report = |complete: bool| idle_report(id, complete, None);
     let subject = harness.namespace.load_subject(MODEL);
     let gauge = |value: u8| {
         format!(
@@ -1054,15 +1063,7 @@ async fn batches_lost_with_no_later_batch_are_found_by_the_agents_load_reports()
         ],
         last_seq: 3,
     });
-    let report = kvmesh_control::LoadReport {
-        instance_id: InstanceId(id),
-        running: 0,
-        waiting: 0,
-        kv_usage: 0.0,
-        at_ms: 0,
-        events_complete: true,
-        last_seq: Some(3),
-    };
+    let report = idle_report(id, true, Some(3));
     let subject = harness.namespace.load_subject(MODEL);
     for _ in 0..2 {
         harness

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import BLOCK_SIZE, ROOT, metric_sum, metrics, wait_until
+from conftest import BLOCK_SIZE, ROOT, free_port, metric_sum, metrics, wait_until
 from test_real_vllm import agent_blocks_published, chat, direct_chat, reported_on, text
 
 HERE = Path(__file__).parent
@@ -42,8 +42,6 @@ class Relay:
     def zmq(cls, engine, workdir):
         """Between `engine`'s KV event publisher and its agent (the vLLM install's Python has
         pyzmq)."""
-        from conftest import free_port
-
         python = subprocess.run(
             [str(ROOT / "scripts" / "vllm.sh"), "python"], check=True, capture_output=True, text=True
         ).stdout.strip().splitlines()[-1]
@@ -54,8 +52,6 @@ class Relay:
     @classmethod
     def tcp(cls, nats_url, workdir):
         """Between an agent and the NATS server at `nats_url`."""
-        from conftest import free_port
-
         port = free_port()
         upstream = nats_url.removeprefix("nats://")
         return cls([sys.executable, str(HERE / "tcp_relay.py"), upstream, str(port)],
