@@ -6,8 +6,10 @@ engine come last.
 
 import concurrent.futures
 import json
+import math
 import random
 import signal
+import statistics
 import threading
 import time
 
@@ -164,11 +166,13 @@ def explain(cluster, messages):
     return json.loads(body)
 
 
-def stream_chat(cluster, messages, max_tokens, api=None, barrier=None):
-    """A streamed chat: (instance, text, usage); sent once `barrier` (if any) lets it."""
+def stream_chat(cluster, messages, max_tokens, api=None, barrier=None, first_tokens=None):
+    """A streamed chat: (instance, text, usage); sent once `barrier` (if any) lets it. With
+    `first_tokens` (a list), (engine URL, seconds to the first chunk) is appended to it."""
     api = api or client(cluster)
     if barrier is not None:
         barrier.wait(timeout=30)
+    sent = time.monotonic()
     raw = api.chat.completions.with_raw_response.create(
         model=MODEL, messages=messages, max_tokens=max_tokens, stream=True,
         stream_options={"include_usage": True},
@@ -176,6 +180,8 @@ def stream_chat(cluster, messages, max_tokens, api=None, barrier=None):
     instance = route_of(raw.headers)["instance"]
     pieces, usage = [], None
     for chunk in raw.parse():
+        if first_tokens is not None and not pieces and chunk.choices:
+            first_tokens.append((instance.rstrip("/"), time.monotonic() - sent))
         if chunk.usage is not None:
             usage = chunk.usage
         for choice in chunk.choices:
@@ -183,13 +189,17 @@ def stream_chat(cluster, messages, max_tokens, api=None, barrier=None):
     return instance, "".join(pieces), usage
 
 
-def burst_of_streams(cluster, prompts, max_tokens):
+def burst_of_streams(cluster, prompts, max_tokens, first_tokens=None):
     """The streams of `prompts`, sent at once from one client (connections opened ahead)."""
     api = client(cluster)
     api.models.list()
     barrier = threading.Barrier(len(prompts))
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda m: stream_chat(cluster, m, max_tokens, api, barrier), prompts))
+        return list(pool.map(lambda m: stream_chat(cluster, m, max_tokens, api, barrier, first_tokens), prompts))
+
+
+# (engine URL, seconds to the first chunk) of every stream of the bursts below.
+BURST_FIRST_TOKENS = []
 
 
 @pytest.mark.parametrize("burst", range(3))
@@ -200,7 +210,7 @@ def test_a_burst_of_distinct_prompts_spreads_over_idle_engines(cluster, burst):
         metric_sum(e.metrics(), "vllm:num_requests_running") == 0 for e in cluster.engines))
     rng = random.Random(100 + burst)
     prompts = [[{"role": "user", "content": text(rng, 40)}] for _ in range(8)]
-    results = burst_of_streams(cluster, prompts, 32)
+    results = burst_of_streams(cluster, prompts, 32, BURST_FIRST_TOKENS)
     per_engine = {e.url: 0 for e in cluster.engines}
     for instance, _, usage in results:
         per_engine[instance.rstrip("/")] += 1
@@ -208,13 +218,27 @@ def test_a_burst_of_distinct_prompts_spreads_over_idle_engines(cluster, burst):
     assert min(per_engine.values()) >= 3, per_engine
 
 
-def test_identical_engines_learn_speeds_that_agree(cluster):
-    """After the bursts above (at least 12 first tokens each), the two identical engines'
-    learned speed factors agree within 25 %."""
+def test_identical_engines_learn_speeds_no_further_apart_than_their_first_tokens(cluster):
+    """After the bursts above (12 first tokens each, or more), the two engines' learned speed
+    factors agree within 25 % unless the engines' first tokens, as the client timed them in
+    those bursts, were further apart: then no further than that (geometric means), and the
+    engine learned slower is the one that was. Two identical engines on this 2-core machine
+    are not always equally fast: in one run one took 1.7–3.0 s to its first tokens of each
+    burst while the other took 0.03–0.9 s. Learning that is what speeds are for; learning a
+    difference the engines did not show is the bug (factors 7.6 and 12.1 once drew every
+    stream of a burst onto one engine)."""
+    assert len(BURST_FIRST_TOKENS) == 24, "the bursts above ran"
     explained = explain(cluster, [{"role": "user", "content": "hello"}])
-    speeds = [i["speed"] for i in explained["instances"]]
-    assert len(speeds) == 2
-    assert max(speeds) / min(speeds) < 1.25, speeds
+    learned = {i["instance"].rstrip("/"): i["speed"] for i in explained["instances"]}
+    assert sorted(learned) == sorted(e.url for e in cluster.engines), explained
+    timed = {
+        url: math.exp(statistics.fmean(math.log(s) for u, s in BURST_FIRST_TOKENS if u == url))
+        for url in learned
+    }
+    slow, fast = sorted(learned, key=learned.get, reverse=True)
+    learned_ratio, timed_ratio = learned[slow] / learned[fast], timed[slow] / timed[fast]
+    # Past 25 %, the ratio is the timed one's or less, taken the same way round.
+    assert learned_ratio < max(1.25, timed_ratio), (learned, timed)
 
 
 def agents_report_idle(cluster):
@@ -407,8 +431,10 @@ def test_streams_survive_a_sigkill_of_their_engine_and_usage_counts_once(cluster
     # Every stream has started before the kill.
     firsts = [next(iter(stream)) for _, stream in streams]
     assert len(firsts) == len(streams)
-    running = metric_sum(victim.metrics(), "vllm:num_requests_running")
-    assert running == len(on_victim), f"the victim runs {running} of its {len(on_victim)} streams"
+    # The engine's gauge follows its steps: read until it shows them all (a deadline, not a
+    # pause: it once read 0 right after the first chunks).
+    wait_until(f"the victim to run its {len(on_victim)} streams", lambda: metric_sum(
+        victim.metrics(), "vllm:num_requests_running") == len(on_victim), timeout=10, interval=0.1)
     victim.kill()
     for _, stream in streams:
         usage, tokens = None, 0

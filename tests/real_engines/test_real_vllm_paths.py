@@ -159,7 +159,10 @@ def test_a_prefill_leg_after_the_engines_closed_their_idle_connections_is_served
     (a stale pooled connection must not turn into 503 prefill_failed)."""
     prefill, decode = cluster.engines
     ports = (prefill.port, decode.port)
-    assert established(pd, ports), "the tests above left pooled connections"
+    # A long chat first, so that both engines' connections are pooled.
+    route, _, _ = streamed_chat(pd, [{"role": "user", "content": text(random.Random(82), 400)}], 4)
+    assert route["prefill"].rstrip("/") == prefill.url, route
+    assert established(pd, ports), "the chat left no pooled connection"
     # The engines' side of every pooled connection closed (a FIN after 5 s idle).
     wait_until("the engines to close the idle connections", lambda: not established(pd, ports), timeout=30, interval=0.2)
     route, _, usage = streamed_chat(pd, [{"role": "user", "content": text(random.Random(83), 400)}], 4)
@@ -187,12 +190,17 @@ def front(cluster):
     proxy.stop()
 
 
-def explain_completion(proxy, prompt):
-    """`POST /debug/route` for a completions prompt: {engine URL: reported_blocks}."""
+def explain_json(proxy, prompt):
+    """`POST /debug/route` for a completions prompt, as the proxy answers it."""
     status, _, body = http("POST", proxy.url("admin") + "/debug/route?route=completions",
                            {"model": MODEL, "prompt": prompt, "max_tokens": 1})
     assert status == 200, body
-    return {i["instance"].rstrip("/"): i["reported_blocks"] for i in json.loads(body)["instances"]}
+    return json.loads(body)
+
+
+def explain_completion(proxy, prompt):
+    """`POST /debug/route` for a completions prompt: {engine URL: reported_blocks}."""
+    return {i["instance"].rstrip("/"): i["reported_blocks"] for i in explain_json(proxy, prompt)["instances"]}
 
 
 def text_inputs(prompt, streaming=None):
@@ -239,6 +247,7 @@ def test_kserve_grpc_infer_and_stream_infer_reach_a_real_engine_and_route_by_its
 
         before = engine_counts(cluster, "vllm:request_success_total")
         hits_before = counter(home, "vllm:prefix_cache_hits_total")
+        decision = explain_json(front, prompt)
         results = queue.Queue()
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         try:
@@ -254,7 +263,7 @@ def test_kserve_grpc_infer_and_stream_infer_reach_a_real_engine_and_route_by_its
             client.stop_stream()
     assert len(pieces) >= 6 and "".join(pieces)
     assert param(final, "completion_tokens") == 6
-    assert the_engine_that_served(cluster, before) is home
+    assert the_engine_that_served(cluster, before) is home, decision
     assert counter(home, "vllm:prefix_cache_hits_total") - hits_before == min(blocks, cap(prompt_tokens)) * BLOCK_SIZE
 
 

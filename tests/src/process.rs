@@ -168,6 +168,16 @@ impl Spawned {
         signal(self.child.id(), "TERM")
     }
 
+    /// Sends SIGSTOP: the process hangs (its sockets stay open) until [`Spawned::resume`].
+    pub fn pause(&self) -> anyhow::Result<()> {
+        signal(self.child.id(), "STOP")
+    }
+
+    /// Sends SIGCONT.
+    pub fn resume(&self) -> anyhow::Result<()> {
+        signal(self.child.id(), "CONT")
+    }
+
     /// Sends SIGKILL and reaps the process.
     pub fn kill(&mut self) {
         let _ = self.child.kill();

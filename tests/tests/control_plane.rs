@@ -6,7 +6,9 @@
 //! - a proxy replica that never routed a prompt sends a request sharing its prefix to the
 //!   engine that cached it (its index came from the events), and 10,000 malformed event
 //!   messages are counted without a panic or a change in routing;
-//! - `kill -9` of an agent removes its instance within the lease TTL; SIGTERM drains first;
+//! - `kill -9` of an agent removes its instance within the lease TTL; SIGTERM drains first,
+//!   and the streams of the drained instance continue on another; an instance whose lease
+//!   lapsed keeps its streams while its engine streams, and they move once it falls silent;
 //! - NATS restarted while the engine's cache is cleared: after the resync the proxy holds none
 //!   of the stale blocks;
 //! - etcd restarted: the proxy keeps serving with the last known instances, then watches again;
@@ -430,6 +432,106 @@ async fn streams_on_an_instance_that_leaves_discovery_continue_on_another() -> a
     assert_eq!(
         metric_total(&text, "kvmesh_migrations_total"),
         on_leaving as f64
+    );
+    assert_no_panic(&proxy);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_whose_instance_vanished_while_its_engine_streams_stay_on_it() -> anyhow::Result<()>
+{
+    // About 6 ms per token in real time: each stream outlasts the lease's lapse.
+    const MAX_TOKENS: u64 = 1500;
+    const STREAMS: usize = 6;
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-vanished")?;
+    let servers = Servers::start(&scratch).await?;
+    let (_sim, engines) = start_timed_event_engines(&scratch, 2)?;
+    let lapsing = start_agent(&scratch, &servers, &engines[0], SHORT_TTL, DRAIN)?;
+    let _staying = start_agent(&scratch, &servers, &engines[1], LONG_TTL, DRAIN)?;
+    let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
+    let client = HttpClient::http1();
+    let metrics = metrics_url(&proxy);
+    await_instances(&client, &metrics, 2.0).await?;
+
+    let streams = open_streams(&client, &proxy.url("main"), STREAMS, MAX_TOKENS).await?;
+    let on_lapsing = streams
+        .iter()
+        .filter(|s| s.instance == engines[0].url)
+        .count();
+    assert!(
+        (1..STREAMS).contains(&on_lapsing),
+        "{on_lapsing} of {STREAMS} streams on the engine whose lease lapses"
+    );
+
+    // The agent hangs: its lease runs out and its record leaves discovery (not draining),
+    // while its engine keeps streaming. Back, it registers again.
+    lapsing.pause()?;
+    let vanished = await_instances(&client, &metrics, 1.0).await;
+    lapsing.resume()?;
+    vanished?;
+    await_instances(&client, &metrics, 2.0).await?;
+    assert_all_whole(streams, MAX_TOKENS, CONVERGE).await?;
+    let text = String::from_utf8_lossy(&client.get(&metrics).await?.body).into_owned();
+    assert_eq!(
+        metric_total(&text, "kvmesh_migrations_total"),
+        0.0,
+        "a stream whose engine kept streaming stayed on it"
+    );
+    assert_no_panic(&proxy);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_whose_instance_vanished_and_fell_silent_continue_on_another() -> anyhow::Result<()>
+{
+    const MAX_TOKENS: u64 = 1500;
+    const STREAMS: usize = 6;
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-silent")?;
+    let servers = Servers::start(&scratch).await?;
+    // One simulator per engine, so that one can hang alone.
+    let (hanging_sim, hanging) = start_timed_event_engines(&scratch, 1)?;
+    let (_sim, staying) = start_timed_event_engines(&scratch, 1)?;
+    let hanging_agent = start_agent(&scratch, &servers, &hanging[0], SHORT_TTL, DRAIN)?;
+    let _staying_agent = start_agent(&scratch, &servers, &staying[0], LONG_TTL, DRAIN)?;
+    let proxy = start_proxy(&scratch, &control_proxy_config(&servers, ""))?;
+    let client = HttpClient::http1();
+    let metrics = metrics_url(&proxy);
+    await_instances(&client, &metrics, 2.0).await?;
+
+    let streams = open_streams(&client, &proxy.url("main"), STREAMS, MAX_TOKENS).await?;
+    let on_hanging = streams
+        .iter()
+        .filter(|s| s.instance == hanging[0].url)
+        .count();
+    assert!(
+        (1..STREAMS).contains(&on_hanging),
+        "{on_hanging} of {STREAMS} streams on the engine that hangs"
+    );
+
+    // The whole pod hangs, engine and agent: no reset, no token, and the record lapses.
+    hanging_sim.pause()?;
+    hanging_agent.pause()?;
+    let whole = async {
+        await_instances(&client, &metrics, 1.0).await?;
+        // The lapse, the stall that moves them, and their rest on the other engine.
+        assert_all_whole(streams, MAX_TOKENS, 2 * CONVERGE).await
+    }
+    .await;
+    hanging_sim.resume()?;
+    hanging_agent.resume()?;
+    whole?;
+    let text = String::from_utf8_lossy(&client.get(&metrics).await?.body).into_owned();
+    let left = format!("kvmesh_migrations_total{{kind=\"left\",model=\"{MODEL}\"}}");
+    assert_eq!(
+        metric(&text, &left),
+        Some(on_hanging as f64),
+        "each stream on the silent instance moved once, as one that left"
+    );
+    assert_eq!(
+        metric_total(&text, "kvmesh_migrations_total"),
+        on_hanging as f64
     );
     assert_no_panic(&proxy);
     Ok(())

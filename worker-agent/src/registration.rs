@@ -112,7 +112,9 @@ impl Registration {
                         match self.registry.keep_alive(lease).await {
                             Ok(_) => {}
                             Err(ControlError::LeaseNotFound(_)) => break true,
-                            Err(e) => tracing::debug!(error = %e, "lease keep-alive failed"),
+                            // Worth a warning: enough of these in a row and the lease, with
+                            // the instance's record, lapses.
+                            Err(e) => tracing::warn!(error = %e, "lease keep-alive failed"),
                         }
                     }
                     changed = desired.changed() => {

@@ -62,6 +62,18 @@ impl Membership {
     }
 }
 
+/// How an instance left discovery, which decides what becomes of its streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Departure {
+    /// It was draining first (its agent shuts down, its engine goes next): its streams
+    /// continue on another instance at once.
+    Drained,
+    /// Its record vanished while it served (a registry lease that expired under load, a
+    /// deleted key): its engine may well still be streaming, so its streams stay while
+    /// tokens flow and continue elsewhere only once they stall.
+    Vanished,
+}
+
 /// An engine instance serving one model.
 #[derive(Debug)]
 pub(crate) struct Instance {
@@ -81,9 +93,9 @@ pub(crate) struct Instance {
     membership: AtomicU8,
     outlier: OutlierState,
     metrics: InstanceMetrics,
-    /// Set once discovery removed (or replaced) it: the streams still relayed from it
-    /// continue elsewhere.
-    left: watch::Sender<bool>,
+    /// Set once discovery removed (or replaced) it, with how: the streams still relayed
+    /// from it continue elsewhere at once, or once they stall.
+    left: watch::Sender<Option<Departure>>,
     /// Its side of disaggregated serving.
     role: Role,
     /// The model's pool it belongs to.
@@ -154,7 +166,7 @@ impl Instance {
             healthy: AtomicBool::new(true),
             membership: AtomicU8::new(Membership::Ready as u8),
             outlier: OutlierState::default(),
-            left: watch::channel(false).0,
+            left: watch::channel(None).0,
             metrics,
             role,
             pool: None,
@@ -176,17 +188,36 @@ impl Instance {
         self.membership.store(membership as u8, Ordering::Relaxed);
     }
 
-    /// Discovery removed or replaced it: wakes every [`Instance::left`] waiter.
+    /// Discovery removed or replaced it: marks it removed and wakes every
+    /// [`Instance::left`] waiter, telling them whether it was draining first.
     pub(crate) fn leave(&self) {
-        self.left.send_replace(true);
+        let before = self
+            .membership
+            .swap(Membership::Removed as u8, Ordering::Relaxed);
+        let departure = if Membership::from_u8(before) == Membership::Draining {
+            Departure::Drained
+        } else {
+            Departure::Vanished
+        };
+        self.left.send_if_modified(|left| {
+            let first = left.is_none();
+            left.get_or_insert(departure);
+            first
+        });
     }
 
-    /// Resolves once discovery removed or replaced the instance (at once if it has).
-    pub(crate) async fn left(&self) {
+    /// Resolves once discovery removed or replaced the instance (at once if it has), with
+    /// how it left.
+    pub(crate) async fn left(&self) -> Departure {
         let mut left = self.left.subscribe();
-        if left.wait_for(|&gone| gone).await.is_err() {
+        let departure = left
+            .wait_for(Option::is_some)
+            .await
+            .map(|departure| departure.unwrap_or(Departure::Vanished));
+        match departure {
+            Ok(departure) => departure,
             // The sender lives as long as `self`: never reached, but never a false alarm.
-            std::future::pending::<()>().await;
+            Err(_) => std::future::pending().await,
         }
     }
 

@@ -156,7 +156,6 @@ impl ModelPool {
             (next, old)
         });
         if let Some(old) = replaced {
-            old.set_membership(Membership::Removed);
             old.leave();
         }
         self.adapters.instances_changed(&self.instances.load());
@@ -175,7 +174,6 @@ impl ModelPool {
                 .map(|at| next.remove(at));
             (next, old)
         })?;
-        removed.set_membership(Membership::Removed);
         removed.leave();
         self.adapters.instances_changed(&self.instances.load());
         self.balancer.remove_instance(id);

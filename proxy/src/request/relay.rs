@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use kvmesh_route::kv::Booking;
 
 use crate::edge::auth::CompletionMeter;
-use crate::engines::instance::Instance;
+use crate::engines::instance::{Departure, Instance};
 use crate::engines::upstream_session::UpstreamSession;
 use crate::metrics::failure::FailureKind;
 use crate::metrics::families::ModelMetrics;
@@ -38,6 +38,11 @@ use crate::request::record::Record;
 
 /// Largest incomplete SSE event held back before it is forwarded anyway.
 const MAX_HELD_BYTES: usize = 1 << 20;
+
+/// Longest gap between two chunks of a stream whose instance vanished from discovery (not
+/// drained) before it continues on another instance: an engine whose agent's registry lease
+/// lapsed under load keeps streaming, one that died falls silent.
+pub(crate) const VANISHED_STALL: Duration = Duration::from_secs(5);
 
 /// What the relay needs to know about the request.
 pub(crate) struct RelayContext<'a> {
@@ -191,23 +196,38 @@ pub(crate) async fn relay_body<F: Frontend>(
     let mut next = None;
     let left = ctx.instance.left();
     tokio::pin!(left);
+    // The instance's record vanished from discovery while its engine may still stream.
+    let mut vanished = false;
     loop {
+        let idle_timeout = if vanished {
+            ctx.idle_timeout.min(VANISHED_STALL)
+        } else {
+            ctx.idle_timeout
+        };
         // A piece already buffered is taken without arming the idle timer.
         let read = match next.take().or_else(|| upstream.take_buffered()) {
             Some(read) => Ok(read),
             None => tokio::select! {
                 biased;
-                read = upstream.read_body_within(ctx.idle_timeout) => read,
+                read = upstream.read_body_within(idle_timeout) => read,
                 () = frontend.gone() => return RelayEnd::ClientGone,
-                // Discovery removed the instance: its streams go on elsewhere while they can.
-                () = &mut left, if migration.as_ref().is_some_and(|m| m.may_continue()) => {
-                    return RelayEnd::Broken(FailureKind::Left);
+                // Discovery removed the instance: its streams go on elsewhere while they
+                // can, at once when it drained, once they stall when it vanished.
+                departure = &mut left, if !vanished && migration.as_ref().is_some_and(|m| m.may_continue()) => {
+                    match departure {
+                        Departure::Drained => return RelayEnd::Broken(FailureKind::Left),
+                        Departure::Vanished => {
+                            vanished = true;
+                            continue;
+                        }
+                    }
                 }
             },
         };
         let chunk = match read {
             Err(_) | Ok(Err(_)) => {
                 let kind = match read {
+                    Err(_) if vanished => FailureKind::Left,
                     Err(_) => FailureKind::Timeout,
                     _ => FailureKind::Reset,
                 };

@@ -464,7 +464,8 @@ impl ActiveLoads {
         let tokens = std::mem::take(&mut request.prefill_tokens);
         let profiled = std::mem::take(&mut request.profiled_ttft_ms);
         let started = request.started;
-        let weight = 1.0 / (1 + request.ahead) as f64;
+        let ahead = request.ahead;
+        let weight = 1.0 / (1 + ahead) as f64;
         let observed = now.saturating_duration_since(started);
         load.prefill_tokens -= tokens;
         if tokens > 0 {
@@ -474,6 +475,13 @@ impl ActiveLoads {
         }
         if first_token {
             let observed_ms = observed.as_secs_f64() * 1000.0;
+            tracing::debug!(
+                instance,
+                profiled_ms = profiled,
+                observed_ms,
+                ahead,
+                "first-token time learned from"
+            );
             // The fleet first: an instance's first sample is clipped around it.
             let fleet_ln = {
                 let mut fleet = self
