@@ -60,6 +60,10 @@ pub struct EventsConfig {
     /// A load report older than this no longer counts in routing costs.
     #[serde(deserialize_with = "crate::duration::deserialize")]
     pub load_report_ttl: Duration,
+    /// How often the NATS client PINGs a server that sends nothing else; a server that
+    /// hangs without closing the connection is given up within three of these.
+    #[serde(deserialize_with = "crate::duration::deserialize")]
+    pub ping_interval: Duration,
 }
 
 impl Default for EventsConfig {
@@ -73,6 +77,7 @@ impl Default for EventsConfig {
             namespace: DEFAULT_NAMESPACE.to_string(),
             resync_timeout: Duration::from_secs(2),
             load_report_ttl: Duration::from_secs(5),
+            ping_interval: Duration::from_secs(2),
         }
     }
 }

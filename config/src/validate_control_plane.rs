@@ -139,11 +139,14 @@ fn check_events(config: &Config, path: &FieldPath) -> Checked {
         }
     }
     positive(events.resync_timeout, path.key("resync_timeout"))?;
+    positive(events.ping_interval, path.key("ping_interval"))?;
     positive(events.load_report_ttl, path.key("load_report_ttl"))
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use crate::{Config, DiscoveryKind, EventsKind, PolicyKind};
 
     fn parse(yaml: &str) -> Result<Config, String> {
@@ -184,6 +187,17 @@ mod tests {
         assert!(error.contains("events.url"), "{error}");
         let config = parse(&format!("{dynamic}events:\n  kind: in_process\n")).unwrap();
         assert_eq!(config.events.kind, EventsKind::InProcess);
+        assert_eq!(config.events.ping_interval, Duration::from_secs(2));
+        let error = parse(&format!(
+            "{dynamic}events:\n  kind: nats\n  ping_interval: 0s\n"
+        ))
+        .unwrap_err();
+        assert!(error.contains("events.ping_interval"), "{error}");
+        let config = parse(&format!(
+            "{dynamic}events:\n  kind: nats\n  ping_interval: 500ms\n"
+        ))
+        .unwrap();
+        assert_eq!(config.events.ping_interval, Duration::from_millis(500));
     }
 
     #[test]

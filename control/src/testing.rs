@@ -435,6 +435,34 @@ impl NatsServer {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
+    /// Stops nats-server with SIGSTOP: it hangs with its connections open (no reset, no
+    /// answer) until [`NatsServer::resume`].
+    pub fn pause(&self) -> io::Result<()> {
+        self.signal("STOP")
+    }
+
+    /// Lets a paused nats-server go on (SIGCONT).
+    pub fn resume(&self) -> io::Result<()> {
+        self.signal("CONT")
+    }
+
+    fn signal(&self, signal: &str) -> io::Result<()> {
+        let Some(child) = self.child.as_ref().and_then(Child::id) else {
+            return Err(io::Error::other("nats-server is not running"));
+        };
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(child.to_string())
+            .status()?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(io::Error::other(format!(
+                "kill -{signal} {child}: {status}"
+            )))
+        }
+    }
+
     /// Kills nats-server with SIGKILL.
     pub async fn kill(&mut self) {
         kill_child(&mut self.child).await;

@@ -650,6 +650,64 @@ async fn after_a_nats_restart_the_proxy_holds_none_of_the_cleared_blocks() -> an
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_server_that_hangs_is_noticed_within_three_pings_and_the_index_ends_exact()
+-> anyhow::Result<()> {
+    // `events.ping_interval`'s default: async-nats gives a connection up when a third PING
+    // would go out unanswered.
+    const PING: Duration = Duration::from_secs(2);
+    let _serial = SERIAL.lock().await;
+    let setup = OneEngine::start("cp-nats-hang").await?;
+    let (engine, proxy, client) = (&setup.engine, &setup.proxy, HttpClient::default());
+    let metrics = metrics_url(proxy);
+    let before = prompt_tokens(7, 8);
+    let (status, _, _) = complete(&client, proxy, &before).await?;
+    assert_eq!(status, 200);
+    let blocks = index_blocks_series(&engine.url);
+    await_metric(&client, &metrics, &blocks, |v| v == 8.0, CONVERGE).await?;
+
+    // SIGSTOP: the connection stays open and nothing answers. The proxy notices within
+    // three pings (6 s here; 2 s of slack), and serves all along.
+    setup.servers.nats.pause()?;
+    let hung = Instant::now();
+    let noticed = async {
+        let mut served = 0;
+        while proxy_metric_total(&client, proxy, "kvmesh_events_connected").await? != 0.0 {
+            anyhow::ensure!(
+                hung.elapsed() < 3 * PING + Duration::from_secs(2),
+                "still connected {:?} after NATS hung",
+                hung.elapsed()
+            );
+            let (status, _, _) = complete(&client, proxy, &prompt_tokens(100 + served, 2)).await?;
+            anyhow::ensure!(status == 200, "a request while NATS hung: {status}");
+            served += 1;
+        }
+        // While it hangs, the engine stores 8 more blocks whose events cannot get through.
+        let (status, _, _) = complete(&client, proxy, &prompt_tokens(9, 8)).await?;
+        anyhow::ensure!(status == 200, "a request while NATS hung: {status}");
+        Ok(served)
+    }
+    .await;
+    setup.servers.nats.resume()?;
+    let served = noticed?;
+    assert!(served > 0, "no request was sent while NATS hung");
+
+    await_metric(
+        &client,
+        &metrics,
+        "kvmesh_events_connected",
+        |v| v == 1.0,
+        CONVERGE,
+    )
+    .await?;
+    await_events_live(&client, &metrics).await?;
+    // Every block the engine holds, none more: the two 8-block prompts and the 2-block ones.
+    let expected = 16.0 + 2.0 * served as f64;
+    await_metric(&client, &metrics, &blocks, |v| v == expected, CONVERGE).await?;
+    assert_no_panic(proxy);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn through_an_etcd_restart_the_proxy_keeps_serving_then_watches_again() -> anyhow::Result<()>
 {
     let _serial = SERIAL.lock().await;

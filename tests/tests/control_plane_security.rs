@@ -24,11 +24,9 @@ fn secret(dir: &Path, name: &str, text: &str) -> PathBuf {
 
 fn nats(url: &str, tls: Option<TlsFiles>, auth: NatsAuth) -> NatsSettings {
     NatsSettings {
-        url: url.to_owned(),
-        name: "security-test".to_owned(),
         tls,
         auth,
-        durable: None,
+        ..NatsSettings::new(url, "security-test")
     }
 }
 

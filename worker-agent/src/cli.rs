@@ -203,6 +203,10 @@ pub struct Cli {
     /// How long the stream keeps a batch, when this agent makes it.
     #[arg(long, env = "KVMESH_AGENT_NATS_JETSTREAM_MAX_AGE", default_value = "1h", value_parser = parse_duration)]
     pub nats_jetstream_max_age: Duration,
+    /// How often the NATS client PINGs a server that sends nothing else; a server that hangs
+    /// without closing the connection is given up (and reconnected to) within three of these.
+    #[arg(long, env = "KVMESH_AGENT_NATS_PING_INTERVAL", default_value = "2s", value_parser = parse_duration)]
+    pub nats_ping_interval: Duration,
     /// Lease TTL of the instance record.
     #[arg(long, env = "KVMESH_AGENT_LEASE_TTL", default_value = "10s", value_parser = parse_duration)]
     pub lease_ttl: Duration,
@@ -316,6 +320,7 @@ impl Cli {
                     subjects: vec![self.namespace.all_events_subject()],
                     max_age: self.nats_jetstream_max_age,
                 }),
+            ping_interval: self.nats_ping_interval,
         }
     }
 

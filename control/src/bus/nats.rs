@@ -82,7 +82,15 @@ pub struct NatsSettings {
     pub auth: NatsAuth,
     /// A JetStream stream for the durable calls; `None`: they act as the plain ones.
     pub durable: Option<DurableStream>,
+    /// How often the client PINGs the server when nothing else arrives. The client gives
+    /// the connection up (and reconnects) when a third PING would go out unanswered, so a
+    /// server that hangs without closing the connection is noticed within three of these.
+    pub ping_interval: Duration,
 }
+
+/// [`NatsSettings::ping_interval`] unless set: async-nats's own 60 s would notice a hung
+/// server after three minutes.
+const DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(2);
 
 impl NatsSettings {
     /// Plaintext, no credentials, no stream.
@@ -93,6 +101,7 @@ impl NatsSettings {
             tls: None,
             auth: NatsAuth::None,
             durable: None,
+            ping_interval: DEFAULT_PING_INTERVAL,
         }
     }
 
@@ -155,6 +164,7 @@ impl NatsSettings {
                     })?
             }
         };
+        let options = options.ping_interval(self.ping_interval);
         let Some(tls) = &self.tls else {
             return Ok(options);
         };

@@ -41,6 +41,7 @@ pub(crate) fn nats_settings(events: &EventsConfig, namespace: &Namespace) -> Nat
             subjects: vec![namespace.all_events_subject()],
             max_age: jetstream.max_age,
         }),
+        ping_interval: events.ping_interval,
     }
 }
 
