@@ -263,7 +263,7 @@ def test_kserve_grpc_infer_and_stream_infer_reach_a_real_engine_and_route_by_its
             client.stop_stream()
     assert len(pieces) >= 6 and "".join(pieces)
     assert param(final, "completion_tokens") == 6
-    assert the_engine_that_served(cluster, before) is home, decision
+    assert the_engine_that_served(cluster, before) is home, json.dumps(decision)
     assert counter(home, "vllm:prefix_cache_hits_total") - hits_before == min(blocks, cap(prompt_tokens)) * BLOCK_SIZE
 
 

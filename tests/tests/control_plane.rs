@@ -54,7 +54,7 @@ use kvmesh_e2e::control_plane::{
     proxy_metric_total, start_agent, start_event_engines, start_event_engines_of_block_size,
     start_event_engines_with, start_timed_event_engines, token_prompt,
 };
-use kvmesh_e2e::sse::{assert_all_whole, open_streams};
+use kvmesh_e2e::sse::{OpenStream, assert_all_whole, open_streams};
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
 use tokio::sync::Mutex;
 
@@ -392,6 +392,24 @@ async fn a_killed_agent_leaves_within_its_lease_and_a_terminated_one_drains_firs
     Ok(())
 }
 
+/// Opens `count` streams of `max_tokens` tokens through `proxy`; returns them and how many
+/// landed on the engine at `url`, asserted to be some but not all.
+async fn open_streams_over(
+    client: &HttpClient,
+    proxy: &Spawned,
+    url: &str,
+    count: usize,
+    max_tokens: u64,
+) -> anyhow::Result<(Vec<OpenStream>, usize)> {
+    let streams = open_streams(client, &proxy.url("main"), count, max_tokens).await?;
+    let there = streams.iter().filter(|s| s.instance == url).count();
+    anyhow::ensure!(
+        (1..count).contains(&there),
+        "{there} of {count} streams on {url}: the test needs some on each engine"
+    );
+    Ok((streams, there))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_on_an_instance_that_leaves_discovery_continue_on_another() -> anyhow::Result<()> {
     // About 6 ms per token in real time: each stream outlasts the agent's drain period.
@@ -408,15 +426,8 @@ async fn streams_on_an_instance_that_leaves_discovery_continue_on_another() -> a
     let metrics = metrics_url(&proxy);
     await_instances(&client, &metrics, 2.0).await?;
 
-    let streams = open_streams(&client, &proxy.url("main"), STREAMS, MAX_TOKENS).await?;
-    let on_leaving = streams
-        .iter()
-        .filter(|s| s.instance == engines[0].url)
-        .count();
-    assert!(
-        (1..STREAMS).contains(&on_leaving),
-        "{on_leaving} of {STREAMS} streams on the leaving engine"
-    );
+    let (streams, on_leaving) =
+        open_streams_over(&client, &proxy, &engines[0].url, STREAMS, MAX_TOKENS).await?;
 
     // SIGTERM: the record turns `draining`, then leaves discovery when the drain period
     // ends, while the engine itself keeps streaming.
@@ -454,15 +465,8 @@ async fn streams_whose_instance_vanished_while_its_engine_streams_stay_on_it() -
     let metrics = metrics_url(&proxy);
     await_instances(&client, &metrics, 2.0).await?;
 
-    let streams = open_streams(&client, &proxy.url("main"), STREAMS, MAX_TOKENS).await?;
-    let on_lapsing = streams
-        .iter()
-        .filter(|s| s.instance == engines[0].url)
-        .count();
-    assert!(
-        (1..STREAMS).contains(&on_lapsing),
-        "{on_lapsing} of {STREAMS} streams on the engine whose lease lapses"
-    );
+    let (streams, _) =
+        open_streams_over(&client, &proxy, &engines[0].url, STREAMS, MAX_TOKENS).await?;
 
     // The agent hangs: its lease runs out and its record leaves discovery (not draining),
     // while its engine keeps streaming. Back, it registers again.
@@ -500,15 +504,8 @@ async fn streams_whose_instance_vanished_and_fell_silent_continue_on_another() -
     let metrics = metrics_url(&proxy);
     await_instances(&client, &metrics, 2.0).await?;
 
-    let streams = open_streams(&client, &proxy.url("main"), STREAMS, MAX_TOKENS).await?;
-    let on_hanging = streams
-        .iter()
-        .filter(|s| s.instance == hanging[0].url)
-        .count();
-    assert!(
-        (1..STREAMS).contains(&on_hanging),
-        "{on_hanging} of {STREAMS} streams on the engine that hangs"
-    );
+    let (streams, on_hanging) =
+        open_streams_over(&client, &proxy, &hanging[0].url, STREAMS, MAX_TOKENS).await?;
 
     // The whole pod hangs, engine and agent: no reset, no token, and the record lapses.
     hanging_sim.pause()?;
