@@ -268,14 +268,17 @@ class Cluster:
     def start_agent(self, engine, events=None, nats=None):
         """Starts `engine`'s agent, reading its KV events at `events` (default: the engine's
         own publisher; replays always come from the engine) and publishing to the NATS
-        server at `nats` (default: the suite's)."""
+        server at `nats` (default: the suite's). Its lease is 30 s: with two CPU engines
+        busy on this 2-core machine, etcd once took 1.9 s for one WAL sync and let both
+        agents' 10 s leases lapse at once, their keep-alives notwithstanding (no test here
+        times a lease)."""
         args = [
             "--engine-url", engine.url, "--model", MODEL,
             "--kv-events-endpoint", events or engine.events,
             "--kv-events-replay-endpoint", engine.replay,
             "--kv-events-topic", "kv-events",
             "--etcd", self.etcd.url, "--nats", nats or self.nats.url,
-            "--lease-ttl", "10s", "--drain", "0s", "--load-interval", "100ms", "--health-interval", "200ms",
+            "--lease-ttl", "30s", "--drain", "0s", "--load-interval", "100ms", "--health-interval", "200ms",
         ]
         agent = Proc("kvmesh-agent", args, self.workdir)
         self.agents[engine.name] = agent

@@ -434,8 +434,8 @@ def test_streams_survive_a_sigkill_of_their_engine_and_usage_counts_once(cluster
     # The proxy relays all of them from the victim (its own count: vLLM's running gauge
     # once read 0, and once never reached 3 in 10 s, with every first chunk received).
     explained = explain(cluster, [{"role": "user", "content": "hello"}])
-    in_flight = next(i["in_flight"] for i in explained["instances"] if i["instance"].rstrip("/") == victim.url)
-    assert in_flight == len(on_victim), explained
+    in_flight = {i["instance"].rstrip("/"): i["in_flight"] for i in explained["instances"]}
+    assert in_flight[victim.url] == len(on_victim), json.dumps(explained)
     victim.kill()
     for _, stream in streams:
         usage, tokens = None, 0

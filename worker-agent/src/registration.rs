@@ -1,6 +1,8 @@
 //! Registration in the registry: the instance record under a lease kept alive at a third of
-//! its TTL, rewritten when the state or the engine's facts (adapters, KV capacity) change, and written again under a new lease when the old
-//! one is lost (etcd restarted without its data, or unreachable longer than the TTL).
+//! its TTL (on a task of its own, so that a slow record write never delays a renewal),
+//! rewritten when the state or the engine's facts (adapters, KV capacity) change, and
+//! written again under a new lease when the old one is lost (etcd restarted without its
+//! data, or unreachable longer than the TTL).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +19,31 @@ use crate::trace::AgentSpan;
 
 /// Retry pause after a failed registration attempt.
 const RETRY: Duration = Duration::from_millis(500);
+
+/// Renews `lease` every `every` until the registry says it is gone.
+async fn keep_alive(registry: Arc<dyn Registry>, lease: LeaseId, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        match registry.keep_alive(lease).await {
+            Ok(_) => {}
+            Err(ControlError::LeaseNotFound(_)) => return,
+            // Worth a warning: enough of these in a row and the lease, with the instance's
+            // record, lapses.
+            Err(e) => tracing::warn!(error = %e, "lease keep-alive failed"),
+        }
+    }
+}
+
+/// The renewal task of one lease, stopped when the lease is given up.
+struct KeepAlive(tokio::task::JoinHandle<()>);
+
+impl Drop for KeepAlive {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
 
 /// The registration task's inputs.
 pub(crate) struct Registration {
@@ -104,19 +131,18 @@ impl Registration {
             written.send_replace(Some(state));
             self.metrics.registered.set(1);
             let mut dirty = false;
-            let mut tick = tokio::time::interval(keep_alive_every);
-            tick.tick().await;
+            // Renewals run on their own task: a record write that etcd is slow to persist
+            // (a WAL sync took 1.9 s on a loaded 2-core machine) must not hold them back.
+            let mut keeper = KeepAlive(tokio::spawn(keep_alive(
+                Arc::clone(&self.registry),
+                lease,
+                keep_alive_every,
+            )));
             let lost = loop {
                 tokio::select! {
-                    _ = tick.tick() => {
-                        match self.registry.keep_alive(lease).await {
-                            Ok(_) => {}
-                            Err(ControlError::LeaseNotFound(_)) => break true,
-                            // Worth a warning: enough of these in a row and the lease, with
-                            // the instance's record, lapses.
-                            Err(e) => tracing::warn!(error = %e, "lease keep-alive failed"),
-                        }
-                    }
+                    _ = &mut keeper.0 => break true,
+                    // A write that failed is tried again.
+                    () = tokio::time::sleep(RETRY), if dirty => {}
                     changed = desired.changed() => {
                         if changed.is_err() {
                             break false;
@@ -157,5 +183,126 @@ impl Registration {
             }
             tracing::warn!(key = %self.key, "registry lease lost; registering again");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use async_trait::async_trait;
+    use kvmesh_control::testing::instance_record;
+    use kvmesh_control::{InProcessRegistry, Listing, Namespace, Watch};
+
+    use super::*;
+
+    /// A registry whose record writes after the first take `delay` (etcd persisting them on a
+    /// slow disk), counting the leases it grants.
+    struct SlowWrites {
+        inner: InProcessRegistry,
+        delay: Duration,
+        puts: AtomicU32,
+        grants: AtomicU32,
+    }
+
+    #[async_trait]
+    impl Registry for SlowWrites {
+        async fn grant_lease(&self, ttl: Duration) -> Result<LeaseId, ControlError> {
+            self.grants.fetch_add(1, Ordering::Relaxed);
+            self.inner.grant_lease(ttl).await
+        }
+
+        async fn keep_alive(&self, lease: LeaseId) -> Result<Duration, ControlError> {
+            self.inner.keep_alive(lease).await
+        }
+
+        async fn revoke(&self, lease: LeaseId) -> Result<(), ControlError> {
+            self.inner.revoke(lease).await
+        }
+
+        async fn put(
+            &self,
+            key: &str,
+            record: &InstanceRecord,
+            lease: Option<LeaseId>,
+        ) -> Result<(), ControlError> {
+            if self.puts.fetch_add(1, Ordering::Relaxed) > 0 {
+                tokio::time::sleep(self.delay).await;
+            }
+            self.inner.put(key, record, lease).await
+        }
+
+        async fn delete(&self, key: &str) -> Result<(), ControlError> {
+            self.inner.delete(key).await
+        }
+
+        async fn list(&self, prefix: &str) -> Result<Listing, ControlError> {
+            self.inner.list(prefix).await
+        }
+
+        fn watch(&self, prefix: &str) -> Watch {
+            self.inner.watch(prefix)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_slow_record_write_does_not_hold_back_the_lease_renewals() {
+        const TTL: Duration = Duration::from_millis(300);
+        let registry = Arc::new(SlowWrites {
+            inner: InProcessRegistry::new(),
+            // Over three TTLs: a renewal waiting for it would come too late.
+            delay: Duration::from_secs(1),
+            puts: AtomicU32::new(0),
+            grants: AtomicU32::new(0),
+        });
+        let record = instance_record(&Namespace::default(), "m", 1);
+        let key = "/kvmesh/instances/m/1".to_owned();
+        let (_facts_tx, facts) = watch::channel(EngineFacts::default());
+        let registration = Registration {
+            registry: Arc::clone(&registry) as Arc<dyn Registry>,
+            key: key.clone(),
+            record,
+            facts,
+            ttl: TTL,
+            metrics: AgentMetrics::new().unwrap(),
+            tracer: None,
+        };
+        let (desired_tx, desired) = watch::channel(InstanceState::Ready);
+        let (written_tx, mut written) = watch::channel(None);
+        let (stop_tx, stop) = watch::channel(false);
+        let task = tokio::spawn(registration.run(desired, written_tx, stop));
+        let deadline = Duration::from_secs(5);
+        tokio::time::timeout(
+            deadline,
+            written.wait_for(|w| *w == Some(InstanceState::Ready)),
+        )
+        .await
+        .expect("registered")
+        .unwrap();
+
+        desired_tx.send_replace(InstanceState::NotReady);
+        tokio::time::timeout(
+            deadline,
+            written.wait_for(|w| *w == Some(InstanceState::NotReady)),
+        )
+        .await
+        .expect("the slow write done")
+        .unwrap();
+        assert_eq!(
+            registry.grants.load(Ordering::Relaxed),
+            1,
+            "the lease lapsed during the write"
+        );
+        let listing = registry.list("/kvmesh/instances/").await.unwrap();
+        assert_eq!(
+            listing
+                .records
+                .iter()
+                .map(|(k, r)| (k.as_str(), r.state))
+                .collect::<Vec<_>>(),
+            [(key.as_str(), InstanceState::NotReady)]
+        );
+        stop_tx.send_replace(true);
+        tokio::time::timeout(deadline, task).await.unwrap().unwrap();
     }
 }
