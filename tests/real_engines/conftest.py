@@ -11,6 +11,7 @@ is a restart.
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -40,6 +41,34 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Ports handed to engines so far (none twice).
+_ENGINE_PORTS = set()
+
+
+def engine_port():
+    """A free port below the kernel's ephemeral range, for an engine to bind. An engine binds
+    its ports only once loaded (tens of seconds after it starts); a port from the ephemeral
+    range (`free_port`'s) can be taken meanwhile by any outgoing connection or bind to port
+    0: engine a's worker once took engine b's NIXL side-channel port that way, and b hung in
+    its start until the 300 s deadline."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        first_ephemeral = int(f.read().split()[0])
+    if first_ephemeral <= 10_000:
+        return free_port()
+    draw = random.SystemRandom()
+    while True:
+        port = draw.randrange(10_000, first_ephemeral)
+        if port in _ENGINE_PORTS:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ENGINE_PORTS.add(port)
+        return port
 
 
 def http(method, url, body=None, headers=None, timeout=30):
@@ -153,9 +182,9 @@ class Engine:
 
     def __init__(self, name, workdir):
         self.name = name
-        self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
+        self.port, self.events_port, self.replay_port = engine_port(), engine_port(), engine_port()
         # NixlConnector's side channel (prefill/decode): each engine its own.
-        self.side_channel_port = free_port()
+        self.side_channel_port = engine_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.events = f"tcp://127.0.0.1:{self.events_port}"
         self.replay = f"tcp://127.0.0.1:{self.replay_port}"
@@ -179,7 +208,11 @@ class Engine:
                 raise AssertionError(f"vLLM {self.name} exited: {self.log_path.read_text(errors='replace')[-4000:]}")
             return http("GET", self.url + "/health", timeout=2)[0] == 200
 
-        wait_until(f"vLLM {self.name} healthy", healthy, timeout=timeout, interval=0.5)
+        try:
+            wait_until(f"vLLM {self.name} healthy", healthy, timeout=timeout, interval=0.5)
+        except AssertionError as err:
+            tail = self.log_path.read_text(errors="replace")[-4000:]
+            raise AssertionError(f"{err}; its log ends:\n{tail}") from None
 
     def kill(self):
         """SIGKILLs the whole process group (API server, engine core, worker) and reaps it."""
@@ -250,20 +283,27 @@ class Cluster:
 
     def __init__(self, workdir):
         self.workdir = workdir
-        self.etcd = start_etcd(workdir)
-        self.nats = start_nats(workdir)
-        self.engines = [Engine("a", workdir), Engine("b", workdir)]
-        for engine in self.engines:
-            engine.launch()
-        for engine in self.engines:
-            engine.wait_ready()
-        self.agents = {}
-        for engine in self.engines:
-            self.start_agent(engine)
-        cfg = workdir / "proxy.yaml"
-        cfg.write_text(proxy_config(self.etcd.url, self.nats.url, listed_model()))
-        self.proxy = Proc("kvmesh-proxy", ["--config", str(cfg)], workdir)
-        self.wait_instances(2)
+        self.etcd = self.nats = self.proxy = None
+        self.engines, self.agents = [], {}
+        try:
+            self.etcd = start_etcd(workdir)
+            self.nats = start_nats(workdir)
+            self.engines = [Engine("a", workdir), Engine("b", workdir)]
+            for engine in self.engines:
+                engine.launch()
+            for engine in self.engines:
+                engine.wait_ready()
+            for engine in self.engines:
+                self.start_agent(engine)
+            cfg = workdir / "proxy.yaml"
+            cfg.write_text(proxy_config(self.etcd.url, self.nats.url, listed_model()))
+            self.proxy = Proc("kvmesh-proxy", ["--config", str(cfg)], workdir)
+            self.wait_instances(2)
+        except BaseException:
+            # A start that failed leaves no engine behind (two orphaned engines once held
+            # 7 GB and two cores after the suite had ended).
+            self.stop()
+            raise
 
     def start_agent(self, engine, events=None, nats=None):
         """Starts `engine`'s agent, reading its KV events at `events` (default: the engine's
@@ -322,13 +362,16 @@ class Cluster:
         return wait_until("the proxy to apply the agents' events", settled, timeout=timeout)
 
     def stop(self):
-        self.proxy.stop()
+        """Stops whatever of the cluster runs."""
+        if self.proxy is not None:
+            self.proxy.stop()
         for agent in self.agents.values():
             agent.stop()
         for engine in self.engines:
             engine.kill()
-        self.nats.stop()
-        self.etcd.stop()
+        for server in (self.nats, self.etcd):
+            if server is not None:
+                server.stop()
 
 
 @pytest.fixture(scope="session")

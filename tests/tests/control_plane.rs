@@ -271,10 +271,14 @@ async fn a_replica_that_never_routed_a_prefix_follows_the_engines_events() -> an
     complete_on(&client, &engines[0], &prompts[1]).await?;
     complete_on(&client, &engines[1], &prompts[2]).await?;
     let holders = [via_a, engines[0].url.clone(), engines[1].url.clone()];
+    // Each engine holds exactly the blocks of the prompts it was sent.
+    let held = |url: &str, blocks: usize| {
+        (holders.iter().filter(|h| h.as_str() == url).count() * blocks) as f64
+    };
     for holder in engines {
         let series = index_blocks_series(&holder.url);
-        let expected = holders.iter().filter(|h| **h == holder.url).count() as f64 * 8.0;
-        await_metric(&client, &metrics_b, &series, |v| v >= expected, CONVERGE).await?;
+        let expected = held(&holder.url, 8);
+        await_metric(&client, &metrics_b, &series, |v| v == expected, CONVERGE).await?;
     }
     await_events_live(&client, &metrics_b).await?;
 
@@ -288,8 +292,9 @@ async fn a_replica_that_never_routed_a_prefix_follows_the_engines_events() -> an
         assert_eq!(&instance, holder, "route: {route}");
         assert!(route.contains("overlap_blocks=8"), "{route}");
         let hits_after = prefix_cache_hits(&client, holder).await?;
-        assert!(
-            hits_after >= hits_before + (8 * BLOCK_SIZE) as f64,
+        assert_eq!(
+            hits_after - hits_before,
+            (8 * BLOCK_SIZE) as f64,
             "{holder}: prefix-cache hits {hits_before} -> {hits_after}"
         );
     }
@@ -322,13 +327,16 @@ async fn a_replica_that_never_routed_a_prefix_follows_the_engines_events() -> an
         let (status, instance, _) = complete(&client, proxy_b, prompt).await?;
         assert_eq!((status, instance.as_str()), (200, holder.as_str()));
     }
+    // The garbage changed no block: each engine holds its prompts with the continuations'
+    // two more blocks each.
     let text = client.get(&metrics_b).await?;
     let text = String::from_utf8_lossy(&text.body);
     for engine in engines {
         let blocks = metric(&text, &index_blocks_series(&engine.url)).unwrap_or(0.0);
-        assert!(
-            blocks >= 8.0,
-            "{}: {blocks} blocks after the garbage",
+        assert_eq!(
+            blocks,
+            held(&engine.url, 10),
+            "{}: blocks after the garbage",
             engine.url
         );
     }
@@ -1736,13 +1744,13 @@ async fn a_hostile_batch_for_a_real_instance_and_a_flood_past_the_buffer_are_cou
         explained["instances"][0]["overlap_blocks"], 0,
         "{explained}"
     );
-    // The agent's own batches go on as before.
+    // The agent's own batches go on as before: its 8 blocks, none of the hostile batch's.
     complete_on(&client, &engines[0], &prompt_tokens(10, 8)).await?;
     await_metric(
         &client,
         &metrics,
         &index_blocks_series(&engines[0].url),
-        |v| v >= 8.0,
+        |v| v == 8.0,
         CONVERGE,
     )
     .await?;
