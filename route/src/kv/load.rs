@@ -285,6 +285,8 @@ pub(crate) struct ActiveLoads {
     fleet_speed: Mutex<LearnedSpeed>,
     /// `fleet_speed`'s logarithm (f64 bits), read without a lock when scoring.
     fleet_ln_factor: AtomicU64,
+    /// `fleet_speed`'s samples, read without a lock when scoring.
+    fleet_samples: AtomicU64,
     /// Woken on every booking, first token and release (the replica sharer waits on it).
     changed: Notify,
 }
@@ -297,6 +299,7 @@ impl ActiveLoads {
             next_id: AtomicU64::new(1),
             fleet_speed: Mutex::new(LearnedSpeed::default()),
             fleet_ln_factor: AtomicU64::new(0f64.to_bits()),
+            fleet_samples: AtomicU64::new(0),
             changed: Notify::new(),
         }
     }
@@ -330,14 +333,20 @@ impl ActiveLoads {
     /// Instance `instance`'s load; `prefix_blocks` is measured against `query` (a prompt's
     /// sequence hashes). Active block sets are prefix-closed (a request holding a block holds
     /// every block before it), so the depth is found by bisection. Its speed is learned from
-    /// this proxy's samples and `others` (the other replicas').
+    /// this proxy's samples and `others` (the other replicas'), shrunk toward the fleet's:
+    /// this proxy's samples of every instance with `others_fleet` (the other replicas' of
+    /// every instance). A replica that learned nothing itself yet thus scores an instance no
+    /// replica has samples of as fast as the fleet, not as the profile: against a learned
+    /// 2.8 for the other instance, a profiled 1.0 once drew a 1,794-token prompt away from
+    /// the engine caching all of it.
     pub(crate) fn snapshot_with(
         &self,
         instance: u64,
         query: &[SequenceHash],
         others: SharedSpeed,
+        others_fleet: SharedSpeed,
     ) -> LoadSnapshot {
-        self.snapshot_at(instance, query, others, Instant::now())
+        self.snapshot_at(instance, query, others, others_fleet, Instant::now())
     }
 
     /// [`snapshot_with`](Self::snapshot_with) at `now`.
@@ -346,6 +355,7 @@ impl ActiveLoads {
         instance: u64,
         query: &[SequenceHash],
         others: SharedSpeed,
+        others_fleet: SharedSpeed,
         now: Instant,
     ) -> LoadSnapshot {
         let Some(cell) = self.cell(instance) else {
@@ -358,8 +368,12 @@ impl ActiveLoads {
             _ => (0, 0),
         };
         let learned = load.speed.with(others);
-        let speed =
-            learned.shrunk_toward(f64::from_bits(self.fleet_ln_factor.load(Ordering::Relaxed)));
+        let own_fleet = SharedSpeed {
+            ln_factor: f64::from_bits(self.fleet_ln_factor.load(Ordering::Relaxed)),
+            ln_variance: 0.0,
+            samples: self.fleet_samples.load(Ordering::Relaxed),
+        };
+        let speed = learned.shrunk_toward(own_fleet.merged(others_fleet).ln_factor);
         LoadSnapshot {
             prefill_tokens: load.prefill_tokens_at(now, speed),
             booked_prefill_tokens: load.prefill_tokens,
@@ -378,7 +392,12 @@ impl ActiveLoads {
     /// samples).
     #[cfg(test)]
     pub(crate) fn snapshot(&self, instance: u64, query: &[SequenceHash]) -> LoadSnapshot {
-        self.snapshot_with(instance, query, SharedSpeed::default())
+        self.snapshot_with(
+            instance,
+            query,
+            SharedSpeed::default(),
+            SharedSpeed::default(),
+        )
     }
 
     /// Whether instance `instance` has no request of this proxy in flight and none ended
@@ -491,6 +510,8 @@ impl ActiveLoads {
                 fleet.observe(profiled, observed_ms, weight, None);
                 self.fleet_ln_factor
                     .store(fleet.ln_factor().to_bits(), Ordering::Relaxed);
+                self.fleet_samples
+                    .store(fleet.shared().samples, Ordering::Relaxed);
                 fleet.ln_factor()
             };
             load.speed
@@ -627,7 +648,7 @@ mod tests {
 
     fn prefill_at(loads: &ActiveLoads, at: Instant) -> u64 {
         loads
-            .snapshot_at(0, &[], SharedSpeed::default(), at)
+            .snapshot_at(0, &[], SharedSpeed::default(), SharedSpeed::default(), at)
             .prefill_tokens
     }
 
@@ -645,7 +666,13 @@ mod tests {
         // the second waits behind it, whole. As booked (the busy threshold's count), both
         // count whole until their first bytes.
         assert_eq!(prefill_at(&loads, ms(300)), 200);
-        let booked = loads.snapshot_at(0, &[], SharedSpeed::default(), ms(300));
+        let booked = loads.snapshot_at(
+            0,
+            &[],
+            SharedSpeed::default(),
+            SharedSpeed::default(),
+            ms(300),
+        );
         assert_eq!(booked.booked_prefill_tokens, 1200);
         // The first byte at 120 ms: the second began then, not when it was booked.
         assert!(loads.prefill_done(0, first, ms(120), false));
@@ -676,7 +703,12 @@ mod tests {
             ..SharedSpeed::default()
         };
         let at = t0 + Duration::from_millis(50);
-        assert_eq!(loads.snapshot_at(0, &[], slow, at).prefill_tokens, 750);
+        assert_eq!(
+            loads
+                .snapshot_at(0, &[], slow, SharedSpeed::default(), at)
+                .prefill_tokens,
+            750
+        );
         assert_eq!(prefill_at(&loads, at), 500);
     }
 
@@ -956,6 +988,32 @@ mod tests {
     }
 
     #[test]
+    fn an_instance_no_replica_learned_is_scored_at_the_fleets_speed_as_the_replicas_share_it() {
+        // This replica is new (no sample of its own); the others learned instance 0 at 4×
+        // the profile from many samples and never saw instance 1.
+        let loads = loads(2);
+        let learned = SharedSpeed {
+            ln_factor: 4f64.ln(),
+            ln_variance: 0.01,
+            samples: 400,
+        };
+        let fleet = learned;
+        let speed = |instance, others| loads.snapshot_with(instance, &[], others, fleet).speed;
+        // Both at the fleet's 4×: instance 0 because its samples agree with it, instance 1
+        // because nothing sets it apart. (A profiled 1× for instance 1 would make it look
+        // 4× faster than the one whose speed is known.)
+        assert!(
+            (speed(0, learned) - 4.0).abs() < 1e-9,
+            "{}",
+            speed(0, learned)
+        );
+        assert!((speed(1, SharedSpeed::default()) - 4.0).abs() < 1e-9);
+        // Without the others' fleet, instance 1 falls back to this replica's (the profile).
+        let alone = loads.snapshot_with(1, &[], SharedSpeed::default(), SharedSpeed::default());
+        assert!((alone.speed - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
     fn the_other_replicas_speed_samples_merge_with_this_ones() {
         let loads = loads(1);
         let start = Instant::now();
@@ -984,7 +1042,9 @@ mod tests {
         // With the prior (this replica's fleet factor, 1) as PRIOR_SAMPLES more samples.
         let proven = ln_merged - margin;
         let expected = (4.0 * proven / (4.0 + crate::kv::speed::PRIOR_SAMPLES)).exp();
-        let speed = loads.snapshot_with(0, &[], others).speed;
+        let speed = loads
+            .snapshot_with(0, &[], others, SharedSpeed::default())
+            .speed;
         assert!((speed - expected).abs() < 1e-9, "{speed} vs {expected}");
         assert!((loads.snapshot(0, &[]).speed - 1.0).abs() < 1e-9);
     }

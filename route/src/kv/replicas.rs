@@ -80,12 +80,21 @@ struct Share {
     loads: HashMap<u64, SharedLoad>,
 }
 
+/// The live shares summed up.
+#[derive(Debug, Default)]
+struct Totals {
+    /// Per instance, the sum over the live shares.
+    loads: HashMap<u64, SharedLoad>,
+    /// Every speed sample of every live share, of every instance: the other replicas' view
+    /// of the whole fleet's speed.
+    fleet: SharedSpeed,
+}
+
 /// Every other replica's shared load.
 #[derive(Debug, Default)]
 pub(crate) struct ReplicaLoads {
     shares: Mutex<HashMap<u64, Share>>,
-    /// Per instance, the sum over the live shares.
-    totals: ArcSwap<HashMap<u64, SharedLoad>>,
+    totals: ArcSwap<Totals>,
 }
 
 impl ReplicaLoads {
@@ -126,10 +135,11 @@ impl ReplicaLoads {
     /// Recomputes the totals from the live shares (dropping the expired ones).
     fn publish(&self, shares: &mut HashMap<u64, Share>, now: Instant) {
         shares.retain(|_, share| share.until > now);
-        let mut totals: HashMap<u64, SharedLoad> = HashMap::new();
+        let mut totals = Totals::default();
         for share in shares.values() {
             for (&instance, load) in &share.loads {
-                totals.entry(instance).or_default().add(load);
+                totals.loads.entry(instance).or_default().add(load);
+                totals.fleet = totals.fleet.merged(load.speed);
             }
         }
         self.totals.store(Arc::new(totals));
@@ -139,9 +149,15 @@ impl ReplicaLoads {
     pub(crate) fn on(&self, instance: u64) -> SharedLoad {
         self.totals
             .load()
+            .loads
             .get(&instance)
             .copied()
             .unwrap_or_default()
+    }
+
+    /// The other replicas' speed samples of every instance together.
+    pub(crate) fn fleet_speed(&self) -> SharedSpeed {
+        self.totals.load().fleet
     }
 }
 
@@ -202,6 +218,9 @@ mod tests {
         let merged = replicas.on(8).speed;
         assert_eq!(merged.samples, 4);
         assert!((merged.ln_factor - 0.25).abs() < 1e-12, "{merged:?}");
+        // The fleet's speed: every instance's samples of every live share (instance 7's
+        // shares carry none).
+        assert_eq!(replicas.fleet_speed(), merged);
         // Replica 2 stops sharing (it died): its load goes when its share expires.
         replicas.expire(now + TTL);
         assert_eq!(replicas.on(7), SharedLoad::default());

@@ -267,7 +267,9 @@ impl KvRouter {
     /// first tokens.
     fn folded(&self, instance: u64, query: &[SequenceHash]) -> LoadSnapshot {
         let replicas = self.replicas.on(instance);
-        let mut load = self.loads.snapshot_with(instance, query, replicas.speed);
+        let mut load =
+            self.loads
+                .snapshot_with(instance, query, replicas.speed, self.replicas.fleet_speed());
         let added_prefill = replicas
             .prefill_tokens
             .saturating_add(load.foreign_waiting.saturating_mul(self.block_size()));
