@@ -17,9 +17,14 @@
 //! - A batch whose blocks the index cannot place (unknown parent, broken chain) triggers a
 //!   full resync of that instance, at most once per [`REPAIR_INTERVAL`].
 //! - **Bus down**: every model falls back to approximate mode (its predictions), and
-//!   `kvmesh_events_connected` drops to 0. **Bus back** (a new connection epoch): every
-//!   instance is resynced from a full snapshot, and a model switches back to its event-fed
-//!   index once all its instances have answered.
+//!   `kvmesh_events_connected` drops to 0. **Bus back** (a new connection epoch): an
+//!   instance synced before is checked, not resynced: the first load report whose `last_seq`
+//!   its applied batches reach proves its index whole; batches lost meanwhile show as a
+//!   gap (a later batch, or reports the applied ones stay behind) and are asked for from
+//!   there. One whose agent does not prove it within `events.load_report_ttl` (an agent
+//!   that does not report `last_seq`), or that was never synced, is resynced from a full
+//!   snapshot. A model switches back to its event-fed index once all its instances are
+//!   proven or answered.
 //! - Load reports refresh the reporting instance's reported load (see
 //!   `kvmesh_route::kv`), valid for `events.load_report_ttl`.
 //! - An instance whose answers' `cached_tokens` kept disagreeing with the index
@@ -348,6 +353,7 @@ impl Intake {
         let mut connection = bus.connection_state();
         let (answers_tx, mut answers) = mpsc::unbounded_channel();
         let (untrusted_tx, mut untrusted) = mpsc::unbounded_channel();
+        let (deadlines_tx, mut deadlines) = mpsc::unbounded_channel();
         let durable = bus.is_durable();
         let mut actor = Actor {
             bus,
@@ -364,6 +370,8 @@ impl Intake {
             last_repair: HashMap::new(),
             connected: false,
             epoch: 0,
+            verifying: HashMap::new(),
+            deadlines: deadlines_tx,
             durable,
             replica: rand::random(),
             subjects,
@@ -387,6 +395,7 @@ impl Intake {
                 Some(input) = inputs.recv() => actor.on_input(input),
                 Some(answer) = answers.recv() => actor.on_answer(answer),
                 Some(id) = untrusted.recv() => actor.on_untrusted(id),
+                Some((id, epoch)) = deadlines.recv() => actor.on_check_deadline(id, epoch),
                 changed = connection.changed() => {
                     if changed.is_err() {
                         break;
@@ -417,6 +426,10 @@ struct Actor {
     last_repair: HashMap<u64, Instant>,
     connected: bool,
     epoch: u64,
+    /// Instances being checked after a reconnection, with its epoch.
+    verifying: HashMap<u64, u64>,
+    /// Where a check's deadline arrives, as (instance, epoch).
+    deadlines: mpsc::UnboundedSender<(u64, u64)>,
     /// Whether the KV events come through a durable subscription (JetStream): after a
     /// reconnect it replays what was missed, so no instance is asked again.
     durable: bool,
@@ -598,6 +611,45 @@ impl Actor {
             let outcome = self.tracker.on_reported(id, last_seq);
             self.execute(id, outcome);
         }
+        if self.verifying.contains_key(&id) {
+            match report.last_seq {
+                Some(last_seq) if self.tracker.holds_up_to(id, last_seq) => self.proven(id),
+                // Still behind: the next report (or batch) shows the gap, or this one's
+                // batches arrive.
+                Some(_) => {}
+                None => {
+                    self.verifying.remove(&id);
+                    let request = self.tracker.resync(id);
+                    self.request(id, request, ResyncReason::Reconnect, Duration::ZERO);
+                }
+            }
+        }
+    }
+
+    /// Instance `id`'s agent proved its index whole after a reconnection.
+    fn proven(&mut self, id: u64) {
+        self.verifying.remove(&id);
+        let Some(member) = self.members.get(&id) else {
+            return;
+        };
+        let model = member.model.clone();
+        tracing::debug!(id = %format_args!("{id:016x}"), "nothing lost while the bus was away");
+        if let Some(sync) = self.models.get_mut(&model) {
+            sync.awaiting.remove(&id);
+        }
+        self.update_live(&model);
+    }
+
+    /// The check of instance `id` begun at `epoch` ran out: resync it unless proven.
+    fn on_check_deadline(&mut self, id: u64, epoch: u64) {
+        if self.verifying.get(&id) != Some(&epoch) {
+            return;
+        }
+        self.verifying.remove(&id);
+        if self.connected && !self.tracker.is_resyncing(id) {
+            let request = self.tracker.resync(id);
+            self.request(id, request, ResyncReason::Reconnect, Duration::ZERO);
+        }
     }
 
     fn on_input(&mut self, input: IntakeInput) {
@@ -667,6 +719,7 @@ impl Actor {
 
     fn leave(&mut self, id: u64) {
         self.tracker.forget(id);
+        self.verifying.remove(&id);
         self.last_repair.remove(&id);
         if let Some(pending) = self.pending.remove(&id) {
             pending.task.abort();
@@ -696,6 +749,7 @@ impl Actor {
             return;
         }
         self.pending.remove(&answer.id);
+        self.verifying.remove(&answer.id);
         match answer.reply {
             Ok(reply) => {
                 let outcome = self.tracker.on_reply(answer.id, reply);
@@ -739,6 +793,7 @@ impl Actor {
                 }
                 self.connected = false;
                 self.metrics.events_connected.set(0);
+                self.verifying.clear();
                 for (_, pending) in self.pending.drain() {
                     pending.task.abort();
                 }
@@ -774,13 +829,28 @@ impl Actor {
                     return;
                 }
                 if reconnect {
-                    tracing::info!(epoch, "event bus reconnected: resyncing every instance");
+                    tracing::info!(
+                        epoch,
+                        "event bus reconnected: checking each instance's batch numbers"
+                    );
                 }
                 for sync in self.models.values_mut() {
                     sync.awaiting = sync.members.clone();
                 }
                 let ids: Vec<u64> = self.members.keys().copied().collect();
                 for id in ids {
+                    // Synced before and nothing pending: its agent's next load report proves
+                    // it whole, or shows what was lost.
+                    if reconnect && self.tracker.is_synced(id) && !self.tracker.is_resyncing(id) {
+                        self.verifying.insert(id, epoch);
+                        let deadlines = self.deadlines.clone();
+                        let window = self.settings.load_report_ttl;
+                        tokio::spawn(async move {
+                            tokio::time::sleep(window).await;
+                            let _ = deadlines.send((id, epoch));
+                        });
+                        continue;
+                    }
                     let request = self.tracker.resync(id);
                     self.request(id, request, reason, Duration::ZERO);
                 }

@@ -239,6 +239,21 @@ impl SequenceTracker {
         outcome
     }
 
+    /// Whether `instance` has applied every batch up to `last_seq` and nothing is pending:
+    /// its agent's report of `last_seq` proves its index whole.
+    pub(crate) fn holds_up_to(&self, instance: u64, last_seq: u64) -> bool {
+        self.cursors
+            .get(&instance)
+            .is_some_and(|c| !c.resyncing && c.last == Some(last_seq))
+    }
+
+    /// Whether `instance` was synced once (a cursor to continue from).
+    pub(crate) fn is_synced(&self, instance: u64) -> bool {
+        self.cursors
+            .get(&instance)
+            .is_some_and(|c| c.last.is_some())
+    }
+
     /// Forgets `instance` (it left discovery): a later batch counts as a first sight.
     pub(crate) fn forget(&mut self, instance: u64) {
         self.cursors.remove(&instance);
@@ -413,6 +428,20 @@ mod tests {
         assert_eq!(steady.on_reported(ID, 7).request, None);
         // An instance never synced, or unknown, is left to its first batch.
         assert_eq!(SequenceTracker::default().on_reported(ID, 9).request, None);
+    }
+
+    #[test]
+    fn a_report_proves_the_index_whole_only_when_every_batch_it_names_was_applied() {
+        let mut tracker = synced(3);
+        assert!(tracker.is_synced(ID) && tracker.holds_up_to(ID, 3));
+        assert!(!tracker.holds_up_to(ID, 4), "batch 4 is still on its way");
+        tracker.on_batch(batch(4));
+        assert!(tracker.holds_up_to(ID, 4));
+        // A gap: not whole until its resync is answered.
+        tracker.on_batch(batch(6));
+        assert!(!tracker.holds_up_to(ID, 4) && !tracker.holds_up_to(ID, 6));
+        let never = SequenceTracker::default();
+        assert!(!never.is_synced(ID) && !never.holds_up_to(ID, 0));
     }
 
     #[test]
