@@ -311,14 +311,16 @@ class Cluster:
         server at `nats` (default: the suite's). Its lease is 30 s: with two CPU engines
         busy on this 2-core machine, etcd once took 1.9 s for one WAL sync and let both
         agents' 10 s leases lapse at once, their keep-alives notwithstanding (no test here
-        times a lease)."""
+        times a lease). It probes the engine's `/health` every second (the default): at
+        200 ms (a 500 ms timeout) the survivor of the SIGKILL test, serving all six streams,
+        was marked `not_ready` and the streams had nowhere to continue."""
         args = [
             "--engine-url", engine.url, "--model", MODEL,
             "--kv-events-endpoint", events or engine.events,
             "--kv-events-replay-endpoint", engine.replay,
             "--kv-events-topic", "kv-events",
             "--etcd", self.etcd.url, "--nats", nats or self.nats.url,
-            "--lease-ttl", "30s", "--drain", "0s", "--load-interval", "100ms", "--health-interval", "200ms",
+            "--lease-ttl", "30s", "--drain", "0s", "--load-interval", "100ms", "--health-interval", "1s",
         ]
         agent = Proc("kvmesh-agent", args, self.workdir)
         self.agents[engine.name] = agent
