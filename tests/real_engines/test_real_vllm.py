@@ -420,12 +420,17 @@ def test_streams_survive_a_sigkill_of_their_engine_and_usage_counts_once(cluster
     prompts = [[{"role": "user", "content": text(rng, 30)}] for _ in range(6)]
     api = client(cluster)
     api.models.list()
-    streams = []
-    for messages in prompts:
+
+    def open_stream(messages):
         raw = api.chat.completions.with_raw_response.create(
             model=MODEL, messages=messages, max_tokens=1200, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        streams.append((route_of(raw.headers)["instance"].rstrip("/"), raw.parse()))
+        return route_of(raw.headers)["instance"].rstrip("/"), raw.parse()
+
+    # Opened together: one after another, each waiting for its head, the first ones had
+    # finished before the last was open (the victim's in-flight count read 0 of 4).
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        streams = list(pool.map(open_stream, prompts))
     victim = cluster.engine_by_url(streams[0][0])
     on_victim = [s for s in streams if s[0] == victim.url]
     # Every stream has started before the kill.
