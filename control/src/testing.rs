@@ -133,6 +133,19 @@ async fn exchange(addr: &str, request: &[u8]) -> Option<String> {
         .flatten()
 }
 
+/// Sends signal `name` (`STOP`, `CONT`, `TERM`, …) to process `pid`.
+pub fn signal(pid: u32, name: &str) -> io::Result<()> {
+    let status = std::process::Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(pid.to_string())
+        .status()?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(io::Error::other(format!("kill -{name} {pid}: {status}")))
+    }
+}
+
 /// Stops a child with SIGKILL and reaps it.
 async fn kill_child(child: &mut Option<Child>) {
     if let Some(mut c) = child.take() {
@@ -446,21 +459,11 @@ impl NatsServer {
         self.signal("CONT")
     }
 
-    fn signal(&self, signal: &str) -> io::Result<()> {
+    fn signal(&self, name: &str) -> io::Result<()> {
         let Some(child) = self.child.as_ref().and_then(Child::id) else {
             return Err(io::Error::other("nats-server is not running"));
         };
-        let status = std::process::Command::new("kill")
-            .arg(format!("-{signal}"))
-            .arg(child.to_string())
-            .status()?;
-        if status.success() {
-            Ok(())
-        } else {
-            Err(io::Error::other(format!(
-                "kill -{signal} {child}: {status}"
-            )))
-        }
+        signal(child, name)
     }
 
     /// Kills nats-server with SIGKILL.

@@ -205,15 +205,8 @@ impl Drop for Spawned {
     }
 }
 
-fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
-    let status = Command::new("kill")
-        .arg(format!("-{sig}"))
-        .arg(pid.to_string())
-        .status()?;
-    if !status.success() {
-        bail!("kill -{sig} {pid} failed");
-    }
-    Ok(())
+fn signal(pid: u32, name: &str) -> anyhow::Result<()> {
+    Ok(kvmesh_control::testing::signal(pid, name)?)
 }
 
 fn unique_path(path: PathBuf) -> PathBuf {

@@ -210,14 +210,11 @@ impl Instance {
     /// how it left.
     pub(crate) async fn left(&self) -> Departure {
         let mut left = self.left.subscribe();
-        let departure = left
-            .wait_for(Option::is_some)
-            .await
-            .map(|departure| departure.unwrap_or(Departure::Vanished));
+        let departure = left.wait_for(Option::is_some).await.ok().and_then(|d| *d);
         match departure {
-            Ok(departure) => departure,
+            Some(departure) => departure,
             // The sender lives as long as `self`: never reached, but never a false alarm.
-            Err(_) => std::future::pending().await,
+            None => std::future::pending().await,
         }
     }
 

@@ -629,11 +629,17 @@ impl Actor {
     /// Instance `id`'s agent proved its index whole after a reconnection.
     fn proven(&mut self, id: u64) {
         self.verifying.remove(&id);
+        tracing::debug!(id = %format_args!("{id:016x}"), "nothing lost while the bus was away");
+        self.settled(id);
+    }
+
+    /// Instance `id`'s index is whole (resynced, or proven after a reconnection): its model
+    /// waits no more for it.
+    fn settled(&mut self, id: u64) {
         let Some(member) = self.members.get(&id) else {
             return;
         };
         let model = member.model.clone();
-        tracing::debug!(id = %format_args!("{id:016x}"), "nothing lost while the bus was away");
         if let Some(sync) = self.models.get_mut(&model) {
             sync.awaiting.remove(&id);
         }
@@ -756,12 +762,8 @@ impl Actor {
                 self.execute(answer.id, outcome);
                 if let Some(member) = self.members.get(&answer.id) {
                     member.feed.trust(answer.id);
-                    let model = member.model.clone();
-                    if let Some(sync) = self.models.get_mut(&model) {
-                        sync.awaiting.remove(&answer.id);
-                    }
-                    self.update_live(&model);
                 }
+                self.settled(answer.id);
             }
             Err(error) => {
                 self.metrics.malformed(Malformed::Snapshot);
