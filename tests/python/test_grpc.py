@@ -2,12 +2,12 @@
 
 Engines: two fast simulated engines for `sim-model` (alias `sim`), one real-time engine for
 `slow-model` (cancellation and deadlines), three fast engines behind `policy: kv` for
-`kv-model`, a refused port for `dead-model` and an engine answering 500 for `broken-model`.
+`kv-model`, a refused port for `dead-model` and an engine-sim answering 500 (`--fail-status`)
+for `broken-model`.
 """
 
-import http.server
+import concurrent.futures
 import queue
-import threading
 import time
 
 import httpx
@@ -26,27 +26,6 @@ MAX_MESSAGE_BYTES = 65536
 RELEASE_TIMEOUT_S = 10
 
 
-class FailingEngine(http.server.BaseHTTPRequestHandler):
-    """200 on GET /health, 500 with an OpenAI error body on anything else."""
-
-    def do_GET(self):
-        self._answer(200 if self.path == "/health" else 404, b"")
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("content-length", 0)))
-        self._answer(500, b'{"error":{"message":"the engine exploded"}}')
-
-    def _answer(self, status, body):
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 def backends(proc):
     return [f"http://{addr}" for name, addr in sorted(proc.listeners.items()) if name.startswith("engine-")]
 
@@ -61,13 +40,13 @@ def cluster(workdir):
     fast = Proc("kvmesh-engine-sim", ["--engines", "2", "--port", "0", "--model", MODEL, "--no-delay"], workdir)
     slow = Proc("kvmesh-engine-sim", ["--engines", "1", "--port", "0", "--model", SLOW], workdir)
     kv = Proc("kvmesh-engine-sim", ["--engines", "3", "--port", "0", "--model", KV, "--no-delay"], workdir)
-    failing = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FailingEngine)
-    threading.Thread(target=failing.serve_forever, daemon=True).start()
+    failing = Proc("kvmesh-engine-sim", ["--engines", "1", "--port", "0", "--model", BROKEN, "--no-delay",
+                                         "--fail-status", "500"], workdir)
     extra = (
         model_yaml(SLOW, backends(slow))
         + model_yaml(KV, backends(kv), "kv", "    kv:\n      block_size: 64")
         + model_yaml(DEAD, ["http://127.0.0.1:1"])
-        + model_yaml(BROKEN, [f"http://127.0.0.1:{failing.server_address[1]}"])
+        + model_yaml(BROKEN, backends(failing))
         + f"limits:\n  retries: 0\ngrpc:\n  address: 127.0.0.1:0\n  max_message_bytes: {MAX_MESSAGE_BYTES}\n"
     )
     cfg = workdir / "grpc-proxy.yaml"
@@ -75,9 +54,8 @@ def cluster(workdir):
     proxy = Proc("kvmesh-proxy", ["--config", str(cfg)], workdir)
     yield {"proxy": proxy, "fast": fast, "slow": slow, "kv": kv}
     proxy.stop()
-    for proc in (fast, slow, kv):
+    for proc in (fast, slow, kv, failing):
         proc.stop()
-    failing.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +214,7 @@ def test_a_stream_carries_several_requests(client):
         (lambda c: c.infer(MODEL, text_inputs("x", True)), "INVALID_ARGUMENT", ["ModelStreamInfer"]),
         (lambda c: c.infer(MODEL, []), "INVALID_ARGUMENT", ["text_input"]),
         (lambda c: c.infer(DEAD, text_inputs("x")), "UNAVAILABLE", []),
-        (lambda c: c.infer(BROKEN, text_inputs("x")), "INTERNAL", ["500", "the engine exploded"]),
+        (lambda c: c.infer(BROKEN, text_inputs("x")), "INTERNAL", ["500", "simulated failure"]),
         (lambda c: c.get_inference_statistics(MODEL), "UNIMPLEMENTED", ["ModelStatistics"]),
         (lambda c: c.infer(MODEL, text_inputs("x" * (MAX_MESSAGE_BYTES + 10))), "OUT_OF_RANGE", []),
     ],
@@ -251,13 +229,30 @@ def test_error_codes(client, call, status, words):
         assert word in err.value.message(), err.value.message()
 
 
+def proxy_counter(cluster, line_prefix):
+    """The value of the proxy's metric line that starts with `line_prefix` (0 when absent)."""
+    text = httpx.get(cluster["proxy"].url("admin") + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_prefix))
+
+
 def test_deadline_exceeded_drops_the_engine_request(client, cluster):
+    """The deadline travels as `grpc-timeout` metadata alone, so the client sets no timer of its
+    own: the proxy ends the call (its message, its 504), after the engine was seen busy with it."""
+    timed_out = 'kvmesh_requests_total{model="slow-model",protocol="grpc",route="model_infer",status="504"}'
+    before = proxy_counter(cluster, timed_out)
     started = time.monotonic()
-    with pytest.raises(InferenceServerException) as err:
-        client.infer(SLOW, text_inputs("take your time"), parameters={"max_tokens": 2000}, client_timeout=0.3)
-    assert status_of(err.value) == "DEADLINE_EXCEEDED"
-    assert time.monotonic() - started < 2
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(client.infer, SLOW, text_inputs("take your time"), parameters={"max_tokens": 2000},
+                             headers={"grpc-timeout": "1500m"})
+        wait_until(lambda: sum(engine_metric(cluster["slow"], "vllm:num_requests_running")) > 0, "never reached the engine")
+        with pytest.raises(InferenceServerException) as err:
+            answer.result(timeout=30)
+    elapsed = time.monotonic() - started
+    assert status_of(err.value) == "DEADLINE_EXCEEDED", str(err.value)
+    assert "the deadline passed" in err.value.message(), err.value.message()
+    assert 1.4 <= elapsed < 4, elapsed  # not before the deadline (the proxy's timer may round it)
     wait_until(lambda: sum(engine_metric(cluster["slow"], "vllm:num_requests_running")) == 0, "engine still busy")
+    assert proxy_counter(cluster, timed_out) == before + 1
 
 
 def test_cancel_mid_stream_releases_the_engine_request(client, cluster):

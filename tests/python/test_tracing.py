@@ -7,7 +7,6 @@ Every wait has a deadline: spans are awaited on a condition the receiver signals
 their READY line, servers by polling with a deadline.
 """
 
-import http.server
 import json
 import os
 import socket
@@ -114,27 +113,6 @@ def receiver():
     server.stop(grace=None)
 
 
-class FailingEngine(http.server.BaseHTTPRequestHandler):
-    """200 on GET /health, 503 on every generation request."""
-
-    def do_GET(self):
-        self._answer(200 if self.path == "/health" else 404, b"")
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("content-length", 0)))
-        self._answer(503, b'{"error":{"message":"overloaded"}}')
-
-    def _answer(self, status, body):
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 def engine_urls(proc):
     return [f"http://{addr}" for name, addr in sorted(proc.listeners.items()) if name.startswith("engine-")]
 
@@ -163,10 +141,10 @@ def traced(receiver, workdir):
     flaky = Proc("kvmesh-engine-sim", ["--engines", "1", "--port", "0", "--model", FLAKY, "--no-delay"], workdir)
     slow = Proc("kvmesh-engine-sim", ["--engines", "1", "--port", "0", "--model", MIGRATING], workdir)
     steady = Proc("kvmesh-engine-sim", ["--engines", "1", "--port", "0", "--model", MIGRATING, "--no-delay"], workdir)
-    failing = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FailingEngine)
-    threading.Thread(target=failing.serve_forever, daemon=True).start()
+    failing = Proc("kvmesh-engine-sim", ["--engines", "1", "--port", "0", "--model", FLAKY, "--no-delay",
+                                         "--fail-status", "503"], workdir)
     extra = (
-        model_yaml(FLAKY, [f"http://127.0.0.1:{failing.server_address[1]}"] + engine_urls(flaky))
+        model_yaml(FLAKY, engine_urls(failing) + engine_urls(flaky))
         + model_yaml(MIGRATING, engine_urls(slow) + engine_urls(steady))
         + "health_check:\n  enabled: false\n"
         + "grpc:\n  address: 127.0.0.1:0\n"
@@ -177,9 +155,8 @@ def traced(receiver, workdir):
     proxy = Proc("kvmesh-proxy", ["--config", str(cfg)], workdir)
     yield {"proxy": proxy, "fast": fast, "slow": slow}
     proxy.stop()
-    for proc in (fast, flaky, slow, steady):
+    for proc in (fast, flaky, slow, steady, failing):
         proc.stop()
-    failing.shutdown()
 
 
 def chat(base, model=MODEL, headers=None, **extra):

@@ -10,6 +10,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use hyper_util::client::legacy::Client as HyperClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
 use kvmesh_e2e::cluster::{MODEL, engine_urls, proxy_config, start_engines, start_proxy};
 use kvmesh_e2e::control_plane::assert_migrations;
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
@@ -21,8 +24,6 @@ use kvmesh_proto::inference::{
     ModelInferResponse, ModelMetadataRequest, ModelReadyRequest, ModelStatisticsRequest,
     ModelStreamInferResponse, ServerLiveRequest, ServerMetadataRequest, ServerReadyRequest,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
@@ -62,6 +63,19 @@ impl Cluster {
     fn engines(&self) -> Vec<String> {
         engine_urls(&self.sims)
     }
+}
+
+/// A client on hyper's own HTTP/2 client, without tonic's `Channel`: that one times every call
+/// by its `grpc-timeout` itself and so races the server's deadline. This one sends the header
+/// and sets no timer: a call it sees end by its deadline was ended by the server.
+fn untimed_client(
+    addr: SocketAddr,
+) -> GrpcInferenceServiceClient<HyperClient<HttpConnector, tonic::body::Body>> {
+    let http2 = HyperClient::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    let origin = format!("http://{addr}").parse().expect("origin");
+    GrpcInferenceServiceClient::with_origin(http2, origin)
 }
 
 async fn channel(addr: SocketAddr) -> Channel {
@@ -528,55 +542,17 @@ async fn one_stream_carries_several_requests() {
     assert_eq!(int_param(&finals["folded"], "completion_tokens"), Some(3));
 }
 
-/// A fake engine: 200 on `/health`, 500 with an OpenAI error body on anything else.
-async fn failing_engine() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut tcp, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut byte = [0u8; 1];
-                while !head.ends_with(b"\r\n\r\n") {
-                    if tcp.read(&mut byte).await.unwrap_or(0) == 0 {
-                        return;
-                    }
-                    head.push(byte[0]);
-                }
-                let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
-                let length: usize = head
-                    .lines()
-                    .find_map(|l| l.strip_prefix("content-length:"))
-                    .and_then(|v| v.trim().parse().ok())
-                    .unwrap_or(0);
-                let mut body = vec![0u8; length];
-                let _ = tcp.read_exact(&mut body).await;
-                let (status, body) = if head.starts_with("get /health") {
-                    ("200 OK", String::new())
-                } else {
-                    (
-                        "500 Internal Server Error",
-                        r#"{"error":{"message":"the engine exploded"}}"#.to_string(),
-                    )
-                };
-                let response = format!(
-                    "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = tcp.write_all(response.as_bytes()).await;
-            });
-        }
-    });
-    addr
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_error_has_its_code() {
-    let broken = failing_engine().await;
+    // `broken-model`: an engine that answers every generation request with 500.
+    let broken_scratch = ScratchDir::new("grpc-errors-broken").expect("scratch dir");
+    let broken = start_engines(&broken_scratch, 1, &["--no-delay", "--fail-status", "500"])
+        .expect("engine-sim");
     let models = format!(
         "  - name: dead-model\n    policy: round_robin\n    backends:\n      - url: http://127.0.0.1:1\n\
-         \x20 - name: broken-model\n    policy: round_robin\n    backends:\n      - url: http://{broken}\n\
-         limits:\n  retries: 0\n"
+         \x20 - name: broken-model\n    policy: round_robin\n    backends:\n      - url: {}\n\
+         limits:\n  retries: 0\n",
+        engine_urls(&broken)[0]
     );
     let cluster = Cluster::start("grpc-errors", 1, &[], &models, "policy: round_robin");
     let mut client = cluster.client().await;
@@ -628,7 +604,7 @@ async fn every_error_has_its_code() {
     let (c, message) = code(client.model_infer(broken_request).await);
     assert_eq!(c, Code::Internal);
     assert!(
-        message.contains("500") && message.contains("the engine exploded"),
+        message.contains("500") && message.contains("simulated failure"),
         "{message}"
     );
 
@@ -651,17 +627,25 @@ async fn every_error_has_its_code() {
     );
 
     // The simulated engine runs in real time: 2000 tokens take seconds. The deadline goes as
-    // `grpc-timeout` alone: with `set_timeout` the client's own timer would race the proxy's
-    // answer and sometimes end the call first (CANCELLED, seen under load).
+    // `grpc-timeout` from a client that does not time the call itself: the proxy must end it,
+    // with its own message. The engine is seen busy with the request before the deadline
+    // passes, and idle after: the deadline dropped a request that reached it.
     let mut slow = tonic::Request::new(text_request("", "take your time", 2000, false));
     slow.metadata_mut()
-        .insert("grpc-timeout", "300m".parse().unwrap());
+        .insert("grpc-timeout", "1500m".parse().unwrap());
     let started = std::time::Instant::now();
-    assert_eq!(
-        code(client.model_infer(slow).await).0,
-        Code::DeadlineExceeded
+    let mut slow_client = untimed_client(cluster.proxy.addr("grpc"));
+    let answer = tokio::spawn(async move { slow_client.model_infer(slow).await });
+    await_engine_busy(&cluster.engines()).await;
+    let (c, message) = code(answer.await.unwrap());
+    assert_eq!(c, Code::DeadlineExceeded, "{message}");
+    assert!(message.contains("the deadline passed"), "{message}");
+    let elapsed = started.elapsed();
+    // Not before the deadline (the proxy's timer may round it by some milliseconds).
+    assert!(
+        (Duration::from_millis(1400)..Duration::from_secs(4)).contains(&elapsed),
+        "ended after {elapsed:?}"
     );
-    assert!(started.elapsed() < Duration::from_secs(2));
     await_engines_idle(&cluster.engines()).await;
 
     let metrics = HttpClient::http1()
@@ -681,6 +665,20 @@ async fn every_error_has_its_code() {
     // Connection refused (502) or, once health checks noticed, no healthy instance (503).
     let dead = "kvmesh_requests_total{model=\"dead-model\",protocol=\"grpc\",route=\"model_infer\",status=\"50";
     assert!(metrics.contains(dead), "{metrics}");
+}
+
+/// The deadline the stream-deadline checks give their calls: long enough that the engine is
+/// seen busy with the request before it passes.
+const STREAM_DEADLINE: Duration = Duration::from_millis(1500);
+
+/// Asserts that the proxy ended a call because its deadline passed (its own message: a
+/// client-side timeout would end it as `Cancelled`).
+fn assert_proxy_deadline(status: tonic::Status) {
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert!(
+        status.message().contains("the deadline passed"),
+        "{status:?}"
+    );
 }
 
 /// Reads `responses` to their end: the status that ended the stream (it must end with one).
@@ -722,11 +720,13 @@ async fn cancelling_a_stream_releases_the_engine_request() {
     drop(client);
     await_engines_idle(&engines).await;
 
-    // A stream's deadline ends it and its requests too.
+    // A stream's deadline ends it and its requests too: the engine is seen busy with the
+    // request first, and the proxy ends the stream (tonic's client times a call only up to
+    // its response head, which a stream gets at once).
     let mut client = cluster.client().await;
     let (tx, rx) = mpsc::channel(4);
     let mut request = tonic::Request::new(ReceiverStream::new(rx));
-    request.set_timeout(Duration::from_millis(500));
+    request.set_timeout(STREAM_DEADLINE);
     let mut responses = client
         .model_stream_infer(request)
         .await
@@ -735,8 +735,8 @@ async fn cancelling_a_stream_releases_the_engine_request() {
     tx.send(text_request("late", "Another long story.", 2000, true))
         .await
         .unwrap();
-    let status = ending_status(&mut responses).await;
-    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    await_engine_busy(&engines).await;
+    assert_proxy_deadline(ending_status(&mut responses).await);
     await_engines_idle(&engines).await;
 
     // The same when the client already half-closed its side.
@@ -746,14 +746,14 @@ async fn cancelling_a_stream_releases_the_engine_request() {
         .unwrap();
     drop(tx);
     let mut request = tonic::Request::new(ReceiverStream::new(rx));
-    request.set_timeout(Duration::from_millis(500));
+    request.set_timeout(STREAM_DEADLINE);
     let mut responses = client
         .model_stream_infer(request)
         .await
         .unwrap()
         .into_inner();
-    let status = ending_status(&mut responses).await;
-    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    await_engine_busy(&engines).await;
+    assert_proxy_deadline(ending_status(&mut responses).await);
     await_engines_idle(&engines).await;
 }
 
