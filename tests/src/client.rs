@@ -87,12 +87,17 @@ impl Default for HttpClient {
 }
 
 impl HttpClient {
-    /// An HTTP/1.1 client with keep-alive.
+    /// An HTTP/1.1 client with keep-alive. A request on a pooled connection the server
+    /// closed fails rather than being sent again on a new one (hyper-util's default), so a
+    /// server that drops keep-alive connections it should keep (during a reload, say) fails
+    /// the test instead of being hidden.
     pub fn http1() -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         Self {
-            inner: Client::builder(TokioExecutor::new()).build(connector),
+            inner: Client::builder(TokioExecutor::new())
+                .retry_canceled_requests(false)
+                .build(connector),
         }
     }
 
@@ -102,6 +107,7 @@ impl HttpClient {
         connector.set_nodelay(true);
         Self {
             inner: Client::builder(TokioExecutor::new())
+                .retry_canceled_requests(false)
                 .http2_only(true)
                 .build(connector),
         }

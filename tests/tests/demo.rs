@@ -249,5 +249,18 @@ async fn the_disaggregated_demo_runs_each_request_in_two_legs() -> anyhow::Resul
         )),
         "{text}"
     );
+    // The decode engine's agent, its inbound sidecar, admitted both decode legs into its
+    // KV-transfer budget; the prefill engine's agent admitted none.
+    let mut admitted = Vec::new();
+    for agent in ["agent-0", "agent-1"] {
+        let text = client.get(&format!("{}/metrics", demo.url(agent))).await?;
+        let text = String::from_utf8_lossy(&text.body);
+        admitted.push(
+            kvmesh_e2e::control_plane::metric(&text, "kvmesh_agent_kv_transfers_admitted_total")
+                .unwrap_or_else(|| panic!("{agent} exports no admissions:\n{text}")),
+        );
+    }
+    admitted.sort_by(f64::total_cmp);
+    assert_eq!(admitted, [0.0, 2.0], "decode legs each agent admitted");
     Ok(())
 }

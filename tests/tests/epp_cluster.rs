@@ -178,7 +178,7 @@ async fn a_picker_alone_is_ready_once_synced_and_picks_by_the_agents_events() ->
         engines[1].url,
         kvmesh_e2e::cluster::MODEL
     );
-    await_metric(&client, &metrics, &series, |v| v >= 8.0, CONVERGE).await?;
+    await_metric(&client, &metrics, &series, |v| v == 8.0, CONVERGE).await?;
 
     let mut picker = ExternalProcessorClient::new(channel);
     let mut longer = prompt.clone();
