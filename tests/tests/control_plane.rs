@@ -27,6 +27,9 @@
 //!   outage reaches the proxy's index through the stream;
 //! - a routing knob changed by reload under load: no request fails, the model's index is
 //!   rebuilt from the agents' snapshots and routing by cache goes on;
+//! - a proxy replica killed (SIGKILL) under load: the survivor answers every request, forgets
+//!   the dead one's shared load within its TTL and follows the sessions it bound; restarted,
+//!   it resyncs each instance once and routes by an index equal to the survivor's;
 //! - a three-member etcd cluster loses its leader: the proxy keeps serving, an agent that
 //!   starts meanwhile registers, and every lease is renewed through the new leader;
 //! - etcd and NATS on TLS with user / password auth: the agent and the proxy connect with
@@ -1062,6 +1065,175 @@ async fn a_replica_counts_the_requests_and_speeds_another_has_learned() -> anyho
     .await?;
     assert_no_panic(proxy_a);
     assert_no_panic(proxy_b);
+    Ok(())
+}
+
+/// Sends completions of fresh 2-block prompts to `url` back to back until `stop`; returns
+/// each one's status (0: no answer).
+fn request_loop(
+    client: &HttpClient,
+    url: String,
+    first_seed: u32,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> impl std::future::Future<Output = Vec<u16>> + use<> {
+    let (client, stop) = (client.clone(), stop.clone());
+    async move {
+        let mut statuses = Vec::new();
+        let mut seed = first_seed;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            seed += 1;
+            let body = token_prompt(&prompt_tokens(seed, 2), 1).to_string();
+            let headers = [("content-type", "application/json")];
+            let status = match client.call(Method::POST, &url, &headers, body).await {
+                Ok(response) => response.status,
+                Err(_) => 0,
+            };
+            statuses.push(status);
+        }
+        statuses
+    }
+}
+
+/// Per instance of [`MODEL`], the blocks the index behind `metrics` holds.
+async fn index_blocks(
+    client: &HttpClient,
+    metrics: &str,
+    engines: &[Engine],
+) -> anyhow::Result<Vec<f64>> {
+    let text = String::from_utf8_lossy(&client.get(metrics).await?.body).into_owned();
+    Ok(engines
+        .iter()
+        .map(|engine| metric(&text, &index_blocks_series(&engine.url)).unwrap_or(0.0))
+        .collect())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_under_load_is_forgotten_and_rejoins_with_the_whole_index()
+-> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let mut setup = TwoReplicas::start("cp-replica-kill").await?;
+    let client = HttpClient::default();
+    let metrics_b = metrics_url(&setup.proxy_b);
+    for proxy in [&setup.proxy_a, &setup.proxy_b] {
+        let metrics = metrics_url(proxy);
+        await_instances(&client, &metrics, 2.0).await?;
+        await_events_live(&client, &metrics).await?;
+    }
+
+    // Through replica A: a conversation (8 blocks) in session "chat-k", bound to the engine
+    // that caches it; B sees its blocks and the binding.
+    let conversation = prompt_tokens(5, 8);
+    let (status, holder, _) =
+        complete_in_session(&client, &setup.proxy_a, &conversation, "chat-k").await?;
+    assert_eq!(status, 200);
+    let holder_series = index_blocks_series(&holder);
+    await_metric(&client, &metrics_b, &holder_series, |v| v == 8.0, CONVERGE).await?;
+    let probe = token_prompt(&prompt_tokens(6, 4), 1);
+    await_explained(
+        &client,
+        &setup.proxy_b,
+        &probe,
+        Some("chat-k"),
+        |explained| explained["session_bound_to"] == holder.as_str(),
+    )
+    .await?;
+    // A stream through A, far longer than the socket buffers and read no further than its
+    // first piece, stays in flight on its engine; B counts it from A's shared load.
+    let mut body = token_prompt(&prompt_tokens(7, 4), 20_000);
+    body["stream"] = serde_json::Value::Bool(true);
+    let url = format!("{}/v1/completions", setup.proxy_a.url("main"));
+    let headers = [("content-type", "application/json")];
+    let mut stream = client
+        .send(Method::POST, &url, &headers, body.to_string())
+        .await?;
+    assert_eq!(stream.status, 200);
+    let streaming_on = stream
+        .headers
+        .get("x-kvmesh-instance")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    assert!(stream.next_chunk().await?.is_some());
+    await_explained(&client, &setup.proxy_b, &probe, None, |explained| {
+        explained_instance(explained, &streaming_on)["active_requests"] == 1
+    })
+    .await?;
+
+    // Two clients send to B back to back while A is killed (SIGKILL).
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut load = tokio::task::JoinSet::new();
+    for worker in 0..2u32 {
+        let url = format!("{}/v1/completions", setup.proxy_b.url("main"));
+        load.spawn(request_loop(&client, url, 10_000 * (worker + 1), &stop));
+    }
+    setup.proxy_a.kill();
+    let killed = Instant::now();
+    // B forgets A's in-flight request within the share's TTL (3 s, proxy/src/runtime/
+    // control_plane/intake.rs): only B's own short requests count there now.
+    await_explained(&client, &setup.proxy_b, &probe, None, |explained| {
+        explained_instance(explained, &streaming_on)["active_requests"] == 0
+    })
+    .await?;
+    let forgotten = killed.elapsed();
+    assert!(
+        forgotten < Duration::from_secs(5),
+        "A's load counted {forgotten:?} after it died"
+    );
+    drop(stream);
+    // B still follows the session A bound.
+    let (status, instance, route) =
+        complete_in_session(&client, &setup.proxy_b, &prompt_tokens(8, 2), "chat-k").await?;
+    assert_eq!(
+        (status, instance.as_str()),
+        (200, holder.as_str()),
+        "{route}"
+    );
+    assert!(route.contains("session=bound"), "{route}");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut statuses = Vec::new();
+    while let Some(worker) = load.join_next().await {
+        statuses.extend(worker?);
+    }
+    assert!(statuses.len() >= 4, "{} requests", statuses.len());
+    assert!(
+        statuses.iter().all(|&status| status == 200),
+        "B's answers while A died: {statuses:?}"
+    );
+
+    // A restarts. It resyncs each instance once (first sight), and its index, once it routes
+    // by it (the index source turns to events), holds what B's holds.
+    let config = control_proxy_config(&setup.servers, "");
+    let proxy_a = start_proxy(&setup._scratch, &config)?;
+    let metrics_a = metrics_url(&proxy_a);
+    await_instances(&client, &metrics_a, 2.0).await?;
+    await_events_live(&client, &metrics_a).await?;
+    assert_eq!(
+        index_blocks(&client, &metrics_a, &setup.engines).await?,
+        index_blocks(&client, &metrics_b, &setup.engines).await?,
+        "blocks per instance, A (restarted) then B"
+    );
+    let text = String::from_utf8_lossy(&client.get(&metrics_a).await?.body).into_owned();
+    assert_eq!(
+        metric(&text, "kvmesh_kv_resyncs_total{reason=\"first_sight\"}"),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(
+        proxy_metric_total(&client, &proxy_a, "kvmesh_kv_resyncs_total").await?,
+        2.0
+    );
+    // The conversation goes on through the new A, with its whole prefix cached.
+    let mut longer = conversation.clone();
+    longer.extend(prompt_tokens(99, 1));
+    let (status, instance, route) = complete(&client, &proxy_a, &longer).await?;
+    assert_eq!(
+        (status, instance.as_str()),
+        (200, holder.as_str()),
+        "{route}"
+    );
+    assert!(route.contains("overlap_blocks=8"), "{route}");
+    assert_no_panic(&proxy_a);
+    assert_no_panic(&setup.proxy_b);
     Ok(())
 }
 

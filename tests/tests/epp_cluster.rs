@@ -188,11 +188,21 @@ async fn a_picker_alone_is_ready_once_synced_and_picks_by_the_agents_events() ->
         .iter()
         .map(|engine| engine.url.trim_start_matches("http://").to_string())
         .collect();
-    assert_eq!(
-        endpoints,
-        [registered[1].clone(), registered[0].clone()],
-        "the cached engine first, the other as fallback ({} tokens per block)",
-        BLOCK_SIZE
-    );
+    if endpoints != [registered[1].clone(), registered[0].clone()] {
+        // What the router saw, for the failure message.
+        let explained = client
+            .post_json(
+                &format!("{}/debug/route?route=completions", proxy.url("admin")),
+                &token_prompt(&longer, 1),
+            )
+            .await?;
+        panic!(
+            "picked {endpoints:?}: the cached engine {} first, the other as fallback ({} tokens \
+             per block); the router's explanation now: {}",
+            registered[1],
+            BLOCK_SIZE,
+            String::from_utf8_lossy(&explained.body)
+        );
+    }
     Ok(())
 }
