@@ -146,6 +146,14 @@ pub fn signal(pid: u32, name: &str) -> io::Result<()> {
     }
 }
 
+/// Sends signal `name` to `child`, if it runs.
+fn signal_child(child: Option<&Child>, name: &str) -> io::Result<()> {
+    match child.and_then(Child::id) {
+        Some(pid) => signal(pid, name),
+        None => Err(io::Error::other("the process is not running")),
+    }
+}
+
 /// Stops a child with SIGKILL and reaps it.
 async fn kill_child(child: &mut Option<Child>) {
     if let Some(mut c) = child.take() {
@@ -293,6 +301,17 @@ impl EtcdServer {
         kill_child(&mut self.child).await;
     }
 
+    /// Stops etcd with SIGSTOP: it hangs with its connections open (no reset, no answer)
+    /// until [`EtcdServer::resume`].
+    pub fn pause(&self) -> io::Result<()> {
+        signal_child(self.child.as_ref(), "STOP")
+    }
+
+    /// Lets a paused etcd go on (SIGCONT).
+    pub fn resume(&self) -> io::Result<()> {
+        signal_child(self.child.as_ref(), "CONT")
+    }
+
     /// Starts etcd again on the same ports with the same data (killing it first if running).
     pub async fn restart(&mut self) -> io::Result<()> {
         self.kill().await;
@@ -379,6 +398,16 @@ impl EtcdCluster {
     pub async fn restart(&mut self, i: usize) -> io::Result<()> {
         self.members[i].restart().await
     }
+
+    /// Stops member `i` with SIGSTOP: it hangs with its connections open.
+    pub fn pause(&self, i: usize) -> io::Result<()> {
+        self.members[i].pause()
+    }
+
+    /// Lets member `i` go on after [`EtcdCluster::pause`].
+    pub fn resume(&self, i: usize) -> io::Result<()> {
+        self.members[i].resume()
+    }
 }
 
 /// A running `nats-server`; killed on drop.
@@ -460,10 +489,7 @@ impl NatsServer {
     }
 
     fn signal(&self, name: &str) -> io::Result<()> {
-        let Some(child) = self.child.as_ref().and_then(Child::id) else {
-            return Err(io::Error::other("nats-server is not running"));
-        };
-        signal(child, name)
+        signal_child(self.child.as_ref(), name)
     }
 
     /// Kills nats-server with SIGKILL.

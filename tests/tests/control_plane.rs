@@ -30,6 +30,8 @@
 //! - a proxy replica killed (SIGKILL) under load: the survivor answers every request, forgets
 //!   the dead one's shared load within its TTL and follows the sessions it bound; restarted,
 //!   it resyncs each instance once and routes by an index equal to the survivor's;
+//! - an etcd member that hangs (SIGSTOP) is left: an agent registers through the others, the
+//!   proxy lists it within 10 s, and leases are renewed;
 //! - a three-member etcd cluster loses its leader: the proxy keeps serving, an agent that
 //!   starts meanwhile registers, and every lease is renewed through the new leader;
 //! - etcd and NATS on TLS with user / password auth: the agent and the proxy connect with
@@ -1678,6 +1680,62 @@ async fn an_etcd_cluster_losing_its_leader_keeps_registering_and_routing() -> an
     assert_eq!(seen.len(), 2, "both instances serve: {seen:?}");
     // The old leader rejoins as a follower.
     cluster.restart(leader).await?;
+    assert_no_panic(&proxy);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_etcd_member_that_hangs_is_left_within_ten_seconds() -> anyhow::Result<()> {
+    /// The agents' lease: renewals must move off the hung member before it lapses.
+    const TTL: Duration = Duration::from_secs(10);
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-etcd-hang")?;
+    let cluster = EtcdCluster::start(&scratch.path().join("etcd"), 3).await?;
+    let nats = NatsServer::start(&scratch.path().join("nats")).await?;
+    let (_sim, engines) = start_event_engines(&scratch, 2)?;
+    let etcd_urls = cluster.urls();
+    let agent = |engine: &Engine| -> anyhow::Result<Spawned> {
+        let mut args = agent_args_for(&etcd_urls, &nats.url(), engine, TTL, DRAIN);
+        args.extend(["--block-size".to_string(), BLOCK_SIZE.to_string()]);
+        Spawned::start("kvmesh-agent", &args, scratch.path())
+    };
+    let _first = agent(&engines[0])?;
+    let proxy = start_proxy(
+        &scratch,
+        &control_proxy_config_for(&etcd_urls, &nats.url(), ""),
+    )?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    await_instances(&client, &metrics, 1.0).await?;
+
+    // The member every client talks to first (the first listed) hangs: SIGSTOP, which
+    // resets no connection. The proxy goes on serving; an agent that starts now registers
+    // through another member, and the proxy's watch, moved there too, lists it within 10 s.
+    cluster.pause(0)?;
+    let paused = Instant::now();
+    let (status, instance, _) = complete(&client, &proxy, &prompt_tokens(7, 2)).await?;
+    assert_eq!((status, instance.as_str()), (200, engines[0].url.as_str()));
+    let _second = agent(&engines[1])?;
+    await_instances(&client, &metrics, 2.0).await?;
+    let listed = paused.elapsed();
+    assert!(
+        listed < Duration::from_secs(10),
+        "the new instance was listed {listed:?} after the member hung"
+    );
+    // The first agent's lease is renewed through the other members: a TTL after the hang
+    // both instances are still listed, and both serve.
+    tokio::time::sleep(TTL.saturating_sub(paused.elapsed()) + Duration::from_secs(1)).await;
+    await_instances(&client, &metrics, 2.0).await?;
+    let mut seen = std::collections::BTreeSet::new();
+    for seed in 40..60 {
+        let (status, instance, _) = complete(&client, &proxy, &prompt_tokens(seed, 1)).await?;
+        assert_eq!(status, 200);
+        seen.insert(instance);
+    }
+    assert_eq!(seen.len(), 2, "both instances serve: {seen:?}");
+    let text = String::from_utf8_lossy(&client.get(&metrics).await?.body).into_owned();
+    assert_eq!(metric(&text, "kvmesh_discovery_connected"), Some(1.0));
+    cluster.resume(0)?;
     assert_no_panic(&proxy);
     Ok(())
 }

@@ -24,6 +24,12 @@ const BACKEND: &str = "etcd";
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Deadline of one TCP (and TLS) connection to a member.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// HTTP/2 PING interval on a member's connection, and how long an answer may take: a member
+/// that hangs (a stopped process, a partition) fails its calls and its watch stream within
+/// their sum, and the next member takes over. Unary calls have [`CALL_TIMEOUT`] too, but a
+/// watch is one long stream that only the PINGs can show dead.
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(2);
+const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Maps a client error; `lease` names the lease a NOT_FOUND refers to.
 fn etcd_error(error: etcd_client::Error, lease: Option<i64>) -> ControlError {
@@ -140,7 +146,7 @@ impl EtcdSettings {
         let mut options = ConnectOptions::new()
             .with_connect_timeout(CONNECT_TIMEOUT)
             .with_timeout(CALL_TIMEOUT)
-            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
+            .with_keep_alive(KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT)
             .with_auto_token_refresh(true);
         if let Some(auth) = &self.auth {
             options = options.with_user(
@@ -334,6 +340,8 @@ impl WatchSource for EtcdRegistry {
         revision: i64,
     ) -> Result<Box<dyn RawStream>, ControlError> {
         self.call("etcd watch", |mut client| async move {
+            // The member `call` runs this on.
+            let (member, _) = self.members.current();
             let options = WatchOptions::new()
                 .with_prefix()
                 .with_start_revision(revision);
@@ -341,15 +349,21 @@ impl WatchSource for EtcdRegistry {
                 .watch(prefix, Some(options))
                 .await
                 .map_err(|error| etcd_error(error, None))?;
-            Ok(Box::new(EtcdWatchStream { stream }) as Box<dyn RawStream>)
+            Ok(Box::new(EtcdWatchStream {
+                stream,
+                members: Arc::clone(&self.members),
+                member,
+            }) as Box<dyn RawStream>)
         })
         .await
     }
 }
 
-/// An open etcd watch.
+/// An open etcd watch on member `member`.
 struct EtcdWatchStream {
     stream: etcd_client::WatchStream,
+    members: Arc<Members>,
+    member: usize,
 }
 
 /// The changes of one watch response; `Err` when the watch was canceled.
@@ -382,12 +396,13 @@ fn changes(response: &etcd_client::WatchResponse) -> Result<Vec<RawChange>, Cont
 impl RawStream for EtcdWatchStream {
     async fn next(&mut self) -> Result<Option<Vec<RawChange>>, ControlError> {
         loop {
-            let Some(response) = self
-                .stream
-                .message()
-                .await
-                .map_err(|error| etcd_error(error, None))?
-            else {
+            let message = self.stream.message().await.map_err(|error| {
+                // The stream broke (a member that hangs shows as unanswered PINGs): the watch
+                // is opened again on the next member, not on this one.
+                self.members.failed(self.member);
+                etcd_error(error, None)
+            });
+            let Some(response) = message? else {
                 return Ok(None);
             };
             let changes = changes(&response)?;
