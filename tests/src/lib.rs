@@ -11,6 +11,7 @@ pub mod client;
 pub mod cluster;
 pub mod control_plane;
 pub mod process;
+pub mod relay;
 pub mod scratch;
 pub mod sse;
 

@@ -30,6 +30,8 @@
 //! - a proxy replica killed (SIGKILL) under load: the survivor answers every request, forgets
 //!   the dead one's shared load within its TTL and follows the sessions it bound; restarted,
 //!   it resyncs each instance once and routes by an index equal to the survivor's;
+//! - a partition between the proxy and NATS (a relay that goes silent) is noticed within three
+//!   pings, and healed, only the batches it missed are resynced;
 //! - an etcd member that hangs (SIGSTOP) is left: an agent registers through the others, the
 //!   proxy lists it within 10 s, and leases are renewed;
 //! - a three-member etcd cluster loses its leader: the proxy keeps serving, an agent that
@@ -60,6 +62,7 @@ use kvmesh_e2e::control_plane::{
     proxy_metric_total, start_agent, start_event_engines, start_event_engines_of_block_size,
     start_event_engines_with, start_timed_event_engines, token_prompt,
 };
+use kvmesh_e2e::relay::TcpRelay;
 use kvmesh_e2e::sse::{OpenStream, assert_all_whole, open_streams};
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
 use tokio::sync::Mutex;
@@ -758,6 +761,89 @@ async fn a_nats_server_that_hangs_is_noticed_within_three_pings_and_only_gaps_ar
     );
     await_metric(&client, &metrics, &blocks, |v| v == expected, CONVERGE).await?;
     assert_no_panic(proxy);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_between_the_proxy_and_nats_is_noticed_and_only_the_gap_is_resynced()
+-> anyhow::Result<()> {
+    const PING: Duration = Duration::from_secs(2);
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-nats-partition")?;
+    let servers = Servers::start(&scratch).await?;
+    let (_sim, mut engines) = start_event_engines(&scratch, 1)?;
+    let engine = engines.remove(0);
+    let _agent = start_agent(&scratch, &servers, &engine, LONG_TTL, DRAIN)?;
+    // The proxy reaches NATS through a relay; the agent straight.
+    let nats_url = servers.nats.url();
+    let nats_addr = nats_url.trim_start_matches("nats://").parse()?;
+    let relay = TcpRelay::start(nats_addr).await?;
+    let config =
+        control_proxy_config(&servers, "").replace(&nats_url, &format!("nats://{}", relay.addr()));
+    let proxy = start_proxy(&scratch, &config)?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    await_instances(&client, &metrics, 1.0).await?;
+    await_events_live(&client, &metrics).await?;
+    let (status, _, _) = complete(&client, &proxy, &prompt_tokens(7, 8)).await?;
+    assert_eq!(status, 200);
+    let blocks = index_blocks_series(&engine.url);
+    await_metric(&client, &metrics, &blocks, |v| v == 8.0, CONVERGE).await?;
+
+    let resyncs_before = proxy_metric_total(&client, &proxy, "kvmesh_kv_resyncs_total").await?;
+    // The relay goes silent: no reset, no refusal, no answer. The proxy notices within
+    // three pings (2 s of slack) and serves all along; the agent, on the other side of the
+    // partition from the proxy only, publishes every batch.
+    relay.silence();
+    let silenced = Instant::now();
+    let noticed = async {
+        let mut served = 0;
+        while proxy_metric_total(&client, &proxy, "kvmesh_events_connected").await? != 0.0 {
+            anyhow::ensure!(
+                silenced.elapsed() < 3 * PING + Duration::from_secs(2),
+                "still connected {:?} into the partition",
+                silenced.elapsed()
+            );
+            let (status, _, _) = complete(&client, &proxy, &prompt_tokens(100 + served, 2)).await?;
+            anyhow::ensure!(status == 200, "a request during the partition: {status}");
+            served += 1;
+        }
+        let (status, _, _) = complete(&client, &proxy, &prompt_tokens(9, 8)).await?;
+        anyhow::ensure!(status == 200, "a request during the partition: {status}");
+        Ok(served)
+    }
+    .await;
+    relay.heal();
+    let served = noticed?;
+
+    // Healed: the proxy reconnects, learns from the agent's load reports which batches it
+    // missed, and resyncs from the first of them: one gap resync, no whole resync.
+    await_metric(
+        &client,
+        &metrics,
+        "kvmesh_events_connected",
+        |v| v == 1.0,
+        CONVERGE,
+    )
+    .await?;
+    await_events_live(&client, &metrics).await?;
+    let expected = 16.0 + 2.0 * served as f64;
+    await_metric(&client, &metrics, &blocks, |v| v == expected, CONVERGE).await?;
+    let text = String::from_utf8_lossy(&client.get(&metrics).await?.body).into_owned();
+    assert_eq!(
+        metric(&text, "kvmesh_kv_resyncs_total{reason=\"gap\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        proxy_metric_total(&client, &proxy, "kvmesh_kv_resyncs_total").await?,
+        resyncs_before + 1.0,
+        "only the gap resync since the partition"
+    );
+    // Routing reads the repaired index: the prompt cached during the partition overlaps.
+    let (_, _, route) = complete(&client, &proxy, &prompt_tokens(9, 9)).await?;
+    assert!(route.contains("overlap_blocks=8"), "{route}");
+    assert_no_panic(&proxy);
     Ok(())
 }
 
