@@ -24,12 +24,16 @@ const BACKEND: &str = "etcd";
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Deadline of one TCP (and TLS) connection to a member.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// HTTP/2 PING interval on a member's connection, and how long an answer may take: a member
-/// that hangs (a stopped process, a partition) fails its calls and its watch stream within
-/// their sum, and the next member takes over. Unary calls have [`CALL_TIMEOUT`] too, but a
-/// watch is one long stream that only the PINGs can show dead.
-const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(2);
-const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(3);
+/// HTTP/2 PING interval on a member's connection (etcd answers pings more often than every
+/// 5 s, its `--grpc-keepalive-min-time`, with GOAWAY), and how long an answer may take.
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+/// A watch that has been quiet this long asks its member for its status, and gives the member
+/// up when no answer comes within [`WATCH_PROBE_TIMEOUT`]: a member that hangs (a stopped
+/// process, a partition) resets nothing, and a watch is one long stream that would wait on it
+/// forever. Unary calls have [`CALL_TIMEOUT`].
+const WATCH_PROBE_INTERVAL: Duration = Duration::from_secs(2);
+const WATCH_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Maps a client error; `lease` names the lease a NOT_FOUND refers to.
 fn etcd_error(error: etcd_client::Error, lease: Option<i64>) -> ControlError {
@@ -345,12 +349,14 @@ impl WatchSource for EtcdRegistry {
             let options = WatchOptions::new()
                 .with_prefix()
                 .with_start_revision(revision);
+            let probe = client.clone();
             let stream = client
                 .watch(prefix, Some(options))
                 .await
                 .map_err(|error| etcd_error(error, None))?;
             Ok(Box::new(EtcdWatchStream {
                 stream,
+                probe,
                 members: Arc::clone(&self.members),
                 member,
             }) as Box<dyn RawStream>)
@@ -359,11 +365,25 @@ impl WatchSource for EtcdRegistry {
     }
 }
 
-/// An open etcd watch on member `member`.
+/// An open etcd watch on member `member`, whose client `probe` checks the member still
+/// answers while the watch is quiet.
 struct EtcdWatchStream {
     stream: etcd_client::WatchStream,
+    probe: Client,
     members: Arc<Members>,
     member: usize,
+}
+
+/// Returns once `client`'s member fails to answer a status request within
+/// [`WATCH_PROBE_TIMEOUT`], asked every [`WATCH_PROBE_INTERVAL`].
+async fn member_hangs(mut client: Client) {
+    loop {
+        tokio::time::sleep(WATCH_PROBE_INTERVAL).await;
+        match tokio::time::timeout(WATCH_PROBE_TIMEOUT, client.status()).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(_)) | Err(_) => return,
+        }
+    }
 }
 
 /// The changes of one watch response; `Err` when the watch was canceled.
@@ -396,12 +416,13 @@ fn changes(response: &etcd_client::WatchResponse) -> Result<Vec<RawChange>, Cont
 impl RawStream for EtcdWatchStream {
     async fn next(&mut self) -> Result<Option<Vec<RawChange>>, ControlError> {
         loop {
-            let message = self.stream.message().await.map_err(|error| {
-                // The stream broke (a member that hangs shows as unanswered PINGs): the watch
-                // is opened again on the next member, not on this one.
-                self.members.failed(self.member);
-                etcd_error(error, None)
-            });
+            let message = tokio::select! {
+                message = self.stream.message() => message.map_err(|error| etcd_error(error, None)),
+                () = member_hangs(self.probe.clone()) => Err(ControlError::Timeout("etcd watch probe")),
+            };
+            // The watch broke, or its member stopped answering: it is opened again on the next
+            // member, not on this one.
+            let message = message.inspect_err(|_| self.members.failed(self.member));
             let Some(response) = message? else {
                 return Ok(None);
             };
