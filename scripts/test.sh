@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs every check and test of kvmesh on a fresh machine: installs what is
 # missing (scripts/setup.sh), then formatting, clippy, the Rust unit and
-# end-to-end tests, the Python end-to-end tests with the real `openai` client, and the
-# agent's `cuda` feature.
+# end-to-end tests, the container images, the Python end-to-end tests with the real `openai`
+# client, and the agent's `cuda` feature.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,6 +36,12 @@ cargo clippy --locked --workspace --all-targets -- -D warnings
 
 phase "cargo build (binaries the end-to-end tests start)"
 cargo build --locked --workspace --bins
+
+# The images of deploy/docker built from those binaries (scripts/images.sh: a Debian base made by
+# mmdebstrap, cached outside the clone, and the Dockerfiles' runtime stages built by podman),
+# their config checked and each binary run inside its image.
+phase "container images (scripts/images.sh, then run in podman)"
+KVMESH_BIN_DIR="$PWD/target/debug" .venv/bin/python -m pytest -q tests/images
 
 phase "cargo test"
 cargo test --locked --workspace

@@ -23,6 +23,7 @@ RUN apt-get update \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin kvmesh
 COPY --from=build /usr/local/bin/kvmesh-agent /usr/local/bin/kvmesh-agent
 USER 10001:10001
-# 9100: the agent's own /health and /metrics (--listen).
-EXPOSE 9100
+# 9100: the agent's own /health and /metrics (--listen); 8100: the inbound listener that
+# prefill and decode workers put in front of their engine (--inbound-listen, when configured).
+EXPOSE 8100 9100
 ENTRYPOINT ["/usr/local/bin/kvmesh-agent"]

@@ -23,7 +23,8 @@ RUN apt-get update \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin kvmesh
 COPY --from=build /usr/local/bin/kvmesh-proxy /usr/local/bin/kvmesh-proxy
 USER 10001:10001
-# 8080 data (OpenAI HTTP), 8081 gRPC (KServe v2, when configured), 9090 admin (/metrics, /health, /live).
-EXPOSE 8080 8081 9090
+# 8080 data (OpenAI HTTP), 8081 gRPC (KServe v2, when configured), 9002 endpoint picker (Envoy
+# ext_proc, when configured), 9090 admin (/metrics, /health, /live).
+EXPOSE 8080 8081 9002 9090
 ENTRYPOINT ["/usr/local/bin/kvmesh-proxy"]
 CMD ["--config", "/etc/kvmesh/kvmesh.yaml"]
