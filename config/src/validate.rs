@@ -232,6 +232,7 @@ fn check_limits(config: &Config, path: &FieldPath) -> Checked {
     positive(limits.connect_timeout, path.key("connect_timeout"))?;
     positive(limits.first_byte_timeout, path.key("first_byte_timeout"))?;
     positive(limits.idle_timeout, path.key("idle_timeout"))?;
+    positive(limits.write_timeout, path.key("write_timeout"))?;
     positive(
         limits.client_header_timeout,
         path.key("client_header_timeout"),

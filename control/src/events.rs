@@ -42,10 +42,61 @@ impl EventBatch {
         serde_json::from_slice(bytes)
     }
 
+    /// Appends the batch's JSON payload as published live to `out`: with `at_ms`, when its
+    /// agent numbered it (Unix milliseconds), from which a proxy measures how late its intake
+    /// takes it. Batches replayed in resync answers carry no time.
+    pub fn write_json_at(&self, at_ms: u64, out: &mut Vec<u8>) {
+        let stamped = StampedRef {
+            instance_id: self.instance_id,
+            dp_rank: self.dp_rank,
+            seq: self.seq,
+            at_ms,
+            events: &self.events,
+        };
+        // Writing hex strings and integers into a Vec cannot fail.
+        let _ = serde_json::to_writer(out, &stamped);
+    }
+
+    /// Parses a JSON payload and its `at_ms`, when it has one (agents before it had none).
+    pub fn from_json_at(bytes: &[u8]) -> Result<(Self, Option<u64>), serde_json::Error> {
+        let stamped: Stamped = serde_json::from_slice(bytes)?;
+        let batch = Self {
+            instance_id: stamped.instance_id,
+            dp_rank: stamped.dp_rank,
+            seq: stamped.seq,
+            events: stamped.events,
+        };
+        Ok((batch, stamped.at_ms))
+    }
+
     /// Number of blocks named by the batch's Stored and Removed events.
     pub fn block_count(&self) -> usize {
         self.events.iter().map(event_blocks).sum()
     }
+}
+
+/// A live batch's wire form, written: [`EventBatch`]'s fields and `at_ms`.
+#[derive(Serialize)]
+struct StampedRef<'a> {
+    instance_id: InstanceId,
+    dp_rank: u32,
+    seq: u64,
+    at_ms: u64,
+    #[serde(serialize_with = "kv_event_list::serialize")]
+    events: &'a [KvEvent],
+}
+
+/// A batch's wire form, read with its `at_ms` when present.
+#[derive(Deserialize)]
+struct Stamped {
+    instance_id: InstanceId,
+    #[serde(default)]
+    dp_rank: u32,
+    seq: u64,
+    #[serde(default)]
+    at_ms: Option<u64>,
+    #[serde(with = "kv_event_list")]
+    events: Vec<KvEvent>,
 }
 
 /// Number of blocks a Stored or Removed event names (0 for Cleared).
@@ -348,6 +399,33 @@ mod tests {
             r#"{"seq":1,"events":[]}"#,
         ] {
             assert!(EventBatch::from_json(bad.as_bytes()).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn live_batches_carry_when_their_agent_numbered_them() {
+        let b = batch();
+        let mut json = Vec::new();
+        b.write_json_at(1_732_272_000_123, &mut json);
+        let value: serde_json::Value = serde_json::from_slice(&json).expect("json");
+        assert_eq!(value["at_ms"], 1_732_272_000_123_u64);
+        assert_eq!(value["events"][3], serde_json::json!({"type": "cleared"}));
+        assert_eq!(
+            EventBatch::from_json_at(&json).expect("decode"),
+            (b.clone(), Some(1_732_272_000_123))
+        );
+        assert_eq!(EventBatch::from_json(&json).expect("decode"), b);
+        // An older agent's batch, and a replayed one: no time.
+        assert_eq!(
+            EventBatch::from_json_at(&b.to_json()).expect("decode"),
+            (b, None)
+        );
+        for bad in [
+            r#"{"instance_id":"01","seq":1,"at_ms":-1,"events":[]}"#,
+            r#"{"instance_id":"01","seq":1,"at_ms":1,"events":[{"type":"moved"}]}"#,
+            r#"{"seq":1,"at_ms":1,"events":[]}"#,
+        ] {
+            assert!(EventBatch::from_json_at(bad.as_bytes()).is_err(), "{bad}");
         }
     }
 

@@ -97,7 +97,16 @@ pub(crate) async fn proxy<F: Frontend>(
                 code = error.code(),
                 "a migrated stream found no instance to continue on"
             );
-            end_broken(frontend, FailureKind::Reset, record).await
+            if let Some(pool) = record.pool.as_deref() {
+                pool.metrics().migration_failures.inc();
+            }
+            end_broken(
+                frontend,
+                FailureKind::Reset,
+                record,
+                state.limits.write_timeout,
+            )
+            .await
         }
         Err(Stop::Answer(error)) => frontend.reject(record, &state.metrics, &error).await,
         Err(Stop::ClientGone) => {
@@ -239,7 +248,6 @@ async fn run<F: Frontend>(
         }
         // 7. relay
         let metrics = pool.metrics();
-        let idle_timeout = state.limits.idle_timeout;
         trace.relay();
         let mut end = relay(
             frontend,
@@ -247,7 +255,7 @@ async fn run<F: Frontend>(
             &pick,
             record,
             metrics,
-            idle_timeout,
+            &state.limits,
             migration.as_mut(),
         )
         .await;
@@ -295,8 +303,14 @@ async fn run<F: Frontend>(
             // Nowhere to go on: the client's stream ends with an error event.
             end = RelayEnd::UpstreamFailed {
                 kind,
-                clean: end_broken(frontend, kind, record).await,
+                clean: end_broken(frontend, kind, record, state.limits.write_timeout).await,
             };
+        }
+        if matches!(end, RelayEnd::UpstreamFailed { .. })
+            && (unfinished.is_some() || record.migrations > 0)
+        {
+            // A stream that migrated, or was to, ends broken after all.
+            metrics.migration_failures.inc();
         }
         // 8. release
         let reusable = release(state, &pick.instance, engine, end, record).await;

@@ -317,6 +317,56 @@ async fn a_gap_resyncs_from_the_agent_and_the_replay_is_applied_in_order() {
 }
 
 #[tokio::test]
+async fn live_batches_are_timed_from_their_agent_numbering_them_to_the_intake() {
+    let harness = Harness::start().await;
+    let engine = Backend::ok().await;
+    let id = 0xC7;
+    let agent = FakeAgent::serve(
+        &harness.bus,
+        &harness.namespace.snapshot_subject(InstanceId(id)),
+    )
+    .await;
+    let a = prompt(4, 3);
+    agent.script(SnapshotReply::Snapshot {
+        events: vec![RankedEvent {
+            dp_rank: 0,
+            event: stored(&a, 0, 1, 100),
+        }],
+        last_seq: 3,
+    });
+    harness.register(id, &engine.url).await;
+    harness.await_overlap(&engine.url, &a, 1).await;
+    // Batch 4 was numbered 1.5 s ago by its agent's clock; batch 5 carries no time (an older
+    // agent's) and is not timed.
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let mut stamped = Vec::new();
+    batch(id, 4, vec![stored(&a, 1, 2, 100)]).write_json_at(now_ms - 1_500, &mut stamped);
+    harness
+        .bus
+        .publish(
+            &harness.namespace.event_subject(MODEL),
+            Bytes::from(stamped),
+        )
+        .await
+        .unwrap();
+    harness
+        .publish(&batch(id, 5, vec![stored(&a, 2, 3, 100)]))
+        .await;
+    harness.await_overlap(&engine.url, &a, 3).await;
+    let text = harness.metrics().await;
+    for line in [
+        "kvmesh_kv_event_lag_seconds_count{model=\"m\"} 1",
+        "kvmesh_kv_event_lag_seconds_bucket{model=\"m\",le=\"1\"} 0",
+        "kvmesh_kv_event_lag_seconds_bucket{model=\"m\",le=\"2.5\"} 1",
+    ] {
+        assert!(text.contains(line), "no {line:?} in\n{text}");
+    }
+}
+
+#[tokio::test]
 async fn a_snapshot_replaces_what_the_proxy_held_and_garbage_is_counted() {
     let harness = Harness::start().await;
     let engine = Backend::ok().await;

@@ -59,6 +59,11 @@ async fn https_serves_h2_and_http1_by_alpn() {
     assert_eq!(h1.status, 200);
     assert_eq!(h1.alpn.as_deref(), Some(&b"http/1.1"[..]));
     assert_eq!(h1.version, http::Version::HTTP_11);
+    // The certificate's notAfter: rcgen's default, 4096-01-01T00:00:00Z.
+    let expiry = proxy
+        .metric(r#"kvmesh_tls_certificate_expiry_timestamp_seconds{listener="main"}"#)
+        .await;
+    assert_eq!(expiry, 67_090_118_400.0);
     proxy.stop().await;
 }
 

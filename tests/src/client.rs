@@ -101,6 +101,20 @@ impl HttpClient {
         }
     }
 
+    /// [`HttpClient::http1`] with a socket receive buffer of `bytes` (the kernel's minimum
+    /// at least): a response it stops reading fills that little and then holds the server's
+    /// writes, as a client that stalled does.
+    pub fn http1_small_window(bytes: usize) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_recv_buffer_size(Some(bytes));
+        Self {
+            inner: Client::builder(TokioExecutor::new())
+                .retry_canceled_requests(false)
+                .build(connector),
+        }
+    }
+
     /// An h2c (HTTP/2 prior knowledge) client.
     pub fn h2c() -> Self {
         let mut connector = HttpConnector::new();

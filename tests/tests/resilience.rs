@@ -612,3 +612,163 @@ async fn streams_of_several_choices_continue_each_choice_on_another() {
     }
     assert_migrations(&pair.client, &pair.proxy, STREAMS / 2).await;
 }
+
+/// The proxy's resident memory in bytes (`VmRSS` of `/proc/<pid>/status`).
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|kb| kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// The sum over `engines` of their metric `name`.
+async fn engines_total(client: &HttpClient, engines: &[String], name: &str) -> f64 {
+    let mut total = 0.0;
+    for engine in engines {
+        let text = client.get(&format!("{engine}/metrics")).await.unwrap();
+        total +=
+            kvmesh_e2e::control_plane::metric_total(&String::from_utf8_lossy(&text.body), name);
+    }
+    total
+}
+
+/// 200 streams whose clients read the first piece and then nothing. Most are 2,000 tokens
+/// (about 440 KB), which the kernel's socket buffers take whole: the proxy finishes them and
+/// holds nothing for them. Eight are 40,000 tokens (about 9 MB, over the 4 MB a socket's send
+/// buffer grows to here): the proxy's writes stall, and `limits.write_timeout` (5 s here) cuts
+/// each of those, closing its connection and cancelling its engine request. Meanwhile the
+/// proxy's memory grows by at most 64 MB and other clients are served; afterwards nothing is
+/// in flight, on the engines or in the proxy's bookings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_stop_reading_are_cut_by_the_write_timeout_and_hold_nothing() {
+    const STALLED: u32 = 200;
+    const LONG: u32 = 8;
+    let scratch = ScratchDir::new("stalled-readers").unwrap();
+    // Streams as fast as the proxy takes them: a stalled client's buffers fill at once.
+    let sims = start_engines(&scratch, 2, &["--no-delay", "--max-num-seqs", "512"]).unwrap();
+    let engines = engine_urls(&sims);
+    let config = proxy_config(&engines, "limits:\n  write_timeout: 5s\n").replace(
+        "policy: round_robin",
+        "policy: kv\n    kv:\n      block_size: 64",
+    );
+    let proxy = start_proxy(&scratch, &config).unwrap();
+    let metrics_url = format!("{}/metrics", proxy.url("admin"));
+    let url = format!("{}/v1/completions", proxy.url("main"));
+    let prompt = |seed: u32, max_tokens: u32, stream: bool| {
+        let ids: Vec<u32> = (0..128).map(|i| 1_000 + seed * 7_919 + i).collect();
+        let mut body = kvmesh_e2e::control_plane::model_prompt(MODEL, &ids, max_tokens);
+        body["stream"] = serde_json::Value::Bool(stream);
+        body.to_string()
+    };
+    let client = HttpClient::http1();
+    let headers = [("content-type", "application/json")];
+    let warm = client
+        .call(Method::POST, &url, &headers, prompt(0, 4, false))
+        .await
+        .unwrap();
+    assert_eq!(warm.status, 200);
+    let baseline = rss_bytes(proxy.pid());
+
+    // Each stalled client has its own connection with a 4 KiB receive buffer.
+    let stalled_client = HttpClient::http1_small_window(4096);
+    let mut opening = tokio::task::JoinSet::new();
+    for seed in 1..=STALLED {
+        let max_tokens = if seed <= LONG { 40_000 } else { 2_000 };
+        let (client, url, body) = (
+            stalled_client.clone(),
+            url.clone(),
+            prompt(seed, max_tokens, true),
+        );
+        opening.spawn(async move {
+            let headers = [("content-type", "application/json")];
+            let mut stream = client
+                .send(Method::POST, &url, &headers, body)
+                .await
+                .unwrap();
+            assert_eq!(stream.status, 200);
+            assert!(
+                stream.next_chunk().await.unwrap().is_some(),
+                "a first piece"
+            );
+            stream
+        });
+    }
+    let mut opened = Vec::new();
+    while let Some(stream) = opening.join_next().await {
+        opened.push(stream.unwrap());
+    }
+
+    // While they stall: others are served, and the proxy's memory is sampled until the long
+    // streams were cut and nothing is in flight.
+    let in_flight = format!("kvmesh_requests_in_flight{{model=\"{MODEL}\"}}");
+    let cut_series = format!("kvmesh_client_write_timeouts_total{{model=\"{MODEL}\"}}");
+    let mut peak = baseline;
+    let mut served = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    let cut = loop {
+        peak = peak.max(rss_bytes(proxy.pid()));
+        let text = client.get(&metrics_url).await.unwrap();
+        let text = String::from_utf8_lossy(&text.body).into_owned();
+        let metric = |series: &str| kvmesh_e2e::control_plane::metric(&text, series);
+        let cut = metric(&cut_series).unwrap_or(0.0);
+        if cut >= f64::from(LONG) && metric(&in_flight) == Some(0.0) {
+            break cut;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{cut} of {LONG} long streams cut, {:?} in flight",
+            metric(&in_flight)
+        );
+        let answer = client
+            .call(
+                Method::POST,
+                &url,
+                &headers,
+                prompt(10_000 + served, 4, false),
+            )
+            .await
+            .unwrap();
+        assert_eq!(answer.status, 200, "{:?}", answer.body);
+        served += 1;
+    };
+    assert_eq!(
+        cut,
+        f64::from(LONG),
+        "only the streams the kernel could not hold are cut"
+    );
+    assert!(served > 0, "no other client was served while they stalled");
+    let grown = peak.saturating_sub(baseline);
+    assert!(
+        grown <= 64 << 20,
+        "the proxy's memory grew by {} MB while {STALLED} readers stalled",
+        grown >> 20
+    );
+    drop(opened);
+
+    // Nothing is left in flight: not on the engines, not in the proxy's bookings.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while engines_total(&client, &engines, "vllm:num_requests_running").await
+        + engines_total(&client, &engines, "vllm:num_requests_waiting").await
+        > 0.0
+    {
+        assert!(std::time::Instant::now() < deadline, "engines still busy");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let explained = client
+        .call(
+            Method::POST,
+            &format!("{}/debug/route?route=completions", proxy.url("admin")),
+            &headers,
+            prompt(0, 4, false),
+        )
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    for instance in explained["instances"].as_array().expect("instances") {
+        assert_eq!(instance["active_requests"], 0, "{explained}");
+        assert_eq!(instance["active_blocks"], 0, "{explained}");
+    }
+}

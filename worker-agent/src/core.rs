@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard, PoisonError};
-use std::time::Instant;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kvmesh_control::{EventBatch, InstanceId, RankedEvent, SnapshotReply, SnapshotRequest};
@@ -206,7 +206,7 @@ impl Core {
             events,
         };
         state.json.clear();
-        batch.write_json(&mut state.json);
+        batch.write_json_at(unix_ms(), &mut state.json);
         let payload = Bytes::copy_from_slice(&state.json);
         let m = &self.metrics;
         m.events_published.inc_by(batch.events.len() as u64);
@@ -281,4 +281,11 @@ impl Core {
             last_seq: state.last_seq,
         }
     }
+}
+
+/// Now, in Unix milliseconds (a live batch's `at_ms`).
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }

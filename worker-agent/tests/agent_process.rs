@@ -388,7 +388,8 @@ async fn probe_until_forwarded(
     seq: &mut u64,
     probe: &[u32],
 ) -> EventBatch {
-    let published = tokio::time::timeout(10 * SECOND, async {
+    let sent_from = unix_ms();
+    let (published, at_ms) = tokio::time::timeout(10 * SECOND, async {
         loop {
             let frames = vec![
                 b"".to_vec(),
@@ -400,14 +401,27 @@ async fn probe_until_forwarded(
             if let Ok(Some(msg)) =
                 tokio::time::timeout(Duration::from_millis(100), sub.next()).await
             {
-                return EventBatch::from_json(&msg.payload).expect("valid batch");
+                return EventBatch::from_json_at(&msg.payload).expect("valid batch");
             }
         }
     })
     .await
     .expect("the agent receives the probe");
     assert_eq!(stored_sequences(&published), kvmesh_hashes(probe));
+    // A live batch carries when the agent numbered it, for the proxies' lag histogram.
+    let at_ms = at_ms.expect("a live batch carries at_ms");
+    assert!(
+        (sent_from..=unix_ms()).contains(&at_ms),
+        "at_ms {at_ms} outside the probe's time"
+    );
     published
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as u64
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

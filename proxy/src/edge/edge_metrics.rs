@@ -20,6 +20,7 @@ pub(crate) struct EdgeMetrics {
     framing_rejections: IntCounterVec,
     tls_handshake_errors: IntCounterVec,
     tls_reloads: IntCounterVec,
+    tls_expiry: IntGaugeVec,
     config_reloads: IntCounterVec,
     config_last_reload_ok: IntGauge,
 }
@@ -103,6 +104,11 @@ impl EdgeMetrics {
                 "Certificate or key file changes of a TLS listener, by listener and result (ok, rejected).",
                 &["listener", "result"],
             )?,
+            tls_expiry: gauge(
+                "kvmesh_tls_certificate_expiry_timestamp_seconds",
+                "When the certificate a TLS listener serves expires (its notAfter), in Unix seconds, by listener.",
+                &["listener"],
+            )?,
             config_reloads: counter(
                 "kvmesh_config_reloads_total",
                 "Config reloads (SIGHUP, file change, POST /reload), by result (ok, rejected).",
@@ -161,6 +167,7 @@ impl EdgeMetrics {
                 .with_label_values(&[listener, "timeout"]),
             reload_ok: self.tls_reloads.with_label_values(&[listener, "ok"]),
             reload_rejected: self.tls_reloads.with_label_values(&[listener, "rejected"]),
+            certificate_expiry: self.tls_expiry.with_label_values(&[listener]),
         }
     }
 
@@ -274,4 +281,6 @@ pub(crate) struct TlsMetrics {
     pub(crate) reload_ok: IntCounter,
     /// Certificate file changes that could not be used.
     pub(crate) reload_rejected: IntCounter,
+    /// When the certificate in use expires (Unix seconds).
+    pub(crate) certificate_expiry: IntGauge,
 }

@@ -62,11 +62,14 @@ pub(crate) struct Metrics {
     retries: IntCounterVec,
     retry_budget_exhausted: IntCounterVec,
     migrations: IntCounterVec,
+    migration_failures: IntCounterVec,
+    client_write_timeouts: IntCounterVec,
     prefill_legs: IntCounterVec,
     pool_requests: IntCounterVec,
     input_tokens: HistogramVec,
     output_tokens: HistogramVec,
     output_tokens_total: IntCounterVec,
+    input_cached_tokens_total: IntCounterVec,
     instance_in_flight: IntGaugeVec,
     instance_healthy: IntGaugeVec,
     instance_prefill_only_unused: IntGaugeVec,
@@ -156,6 +159,23 @@ impl Metrics {
             ),
             &["model", "kind"],
         )?;
+        let migration_failures = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_migration_failures_total",
+                "Streams that migrated, or were to, and still ended with an error event: no \
+                 instance could take the continuation, or it broke again with no migration left.",
+            ),
+            &["model"],
+        )?;
+        let client_write_timeouts = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_client_write_timeouts_total",
+                "Answers cut because their client took longer than limits.write_timeout to accept \
+                 a piece (it stopped reading): the connection is closed, the engine's request \
+                 cancelled.",
+            ),
+            &["model"],
+        )?;
         let prefill_legs = IntCounterVec::new(
             Opts::new(
                 "kvmesh_prefill_legs_total",
@@ -199,6 +219,14 @@ impl Metrics {
             ),
             &["model"],
         )?;
+        let input_cached_tokens_total = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_input_cached_tokens_total",
+                "Prompt tokens of answered requests that their engine reported as cached \
+                 (usage.prompt_tokens_details.cached_tokens), by model.",
+            ),
+            &["model"],
+        )?;
         let instance_in_flight = IntGaugeVec::new(
             Opts::new(
                 "kvmesh_instance_in_flight",
@@ -238,11 +266,14 @@ impl Metrics {
         registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(retry_budget_exhausted.clone()))?;
         registry.register(Box::new(migrations.clone()))?;
+        registry.register(Box::new(migration_failures.clone()))?;
+        registry.register(Box::new(client_write_timeouts.clone()))?;
         registry.register(Box::new(prefill_legs.clone()))?;
         registry.register(Box::new(pool_requests.clone()))?;
         registry.register(Box::new(input_tokens.clone()))?;
         registry.register(Box::new(output_tokens.clone()))?;
         registry.register(Box::new(output_tokens_total.clone()))?;
+        registry.register(Box::new(input_cached_tokens_total.clone()))?;
         registry.register(Box::new(instance_in_flight.clone()))?;
         registry.register(Box::new(instance_healthy.clone()))?;
         registry.register(Box::new(instance_prefill_only_unused.clone()))?;
@@ -262,11 +293,14 @@ impl Metrics {
             retries,
             retry_budget_exhausted,
             migrations,
+            migration_failures,
+            client_write_timeouts,
             prefill_legs,
             pool_requests,
             input_tokens,
             output_tokens,
             output_tokens_total,
+            input_cached_tokens_total,
             instance_in_flight,
             instance_healthy,
             instance_prefill_only_unused,
@@ -294,6 +328,8 @@ impl Metrics {
             retry_budget_exhausted: self.retry_budget_exhausted.with_label_values(&[model]),
             migrations: FailureKind::ALL
                 .map(|kind| self.migrations.with_label_values(&[model, kind.label()])),
+            migration_failures: self.migration_failures.with_label_values(&[model]),
+            client_write_timeouts: self.client_write_timeouts.with_label_values(&[model]),
             prefill_legs: PrefillLeg::ALL
                 .map(|leg| self.prefill_legs.with_label_values(&[model, leg.label()])),
             pool_requests: self.pool_requests.clone(),
@@ -301,6 +337,7 @@ impl Metrics {
             input_tokens: self.input_tokens.with_label_values(&[model]),
             output_tokens: self.output_tokens.with_label_values(&[model]),
             output_tokens_total: self.output_tokens_total.with_label_values(&[model]),
+            input_cached_tokens: self.input_cached_tokens_total.with_label_values(&[model]),
             routes: self.routes(model),
             rpcs: self.rpcs(model),
         }
@@ -417,6 +454,10 @@ pub(crate) struct ModelMetrics {
     pub(crate) retry_budget_exhausted: IntCounter,
     /// `kvmesh_migrations_total{model,kind}`, by [`FailureKind`] index.
     pub(crate) migrations: [IntCounter; FAILURE_KINDS],
+    /// `kvmesh_migration_failures_total{model}`.
+    pub(crate) migration_failures: IntCounter,
+    /// `kvmesh_client_write_timeouts_total{model}`.
+    pub(crate) client_write_timeouts: IntCounter,
     /// `kvmesh_prefill_legs_total{model,outcome}`, by [`PrefillLeg`].
     prefill_legs: [IntCounter; 3],
     /// `kvmesh_pool_requests_total` (children resolved per request: pools vary by model).
@@ -429,6 +470,8 @@ pub(crate) struct ModelMetrics {
     output_tokens: Histogram,
     /// `kvmesh_output_tokens_total{model}`.
     output_tokens_total: IntCounter,
+    /// `kvmesh_input_cached_tokens_total{model}`.
+    input_cached_tokens: IntCounter,
     /// Per-route request counts and durations.
     pub(crate) routes: RouteTable,
     /// Per-RPC request counts and durations of the gRPC listener.
@@ -471,10 +514,14 @@ impl ModelMetrics {
         self.prefill_legs[leg as usize].inc();
     }
 
-    /// Counts an answered request's `prompt` (when known) and `completion` tokens.
-    pub(crate) fn observe_tokens(&self, prompt: Option<u64>, completion: u64) {
+    /// Counts an answered request's `prompt` tokens (when known), the `cached` part of them
+    /// its engine reported (when it did) and its `completion` tokens.
+    pub(crate) fn observe_tokens(&self, prompt: Option<u64>, cached: Option<u64>, completion: u64) {
         if let Some(prompt) = prompt {
             self.input_tokens.observe(prompt as f64);
+        }
+        if let Some(cached) = cached {
+            self.input_cached_tokens.inc_by(cached);
         }
         self.output_tokens.observe(completion as f64);
         self.output_tokens_total.inc_by(completion);
@@ -642,6 +689,10 @@ mod tests {
         model.in_flight.inc();
         model.time_to_first_token.observe(0.1);
         model.inter_token_latency.observe(0.01);
+        model.observe_tokens(Some(70), Some(64), 5);
+        model.observe_tokens(Some(30), None, 2);
+        model.migration_failures.inc();
+        model.client_write_timeouts.inc();
         let instance = metrics.instance("qwen3", "http://127.0.0.1:1");
         instance.count_error(FailureKind::Connect);
         instance.set_state(3, true, false);
@@ -658,6 +709,11 @@ mod tests {
             "kvmesh_request_duration_seconds_count{model=\"qwen3\",protocol=\"http\",route=\"chat_completions\"} 2",
             "kvmesh_time_to_first_token_seconds_count{model=\"qwen3\"} 1",
             "kvmesh_inter_token_latency_seconds_count{model=\"qwen3\"} 1",
+            "kvmesh_input_tokens_sum{model=\"qwen3\"} 100",
+            "kvmesh_input_cached_tokens_total{model=\"qwen3\"} 64",
+            "kvmesh_output_tokens_total{model=\"qwen3\"} 7",
+            "kvmesh_migration_failures_total{model=\"qwen3\"} 1",
+            "kvmesh_client_write_timeouts_total{model=\"qwen3\"} 1",
             "kvmesh_upstream_errors_total{instance=\"http://127.0.0.1:1\",kind=\"connect\",model=\"qwen3\"} 1",
             "kvmesh_instance_in_flight{instance=\"http://127.0.0.1:1\",model=\"qwen3\"} 3",
             "kvmesh_instance_healthy{instance=\"http://127.0.0.1:1\",model=\"qwen3\"} 1",

@@ -86,8 +86,11 @@ impl Record {
     pub(crate) fn count_tokens(&self) {
         if let Some(pool) = self.pool.as_deref().filter(|_| self.status == 200) {
             let prompt = self.tokens.prompt_tokens().or(self.prompt_tokens);
-            pool.metrics()
-                .observe_tokens(prompt, self.tokens.completion_tokens());
+            pool.metrics().observe_tokens(
+                prompt,
+                self.tokens.cached_tokens(),
+                self.tokens.completion_tokens(),
+            );
         }
     }
 

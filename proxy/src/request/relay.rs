@@ -19,6 +19,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use tokio::time::Instant;
 
+use kvmesh_config::LimitsConfig;
 use kvmesh_route::kv::Booking;
 
 use crate::edge::auth::CompletionMeter;
@@ -50,6 +51,8 @@ pub(crate) struct RelayContext<'a> {
     pub(crate) started: Instant,
     /// Longest gap allowed between two upstream body chunks.
     pub(crate) idle_timeout: Duration,
+    /// Longest the client may take to accept one piece ([`to_client`]).
+    pub(crate) write_timeout: Duration,
     /// The response is `text/event-stream`.
     pub(crate) event_stream: bool,
     /// How the client-side body is framed.
@@ -90,14 +93,15 @@ pub(crate) enum RelayEnd {
 
 /// Starts the client's answer to the engine response `engine` from `pick` (a continuation of
 /// `migration`'s stream: goes on with the answer already started), then relays its body
-/// within `idle_timeout` between pieces.
+/// within `limits.idle_timeout` between pieces, each taken by the client within
+/// `limits.write_timeout`.
 pub(crate) async fn relay<F: Frontend>(
     frontend: &mut F,
     engine: &mut UpstreamSession,
     pick: &Pick<'_>,
     record: &mut Record,
     metrics: &ModelMetrics,
-    idle_timeout: Duration,
+    limits: &LimitsConfig,
     migration: Option<&mut Migration>,
 ) -> RelayEnd {
     let continued = migration.as_ref().and_then(|m| m.framing());
@@ -123,7 +127,8 @@ pub(crate) async fn relay<F: Frontend>(
     };
     let ctx = RelayContext {
         started: record.started,
-        idle_timeout,
+        idle_timeout: limits.idle_timeout,
+        write_timeout: limits.write_timeout,
         event_stream: engine.is_event_stream(),
         framing,
         metrics,
@@ -148,9 +153,11 @@ pub(crate) async fn relay<F: Frontend>(
     }
     migration.started(framing);
     if continued.is_some()
-        && !frontend
-            .write_body(migration_note(record.migrations, migration, pick), false)
-            .await
+        && !to_client(
+            &ctx,
+            frontend.write_body(migration_note(record.migrations, migration, pick), false),
+        )
+        .await
     {
         return RelayEnd::ClientGone;
     }
@@ -256,7 +263,9 @@ pub(crate) async fn relay_body<F: Frontend>(
         {
             let passed = migration.pass(whole);
             if passed.broken && migration.may_continue() {
-                if !passed.forward.is_empty() && !frontend.write_body(passed.forward, false).await {
+                if !passed.forward.is_empty()
+                    && !to_client(ctx, frontend.write_body(passed.forward, false)).await
+                {
                     return RelayEnd::ClientGone;
                 }
                 return RelayEnd::Broken(FailureKind::Reset);
@@ -273,9 +282,11 @@ pub(crate) async fn relay_body<F: Frontend>(
             booking.release();
         }
         if last && migration.as_ref().is_some_and(|m| m.another_choice()) {
-            return choice_done(frontend, out).await;
+            return choice_done(frontend, ctx, out).await;
         }
-        if (out.is_some() || last) && !frontend.write_body(out.unwrap_or_default(), last).await {
+        if (out.is_some() || last)
+            && !to_client(ctx, frontend.write_body(out.unwrap_or_default(), last)).await
+        {
             return RelayEnd::ClientGone;
         }
         if last {
@@ -292,9 +303,9 @@ pub(crate) async fn relay_body<F: Frontend>(
         booking.release();
     }
     if migration.is_some_and(|m| m.another_choice()) {
-        return choice_done(frontend, Some(rest)).await;
+        return choice_done(frontend, ctx, Some(rest)).await;
     }
-    if !frontend.write_body(rest, true).await {
+    if !to_client(ctx, frontend.write_body(rest, true)).await {
         return RelayEnd::ClientGone;
     }
     RelayEnd::Complete
@@ -302,9 +313,13 @@ pub(crate) async fn relay_body<F: Frontend>(
 
 /// Writes `out`, the last piece of a continuation whose choice finished, and leaves the
 /// client's answer open for the next choice.
-async fn choice_done<F: Frontend>(frontend: &mut F, out: Option<Bytes>) -> RelayEnd {
+async fn choice_done<F: Frontend>(
+    frontend: &mut F,
+    ctx: &RelayContext<'_>,
+    out: Option<Bytes>,
+) -> RelayEnd {
     if let Some(out) = out.filter(|out| !out.is_empty())
-        && !frontend.write_body(out, false).await
+        && !to_client(ctx, frontend.write_body(out, false)).await
     {
         return RelayEnd::ClientGone;
     }
@@ -399,21 +414,46 @@ async fn fail<F: Frontend>(
             held.clear();
             error_event(kind, partial_sent)
         });
-    let clean = frontend.end_broken(kind, event).await;
+    let clean = to_client(ctx, frontend.end_broken(kind, event)).await;
     RelayEnd::UpstreamFailed { kind, clean }
 }
 
-/// Ends a stream that broke off and cannot continue with an error event; returns whether
-/// the answer ended cleanly.
+/// Runs `write`, a write to the client, within `ctx`'s write timeout: a client that takes
+/// longer stopped reading, and its answer is cut (`false`: its connection is closed, the
+/// engine's request cancelled), counted in `kvmesh_client_write_timeouts_total`.
+async fn to_client(ctx: &RelayContext<'_>, write: impl Future<Output = bool>) -> bool {
+    within_write_timeout(ctx.write_timeout, ctx.metrics, write).await
+}
+
+/// [`to_client`] with the timeout and metrics given.
+async fn within_write_timeout(
+    limit: Duration,
+    metrics: &ModelMetrics,
+    write: impl Future<Output = bool>,
+) -> bool {
+    match tokio::time::timeout(limit, write).await {
+        Ok(written) => written,
+        Err(_) => {
+            metrics.client_write_timeouts.inc();
+            false
+        }
+    }
+}
+
+/// Ends a stream that broke off and cannot continue with an error event, taken by the
+/// client within `write_timeout`; returns whether the answer ended cleanly.
 pub(crate) async fn end_broken<F: Frontend>(
     frontend: &mut F,
     kind: FailureKind,
     record: &mut Record,
+    write_timeout: Duration,
 ) -> bool {
     record.upstream_failure = Some(kind);
-    frontend
-        .end_broken(kind, Some(error_event(kind, false)))
-        .await
+    let write = frontend.end_broken(kind, Some(error_event(kind, false)));
+    match record.pool.as_deref() {
+        Some(pool) => within_write_timeout(write_timeout, pool.metrics(), write).await,
+        None => write.await,
+    }
 }
 
 /// `data: {"error":{...}}` followed by a blank line.

@@ -545,10 +545,14 @@ fn listener_tls(
                 return Ok(None);
             };
             let settings = TlsSettings::load(tls, &format!("listeners[{i}].tls"))?;
+            let metrics = metrics.edge.tls(&listener.name);
             Ok(Some(Arc::new(ListenerTls {
                 listener: listener.name.clone(),
-                terminator: Arc::new(TlsTerminator::new(settings)),
-                metrics: metrics.edge.tls(&listener.name),
+                terminator: Arc::new(TlsTerminator::new(
+                    settings,
+                    metrics.certificate_expiry.clone(),
+                )),
+                metrics,
             })))
         })
         .collect()
@@ -561,10 +565,14 @@ fn epp_tls(config: &Config, metrics: &Metrics) -> Result<Option<Arc<ListenerTls>
         return Ok(None);
     };
     let settings = TlsSettings::load(tls, "epp.tls")?;
+    let metrics = metrics.edge.tls(EPP_LISTENER);
     Ok(Some(Arc::new(ListenerTls {
         listener: EPP_LISTENER.to_string(),
-        terminator: Arc::new(TlsTerminator::new(settings)),
-        metrics: metrics.edge.tls(EPP_LISTENER),
+        terminator: Arc::new(TlsTerminator::new(
+            settings,
+            metrics.certificate_expiry.clone(),
+        )),
+        metrics,
     })))
 }
 

@@ -29,6 +29,23 @@ pub(crate) fn certificates(
     Ok(chain)
 }
 
+/// When `certificate` (read from `file`) expires: its `notAfter`, in Unix seconds.
+pub(crate) fn not_after(
+    certificate: &CertificateDer<'_>,
+    file: &Path,
+    field: &str,
+) -> Result<i64, TlsError> {
+    x509_parser::parse_x509_certificate(certificate)
+        .map(|(_, parsed)| parsed.validity().not_after.timestamp())
+        .map_err(|error| {
+            TlsError::new(
+                field,
+                file,
+                format!("not a readable X.509 certificate: {error}"),
+            )
+        })
+}
+
 /// The first private key in `file` (PKCS#8, PKCS#1 or SEC1).
 pub(crate) fn private_key(file: &Path, field: &str) -> Result<PrivateKeyDer<'static>, TlsError> {
     let bytes = read(file, field)?;

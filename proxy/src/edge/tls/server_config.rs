@@ -17,15 +17,16 @@ pub(crate) fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-/// Reads `tls`'s files and builds the server configuration; `field` is the
-/// section's path (`listeners[i].tls`) for errors.
+/// Reads `tls`'s files and builds the server configuration, with when its certificate
+/// expires (Unix seconds); `field` is the section's path (`listeners[i].tls`) for errors.
 pub(crate) fn server_config(
     tls: &ListenerTlsConfig,
     field: &str,
-) -> Result<Arc<ServerConfig>, TlsError> {
+) -> Result<(Arc<ServerConfig>, i64), TlsError> {
     let cert_field = format!("{field}.cert");
     let key_field = format!("{field}.key");
     let chain = pem::certificates(&tls.cert, &cert_field)?;
+    let expires = pem::not_after(&chain[0], &tls.cert, &cert_field)?;
     let key = pem::private_key(&tls.key, &key_field)?;
     let provider = provider();
     let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))
@@ -59,5 +60,5 @@ pub(crate) fn server_config(
         )
     })?;
     config.alpn_protocols = ALPN.iter().map(|protocol| protocol.to_vec()).collect();
-    Ok(Arc::new(config))
+    Ok((Arc::new(config), expires))
 }

@@ -11,6 +11,7 @@ use kvmesh_config::ListenerTlsConfig;
 use pingora_core::listeners::tls::Acceptor;
 use pingora_core::protocols::Stream;
 use pingora_core::protocols::l4::stream::Stream as L4Stream;
+use prometheus::IntGauge;
 use rustls::ServerConfig;
 use tokio::net::TcpStream;
 
@@ -24,6 +25,8 @@ pub(crate) struct TlsSettings {
     field: String,
     stamps: FileStamps,
     config: Arc<ServerConfig>,
+    /// When the certificate expires, in Unix seconds.
+    expires: i64,
 }
 
 impl TlsSettings {
@@ -32,12 +35,13 @@ impl TlsSettings {
     pub(crate) fn load(tls: &ListenerTlsConfig, field: &str) -> Result<Self, TlsError> {
         // Stamped before reading, so a change during the read is seen by the next poll.
         let stamps = FileStamps::of(files(tls));
-        let config = server_config(tls, field)?;
+        let (config, expires) = server_config(tls, field)?;
         Ok(Self {
             settings: tls.clone(),
             field: field.to_string(),
             stamps,
             config,
+            expires,
         })
     }
 }
@@ -70,14 +74,18 @@ pub(crate) struct TlsTerminator {
     current: ArcSwap<TlsSettings>,
     /// Stamps of the last attempt, so a broken file is reported once per change.
     attempted: Mutex<FileStamps>,
+    /// `kvmesh_tls_certificate_expiry_timestamp_seconds{listener}`: the current certificate's.
+    expiry: IntGauge,
 }
 
 impl TlsTerminator {
-    /// A terminator serving `settings`.
-    pub(crate) fn new(settings: TlsSettings) -> Self {
+    /// A terminator serving `settings`, showing when its certificate expires on `expiry`.
+    pub(crate) fn new(settings: TlsSettings, expiry: IntGauge) -> Self {
+        expiry.set(settings.expires);
         Self {
             attempted: Mutex::new(settings.stamps.clone()),
             current: ArcSwap::from_pointee(settings),
+            expiry,
         }
     }
 
@@ -88,6 +96,12 @@ impl TlsTerminator {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         *attempted = settings.stamps.clone();
+        self.store(settings);
+    }
+
+    /// Serves `settings` from the next handshake on.
+    fn store(&self, settings: TlsSettings) {
+        self.expiry.set(settings.expires);
         self.current.store(Arc::new(settings));
     }
 
@@ -106,7 +120,7 @@ impl TlsTerminator {
         match TlsSettings::load(&current.settings, &current.field) {
             Ok(settings) => {
                 *attempted = settings.stamps.clone();
-                self.current.store(Arc::new(settings));
+                self.store(settings);
                 Refresh::Reloaded
             }
             Err(error) => Refresh::Rejected(error),

@@ -544,8 +544,8 @@ impl Actor {
     }
 
     fn on_batch(&mut self, message: &Message) {
-        let batch = match EventBatch::from_json(&message.payload) {
-            Ok(batch) => batch,
+        let (batch, at_ms) = match EventBatch::from_json_at(&message.payload) {
+            Ok(stamped) => stamped,
             Err(error) => {
                 self.metrics.malformed(Malformed::Batch);
                 tracing::debug!(subject = %message.subject, %error, "malformed KV event batch");
@@ -553,9 +553,12 @@ impl Actor {
             }
         };
         let id = batch.instance_id.0;
-        if !self.members.contains_key(&id) {
+        let Some(member) = self.members.get(&id) else {
             self.metrics.dropped(Dropped::UnknownInstance, 1);
             return;
+        };
+        if let Some(at_ms) = at_ms {
+            self.metrics.observe_lag(&member.model, at_ms);
         }
         let outcome = self.tracker.on_batch(batch);
         self.execute(id, outcome);

@@ -1,6 +1,10 @@
 //! Metrics of discovery and event intake (registered with the proxy's other families).
 
-use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+};
 
 use crate::metrics::families::{Metrics, MetricsError};
 use crate::runtime::control_plane::sequence::ResyncReason;
@@ -18,6 +22,8 @@ pub(crate) struct ControlMetrics {
     pub(crate) events_applied: IntCounterVec,
     /// `kvmesh_kv_event_gaps_total{model}`.
     pub(crate) event_gaps: IntCounterVec,
+    /// `kvmesh_kv_event_lag_seconds{model}`.
+    event_lag: HistogramVec,
     /// `kvmesh_kv_resyncs_total{reason}`.
     resyncs: IntCounterVec,
     /// `kvmesh_kv_events_malformed_total{kind}`.
@@ -90,6 +96,11 @@ impl Dropped {
     }
 }
 
+/// Buckets of `kvmesh_kv_event_lag_seconds`: 1 ms (its resolution) to a minute.
+const LAG_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
 impl ControlMetrics {
     /// Creates the families and registers them in `metrics`.
     pub(crate) fn new(metrics: &Metrics) -> Result<Self, MetricsError> {
@@ -120,6 +131,15 @@ impl ControlMetrics {
                 "kvmesh_kv_event_gaps_total",
                 "Gaps detected in an instance's batch numbers (each triggers a resync).",
             ),
+            &["model"],
+        )?;
+        let event_lag = HistogramVec::new(
+            HistogramOpts::new(
+                "kvmesh_kv_event_lag_seconds",
+                "From an agent numbering a live KV event batch to this proxy's intake taking it \
+                 (the agent's and the proxy's clocks: their skew adds), per model.",
+            )
+            .buckets(LAG_BUCKETS.to_vec()),
             &["model"],
         )?;
         let resyncs = IntCounterVec::new(
@@ -166,6 +186,7 @@ impl ControlMetrics {
         metrics.register(Box::new(discovery_connected.clone()))?;
         metrics.register(Box::new(events_applied.clone()))?;
         metrics.register(Box::new(event_gaps.clone()))?;
+        metrics.register(Box::new(event_lag.clone()))?;
         metrics.register(Box::new(resyncs.clone()))?;
         metrics.register(Box::new(malformed.clone()))?;
         metrics.register(Box::new(dropped.clone()))?;
@@ -184,6 +205,7 @@ impl ControlMetrics {
             discovery_connected,
             events_applied,
             event_gaps,
+            event_lag,
             resyncs,
             malformed,
             dropped,
@@ -191,6 +213,17 @@ impl ControlMetrics {
             index_source,
             load_reports,
         })
+    }
+
+    /// Observes how late a live batch of `model` numbered at `at_ms` (Unix milliseconds, by
+    /// its agent's clock) reached the intake; a clock ahead of this one counts as no lag.
+    pub(crate) fn observe_lag(&self, model: &str, at_ms: u64) {
+        let now_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        self.event_lag
+            .with_label_values(&[model])
+            .observe(now_ms.saturating_sub(at_ms) as f64 / 1000.0);
     }
 
     /// Counts a resync request.
