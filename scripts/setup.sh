@@ -13,8 +13,9 @@ cd "$(dirname "$0")/.."
 # rules (tests/python/test_prometheus_rules.py); openssl: the dashboard test's TLS certificate;
 # mmdebstrap, podman and runc (22 MB download, 96 MB installed): scripts/images.sh builds the
 # container images from Debian's packages and tests/images runs them (runc: crun, podman's
-# default, cannot run where cgroup v1 and v2 are mixed).
-APT_PACKAGES=(cmake protobuf-compiler libprotobuf-dev etcd-server nats-server prometheus openssl mmdebstrap podman runc)
+# default, cannot run where cgroup v1 and v2 are mixed); faketime: agents whose clocks are off
+# (tests/tests/control_plane.rs).
+APT_PACKAGES=(cmake protobuf-compiler libprotobuf-dev etcd-server nats-server prometheus openssl mmdebstrap podman runc faketime)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -15,8 +15,14 @@ pub struct LoadReport {
     pub waiting: u64,
     /// KV cache usage, 0.0 to 1.0 (`vllm:kv_cache_usage_perc`).
     pub kv_usage: f64,
-    /// When it was scraped, in Unix milliseconds.
+    /// When it was scraped, in Unix milliseconds (on the agent's clock).
     pub at_ms: u64,
+    /// How long before it was published the engine was scraped, in milliseconds measured on
+    /// the agent's own clock: unlike `at_ms` it needs no clock the proxy shares, so an
+    /// agent's clock that runs ahead or behind does not age its reports. Absent (older
+    /// agents): the proxy compares `at_ms` with its own clock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub age_ms: Option<u64>,
     /// Whether the agent's view of the engine's KV cache is whole: `false` once KV events
     /// were lost that the engine's replay buffer could not restore (an agent started after
     /// its engine whose buffer no longer reaches back, a gap the replay could not fill),

@@ -1014,6 +1014,7 @@ fn idle_report(
         waiting: 0,
         kv_usage: 0.0,
         at_ms: 0,
+        age_ms: None,
         events_complete,
         last_seq,
     }

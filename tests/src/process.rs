@@ -50,6 +50,17 @@ impl Spawned {
         Self::launch(bin, &["taskset", "-c", "0"], args, log_dir)
     }
 
+    /// [`Spawned::start`] through `wrapper`, a command that execs the binary it is given
+    /// (e.g. `faketime -f +30s`).
+    pub fn start_wrapped(
+        wrapper: &[&str],
+        bin: &str,
+        args: &[String],
+        log_dir: &std::path::Path,
+    ) -> anyhow::Result<Self> {
+        Self::launch(bin, wrapper, args, log_dir)
+    }
+
     /// Starts `bin` through `wrapper` (a command that execs it, or nothing).
     fn launch(
         bin: &str,

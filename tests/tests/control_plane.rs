@@ -34,6 +34,8 @@
 //!   pings, and healed, only the batches it missed are resynced;
 //! - an etcd member that hangs (SIGSTOP) is left: an agent registers through the others, the
 //!   proxy lists it within 10 s, and leases are renewed;
+//! - load reports of agents whose clocks run 30 s ahead or behind count at once, and for the
+//!   TTL after they stop, no longer;
 //! - a three-member etcd cluster loses its leader: the proxy keeps serving, an agent that
 //!   starts meanwhile registers, and every lease is renewed through the new leader;
 //! - etcd and NATS on TLS with user / password auth: the agent and the proxy connect with
@@ -1822,6 +1824,121 @@ async fn an_etcd_member_that_hangs_is_left_within_ten_seconds() -> anyhow::Resul
     let text = String::from_utf8_lossy(&client.get(&metrics).await?.body).into_owned();
     assert_eq!(metric(&text, "kvmesh_discovery_connected"), Some(1.0));
     cluster.resume(0)?;
+    assert_no_panic(&proxy);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_reports_of_agents_whose_clocks_are_off_count_as_long_as_any_other()
+-> anyhow::Result<()> {
+    /// `events.load_report_ttl` here.
+    const TTL: Duration = Duration::from_secs(2);
+    let _serial = SERIAL.lock().await;
+    let scratch = ScratchDir::new("cp-clock-skew")?;
+    let servers = Servers::start(&scratch).await?;
+    // In real time: a stream holds its KV blocks while it runs.
+    let (_sim, engines) = start_timed_event_engines(&scratch, 2)?;
+    // One agent's clock runs 30 s ahead, the other's 30 s behind: libfaketime (Debian's
+    // faketime package, scripts/setup.sh), preloaded by `env`, which execs the agent (the
+    // `faketime` command would fork, and the agent would not be the process paused below).
+    let libfaketime = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+    anyhow::ensure!(
+        std::path::Path::new(libfaketime).exists(),
+        "{libfaketime} is missing: scripts/setup.sh installs the faketime package"
+    );
+    let preload = format!("LD_PRELOAD={libfaketime}");
+    let agents = engines
+        .iter()
+        .zip(["FAKETIME=+30s", "FAKETIME=-30s"])
+        .map(|(engine, offset)| {
+            let mut args = agent_args(&servers, engine, LONG_TTL, DRAIN);
+            args.extend(["--block-size".to_string(), BLOCK_SIZE.to_string()]);
+            let wrapper = [
+                "env",
+                preload.as_str(),
+                offset,
+                "FAKETIME_DONT_FAKE_MONOTONIC=1",
+            ];
+            Spawned::start_wrapped(&wrapper, "kvmesh-agent", &args, scratch.path())
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let proxy = start_proxy(
+        &scratch,
+        &control_proxy_config(&servers, "  load_report_ttl: 2s\n"),
+    )?;
+    let client = HttpClient::default();
+    let metrics = metrics_url(&proxy);
+    await_instances(&client, &metrics, 2.0).await?;
+    await_events_live(&client, &metrics).await?;
+    // Their reports do carry clocks 30 s off: one ahead, one behind.
+    let bus = NatsBus::connect(&servers.nats.url(), "kvmesh-e2e").await?;
+    let mut loads = bus.subscribe(&format!("kvmesh.load.{MODEL}")).await?;
+    let mut offsets = std::collections::BTreeMap::new();
+    while offsets.len() < 2 {
+        let message = tokio::time::timeout(CONVERGE, loads.next())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("the load subscription ended"))?;
+        let report = kvmesh_control::LoadReport::from_json(&message.payload)?;
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_millis() as i64;
+        offsets.insert(report.instance_id.0, (report.at_ms as i64 - now_ms) / 1000);
+    }
+    let mut offsets: Vec<i64> = offsets.into_values().collect();
+    offsets.sort_unstable();
+    assert!(
+        (-32..=-28).contains(&offsets[0]) && (28..=32).contains(&offsets[1]),
+        "the agents' clocks are off by {offsets:?} s"
+    );
+
+    // A long stream straight on each engine (the proxy does not count it itself): its KV
+    // blocks reach the proxy only through the agents' load reports, which count at once.
+    let mut streams = Vec::new();
+    for (seed, engine) in (20..).zip(&engines) {
+        let mut body = token_prompt(&prompt_tokens(seed, 4), 20_000);
+        body["stream"] = serde_json::Value::Bool(true);
+        let url = format!("{}/v1/completions", engine.url);
+        let headers = [("content-type", "application/json")];
+        let mut stream = client
+            .send(Method::POST, &url, &headers, body.to_string())
+            .await?;
+        assert_eq!(stream.status, 200);
+        assert!(stream.next_chunk().await?.is_some());
+        streams.push(stream);
+    }
+    let probe = token_prompt(&prompt_tokens(30, 2), 1);
+    // The instance's KV blocks in use beyond the proxy's own requests (it has none): what
+    // the agent's load report says.
+    let reported = |explained: &serde_json::Value, engine: &Engine| {
+        explained_instance(explained, &engine.url)["active_blocks"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    await_explained(&client, &proxy, &probe, None, |explained| {
+        engines.iter().all(|engine| reported(explained, engine) > 0)
+    })
+    .await?;
+    // The agents stop (SIGSTOP): their last reports count for the TTL after the proxy took
+    // them, and no longer, whichever way their clocks are off.
+    for agent in &agents {
+        agent.pause()?;
+    }
+    let stopped = Instant::now();
+    await_explained(&client, &proxy, &probe, None, |explained| {
+        engines
+            .iter()
+            .all(|engine| reported(explained, engine) == 0)
+    })
+    .await?;
+    let counted = stopped.elapsed();
+    assert!(
+        counted < TTL + Duration::from_millis(1500),
+        "the last reports counted {counted:?} after the agents stopped (TTL {TTL:?})"
+    );
+    for agent in &agents {
+        agent.resume()?;
+    }
+    drop(streams);
     assert_no_panic(&proxy);
     Ok(())
 }

@@ -2,7 +2,7 @@
 //! model's load subject.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kvmesh_control::{EventBus, InstanceId, LoadReport};
@@ -51,6 +51,7 @@ pub fn parse_load(
         waiting: waiting.max(0.0) as u64,
         kv_usage: kv_usage.clamp(0.0, 1.0),
         at_ms,
+        age_ms: None,
         events_complete: true,
         last_seq: None,
     })
@@ -73,6 +74,7 @@ pub(crate) async fn run(
     let timeout = interval.max(Duration::from_millis(500));
     loop {
         tick.tick().await;
+        let scraped = Instant::now();
         let at_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
@@ -96,6 +98,7 @@ pub(crate) async fn run(
         };
         report.events_complete = metrics.events_complete.get() == 1;
         report.last_seq = Some(core.last_seq());
+        report.age_ms = Some(u64::try_from(scraped.elapsed().as_millis()).unwrap_or(u64::MAX));
         metrics.load_reports.with_label_values(&["ok"]).inc();
         metrics
             .engine_running

@@ -150,6 +150,12 @@ async fn events_translated_published_and_resynced(encoding: KvEventEncoding, has
     let report = LoadReport::from_json(&report.payload).expect("valid load report");
     assert_eq!(report.instance_id, record.instance_id);
     assert!(report.at_ms > 0);
+    // Scraped moments before it was published, on the agent's own clock.
+    let age_ms = report.age_ms.expect("a report carries its age");
+    assert!(
+        age_ms < 5_000,
+        "scraped {age_ms} ms before it was published"
+    );
 
     // NATS restarts: the agent reconnects and goes on; what it could not publish meanwhile
     // is in its ring buffer.

@@ -578,12 +578,16 @@ impl Actor {
             return;
         };
         if let Some(router) = member.pool.balancer().kv_router() {
-            // The engine was scraped at `at_ms` on the agent's clock (0 when unknown).
-            let now_ms = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |now| now.as_millis() as u64);
-            let age = Duration::from_millis(now_ms.saturating_sub(report.at_ms))
-                .min(self.settings.load_report_ttl);
+            // How long ago the engine was scraped: `age_ms` before publishing, on the agent's
+            // own clock (the bus adds milliseconds); from older agents, `at_ms` on the
+            // agent's clock against this proxy's (0 when unknown).
+            let age_ms = report.age_ms.unwrap_or_else(|| {
+                let now_ms = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |now| now.as_millis() as u64);
+                now_ms.saturating_sub(report.at_ms)
+            });
+            let age = Duration::from_millis(age_ms).min(self.settings.load_report_ttl);
             router.report_load(
                 id,
                 report.waiting,
