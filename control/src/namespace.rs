@@ -55,6 +55,10 @@ pub fn decode_model(token: &str) -> Result<String, ControlError> {
     while i < bytes.len() {
         if bytes[i] == b'%' {
             let hex = bytes.get(i + 1..i + 3).ok_or_else(bad)?;
+            // Two hex digits: `from_str_radix` alone would take `%+5` as 0x05.
+            if !hex.iter().all(u8::is_ascii_hexdigit) {
+                return Err(bad());
+            }
             let hex = std::str::from_utf8(hex).map_err(|_| bad())?;
             out.push(u8::from_str_radix(hex, 16).map_err(|_| bad())?);
             i += 3;
@@ -168,6 +172,11 @@ impl Namespace {
     pub fn replica_load_subject(&self) -> String {
         format!("{}.replica_load", self.0)
     }
+
+    /// `{ns}.key_usage`: where proxy replicas share what their API keys consumed.
+    pub fn key_usage_subject(&self) -> String {
+        format!("{}.key_usage", self.0)
+    }
 }
 
 #[cfg(test)]
@@ -190,6 +199,7 @@ mod tests {
         assert_eq!(ns.sessions_subject(), "kvmesh.sessions");
         assert_eq!(ns.replica_load_subject(), "kvmesh.replica_load");
         assert_eq!(ns.decisions_subject(), "kvmesh.decisions");
+        assert_eq!(ns.key_usage_subject(), "kvmesh.key_usage");
         assert_eq!(ns.instances_prefix(), "/kvmesh/instances/");
         assert_eq!(ns.all_events_subject(), "kvmesh.kv.*");
     }
@@ -207,6 +217,8 @@ mod tests {
         assert!(decode_model("bad%2").is_err());
         assert!(decode_model("bad%zz").is_err());
         assert!(decode_model("%FF").is_err());
+        // Found by fuzz/ (control_json): an escape is `%` and two hex digits, no sign.
+        assert!(decode_model("Z%+05.e").is_err());
     }
 
     #[test]

@@ -245,6 +245,11 @@ struct TwoReplicas {
 
 impl TwoReplicas {
     async fn start(label: &str) -> anyhow::Result<Self> {
+        Self::start_with(label, "").await
+    }
+
+    /// [`TwoReplicas::start`] with `extra` appended to the proxies' config.
+    async fn start_with(label: &str, extra: &str) -> anyhow::Result<Self> {
         let scratch = ScratchDir::new(label)?;
         let servers = Servers::start(&scratch).await?;
         let (sim, engines) = start_event_engines(&scratch, 2)?;
@@ -252,7 +257,7 @@ impl TwoReplicas {
             .iter()
             .map(|engine| start_agent(&scratch, &servers, engine, LONG_TTL, DRAIN))
             .collect::<anyhow::Result<Vec<_>>>()?;
-        let config = control_proxy_config(&servers, "");
+        let config = control_proxy_config(&servers, extra);
         Ok(Self {
             proxy_a: start_proxy(&scratch, &config)?,
             proxy_b: start_proxy(&scratch, &config)?,
@@ -1155,6 +1160,165 @@ async fn a_replica_counts_the_requests_and_speeds_another_has_learned() -> anyho
     .await?;
     assert_no_panic(proxy_a);
     assert_no_panic(proxy_b);
+    Ok(())
+}
+
+/// Sends completions of `blocks`-block prompts with API key `key` to `url` until one is
+/// refused (429); returns how many were admitted before, and the refusal's body.
+async fn spend_until_refused(
+    client: &HttpClient,
+    url: &str,
+    key: &str,
+    blocks: usize,
+) -> anyhow::Result<(u32, String)> {
+    let authorization = format!("Bearer {key}");
+    let headers = [
+        ("content-type", "application/json"),
+        ("authorization", authorization.as_str()),
+    ];
+    for (admitted, seed) in (0..1_000).zip(40_000..) {
+        let body = token_prompt(&prompt_tokens(seed, blocks), 1).to_string();
+        let response = client.call(Method::POST, url, &headers, body).await?;
+        match response.status {
+            200 => {}
+            429 => {
+                return Ok((
+                    admitted,
+                    String::from_utf8_lossy(&response.body).into_owned(),
+                ));
+            }
+            other => anyhow::bail!("{other}: {}", String::from_utf8_lossy(&response.body)),
+        }
+    }
+    anyhow::bail!("1,000 requests admitted: no limit")
+}
+
+/// The SHA-256 of `key` in hex, as `auth.keys[].sha256` takes it.
+fn sha256_hex(key: &[u8]) -> String {
+    use sha2::Digest;
+    format!("{:x}", sha2::Sha256::digest(key))
+}
+
+/// Sends completions of `blocks`-block prompts with API key `key` to `urls` in turn, back to
+/// back, for `window`; returns how many were admitted (200) and how many refused (429).
+async fn spend_key(
+    client: &HttpClient,
+    urls: &[String],
+    key: &str,
+    blocks: usize,
+    window: Duration,
+) -> anyhow::Result<(u32, u32)> {
+    let authorization = format!("Bearer {key}");
+    let headers = [
+        ("content-type", "application/json"),
+        ("authorization", authorization.as_str()),
+    ];
+    let (mut admitted, mut refused) = (0, 0);
+    let started = Instant::now();
+    for (seed, url) in (50_000..).zip(urls.iter().cycle()) {
+        if started.elapsed() >= window {
+            break;
+        }
+        let body = token_prompt(&prompt_tokens(seed, blocks), 1).to_string();
+        let response = client.call(Method::POST, url, &headers, body).await?;
+        match response.status {
+            200 => admitted += 1,
+            429 => refused += 1,
+            other => anyhow::bail!("{other}: {}", String::from_utf8_lossy(&response.body)),
+        }
+    }
+    Ok((admitted, refused))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_keys_limits_hold_across_two_replicas() -> anyhow::Result<()> {
+    /// `requests_per_second` of the first key (its burst: one second's worth).
+    const RATE: f64 = 10.0;
+    /// `tokens_per_minute` of the second key (its burst: one minute's worth).
+    const TOKENS: f64 = 1200.0;
+    const WINDOW: Duration = Duration::from_secs(3);
+    let _serial = SERIAL.lock().await;
+    // sha256("fleet-requests") and sha256("fleet-tokens").
+    let keys = format!(
+        "auth:\n  keys:\n\
+         \x20   - name: requests\n      sha256: {}\n      requests_per_second: {RATE}\n\
+         \x20   - name: tokens\n      sha256: {}\n      tokens_per_minute: {TOKENS}\n",
+        sha256_hex(b"fleet-requests"),
+        sha256_hex(b"fleet-tokens"),
+    );
+    let setup = TwoReplicas::start_with("cp-fleet-limits", &keys).await?;
+    let client = HttpClient::default();
+    // Each replica reads the others' key usage once its events are live.
+    for proxy in [&setup.proxy_a, &setup.proxy_b] {
+        await_instances(&client, &metrics_url(proxy), 2.0).await?;
+        await_events_live(&client, &metrics_url(proxy)).await?;
+    }
+    let urls: Vec<String> = [&setup.proxy_a, &setup.proxy_b]
+        .iter()
+        .map(|proxy| format!("{}/v1/completions", proxy.url("main")))
+        .collect();
+
+    let metrics_b = metrics_url(&setup.proxy_b);
+
+    // Replica A spends the key's burst: it admits until it refuses, and replica B is charged
+    // what A admitted (its counter of shared requests reaches A's count).
+    let (burst, _) = spend_until_refused(&client, &urls[0], "fleet-requests", 1).await?;
+    assert!(
+        f64::from(burst) >= RATE,
+        "A admitted {burst} of a burst of {RATE}"
+    );
+    let shared = "kvmesh_key_shared_total{key=\"requests\",kind=\"requests\"}";
+    await_metric(
+        &client,
+        &metrics_b,
+        shared,
+        |v| v == f64::from(burst),
+        CONVERGE,
+    )
+    .await
+    .map_err(|error| error.context(format!("A admitted {burst}")))?;
+    // Then requests alternate between the replicas for 3 s. Each replica alone would admit
+    // the rate (and B its untouched burst besides): 10 + 2 × 10 × 3 = 70. Sharing, they
+    // admit the rate once, 30, and at most a few more while a share is on its way (every
+    // 100 ms).
+    let (admitted, refused) = spend_key(&client, &urls, "fleet-requests", 1, WINDOW).await?;
+    let fleet = RATE * WINDOW.as_secs_f64();
+    assert!(
+        (f64::from(admitted) - fleet).abs() <= 5.0,
+        "{admitted} admitted, {refused} refused in {WINDOW:?} for a fleet limit of {fleet}"
+    );
+
+    // Tokens: 1,200 a minute (20 a second, a minute's burst), 16-block prompts of 256
+    // tokens. A spends the burst; B is charged it; then in 3 s the fleet refills 60 tokens,
+    // so at most one more request (admitted while the key is not in debt) and one on its way
+    // between shares; each replica alone would admit B's whole burst, 4 or 5 requests.
+    let (burst, _) = spend_until_refused(&client, &urls[0], "fleet-tokens", 16).await?;
+    assert!(
+        burst >= 4,
+        "A admitted {burst} requests of 257 tokens of a 1,200-token burst"
+    );
+    let metrics_a = metrics_url(&setup.proxy_a);
+    let text = String::from_utf8_lossy(&client.get(&metrics_a).await?.body).into_owned();
+    let charged: f64 = ["prompt", "completion"]
+        .iter()
+        .filter_map(|kind| {
+            metric(
+                &text,
+                &format!("kvmesh_key_tokens_total{{key=\"tokens\",kind=\"{kind}\"}}"),
+            )
+        })
+        .sum();
+    let shared = "kvmesh_key_shared_total{key=\"tokens\",kind=\"tokens\"}";
+    await_metric(&client, &metrics_b, shared, |v| v == charged, CONVERGE)
+        .await
+        .map_err(|error| error.context(format!("A charged {charged}")))?;
+    let (admitted, refused) = spend_key(&client, &urls, "fleet-tokens", 16, WINDOW).await?;
+    assert!(
+        admitted <= 2,
+        "{admitted} admitted, {refused} refused in {WINDOW:?} after the fleet spent its burst"
+    );
+    assert_no_panic(&setup.proxy_a);
+    assert_no_panic(&setup.proxy_b);
     Ok(())
 }
 

@@ -13,6 +13,7 @@ pub(crate) struct EdgeMetrics {
     auth_rejections: IntCounterVec,
     rate_limited: IntCounterVec,
     key_tokens: IntCounterVec,
+    key_shared: IntCounterVec,
     key_in_flight: IntGaugeVec,
     model_limit: IntGaugeVec,
     model_queue_depth: IntGaugeVec,
@@ -71,6 +72,11 @@ impl EdgeMetrics {
             key_tokens: counter(
                 "kvmesh_key_tokens_total",
                 "Tokens charged to API keys with a tokens_per_minute limit, by key and kind (prompt, completion).",
+                &["key", "kind"],
+            )?,
+            key_shared: counter(
+                "kvmesh_key_shared_total",
+                "What other proxy replicas' requests of an API key consumed, charged to this replica's limits, by key and kind (requests, tokens).",
                 &["key", "kind"],
             )?,
             key_in_flight: gauge(
@@ -136,6 +142,8 @@ impl EdgeMetrics {
                 .map(|limit| self.rate_limited.with_label_values(&[name, limit.label()])),
             prompt_tokens: self.key_tokens.with_label_values(&[name, "prompt"]),
             completion_tokens: self.key_tokens.with_label_values(&[name, "completion"]),
+            shared_requests: self.key_shared.with_label_values(&[name, "requests"]),
+            shared_tokens: self.key_shared.with_label_values(&[name, "tokens"]),
             in_flight: self.key_in_flight.with_label_values(&[name]),
         }
     }
@@ -234,6 +242,10 @@ pub(crate) struct KeyMetrics {
     limited: [IntCounter; LIMITS],
     prompt_tokens: IntCounter,
     completion_tokens: IntCounter,
+    /// `kvmesh_key_shared_total{key,kind="requests"}`.
+    pub(crate) shared_requests: IntCounter,
+    /// `kvmesh_key_shared_total{key,kind="tokens"}` (a negative correction is not counted).
+    pub(crate) shared_tokens: IntCounter,
     /// `kvmesh_key_in_flight{key}`.
     pub(crate) in_flight: IntGauge,
 }

@@ -235,7 +235,7 @@ impl Proxy {
         let new_instance_probes = health_check.enabled.then(|| Arc::clone(&health_check));
         let discovery_synced = self.control.discovery_synced();
         self.control
-            .start(&initial, new_instance_probes, &mut probes);
+            .start(&self.state, &initial, new_instance_probes, &mut probes);
         drop(initial);
         if let Some(period) = self.watch {
             let tls = self

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvmesh_config::{ApiKeyConfig, Config};
@@ -65,6 +65,10 @@ pub(crate) struct ApiKey {
     models: Option<HashSet<String>>,
     requests: Option<TokenBucket>,
     tokens: Option<TokenBucket>,
+    /// Requests taken from `requests` and tokens charged to `tokens` on this replica since
+    /// they were last shared with the other replicas ([`ApiKey::take_unshared`]).
+    unshared_requests: AtomicU64,
+    unshared_tokens: AtomicI64,
     in_flight: AtomicU32,
     metrics: KeyMetrics,
 }
@@ -102,6 +106,8 @@ impl ApiKey {
             models,
             requests,
             tokens,
+            unshared_requests: AtomicU64::new(0),
+            unshared_tokens: AtomicI64::new(0),
             in_flight: AtomicU32::new(0),
             metrics,
         }
@@ -135,8 +141,33 @@ impl ApiKey {
             requests
                 .try_take(1.0, now)
                 .map_err(|wait| self.limited(Limit::RequestsPerSecond, wait))?;
+            self.unshared_requests.fetch_add(1, Ordering::Relaxed);
         }
         Ok(permit)
+    }
+
+    /// What this replica consumed since the last call, for the other replicas: requests
+    /// taken and tokens charged (only those a limit counts).
+    pub(crate) fn take_unshared(&self) -> (u64, i64) {
+        (
+            self.unshared_requests.swap(0, Ordering::Relaxed),
+            self.unshared_tokens.swap(0, Ordering::Relaxed),
+        )
+    }
+
+    /// Charges what another replica consumed (its [`ApiKey::take_unshared`]) to this
+    /// replica's buckets, so the key's limits hold across the replicas.
+    pub(crate) fn charge_shared(&self, requests: u64, tokens: i64, now: Instant) {
+        if let Some(bucket) = &self.requests {
+            bucket.charge(requests as f64, now);
+            self.metrics.shared_requests.inc_by(requests);
+        }
+        if let Some(bucket) = &self.tokens {
+            bucket.charge(tokens as f64, now);
+            self.metrics
+                .shared_tokens
+                .inc_by(u64::try_from(tokens).unwrap_or(0));
+        }
     }
 
     /// Takes a concurrency slot.
@@ -168,6 +199,7 @@ impl ApiKey {
     pub(crate) fn charge(&self, tokens: i64, completion: bool, now: Instant) {
         if let Some(bucket) = &self.tokens {
             bucket.charge(tokens as f64, now);
+            self.unshared_tokens.fetch_add(tokens, Ordering::Relaxed);
         }
         self.metrics.count_tokens(tokens, completion);
     }

@@ -100,6 +100,38 @@ impl Authenticator {
     pub(crate) fn count_model_not_allowed(&self) {
         self.metrics.count_model_not_allowed();
     }
+
+    /// What each key consumed on this replica since the last call, for the other replicas:
+    /// (its [`key_tag`], requests, tokens), keys that consumed nothing left out.
+    pub(crate) fn take_unshared(&self) -> Vec<(u64, u64, i64)> {
+        self.keys
+            .iter()
+            .filter_map(|(digest, key)| {
+                let (requests, tokens) = key.take_unshared();
+                (requests != 0 || tokens != 0).then(|| (key_tag(digest), requests, tokens))
+            })
+            .collect()
+    }
+
+    /// Charges what another replica's key tagged `tag` consumed to the same key here; a tag
+    /// of no key here (another config) is ignored.
+    pub(crate) fn charge_shared(&self, tag: u64, requests: u64, tokens: i64, now: Instant) {
+        if let Some(key) = self
+            .keys
+            .iter()
+            .find_map(|(digest, key)| (key_tag(digest) == tag).then_some(key))
+        {
+            key.charge_shared(requests, tokens, now);
+        }
+    }
+}
+
+/// How replicas name a key to each other: the first 8 bytes of its SHA-256 (not the whole
+/// digest, which the bus need not carry).
+pub(crate) fn key_tag(digest: &KeyDigest) -> u64 {
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    u64::from_be_bytes(first)
 }
 
 /// The token of an `Authorization: Bearer <token>` value.

@@ -53,6 +53,8 @@ pub(crate) enum Malformed {
     ReplicaLoad,
     /// A routing decision shared by another proxy replica.
     Decision,
+    /// API key usage shared by another proxy replica.
+    KeyUsage,
 }
 
 impl Malformed {
@@ -64,6 +66,7 @@ impl Malformed {
             Self::Session => "session",
             Self::ReplicaLoad => "replica_load",
             Self::Decision => "decision",
+            Self::KeyUsage => "key_usage",
         }
     }
 }

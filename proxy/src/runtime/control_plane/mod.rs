@@ -14,6 +14,7 @@
 
 mod clients;
 pub(crate) mod intake;
+mod key_usage;
 pub(crate) mod membership;
 pub(crate) mod metrics;
 pub(crate) mod sequence;
@@ -23,6 +24,7 @@ pub(crate) use membership::{ReloadNotifier, ReloadWatch, Reloaded};
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use kvmesh_config::{Config, DiscoveryKind, EventsKind, HealthCheckConfig};
 use kvmesh_control::{
     EtcdRegistry, EventBus, Namespace, NatsBus, NatsSettings, Registry, Watch, WatchEvent,
@@ -241,10 +243,12 @@ impl ControlLoops {
         })
     }
 
-    /// Starts the discovery watch and the intake in `tasks`; new instances get health probes
-    /// with `health_check` (when on).
+    /// Starts the discovery watch and the intake (with the sharing of API key usage between
+    /// replicas) in `tasks`; new instances get health probes with `health_check` (when on).
+    /// `states` is the current state, `state` the one it holds now.
     pub(crate) fn start(
         self,
+        states: &Arc<ArcSwap<State>>,
         state: &Arc<State>,
         health_check: Option<Arc<HealthCheckConfig>>,
         tasks: &mut JoinSet<()>,
@@ -276,7 +280,7 @@ impl ControlLoops {
             });
         }
         if let Some(intake) = self.intake {
-            tasks.spawn(run_intake(intake));
+            tasks.spawn(run_intake(intake, Arc::clone(states)));
         }
     }
 }
@@ -295,8 +299,9 @@ async fn next_reload(reloads: &mut Option<ReloadWatch>) -> Option<Reloaded> {
     }
 }
 
-/// Connects the bus (NATS: retrying in the background), subscribes, then runs the intake.
-async fn run_intake(pending: PendingIntake) {
+/// Connects the bus (NATS: retrying in the background), subscribes, then runs the intake and
+/// the sharing of API key usage with the other replicas.
+async fn run_intake(pending: PendingIntake, states: Arc<ArcSwap<State>>) {
     let PendingIntake {
         source,
         namespace,
@@ -320,6 +325,8 @@ async fn run_intake(pending: PendingIntake) {
             }
         }
     };
+    // Before the intake: once it reads events, the other replicas' key usage reaches this one.
+    let sharing = key_usage::subscribe(Arc::clone(&bus), &namespace, states, metrics.clone()).await;
     let mut backoff = BUS_RETRY_FIRST;
     let mut inputs = Some(inputs);
     let intake = loop {
@@ -336,5 +343,5 @@ async fn run_intake(pending: PendingIntake) {
             }
         }
     };
-    intake.run().await;
+    tokio::join!(intake.run(), sharing.run());
 }
