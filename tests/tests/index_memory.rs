@@ -1,0 +1,186 @@
+//! A 100,000-block snapshot resync into the real `kvmesh-proxy` process: the index holds
+//! exactly the snapshot's blocks, and the proxy's resident memory grows by at most 1.5 times
+//! the index's own heap bytes (the same index built in this process, its bytes counted by a
+//! global allocator wrapper).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvmesh_control::testing::{EtcdServer, NatsServer};
+use kvmesh_control::{
+    EtcdRegistry, EventBus, InstanceId, InstanceRecord, InstanceRole, InstanceState, Namespace,
+    NatsBus, RankedEvent, Registry, SnapshotReply, reply_parts,
+};
+use kvmesh_e2e::cluster::{MODEL, engine_urls, start_engines, start_proxy};
+use kvmesh_e2e::control_plane::{BLOCK_SIZE, await_metric, control_proxy_config_for};
+use kvmesh_e2e::{HttpClient, ScratchDir};
+use kvmesh_kv::{ExternalHash, KvEvent, KvIndex, LocalBlockHash, WorkerKey};
+
+/// The system allocator, keeping a count of live heap bytes.
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+// SAFETY: every method forwards to `System` with the caller's arguments unchanged, so the
+// `GlobalAlloc` contract is `System`'s; the counter has no effect on the allocations.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: forwarded from our caller, who upholds `alloc`'s contract.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: forwarded from our caller, who upholds `dealloc`'s contract.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
+        // SAFETY: forwarded from our caller, who upholds `realloc`'s contract.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Blocks in the snapshot: 1,000 chains of 100.
+const CHAINS: u64 = 1_000;
+const CHAIN_BLOCKS: u64 = 100;
+
+/// The snapshot's Stored events: chain `c` holds blocks of local hash `c × 100 + i + 1`.
+fn snapshot_events() -> Vec<KvEvent> {
+    (0..CHAINS)
+        .map(|chain| {
+            KvEvent::stored(
+                None,
+                (0..CHAIN_BLOCKS).map(|i| {
+                    let n = chain * CHAIN_BLOCKS + i + 1;
+                    (
+                        ExternalHash(n),
+                        LocalBlockHash(n.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+                    )
+                }),
+            )
+        })
+        .collect()
+}
+
+/// The resident memory of process `pid`, in bytes.
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|kb| kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_100k_block_snapshot_fills_the_index_exactly_within_its_own_bytes() -> anyhow::Result<()>
+{
+    let total = CHAINS * CHAIN_BLOCKS;
+    // The index's own bytes: the same events applied to an index in this process.
+    let events = snapshot_events();
+    let before = LIVE.load(Ordering::Relaxed);
+    let index = KvIndex::new();
+    for event in &events {
+        index.apply(WorkerKey::new(1, 0), event);
+    }
+    let index_bytes = (LIVE.load(Ordering::Relaxed) - before) as u64;
+    assert_eq!(index.stats().distinct_blocks as u64, total);
+    drop(index);
+
+    let scratch = ScratchDir::new("index-memory")?;
+    let etcd = EtcdServer::start(&scratch.path().join("etcd")).await?;
+    let nats = NatsServer::start(&scratch.path().join("nats")).await?;
+    let sims = start_engines(&scratch, 1, &["--no-delay"])?;
+    let engine = engine_urls(&sims).remove(0);
+    let proxy = start_proxy(
+        &scratch,
+        &control_proxy_config_for(&etcd.url(), &nats.url(), ""),
+    )?;
+    let client = HttpClient::default();
+    let metrics = format!("{}/metrics", proxy.url("admin"));
+    await_metric(
+        &client,
+        &metrics,
+        "kvmesh_events_connected",
+        |v| v == 1.0,
+        Duration::from_secs(15),
+    )
+    .await?;
+
+    // A stand-in agent: it answers the proxy's first resync with the whole snapshot, in the
+    // parts NATS's payload limit allows, as an agent does.
+    let namespace = Namespace::default();
+    let id = InstanceId(0x00c0_ffee_0000_0001);
+    let bus = NatsBus::connect(&nats.url(), "kvmesh-e2e-agent").await?;
+    let mut requests = bus.serve(&namespace.snapshot_subject(id)).await?;
+    let reply = SnapshotReply::Snapshot {
+        events: events
+            .into_iter()
+            .map(|event| RankedEvent { dp_rank: 0, event })
+            .collect(),
+        last_seq: 0,
+    };
+    let parts = reply_parts(&reply, 512 * 1024)?;
+    drop(reply);
+    let answering = tokio::spawn(async move {
+        let mut answered = 0;
+        while let Some(request) = requests.next().await {
+            for part in &parts {
+                bus.reply(&request, Bytes::clone(part)).await?;
+            }
+            answered += 1;
+        }
+        anyhow::Ok(answered)
+    });
+
+    let baseline = rss_bytes(proxy.pid());
+    let registry = EtcdRegistry::new(&etcd.url())?;
+    let record = InstanceRecord {
+        instance_id: id,
+        model: MODEL.to_string(),
+        url: engine.clone(),
+        protocol: "http1".to_string(),
+        block_size: BLOCK_SIZE as u32,
+        total_blocks: 2 * total,
+        dp_ranks: 1,
+        labels: Default::default(),
+        adapters: Vec::new(),
+        event_subject: namespace.event_subject(MODEL),
+        snapshot_subject: namespace.snapshot_subject(id),
+        state: InstanceState::Ready,
+        role: InstanceRole::Both,
+    };
+    registry
+        .put(&namespace.instance_key(MODEL, id), &record, None)
+        .await?;
+    let series = format!("kvmesh_index_blocks{{instance=\"{engine}\",model=\"{MODEL}\"}}");
+    await_metric(
+        &client,
+        &metrics,
+        &series,
+        |v| v == total as f64,
+        Duration::from_secs(60),
+    )
+    .await?;
+    let grown = rss_bytes(proxy.pid()).saturating_sub(baseline);
+    assert!(
+        grown as f64 <= 1.5 * index_bytes as f64,
+        "the proxy grew by {} KB for an index of {} KB ({:.0} B per block)",
+        grown >> 10,
+        index_bytes >> 10,
+        index_bytes as f64 / total as f64
+    );
+    answering.abort();
+    Ok(())
+}
