@@ -17,7 +17,7 @@ use kvmesh_control::{
     EventBatch, EventBus, InProcessBus, InProcessRegistry, InstanceId, InstanceRecord,
     InstanceState, Namespace, RankedEvent, Registry, SnapshotReply, SnapshotRequest,
 };
-use kvmesh_kv::{BlockHasher, BlockParent, ExternalHash, KvEvent};
+use kvmesh_kv::{BlockHasher, BlockParent, ExternalHash, KvEvent, LocalBlockHash, SequenceHash};
 use kvmesh_proxy::{ControlPlane, Proxy, ReloadHandle};
 use support::{Backend, send};
 use tokio::sync::oneshot;
@@ -1199,4 +1199,97 @@ async fn a_prefill_only_instance_of_a_model_without_disaggregation_takes_no_requ
         503,
         "nothing serves the model"
     );
+}
+
+#[tokio::test]
+async fn hostile_well_formed_batches_are_counted_and_change_nothing_else() {
+    let harness = Harness::start().await;
+    let engine = Backend::ok().await;
+    let id = 0xB7;
+    let agent = FakeAgent::serve(
+        &harness.bus,
+        &harness.namespace.snapshot_subject(InstanceId(id)),
+    )
+    .await;
+    let a = prompt(7, 4);
+    let truth = || SnapshotReply::Snapshot {
+        events: vec![RankedEvent {
+            dp_rank: 0,
+            event: stored(&a, 0, 2, 100),
+        }],
+        last_seq: 3,
+    };
+    agent.script(truth());
+    harness.register(id, &engine.url).await;
+    harness.await_overlap(&engine.url, &a, 2).await;
+    harness
+        .await_metric("kvmesh_kv_index_source{mode=\"events\",model=\"m\"} 1")
+        .await;
+    let index = format!(
+        "kvmesh_index_blocks{{instance=\"{}\",model=\"m\"}} 2",
+        engine.url
+    );
+
+    // A stale batch (numbered 2, before the snapshot's 3) naming blocks the engine does not
+    // hold: dropped.
+    harness
+        .publish(&batch(id, 2, vec![stored(&a, 2, 4, 100)]))
+        .await;
+    harness
+        .await_metric("kvmesh_kv_event_batches_dropped_total{reason=\"stale\"} 1")
+        .await;
+    // Removals of blocks nobody stored: applied, counted, nothing removed.
+    harness
+        .publish(&batch(
+            id,
+            4,
+            vec![KvEvent::Removed {
+                blocks: vec![ExternalHash(9_999)],
+            }],
+        ))
+        .await;
+    harness
+        .await_metric(
+            "kvmesh_kv_events_applied_total{event_type=\"removed\",model=\"m\",status=\"block_not_found\"} 1",
+        )
+        .await;
+    // A rank the instance does not have (it registered one): dropped, counted.
+    let mut other_rank = batch(id, 5, vec![stored(&a, 2, 4, 100)]);
+    other_rank.dp_rank = 3;
+    harness.publish(&other_rank).await;
+    harness
+        .await_metric("kvmesh_kv_event_batches_dropped_total{reason=\"unknown_rank\"} 1")
+        .await;
+    assert_eq!(harness.overlaps(&a).await, [(engine.url.clone(), 2)]);
+    // Blocks under a parent nobody stored: held apart (they match nothing), counted, and
+    // the instance is resynced, which restores exactly what its engine holds.
+    agent.script(truth());
+    harness
+        .publish(&batch(
+            id,
+            6,
+            vec![KvEvent::stored(
+                Some(BlockParent {
+                    external: ExternalHash(5_555),
+                    sequence: SequenceHash(42),
+                }),
+                [(ExternalHash(7_777), LocalBlockHash(7))],
+            )],
+        ))
+        .await;
+    harness
+        .await_metric(
+            "kvmesh_kv_events_applied_total{event_type=\"stored\",model=\"m\",status=\"parent_not_found\"} 1",
+        )
+        .await;
+    harness
+        .await_metric("kvmesh_kv_resyncs_total{reason=\"repair\"} 1")
+        .await;
+    harness.await_metric(&index).await;
+    assert_eq!(harness.overlaps(&a).await, [(engine.url.clone(), 2)]);
+    // The agent's next batch goes on from the snapshot as if nothing had come between.
+    harness
+        .publish(&batch(id, 4, vec![stored(&a, 2, 3, 100)]))
+        .await;
+    harness.await_overlap(&engine.url, &a, 3).await;
 }

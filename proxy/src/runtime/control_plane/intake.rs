@@ -70,6 +70,8 @@ pub(crate) enum IntakeInput {
         pool: Arc<ModelPool>,
         /// Where its agent answers resync requests.
         snapshot_subject: String,
+        /// Its data-parallel ranks (at least 1): batches of another rank are dropped.
+        dp_ranks: u32,
     },
     /// Instance `id` left.
     Left {
@@ -269,6 +271,8 @@ struct Member {
     feed: Arc<EventFeed>,
     pool: Arc<ModelPool>,
     snapshot_subject: String,
+    /// Its data-parallel ranks: events of rank `dp_ranks` and above are not its engine's.
+    dp_ranks: u32,
 }
 
 /// A model whose index the intake feeds.
@@ -671,12 +675,13 @@ impl Actor {
                 id,
                 pool,
                 snapshot_subject,
-            } => self.join(id, pool, snapshot_subject),
+                dp_ranks,
+            } => self.join(id, pool, snapshot_subject, dp_ranks),
             IntakeInput::Left { id } => self.leave(id),
         }
     }
 
-    fn join(&mut self, id: u64, pool: Arc<ModelPool>, snapshot_subject: String) {
+    fn join(&mut self, id: u64, pool: Arc<ModelPool>, snapshot_subject: String, dp_ranks: u32) {
         let Some(router) = pool.balancer().kv_router() else {
             return;
         };
@@ -720,6 +725,7 @@ impl Actor {
                 feed,
                 pool,
                 snapshot_subject,
+                dp_ranks: dp_ranks.max(1),
             },
         );
         self.tracker.forget(id);
@@ -904,6 +910,13 @@ impl Actor {
                     self.metrics.dropped(Dropped::BlockSizeMismatch, 1);
                 }
                 Step::Clear => member.feed.clear_instance(id),
+                // A rank the instance does not have: not its engine's events.
+                Step::Snapshot(ranked) if ranked.dp_rank >= member.dp_ranks => {
+                    self.metrics.dropped(Dropped::UnknownRank, 1);
+                }
+                Step::Batch(batch) if batch.dp_rank >= member.dp_ranks => {
+                    self.metrics.dropped(Dropped::UnknownRank, 1);
+                }
                 Step::Snapshot(ranked) => {
                     let worker = WorkerKey::new(id, ranked.dp_rank);
                     needs_repair |= self.apply(model, member, worker, &ranked.event);

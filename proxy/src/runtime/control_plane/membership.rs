@@ -252,6 +252,7 @@ impl MembershipApplier {
                 id: record.instance_id.0,
                 pool: Arc::clone(pool),
                 snapshot_subject,
+                dp_ranks: record.dp_ranks,
             });
         }
     }

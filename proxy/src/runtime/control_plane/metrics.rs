@@ -85,6 +85,8 @@ pub(crate) enum Dropped {
     /// From an instance whose engine runs another block size than its model (a batch or a
     /// snapshot): its blocks could never match, it is scored by predictions alone.
     BlockSizeMismatch,
+    /// For a data-parallel rank its instance does not have (a batch, or a snapshot's event).
+    UnknownRank,
 }
 
 impl Dropped {
@@ -92,6 +94,7 @@ impl Dropped {
         match self {
             Self::UnknownInstance => "unknown_instance",
             Self::Stale => "stale",
+            Self::UnknownRank => "unknown_rank",
             Self::Overflow => "overflow",
             Self::AheadOfAgent => "ahead_of_agent",
             Self::BlockSizeMismatch => "block_size_mismatch",
@@ -162,7 +165,7 @@ impl ControlMetrics {
         let dropped = IntCounterVec::new(
             Opts::new(
                 "kvmesh_kv_event_batches_dropped_total",
-                "KV event batches not applied, by reason (unknown_instance, stale, overflow, ahead_of_agent, block_size_mismatch).",
+                "KV event batches not applied, by reason (unknown_instance, stale, overflow, ahead_of_agent, block_size_mismatch, unknown_rank).",
             ),
             &["reason"],
         )?;
