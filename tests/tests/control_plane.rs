@@ -1885,54 +1885,115 @@ async fn a_cluster_on_tls_and_credentials_routes_by_events_and_refuses_wrong_one
     Ok(())
 }
 
+/// The agent of `engine` with a lease of `ttl`, given every member of `cluster`.
+fn member_agent(
+    cluster: &EtcdCluster,
+    nats: &NatsServer,
+    engine: &Engine,
+    ttl: Duration,
+    scratch: &ScratchDir,
+) -> anyhow::Result<Spawned> {
+    let mut args = agent_args_for(&cluster.urls(), &nats.url(), engine, ttl, DRAIN);
+    args.extend(["--block-size".to_string(), BLOCK_SIZE.to_string()]);
+    Spawned::start("kvmesh-agent", &args, scratch.path())
+}
+
+/// Three etcd members, NATS, two engines, the first engine's agent (its lease `ttl`) and a
+/// proxy, every one given every member.
+struct ThreeMembers {
+    cluster: EtcdCluster,
+    nats: NatsServer,
+    engines: Vec<Engine>,
+    proxy: Spawned,
+    ttl: Duration,
+    _first: Spawned,
+    _sim: Spawned,
+    scratch: ScratchDir,
+}
+
+impl ThreeMembers {
+    async fn start(label: &str, ttl: Duration) -> anyhow::Result<Self> {
+        let scratch = ScratchDir::new(label)?;
+        let cluster = EtcdCluster::start(&scratch.path().join("etcd"), 3).await?;
+        let nats = NatsServer::start(&scratch.path().join("nats")).await?;
+        let (sim, engines) = start_event_engines(&scratch, 2)?;
+        let first = member_agent(&cluster, &nats, &engines[0], ttl, &scratch)?;
+        let proxy = start_proxy(
+            &scratch,
+            &control_proxy_config_for(&cluster.urls(), &nats.url(), ""),
+        )?;
+        await_instances(&HttpClient::default(), &metrics_url(&proxy), 1.0).await?;
+        Ok(Self {
+            cluster,
+            nats,
+            engines,
+            proxy,
+            ttl,
+            _first: first,
+            _sim: sim,
+            scratch,
+        })
+    }
+
+    /// Starts the agent of engine `i`.
+    fn agent(&self, i: usize) -> anyhow::Result<Spawned> {
+        member_agent(
+            &self.cluster,
+            &self.nats,
+            &self.engines[i],
+            self.ttl,
+            &self.scratch,
+        )
+    }
+
+    /// A completion reaches the first engine while the members are in trouble; then the
+    /// second engine's agent starts, and the proxy lists it. Returns that agent.
+    async fn serve_and_register(&self, client: &HttpClient) -> anyhow::Result<Spawned> {
+        let (status, instance, _) = complete(client, &self.proxy, &prompt_tokens(7, 2)).await?;
+        assert_eq!(
+            (status, instance.as_str()),
+            (200, self.engines[0].url.as_str())
+        );
+        let second = self.agent(1)?;
+        await_instances(client, &metrics_url(&self.proxy), 2.0).await?;
+        Ok(second)
+    }
+
+    /// Both instances are listed, and both serve.
+    async fn assert_both_serve(&self, client: &HttpClient) -> anyhow::Result<()> {
+        await_instances(client, &metrics_url(&self.proxy), 2.0).await?;
+        let mut seen = std::collections::BTreeSet::new();
+        for seed in 40..60 {
+            let (status, instance, _) =
+                complete(client, &self.proxy, &prompt_tokens(seed, 1)).await?;
+            assert_eq!(status, 200);
+            seen.insert(instance);
+        }
+        assert_eq!(seen.len(), 2, "both instances serve: {seen:?}");
+        Ok(())
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_etcd_cluster_losing_its_leader_keeps_registering_and_routing() -> anyhow::Result<()> {
     /// Short enough that a lease the agent could not renew through the election would lapse
     /// while the test watches.
     const TTL: Duration = Duration::from_secs(3);
     let _serial = SERIAL.lock().await;
-    let scratch = ScratchDir::new("cp-etcd-cluster")?;
-    let mut cluster = EtcdCluster::start(&scratch.path().join("etcd"), 3).await?;
-    let nats = NatsServer::start(&scratch.path().join("nats")).await?;
-    let (_sim, engines) = start_event_engines(&scratch, 2)?;
-    let etcd_urls = cluster.urls();
-    let agent = |engine: &Engine| -> anyhow::Result<Spawned> {
-        let mut args = agent_args_for(&etcd_urls, &nats.url(), engine, TTL, DRAIN);
-        args.extend(["--block-size".to_string(), BLOCK_SIZE.to_string()]);
-        Spawned::start("kvmesh-agent", &args, scratch.path())
-    };
-    let _first = agent(&engines[0])?;
-    let proxy = start_proxy(
-        &scratch,
-        &control_proxy_config_for(&etcd_urls, &nats.url(), ""),
-    )?;
+    let mut setup = ThreeMembers::start("cp-etcd-cluster", TTL).await?;
     let client = HttpClient::default();
-    let metrics = metrics_url(&proxy);
-    await_instances(&client, &metrics, 1.0).await?;
-
-    let leader = cluster.leader().await?;
-    cluster.kill(leader).await;
+    let leader = setup.cluster.leader().await?;
+    setup.cluster.kill(leader).await;
     // The proxy serves what it knows while the members elect a new leader, and an agent
     // that starts meanwhile registers through the members that remain.
-    let (status, instance, _) = complete(&client, &proxy, &prompt_tokens(7, 2)).await?;
-    assert_eq!((status, instance.as_str()), (200, engines[0].url.as_str()));
-    let _second = agent(&engines[1])?;
-    await_instances(&client, &metrics, 2.0).await?;
-
+    let _second = setup.serve_and_register(&client).await?;
     // Both leases are renewed through the new leader: two TTLs later both instances are
     // still listed, and both serve.
     tokio::time::sleep(2 * TTL).await;
-    await_instances(&client, &metrics, 2.0).await?;
-    let mut seen = std::collections::BTreeSet::new();
-    for seed in 40..60 {
-        let (status, instance, _) = complete(&client, &proxy, &prompt_tokens(seed, 1)).await?;
-        assert_eq!(status, 200);
-        seen.insert(instance);
-    }
-    assert_eq!(seen.len(), 2, "both instances serve: {seen:?}");
+    setup.assert_both_serve(&client).await?;
     // The old leader rejoins as a follower.
-    cluster.restart(leader).await?;
-    assert_no_panic(&proxy);
+    setup.cluster.restart(leader).await?;
+    assert_no_panic(&setup.proxy);
     Ok(())
 }
 
@@ -1941,34 +2002,14 @@ async fn an_etcd_member_that_hangs_is_left_within_ten_seconds() -> anyhow::Resul
     /// The agents' lease: renewals must move off the hung member before it lapses.
     const TTL: Duration = Duration::from_secs(10);
     let _serial = SERIAL.lock().await;
-    let scratch = ScratchDir::new("cp-etcd-hang")?;
-    let cluster = EtcdCluster::start(&scratch.path().join("etcd"), 3).await?;
-    let nats = NatsServer::start(&scratch.path().join("nats")).await?;
-    let (_sim, engines) = start_event_engines(&scratch, 2)?;
-    let etcd_urls = cluster.urls();
-    let agent = |engine: &Engine| -> anyhow::Result<Spawned> {
-        let mut args = agent_args_for(&etcd_urls, &nats.url(), engine, TTL, DRAIN);
-        args.extend(["--block-size".to_string(), BLOCK_SIZE.to_string()]);
-        Spawned::start("kvmesh-agent", &args, scratch.path())
-    };
-    let _first = agent(&engines[0])?;
-    let proxy = start_proxy(
-        &scratch,
-        &control_proxy_config_for(&etcd_urls, &nats.url(), ""),
-    )?;
+    let setup = ThreeMembers::start("cp-etcd-hang", TTL).await?;
     let client = HttpClient::default();
-    let metrics = metrics_url(&proxy);
-    await_instances(&client, &metrics, 1.0).await?;
-
     // The member every client talks to first (the first listed) hangs: SIGSTOP, which
     // resets no connection. The proxy goes on serving; an agent that starts now registers
     // through another member, and the proxy's watch, moved there too, lists it within 10 s.
-    cluster.pause(0)?;
+    setup.cluster.pause(0)?;
     let paused = Instant::now();
-    let (status, instance, _) = complete(&client, &proxy, &prompt_tokens(7, 2)).await?;
-    assert_eq!((status, instance.as_str()), (200, engines[0].url.as_str()));
-    let _second = agent(&engines[1])?;
-    await_instances(&client, &metrics, 2.0).await?;
+    let _second = setup.serve_and_register(&client).await?;
     let listed = paused.elapsed();
     assert!(
         listed < Duration::from_secs(10),
@@ -1977,18 +2018,12 @@ async fn an_etcd_member_that_hangs_is_left_within_ten_seconds() -> anyhow::Resul
     // The first agent's lease is renewed through the other members: a TTL after the hang
     // both instances are still listed, and both serve.
     tokio::time::sleep(TTL.saturating_sub(paused.elapsed()) + Duration::from_secs(1)).await;
-    await_instances(&client, &metrics, 2.0).await?;
-    let mut seen = std::collections::BTreeSet::new();
-    for seed in 40..60 {
-        let (status, instance, _) = complete(&client, &proxy, &prompt_tokens(seed, 1)).await?;
-        assert_eq!(status, 200);
-        seen.insert(instance);
-    }
-    assert_eq!(seen.len(), 2, "both instances serve: {seen:?}");
-    let text = String::from_utf8_lossy(&client.get(&metrics).await?.body).into_owned();
+    setup.assert_both_serve(&client).await?;
+    let text =
+        String::from_utf8_lossy(&client.get(&metrics_url(&setup.proxy)).await?.body).into_owned();
     assert_eq!(metric(&text, "kvmesh_discovery_connected"), Some(1.0));
-    cluster.resume(0)?;
-    assert_no_panic(&proxy);
+    setup.cluster.resume(0)?;
+    assert_no_panic(&setup.proxy);
     Ok(())
 }
 
@@ -2449,16 +2484,19 @@ async fn a_hostile_batch_for_a_real_instance_and_a_flood_past_the_buffer_are_cou
         dropped > 0.0 && (lost == 0.0 || lost == 1.0),
         "{read} malformed + {dropped} dropped of {FLOOD} garbage messages and a real batch"
     );
+    // A lost batch is resynced through its gap. So may be one still queued behind the
+    // backlog when the agent's next load report names its number (a CI run saw that): one
+    // gap resync at most, and no other.
     let text = String::from_utf8_lossy(&client.get(&metrics).await?.body).into_owned();
-    assert_eq!(
-        metric(&text, gap_resyncs).unwrap_or(0.0) - gaps_before,
-        lost,
-        "a lost real batch is resynced, and only then"
+    let gap_resynced = metric(&text, gap_resyncs).unwrap_or(0.0) - gaps_before;
+    assert!(
+        (lost..=1.0).contains(&gap_resynced),
+        "{gap_resynced} gap resyncs for {lost} lost real batches"
     );
     assert_eq!(
         proxy_metric_total(&client, &proxy, "kvmesh_kv_resyncs_total").await? - resyncs_before,
-        lost,
-        "no resync but the lost batch's"
+        gap_resynced,
+        "no resync but the gap's"
     );
     // Routing reads the index: the prompt cached behind the flood overlaps its 2 blocks.
     let (_, _, route) = complete(&client, &proxy, &prompt_tokens(20, 3)).await?;
