@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs every check and test of kvmesh on a fresh machine: installs what is
 # missing (scripts/setup.sh), then formatting, clippy, the Rust unit and
-# end-to-end tests, the container images, the Python end-to-end tests with the real `openai`
-# client, and the agent's `cuda` feature.
+# end-to-end tests, the container images, the parsers' fuzz targets, the Python end-to-end
+# tests with the real `openai` client, and the agent's `cuda` feature.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,6 +45,14 @@ KVMESH_BIN_DIR="$PWD/target/debug" .venv/bin/python -m pytest -q tests/images
 
 phase "cargo test"
 cargo test --locked --workspace
+
+# The parsers that read what clients, engines or the control plane send, fuzzed for a bounded
+# time (fuzz/; docs/fuzzing.md lists them and those left out). cargo-fuzz, the instrumented
+# build and the grown corpora are kept outside the clone: 5 minutes in all once a machine has
+# built them, about 7 the first time.
+phase "fuzz (scripts/fuzz.sh: every target, 5 minutes with the build)"
+cargo fmt --manifest-path fuzz/Cargo.toml -- --check
+scripts/fuzz.sh --budget 300
 
 phase "pytest (openai client against real processes)"
 KVMESH_BIN_DIR="$PWD/target/debug" .venv/bin/python -m pytest -q tests/python

@@ -18,9 +18,10 @@ pub(crate) fn hex16(v: u64) -> [u8; 16] {
     out
 }
 
-/// Parses 1 to 16 hex digits (either case) into a `u64`.
+/// Parses 1 to 16 hex digits (either case) into a `u64`. Only digits: `from_str_radix` alone
+/// would take a leading `+` too.
 pub(crate) fn parse_hex(s: &str) -> Option<u64> {
-    if s.is_empty() || s.len() > 16 {
+    if s.is_empty() || s.len() > 16 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     u64::from_str_radix(s, 16).ok()
@@ -122,6 +123,8 @@ mod tests {
         assert!(serde_json::from_str::<HexU64>("\"10000000000000000\"").is_err());
         assert!(serde_json::from_str::<HexU64>("\"xyz\"").is_err());
         assert!(serde_json::from_str::<HexU64>("12").is_err());
+        // Found by fuzz/ (control_json): `from_str_radix` takes a sign.
+        assert!(serde_json::from_str::<HexU64>("\"+12\"").is_err());
     }
 
     #[test]
@@ -129,6 +132,8 @@ mod tests {
         let id: InstanceId = "00c0ffee00c0ffee".parse().expect("hex");
         assert_eq!(id.to_string(), "00c0ffee00c0ffee");
         assert!("g".parse::<InstanceId>().is_err());
+        // Found by fuzz/ (control_json): a sign is not a hex digit.
+        assert!("+424424".parse::<InstanceId>().is_err());
         assert_ne!(InstanceId::random().0, 0);
     }
 }

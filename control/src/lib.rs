@@ -15,6 +15,9 @@
 //! - Events: the [`EventBus`] trait (publish, subscribe, request-reply, serve, and a
 //!   [`ConnectionState`] signal whose epoch grows on every reconnect), on NATS ([`NatsBus`], on
 //!   `async-nats`, with TLS and auth from [`NatsSettings`]) or in process ([`InProcessBus`]).
+//! - `transports` (default cargo feature): the etcd and NATS clients. Without it the crate is
+//!   the contract and the in-process stand-ins, which is how the fuzz targets build it (fuzz/,
+//!   docs/fuzzing.md).
 //! - `testing` (cargo feature): launchers of real etcd and nats-server processes.
 
 mod backoff;
@@ -34,9 +37,11 @@ mod security;
 pub mod testing;
 
 pub use bus::{
-    ConnectionState, DurableStream, EventBus, InProcessBus, Message, NatsBus, NatsSettings,
-    SUBSCRIPTION_BUFFER, Subscription, subject_matches, validate_subject,
+    ConnectionState, EventBus, InProcessBus, Message, SUBSCRIPTION_BUFFER, Subscription,
+    subject_matches, validate_subject,
 };
+#[cfg(feature = "transports")]
+pub use bus::{DurableStream, NatsBus, NatsSettings};
 pub use error::ControlError;
 pub use events::{EventBatch, RankedEvent, WireBlock, WireEvent, WireParent, event_blocks};
 pub use ids::{HexU64, InstanceId};
@@ -45,9 +50,9 @@ pub use load::LoadReport;
 pub use namespace::{
     DEFAULT_NAMESPACE, Namespace, decode_model, encode_model_for_key, encode_model_for_subject,
 };
-pub use registry::{
-    EtcdRegistry, EtcdSettings, InProcessRegistry, LeaseId, Listing, Registry, Watch, WatchEvent,
-};
+#[cfg(feature = "transports")]
+pub use registry::{EtcdRegistry, EtcdSettings};
+pub use registry::{InProcessRegistry, LeaseId, Listing, Registry, Watch, WatchEvent};
 pub use replica::{DecisionShare, InstanceLoadShare, LoadShare, SessionShare};
 pub use reply_parts::{ReplyAssembler, reply_parts};
 pub use resync::{SnapshotReply, SnapshotRequest};

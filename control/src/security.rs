@@ -118,6 +118,7 @@ pub fn read_secret(path: &Path, what: &str) -> Result<String, ControlError> {
 }
 
 /// Reads a PEM file named in TLS settings, with a clear error naming it.
+#[cfg(feature = "transports")]
 pub(crate) fn read_pem(path: &Path, what: &str) -> Result<Vec<u8>, ControlError> {
     std::fs::read(path).map_err(|error| {
         ControlError::Config(format!(

@@ -13,7 +13,8 @@
 //!   characters a URI authority may hold.
 //! - The target: origin form (`/path?query`), `*`, or absolute form `http(s)://authority/...`
 //!   whose authority is the `Host` (the path is routed and forwarded, the authority not);
-//!   nothing else (authority form is only for `CONNECT`, which kvmesh does not serve).
+//!   nothing else (authority form is only for `CONNECT`, which kvmesh does not serve), and no
+//!   fragment (`#...`), which some servers drop and others keep.
 //!
 //! Chunked bodies are checked as they are decoded ([`crate::body`]); header field syntax
 //! (names, values without control characters, no obsolete line folding) by the parser
@@ -33,8 +34,9 @@ pub enum Violation {
     ContentLength,
     /// An HTTP/1.1 request without `Host`, a request with more than one, or an invalid one.
     Host,
-    /// A request target in none of the forms of RFC 9112 §3.2, or an absolute-form target
-    /// that is not `http` or `https`, has userinfo, or whose authority is not the `Host`.
+    /// A request target in none of the forms of RFC 9112 §3.2 (one with a `#` fragment
+    /// included), or an absolute-form target that is not `http` or `https`, has userinfo, or
+    /// whose authority is not the `Host`.
     Target,
     /// A chunk-size line, chunk extension, chunk data end or trailer section that is not
     /// as RFC 9112 §7.1 writes it, or a chunk size over 64 bits.
@@ -180,6 +182,11 @@ fn check_host_and_target(head: &RequestHead) -> Result<(), Violation> {
         return Err(Violation::Host);
     }
     let target = head.target();
+    // A fragment is no part of a request target: a server that drops it (hyper) and one that
+    // keeps it read two paths (found by h1/tests/hyper_differential.rs).
+    if target.contains(&b'#') {
+        return Err(Violation::Target);
+    }
     if target.starts_with(b"/") || target == b"*" {
         return Ok(());
     }
@@ -398,6 +405,16 @@ mod tests {
             ),
             (
                 "POST v1/models HTTP/1.1\r\nHost: a\r\n\r\n",
+                Violation::Target,
+            ),
+            // Found by tests/hyper_differential.rs: hyper reads `/#` as `/`.
+            ("POST /# HTTP/1.1\r\nHost: a\r\n\r\n", Violation::Target),
+            (
+                "POST /v1/models#x?y HTTP/1.1\r\nHost: a\r\n\r\n",
+                Violation::Target,
+            ),
+            (
+                "POST http://a/v1#x HTTP/1.1\r\nHost: a\r\n\r\n",
                 Violation::Target,
             ),
         ];

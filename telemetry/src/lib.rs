@@ -10,25 +10,39 @@
 //!
 //! Tracing off is the absence of a [`Telemetry`]: callers keep an `Option` of its
 //! [`Tracer`], and nothing here runs.
+//!
+//! The exporter is the default cargo feature `otlp`; without it only [`traceparent`] and the
+//! settings types remain, which is how the fuzz targets build the crate (fuzz/,
+//! docs/fuzzing.md).
 
+#[cfg(feature = "otlp")]
 mod export;
 pub mod traceparent;
 
 use std::time::Duration;
 
+#[cfg(feature = "otlp")]
 use opentelemetry::KeyValue;
+#[cfg(feature = "otlp")]
 use opentelemetry::trace::TracerProvider as _;
+#[cfg(feature = "otlp")]
 use opentelemetry_otlp::{SpanExporter, WithExportConfig};
+#[cfg(feature = "otlp")]
 use opentelemetry_sdk::Resource;
+#[cfg(feature = "otlp")]
 use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, SpanExporter as _};
 
+#[cfg(feature = "otlp")]
 pub use export::SpanCounters;
+#[cfg(feature = "otlp")]
 use export::{Batching, ExportTask};
 
 /// The tracer spans are started from (cheap to clone).
+#[cfg(feature = "otlp")]
 pub type Tracer = opentelemetry_sdk::trace::SdkTracer;
 
 /// Spans per export at most.
+#[cfg(feature = "otlp")]
 const BATCH_SIZE: usize = 512;
 
 /// Where spans go and which are kept.
@@ -63,6 +77,7 @@ pub enum TelemetryError {
 }
 
 /// Tracing that runs: the provider and its export task.
+#[cfg(feature = "otlp")]
 #[derive(Debug)]
 pub struct Telemetry {
     provider: SdkTracerProvider,
@@ -70,6 +85,7 @@ pub struct Telemetry {
     export_timeout: Duration,
 }
 
+#[cfg(feature = "otlp")]
 impl Telemetry {
     /// Starts exporting to `settings.otlp_endpoint` (nothing connects until the first
     /// export). `attributes` describe the process beside `service.name` and
@@ -137,11 +153,12 @@ impl Telemetry {
 
 /// Parent-based: a remote or local parent's sampled flag decides; a new trace is kept
 /// with probability `ratio` (by its trace id, so every process keeps the same traces).
+#[cfg(feature = "otlp")]
 fn sampler(ratio: f64) -> Sampler {
     Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio)))
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "otlp"))]
 mod tests {
     use opentelemetry::Context;
     use opentelemetry::trace::{SpanContext, SpanKind, TraceContextExt, TraceId, TraceState};

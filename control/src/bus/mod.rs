@@ -2,6 +2,7 @@
 //! state signal) and its NATS and in-process implementations.
 
 mod in_process;
+#[cfg(feature = "transports")]
 mod nats;
 mod subject;
 
@@ -17,6 +18,7 @@ use futures_util::Stream;
 use tokio::sync::{mpsc, watch};
 
 pub use in_process::InProcessBus;
+#[cfg(feature = "transports")]
 pub use nats::{DurableStream, NatsBus, NatsSettings};
 pub use subject::{subject_matches, validate_subject};
 

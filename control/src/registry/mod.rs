@@ -1,7 +1,9 @@
 //! Instance discovery: the [`Registry`] trait (leases, records, a reconnecting watch) and its
 //! etcd and in-process implementations.
 
+#[cfg(feature = "transports")]
 mod etcd;
+#[cfg(feature = "transports")]
 mod etcd_members;
 mod in_process;
 mod watch;
@@ -15,6 +17,7 @@ use futures_util::Stream;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+#[cfg(feature = "transports")]
 pub use etcd::{EtcdRegistry, EtcdSettings};
 pub use in_process::InProcessRegistry;
 
