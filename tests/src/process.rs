@@ -140,6 +140,18 @@ impl Spawned {
         })
     }
 
+    /// The process's resident memory in bytes (`VmRSS` of `/proc/<pid>/status`; 0 when
+    /// unreadable).
+    pub fn rss_bytes(&self) -> u64 {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmRSS:"))
+            .and_then(|kb| kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    }
+
     /// The address of the listener announced as `name`.
     pub fn addr(&self, name: &str) -> SocketAddr {
         self.listeners

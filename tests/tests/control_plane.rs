@@ -66,7 +66,7 @@ use kvmesh_e2e::control_plane::{
 };
 use kvmesh_e2e::relay::TcpRelay;
 use kvmesh_e2e::sse::{OpenStream, assert_all_whole, open_streams};
-use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
+use kvmesh_e2e::{HttpClient, ScratchDir, Spawned, StreamingResponse};
 use tokio::sync::Mutex;
 
 /// Lease TTL of the agents whose removal is timed.
@@ -1097,22 +1097,8 @@ async fn a_replica_counts_the_requests_and_speeds_another_has_learned() -> anyho
     }
     // A stream through proxy A, far longer than the socket buffers and read no further than
     // its first piece, stays in flight on its engine.
-    let prompt = prompt_tokens(3, 4);
-    let mut body = token_prompt(&prompt, 20_000);
-    body["stream"] = serde_json::Value::Bool(true);
     let url = format!("{}/v1/completions", proxy_a.url("main"));
-    let headers = [("content-type", "application/json")];
-    let mut stream = client
-        .send(Method::POST, &url, &headers, body.to_string())
-        .await?;
-    assert_eq!(stream.status, 200);
-    let engine = stream
-        .headers
-        .get("x-kvmesh-instance")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_string();
-    assert!(stream.next_chunk().await?.is_some());
+    let (stream, engine) = hold_stream(&client, &url, &prompt_tokens(3, 4)).await?;
     let probe = prompt_tokens(4, 4);
     await_explained(
         &client,
@@ -1322,6 +1308,31 @@ async fn an_api_keys_limits_hold_across_two_replicas() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Opens a stream of `prompt` (20,000 tokens, far longer than the socket buffers) at `url`
+/// and reads no further than its first piece: it stays in flight on its engine. Returns it
+/// with the instance it went to (`x-kvmesh-instance`; empty straight to an engine).
+async fn hold_stream(
+    client: &HttpClient,
+    url: &str,
+    prompt: &[u32],
+) -> anyhow::Result<(StreamingResponse, String)> {
+    let mut body = token_prompt(prompt, 20_000);
+    body["stream"] = serde_json::Value::Bool(true);
+    let headers = [("content-type", "application/json")];
+    let mut stream = client
+        .send(Method::POST, url, &headers, body.to_string())
+        .await?;
+    anyhow::ensure!(stream.status == 200, "status {}", stream.status);
+    let instance = stream
+        .headers
+        .get("x-kvmesh-instance")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    anyhow::ensure!(stream.next_chunk().await?.is_some(), "no first piece");
+    Ok((stream, instance))
+}
+
 /// Sends completions of fresh 2-block prompts to `url` back to back until `stop`; returns
 /// each one's status (0: no answer).
 fn request_loop(
@@ -1393,21 +1404,8 @@ async fn a_replica_killed_under_load_is_forgotten_and_rejoins_with_the_whole_ind
     .await?;
     // A stream through A, far longer than the socket buffers and read no further than its
     // first piece, stays in flight on its engine; B counts it from A's shared load.
-    let mut body = token_prompt(&prompt_tokens(7, 4), 20_000);
-    body["stream"] = serde_json::Value::Bool(true);
     let url = format!("{}/v1/completions", setup.proxy_a.url("main"));
-    let headers = [("content-type", "application/json")];
-    let mut stream = client
-        .send(Method::POST, &url, &headers, body.to_string())
-        .await?;
-    assert_eq!(stream.status, 200);
-    let streaming_on = stream
-        .headers
-        .get("x-kvmesh-instance")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_string();
-    assert!(stream.next_chunk().await?.is_some());
+    let (stream, streaming_on) = hold_stream(&client, &url, &prompt_tokens(7, 4)).await?;
     await_explained(&client, &setup.proxy_b, &probe, None, |explained| {
         explained_instance(explained, &streaming_on)["active_requests"] == 1
     })
@@ -2094,16 +2092,8 @@ async fn load_reports_of_agents_whose_clocks_are_off_count_as_long_as_any_other(
     // blocks reach the proxy only through the agents' load reports, which count at once.
     let mut streams = Vec::new();
     for (seed, engine) in (20..).zip(&engines) {
-        let mut body = token_prompt(&prompt_tokens(seed, 4), 20_000);
-        body["stream"] = serde_json::Value::Bool(true);
         let url = format!("{}/v1/completions", engine.url);
-        let headers = [("content-type", "application/json")];
-        let mut stream = client
-            .send(Method::POST, &url, &headers, body.to_string())
-            .await?;
-        assert_eq!(stream.status, 200);
-        assert!(stream.next_chunk().await?.is_some());
-        streams.push(stream);
+        streams.push(hold_stream(&client, &url, &prompt_tokens(seed, 4)).await?.0);
     }
     let probe = token_prompt(&prompt_tokens(30, 2), 1);
     // The instance's KV blocks in use beyond the proxy's own requests (it has none): what
@@ -2164,23 +2154,8 @@ async fn a_routing_knob_changes_by_reload_under_load_in_the_cluster_setup() -> a
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut load = tokio::task::JoinSet::new();
     for worker in 0..4u32 {
-        let (stop, client) = (stop.clone(), client.clone());
         let url = format!("{}/v1/completions", proxy.url("main"));
-        load.spawn(async move {
-            let mut statuses = Vec::new();
-            let mut seed = 1_000 * (worker + 1);
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                seed += 1;
-                let body = token_prompt(&prompt_tokens(seed, 2), 1).to_string();
-                let headers = [("content-type", "application/json")];
-                let status = match client.call(Method::POST, &url, &headers, body).await {
-                    Ok(response) => response.status,
-                    Err(_) => 0,
-                };
-                statuses.push(status);
-            }
-            statuses
-        });
+        load.spawn(request_loop(&client, url, 1_000 * (worker + 1), &stop));
     }
     let reloaded = config.replace(
         &format!("      block_size: {BLOCK_SIZE}\n"),

@@ -73,16 +73,6 @@ fn snapshot_events() -> Vec<KvEvent> {
         .collect()
 }
 
-/// The resident memory of process `pid`, in bytes.
-fn rss_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|kb| kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_100k_block_snapshot_fills_the_index_exactly_within_its_own_bytes() -> anyhow::Result<()>
 {
@@ -144,7 +134,7 @@ async fn a_100k_block_snapshot_fills_the_index_exactly_within_its_own_bytes() ->
         anyhow::Ok(answered)
     });
 
-    let baseline = rss_bytes(proxy.pid());
+    let baseline = proxy.rss_bytes();
     let registry = EtcdRegistry::new(&etcd.url())?;
     let record = InstanceRecord {
         instance_id: id,
@@ -173,7 +163,7 @@ async fn a_100k_block_snapshot_fills_the_index_exactly_within_its_own_bytes() ->
         Duration::from_secs(60),
     )
     .await?;
-    let grown = rss_bytes(proxy.pid()).saturating_sub(baseline);
+    let grown = proxy.rss_bytes().saturating_sub(baseline);
     assert!(
         grown as f64 <= 1.5 * index_bytes as f64,
         "the proxy grew by {} KB for an index of {} KB ({:.0} B per block)",

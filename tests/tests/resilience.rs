@@ -613,16 +613,6 @@ async fn streams_of_several_choices_continue_each_choice_on_another() {
     assert_migrations(&pair.client, &pair.proxy, STREAMS / 2).await;
 }
 
-/// The proxy's resident memory in bytes (`VmRSS` of `/proc/<pid>/status`).
-fn rss_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|kb| kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
-}
-
 /// The sum over `engines` of their metric `name`.
 async fn engines_total(client: &HttpClient, engines: &[String], name: &str) -> f64 {
     let mut total = 0.0;
@@ -669,7 +659,7 @@ async fn clients_that_stop_reading_are_cut_by_the_write_timeout_and_hold_nothing
         .await
         .unwrap();
     assert_eq!(warm.status, 200);
-    let baseline = rss_bytes(proxy.pid());
+    let baseline = proxy.rss_bytes();
 
     // Each stalled client has its own connection with a 4 KiB receive buffer.
     let stalled_client = HttpClient::http1_small_window(4096);
@@ -708,7 +698,7 @@ async fn clients_that_stop_reading_are_cut_by_the_write_timeout_and_hold_nothing
     let mut served = 0;
     let deadline = std::time::Instant::now() + Duration::from_secs(90);
     let cut = loop {
-        peak = peak.max(rss_bytes(proxy.pid()));
+        peak = peak.max(proxy.rss_bytes());
         let text = client.get(&metrics_url).await.unwrap();
         let text = String::from_utf8_lossy(&text.body).into_owned();
         let metric = |series: &str| kvmesh_e2e::control_plane::metric(&text, series);
