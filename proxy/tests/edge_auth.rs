@@ -207,6 +207,10 @@ async fn a_last_usage_event_without_its_blank_line_is_charged() {
     drop(tx);
     let finished = streaming.await.unwrap();
     assert_eq!(finished.status, 200);
+    // One CI run saw this stream answered `{}`, the backend's answer to a second request:
+    // the message names every request it got.
+    let seen = backend.seen();
+    assert_eq!(seen.len(), 1, "{seen:#?}");
     assert!(
         finished.body.ends_with(usage.as_bytes()),
         "{:?}",

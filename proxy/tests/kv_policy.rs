@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Response};
-use support::{Backend, Reply, TestProxy, chat, error_of, full, send};
+use support::{Backend, Reply, TestProxy, chat, closed_port, error_of, full, send};
 use tokio::sync::Notify;
 
 const BLOCK: usize = 4;
@@ -496,10 +496,8 @@ async fn a_client_leaving_releases_its_blocks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_errors_fail_over_to_the_next_instance() {
     let live = Backend::ok().await;
-    // Bound but not listening: connections are refused, and no other test can take the port.
-    let refusing = tokio::net::TcpSocket::new_v4().unwrap();
-    refusing.bind("127.0.0.1:0".parse().unwrap()).unwrap();
-    let dead = format!("http://{}", refusing.local_addr().unwrap());
+    let refusing = closed_port();
+    let dead = format!("http://{}", refusing.addr);
     let proxy = TestProxy::start(&kv_yaml(&[&dead, &live.url], None, "", "")).await;
     for i in 0..10u32 {
         let body = serde_json::json!({"model": "m", "prompt": [i, i + 1, i + 2, i + 3, i + 4]});

@@ -91,15 +91,8 @@ async fn reuses_upstream_connections() {
     }
     // Only the ten chats reached it (one CI run saw 13 requests: what else, and from where,
     // the message says: its method, path and request id).
-    let requests = backend.requests();
-    let seen: Vec<String> = requests
-        .iter()
-        .map(|r| {
-            let id = r.headers.get("x-request-id").and_then(|v| v.to_str().ok());
-            format!("{} {} {}", r.method, r.path, id.unwrap_or("-"))
-        })
-        .collect();
-    assert_eq!(requests.len(), 10, "{seen:#?}");
+    let seen = backend.seen();
+    assert_eq!(seen.len(), 10, "{seen:#?}");
     // pingora hands a pooled connection back through an idle-watch task; when that task
     // still holds the connection as the next request asks for it, the request opens a new
     // one. Without pooling every request would open its own.
@@ -376,7 +369,8 @@ async fn counts_chunked_bodies_against_the_limit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fails_over_from_a_refused_port() {
     let backend = Backend::ok().await;
-    let dead = format!("http://{}", closed_port());
+    let closed = closed_port();
+    let dead = format!("http://{}", closed.addr);
     let yaml = format!(
         "{}health_check:\n  enabled: false\n",
         model_yaml("m", &[&dead, &backend.url], "")
@@ -403,7 +397,8 @@ async fn fails_over_from_a_refused_port() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_engine_is_502() {
-    let dead = format!("http://{}", closed_port());
+    let closed = closed_port();
+    let dead = format!("http://{}", closed.addr);
     let yaml = format!(
         "{}health_check:\n  enabled: false\n",
         model_yaml("m", &[&dead], "")
