@@ -10,6 +10,7 @@ pub mod certs;
 pub mod client;
 pub mod cluster;
 pub mod control_plane;
+pub mod grpc;
 pub mod process;
 pub mod relay;
 pub mod scratch;

@@ -22,7 +22,7 @@ use kvmesh_e2e::control_plane::{
     BLOCK_SIZE, Servers, await_metric, control_proxy_config, prompt_tokens, start_agent,
     start_event_engines, token_prompt,
 };
-use kvmesh_e2e::{HttpClient, ScratchDir};
+use kvmesh_e2e::{HttpClient, ScratchDir, grpc};
 use tokio_stream::StreamExt;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -66,7 +66,9 @@ async fn pick(
         message(Request::RequestBody(body)),
     ]);
     let mut answers = client.process(requests).await?.into_inner();
-    let Some(Response::RequestHeaders(headers)) = answers.message().await?.and_then(|a| a.response)
+    let Some(Response::RequestHeaders(headers)) = grpc::next_message(&mut answers)
+        .await?
+        .and_then(|a| a.response)
     else {
         anyhow::bail!("no pick");
     };
@@ -111,9 +113,8 @@ async fn a_picker_alone_is_ready_once_synced_and_picks_by_the_agents_events() ->
     // A picker whose bus is unreachable: discovery synced, events never; live, not ready.
     let unreachable = config.replace(&servers.nats.url(), "nats://127.0.0.1:1");
     let cut_off = start_proxy(&scratch, &unreachable)?;
-    let channel = tonic::transport::Endpoint::from_shared(cut_off.url("epp"))?
-        .connect()
-        .await?;
+    let channel =
+        grpc::connect(tonic::transport::Endpoint::from_shared(cut_off.url("epp"))?).await?;
     let client = HttpClient::default();
     let metrics = format!("{}/metrics", cut_off.url("admin"));
     await_metric(
@@ -141,9 +142,7 @@ async fn a_picker_alone_is_ready_once_synced_and_picks_by_the_agents_events() ->
     }
 
     let proxy = start_proxy(&scratch, &config)?;
-    let channel = tonic::transport::Endpoint::from_shared(proxy.url("epp"))?
-        .connect()
-        .await?;
+    let channel = grpc::connect(tonic::transport::Endpoint::from_shared(proxy.url("epp"))?).await?;
     let mut health = HealthClient::new(channel.clone());
     let readiness = HealthCheckRequest {
         service: "readiness".to_string(),

@@ -15,7 +15,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvmesh_e2e::cluster::{MODEL, engine_urls, proxy_config, start_engines, start_proxy};
 use kvmesh_e2e::control_plane::assert_migrations;
-use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
+use kvmesh_e2e::{HttpClient, ScratchDir, Spawned, grpc};
 use kvmesh_proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use kvmesh_proto::inference::infer_parameter::ParameterChoice;
 use kvmesh_proto::inference::model_infer_request::InferInputTensor;
@@ -79,9 +79,7 @@ fn untimed_client(
 }
 
 async fn channel(addr: SocketAddr) -> Channel {
-    Endpoint::from_shared(format!("http://{addr}"))
-        .expect("endpoint")
-        .connect()
+    grpc::connect(Endpoint::from_shared(format!("http://{addr}")).expect("endpoint"))
         .await
         .expect("gRPC connect")
 }
@@ -495,7 +493,10 @@ async fn one_stream_carries_several_requests() {
     let mut chunks: HashMap<String, usize> = HashMap::new();
     let mut finals: HashMap<String, ModelInferResponse> = HashMap::new();
     let mut errors = Vec::new();
-    while let Some(message) = responses.message().await.expect("the stream goes on") {
+    while let Some(message) = grpc::next_message(&mut responses)
+        .await
+        .expect("the stream goes on")
+    {
         if !message.error_message.is_empty() {
             let bare = message.infer_response.expect("the failed request's id");
             errors.push((bare.id, message.error_message));
@@ -684,7 +685,7 @@ fn assert_proxy_deadline(status: tonic::Status) {
 /// Reads `responses` to their end: the status that ended the stream (it must end with one).
 async fn ending_status(responses: &mut Streaming<ModelStreamInferResponse>) -> tonic::Status {
     loop {
-        match responses.message().await {
+        match grpc::next_message(responses).await {
             Ok(Some(_)) => continue,
             Ok(None) => panic!("the stream ended without an error"),
             Err(status) => return status,
@@ -707,7 +708,10 @@ async fn cancelling_a_stream_releases_the_engine_request() {
     .await
     .unwrap();
     for _ in 0..3 {
-        let message = responses.message().await.unwrap().expect("a chunk");
+        let message = grpc::next_message(&mut responses)
+            .await
+            .unwrap()
+            .expect("a chunk");
         assert!(
             message.error_message.is_empty(),
             "{}",
@@ -871,13 +875,11 @@ async fn tls_when_a_data_listener_has_it() {
     let tls = tonic::transport::ClientTlsConfig::new()
         .ca_certificate(tonic::transport::Certificate::from_pem(ca))
         .domain_name("localhost");
-    let channel = Endpoint::from_shared(format!("https://{}", proxy.addr("grpc")))
+    let endpoint = Endpoint::from_shared(format!("https://{}", proxy.addr("grpc")))
         .unwrap()
         .tls_config(tls)
-        .unwrap()
-        .connect()
-        .await
-        .expect("a TLS connection");
+        .unwrap();
+    let channel = grpc::connect(endpoint).await.expect("a TLS connection");
     let mut client = GrpcInferenceServiceClient::new(channel);
     let response = client
         .model_infer(text_request("tls", "over TLS", 3, false))
@@ -886,10 +888,9 @@ async fn tls_when_a_data_listener_has_it() {
         .into_inner();
     assert_eq!(int_param(&response, "completion_tokens"), Some(3));
     // Plaintext HTTP/2 is refused on a TLS listener.
-    let plain = Endpoint::from_shared(format!("http://{}", proxy.addr("grpc")))
-        .unwrap()
-        .connect()
-        .await;
+    let plain =
+        grpc::connect(Endpoint::from_shared(format!("http://{}", proxy.addr("grpc"))).unwrap())
+            .await;
     if let Ok(channel) = plain {
         let mut client = GrpcInferenceServiceClient::new(channel);
         assert!(client.server_live(ServerLiveRequest {}).await.is_err());
