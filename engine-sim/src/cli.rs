@@ -6,8 +6,9 @@ use std::path::PathBuf;
 use clap::{Parser, ValueEnum};
 
 use crate::config::{
-    InterferenceScaling, KvEventEncoding, KvEventHash, KvEventsConfig, KvTransferConfig,
-    ModelShape, PreemptionMode, Role, SimConfig,
+    DEFAULT_BOOTSTRAP_PORT, DisaggregationMode, InterferenceScaling, KvEventEncoding, KvEventHash,
+    KvEventsConfig, KvTransferConfig, ModelShape, PreemptionMode, Role, SglangDisaggregation,
+    SimConfig,
 };
 use crate::lora::LoraModule;
 
@@ -33,6 +34,12 @@ pub struct Cli {
     /// Number of engines in this process.
     #[arg(long, default_value_t = 1)]
     pub engines: usize,
+    /// Data-parallel ranks of each engine, as vLLM's `--data-parallel-size` on one API
+    /// server: one HTTP port, N engine cores (own KV cache and scheduler each), KV event
+    /// sockets at the configured ports plus the rank; `X-data-parallel-rank` picks one.
+    #[arg(long, visible_alias = "data-parallel-size", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    pub dp_ranks: u16,
     /// Served model name.
     #[arg(long, default_value = "sim-model")]
     pub model: String,
@@ -128,6 +135,24 @@ pub struct Cli {
     /// Host decode engines read this engine's held blocks at (default: the bound IP).
     #[arg(long, value_name = "HOST")]
     pub kv_side_channel_host: Option<String>,
+    /// Side of SGLang's disaggregated serving (SGLang's flag): `prefill` runs a bootstrap
+    /// server and answers a request once the decode engine of its `bootstrap_room` has the
+    /// KV; `decode` joins that room and receives the KV before decoding. Either refuses
+    /// requests without `bootstrap_room`, as SGLang does.
+    #[arg(long, value_enum, default_value_t = DisaggregationMode::Null)]
+    pub disaggregation_mode: DisaggregationMode,
+    /// A prefill engine's bootstrap server port (engine i: the port plus i; 0 picks a free
+    /// one); the port a decode leg without `bootstrap_port` contacts.
+    #[arg(long, value_name = "PORT", default_value_t = DEFAULT_BOOTSTRAP_PORT)]
+    pub disaggregation_bootstrap_port: u16,
+    /// Seconds a prefill leg waits for its decode engine to join its room (SGLang's
+    /// SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT, 300 there).
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    pub disaggregation_bootstrap_timeout: f64,
+    /// Seconds a decode leg waits for its room's KV (SGLang's
+    /// SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 there).
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    pub disaggregation_waiting_timeout: f64,
     /// Test hook: answer every generation request with this HTTP status (and an OpenAI-shaped
     /// error body), as an engine that keeps failing; `/health` and the rest stay up.
     #[arg(long, value_name = "CODE", value_parser = clap::value_parser!(u16).range(400..600))]
@@ -169,20 +194,31 @@ impl Cli {
             },
             kv_transfer: KvTransferConfig {
                 role: self.role,
-                hold_timeout: std::time::Duration::try_from_secs_f64(self.kv_hold_timeout)
-                    .unwrap_or_default(),
+                hold_timeout: seconds(self.kv_hold_timeout),
                 shape: self.kv_shape,
                 link_gbps: self.kv_link_gbps,
                 interference: self.kv_transfer_interference,
                 interference_scaling: self.kv_transfer_interference_scaling,
                 side_channel_host: self.kv_side_channel_host.clone(),
+                sglang: SglangDisaggregation {
+                    mode: self.disaggregation_mode,
+                    bootstrap_port: self.disaggregation_bootstrap_port,
+                    bootstrap_timeout: seconds(self.disaggregation_bootstrap_timeout),
+                    waiting_timeout: seconds(self.disaggregation_waiting_timeout),
+                },
             },
             enable_lora: self.enable_lora,
             lora_modules: self.lora_modules.clone(),
             fail_status: self.fail_status,
             head_delay: std::time::Duration::from_millis(self.head_delay_ms),
+            dp_ranks: usize::from(self.dp_ranks),
         }
     }
+}
+
+/// `secs` as a duration (zero when negative or not finite: validation refuses it).
+fn seconds(secs: f64) -> std::time::Duration {
+    std::time::Duration::try_from_secs_f64(secs).unwrap_or_default()
 }
 
 /// Parses `LAYERS,KV_HEADS,HEAD_DIM,DTYPE_BYTES`.
@@ -243,6 +279,51 @@ mod tests {
         assert_eq!(c.preemption_mode, PreemptionMode::Fifo);
         assert_eq!((c.block_size, c.speedup_ratio, cli.engines), (16, 0.0, 3));
         assert!(Cli::try_parse_from(["x", "--preemption-mode", "random"]).is_err());
+    }
+
+    #[test]
+    fn sglang_disaggregation_flags_map_to_config() {
+        let c = Cli::try_parse_from([
+            "x",
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-bootstrap-port",
+            "0",
+            "--disaggregation-bootstrap-timeout",
+            "0.5",
+            "--disaggregation-waiting-timeout",
+            "2",
+        ])
+        .expect("SGLang's flags")
+        .config();
+        let sglang = &c.kv_transfer.sglang;
+        assert_eq!(sglang.mode, DisaggregationMode::Prefill);
+        assert_eq!(sglang.bootstrap_port, 0);
+        assert_eq!(sglang.bootstrap_timeout.as_millis(), 500);
+        assert_eq!(sglang.waiting_timeout.as_secs(), 2);
+        assert!(c.validate().is_ok());
+        let both =
+            Cli::try_parse_from(["x", "--disaggregation-mode", "decode", "--role", "decode"])
+                .expect("flags parse")
+                .config();
+        assert!(
+            both.validate().is_err(),
+            "vLLM's role and SGLang's mode exclude each other"
+        );
+        let zero = Cli::try_parse_from(["x", "--disaggregation-waiting-timeout", "0"])
+            .expect("flags parse")
+            .config();
+        assert!(zero.validate().is_err());
+        assert!(Cli::try_parse_from(["x", "--disaggregation-mode", "encode"]).is_err());
+    }
+
+    #[test]
+    fn dp_ranks_map_to_config() {
+        let c = Cli::try_parse_from(["x", "--dp-ranks", "2"]).expect("valid flags");
+        assert_eq!(c.config().dp_ranks, 2);
+        let c = Cli::try_parse_from(["x", "--data-parallel-size", "4"]).expect("vLLM's name");
+        assert_eq!(c.config().dp_ranks, 4);
+        assert!(Cli::try_parse_from(["x", "--dp-ranks", "0"]).is_err());
     }
 
     #[test]

@@ -74,6 +74,64 @@ impl Role {
     }
 }
 
+/// Which side of SGLang's disaggregated serving an engine takes (`--disaggregation-mode`,
+/// SGLang's flag and values: `python/sglang/srt/server_args.py`, `disaggregation_mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum DisaggregationMode {
+    /// Not disaggregated (SGLang's default `null`).
+    #[default]
+    Null,
+    /// Prefill only: runs a bootstrap server; a request waits in its bootstrap room until
+    /// the decode engine joined, prefills, and answers once that engine has its KV.
+    Prefill,
+    /// Decode only: a request joins its room on the prefill engine's bootstrap server,
+    /// receives the prompt's KV and decodes.
+    Decode,
+}
+
+impl DisaggregationMode {
+    /// `null`, `prefill` or `decode`, as SGLang's `/get_server_info` reports it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Null => "null",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
+}
+
+/// SGLang's default `--disaggregation-bootstrap-port`.
+pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
+/// SGLang's disaggregated serving (`--disaggregation-mode`): both legs of a request arrive at
+/// once, with `bootstrap_host`, `bootstrap_port` and `bootstrap_room`, and meet in that room
+/// of the prefill engine's bootstrap server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SglangDisaggregation {
+    /// The engine's side; `Null`: off.
+    pub mode: DisaggregationMode,
+    /// Where a prefill engine's bootstrap server listens (engine `i` of a process: the port
+    /// plus `i`; 0 picks a free port); what a decode leg without `bootstrap_port` contacts.
+    pub bootstrap_port: u16,
+    /// How long a prefill leg waits for its decode engine to join the room (SGLang's
+    /// `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`, 300 s by default there).
+    pub bootstrap_timeout: Duration,
+    /// How long a decode leg waits for the room's KV once it joined (SGLang's
+    /// `SGLANG_DISAGGREGATION_WAITING_TIMEOUT`, 300 s by default there).
+    pub waiting_timeout: Duration,
+}
+
+impl Default for SglangDisaggregation {
+    fn default() -> Self {
+        Self {
+            mode: DisaggregationMode::Null,
+            bootstrap_port: DEFAULT_BOOTSTRAP_PORT,
+            bootstrap_timeout: Duration::from_secs(30),
+            waiting_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
 /// The KV shape of the served model, for the bytes a block transfer moves: per token
 /// `layers × 2 (K and V) × kv_heads × head_dim × dtype_bytes`. The default is Qwen3-8B's
 /// (36 layers, 8 KV heads of 128, bf16): 147,456 bytes per token.
@@ -152,6 +210,8 @@ pub struct KvTransferConfig {
     /// `VLLM_NIXL_SIDE_CHANNEL_HOST`); `None`: the bound IP (127.0.0.1 when bound to every
     /// interface).
     pub side_channel_host: Option<String>,
+    /// SGLang's protocol (bootstrap rooms) instead of vLLM's; needs `role: Both`.
+    pub sglang: SglangDisaggregation,
 }
 
 impl Default for KvTransferConfig {
@@ -164,6 +224,7 @@ impl Default for KvTransferConfig {
             interference: 0.3,
             interference_scaling: InterferenceScaling::Any,
             side_channel_host: None,
+            sglang: SglangDisaggregation::default(),
         }
     }
 }
@@ -198,6 +259,20 @@ impl KvTransferConfig {
                 "kv_transfer.hold_timeout must be positive".to_owned(),
             ));
         }
+        let sglang = &self.sglang;
+        if sglang.mode != DisaggregationMode::Null && self.role != Role::Both {
+            return Err(SimError::InvalidConfig(format!(
+                "--role {} (vLLM's protocol) and --disaggregation-mode {} (SGLang's) exclude each other",
+                self.role.as_str(),
+                sglang.mode.as_str()
+            )));
+        }
+        if sglang.bootstrap_timeout.is_zero() || sglang.waiting_timeout.is_zero() {
+            return Err(SimError::InvalidConfig(
+                "kv_transfer.sglang: the bootstrap and waiting timeouts must be positive"
+                    .to_owned(),
+            ));
+        }
         Ok(())
     }
 }
@@ -206,7 +281,8 @@ impl KvTransferConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvEventsConfig {
     /// PUB socket address, `tcp://HOST:PORT` (`*` binds every interface; port 0 picks a free
-    /// port). Engine `i` of a process binds `PORT + i`. The engine always binds.
+    /// port). Engine core `k` of a process (engine `i`'s rank `r`: `i * dp_ranks + r`) binds
+    /// `PORT + k`. The engine always binds.
     pub endpoint: Option<String>,
     /// ROUTER socket answering replay requests, same form and offset rule; needs `endpoint`.
     pub replay_endpoint: Option<String>,
@@ -307,6 +383,11 @@ pub struct SimConfig {
     /// Test hook: the response head of every generation request waits this long (an engine
     /// slow to its first byte).
     pub head_delay: Duration,
+    /// Data-parallel ranks behind the one HTTP server (vLLM's `--data-parallel-size`): each
+    /// rank is an engine core of its own (KV cache, scheduler, KV event sockets at the
+    /// configured ports plus its rank); a request's `X-data-parallel-rank` header picks one,
+    /// else vLLM's DP load balancer does.
+    pub dp_ranks: usize,
 }
 
 impl Default for SimConfig {
@@ -333,6 +414,7 @@ impl Default for SimConfig {
             lora_modules: Vec::new(),
             fail_status: None,
             head_delay: Duration::ZERO,
+            dp_ranks: 1,
         }
     }
 }
@@ -347,6 +429,7 @@ impl SimConfig {
             ("max_num_batched_tokens", self.max_num_batched_tokens),
             ("max_model_len", self.max_model_len),
             ("embedding_dim", self.embedding_dim),
+            ("dp_ranks", self.dp_ranks),
         ];
         for (name, value) in positive {
             if value == 0 {

@@ -67,9 +67,13 @@ impl Histogram {
         self.count.load(Ordering::Relaxed)
     }
 
-    /// Appends `# HELP`, `# TYPE` and the series, `labels` being `k="v",...` without braces.
-    pub(crate) fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
+    /// Appends the `# HELP` and `# TYPE` lines of histogram `name`.
+    pub(crate) fn render_header(out: &mut String, name: &str, help: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+    }
+
+    /// Appends this histogram's series of `name`, `labels` being `k="v",...` without braces.
+    pub(crate) fn render_series(&self, out: &mut String, name: &str, labels: &str) {
         let mut cumulative = 0;
         for (bound, count) in self.bounds.iter().zip(self.counts.iter()) {
             cumulative += count.load(Ordering::Relaxed);
@@ -97,7 +101,8 @@ mod tests {
         h.observe(0.5);
         h.observe(5.0);
         let mut out = String::new();
-        h.render(&mut out, "x_seconds", "help", "a=\"b\"");
+        Histogram::render_header(&mut out, "x_seconds", "help");
+        h.render_series(&mut out, "x_seconds", "a=\"b\"");
         assert!(out.contains("x_seconds_bucket{a=\"b\",le=\"0.1\"} 1\n"));
         assert!(out.contains("x_seconds_bucket{a=\"b\",le=\"1.0\"} 2\n"));
         assert!(out.contains("x_seconds_bucket{a=\"b\",le=\"+Inf\"} 3\n"));

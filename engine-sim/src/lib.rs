@@ -35,12 +35,21 @@
 //! Every response carries `x-engine-id: <ip:port>`. Metrics are labelled `engine="<i>"`, the
 //! engine's index in its process ([`spawn_engines`]; 0 for [`spawn`]).
 //!
+//! # Data-parallel ranks
+//! With [`SimConfig::dp_ranks`] `N` > 1 (`--dp-ranks`, vLLM's `--data-parallel-size` behind
+//! one API server) an engine runs N engine cores, each with its own KV cache, scheduler and
+//! KV event sockets (rank `r` at the configured ports plus `r`, its batches carrying `r`).
+//! `X-data-parallel-rank` picks the rank of a completions or chat request as vLLM 0.32 reads
+//! it (an unreadable value is ignored; one out of range is vLLM's 400); without it vLLM's DP
+//! load balancer places each sequence. `/metrics` shows each family once, a series per rank
+//! labelled `engine="<i·N + r>"` (`<r>` for [`spawn`]).
+//!
 //! # KV events over ZMQ
-//! With [`KvEventsConfig::endpoint`] (`--kv-events-endpoint tcp://HOST:PORT`) each engine binds
-//! a PUB socket (engine `i` at `PORT + i`; port 0 picks a free port, see
-//! [`EngineHandle::kv_events_addr`]) and publishes vLLM's 3-frame messages
-//! `[topic, seq u64 BE, msgpack [ts, [events...], 0]]`, `seq` from 0 and +1 per batch. Events
-//! follow the real cache: `BlockStored` when a block becomes a cached full block (prefill or
+//! With [`KvEventsConfig::endpoint`] (`--kv-events-endpoint tcp://HOST:PORT`) each engine core
+//! binds a PUB socket (core `k` at `PORT + k`; port 0 picks a free port, see
+//! [`EngineHandle::rank_kv_events_addr`]) and publishes vLLM's 3-frame messages
+//! `[topic, seq u64 BE, msgpack [ts, [events...], dp_rank]]`, `seq` from 0 and +1 per
+//! batch. Events follow the real cache: `BlockStored` when a block becomes a cached full block (prefill or
 //! decode), `BlockRemoved` on eviction, `AllBlocksCleared` on `POST /reset_prefix_cache`.
 //! An adapter's `BlockStored` carries its `lora_id` (vLLM's, from 1 per load) and `lora_name`.
 //! Encodings: legacy positional arrays or maps ([`KvEventEncoding`]); hashes as u64 or 32-byte
@@ -68,7 +77,8 @@
 //! replay still has them), send the first `BlockStored` of each of the next N batches holding
 //! one again in a batch of its own, or simulate an engine restart (cache emptied, the next
 //! batch `[AllBlocksCleared]` is numbered 0, replay buffer emptied). Faults apply to the next
-//! batches the publisher handles. 400 when the engine does not publish KV events.
+//! batches the publisher handles: rank 0's, or the rank `X-data-parallel-rank` names. 400
+//! when the engine does not publish KV events.
 //!
 //! # Disaggregated serving
 //! `--role prefill|decode|both` (default both) speaks vLLM's NixlConnector protocol, as its
@@ -89,6 +99,14 @@
 //! `kvmesh_sim_kv_transfer_bytes_total`, `kvmesh_sim_kv_transfer_seconds_total`,
 //! `kvmesh_sim_kv_transfers_in_flight`, `kvmesh_sim_kv_held_blocks`,
 //! `kvmesh_sim_kv_holds_expired_total`.
+//!
+//! `--disaggregation-mode prefill|decode` ([`SglangDisaggregation`]) speaks SGLang's protocol
+//! instead: both legs come at once with `bootstrap_host`, `bootstrap_port` and
+//! `bootstrap_room`. A prefill engine runs a bootstrap server (`--disaggregation-bootstrap-port`,
+//! [`EngineHandle::bootstrap_addr`]; SGLang's `GET /route` and `GET /health`) and answers a
+//! leg (one token) once the decode engine of its room has joined and taken the KV; a decode
+//! engine joins the room there, moves the KV over its link and decodes. Both refuse a request
+//! without `bootstrap_room` as SGLang does (400), and time out as SGLang does (500).
 //!
 //! # Library use
 //! ```no_run
@@ -125,8 +143,9 @@ mod tokenizer;
 mod zmq_events;
 
 pub use config::{
-    InterferenceScaling, KvEventEncoding, KvEventHash, KvEventsConfig, KvTransferConfig,
-    ModelShape, PreemptionMode, Role, SimConfig,
+    DEFAULT_BOOTSTRAP_PORT, DisaggregationMode, InterferenceScaling, KvEventEncoding, KvEventHash,
+    KvEventsConfig, KvTransferConfig, ModelShape, PreemptionMode, Role, SglangDisaggregation,
+    SimConfig,
 };
 pub use engine::{EngineHandle, spawn, spawn_engines};
 pub use error::SimError;

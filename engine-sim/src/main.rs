@@ -1,5 +1,6 @@
 //! `kvmesh-engine-sim`: runs N simulated engines on consecutive ports (and their KV event
-//! sockets, when configured).
+//! sockets, when configured, one pair per data-parallel rank; an SGLang prefill engine's
+//! bootstrap server).
 
 use std::io::Write;
 
@@ -27,11 +28,21 @@ async fn main() -> anyhow::Result<()> {
         let mut out = std::io::stdout().lock();
         for (i, engine) in engines.iter().enumerate() {
             writeln!(out, "LISTENING engine-{i} {}", engine.local_addr())?;
-            if let Some(addr) = engine.kv_events_addr() {
-                writeln!(out, "LISTENING kv-events-{i} {addr}")?;
+            if let Some(addr) = engine.bootstrap_addr() {
+                writeln!(out, "LISTENING bootstrap-{i} {addr}")?;
             }
-            if let Some(addr) = engine.kv_replay_addr() {
-                writeln!(out, "LISTENING kv-replay-{i} {addr}")?;
+            // Rank 0's sockets keep the engine's name; rank r > 0 adds `-dp<r>`.
+            for rank in 0..engine.dp_ranks() {
+                let suffix = match rank {
+                    0 => String::new(),
+                    r => format!("-dp{r}"),
+                };
+                if let Some(addr) = engine.rank_kv_events_addr(rank) {
+                    writeln!(out, "LISTENING kv-events-{i}{suffix} {addr}")?;
+                }
+                if let Some(addr) = engine.rank_kv_replay_addr(rank) {
+                    writeln!(out, "LISTENING kv-replay-{i}{suffix} {addr}")?;
+                }
             }
         }
         writeln!(out, "READY")?;

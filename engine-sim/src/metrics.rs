@@ -32,6 +32,7 @@ pub(crate) struct EngineMetrics {
     transfer_bytes: AtomicU64,
     transfer_micros: AtomicU64,
     transfers_in_flight: AtomicU64,
+    requests_in_flight: AtomicU64,
     ttft: Histogram,
     itl: Histogram,
     fine_itl: Histogram,
@@ -50,6 +51,19 @@ pub(crate) struct CounterSnapshot {
     pub preemptions: u64,
     /// Finished requests.
     pub successes: u64,
+}
+
+/// One engine core's load as the DP load balancer sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct BalancerLoad {
+    /// Sequences submitted and not yet finished.
+    pub in_flight: u64,
+    /// `vllm:num_requests_waiting`.
+    pub waiting: u64,
+    /// `vllm:num_requests_running`.
+    pub running: u64,
+    /// `vllm:kv_cache_usage_perc`.
+    pub kv_usage: f64,
 }
 
 /// How a sequence finished.
@@ -121,6 +135,7 @@ impl EngineMetrics {
             transfer_bytes: AtomicU64::new(0),
             transfer_micros: AtomicU64::new(0),
             transfers_in_flight: AtomicU64::new(0),
+            requests_in_flight: AtomicU64::new(0),
             ttft: Histogram::new(TTFT_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
             fine_itl: Histogram::new(FINE_ITL_BUCKETS),
@@ -134,6 +149,33 @@ impl EngineMetrics {
         self.waiting.store(waiting as u64, Ordering::Relaxed);
         self.kv_usage_bits
             .store(kv_usage.to_bits(), Ordering::Relaxed);
+    }
+
+    /// Counts `n` sequences handed to this engine's scheduler (the DP load balancer's
+    /// in-flight count, until [`Self::requests_left`]).
+    pub(crate) fn requests_entered(&self, n: usize) {
+        self.requests_in_flight
+            .fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// Counts `n` sequences that left the scheduler: finished, failed or cancelled.
+    pub(crate) fn requests_left(&self, n: usize) {
+        let _ = self
+            .requests_in_flight
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                Some(v.saturating_sub(n as u64))
+            });
+    }
+
+    /// What vLLM's DP load balancer reads of an engine core: its in-flight sequences, the
+    /// waiting and running gauges and KV usage.
+    pub(crate) fn balancer_load(&self) -> BalancerLoad {
+        BalancerLoad {
+            in_flight: self.requests_in_flight.load(Ordering::Relaxed),
+            waiting: self.waiting.load(Ordering::Relaxed),
+            running: self.running.load(Ordering::Relaxed),
+            kv_usage: f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)),
+        }
     }
 
     /// Records one prefix-cache lookup of `queried` tokens of which `hit` were cached.
@@ -232,163 +274,212 @@ impl EngineMetrics {
     }
 
     /// Prometheus text exposition of every metric.
+    #[cfg(test)]
     pub(crate) fn render(&self) -> String {
-        let l = &self.labels;
-        let mut out = String::with_capacity(8192);
-        let gauge = |out: &mut String, name: &str, help: &str, value: String| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {value}"
-            );
+        Self::render_ranks(&[self])
+    }
+
+    /// Prometheus text exposition of every metric of an engine's data-parallel ranks: each
+    /// family once, with one series per rank (its `engine` label), as vLLM exposes them.
+    pub(crate) fn render_ranks(ranks: &[&EngineMetrics]) -> String {
+        let mut out = String::with_capacity(8192 * ranks.len());
+        let header = |out: &mut String, name: &str, help: &str, kind: &str| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
         };
-        let counter = |out: &mut String, name: &str, help: &str, value: &AtomicU64| {
-            let v = value.load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{l}}} {v}"
-            );
-        };
+        let gauge =
+            |out: &mut String, name: &str, help: &str, value: fn(&EngineMetrics) -> String| {
+                header(out, name, help, "gauge");
+                for m in ranks {
+                    let _ = writeln!(out, "{name}{{{}}} {}", m.labels, value(m));
+                }
+            };
+        let counter =
+            |out: &mut String, name: &str, help: &str, value: fn(&EngineMetrics) -> &AtomicU64| {
+                header(out, name, help, "counter");
+                for m in ranks {
+                    let v = value(m).load(Ordering::Relaxed);
+                    let _ = writeln!(out, "{name}{{{}}} {v}", m.labels);
+                }
+            };
+        let histogram =
+            |out: &mut String, name: &str, help: &str, value: fn(&EngineMetrics) -> &Histogram| {
+                Histogram::render_header(out, name, help);
+                for m in ranks {
+                    value(m).render_series(out, name, &m.labels);
+                }
+            };
         gauge(
             &mut out,
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",
-            self.running.load(Ordering::Relaxed).to_string(),
+            |m| m.running.load(Ordering::Relaxed).to_string(),
         );
         gauge(
             &mut out,
             "vllm:num_requests_waiting",
             "Number of requests waiting to be processed.",
-            self.waiting.load(Ordering::Relaxed).to_string(),
+            |m| m.waiting.load(Ordering::Relaxed).to_string(),
         );
         gauge(
             &mut out,
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",
-            f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)).to_string(),
+            |m| f64::from_bits(m.kv_usage_bits.load(Ordering::Relaxed)).to_string(),
         );
-        let _ = writeln!(
-            out,
-            "# HELP vllm:cache_config_info Information of the KV cache configuration.\n# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{{l},{}}} 1",
-            self.cache_config_labels
+        header(
+            &mut out,
+            "vllm:cache_config_info",
+            "Information of the KV cache configuration.",
+            "gauge",
         );
+        for m in ranks {
+            let _ = writeln!(
+                out,
+                "vllm:cache_config_info{{{},{}}} 1",
+                m.labels, m.cache_config_labels
+            );
+        }
         counter(
             &mut out,
             "vllm:prefix_cache_queries_total",
             "Prefix cache queries, in terms of number of queried tokens.",
-            &self.prefix_queries,
+            |m| &m.prefix_queries,
         );
         counter(
             &mut out,
             "vllm:prefix_cache_hits_total",
             "Prefix cache hits, in terms of number of cached tokens.",
-            &self.prefix_hits,
+            |m| &m.prefix_hits,
         );
         counter(
             &mut out,
             "vllm:num_preemptions_total",
             "Cumulative number of preemptions from the engine.",
-            &self.preemptions,
+            |m| &m.preemptions,
         );
         counter(
             &mut out,
             "vllm:prompt_tokens_total",
             "Number of prefill tokens processed.",
-            &self.prompt_tokens,
+            |m| &m.prompt_tokens,
         );
         counter(
             &mut out,
             "vllm:generation_tokens_total",
             "Number of generation tokens processed.",
-            &self.generation_tokens,
+            |m| &m.generation_tokens,
         );
-        let _ = writeln!(
-            out,
-            "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter\nvllm:request_success_total{{{l},finished_reason=\"length\"}} {}\nvllm:request_success_total{{{l},finished_reason=\"stop\"}} {}",
-            self.success_length.load(Ordering::Relaxed),
-            self.success_stop.load(Ordering::Relaxed),
+        header(
+            &mut out,
+            "vllm:request_success_total",
+            "Count of successfully processed requests.",
+            "counter",
         );
-        self.ttft.render(
+        for m in ranks {
+            let l = &m.labels;
+            let _ = writeln!(
+                out,
+                "vllm:request_success_total{{{l},finished_reason=\"length\"}} {}\nvllm:request_success_total{{{l},finished_reason=\"stop\"}} {}",
+                m.success_length.load(Ordering::Relaxed),
+                m.success_stop.load(Ordering::Relaxed),
+            );
+        }
+        histogram(
             &mut out,
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
-            l,
+            |m| &m.ttft,
         );
-        self.itl.render(
+        histogram(
             &mut out,
             "vllm:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.",
-            l,
+            |m| &m.itl,
         );
-        self.fine_itl.render(
+        histogram(
             &mut out,
             "kvmesh_sim_inter_token_latency_seconds",
             "Inter-token latency in seconds, in 1 ms buckets to 60 ms (vLLM's histogram's are 25 ms apart there).",
-            l,
+            |m| &m.fine_itl,
         );
-        self.e2e.render(
+        histogram(
             &mut out,
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
-            l,
+            |m| &m.e2e,
         );
         gauge(
             &mut out,
             "kvmesh_sim_kv_held_blocks",
             "KV blocks prefill legs hold for decode engines to read.",
-            self.held_blocks.load(Ordering::Relaxed).to_string(),
+            |m| m.held_blocks.load(Ordering::Relaxed).to_string(),
         );
         counter(
             &mut out,
             "kvmesh_sim_kv_holds_expired_total",
             "Prefill legs whose blocks no decode engine read before the hold timeout.",
-            &self.holds_expired,
+            |m| &m.holds_expired,
         );
-        let _ = writeln!(
-            out,
-            "# HELP kvmesh_sim_kv_transfers_total KV pulls from prefill engines, by outcome (failed: prefilled locally instead).\n\
-             # TYPE kvmesh_sim_kv_transfers_total counter\n\
-             kvmesh_sim_kv_transfers_total{{{l},outcome=\"ok\"}} {}\n\
-             kvmesh_sim_kv_transfers_total{{{l},outcome=\"failed\"}} {}",
-            self.transfers_ok.load(Ordering::Relaxed),
-            self.transfers_failed.load(Ordering::Relaxed),
+        header(
+            &mut out,
+            "kvmesh_sim_kv_transfers_total",
+            "KV pulls from prefill engines, by outcome (failed: prefilled locally instead).",
+            "counter",
         );
+        for m in ranks {
+            let l = &m.labels;
+            let _ = writeln!(
+                out,
+                "kvmesh_sim_kv_transfers_total{{{l},outcome=\"ok\"}} {}\n\
+                 kvmesh_sim_kv_transfers_total{{{l},outcome=\"failed\"}} {}",
+                m.transfers_ok.load(Ordering::Relaxed),
+                m.transfers_failed.load(Ordering::Relaxed),
+            );
+        }
         counter(
             &mut out,
             "kvmesh_sim_kv_transfer_bytes_total",
             "KV bytes pulled from prefill engines over the inbound link.",
-            &self.transfer_bytes,
+            |m| &m.transfer_bytes,
         );
-        let _ = writeln!(
-            out,
-            "# HELP kvmesh_sim_kv_transfer_seconds_total Time KV pulls spent on the inbound link.\n\
-             # TYPE kvmesh_sim_kv_transfer_seconds_total counter\n\
-             kvmesh_sim_kv_transfer_seconds_total{{{l}}} {}",
-            self.transfer_micros.load(Ordering::Relaxed) as f64 / 1e6,
+        header(
+            &mut out,
+            "kvmesh_sim_kv_transfer_seconds_total",
+            "Time KV pulls spent on the inbound link.",
+            "counter",
         );
+        for m in ranks {
+            let _ = writeln!(
+                out,
+                "kvmesh_sim_kv_transfer_seconds_total{{{}}} {}",
+                m.labels,
+                m.transfer_micros.load(Ordering::Relaxed) as f64 / 1e6,
+            );
+        }
         gauge(
             &mut out,
             "kvmesh_sim_kv_transfers_in_flight",
             "KV pulls on the inbound link now.",
-            self.transfers_in_flight.load(Ordering::Relaxed).to_string(),
+            |m| m.transfers_in_flight.load(Ordering::Relaxed).to_string(),
         );
-        if self.kv_events_published {
+        if ranks.first().is_some_and(|m| m.kv_events_published) {
             counter(
                 &mut out,
                 "kvmesh_sim_kv_event_batches_sent_total",
                 "KV event batches sent on the ZMQ PUB socket.",
-                &self.kv_batches_sent,
+                |m| &m.kv_batches_sent,
             );
             counter(
                 &mut out,
                 "kvmesh_sim_kv_event_batches_lagged_total",
                 "KV event batches lost because the publisher fell behind the engine (their sequence numbers are skipped).",
-                &self.kv_batches_lagged,
+                |m| &m.kv_batches_lagged,
             );
             counter(
                 &mut out,
                 "kvmesh_sim_kv_event_batches_fault_dropped_total",
                 "KV event batches withheld from the PUB socket by fault injection (still replayable).",
-                &self.kv_batches_fault_dropped,
+                |m| &m.kv_batches_fault_dropped,
             );
         }
         out
@@ -434,5 +525,72 @@ mod tests {
         assert!(text.contains("block_size=\"16\""));
         assert!(!text.contains("kvmesh_sim_kv_event"));
         assert_eq!(m.snapshot().successes, 1);
+    }
+
+    #[test]
+    fn ranks_share_each_family_with_a_series_each() {
+        let config = SimConfig::default();
+        let (a, b) = (
+            EngineMetrics::new(&config, 0),
+            EngineMetrics::new(&config, 1),
+        );
+        a.set_load(2, 0, 0.5);
+        b.prefix_lookup(64, 32);
+        b.finished(Finish::Stop, 0.1);
+        let text = EngineMetrics::render_ranks(&[&a, &b]);
+        for line in [
+            "vllm:num_requests_running{engine=\"0\",model_name=\"sim-model\"} 2",
+            "vllm:num_requests_running{engine=\"1\",model_name=\"sim-model\"} 0",
+            "vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"sim-model\"} 0",
+            "vllm:prefix_cache_hits_total{engine=\"1\",model_name=\"sim-model\"} 32",
+            "vllm:request_success_total{engine=\"1\",model_name=\"sim-model\",finished_reason=\"stop\"} 1",
+            "vllm:e2e_request_latency_seconds_count{engine=\"1\",model_name=\"sim-model\"} 1",
+        ] {
+            assert!(text.lines().any(|x| x == line), "missing {line} in\n{text}");
+        }
+        // One HELP and TYPE per family (a Prometheus parser refuses a family declared twice).
+        let types: Vec<&str> = text.lines().filter(|l| l.starts_with("# TYPE ")).collect();
+        let mut unique = types.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(types.len(), unique.len(), "{text}");
+        assert_eq!(
+            text.lines().filter(|l| l.starts_with("# TYPE ")).count(),
+            a.render()
+                .lines()
+                .filter(|l| l.starts_with("# TYPE "))
+                .count()
+        );
+        // A family's series follow its header, rank by rank.
+        let running: Vec<&str> = text
+            .lines()
+            .skip_while(|l| !l.starts_with("# TYPE vllm:num_requests_running"))
+            .skip(1)
+            .take(2)
+            .collect();
+        assert!(
+            running
+                .iter()
+                .all(|l| l.starts_with("vllm:num_requests_running{"))
+        );
+    }
+
+    #[test]
+    fn the_balancer_reads_in_flight_sequences_and_the_gauges() {
+        let m = EngineMetrics::new(&SimConfig::default(), 0);
+        m.requests_entered(3);
+        m.requests_left(1);
+        m.set_load(1, 1, 0.75);
+        assert_eq!(
+            m.balancer_load(),
+            BalancerLoad {
+                in_flight: 2,
+                waiting: 1,
+                running: 1,
+                kv_usage: 0.75
+            }
+        );
+        m.requests_left(5);
+        assert_eq!(m.balancer_load().in_flight, 0, "never below zero");
     }
 }

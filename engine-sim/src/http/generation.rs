@@ -6,6 +6,7 @@ use std::time::Instant;
 use http::StatusCode;
 use tokio::sync::mpsc::{self, UnboundedReceiver};
 
+use super::dp_rank::RankChoice;
 use super::error::ApiError;
 use super::state::EngineState;
 use crate::chat_template::{self, ChatMessage};
@@ -152,9 +153,10 @@ pub(crate) fn max_tokens_within(max_model_len: usize, prompt: usize, max_tokens:
 /// Spreads the word seeds of a prompt's choices (an odd constant, the golden ratio's).
 const CHOICE_SEED_STEP: u64 = 0x9E37_79B9_7F4A_7C15;
 
-/// Validates and queues `params.n` sequences per prompt (choice `p * n + i` is prompt `p`'s
-/// `i`-th), served with adapter `lora` (`None`: the base model), each with `handoff`
-/// (disaggregated legs have one prompt); returns the receiver of their events.
+/// Queues `params.n` sequences per prompt (choice `p * n + i` is prompt `p`'s `i`-th;
+/// prompts checked by [`validate_lengths`]), served with adapter `lora` (`None`: the base
+/// model), each with `handoff` (disaggregated legs have one prompt), on the engine core
+/// `rank` names; returns the receiver of their events.
 pub(crate) fn submit(
     state: &EngineState,
     prompts: Vec<Vec<u32>>,
@@ -162,8 +164,8 @@ pub(crate) fn submit(
     lora: Option<&Lora>,
     arrival: Instant,
     handoff: Handoff,
+    rank: RankChoice,
 ) -> Result<UnboundedReceiver<SeqEvent>, ApiError> {
-    validate_lengths(state, &prompts, params.max_tokens)?;
     let (tx, rx) = mpsc::unbounded_channel();
     let mut hasher = BlockHasher::new();
     let hash_seed = lora.map_or(XXH3_SEED, Lora::hash_seed);
@@ -212,17 +214,17 @@ pub(crate) fn submit(
         }
     }
     state
-        .scheduler
-        .submit(seqs)
+        .submit(seqs, rank)
         .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
     Ok(rx)
 }
 
-/// Leading full blocks of `prompt` (for `lora`, under `cache_salt`) this engine's prefix
-/// cache holds, capped as vLLM caps a hit (the last prompt token is always computed): what a
-/// decode leg need not pull.
+/// Leading full blocks of `prompt` (for `lora`, under `cache_salt`) the prefix cache of
+/// engine core `rank` holds, capped as vLLM caps a hit (the last prompt token is always
+/// computed): what a decode leg need not pull.
 pub(crate) async fn cached_blocks(
     state: &EngineState,
+    rank: usize,
     prompt: &[u32],
     lora: Option<&Lora>,
     cache_salt: Option<&str>,
@@ -239,6 +241,7 @@ pub(crate) async fn cached_blocks(
     );
     hashes.truncate(prompt.len().saturating_sub(1) / block_size);
     state
+        .rank(rank)
         .scheduler
         .cached_prefix(hashes)
         .await

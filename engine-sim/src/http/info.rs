@@ -9,6 +9,8 @@ use serde_json::json;
 use super::body::{ResponseBody, bytes_response, empty_response, json_response};
 use super::error::ApiError;
 use super::state::EngineState;
+use crate::config::DisaggregationMode;
+use crate::metrics::EngineMetrics;
 
 /// `GET /v1/models`: the served model, then every loaded LoRA adapter in load order the way
 /// vLLM lists them (`root` the adapter's path, `parent` the served model, no `max_model_len`).
@@ -56,7 +58,9 @@ pub(crate) fn metrics(state: &EngineState) -> Response<ResponseBody> {
     bytes_response(
         StatusCode::OK,
         "text/plain; version=0.0.4; charset=utf-8",
-        Bytes::from(state.metrics.render()),
+        Bytes::from(EngineMetrics::render_ranks(
+            &state.ranks.iter().map(|r| &*r.metrics).collect::<Vec<_>>(),
+        )),
     )
 }
 
@@ -88,7 +92,7 @@ pub(crate) fn server_info(state: &EngineState) -> Response<ResponseBody> {
         "max_num_batched_tokens": c.max_num_batched_tokens,
         "enable_prefix_caching": c.enable_prefix_caching,
         "disable_radix_cache": !c.enable_prefix_caching,
-        "dp_size": 1,
+        "dp_size": state.ranks.len(),
         "tp_size": 1,
         "is_generation": true,
         "worker": state.addr,
@@ -98,6 +102,13 @@ pub(crate) fn server_info(state: &EngineState) -> Response<ResponseBody> {
     if let Some(dir) = tokenizer_dir(state) {
         info["model_path"] = json!(dir);
         info["tokenizer_path"] = json!(dir);
+    }
+    // SGLang's server arguments of its disaggregation (a prefill engine's port is the one its
+    // bootstrap server got), where a router reads the bootstrap port.
+    let sglang = &c.kv_transfer.sglang;
+    if sglang.mode != DisaggregationMode::Null {
+        info["disaggregation_mode"] = json!(sglang.mode.as_str());
+        info["disaggregation_bootstrap_port"] = json!(sglang.bootstrap_port);
     }
     json_response(StatusCode::OK, &info)
 }
@@ -117,10 +128,12 @@ pub(crate) fn model_info(state: &EngineState) -> Response<ResponseBody> {
     json_response(StatusCode::OK, &info)
 }
 
-/// `POST /reset_prefix_cache`.
+/// `POST /reset_prefix_cache`: every data-parallel rank's cache, as vLLM resets them all.
 pub(crate) async fn reset_prefix_cache(state: Arc<EngineState>) -> Response<ResponseBody> {
-    match state.scheduler.reset_prefix_cache(false).await {
-        Ok(()) => empty_response(StatusCode::OK),
-        Err(e) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+    for rank in &state.ranks {
+        if let Err(e) = rank.scheduler.reset_prefix_cache(false).await {
+            return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response();
+        }
     }
+    empty_response(StatusCode::OK)
 }

@@ -8,8 +8,9 @@
 //! - `restart`: simulates an engine restart: the prefix cache is emptied and the next batch,
 //!   `[AllBlocksCleared]`, is numbered 0 again; the replay buffer starts over.
 //!
-//! Answers `{"pending_drop_batches": N, "pending_duplicate_stores": N}`; 400 when the engine
-//! does not publish KV events.
+//! Faults apply to one data-parallel rank's publisher: the one `X-data-parallel-rank` names,
+//! else rank 0. Answers `{"pending_drop_batches": N, "pending_duplicate_stores": N}` (that
+//! rank's); 400 when the engine does not publish KV events.
 
 use std::sync::Arc;
 
@@ -19,6 +20,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::body::{ResponseBody, json_response};
+use super::dp_rank::RequestedRank;
 use super::error::ApiError;
 use super::state::EngineState;
 
@@ -31,16 +33,29 @@ struct FaultRequest {
     restart: Option<bool>,
 }
 
-/// Handles `POST /sim/kv_events/faults`.
-pub(crate) async fn handle(state: Arc<EngineState>, body: Bytes) -> Response<ResponseBody> {
-    match apply(&state, &body).await {
+/// Handles `POST /sim/kv_events/faults` for the data-parallel rank `dp_rank` names (its
+/// `X-data-parallel-rank` header; rank 0 without one).
+pub(crate) async fn handle(
+    state: Arc<EngineState>,
+    body: Bytes,
+    dp_rank: Option<RequestedRank>,
+) -> Response<ResponseBody> {
+    match apply(&state, &body, dp_rank).await {
         Ok(res) => res,
         Err(e) => e.into_response(),
     }
 }
 
-async fn apply(state: &EngineState, body: &[u8]) -> Result<Response<ResponseBody>, ApiError> {
-    let Some(faults) = &state.kv_faults else {
+async fn apply(
+    state: &EngineState,
+    body: &[u8],
+    dp_rank: Option<RequestedRank>,
+) -> Result<Response<ResponseBody>, ApiError> {
+    let rank = match dp_rank {
+        Some(requested) => state.rank(requested.check(state.ranks.len())?),
+        None => state.rank(0),
+    };
+    let Some(faults) = &rank.kv_faults else {
         return Err(ApiError::bad_request(
             "this engine does not publish KV events (start it with --kv-events-endpoint)",
         ));
@@ -52,8 +67,7 @@ async fn apply(state: &EngineState, body: &[u8]) -> Result<Response<ResponseBody
             .map_err(|e| ApiError::bad_request(format!("invalid fault request: {e}")))?
     };
     if req.restart == Some(true) {
-        state
-            .scheduler
+        rank.scheduler
             .reset_prefix_cache(true)
             .await
             .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;

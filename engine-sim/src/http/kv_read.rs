@@ -1,5 +1,5 @@
 //! `POST /sim/kv_transfer/read`: a decode engine reads the blocks a prefill leg holds here
-//! (the simulated NIXL read); they are freed.
+//! (the simulated NIXL read), on whichever data-parallel rank holds them; they are freed.
 
 use std::sync::Arc;
 
@@ -19,19 +19,24 @@ pub(crate) async fn handle(state: Arc<EngineState>, body: Bytes) -> Response<Res
         Ok(request) => request,
         Err(error) => return error.into_response(),
     };
-    match state
-        .scheduler
-        .read_held(request.request_id, request.block_ids)
-        .await
-    {
-        Ok(Some(blocks)) => json_response(StatusCode::OK, &ReadAnswer { blocks }),
-        Ok(None) => ApiError::new(
-            StatusCode::NOT_FOUND,
-            "no KV is held for that request here: read already, or its hold expired",
-        )
-        .into_response(),
-        Err(gone) => {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, gone.to_string()).into_response()
+    // The prefill leg ran on one of the data-parallel ranks: the one holding it answers.
+    for rank in &state.ranks {
+        match rank
+            .scheduler
+            .read_held(request.request_id.clone(), request.block_ids.clone())
+            .await
+        {
+            Ok(Some(blocks)) => return json_response(StatusCode::OK, &ReadAnswer { blocks }),
+            Ok(None) => {}
+            Err(gone) => {
+                return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, gone.to_string())
+                    .into_response();
+            }
         }
     }
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "no KV is held for that request here: read already, or its hold expired",
+    )
+    .into_response()
 }

@@ -8,15 +8,18 @@ use bytes::{Bytes, BytesMut};
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
 use http::{Response, StatusCode};
 
-use super::body::{ResponseBody, json_response};
+use super::body::{ResponseBody, bytes_response, json_response};
+use super::dp_rank::{RankChoice, RequestedRank, streamed_error};
 use super::error::ApiError;
 use super::generation::{
     add_usage, cached_blocks, collect, model_name, parse_json, resolve_model, submit,
-    tokenize_chat_ending, tokenize_prompts,
+    tokenize_chat_ending, tokenize_prompts, validate_lengths,
 };
+use super::sglang_pd::PdLeg;
 use super::sse::{SseBody, StreamFormatter, write_data, write_raw};
 use super::state::{EngineState, unix_now};
 use crate::chat_template::Ending;
+use crate::config::DisaggregationMode;
 use crate::kv_transfer::params::{KvTransferParams, PrefillCounts, RemotePrefill};
 use crate::lora::Lora;
 use crate::protocol::prompt::PromptInput;
@@ -38,14 +41,16 @@ pub(crate) enum Endpoint {
     Chat,
 }
 
-/// Handles one completions or chat request.
+/// Handles one completions or chat request, on the data-parallel rank `dp_rank` names (its
+/// `X-data-parallel-rank` header) or the one the DP load balancer picks.
 pub(crate) async fn handle(
     state: Arc<EngineState>,
     endpoint: Endpoint,
     body: Bytes,
+    dp_rank: Option<RequestedRank>,
 ) -> Response<ResponseBody> {
     let arrival = Instant::now();
-    match run(state, endpoint, &body, arrival).await {
+    match run(state, endpoint, &body, dp_rank, arrival).await {
         Ok(res) => res,
         Err(e) => e.into_response(),
     }
@@ -55,6 +60,7 @@ async fn run(
     state: Arc<EngineState>,
     endpoint: Endpoint,
     body: &[u8],
+    dp_rank: Option<RequestedRank>,
     arrival: Instant,
 ) -> Result<Response<ResponseBody>, ApiError> {
     let (prompts, params, lora, transfer, echo) = match endpoint {
@@ -109,30 +115,68 @@ async fn run(
     };
     let count = prompts.len() * params.n;
     let leg = Leg::of(&state, transfer.as_ref(), &params, count)?;
+    validate_lengths(&state, &prompts, params.max_tokens)?;
+    // vLLM checks the rank after the prompt, when the request reaches its engine client.
+    let mut rank = match dp_rank.map(|r| r.check(state.ranks.len())).transpose() {
+        Ok(Some(rank)) => RankChoice::Fixed(rank),
+        Ok(None) => RankChoice::Balanced,
+        Err(error) if params.stream => {
+            return Ok(bytes_response(
+                StatusCode::OK,
+                "text/event-stream",
+                Bytes::from(streamed_error(&error)),
+            ));
+        }
+        Err(error) => return Err(error),
+    };
     let prefix = match endpoint {
         Endpoint::Completions => "cmpl-",
         Endpoint::Chat => "chatcmpl-",
     };
     let id = state.response_id(prefix);
+    // SGLang's disaggregation, checked where SGLang's scheduler checks it.
+    let pd = PdLeg::of(&state, body, count, &id)?;
+    let params = pd.params(params);
     let handoff = match &leg {
-        Leg::Plain => Handoff::None,
+        Leg::Plain => {
+            let prompt = prompts.first().map(Vec::as_slice);
+            let salt = params.cache_salt.as_deref();
+            pd.handoff(&state, &mut rank, prompt, lora.as_ref(), salt, &id)
+                .await?
+        }
         Leg::Prefill => Handoff::Hold(id.clone()),
         Leg::Decode(remote) => {
+            // The pull lands on one core: place the leg (one sequence) before pulling.
+            let core = match rank {
+                RankChoice::Fixed(core) => core,
+                RankChoice::Balanced => state.balanced_rank(),
+            };
+            rank = RankChoice::Fixed(core);
             let cached = match prompts.first() {
                 Some(prompt) => {
                     let salt = params.cache_salt.as_deref();
-                    cached_blocks(&state, prompt, lora.as_ref(), salt).await?
+                    cached_blocks(&state, core, prompt, lora.as_ref(), salt).await?
                 }
                 None => 0,
             };
-            match state.puller.pull(remote, cached, &state.metrics).await {
+            let core = state.rank(core);
+            match core.puller.pull(remote, cached, &core.metrics).await {
                 Some(blocks) => Handoff::Pulled(blocks * state.config.block_size),
                 None => Handoff::None,
             }
         }
     };
 
-    let rx = submit(&state, prompts, &params, lora.as_ref(), arrival, handoff)?;
+    let rx = submit(
+        &state,
+        prompts,
+        &params,
+        lora.as_ref(),
+        arrival,
+        handoff,
+        rank,
+    )?;
+    let rx = pd.deliver(&state, rx, count, &id).await?;
     let created = unix_now();
     if params.stream {
         let formatter: Box<dyn StreamFormatter> = match endpoint {
@@ -268,7 +312,9 @@ impl Leg {
         params: &GenParams,
         sequences: usize,
     ) -> Result<Self, ApiError> {
-        let Some(transfer) = transfer else {
+        // An SGLang engine does not read `kv_transfer_params`.
+        let sglang = state.config.kv_transfer.sglang.mode != DisaggregationMode::Null;
+        let Some(transfer) = transfer.filter(|_| !sglang) else {
             return Ok(Self::Plain);
         };
         let invalid =

@@ -8,9 +8,13 @@ use bytes::{Bytes, BytesMut};
 use http::{Response, StatusCode};
 
 use super::body::{ResponseBody, json_response};
+use super::dp_rank::RankChoice;
 use super::error::ApiError;
-use super::generation::{collect, model_name, parse_json, resolve_model, submit, tokenize_chat};
+use super::generation::{
+    collect, model_name, parse_json, resolve_model, submit, tokenize_chat, validate_lengths,
+};
 use super::openai::sse_response;
+use super::sglang_pd::PdLeg;
 use super::sse::{SseBody, StreamFormatter, write_event};
 use super::state::{EngineState, unix_now};
 use crate::lora::Lora;
@@ -19,7 +23,7 @@ use crate::protocol::responses_api::{
     OutputMessage, OutputText, ResponseObject, ResponseUsage, ResponsesRequest, Sequenced,
     StreamEvent, TextLocation,
 };
-use crate::scheduler::{Handoff, SeqEvent};
+use crate::scheduler::SeqEvent;
 
 /// What a response object repeats from its request.
 #[derive(Debug)]
@@ -88,17 +92,30 @@ async fn run(
     let lora = resolve_model(&state, req.model.as_deref())?;
     let messages = req.chat_messages()?;
     let params = GenParams::responses(req.max_output_tokens, req.stream)?;
-    let prompt = tokenize_chat(&state, &messages, "input")?;
+    let prompts = vec![tokenize_chat(&state, &messages, "input")?];
+    validate_lengths(&state, &prompts, params.max_tokens)?;
+    let id = state.response_id("resp_");
+    // SGLang's disaggregation (`--disaggregation-mode`), as for chat.
+    let pd = PdLeg::of(&state, body, 1, &id)?;
+    let params = pd.params(params);
+    // vLLM 0.32's Responses API does not read `X-data-parallel-rank`.
+    let mut rank = RankChoice::Balanced;
+    let prompt = prompts.first().map(Vec::as_slice);
+    let handoff = pd
+        .handoff(&state, &mut rank, prompt, lora.as_ref(), None, &id)
+        .await?;
     let rx = submit(
         &state,
-        vec![prompt],
+        prompts,
         &params,
         lora.as_ref(),
         arrival,
-        Handoff::None,
+        handoff,
+        rank,
     )?;
+    let rx = pd.deliver(&state, rx, 1, &id).await?;
     let meta = ResponseMeta {
-        id: state.response_id("resp_"),
+        id,
         item_id: state.response_id("msg_"),
         created_at: unix_now(),
         instructions: req.instructions,

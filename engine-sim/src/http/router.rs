@@ -10,10 +10,14 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
 use super::body::ResponseBody;
+use super::dp_rank::RequestedRank;
 use super::error::ApiError;
 use super::openai::Endpoint;
 use super::state::EngineState;
-use super::{embeddings, info, kv_faults, kv_read, lora, openai, responses, sglang, tokenize};
+use super::{
+    embeddings, info, kv_event_sources, kv_faults, kv_read, lora, openai, responses, sglang,
+    tokenize,
+};
 use crate::kv_transfer::pull::READ_PATH;
 
 /// Largest accepted request body.
@@ -39,6 +43,7 @@ enum Route {
     Generate,
     ResetPrefixCache,
     KvFaults,
+    KvEventSources,
     KvRead,
     Traceparents,
     LoadLora,
@@ -70,6 +75,7 @@ fn lookup(path: &str) -> Option<(Route, &'static str)> {
         "/generate" => (Route::Generate, "POST"),
         "/reset_prefix_cache" => (Route::ResetPrefixCache, "POST"),
         "/sim/kv_events/faults" => (Route::KvFaults, "POST"),
+        "/kv_event_sources" => (Route::KvEventSources, "GET"),
         READ_PATH => (Route::KvRead, "POST"),
         "/sim/traceparents" => (Route::Traceparents, "GET"),
         "/v1/load_lora_adapter" => (Route::LoadLora, "POST"),
@@ -131,18 +137,27 @@ async fn route(
         }
         apply_config_hooks(state).await?;
     }
+    let dp_rank = RequestedRank::from_headers(req.headers());
     Ok(match route {
         Route::Completions => {
-            openai::handle(state.clone(), Endpoint::Completions, read_body(req).await?).await
+            let body = read_body(req).await?;
+            openai::handle(state.clone(), Endpoint::Completions, body, dp_rank).await
         }
-        Route::Chat => openai::handle(state.clone(), Endpoint::Chat, read_body(req).await?).await,
+        Route::Chat => {
+            let body = read_body(req).await?;
+            openai::handle(state.clone(), Endpoint::Chat, body, dp_rank).await
+        }
         Route::Responses => responses::handle(state.clone(), read_body(req).await?).await,
         Route::Embeddings => embeddings::handle(state, &read_body(req).await?),
         Route::Tokenize => tokenize::handle(state, &read_body(req).await?),
         Route::Generate => sglang::handle(state.clone(), read_body(req).await?).await,
         Route::ResetPrefixCache => info::reset_prefix_cache(state.clone()).await,
-        Route::KvFaults => kv_faults::handle(state.clone(), read_body(req).await?).await,
+        Route::KvFaults => {
+            let body = read_body(req).await?;
+            kv_faults::handle(state.clone(), body, dp_rank).await
+        }
         Route::KvRead => kv_read::handle(state.clone(), read_body(req).await?).await,
+        Route::KvEventSources => kv_event_sources::handle(state),
         Route::Traceparents => info::traceparents(state),
         Route::LoadLora => lora::load(state, &read_body(req).await?),
         Route::UnloadLora => lora::unload(state, &read_body(req).await?),

@@ -8,15 +8,17 @@ use bytes::{Bytes, BytesMut};
 use http::{Response, StatusCode};
 
 use super::body::{ResponseBody, json_response};
+use super::dp_rank::RankChoice;
 use super::error::ApiError;
-use super::generation::{collect, submit, tokenize_prompts};
+use super::generation::{collect, submit, tokenize_prompts, validate_lengths};
 use super::openai::sse_response;
+use super::sglang_pd::PdLeg;
 use super::sse::{SseBody, StreamFormatter, write_data, write_raw};
 use super::state::EngineState;
 use crate::protocol::prompt::PromptInput;
 use crate::protocol::requests::{GenParams, GenerateRequest};
 use crate::protocol::responses::{GenerateMeta, GenerateOut, SglFinish};
-use crate::scheduler::{Handoff, SeqEvent, SeqOutcome};
+use crate::scheduler::{SeqEvent, SeqOutcome};
 
 /// Handles one `/generate` request.
 pub(crate) async fn handle(state: Arc<EngineState>, body: Bytes) -> Response<ResponseBody> {
@@ -60,7 +62,7 @@ async fn run(
             ));
         }
     };
-    let params = GenParams::sglang(req.sampling_params.unwrap_or_default(), req.stream)?;
+    let mut params = GenParams::sglang(req.sampling_params.unwrap_or_default(), req.stream)?;
     if batch && params.stream {
         return Err(
             ApiError::bad_request("streaming a batch is not supported by the simulator")
@@ -70,8 +72,18 @@ async fn run(
     let prompts = tokenize_prompts(&state, input, true, "text")?;
     let prompt_tokens = prompts.first().map_or(0, Vec::len);
     let count = prompts.len();
-    let rx = submit(&state, prompts, &params, None, arrival, Handoff::None)?;
+    validate_lengths(&state, &prompts, params.max_tokens)?;
     let id = state.response_id("sgl-");
+    // SGLang's disaggregation (`--disaggregation-mode`).
+    let pd = PdLeg::of(&state, body, count, &id)?;
+    params = pd.params(params);
+    let mut rank = RankChoice::Balanced;
+    let prompt = prompts.first().map(Vec::as_slice);
+    let handoff = pd
+        .handoff(&state, &mut rank, prompt, None, None, &id)
+        .await?;
+    let rx = submit(&state, prompts, &params, None, arrival, handoff, rank)?;
+    let rx = pd.deliver(&state, rx, count, &id).await?;
     if params.stream {
         let formatter = GenerateStream {
             id,

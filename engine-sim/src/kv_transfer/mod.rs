@@ -14,7 +14,13 @@
 //!   falls back to a local prefill, as vLLM's `kv_load_failure_policy: recompute` does.
 //! - While KV flows in, the engine's iterations run `interference` slower: an unpaced burst
 //!   of transfers hurts the streams already decoding there, as on real GPUs.
+//!
+//! SGLang's protocol (`--disaggregation-mode prefill|decode`) moves the same KV over the same
+//! link, but both legs come at once and meet in a bootstrap room of the prefill engine
+//! ([`bootstrap`], [`rooms`]).
 
+pub(crate) mod bootstrap;
 pub(crate) mod link;
 pub(crate) mod params;
 pub(crate) mod pull;
+pub(crate) mod rooms;

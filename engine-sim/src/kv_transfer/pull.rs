@@ -65,9 +65,7 @@ impl Puller {
         metrics.transfer_started();
         match self.read(remote).await {
             Ok(blocks) => {
-                let bytes = blocks.saturating_sub(cached) as u64 * self.bytes_per_block;
-                let took = self.link.transfer(bytes).await;
-                metrics.transfer_done(bytes, took.as_secs_f64());
+                self.carry(blocks, cached, metrics).await;
                 Some(blocks)
             }
             Err(error) => {
@@ -78,15 +76,38 @@ impl Puller {
         }
     }
 
+    /// Moves the bytes of `blocks` blocks past the first `cached` (this engine holds those)
+    /// over the link, ending a transfer counted as started.
+    pub(crate) async fn carry(&self, blocks: usize, cached: usize, metrics: &EngineMetrics) {
+        let bytes = blocks.saturating_sub(cached) as u64 * self.bytes_per_block;
+        let took = self.link.transfer(bytes).await;
+        metrics.transfer_done(bytes, took.as_secs_f64());
+    }
+
     async fn read(&self, remote: &RemotePrefill) -> Result<usize, String> {
-        let body = serde_json::to_vec(&ReadRequest {
+        let read = ReadRequest {
             request_id: Some(remote.request_id.clone()),
             block_ids: remote.block_ids.clone(),
-        })
-        .map_err(|e| e.to_string())?;
+        };
+        let (status, body) = self.post(&remote.address, READ_PATH, &read).await?;
+        if status != StatusCode::OK {
+            return Err(format!("{status}: {}", String::from_utf8_lossy(&body)));
+        }
+        let answer: ReadAnswer = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+        Ok(answer.blocks)
+    }
+
+    /// POSTs `body` as JSON to `http://{address}{path}`; the answer's status and body.
+    pub(crate) async fn post<T: Serialize>(
+        &self,
+        address: &str,
+        path: &str,
+        body: &T,
+    ) -> Result<(StatusCode, Bytes), String> {
+        let body = serde_json::to_vec(body).map_err(|e| e.to_string())?;
         let request = Request::builder()
             .method(Method::POST)
-            .uri(format!("http://{}{READ_PATH}", remote.address))
+            .uri(format!("http://{address}{path}"))
             .header(header::CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(body)))
             .map_err(|e| e.to_string())?;
@@ -102,10 +123,6 @@ impl Puller {
             .await
             .map_err(|e| e.to_string())?
             .to_bytes();
-        if status != StatusCode::OK {
-            return Err(format!("{status}: {}", String::from_utf8_lossy(&body)));
-        }
-        let answer: ReadAnswer = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
-        Ok(answer.blocks)
+        Ok((status, body))
     }
 }

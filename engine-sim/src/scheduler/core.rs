@@ -79,6 +79,11 @@ impl SchedulerCore {
         }
     }
 
+    /// The metrics it writes.
+    pub(crate) fn metrics(&self) -> Arc<EngineMetrics> {
+        self.metrics.clone()
+    }
+
     /// No sequence waiting or running.
     pub(crate) fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty()
@@ -186,7 +191,9 @@ impl SchedulerCore {
             }
         }
         let mut held = false;
+        let mut left = 0;
         for mut seq in self.running.extract_if(.., |s| s.done) {
+            left += 1;
             match seq.hold.take() {
                 Some(id) if !seq.cancelled() => {
                     let deadline = now + self.hold_timeout;
@@ -202,6 +209,7 @@ impl SchedulerCore {
         if held {
             self.count_held();
         }
+        self.metrics.requests_left(left);
         self.metrics
             .set_load(self.running.len(), self.waiting.len(), self.cache.usage());
     }
@@ -460,16 +468,20 @@ impl SchedulerCore {
     }
 
     fn drop_cancelled(&mut self) {
+        let before = self.running.len() + self.waiting.len();
         for seq in self.running.extract_if(.., |s| s.cancelled()) {
             self.cache.release(&seq.blocks);
         }
         self.waiting.retain(|s| !s.cancelled());
+        self.metrics
+            .requests_left(before - self.running.len() - self.waiting.len());
     }
 
     /// Nothing runs and the head of the queue still cannot start: it never will, so fail it
     /// rather than stall the queue (requests are size-checked on arrival, so this is a safeguard).
     fn fail_unschedulable(&mut self) {
         if let Some(seq) = self.waiting.pop_front() {
+            self.metrics.requests_left(1);
             let _ = seq.tx.send(SeqEvent::Failed {
                 index: seq.index,
                 message: format!(

@@ -14,7 +14,7 @@ use crate::config::InterferenceScaling;
 use crate::kv_events::KvEventBatch;
 use crate::kv_transfer::link::Link;
 use crate::lora::Lora;
-use crate::metrics::Finish;
+use crate::metrics::{EngineMetrics, Finish};
 use crate::timing::TimingModel;
 
 /// If the scheduler falls this far behind its virtual clock it re-anchors on the wall clock
@@ -33,6 +33,15 @@ pub(crate) enum Handoff {
     /// A decode leg: the KV of this many leading prompt tokens was pulled from a prefill
     /// engine, so only the rest is prefilled here.
     Pulled(usize),
+    /// SGLang's decode leg: as [`Handoff::Pulled`] for `tokens`, and the answer reports
+    /// `cached` cached prompt tokens, the prefill engine's prefix hit (what SGLang's decode
+    /// engine reports: `decode.py` at 0035ca42, `_commit_transfer_to_req`).
+    Transferred {
+        /// Leading prompt tokens whose KV came from the prefill engine.
+        tokens: usize,
+        /// The prefill engine's cached prompt tokens.
+        cached: usize,
+    },
 }
 
 /// One prompt submitted for generation.
@@ -151,14 +160,20 @@ pub(crate) struct SchedulerGone;
 #[derive(Debug, Clone)]
 pub(crate) struct SchedulerHandle {
     tx: mpsc::UnboundedSender<Command>,
+    metrics: Arc<EngineMetrics>,
 }
 
 impl SchedulerHandle {
-    /// Queues the sequences of one request.
+    /// Queues the sequences of one request (counted in flight until they leave the
+    /// scheduler).
     pub(crate) fn submit(&self, seqs: Vec<SeqRequest>) -> Result<(), SchedulerGone> {
-        self.tx
-            .send(Command::Submit(seqs))
-            .map_err(|_| SchedulerGone)
+        // Counted before the scheduler can see them, so it never takes away more than came.
+        let count = seqs.len();
+        self.metrics.requests_entered(count);
+        self.tx.send(Command::Submit(seqs)).map_err(|_| {
+            self.metrics.requests_left(count);
+            SchedulerGone
+        })
     }
 
     /// Frees the blocks a prefill leg holds, for a decode engine that read them; how many
@@ -229,8 +244,9 @@ pub(crate) fn spawn(
     interference: Interference,
 ) -> (SchedulerHandle, tokio::task::JoinHandle<()>) {
     let (tx, rx) = mpsc::unbounded_channel();
+    let metrics = core.metrics();
     let task = tokio::spawn(run(core, rx, timing, interference));
-    (SchedulerHandle { tx }, task)
+    (SchedulerHandle { tx, metrics }, task)
 }
 
 /// Subscribers of the KV event stream.

@@ -43,7 +43,8 @@ pub(crate) struct Sequence {
     pub generated: usize,
     /// Generation limit.
     pub max_tokens: usize,
-    /// Prompt tokens found in the prefix cache at first admission.
+    /// Prompt tokens found in the prefix cache at first admission (SGLang's decode leg: the
+    /// prefill engine's, set at creation).
     pub cached_tokens: Option<usize>,
     /// Cache epoch at admission (no stores once the cache was reset).
     pub epoch: u64,
@@ -87,7 +88,10 @@ impl Sequence {
             decoding: false,
             generated: 0,
             max_tokens: req.max_tokens,
-            cached_tokens: None,
+            cached_tokens: match req.handoff {
+                Handoff::Transferred { cached, .. } => Some(cached),
+                _ => None,
+            },
             epoch: 0,
             stream: req.stream,
             text: OutputText::new(req.stops),
@@ -101,7 +105,7 @@ impl Sequence {
                 _ => None,
             },
             pulled_tokens: match req.handoff {
-                Handoff::Pulled(tokens) => tokens,
+                Handoff::Pulled(tokens) | Handoff::Transferred { tokens, .. } => tokens,
                 _ => 0,
             },
         }

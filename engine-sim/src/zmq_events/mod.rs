@@ -1,5 +1,5 @@
 //! KV events over ZMQ in vLLM's wire format (wire-formats.md §1): one PUB socket per engine
-//! sending `[topic, seq u64 BE, msgpack batch]`, an optional ROUTER socket replaying the last
+//! core (data-parallel rank) sending `[topic, seq u64 BE, msgpack batch]`, an optional ROUTER socket replaying the last
 //! batches, and test-only fault injection.
 
 mod control;
@@ -27,7 +27,7 @@ use crate::error::SimError;
 use crate::kv_events::KvEventBatch;
 use crate::metrics::EngineMetrics;
 
-/// The running ZMQ sockets of one engine.
+/// The running ZMQ sockets of one engine core.
 #[derive(Debug)]
 pub(crate) struct ZmqEvents {
     /// Where the PUB socket listens.
@@ -52,11 +52,13 @@ fn zmq_error(what: &str, e: zeromq::ZmqError) -> SimError {
     SimError::KvEvents(format!("{what}: {e}"))
 }
 
-/// Binds engine `index`'s sockets and starts publishing `events`; `None` when publishing is
-/// off. Must be called inside a Tokio runtime.
+/// Binds the sockets of the process's engine core `index` (at the configured ports plus
+/// `index`) and starts publishing `events` as data-parallel rank `dp_rank`; `None` when
+/// publishing is off. Must be called inside a Tokio runtime.
 pub(crate) async fn start(
     config: &KvEventsConfig,
     index: usize,
+    dp_rank: u32,
     events: broadcast::Receiver<Arc<KvEventBatch>>,
     metrics: Arc<EngineMetrics>,
 ) -> Result<Option<ZmqEvents>, SimError> {
@@ -103,9 +105,10 @@ pub(crate) async fn start(
         faults: faults.clone(),
         metrics,
         next_seq: 0,
+        dp_rank,
     };
     tasks.push(tokio::spawn(publisher.run()));
-    tracing::info!(%events_addr, ?replay_addr, "publishing KV events");
+    tracing::info!(%events_addr, ?replay_addr, dp_rank, "publishing KV events");
     Ok(Some(ZmqEvents {
         events_addr,
         replay_addr,

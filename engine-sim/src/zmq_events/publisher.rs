@@ -13,9 +13,6 @@ use super::wire::{WireFormat, encode_batch};
 use crate::kv_events::{KvEvent, KvEventBatch};
 use crate::metrics::EngineMetrics;
 
-/// Data-parallel rank written into every batch (the simulator has no DP ranks).
-const DP_RANK: u32 = 0;
-
 /// One engine's publisher: sequence numbering, replay buffering and fault injection.
 pub(crate) struct Publisher {
     /// The bound PUB socket.
@@ -34,6 +31,8 @@ pub(crate) struct Publisher {
     pub metrics: Arc<EngineMetrics>,
     /// Sequence number of the next batch.
     pub next_seq: u64,
+    /// The engine core's data-parallel rank, written into every batch.
+    pub dp_rank: u32,
 }
 
 impl Publisher {
@@ -77,7 +76,7 @@ impl Publisher {
         let seq = self.next_seq;
         self.next_seq = seq.wrapping_add(1);
         let mut buf = Vec::with_capacity(256);
-        encode_batch(&mut buf, self.format, timestamp, events, DP_RANK);
+        encode_batch(&mut buf, self.format, timestamp, events, self.dp_rank);
         let payload = Bytes::from(buf);
         if let Some(replay) = &self.replay {
             replay.push(seq, payload.clone());
@@ -134,6 +133,7 @@ mod tests {
             faults: Arc::new(FaultControl::default()),
             metrics: metrics.clone(),
             next_seq: 0,
+            dp_rank: 0,
         };
         // Returns once the channel is closed and drained; the engine side never waited.
         publisher.run().await;
