@@ -46,6 +46,10 @@ pub struct ApiKeyConfig {
     /// Requests of this key in flight at once; `null` (the default): unlimited.
     #[serde(default)]
     pub max_concurrency: Option<u32>,
+    /// The key may use the engines' admin and development routes (`/reset_prefix_cache`,
+    /// `/sleep`, adapter loading, …: the admin routes of `ENGINE_ROUTES`); default false.
+    #[serde(default)]
+    pub engine_admin: bool,
 }
 
 /// Length of a SHA-256 digest in hex digits.

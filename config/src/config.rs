@@ -9,10 +9,10 @@ use crate::source_map::{SourceMap, position};
 use crate::validate::validate;
 use crate::violation::Violation;
 use crate::{
-    AdminConfig, AuthConfig, ConfigError, DiscoveryConfig, EppConfig, EventsConfig, FieldPath,
-    GrpcConfig, HealthCheckConfig, Invalid, LimitsConfig, ListenerConfig, ModelConfig,
-    OutlierDetectionConfig, ReloadConfig, RetryConfig, Segment, ShutdownConfig, TelemetryConfig,
-    UpstreamConfig,
+    AdminConfig, AuthConfig, ConfigError, DiscoveryConfig, EngineRoutesConfig, EppConfig,
+    EventsConfig, FieldPath, GrpcConfig, HealthCheckConfig, Invalid, LimitsConfig, ListenerConfig,
+    ModelConfig, OutlierDetectionConfig, ReloadConfig, RetryConfig, Segment, ShutdownConfig,
+    TelemetryConfig, UpstreamConfig,
 };
 
 /// The whole proxy configuration (one YAML file). Every section is optional and
@@ -30,6 +30,8 @@ pub struct Config {
     pub epp: EppConfig,
     /// Served models and their backends (at least one).
     pub models: Vec<ModelConfig>,
+    /// The engines' own routes forwarded as they are (`/tokenize`, `/v1/rerank`, …).
+    pub engine_routes: EngineRoutesConfig,
     /// Body size limit and timeouts.
     pub limits: LimitsConfig,
     /// Retries of failed engine answers and their budget.
@@ -62,6 +64,7 @@ impl Default for Config {
             grpc: GrpcConfig::default(),
             epp: EppConfig::default(),
             models: Vec::new(),
+            engine_routes: EngineRoutesConfig::default(),
             limits: LimitsConfig::default(),
             retry: RetryConfig::default(),
             health_check: HealthCheckConfig::default(),

@@ -38,6 +38,10 @@ pub enum DisaggregationProtocol {
     /// (NixlConnector and the other KV connectors).
     #[default]
     Vllm,
+    /// SGLang's: both legs at once, each the client's request with the prefill instance's
+    /// `bootstrap_host` and `bootstrap_port` and one `bootstrap_room` (as sglang-router's PD
+    /// mode sends them).
+    Sglang,
 }
 
 /// `models[].disaggregation`.

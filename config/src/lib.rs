@@ -13,6 +13,7 @@ mod control_security;
 mod disaggregation;
 mod discovery;
 mod duration;
+mod engine_routes;
 mod epp;
 mod error;
 mod events;
@@ -46,6 +47,9 @@ pub use disaggregation::{
 };
 pub use discovery::{DEFAULT_NAMESPACE, DefaultModelConfig, DiscoveryConfig, DiscoveryKind};
 pub use duration::{DurationError, format_duration, parse_duration};
+pub use engine_routes::{
+    ENGINE_ROUTES, EngineAccess, EngineRouteSpec, EngineRoutesConfig, KVMESH_ROUTES, engine_route,
+};
 pub use epp::{EPP_LISTENER, EppConfig, MAX_EPP_FALLBACKS};
 pub use error::{ConfigError, Invalid, TextPosition};
 pub use events::{EventsConfig, EventsKind, JetStreamConfig};

@@ -127,6 +127,10 @@ pub struct BackendConfig {
     /// request is sent to has no instance).
     #[serde(default)]
     pub pool: Option<String>,
+    /// The bootstrap port of an SGLang prefill engine (its `--disaggregation-bootstrap-port`)
+    /// for `disaggregation.protocol: sglang`; `null`: SGLang's default, 8998.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
 }
 
 /// Which legs of a disaggregated request an instance takes.

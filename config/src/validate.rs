@@ -6,6 +6,7 @@ use crate::auth::check_auth;
 use crate::concurrency::check_concurrency;
 use crate::disaggregation::{check_disaggregation, check_pools};
 use crate::duration::format_duration;
+use crate::engine_routes::check_engine_routes;
 use crate::epp::check_epp;
 use crate::grpc::check_grpc;
 use crate::limits::{MAX_HEADER_BYTES, MAX_HEADERS};
@@ -24,6 +25,7 @@ pub(crate) fn validate(config: &Config) -> Checked {
     check_grpc(config, &root.key("grpc"))?;
     check_epp(config, &root.key("epp"))?;
     check_models(config, &root)?;
+    check_engine_routes(&config.engine_routes, &root.key("engine_routes"))?;
     check_control_plane(config, &root)?;
     check_limits(config, &root.key("limits"))?;
     check_retry(config, &root.key("retry"))?;

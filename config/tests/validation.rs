@@ -711,6 +711,7 @@ fn configs_built_in_code_are_validated_without_positions() {
             adapters: Vec::new(),
             role: Role::Both,
             pool: None,
+            bootstrap_port: None,
         }],
         ..ModelConfig::default()
     });

@@ -3,9 +3,10 @@
 //! The front end parses the request, authenticates it, reads the body and calls
 //! [`proxy`]; it writes what the spine hands it through its [`Frontend`]. In order:
 //!
-//! 1. **admit** ([`admit`]): `model` and `stream` from the body, the model's pool (an
-//!    alias rewritten, a LoRA adapter kept), the API key's own limits, the model's
-//!    concurrency slot.
+//! 1. **admit** ([`admit`]): `model` and `stream` from the body (on an engine's own
+//!    route also from a form field, the query or a header; its admin routes only for keys
+//!    allowed them), the model's pool (an alias rewritten, a LoRA adapter kept), the API
+//!    key's own limits, the model's concurrency slot.
 //! 2. **prepare** ([`prepare`]): the model's policy, or under `policy: kv` the prompt
 //!    rendered, tokenized and hashed into blocks (an adapter's with its seed); the prompt
 //!    charged to the key; the instances to pick from (an adapter's: those serving it; a
@@ -15,7 +16,8 @@
 //!    is busy.
 //!    A disaggregated model's request then runs its **prefill leg** ([`prefill`]) on a
 //!    prefill instance, and the rest below is its decode leg, carrying the prefill's
-//!    `kv_transfer_params`, on a decode instance.
+//!    `kv_transfer_params` (vLLM), on a decode instance; SGLang's prefill leg is only sent
+//!    here, and its answer read after the decode leg's (8).
 //! 4. **pick** ([`pick`]): the next instance not tried yet (`policy: kv` books the load).
 //! 5. **attempt** ([`attempt`]): send, read the response head within the first-byte
 //!    timeout; a failure before it picks again ([`attempt::Failover`]).
@@ -30,7 +32,8 @@
 //!    4 with a continuation of what was sent, relayed into the same client answer (a stream
 //!    of several choices then goes back to 4 for each choice left, in turn).
 //! 8. **release** ([`release`]): the engine connection back to its pool, or its failure
-//!    counted; the booking, in-flight count and slot guards dropped.
+//!    counted; the booking, in-flight count and slot guards dropped; a prefill leg sent
+//!    beside the decode leg read and judged.
 //! 9. **record** ([`record`]): metrics and the log line, written by the front end that
 //!    owns the [`Record`] once the spine returns (it also records what it refused before
 //!    admission).
@@ -64,7 +67,9 @@ use crate::metrics::families::GaugeGuard;
 use crate::openai::api_error::ApiError;
 use crate::openai::route::Route;
 use crate::state::shared::State;
-use admit::{admit_key, instances_for, model_slot, resolve_model};
+use admit::{
+    admit_key, check_route_access, instances_for, model_slot, resolve_engine_model, resolve_model,
+};
 use attempt::{Failover, attempt};
 use frontend::Frontend;
 use kvmesh_route::prepare::{InvalidPrompt, Preparer};
@@ -129,7 +134,14 @@ async fn run<F: Frontend>(
 ) -> Result<bool, Stop> {
     // 1. admit
     trace.phase(Phase::Admit);
-    let resolved = resolve_model(state, body)?;
+    let route = record.route.unwrap_or(Route::ChatCompletions);
+    let resolved = match route {
+        Route::Engine(engine) => {
+            check_route_access(engine, route.label(), key.as_deref())?;
+            resolve_engine_model(state, &*frontend, body)?
+        }
+        _ => resolve_model(state, body)?,
+    };
     record.stream = resolved.stream;
     let pool = resolved.pool;
     trace.model(&pool, resolved.adapter.as_deref());
@@ -139,7 +151,6 @@ async fn run<F: Frontend>(
     // 2. prepare
     trace.phase(Phase::Prepare);
     let mut body = resolved.body;
-    let route = record.route.unwrap_or(Route::ChatCompletions);
     let adapter = resolved.adapter.as_ref();
     let mut picker = prepare(state, &pool, adapter, route, &mut body, &*frontend)
         .await
@@ -170,7 +181,7 @@ async fn run<F: Frontend>(
         tokenizer,
     );
     // 3a. the prefill leg (disaggregated models)
-    let prefilled = match pool.disaggregation() {
+    let mut prefilled = match pool.disaggregation() {
         None => None,
         Some(config) => {
             trace.phase(Phase::Prefill);
@@ -181,6 +192,7 @@ async fn run<F: Frontend>(
             if let Prefilled::Remote {
                 instance,
                 body: decode_leg,
+                ..
             } = &prefilled
             {
                 body = decode_leg.clone();
@@ -213,25 +225,17 @@ async fn run<F: Frontend>(
         // 5. attempt
         let engine_trace = trace.attempt(&pick.instance);
         let request_id = &record.request_id;
-        let mut engine = match attempt(
-            state,
-            frontend,
-            &pick.instance,
-            &body,
-            request_id,
-            engine_trace,
-        )
-        .await
-        {
-            Ok(engine) => engine,
-            Err(error) => {
-                drop(in_flight);
-                trace.attempt_failed(&error);
-                failover.failed(state, &pool, &instances, &pick, error)?;
-                failover.backoff(frontend).await?;
-                continue;
-            }
-        };
+        let mut engine =
+            match attempt(state, frontend, &pick, &body, request_id, engine_trace).await {
+                Ok(engine) => engine,
+                Err(error) => {
+                    drop(in_flight);
+                    trace.attempt_failed(&error);
+                    failover.failed(state, &pool, &instances, &pick, error)?;
+                    failover.backoff(frontend).await?;
+                    continue;
+                }
+            };
         // 6. respond
         let Some(status) = judge(state, &pick.instance, &engine) else {
             return Ok(false);
@@ -312,9 +316,12 @@ async fn run<F: Frontend>(
             // A stream that migrated, or was to, ends broken after all.
             metrics.migration_failures.inc();
         }
-        // 8. release
+        // 8. release (a prefill leg sent beside the decode leg answers by now)
         let reusable = release(state, &pick.instance, engine, end, record).await;
         drop(in_flight);
+        if let Some(pending) = prefilled.as_mut().and_then(Prefilled::take_pending) {
+            pending.finish(state, &pool).await;
+        }
         return Ok(reusable);
     }
 }

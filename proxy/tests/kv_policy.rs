@@ -571,3 +571,60 @@ async fn a_missing_tokenizer_stops_the_start_with_its_path() {
         "{message}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_tokenize_and_generate_are_routed_by_their_prompt() {
+    let backends = [Backend::ok().await, Backend::ok().await];
+    let urls: Vec<&str> = backends.iter().map(|b| b.url.as_str()).collect();
+    let tokenizer = TokenizerDir::new("engine-routes");
+    let proxy = TestProxy::start(&kv_yaml(&urls, Some(tokenizer.path()), "", "")).await;
+    let json = [("content-type", "application/json")];
+    let system = words(0, 40);
+    let question = words(100, 10);
+    let first = chat(
+        proxy.main,
+        &chat_body(&[("system", system.clone()), ("user", question.clone())]),
+    )
+    .await;
+    assert_eq!(first.status, 200);
+    let cached_on = first.header("x-kvmesh-instance").unwrap().to_string();
+    let blocks = route_field(&first, "prompt_blocks");
+    // The same conversation as a responses body renders to the same prompt: its blocks,
+    // cached where the chat went.
+    let responses = serde_json::json!({"model": "m", "instructions": system, "input": question});
+    let reply = send(
+        proxy.main,
+        Method::POST,
+        "/v1/responses",
+        &json,
+        responses.to_string(),
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(route_field(&reply, "prompt_blocks"), blocks);
+    assert_eq!(route_field(&reply, "overlap_blocks"), blocks);
+    assert_eq!(reply.header("x-kvmesh-instance"), Some(cached_on.as_str()));
+    // As a /tokenize body of the chat shape.
+    let tokenize = chat_body(&[("system", system.clone()), ("user", question.clone())]);
+    let reply = send(proxy.main, Method::POST, "/tokenize", &json, tokenize).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(route_field(&reply, "prompt_blocks"), blocks);
+    assert_eq!(reply.header("x-kvmesh-instance"), Some(cached_on.as_str()));
+    // Token ids of /inference/v1/generate: 10 ids, two full blocks of 4.
+    let generate = r#"{"model":"m","token_ids":[9,8,7,6,5,4,3,2,1,0],"sampling_params":{}}"#;
+    let reply = send(
+        proxy.main,
+        Method::POST,
+        "/inference/v1/generate",
+        &json,
+        generate,
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(route_field(&reply, "prompt_blocks"), "2");
+    // A responses body continuing an earlier response is routed by load.
+    let follow_up = r#"{"model":"m","input":"w1 w2","previous_response_id":"resp_1"}"#;
+    let reply = send(proxy.main, Method::POST, "/v1/responses", &json, follow_up).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(route_field(&reply, "fallback"), "no_prompt");
+}

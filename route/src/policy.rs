@@ -48,6 +48,9 @@ pub struct Picked<'a> {
     pub booking: Option<Booking<'a>>,
     /// Why it was chosen: the `x-kvmesh-route` header value (`policy: kv`).
     pub explanation: Option<String>,
+    /// The instance's data-parallel rank to send the request to (`policy: kv` with KV
+    /// events; `None`: the engine chooses).
+    pub dp_rank: Option<u32>,
 }
 
 impl Picked<'_> {
@@ -58,6 +61,7 @@ impl Picked<'_> {
             index,
             booking: None,
             explanation: None,
+            dp_rank: None,
         }
     }
 }

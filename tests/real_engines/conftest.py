@@ -5,7 +5,7 @@ events, all on loopback, started once for the whole suite.
 Every engine runs the one configuration the tests need (block size 32, a 160-block cache so
 that prompts evict, prompt-token details, KV events with replay, dev mode for
 `/reset_prefix_cache`, NixlConnector `kv_both` with CPU buffers for prefill/decode, each
-engine with its own side-channel port). Engines are restarted only by the test whose subject
+engine with its own side-channel port, `--enable-scale-out` for `/inference/v1/generate`). Engines are restarted only by the test whose subject
 is a restart.
 """
 
@@ -197,7 +197,9 @@ class Engine:
             [str(ROOT / "scripts" / "vllm.sh"), "serve", "--port", str(self.port),
              "--events-port", str(self.events_port), "--replay-port", str(self.replay_port),
              "--blocks", str(CACHE_BLOCKS), "--block-size", str(BLOCK_SIZE),
-             "--side-channel-port", str(self.side_channel_port)],
+             "--side-channel-port", str(self.side_channel_port),
+             # vLLM serves /inference/v1/generate (and its render API) only with it.
+             "--", "--enable-scale-out"],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
         log.close()

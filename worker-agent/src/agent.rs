@@ -11,12 +11,13 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
-use crate::config::AgentConfig;
+use crate::config::{AgentConfig, EngineKind};
 use crate::core::Core;
-use crate::endpoint::rank_endpoint;
 use crate::engine::intake::Intake;
+use crate::engine::trtllm::TrtllmIntake;
 use crate::engine_facts::{EngineFacts, FactSource};
 use crate::error::AgentError;
+use crate::event_sources;
 use crate::health;
 use crate::http_client::EngineClient;
 use crate::load;
@@ -137,7 +138,10 @@ fn validate(config: &AgentConfig) -> Result<(), AgentError> {
     if config.lease_ttl < Duration::from_secs(1) {
         return bad("lease TTL must be at least 1 s".into());
     }
-    if config.load_interval.is_zero() || config.health_interval.is_zero() {
+    if config.load_interval.is_zero()
+        || config.health_interval.is_zero()
+        || config.kv_events_poll_interval.is_zero()
+    {
         return bad("intervals must be greater than zero".into());
     }
     if let Some(tracing) = &config.tracing {
@@ -155,42 +159,36 @@ fn validate(config: &AgentConfig) -> Result<(), AgentError> {
 }
 
 /// The block size to translate with: `flag` (`--block-size`), which must equal what the
-/// `engine` states; else the engine's; else 16.
-fn block_size(flag: Option<usize>, engine: Option<usize>) -> Result<usize, AgentError> {
+/// `engine` states; else the engine's; else its kind's default.
+fn block_size(
+    flag: Option<usize>,
+    engine: Option<usize>,
+    kind: EngineKind,
+) -> Result<usize, AgentError> {
     match (flag, engine) {
         (Some(flag), Some(engine)) if flag != engine => Err(AgentError::Config(format!(
             "--block-size {flag} differs from the engine's KV block size {engine}: block hashes \
              would never match; drop the flag or set it to {engine}"
         ))),
         (Some(size), _) | (None, Some(size)) => Ok(size),
-        (None, None) => Ok(DEFAULT_BLOCK_SIZE),
+        (None, None) => Ok(kind.default_block_size()),
     }
 }
 
-/// Tokens per block when neither the flag nor the engine says (vLLM's default).
-const DEFAULT_BLOCK_SIZE: usize = 16;
-
 /// Starts an agent on `registry` and `bus` (etcd + NATS, or the in-process ones). Returns once
-/// its listener is bound, every rank's engine socket is subscribed and the instance is
-/// registered (or fails after `config.startup_timeout`).
+/// its listener is bound, every rank's engine socket is subscribed (found first at vLLM's
+/// `/kv_event_sources` with `config.discover_kv_events`; for TensorRT-LLM: its first poll of
+/// `POST /kv_cache_events` answered) and the instance is registered (or fails after
+/// `config.startup_timeout`).
 pub async fn start(
     config: AgentConfig,
     registry: Arc<dyn Registry>,
     bus: Arc<dyn EventBus>,
 ) -> Result<AgentHandle, AgentError> {
     validate(&config)?;
-    let endpoints = (0..config.dp_ranks)
-        .map(|rank| {
-            let events = rank_endpoint(&config.kv_events_endpoint, rank)?;
-            let replay = config
-                .kv_events_replay_endpoint
-                .as_deref()
-                .map(|e| rank_endpoint(e, rank))
-                .transpose()?;
-            Ok((events, replay))
-        })
-        .collect::<Result<Vec<_>, String>>()
-        .map_err(AgentError::Config)?;
+    let deadline = tokio::time::Instant::now() + config.startup_timeout;
+    let engine = EngineClient::new(&config.engine_url);
+    let sources = event_sources::resolve(&config, &engine, deadline).await?;
     let metrics = AgentMetrics::new()?;
     let ns = &config.namespace;
     let id = config.instance_id;
@@ -214,7 +212,6 @@ pub async fn start(
         .map(|telemetry| telemetry.tracer("kvmesh-agent"));
 
     // What the engine states about itself: its adapters and KV cache shape.
-    let engine = EngineClient::new(&config.engine_url);
     let facts = FactSource {
         engine: engine.clone(),
         kind: config.engine_kind,
@@ -224,11 +221,15 @@ pub async fn start(
     let (known, cache) = facts
         .read(&EngineFacts::default(), Duration::from_secs(1))
         .await;
-    let block_size = block_size(config.block_size, cache.and_then(|c| c.block_size))?;
+    let block_size = block_size(
+        config.block_size,
+        cache.and_then(|c| c.block_size),
+        config.engine_kind,
+    )?;
 
     let (out_tx, out_rx) = mpsc::channel(PUBLISH_QUEUE);
     let core = Arc::new(
-        Core::new(id, config.dp_ranks, block_size, out_tx, metrics.clone())
+        Core::new(id, sources.dp_ranks, block_size, out_tx, metrics.clone())
             .map_err(|e| AgentError::Config(e.to_string()))?
             .with_tracer(tracer.clone()),
     );
@@ -260,24 +261,39 @@ pub async fn start(
 
     let mut subscribed = Vec::new();
     let (recovered, _) = watch::channel(0u64);
-    for (rank, (events, replay)) in endpoints.into_iter().enumerate() {
+    for (rank, source) in sources.ranks.into_iter().enumerate() {
         let (tx, rx) = oneshot::channel();
         subscribed.push(rx);
         let intake = Intake {
             rank: rank as u32,
-            endpoint: events,
-            replay_endpoint: replay,
-            topic: config.kv_events_topic.clone(),
-            kind: config.engine_kind,
+            endpoint: source.endpoint,
+            replay_endpoint: source.replay_endpoint,
+            topic: source.topic,
+            layout: config.engine_kind.layout(),
             core: core.clone(),
             metrics: metrics.clone(),
         };
         tasks.push(tokio::spawn(intake.run(tx, recovered.subscribe())));
     }
-    let deadline = tokio::time::Instant::now() + config.startup_timeout;
+    if config.engine_kind == EngineKind::Trtllm {
+        let (tx, rx) = oneshot::channel();
+        subscribed.push(rx);
+        let intake = TrtllmIntake::new(block_size, core.clone(), metrics.clone());
+        tasks.push(tokio::spawn(intake.run(
+            engine.clone(),
+            config.kv_events_poll_interval,
+            tx,
+        )));
+    }
     for rx in subscribed {
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(())) => {}
+            _ if config.engine_kind == EngineKind::Trtllm => {
+                return Err(AgentError::Startup(format!(
+                    "the engine's POST {}/kv_cache_events did not answer",
+                    config.engine_url
+                )));
+            }
             _ => {
                 return Err(AgentError::Startup(format!(
                     "engine KV event socket {} not reachable",
@@ -335,7 +351,7 @@ pub async fn start(
         block_size: u32::try_from(block_size)
             .map_err(|_| AgentError::Config("block size too large".into()))?,
         total_blocks: 0,
-        dp_ranks: config.dp_ranks,
+        dp_ranks: sources.dp_ranks,
         labels,
         adapters: Vec::new(),
         event_subject: ns.event_subject(&config.model),

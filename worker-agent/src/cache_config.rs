@@ -36,6 +36,23 @@ impl CacheConfig {
         })
     }
 
+    /// From trtllm-serve's `/prometheus/metrics` page: `trtllm_kv_cache_tokens_per_block` and
+    /// `trtllm_kv_cache_max_blocks` (set from its iteration stats, so present once the engine
+    /// ran an iteration); `None` when neither is there.
+    pub(crate) fn from_trtllm_metrics(text: &str) -> Option<Self> {
+        let value = |name: &str| {
+            prom_text::mean(text, name)
+                .filter(|v| v.is_finite() && *v >= 1.0)
+                .map(|v| v as u64)
+        };
+        let block_size = value("trtllm_kv_cache_tokens_per_block");
+        let total_blocks = value("trtllm_kv_cache_max_blocks");
+        (block_size.is_some() || total_blocks.is_some()).then(|| Self {
+            block_size: block_size.and_then(|size| usize::try_from(size).ok()),
+            total_blocks,
+        })
+    }
+
     /// From an SGLang `/get_server_info` body; `None` when it is not a JSON object.
     pub(crate) fn from_sglang_info(body: &[u8]) -> Option<Self> {
         let info: serde_json::Value = serde_json::from_slice(body).ok()?;
@@ -58,7 +75,7 @@ pub(crate) async fn fetch(
     timeout: Duration,
 ) -> Option<CacheConfig> {
     let path = match kind {
-        EngineKind::Vllm => "/metrics",
+        EngineKind::Vllm | EngineKind::Trtllm => crate::load::metrics_path(kind),
         EngineKind::Sglang => "/get_server_info",
     };
     let body = match engine.get(path, timeout).await {
@@ -68,6 +85,7 @@ pub(crate) async fn fetch(
     match kind {
         EngineKind::Vllm => CacheConfig::from_vllm_metrics(std::str::from_utf8(&body).ok()?),
         EngineKind::Sglang => CacheConfig::from_sglang_info(&body),
+        EngineKind::Trtllm => CacheConfig::from_trtllm_metrics(std::str::from_utf8(&body).ok()?),
     }
 }
 
@@ -113,5 +131,24 @@ mod tests {
             Some(CacheConfig::default())
         );
         assert_eq!(CacheConfig::from_sglang_info(b"[]"), None);
+    }
+
+    #[test]
+    fn trtllm_states_it_in_its_kv_cache_gauges() {
+        let page = "trtllm_kv_cache_max_blocks{engine_type=\"undefined\",model_name=\"undefined\"} 2048.0
+            trtllm_kv_cache_tokens_per_block{engine_type=\"undefined\",model_name=\"undefined\"} 32.0
+";
+        assert_eq!(
+            CacheConfig::from_trtllm_metrics(page),
+            Some(CacheConfig {
+                block_size: Some(32),
+                total_blocks: Some(2048),
+            })
+        );
+        assert_eq!(
+            CacheConfig::from_trtllm_metrics("trtllm_num_requests_running 1\n"),
+            None,
+            "no iteration yet"
+        );
     }
 }

@@ -17,6 +17,9 @@ use crate::sidecar::pacer::PacerSettings;
 
 /// `--pace-rate-gbps` when neither given nor measured.
 const DEFAULT_PACE_RATE_GBPS: f64 = 25.0;
+/// The KV event PUB endpoint when `--kv-events-endpoint` is not given and the engine does not
+/// say (vLLM's default, seen from beside the engine).
+const DEFAULT_KV_EVENTS_ENDPOINT: &str = "tcp://127.0.0.1:5557";
 
 /// Parses `250ms`, `10s`, `1.5s`, `2m`, `1h` or a bare number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -109,13 +112,11 @@ pub struct Cli {
     /// Served model name (as clients send it).
     #[arg(long, env = "KVMESH_AGENT_MODEL")]
     pub model: String,
-    /// The engine's KV event PUB endpoint (rank 0; rank r uses port + r).
-    #[arg(
-        long,
-        env = "KVMESH_AGENT_KV_EVENTS_ENDPOINT",
-        default_value = "tcp://127.0.0.1:5557"
-    )]
-    pub kv_events_endpoint: String,
+    /// The engine's KV event PUB endpoint (rank 0; rank r uses port + r). Without it, an agent
+    /// beside vLLM asks the engine's `GET /kv_event_sources` (each rank's PUB and replay
+    /// endpoints); other engines, and a vLLM without that route, use `tcp://127.0.0.1:5557`.
+    #[arg(long, env = "KVMESH_AGENT_KV_EVENTS_ENDPOINT")]
+    pub kv_events_endpoint: Option<String>,
     /// The engine's KV event replay ROUTER endpoint (rank 0), if configured.
     #[arg(long, env = "KVMESH_AGENT_KV_EVENTS_REPLAY_ENDPOINT")]
     pub kv_events_replay_endpoint: Option<String>,
@@ -125,16 +126,21 @@ pub struct Cli {
     /// Engine kind.
     #[arg(long, env = "KVMESH_AGENT_ENGINE_KIND", value_enum, default_value_t = EngineKind::Vllm)]
     pub engine_kind: EngineKind,
+    /// How often TensorRT-LLM's `POST /kv_cache_events` is polled (`--engine-kind trtllm`).
+    #[arg(long, env = "KVMESH_AGENT_KV_EVENTS_POLL_INTERVAL", default_value = "100ms", value_parser = parse_duration)]
+    pub kv_events_poll_interval: Duration,
     /// Tokens per KV block; must equal the engine's (default: the engine's, read from its
-    /// `vllm:cache_config_info` or SGLang server info, else 16).
+    /// `vllm:cache_config_info`, SGLang server info or TensorRT-LLM's
+    /// `trtllm_kv_cache_tokens_per_block`, else 16, and 32 for TensorRT-LLM).
     #[arg(long, env = "KVMESH_AGENT_BLOCK_SIZE")]
     pub block_size: Option<usize>,
     /// KV cache capacity in blocks (0: the engine's, read as the block size is, else unknown).
     #[arg(long, env = "KVMESH_AGENT_TOTAL_BLOCKS", default_value_t = 0)]
     pub total_blocks: u64,
-    /// Data-parallel ranks.
-    #[arg(long, env = "KVMESH_AGENT_DP_RANKS", default_value_t = 1)]
-    pub dp_ranks: u32,
+    /// Data-parallel ranks (default: the ranks vLLM's `/kv_event_sources` lists when the
+    /// agent asks it, else 1).
+    #[arg(long, env = "KVMESH_AGENT_DP_RANKS")]
+    pub dp_ranks: Option<u32>,
     /// The engine's side of disaggregated serving, registered in its record: `prefill`
     /// (prefill legs only), `decode` (decode legs and whole requests) or `both`.
     #[arg(long, env = "KVMESH_AGENT_ROLE", default_value = "both", value_parser = ["both", "prefill", "decode"])]
@@ -326,14 +332,22 @@ impl Cli {
 
     /// The agent configuration the flags describe.
     pub fn config(&self) -> AgentConfig {
-        let mut config = AgentConfig::new(&self.engine_url, &self.model, &self.kv_events_endpoint);
+        let endpoint = self
+            .kv_events_endpoint
+            .as_deref()
+            .unwrap_or(DEFAULT_KV_EVENTS_ENDPOINT);
+        let mut config = AgentConfig::new(&self.engine_url, &self.model, endpoint);
         config.advertise_url = self.advertise_url.clone();
         config.kv_events_replay_endpoint = self.kv_events_replay_endpoint.clone();
         config.kv_events_topic = self.kv_events_topic.clone();
+        config.discover_kv_events =
+            self.kv_events_endpoint.is_none() && self.engine_kind == EngineKind::Vllm;
+        config.dp_ranks_from_engine = self.dp_ranks.is_none();
+        config.kv_events_poll_interval = self.kv_events_poll_interval;
         config.engine_kind = self.engine_kind;
         config.block_size = self.block_size;
         config.total_blocks = self.total_blocks;
-        config.dp_ranks = self.dp_ranks;
+        config.dp_ranks = self.dp_ranks.unwrap_or(1);
         config.labels = self.labels.clone();
         config.role = match self.role.as_str() {
             "prefill" => InstanceRole::Prefill,
@@ -448,6 +462,43 @@ mod tests {
                 "a.b"
             ])
             .is_err()
+        );
+    }
+
+    #[test]
+    fn without_an_endpoint_vllm_is_asked_and_trtllm_is_polled() {
+        let base = ["kvmesh-agent", "--model", "m", "--etcd", "e", "--nats", "n"];
+        let parse = |extra: &[&str]| {
+            Cli::try_parse_from(base.iter().chain(extra.iter()))
+                .expect("valid flags")
+                .config()
+        };
+        let asked = parse(&[]);
+        assert!(asked.discover_kv_events && asked.dp_ranks_from_engine);
+        assert_eq!(
+            (asked.kv_events_endpoint.as_str(), asked.dp_ranks),
+            (DEFAULT_KV_EVENTS_ENDPOINT, 1),
+            "what an engine without /kv_event_sources gets"
+        );
+        let given = parse(&["--kv-events-endpoint", "tcp://h:1", "--dp-ranks", "2"]);
+        assert!(!given.discover_kv_events && !given.dp_ranks_from_engine);
+        assert_eq!(
+            (given.kv_events_endpoint.as_str(), given.dp_ranks),
+            ("tcp://h:1", 2)
+        );
+        assert!(!parse(&["--engine-kind", "sglang"]).discover_kv_events);
+        let trtllm = parse(&[
+            "--engine-kind",
+            "trtllm",
+            "--kv-events-poll-interval",
+            "50ms",
+        ]);
+        assert_eq!(trtllm.engine_kind, EngineKind::Trtllm);
+        assert!(!trtllm.discover_kv_events);
+        assert_eq!(trtllm.kv_events_poll_interval, Duration::from_millis(50));
+        assert_eq!(
+            parse(&[]).kv_events_poll_interval,
+            Duration::from_millis(100)
         );
     }
 

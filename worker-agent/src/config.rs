@@ -5,19 +5,45 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvmesh_control::{InstanceId, InstanceRole, Namespace};
+use kvmesh_engine_events::Layout;
 
 use crate::sidecar::pacer::PacerSettings;
 use kvmesh_telemetry::TraceSettings;
 
-/// Which engine the agent sits beside: decides the positional event layout and the metric
+/// Which engine the agent sits beside: decides how its KV events are read (vLLM's and SGLang's
+/// ZMQ batches, each with its positional layout; TensorRT-LLM's polled JSON) and the metric
 /// names scraped for load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum EngineKind {
-    /// vLLM (also TensorRT-LLM's vLLM-compatible publisher).
+    /// vLLM.
     #[default]
     Vllm,
     /// SGLang.
     Sglang,
+    /// TensorRT-LLM's `trtllm-serve`: its KV cache events are polled from
+    /// `POST /kv_cache_events` (JSON), not read from ZMQ.
+    Trtllm,
+}
+
+impl EngineKind {
+    /// The positional layout of its KV events (TensorRT-LLM's are JSON, read by the poller:
+    /// vLLM's layout is given but not used).
+    pub fn layout(self) -> Layout {
+        match self {
+            Self::Vllm | Self::Trtllm => Layout::Vllm,
+            Self::Sglang => Layout::Sglang,
+        }
+    }
+
+    /// Tokens per KV block when neither `--block-size` nor the engine says: vLLM's and
+    /// SGLang's 16 (the agent's long-standing default), TensorRT-LLM's `tokens_per_block`
+    /// default, 32.
+    pub fn default_block_size(self) -> usize {
+        match self {
+            Self::Vllm | Self::Sglang => 16,
+            Self::Trtllm => 32,
+        }
+    }
 }
 
 /// Everything an agent needs to run.
@@ -36,10 +62,19 @@ pub struct AgentConfig {
     pub kv_events_replay_endpoint: Option<String>,
     /// ZMQ subscription prefix (the engine's `topic`).
     pub kv_events_topic: String,
-    /// vLLM or SGLang.
+    /// Ask the engine where its KV event publishers are (vLLM's `GET /kv_event_sources`: per
+    /// data-parallel rank, the PUB and replay endpoints and the topic) instead of using
+    /// `kv_events_endpoint` and `kv_events_replay_endpoint`, which still serve an engine
+    /// without that route (404: a vLLM older than 0.32).
+    pub discover_kv_events: bool,
+    /// With `discover_kv_events`: take `dp_ranks` from the ranks the engine lists.
+    pub dp_ranks_from_engine: bool,
+    /// How often TensorRT-LLM's `POST /kv_cache_events` is polled (engine kind `trtllm`).
+    pub kv_events_poll_interval: Duration,
+    /// vLLM, SGLang or TensorRT-LLM.
     pub engine_kind: EngineKind,
     /// Tokens per KV block; must equal the engine's (`None`: the engine's, as it states it,
-    /// else 16).
+    /// else [`EngineKind::default_block_size`]).
     pub block_size: Option<usize>,
     /// KV cache capacity in blocks (0: the engine's, as it states it, else unknown).
     pub total_blocks: u64,
@@ -99,6 +134,9 @@ impl AgentConfig {
             kv_events_endpoint: kv_events_endpoint.to_owned(),
             kv_events_replay_endpoint: None,
             kv_events_topic: String::new(),
+            discover_kv_events: false,
+            dp_ranks_from_engine: false,
+            kv_events_poll_interval: Duration::from_millis(100),
             engine_kind: EngineKind::Vllm,
             block_size: None,
             total_blocks: 0,

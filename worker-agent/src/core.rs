@@ -8,13 +8,13 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kvmesh_control::{EventBatch, InstanceId, RankedEvent, SnapshotReply, SnapshotRequest};
+use kvmesh_engine_events::{EngineBatch, EngineEvent};
 use kvmesh_kv::KvEvent;
 use kvmesh_telemetry::Tracer;
 use opentelemetry::KeyValue;
 use opentelemetry::trace::{SpanContext, SpanKind};
 use tokio::sync::mpsc;
 
-use crate::engine::batch::{EngineBatch, EngineEvent};
 use crate::metrics::AgentMetrics;
 use crate::trace::AgentSpan;
 use crate::translate::{Miss, RankTable};
@@ -232,6 +232,11 @@ impl Core {
             // The proxies see the gap in `seq` and replay it from the ring buffer.
             m.dropped.with_label_values(&["publish_queue"]).inc();
         }
+    }
+
+    /// The data-parallel ranks it has a table for.
+    pub(crate) fn dp_ranks(&self) -> u32 {
+        self.lock().ranks.len() as u32
     }
 
     /// The instance whose batches it numbers.

@@ -1,11 +1,14 @@
 //! kvmesh-agent: the worker-agent sidecar that runs beside an unmodified engine (vLLM,
-//! SGLang) and connects it to kvmesh's control plane (docs/agent.md, docs/control-plane.md).
+//! SGLang, TensorRT-LLM) and connects it to kvmesh's control plane (docs/agent.md,
+//! docs/control-plane.md).
 //!
 //! - **Events**: subscribes to the engine's ZMQ KV event stream (3 frames: topic, 8-byte
-//!   big-endian sequence number, msgpack batch), decodes both encodings (positional arrays and
-//!   maps) and both hash forms (ints, byte strings folded by [`fold_hash_bytes`]), ignores
-//!   events of other KV groups and media, counts and skips malformed messages. Engine sequence
-//!   gaps, and a start after the engine, are repaired from the engine's replay socket.
+//!   big-endian sequence number, msgpack batch), decodes them with `kvmesh-engine-events`
+//!   (both encodings, both hash forms; events of other KV groups and media ignored, malformed
+//!   ones counted and skipped). Engine sequence gaps, and a start after the engine, are
+//!   repaired from the engine's replay socket. Without an endpoint, vLLM's
+//!   `GET /kv_event_sources` says where each rank publishes. TensorRT-LLM's events are polled
+//!   from trtllm-serve's `POST /kv_cache_events` instead (JSON; no replay).
 //! - **Translation**: re-hashes every stored block from its tokens into kvmesh's hash space
 //!   (`kvmesh_kv::BlockHasher`, LoRA and multimodal rules included), keeps the engine id →
 //!   kvmesh hash table with reference counts for duplicate stores.
@@ -31,6 +34,7 @@ mod endpoint;
 pub mod engine;
 mod engine_facts;
 mod error;
+mod event_sources;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 mod health;
@@ -50,7 +54,6 @@ pub use agent::{AgentHandle, start};
 pub use config::{AgentConfig, EngineKind, InboundConfig};
 pub use core::RING_CAPACITY;
 pub use endpoint::rank_endpoint;
-pub use engine::batch::{EngineBatch, EngineEvent, IgnoreReason, decode_batch, fold_hash_bytes};
 pub use error::AgentError;
 pub use load::parse_load;
 pub use metrics::AgentMetrics;

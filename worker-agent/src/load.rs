@@ -26,6 +26,24 @@ fn names(kind: EngineKind) -> (&'static str, &'static str, &'static [&'static st
             "sglang:num_queue_reqs",
             &["sglang:token_usage"],
         ),
+        // trtllm-serve's `MetricsCollector` (tensorrt_llm/metrics/collector.py, read at
+        // TensorRT-LLM commit 050f80de): from its iteration stats' `numActiveRequests`,
+        // `numQueuedRequests` and `usedNumBlocks / maxNumBlocks`.
+        EngineKind::Trtllm => (
+            "trtllm_num_requests_running",
+            "trtllm_num_requests_waiting",
+            &["trtllm_kv_cache_utilization"],
+        ),
+    }
+}
+
+/// Where the engine's Prometheus metrics are: trtllm-serve serves them at
+/// `/prometheus/metrics` (its `/metrics` is iteration stats in JSON), and only with
+/// `return_perf_metrics: true` in its LLM API options.
+pub(crate) fn metrics_path(kind: EngineKind) -> &'static str {
+    match kind {
+        EngineKind::Vllm | EngineKind::Sglang => "/metrics",
+        EngineKind::Trtllm => "/prometheus/metrics",
     }
 }
 
@@ -79,7 +97,7 @@ pub(crate) async fn run(
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or_default();
-        let report = match engine.get("/metrics", timeout).await {
+        let report = match engine.get(metrics_path(kind), timeout).await {
             Ok((status, body)) if status.is_success() => {
                 parse_load(kind, &String::from_utf8_lossy(&body), instance_id, at_ms)
             }
@@ -127,5 +145,20 @@ mod tests {
         let r = parse_load(EngineKind::Sglang, sglang, id, 0).expect("sglang report");
         assert_eq!((r.running, r.waiting, r.kv_usage), (1, 0, 0.9));
         assert!(parse_load(EngineKind::Vllm, sglang, id, 0).is_none());
+    }
+
+    #[test]
+    fn trtllm_names_are_read_from_its_prometheus_page() {
+        // prometheus_client's multiprocess rendering of trtllm-serve's gauges.
+        let page = "# HELP trtllm_num_requests_running Number of active requests
+            # TYPE trtllm_num_requests_running gauge
+            trtllm_num_requests_running{engine_type=\"undefined\",model_name=\"undefined\"} 3.0
+            trtllm_num_requests_waiting{engine_type=\"undefined\",model_name=\"undefined\"} 1.0
+            trtllm_kv_cache_utilization{engine_type=\"undefined\",model_name=\"undefined\"} 0.25
+";
+        let r = parse_load(EngineKind::Trtllm, page, InstanceId(7), 0).expect("trtllm report");
+        assert_eq!((r.running, r.waiting, r.kv_usage), (3, 1, 0.25));
+        assert_eq!(metrics_path(EngineKind::Trtllm), "/prometheus/metrics");
+        assert!(parse_load(EngineKind::Vllm, page, InstanceId(7), 0).is_none());
     }
 }

@@ -5,11 +5,11 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use kvmesh_control::{InstanceId, SnapshotReply, SnapshotRequest};
+use kvmesh_engine_events::decode_batch;
 use tokio::sync::mpsc;
 
 use crate::config::EngineKind;
 use crate::core::{Core, Outgoing};
-use crate::engine::batch::decode_batch;
 use crate::error::AgentError;
 use crate::metrics::AgentMetrics;
 
@@ -40,7 +40,7 @@ impl Pipeline {
     /// Processes one engine payload of rank `rank`; returns the JSON batch the agent would
     /// publish (`None` when the payload is malformed or yields no event).
     pub fn push(&mut self, rank: u32, payload: &[u8]) -> Option<Bytes> {
-        match decode_batch(self.kind, payload) {
+        match decode_batch(self.kind.layout(), payload) {
             Ok(batch) => {
                 self.core.apply(rank, &batch, Instant::now());
             }

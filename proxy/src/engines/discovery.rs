@@ -30,6 +30,10 @@ pub(crate) struct InstanceSpec {
     pub(crate) role: Role,
     /// The model's pool it belongs to.
     pub(crate) pool: Option<String>,
+    /// Its engine's data-parallel ranks (a static backend: 1).
+    pub(crate) dp_ranks: u32,
+    /// Its SGLang bootstrap port (`None`: SGLang's default).
+    pub(crate) bootstrap_port: Option<u16>,
 }
 
 /// One model and its instances.
@@ -95,6 +99,8 @@ impl Discovery for StaticDiscovery<'_> {
                             adapters: backend.adapters.clone(),
                             role: backend.role,
                             pool: backend.pool.clone(),
+                            dp_ranks: 1,
+                            bootstrap_port: backend.bootstrap_port,
                         })
                     })
                     .collect::<Result<_, ProxyError>>()?;

@@ -15,6 +15,7 @@ use pingora_core::upstreams::peer::HttpPeer;
 use tokio::sync::watch;
 
 use crate::engines::outlier::{OutlierPolicy, OutlierState};
+use crate::engines::protocol::sglang::DEFAULT_BOOTSTRAP_PORT;
 use crate::metrics::failure::FailureKind;
 use crate::metrics::families::InstanceMetrics;
 
@@ -100,6 +101,10 @@ pub(crate) struct Instance {
     role: Role,
     /// The model's pool it belongs to.
     pool: Option<Arc<str>>,
+    /// Its engine's data-parallel ranks (1: one engine core).
+    dp_ranks: u32,
+    /// Its SGLang bootstrap port (a prefill engine's `--disaggregation-bootstrap-port`).
+    bootstrap_port: u16,
 }
 
 impl Candidate for Instance {
@@ -170,6 +175,8 @@ impl Instance {
             metrics,
             role,
             pool: None,
+            dp_ranks: 1,
+            bootstrap_port: DEFAULT_BOOTSTRAP_PORT,
         }
     }
 
@@ -232,6 +239,29 @@ impl Instance {
     pub(crate) fn in_pool(mut self, pool: Option<String>) -> Self {
         self.pool = pool.map(Arc::from);
         self
+    }
+
+    /// This instance, whose engine runs `dp_ranks` data-parallel ranks.
+    pub(crate) fn with_dp_ranks(mut self, dp_ranks: u32) -> Self {
+        self.dp_ranks = dp_ranks.max(1);
+        self
+    }
+
+    /// Its engine's data-parallel ranks.
+    pub(crate) fn dp_ranks(&self) -> u32 {
+        self.dp_ranks
+    }
+
+    /// This instance, whose SGLang bootstrap server listens on `port` (`None`: SGLang's
+    /// default).
+    pub(crate) fn with_bootstrap_port(mut self, port: Option<u16>) -> Self {
+        self.bootstrap_port = port.unwrap_or(DEFAULT_BOOTSTRAP_PORT);
+        self
+    }
+
+    /// Its SGLang bootstrap port.
+    pub(crate) fn bootstrap_port(&self) -> u16 {
+        self.bootstrap_port
     }
 
     /// The configured URL (`http://host:port`).

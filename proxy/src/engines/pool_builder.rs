@@ -50,7 +50,9 @@ impl PoolBuilder {
                 handles,
                 spec.role,
             )
-            .in_pool(spec.pool.clone()),
+            .in_pool(spec.pool.clone())
+            .with_dp_ranks(spec.dp_ranks)
+            .with_bootstrap_port(spec.bootstrap_port),
         )
     }
 

@@ -144,31 +144,75 @@ pub(crate) async fn pingora_exchange(
     request: RequestHeader,
     body: &Bytes,
 ) -> Result<(), (FailureKind, String)> {
-    let exchange = async {
+    pingora_send(session, request, body).await?;
+    pingora_head(session).await
+}
+
+/// A request ready for pingora's client: its head, and a session to the engine.
+pub(crate) struct Outgoing {
+    /// The head.
+    pub(crate) request: RequestHeader,
+    /// The session.
+    pub(crate) session: HttpSession,
+    /// Taken from the pool (not a new connection).
+    pub(crate) reused: bool,
+}
+
+/// A request sent whose answer is read later ([`SentLeg::answer`]): SGLang's prefill leg,
+/// answered only once its decode leg has joined the bootstrap room.
+pub(crate) struct SentLeg(Box<HttpSession>);
+
+impl SentLeg {
+    /// The request sent on `session`.
+    pub(crate) fn new(session: HttpSession) -> Self {
+        Self(Box::new(session))
+    }
+
+    /// Reads the answer's head; its body is then read from the session returned.
+    pub(crate) async fn answer(mut self) -> Result<UpstreamSession, (FailureKind, String)> {
+        pingora_head(&mut self.0).await?;
+        Ok(UpstreamSession::Pingora(self.0))
+    }
+}
+
+/// Sends `request` and `body` on `session`, whose answer is read later ([`pingora_head`]).
+pub(crate) async fn pingora_send(
+    session: &mut HttpSession,
+    request: RequestHeader,
+    body: &Bytes,
+) -> Result<(), (FailureKind, String)> {
+    let send = async {
         session.write_request_header(Box::new(request)).await?;
         if !body.is_empty() {
             session.write_request_body(body.clone(), true).await?;
         }
-        session.finish_request_body().await?;
-        loop {
-            session.read_response_header().await?;
-            let informational = session
-                .response_header()
-                .is_some_and(|header| header.status.is_informational());
-            if !informational {
-                return Ok::<(), Box<pingora_error::Error>>(());
-            }
-        }
+        session.finish_request_body().await
     };
-    exchange.await.map_err(|error| {
-        let kind = match error.etype() {
-            ErrorType::ConnectTimedout
-            | ErrorType::ConnectRefused
-            | ErrorType::ConnectNoRoute
-            | ErrorType::ConnectError => FailureKind::Connect,
-            ErrorType::ReadTimedout | ErrorType::WriteTimedout => FailureKind::Timeout,
-            _ => FailureKind::Reset,
-        };
-        (kind, error.to_string())
-    })
+    send.await.map_err(failure)
+}
+
+/// Reads the response head on `session` (informational ones skipped).
+pub(crate) async fn pingora_head(session: &mut HttpSession) -> Result<(), (FailureKind, String)> {
+    loop {
+        session.read_response_header().await.map_err(failure)?;
+        let informational = session
+            .response_header()
+            .is_some_and(|header| header.status.is_informational());
+        if !informational {
+            return Ok(());
+        }
+    }
+}
+
+/// The kind of a failure pingora reports, and what it said.
+fn failure(error: Box<pingora_error::Error>) -> (FailureKind, String) {
+    let kind = match error.etype() {
+        ErrorType::ConnectTimedout
+        | ErrorType::ConnectRefused
+        | ErrorType::ConnectNoRoute
+        | ErrorType::ConnectError => FailureKind::Connect,
+        ErrorType::ReadTimedout | ErrorType::WriteTimedout => FailureKind::Timeout,
+        _ => FailureKind::Reset,
+    };
+    (kind, error.to_string())
 }

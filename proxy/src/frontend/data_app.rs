@@ -223,7 +223,7 @@ async fn handle(state: &State, session: &mut ServerSession, record: &mut Record)
     if let Err(error) = check_head(header, &state.limits) {
         return reject_early(state, session, record, &error, true).await;
     }
-    let route = match match_route(&header.method, header.uri.path()) {
+    let route = match match_route(&state.engine_routes, &header.method, header.uri.path()) {
         RouteMatch::Found(route) => route,
         RouteMatch::MethodNotAllowed(allow) => {
             let error = ApiError::MethodNotAllowed { allow };
@@ -336,6 +336,10 @@ impl Frontend for PingoraClient<'_> {
     fn header(&self, name: &str) -> Option<&str> {
         let value = self.session.req_header().headers.get(name)?;
         value.to_str().ok()
+    }
+
+    fn query(&self) -> Option<&str> {
+        self.session.req_header().uri.query()
     }
 
     async fn gone(&mut self) {

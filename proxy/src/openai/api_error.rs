@@ -31,6 +31,8 @@ pub(crate) enum ClientErrorReason {
     Unauthorized,
     /// The API key may not use the model.
     ModelNotAllowed,
+    /// The route is an engine admin route and the request's API key may not use it.
+    RouteNotAllowed,
     /// The API key is over one of its limits.
     RateLimited,
     /// The request head is over `limits.max_header_bytes` or `limits.max_headers`.
@@ -43,7 +45,7 @@ pub(crate) enum ClientErrorReason {
 }
 
 /// Number of [`ClientErrorReason`]s.
-pub(crate) const CLIENT_ERROR_REASONS: usize = 15;
+pub(crate) const CLIENT_ERROR_REASONS: usize = 16;
 
 impl ClientErrorReason {
     /// Every reason, in declaration order.
@@ -59,6 +61,7 @@ impl ClientErrorReason {
         Self::InvalidPrompt,
         Self::Unauthorized,
         Self::ModelNotAllowed,
+        Self::RouteNotAllowed,
         Self::RateLimited,
         Self::HeadersTooLarge,
         Self::MalformedRequest,
@@ -79,6 +82,7 @@ impl ClientErrorReason {
             Self::InvalidPrompt => "invalid_prompt",
             Self::Unauthorized => "unauthorized",
             Self::ModelNotAllowed => "model_not_allowed",
+            Self::RouteNotAllowed => "route_not_allowed",
             Self::RateLimited => "rate_limited",
             Self::HeadersTooLarge => "headers_too_large",
             Self::MalformedRequest => "malformed_request",
@@ -170,6 +174,11 @@ pub(crate) enum ApiError {
         /// The requested name.
         model: String,
     },
+    /// 403: an engine admin route, and the request's API key (if any) lacks `engine_admin`.
+    RouteNotAllowed {
+        /// The requested path.
+        path: String,
+    },
     /// 429: the API key is over a limit.
     RateLimited {
         /// The limit's config field (`requests_per_second`, `tokens_per_minute`, `max_concurrency`).
@@ -236,7 +245,7 @@ impl ApiError {
             | Self::MalformedRequest
             | Self::InvalidFraming(_) => 400,
             Self::Unauthorized { .. } => 401,
-            Self::ModelNotAllowed { .. } => 403,
+            Self::ModelNotAllowed { .. } | Self::RouteNotAllowed { .. } => 403,
             Self::ModelNotFound { .. } | Self::UnknownPath { .. } => 404,
             Self::MethodNotAllowed { .. } => 405,
             Self::RequestTimeout => 408,
@@ -267,7 +276,7 @@ impl ApiError {
             | Self::HeadersTooLarge { .. }
             | Self::MalformedRequest
             | Self::InvalidFraming(_) => "invalid_request_error",
-            Self::ModelNotAllowed { .. } => "permission_error",
+            Self::ModelNotAllowed { .. } | Self::RouteNotAllowed { .. } => "permission_error",
             Self::RateLimited { limit, .. } if *limit == "tokens_per_minute" => "tokens",
             Self::RateLimited { .. } => "requests",
             Self::ModelNotFound { .. } | Self::UnknownPath { .. } => "not_found_error",
@@ -302,6 +311,7 @@ impl ApiError {
             Self::Unauthorized { missing: true } => "missing_api_key",
             Self::Unauthorized { missing: false } => "invalid_api_key",
             Self::ModelNotAllowed { .. } => "model_not_allowed",
+            Self::RouteNotAllowed { .. } => "route_not_allowed",
             Self::RateLimited { .. } => "rate_limit_exceeded",
             Self::ConcurrencyLimited { .. } => "model_concurrency_limit",
             Self::HeadersTooLarge { .. } => "request_header_fields_too_large",
@@ -363,6 +373,9 @@ impl ApiError {
             Self::ModelNotAllowed { model } => {
                 format!("this API key may not use the model {model:?}")
             }
+            Self::RouteNotAllowed { path } => format!(
+                "{path} is an engine admin route: only API keys with engine_admin: true may use it"
+            ),
             Self::RateLimited {
                 limit,
                 retry_after_secs,
@@ -409,6 +422,7 @@ impl ApiError {
             Self::InvalidPrompt(_) => ClientErrorReason::InvalidPrompt,
             Self::Unauthorized { .. } => ClientErrorReason::Unauthorized,
             Self::ModelNotAllowed { .. } => ClientErrorReason::ModelNotAllowed,
+            Self::RouteNotAllowed { .. } => ClientErrorReason::RouteNotAllowed,
             Self::RateLimited { .. } => ClientErrorReason::RateLimited,
             Self::HeadersTooLarge { .. } => ClientErrorReason::HeadersTooLarge,
             Self::MalformedRequest => ClientErrorReason::MalformedRequest,

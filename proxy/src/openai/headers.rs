@@ -48,8 +48,12 @@ impl TraceHeaders {
     }
 }
 
+/// The header naming the data-parallel rank an engine runs a request on (vLLM's).
+pub(crate) const X_DATA_PARALLEL_RANK: &str = "x-data-parallel-rank";
+
 /// What the engine request adds to the client's: the engine's `Host`, the body's length,
-/// the request id and, while tracing, the trace context.
+/// the request id, while tracing the trace context, and the data-parallel rank routing
+/// chose.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct EngineTarget<'a> {
     /// `Host` of the engine.
@@ -60,6 +64,8 @@ pub(crate) struct EngineTarget<'a> {
     pub(crate) request_id: &'a HeaderValue,
     /// `traceparent` and `tracestate` (`None`: tracing is off, the client's pass through).
     pub(crate) trace: Option<&'a TraceHeaders>,
+    /// [`X_DATA_PARALLEL_RANK`] (`None`: the engine chooses; a client's passes through).
+    pub(crate) dp_rank: Option<u32>,
 }
 
 /// The head of an engine request, as kvmesh owns it (whichever transport then writes it).
@@ -97,6 +103,7 @@ pub(crate) fn upstream_request(client: &RequestHeader, target: &EngineTarget<'_>
             || *name == header::CONTENT_LENGTH
             || *name == X_REQUEST_ID
             || (target.trace.is_some() && is_trace_field(name.as_str().as_bytes()))
+            || (target.dp_rank.is_some() && name.as_str() == X_DATA_PARALLEL_RANK)
             || !is_forwarded(&client.headers, name)
         {
             continue;
@@ -108,6 +115,9 @@ pub(crate) fn upstream_request(client: &RequestHeader, target: &EngineTarget<'_>
     headers.insert(X_REQUEST_ID, target.request_id.clone());
     for (name, value) in target.trace.iter().flat_map(|trace| trace.fields()) {
         headers.insert(name, value.clone());
+    }
+    if let Some(rank) = target.dp_rank {
+        headers.insert(X_DATA_PARALLEL_RANK, HeaderValue::from(rank));
     }
     EngineHead {
         method: client.method.clone(),
@@ -237,6 +247,7 @@ mod tests {
             body_len: 42,
             request_id: &id,
             trace: None,
+            dp_rank: None,
         };
         let request = upstream_request(&client_request(), &target);
         assert_eq!(request.method, "POST");
@@ -276,6 +287,7 @@ mod tests {
             body_len: 1,
             request_id: &id,
             trace: None,
+            dp_rank: None,
         };
         let off = upstream_request(&client, &target);
         assert_eq!(off.headers["traceparent"], theirs);
@@ -299,6 +311,27 @@ mod tests {
         let on = upstream_request(&client, &target);
         let values: Vec<_> = on.headers.get_all("tracestate").iter().collect();
         assert_eq!(values, ["b=2"]);
+    }
+
+    #[test]
+    fn the_rank_routing_chose_replaces_the_client_s() {
+        let mut client = client_request();
+        client.append_header("X-data-parallel-rank", "0").unwrap();
+        let host = HeaderValue::from_static("127.0.0.1:8001");
+        let id = HeaderValue::from_static("rid");
+        let mut target = EngineTarget {
+            host: &host,
+            body_len: 1,
+            request_id: &id,
+            trace: None,
+            dp_rank: None,
+        };
+        let theirs = upstream_request(&client, &target);
+        assert_eq!(theirs.headers[X_DATA_PARALLEL_RANK], "0");
+        target.dp_rank = Some(1);
+        let ours = upstream_request(&client, &target);
+        let values: Vec<_> = ours.headers.get_all(X_DATA_PARALLEL_RANK).iter().collect();
+        assert_eq!(values, ["1"]);
     }
 
     #[test]

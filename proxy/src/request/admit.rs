@@ -12,9 +12,12 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use crate::edge::auth::{ApiKey, KeyPermit, KeyRejection};
 use crate::engines::pool::{Instances, ModelPool};
+use crate::engines::registry::Served;
 use crate::openai::api_error::ApiError;
-use crate::openai::request_fields::{FieldsError, extract, with_model_name};
-use crate::request::frontend::unless;
+use crate::openai::engine_model::{MODEL_HEADER, Named, named_model};
+use crate::openai::request_fields::{FieldsError, ModelName, extract, with_model_name};
+use crate::openai::route::EngineRoute;
+use crate::request::frontend::{Frontend, unless};
 use crate::request::stop::Stop;
 use crate::state::shared::State;
 
@@ -34,23 +37,88 @@ pub(crate) struct Resolved {
 /// gateway name: engines know the model by its canonical name, so only then is the body
 /// rewritten. An adapter is known to the engines by its own name: the body stays.
 pub(crate) fn resolve_model(state: &State, body: Bytes) -> Result<Resolved, ApiError> {
-    let fields = extract(&body).map_err(|error| match error {
-        FieldsError::InvalidJson(detail) => ApiError::InvalidJson(detail),
-        FieldsError::InvalidShape(detail) => ApiError::InvalidBody(detail),
-    })?;
+    let fields = extract(&body).map_err(fields_error)?;
     let stream = fields.stream.unwrap_or(false);
     let model = fields.model.ok_or(ApiError::MissingModel)?;
-    let Some(served) = state.registry.resolve(model.as_str()) else {
-        return Err(ApiError::ModelNotFound {
-            model: model.as_str().to_string(),
-            known: state.registry.known(),
-        });
+    resolved_from_body(state, &body, &model, stream)
+}
+
+/// [`resolve_model`] for a request on an engine route (`engine_routes`), whose model may
+/// be named outside its body ([`named_model`]): the only model served when none is named.
+pub(crate) fn resolve_engine_model<F: Frontend>(
+    state: &State,
+    frontend: &F,
+    body: Bytes,
+) -> Result<Resolved, ApiError> {
+    let named = named_model(
+        &body,
+        frontend.header("content-type"),
+        frontend.query(),
+        frontend.header(MODEL_HEADER),
+    )
+    .map_err(fields_error)?;
+    let (name, stream) = match named {
+        Named::Body(model, stream) => return resolved_from_body(state, &body, &model, stream),
+        Named::Outside(name, stream) => (name.into_owned(), stream),
+        Named::Nowhere => match state.registry.pools().as_slice() {
+            [only] => (only.name().to_string(), false),
+            _ => return Err(ApiError::MissingModel),
+        },
     };
+    let served = served(state, &name)?;
+    Ok(Resolved {
+        pool: served.pool,
+        adapter: served.adapter,
+        body,
+        stream,
+    })
+}
+
+/// The 403 for an engine admin `route` (at `path`) unless `key` may use it.
+pub(crate) fn check_route_access(
+    route: EngineRoute,
+    path: &str,
+    key: Option<&ApiKey>,
+) -> Result<(), ApiError> {
+    if route.is_admin() && !key.is_some_and(|key| key.settings().engine_admin) {
+        return Err(ApiError::RouteNotAllowed {
+            path: path.to_string(),
+        });
+    }
+    Ok(())
+}
+
+fn fields_error(error: FieldsError) -> ApiError {
+    match error {
+        FieldsError::InvalidJson(detail) => ApiError::InvalidJson(detail),
+        FieldsError::InvalidShape(detail) => ApiError::InvalidBody(detail),
+    }
+}
+
+/// The served model or adapter `name`, or the 404 naming what is served.
+fn served(state: &State, name: &str) -> Result<Served, ApiError> {
+    state
+        .registry
+        .resolve(name)
+        .ok_or_else(|| ApiError::ModelNotFound {
+            model: name.to_string(),
+            known: state.registry.known(),
+        })
+}
+
+/// The request for `model`, named in `body`'s JSON (rewritten when it is an alias).
+fn resolved_from_body(
+    state: &State,
+    body: &Bytes,
+    model: &ModelName<'_>,
+    stream: bool,
+) -> Result<Resolved, ApiError> {
+    let served = served(state, model.as_str())?;
     let pool = served.pool;
     let body = if pool.name() == model.as_str() || served.adapter.is_some() {
-        body
+        body.clone()
     } else {
-        with_model_name(&body, &model, pool.name())
+        with_model_name(body, model, pool.name())
     };
     Ok(Resolved {
         pool,

@@ -15,7 +15,9 @@ use crate::edge::retry::RetryReason;
 use crate::engines::clock::now_millis;
 use crate::engines::instance::Instance;
 use crate::engines::pool::ModelPool;
-use crate::engines::upstream::{pingora_exchange, pingora_request};
+use crate::engines::upstream::{
+    Outgoing, SentLeg, pingora_exchange, pingora_request, pingora_send,
+};
 use crate::engines::upstream_session::UpstreamSession;
 use crate::metrics::failure::FailureKind;
 use crate::openai::api_error::ApiError;
@@ -207,25 +209,49 @@ impl Failover {
     }
 }
 
-/// Sends the request to `instance` (with `trace`'s context while tracing) and waits for its
-/// response headers.
+/// Sends the request to `pick`'s instance (on its data-parallel rank, if routing chose
+/// one; with `trace`'s context while tracing) and waits for its response headers.
 pub(crate) async fn attempt<F: Frontend>(
     state: &State,
     client: &mut F,
-    instance: &Instance,
+    pick: &Pick<'_>,
     body: &Bytes,
     request_id: &HeaderValue,
     trace: Option<&TraceHeaders>,
 ) -> Result<UpstreamSession, AttemptError> {
-    let target = EngineTarget {
-        host: instance.host_header(),
-        body_len: body.len(),
-        request_id,
-        trace,
-    };
+    let instance = &*pick.instance;
+    let target = engine_target(pick, body, request_id, trace);
     match instance.h1_address() {
         Some(address) => attempt_h1(state, client, instance, address, body, &target).await,
         None => attempt_pingora(state, client, instance, body, &target).await,
+    }
+}
+
+/// Sends the request to `pick`'s instance without waiting for its answer (a leg whose
+/// answer comes only once another leg runs: SGLang's prefill leg), on pingora's client.
+pub(crate) async fn send_leg<F: Frontend>(
+    state: &State,
+    client: &mut F,
+    pick: &Pick<'_>,
+    body: &Bytes,
+    request_id: &HeaderValue,
+    trace: Option<&TraceHeaders>,
+) -> Result<SentLeg, AttemptError> {
+    let instance = &*pick.instance;
+    let target = engine_target(pick, body, request_id, trace);
+    let Outgoing {
+        request,
+        mut session,
+        reused,
+    } = pingora_session(state, client, instance, &target).await?;
+    let send = pingora_send(&mut session, request, body);
+    match within_first_byte(state, client, send).await? {
+        Err((kind, error)) => Err(AttemptError::Retryable {
+            kind,
+            detail: format!("{} while sending: {error}", instance.url()),
+            reused,
+        }),
+        Ok(()) => Ok(SentLeg::new(session)),
     }
 }
 
@@ -300,6 +326,47 @@ async fn attempt_h1<F: Frontend>(
     }
 }
 
+/// What the engine request to `pick`'s instance adds to the client's.
+fn engine_target<'a>(
+    pick: &'a Pick<'_>,
+    body: &Bytes,
+    request_id: &'a HeaderValue,
+    trace: Option<&'a TraceHeaders>,
+) -> EngineTarget<'a> {
+    EngineTarget {
+        host: pick.instance.host_header(),
+        body_len: body.len(),
+        request_id,
+        trace,
+        dp_rank: pick.dp_rank,
+    }
+}
+
+/// The engine request's head for pingora's client and a session to `instance`.
+async fn pingora_session<F: Frontend>(
+    state: &State,
+    client: &F,
+    instance: &Instance,
+    target: &EngineTarget<'_>,
+) -> Result<Outgoing, AttemptError> {
+    let unforwardable =
+        |error: &dyn std::fmt::Display| AttemptError::Unforwardable(error.to_string());
+    let head = client
+        .engine_request(target)
+        .map_err(|error| unforwardable(&error))?;
+    let request = pingora_request(&head).map_err(|error| unforwardable(&error))?;
+    let (session, reused) = state
+        .upstream
+        .session(instance.peer())
+        .await
+        .map_err(|error| connect_failed(instance, error))?;
+    Ok(Outgoing {
+        request,
+        session,
+        reused,
+    })
+}
+
 /// [`attempt`] on pingora's client (h2c and `https://` engines).
 async fn attempt_pingora<F: Frontend>(
     state: &State,
@@ -308,17 +375,11 @@ async fn attempt_pingora<F: Frontend>(
     body: &Bytes,
     target: &EngineTarget<'_>,
 ) -> Result<UpstreamSession, AttemptError> {
-    let unforwardable =
-        |error: &dyn std::fmt::Display| AttemptError::Unforwardable(error.to_string());
-    let head = client
-        .engine_request(target)
-        .map_err(|error| unforwardable(&error))?;
-    let request = pingora_request(&head).map_err(|error| unforwardable(&error))?;
-    let (mut upstream, reused) = state
-        .upstream
-        .session(instance.peer())
-        .await
-        .map_err(|error| connect_failed(instance, error))?;
+    let Outgoing {
+        request,
+        session: mut upstream,
+        reused,
+    } = pingora_session(state, client, instance, target).await?;
     let exchange = pingora_exchange(&mut upstream, request, body);
     match within_first_byte(state, client, exchange).await? {
         Err((kind, error)) => Err(AttemptError::Retryable {

@@ -52,6 +52,9 @@ pub(crate) trait Frontend: Send {
     /// and valid UTF-8.
     fn header(&self, name: &str) -> Option<&str>;
 
+    /// The query of the client's request target (after `?`), when it has one.
+    fn query(&self) -> Option<&str>;
+
     /// Completes when the client has gone away; stays pending while it waits.
     fn gone(&mut self) -> impl Future<Output = ()> + Send;
 

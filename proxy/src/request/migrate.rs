@@ -29,6 +29,7 @@ use std::sync::{Arc, LazyLock};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use kvmesh_preprocess::ModelPreprocessor;
+use kvmesh_wire::sse::data_values;
 use memchr::memmem;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
@@ -40,7 +41,6 @@ use crate::engines::protocol::vllm;
 use crate::metrics::failure::FailureKind;
 use crate::openai::headers::ClientFraming;
 use crate::openai::route::Route;
-use crate::openai::sse::data_values;
 use crate::request::pick::Pick;
 use crate::request::record::Record;
 

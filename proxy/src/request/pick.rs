@@ -9,12 +9,12 @@ use bytes::Bytes;
 use http::HeaderValue;
 use kvmesh_route::kv::Booking;
 use kvmesh_route::{Candidates, Excluded, NoPick, Policy};
+use kvmesh_wire::usage::TokenCount;
 
 use crate::engines::clock::now_millis;
 use crate::engines::instance::Instance;
 use crate::engines::pool::ModelPool;
 use crate::openai::api_error::ApiError;
-use crate::openai::usage::TokenCount;
 use crate::request::frontend::unless;
 use crate::request::prepare::Picker;
 use crate::request::stop::Stop;
@@ -32,6 +32,9 @@ pub(crate) struct Pick<'a> {
     pub(crate) booking: Option<Booking<'a>>,
     /// `x-kvmesh-route` (`policy: kv` only).
     pub(crate) route: Option<HeaderValue>,
+    /// The data-parallel rank the request is sent to (`policy: kv` with KV events, on an
+    /// instance with several ranks; `None`: the engine chooses).
+    pub(crate) dp_rank: Option<u32>,
 }
 
 /// Waits (bounded, unless the client leaves first: `gone` completes) while every instance
@@ -81,17 +84,19 @@ pub(crate) fn whole_request_exclusions(
 /// `excluded`.
 pub(crate) fn pick<'a>(
     instances: &[Arc<Instance>],
-    picker: &'a Picker<'a>,
+    picker: &Picker<'a>,
     excluded: &Excluded,
 ) -> Result<Pick<'a>, NoPick> {
     let candidates = Candidates::new(instances, excluded, now_millis());
     let picked = picker.balancer.pick(&candidates, &picker.input)?;
     let instance = instances.get(picked.index).ok_or(NoPick::Nothing)?;
+    let ranks = instance.dp_ranks();
     Ok(Pick {
         index: picked.index,
         instance: Arc::clone(instance),
         booking: picked.booking,
         route: picked.explanation.map(route_header),
+        dp_rank: picked.dp_rank.filter(|&rank| ranks > 1 && rank < ranks),
     })
 }
 

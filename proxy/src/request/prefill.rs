@@ -2,9 +2,11 @@
 //! engine protocol ([`crate::engines::protocol`], `disaggregation.protocol`) builds the
 //! prefill leg from the client's request; it goes to a prefill instance chosen by the
 //! model's policy, attempt by attempt the spine's way (traced, judged, failed over and
-//! retried within `limits.retries` and the retry budget); the protocol joins the answer
+//! retried within `limits.retries` and the retry budget). vLLM's protocol joins the answer
 //! into the decode leg, which the spine then sends to a decode instance as it sends any
-//! request.
+//! request. SGLang's sends both legs at once: once the prefill leg is written (a connect
+//! failure fails over like any attempt), the spine sends the decode leg, and the prefill
+//! leg's answer is read and judged after the decode leg's ([`PendingPrefill::finish`]).
 //!
 //! Whether a request prefills remotely at all is a routing decision
 //! ([`kvmesh_route::prefills_locally`]): with `mode: conditional` it stays on the decode
@@ -17,20 +19,24 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::HeaderValue;
-use kvmesh_config::{DisaggregationConfig, DisaggregationProtocol, PrefillFailure};
-use kvmesh_route::{CandidateSet, Candidates, Excluded, prefills_locally};
+use kvmesh_config::{DisaggregationConfig, PrefillFailure};
+use kvmesh_route::kv::Booking;
+use kvmesh_route::{CandidateSet, Candidates, Excluded, NoPick, prefills_locally};
 use serde_json::{Map, Value};
+use tokio::time::timeout;
 
 use crate::engines::clock::now_millis;
-use crate::engines::instance::Instance;
+use crate::engines::instance::{InFlight, Instance};
 use crate::engines::pool::ModelPool;
-use crate::engines::protocol::{self as engine_protocol, Legs};
+use crate::engines::protocol::sglang::{self, Bootstrap};
+use crate::engines::protocol::{self as engine_protocol, Legs, vllm};
+use crate::engines::upstream::SentLeg;
 use crate::engines::upstream_session::UpstreamSession;
 use crate::metrics::failure::FailureKind;
 use crate::metrics::families::PrefillLeg;
 use crate::openai::api_error::ApiError;
 use crate::openai::route::Route;
-use crate::request::attempt::{Failover, attempt};
+use crate::request::attempt::{Failover, attempt, send_leg};
 use crate::request::frontend::Frontend;
 use crate::request::pick::{pick, prefill_only};
 use crate::request::prepare::Picker;
@@ -41,21 +47,78 @@ use crate::request::trace::RequestTrace;
 use crate::state::shared::State;
 
 /// Where a request of a disaggregated model prefills.
-#[derive(Debug)]
-pub(crate) enum Prefilled {
+pub(crate) enum Prefilled<'a> {
     /// On its decode instance; why (for the explanation).
     Local(String),
-    /// On `instance`; `body` is the decode leg's, carrying the prefill's
-    /// `kv_transfer_params`.
+    /// On `instance`; `body` is the decode leg's (vLLM's: carrying the prefill's
+    /// `kv_transfer_params`; SGLang's: its bootstrap room).
     Remote {
         /// The prefill instance.
         instance: Arc<Instance>,
         /// The decode leg's body.
         body: Bytes,
+        /// The prefill leg still to answer (SGLang's).
+        pending: Option<PendingPrefill<'a>>,
     },
 }
 
-impl Prefilled {
+/// A prefill leg sent beside its decode leg, whose answer is read once the decode leg's is.
+pub(crate) struct PendingPrefill<'a> {
+    leg: SentLeg,
+    instance: &'a Instance,
+    booking: Option<Booking<'a>>,
+    _in_flight: InFlight<'a>,
+}
+
+impl PendingPrefill<'_> {
+    /// Reads and judges the prefill leg's answer (a 5xx counts towards the instance's
+    /// ejection), releases its booking and connection, and counts the leg in `pool`'s
+    /// metrics as remote or failed.
+    pub(crate) async fn finish(self, state: &State, pool: &ModelPool) {
+        let instance = self.instance;
+        if let Some(booking) = &self.booking {
+            booking.prefill_done(false);
+        }
+        let head = timeout(state.limits.first_byte_timeout, self.leg.answer()).await;
+        let outcome = match head {
+            Err(_) => {
+                instance.record_failure(FailureKind::Timeout, &state.outlier, now_millis());
+                Err(format!("{}: no answer in time", instance.url()))
+            }
+            Ok(Err((kind, error))) => {
+                instance.record_failure(kind, &state.outlier, now_millis());
+                Err(format!("{}: {error}", instance.url()))
+            }
+            Ok(Ok(answer)) => match judge(state, instance, &answer) {
+                None => Err(format!("{}: no status", instance.url())),
+                Some(_) => read_answer(state, instance, answer)
+                    .await
+                    .map(drop)
+                    .map_err(|error| match error {
+                        LegError::Failed(detail) => detail,
+                        LegError::ClientGone => "the client left".to_string(),
+                    }),
+            },
+        };
+        match outcome {
+            Ok(()) => pool.metrics().prefill_leg(PrefillLeg::Remote),
+            Err(detail) => {
+                pool.metrics().prefill_leg(PrefillLeg::Failed);
+                tracing::warn!(model = pool.name(), %detail, "prefill leg failed");
+            }
+        }
+    }
+}
+
+impl Prefilled<'_> {
+    /// The prefill leg still to answer, taken.
+    pub(crate) fn take_pending(&mut self) -> Option<PendingPrefill<'_>> {
+        match self {
+            Self::Remote { pending, .. } => pending.take(),
+            Self::Local(_) => None,
+        }
+    }
+
     /// The explanation's prefix naming the prefill leg.
     pub(crate) fn explain(&self) -> String {
         match self {
@@ -67,20 +130,24 @@ impl Prefilled {
 
 /// Runs the prefill leg of `record`'s request (its `body`) to `pool`, a disaggregated model
 /// (`config`), when the model's mode asks for one.
-pub(crate) async fn prefill<F: Frontend>(
+pub(crate) async fn prefill<'a, F: Frontend>(
     state: &State,
     frontend: &mut F,
     (pool, config): (&ModelPool, &DisaggregationConfig),
-    instances: &[Arc<Instance>],
-    picker: &Picker<'_>,
+    instances: &'a [Arc<Instance>],
+    picker: &Picker<'a>,
     body: &Bytes,
     (record, trace): (&Record, &mut RequestTrace),
-) -> Result<Prefilled, Stop> {
+) -> Result<Prefilled<'a>, Stop> {
     let metrics = pool.metrics();
     let route = record.route.unwrap_or(Route::ChatCompletions);
     let decode_excluded = prefill_only(instances);
     let decoders = Candidates::new(instances, &decode_excluded, now_millis());
-    let generates = matches!(route, Route::ChatCompletions | Route::Completions);
+    let generates = match route {
+        Route::ChatCompletions | Route::Completions => true,
+        Route::Engine(engine) => engine.generates(),
+        _ => false,
+    };
     let local = prefills_locally(
         picker.balancer,
         config,
@@ -104,17 +171,28 @@ pub(crate) async fn prefill<F: Frontend>(
             return Ok(Prefilled::Local(why));
         }
     };
+    let request = (&record.request_id, trace);
+    let picks = (picker, not_prefilling);
     let remote = match engine_protocol::legs(config.protocol) {
         Legs::Sequential => {
-            let model = (pool, config.protocol);
-            let request = (&record.request_id, trace);
-            let picks = (picker, not_prefilling);
-            remote(state, frontend, model, instances, picks, body, request).await
+            sequential(state, frontend, pool, instances, picks, body, request).await
+        }
+        Legs::Concurrent => {
+            concurrent(state, frontend, pool, instances, picks, body, request).await
         }
     };
     match remote {
         Ok(prefilled) => {
-            metrics.prefill_leg(PrefillLeg::Remote);
+            // A pending leg is counted once it answered.
+            if !matches!(
+                prefilled,
+                Prefilled::Remote {
+                    pending: Some(_),
+                    ..
+                }
+            ) {
+                metrics.prefill_leg(PrefillLeg::Remote);
+            }
             Ok(prefilled)
         }
         Err(LegError::ClientGone) => Err(Stop::ClientGone),
@@ -182,42 +260,101 @@ impl From<Stop> for LegError {
     }
 }
 
-/// Sends the prefill leg to a prefill instance and builds the decode leg's body. Each
-/// attempt goes the spine's way: traced, judged (a 5xx counts towards the instance's
-/// ejection), failed over to another prefill instance (a connect failure, a stale pooled
-/// connection, a retryable status or a first-byte timeout) within `limits.retries` and the
-/// model's retry budget.
-async fn remote<F: Frontend>(
+/// The client's request body as a JSON object.
+fn request_object(body: &Bytes) -> Result<Map<String, Value>, LegError> {
+    serde_json::from_slice(body)
+        .map_err(|error| LegError::Failed(format!("the body is not a JSON object: {error}")))
+}
+
+/// Sends both legs' body (SGLang's: the request with a bootstrap room on the prefill
+/// instance) to a prefill instance, without waiting for its answer, which comes once the
+/// decode leg has joined the room. A failure to send fails over to another prefill
+/// instance, as an attempt of the spine does.
+async fn concurrent<'a, F: Frontend>(
     state: &State,
     frontend: &mut F,
-    (pool, protocol): (&ModelPool, DisaggregationProtocol),
-    instances: &[Arc<Instance>],
-    (picker, not_prefilling): (&Picker<'_>, Excluded),
+    pool: &ModelPool,
+    instances: &'a [Arc<Instance>],
+    (picker, not_prefilling): (&Picker<'a>, Excluded),
     body: &Bytes,
     (request_id, trace): (&HeaderValue, &mut RequestTrace),
-) -> Result<Prefilled, LegError> {
-    let request: Map<String, Value> = serde_json::from_slice(body)
-        .map_err(|error| LegError::Failed(format!("the body is not a JSON object: {error}")))?;
-    let leg = engine_protocol::prefill_leg(protocol, &request).map_err(LegError::Failed)?;
+) -> Result<Prefilled<'a>, LegError> {
+    let request = request_object(body)?;
     let mut failover = Failover::for_leg(state);
     failover.excluded = not_prefilling;
     loop {
         let picked = match pick(instances, picker, &failover.excluded) {
             Ok(picked) => picked,
-            Err(why) => {
-                return Err(LegError::Failed(
-                    match failover.exhausted(state, pool, why) {
-                        ApiError::UpstreamUnavailable { detail } => detail,
-                        _ => format!("no prefill instance ({why:?})"),
-                    },
-                ));
+            Err(why) => return Err(no_prefill_instance(state, pool, &mut failover, why)),
+        };
+        let instance = &*instances[picked.index];
+        let bootstrap = Bootstrap::new(instance.url().host(), instance.bootstrap_port());
+        let leg = sglang::leg(&request, &bootstrap).map_err(LegError::Failed)?;
+        let in_flight = instance.start_request();
+        let engine_trace = trace.attempt(instance);
+        match send_leg(state, frontend, &picked, &leg, request_id, engine_trace).await {
+            Ok(sent) => {
+                return Ok(Prefilled::Remote {
+                    instance: Arc::clone(&picked.instance),
+                    body: leg,
+                    pending: Some(PendingPrefill {
+                        leg: sent,
+                        instance,
+                        booking: picked.booking,
+                        _in_flight: in_flight,
+                    }),
+                });
             }
+            Err(error) => {
+                drop(in_flight);
+                trace.attempt_failed(&error);
+                failover.failed(state, pool, instances, &picked, error)?;
+                failover.backoff(frontend).await?;
+            }
+        }
+    }
+}
+
+/// Why no prefill instance is left for the leg.
+fn no_prefill_instance(
+    state: &State,
+    pool: &ModelPool,
+    failover: &mut Failover,
+    why: NoPick,
+) -> LegError {
+    LegError::Failed(match failover.exhausted(state, pool, why) {
+        ApiError::UpstreamUnavailable { detail } => detail,
+        _ => format!("no prefill instance ({why:?})"),
+    })
+}
+
+/// Sends vLLM's prefill leg to a prefill instance and builds the decode leg's body from its
+/// answer. Each attempt goes the spine's way: traced, judged (a 5xx counts towards the
+/// instance's ejection), failed over to another prefill instance (a connect failure, a
+/// stale pooled connection, a retryable status or a first-byte timeout) within
+/// `limits.retries` and the model's retry budget.
+async fn sequential<'a, F: Frontend>(
+    state: &State,
+    frontend: &mut F,
+    pool: &ModelPool,
+    instances: &'a [Arc<Instance>],
+    (picker, not_prefilling): (&Picker<'a>, Excluded),
+    body: &Bytes,
+    (request_id, trace): (&HeaderValue, &mut RequestTrace),
+) -> Result<Prefilled<'a>, LegError> {
+    let request = request_object(body)?;
+    let leg = vllm::prefill_leg(&request).map_err(LegError::Failed)?;
+    let mut failover = Failover::for_leg(state);
+    failover.excluded = not_prefilling;
+    loop {
+        let picked = match pick(instances, picker, &failover.excluded) {
+            Ok(picked) => picked,
+            Err(why) => return Err(no_prefill_instance(state, pool, &mut failover, why)),
         };
         let instance = Arc::clone(&picked.instance);
         let in_flight = instance.start_request();
         let engine_trace = trace.attempt(&instance);
-        let answer = match attempt(state, frontend, &instance, &leg, request_id, engine_trace).await
-        {
+        let answer = match attempt(state, frontend, &picked, &leg, request_id, engine_trace).await {
             Ok(answer) => answer,
             Err(error) => {
                 drop(in_flight);
@@ -242,9 +379,13 @@ async fn remote<F: Frontend>(
         }
         let answer = read_answer(state, &instance, answer).await?;
         drop(in_flight);
-        let body = engine_protocol::decode_leg(protocol, request, &answer)
+        let body = vllm::decode_leg(request, &answer)
             .map_err(|error| LegError::Failed(format!("{}: {error}", instance.url())))?;
-        return Ok(Prefilled::Remote { instance, body });
+        return Ok(Prefilled::Remote {
+            instance,
+            body,
+            pending: None,
+        });
     }
 }
 

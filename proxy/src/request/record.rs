@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use http::{HeaderValue, Method};
+use kvmesh_wire::usage::TokenCount;
 use tokio::time::Instant;
 
 use crate::edge::auth::CompletionMeter;
@@ -13,7 +14,6 @@ use crate::metrics::failure::FailureKind;
 use crate::metrics::families::Metrics;
 use crate::openai::api_error::ApiError;
 use crate::openai::route::Route;
-use crate::openai::usage::TokenCount;
 
 /// Status logged when the client left before a response was written.
 const CLIENT_CLOSED: u16 = 499;

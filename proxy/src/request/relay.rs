@@ -21,6 +21,8 @@ use tokio::time::Instant;
 
 use kvmesh_config::LimitsConfig;
 use kvmesh_route::kv::Booking;
+use kvmesh_wire::sse::SseScanner;
+use kvmesh_wire::usage::TokenCount;
 
 use crate::edge::auth::CompletionMeter;
 use crate::engines::instance::{Departure, Instance};
@@ -30,8 +32,6 @@ use crate::metrics::families::ModelMetrics;
 use crate::metrics::token_timing::TokenTiming;
 use crate::openai::api_error::error_json;
 use crate::openai::headers::{ClientFraming, ProxyHeaders};
-use crate::openai::sse::SseScanner;
-use crate::openai::usage::TokenCount;
 use crate::request::frontend::{Frontend, Unrelayable};
 use crate::request::migrate::Migration;
 use crate::request::pick::Pick;

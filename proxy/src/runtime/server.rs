@@ -36,6 +36,7 @@ use crate::frontend::data_app::DataApp;
 use crate::frontend::epp::EppListener;
 use crate::frontend::grpc::GrpcListener;
 use crate::metrics::families::Metrics;
+use crate::openai::route::EngineRoutes;
 use crate::runtime::admin_app::AdminApp;
 use crate::runtime::control_plane::{ControlLoops, ControlPlane, is_dynamic};
 use crate::runtime::reload::{ReloadHandle, Reloader, watch_files};
@@ -422,6 +423,7 @@ pub(crate) fn build_state(
         metrics: metrics.clone(),
         request_ids: RequestIds::new(),
         limits: config.limits.clone(),
+        engine_routes: EngineRoutes::new(&config.engine_routes),
         retry: RetryPolicy::new(&config.retry),
         outlier: OutlierPolicy::new(&config.outlier_detection),
         health_interval_ms: interval_ms(&config.health_check),

@@ -16,6 +16,7 @@ use crate::engines::outlier::OutlierPolicy;
 use crate::engines::registry::ModelRegistry;
 use crate::engines::upstream::Upstream;
 use crate::metrics::families::Metrics;
+use crate::openai::route::EngineRoutes;
 
 /// Everything the request path reads; nothing in it is locked.
 #[derive(Debug)]
@@ -32,6 +33,8 @@ pub(crate) struct State {
     pub(crate) request_ids: RequestIds,
     /// Size limit and timeouts.
     pub(crate) limits: LimitsConfig,
+    /// The engines' own routes forwarded as they are.
+    pub(crate) engine_routes: EngineRoutes,
     /// Which failed answers are retried, with what backoff and budget.
     pub(crate) retry: RetryPolicy,
     /// Ejection parameters.

@@ -154,7 +154,11 @@ impl Backend {
                             };
                             // The proxy's own probes (health checks, the tokenizer
                             // check) are not requests it forwards.
-                            if !matches!(request.path.as_str(), "/health" | "/tokenize") {
+                            let probe = request.path == "/health"
+                                || request.headers.get("user-agent").is_some_and(|agent| {
+                                    agent.as_bytes() == b"kvmesh-tokenizer-check"
+                                });
+                            if !probe {
                                 recorded.lock().unwrap().push(request.clone());
                             }
                             Ok::<_, Infallible>(handler(request).await)

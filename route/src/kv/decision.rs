@@ -38,6 +38,10 @@ pub struct Decision {
     pub cost: Cost,
     /// Chosen because the request's session is bound to it.
     pub affinity: bool,
+    /// The data-parallel rank of the instance that reported caching the longest prefix of
+    /// the request (sent to the engine as `X-data-parallel-rank`); `None`: no rank reported
+    /// any, the engine chooses.
+    pub dp_rank: Option<u32>,
 }
 
 /// A decision as replicas share it: the prompt's blocks went to an instance.

@@ -12,7 +12,8 @@ use crate::prepare::RouteInput;
 /// The value of `x-kvmesh-route`: `instance=http://…; overlap_blocks=12; prompt_blocks=20;
 /// ttft_ms=24.4; cost=31.5`, with `; reported_blocks=9` while KV events flow (the part of
 /// the overlap the instance's engine reported caching, without this proxy's predictions of
-/// its own decisions: what the engine's `cached_tokens` should show), `; session=bound` when
+/// its own decisions: what the engine's `cached_tokens` should show), `; rank=N` when the
+/// request goes to the data-parallel rank that reported it, `; session=bound` when
 /// the request's session chose the instance and `; fallback=<reason>` for a request routed
 /// without tokens.
 pub(crate) fn route_header(instance: &str, decision: &Decision, request: &KvRequest) -> String {
@@ -27,6 +28,10 @@ pub(crate) fn route_header(instance: &str, decision: &Decision, request: &KvRequ
         let blocks = instance_depth(reported, decision.instance_id).min(request.shape.full_blocks);
         text.push_str("; reported_blocks=");
         text.push_str(&blocks.to_string());
+    }
+    if let Some(rank) = decision.dp_rank {
+        text.push_str("; rank=");
+        text.push_str(&rank.to_string());
     }
     if decision.affinity {
         text.push_str("; session=bound");
@@ -176,6 +181,7 @@ mod tests {
                 ..Cost::default()
             },
             affinity: false,
+            dp_rank: None,
         };
         let prompt = PromptBlocks {
             tokens: 1300,
@@ -220,6 +226,13 @@ mod tests {
             header.ends_with("; cost=31.5; reported_blocks=9"),
             "{header}"
         );
+        // Sent to the rank that reported it.
+        let ranked = Decision {
+            dp_rank: Some(1),
+            ..decision
+        };
+        let header = route_header("http://127.0.0.1:8001", &ranked, &with_events);
+        assert!(header.ends_with("; reported_blocks=9; rank=1"), "{header}");
     }
 
     #[test]
@@ -234,6 +247,7 @@ mod tests {
                 ..Cost::default()
             },
             affinity: false,
+            dp_rank: None,
         };
         let request = KvRequest::without_prompt();
         let plain = route_header("http://h:1", &decision, &request);

@@ -44,9 +44,10 @@ pub(crate) trait OverlapSource: Send + Sync + fmt::Debug {
     fn remove_instance(&self, instance: u64);
 }
 
-/// The worker key under which routing decisions for instance `instance` are recorded.
-pub(crate) fn worker_key(instance: u64) -> WorkerKey {
-    WorkerKey::new(instance, 0)
+/// The worker key under which routing decisions for instance `instance` are recorded: the
+/// rank the request was sent to (`None`: the engine chose; recorded under rank 0).
+pub(crate) fn worker_key(instance: u64, rank: Option<u32>) -> WorkerKey {
+    WorkerKey::new(instance, rank.unwrap_or(0))
 }
 
 /// Instance `instance`'s overlap in `scores`: its deepest data-parallel rank (the engine
@@ -61,6 +62,20 @@ pub(crate) fn instance_depth(scores: &OverlapScores, instance: u64) -> u32 {
         .map(|overlap| overlap.depth)
         .max()
         .unwrap_or(0)
+}
+
+/// The data-parallel rank of instance `instance` that caches the longest prefix in `scores`
+/// (the lowest of equals), when one caches any.
+pub(crate) fn deepest_rank(scores: &OverlapScores, instance: u64) -> Option<u32> {
+    let start = scores
+        .workers
+        .partition_point(|overlap| overlap.worker.instance_id < instance);
+    scores.workers[start..]
+        .iter()
+        .take_while(|overlap| overlap.worker.instance_id == instance)
+        .filter(|overlap| overlap.depth > 0)
+        .max_by_key(|overlap| (overlap.depth, std::cmp::Reverse(overlap.worker.dp_rank)))
+        .map(|overlap| overlap.worker.dp_rank)
 }
 
 /// Approximate mode: caches predicted from routing decisions.
@@ -120,14 +135,14 @@ mod tests {
         let longer = hasher.hash(&(0..24).collect::<Vec<u32>>());
         let start = Instant::now();
         assert!(source.find_matches(&longer.sequence, start).is_empty());
-        assert_eq!(source.record(worker_key(2), &prompt, start), 0);
+        assert_eq!(source.record(worker_key(2, None), &prompt, start), 0);
         let scores = source.find_matches(&longer.sequence, start);
-        assert_eq!(scores.depth(worker_key(2)), 4);
-        assert_eq!(scores.depth(worker_key(0)), 0);
-        assert_eq!(source.cached_blocks(), [(worker_key(2), 4)]);
+        assert_eq!(scores.depth(worker_key(2, None)), 4);
+        assert_eq!(scores.depth(worker_key(0, None)), 0);
+        assert_eq!(source.cached_blocks(), [(worker_key(2, None), 4)]);
         source.remove_instance(2);
         assert!(source.cached_blocks().is_empty());
-        assert_eq!(source.record(worker_key(2), &prompt, start), 0);
+        assert_eq!(source.record(worker_key(2, None), &prompt, start), 0);
         source.expire(start + Duration::from_secs(11));
         assert!(
             source
@@ -150,6 +165,9 @@ mod tests {
                 overlap(3, 0, 1),
                 overlap(3, 1, 5),
                 overlap(9, 2, 4),
+                overlap(11, 0, 0),
+                overlap(12, 0, 3),
+                overlap(12, 1, 3),
             ],
         };
         assert_eq!(instance_depth(&scores, 1), 2);
@@ -157,6 +175,12 @@ mod tests {
         assert_eq!(instance_depth(&scores, 9), 4);
         assert_eq!(instance_depth(&scores, 2), 0);
         assert_eq!(instance_depth(&scores, 10), 0);
+        // The rank holding the most; none when no rank holds any; the lowest of equals.
+        assert_eq!(deepest_rank(&scores, 3), Some(1));
+        assert_eq!(deepest_rank(&scores, 9), Some(2));
+        assert_eq!(deepest_rank(&scores, 10), None);
+        assert_eq!(deepest_rank(&scores, 11), None);
+        assert_eq!(deepest_rank(&scores, 12), Some(0));
     }
 
     #[test]
@@ -169,6 +193,9 @@ mod tests {
         let source = Approximate::new(config).unwrap();
         let mut hasher = BlockHasher::new(4, None).unwrap();
         let prompt = hasher.hash(&(0..24).collect::<Vec<u32>>());
-        assert_eq!(source.record(worker_key(0), &prompt, Instant::now()), 4);
+        assert_eq!(
+            source.record(worker_key(0, None), &prompt, Instant::now()),
+            4
+        );
     }
 }

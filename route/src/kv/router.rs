@@ -21,7 +21,7 @@ use crate::kv::decision::{Choice, Decision, KvRequest, SharedDecision};
 use crate::kv::event_feed::{EventFed, EventFeed};
 use crate::kv::explain::{Explanation, InstanceExplanation};
 use crate::kv::load::{ActiveLoads, LoadSnapshot, NewRequest, ReportedLoad};
-use crate::kv::overlap::{Approximate, OverlapSource, instance_depth, worker_key};
+use crate::kv::overlap::{Approximate, OverlapSource, deepest_rank, instance_depth, worker_key};
 use crate::kv::replicas::{ReplicaLoads, SharedLoad};
 use crate::kv::select::{Scored, probabilities, select};
 use crate::kv::sessions::{SessionBinding, Sessions};
@@ -309,7 +309,7 @@ impl KvRouter {
     pub fn apply_decision(&self, instance: u64, hashes: &BlockHashes) {
         let pruned = self
             .overlap
-            .record(worker_key(instance), hashes, Instant::now());
+            .record(worker_key(instance, None), hashes, Instant::now());
         self.metrics.index_prunes.inc_by(pruned);
     }
 
@@ -541,12 +541,18 @@ impl KvRouter {
         let choice = match affine.or_else(|| select(&scored, self.temperature, rng)) {
             Some(at) => {
                 let (index, evaluated) = open[at];
+                let instance_id = candidates.id(index);
                 Choice::Picked(Decision {
                     index,
-                    instance_id: candidates.id(index),
+                    instance_id,
                     overlap_blocks: evaluated.overlap_blocks,
                     cost: evaluated.cost,
                     affinity: affine.is_some(),
+                    // Only the engines' own reports say which rank holds a prefix.
+                    dp_rank: request
+                        .reported
+                        .as_ref()
+                        .and_then(|reported| deepest_rank(reported, instance_id)),
                 })
             }
             None if eligible > 0 => Choice::AllBusy,
@@ -609,9 +615,11 @@ impl KvRouter {
     pub fn commit(&self, decision: &Decision, request: &KvRequest, now: Instant) -> Booking<'_> {
         let prompt = match &request.input {
             RouteInput::Tokens(prompt) => {
-                let pruned =
-                    self.overlap
-                        .record(worker_key(decision.instance_id), &prompt.hashes, now);
+                let pruned = self.overlap.record(
+                    worker_key(decision.instance_id, decision.dp_rank),
+                    &prompt.hashes,
+                    now,
+                );
                 if let Some(decisions) = self.decisions.get() {
                     // The receiver lives as long as the proxy.
                     let _ = decisions.send(SharedDecision {

@@ -35,6 +35,7 @@ impl KvRouter {
                 let booking = self.commit(&decision, request, Instant::now());
                 Ok(Picked {
                     index: decision.index,
+                    dp_rank: decision.dp_rank,
                     booking: Some(booking),
                     explanation: Some(route_header_noting(
                         candidates.url(decision.index),

@@ -26,8 +26,9 @@ use kvmesh_preprocess::{ChatRequest, ModelPreprocessor, PreprocessError};
 
 pub mod offload;
 mod prompt;
+mod responses;
 
-use prompt::{Prompt, completion_fields, with_token_prompt};
+use prompt::{Prompt, completion_fields, generate_fields, has_messages, with_token_prompt};
 
 /// What kind of prompt a request body carries, by the endpoint it was sent to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +37,14 @@ pub enum PromptKind {
     Chat,
     /// A completions body: `prompt`, a string or token ids.
     Completion,
+    /// vLLM's `/tokenize`: `messages` (rendered like chat) or `prompt` (like completions,
+    /// never rewritten).
+    Tokenize,
+    /// vLLM's `/inference/v1/generate`: `token_ids`, used as given.
+    TokenIds,
+    /// A responses body: `instructions` and `input`, rendered as vLLM renders them with
+    /// the chat template ([`responses::responses_as_chat`]).
+    Responses,
     /// No prompt to route by (embeddings, responses, anything else): routed by load alone.
     Other,
 }
@@ -232,6 +241,10 @@ impl Preparer {
         match kind {
             PromptKind::Chat => self.chat(body),
             PromptKind::Completion => Ok(self.completion(body, forward)),
+            PromptKind::Tokenize if has_messages(body) => self.chat(body),
+            PromptKind::Tokenize => Ok(self.completion(body, false)),
+            PromptKind::TokenIds => Ok(self.token_ids(body)),
+            PromptKind::Responses => Ok(self.responses(body)),
             PromptKind::Other => Ok(Prepared::fallback(
                 FallbackReason::Route,
                 StageTimes::default(),
@@ -288,6 +301,40 @@ impl Preparer {
             times,
             rewritten: None,
         })
+    }
+
+    /// A responses body rendered as chat; one that cannot be (history, tool calls, other
+    /// content) or that the template refuses is routed without tokens: the engine judges it.
+    fn responses(&self, body: &Bytes) -> Prepared {
+        let start = Instant::now();
+        let Some(chat) = responses::responses_as_chat(body) else {
+            let times = StageTimes {
+                template: Some(start.elapsed()),
+                ..StageTimes::default()
+            };
+            return Prepared::fallback(FallbackReason::NoPrompt, times);
+        };
+        self.chat(&Bytes::from(chat))
+            .unwrap_or_else(|InvalidPrompt(message)| {
+                tracing::debug!(%message, "routing a responses body without tokens");
+                Prepared::fallback(FallbackReason::UnsupportedContent, StageTimes::default())
+            })
+    }
+
+    fn token_ids(&self, body: &Bytes) -> Prepared {
+        let mut times = StageTimes::default();
+        let start = Instant::now();
+        let fields = generate_fields(body);
+        times.template = Some(start.elapsed());
+        let Ok((Some(Prompt::Tokens(ids)), cache_salt)) = fields else {
+            return Prepared::fallback(FallbackReason::NoPrompt, times);
+        };
+        let (input, times) = self.hash(&ids, cache_salt.as_deref(), times);
+        Prepared {
+            input,
+            times,
+            rewritten: None,
+        }
     }
 
     fn completion(&self, body: &Bytes, forward: bool) -> Prepared {
@@ -382,6 +429,39 @@ mod tests {
         assert!(prepared.times.template.is_some(), "parsing the prompt");
         assert_eq!(prepared.times.tokenize, None);
         assert!(prepared.rewritten.is_none());
+    }
+
+    #[test]
+    fn generate_and_tokenize_bodies_are_routed_by_their_tokens() {
+        let p = preparer(true);
+        let ids = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+        let mut hasher = BlockHasher::new(4, None).unwrap();
+        let generate = Bytes::from_static(
+            br#"{"token_ids":[1,2,3,4,5,6,7,8,9],"sampling_params":{"max_tokens":4},"cache_salt":"t"}"#,
+        );
+        let prepared = p.prepare(PromptKind::TokenIds, &generate, true).unwrap();
+        assert_eq!(
+            tokens(&prepared).hashes,
+            hasher.hash_salted(&ids, Some("t"))
+        );
+        // A /tokenize body of the completions shape: its ids, never rewritten.
+        let tokenize = Bytes::from_static(br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9]}"#);
+        let prepared = p.prepare(PromptKind::Tokenize, &tokenize, true).unwrap();
+        assert_eq!(tokens(&prepared).hashes, hasher.hash(&ids));
+        assert!(prepared.rewritten.is_none());
+        // Of the chat shape: rendered like chat (no tokenizer here: routed without tokens).
+        let chat = Bytes::from_static(br#"{"messages":[{"role":"user","content":"hi"}]}"#);
+        let prepared = p.prepare(PromptKind::Tokenize, &chat, true).unwrap();
+        assert!(matches!(
+            prepared.input,
+            RouteInput::Fallback(FallbackReason::NoTokenizer)
+        ));
+        let no_ids = Bytes::from_static(br#"{"prompt":[1,2,3]}"#);
+        let prepared = p.prepare(PromptKind::TokenIds, &no_ids, true).unwrap();
+        assert!(matches!(
+            prepared.input,
+            RouteInput::Fallback(FallbackReason::NoPrompt)
+        ));
     }
 
     #[test]

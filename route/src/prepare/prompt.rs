@@ -40,6 +40,32 @@ pub(crate) fn completion_fields(
         .map(|body| (body.prompt.and_then(|p| p.0), body.cache_salt))
 }
 
+/// Reads `token_ids` and `cache_salt` from a body of vLLM's `/inference/v1/generate` (its
+/// ids are a [`Prompt::Tokens`]; anything else is not routed by).
+pub(crate) fn generate_fields(
+    body: &[u8],
+) -> Result<(Option<Prompt<'_>>, CacheSalt<'_>), serde_json::Error> {
+    serde_json::from_slice::<GenerateBody<'_>>(body)
+        .map(|body| (body.token_ids.and_then(|p| p.0), body.cache_salt))
+}
+
+/// Whether `body` is a JSON object with `messages` (a `/tokenize` body of the chat shape).
+pub(crate) fn has_messages(body: &[u8]) -> bool {
+    #[derive(Deserialize)]
+    struct Messages {
+        messages: Option<IgnoredAny>,
+    }
+    serde_json::from_slice::<Messages>(body).is_ok_and(|body| body.messages.is_some())
+}
+
+#[derive(Deserialize)]
+struct GenerateBody<'a> {
+    #[serde(borrow, default)]
+    token_ids: Option<PromptField<'a>>,
+    #[serde(borrow, default)]
+    cache_salt: CacheSalt<'a>,
+}
+
 /// `body` with its string `prompt` replaced by `ids`, or `None` when `text` is not the body's
 /// string prompt (then nothing is rewritten). Only for [`Prompt::Text`]: a list's first
 /// element must not be replaced alone.

@@ -5,13 +5,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use kvmesh_engine_events::{EngineEvent, Layout, decode_batch};
 use tokio::sync::{oneshot, watch};
 use zeromq::{Socket, SocketRecv, SubSocket};
 
-use super::batch::{EngineEvent, decode_batch};
 use super::replay;
 use super::sequence::{SeqAction, SeqTracker};
-use crate::config::EngineKind;
 use crate::core::Core;
 use crate::metrics::AgentMetrics;
 
@@ -30,8 +29,8 @@ pub(crate) struct Intake {
     pub replay_endpoint: Option<String>,
     /// Subscription prefix.
     pub topic: String,
-    /// Positional layout.
-    pub kind: EngineKind,
+    /// The engine's positional event layout.
+    pub layout: Layout,
     /// Where translated batches go.
     pub core: Arc<Core>,
     /// Counters.
@@ -41,8 +40,16 @@ pub(crate) struct Intake {
 impl Intake {
     /// Decodes and applies one engine payload.
     fn process(&self, payload: &[u8], received: Instant) {
-        match decode_batch(self.kind, payload) {
+        match decode_batch(self.layout, payload) {
             Ok(batch) => {
+                if let Some(why) = &batch.malformed_reason {
+                    tracing::debug!(
+                        rank = self.rank,
+                        skipped = batch.malformed_events,
+                        %why,
+                        "skipping malformed KV events"
+                    );
+                }
                 if let Some(rank) = batch.dp_rank
                     && rank != self.rank
                 {

@@ -1,10 +1,10 @@
-//! The engine side: decoding vLLM / SGLang KV event messages, receiving them over ZMQ with
-//! sequence tracking, and replaying missed ones from the engine's ROUTER socket.
+//! The engine side: receiving vLLM / SGLang KV event messages over ZMQ with sequence
+//! tracking (decoded by `kvmesh-engine-events`), and replaying missed ones from the engine's
+//! ROUTER socket; polling TensorRT-LLM's KV cache events over HTTP.
 
-pub mod batch;
 pub(crate) mod intake;
-mod msgpack;
 pub(crate) mod replay;
 mod sequence;
+pub(crate) mod trtllm;
 
 pub use sequence::{SeqAction, SeqTracker};

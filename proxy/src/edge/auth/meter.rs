@@ -1,5 +1,5 @@
 //! Charging completion tokens while the response streams: each time the response's
-//! [`crate::openai::usage::TokenCount`] grows (SSE: one token per data event, corrected by a
+//! [`kvmesh_wire::usage::TokenCount`] grows (SSE: one token per data event, corrected by a
 //! reported `usage.completion_tokens`; other bodies: their usage once it passed), the key is
 //! charged the difference.
 

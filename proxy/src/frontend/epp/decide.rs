@@ -7,15 +7,17 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use http::Method;
 use kvmesh_route::prepare::{InvalidPrompt, PromptKind};
 use kvmesh_route::{Candidates, Excluded, NoPick};
+use kvmesh_wire::ext_proc::request::Seen;
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::engines::clock::now_millis;
 use crate::engines::instance::Instance;
 use crate::engines::pool::ModelPool;
-use crate::frontend::epp::request_read::Seen;
 use crate::openai::api_error::ApiError;
+use crate::openai::route::{RouteMatch, match_route};
 use crate::request::admit::{Resolved, model_slot as spine_slot, resolve_model};
 use crate::request::pick::{
     Pick, overloaded, pick, queue as spine_queue, whole_request_exclusions,
@@ -127,9 +129,14 @@ pub(crate) async fn prepare<'a>(
         .balancer()
         .session_header()
         .and_then(|name| seen.header(name));
-    let kind = match seen.header(":path").map(|path| path.split('?').next()) {
-        Some(Some("/v1/chat/completions")) => PromptKind::Chat,
-        Some(Some("/v1/completions")) => PromptKind::Completion,
+    // The prompt the route carries, as the data listener reads it.
+    let method = seen
+        .header(":method")
+        .and_then(|method| Method::from_bytes(method.as_bytes()).ok())
+        .unwrap_or(Method::POST);
+    let path = seen.header(":path").and_then(|path| path.split('?').next());
+    let kind = match path.map(|path| match_route(&state.engine_routes, &method, path)) {
+        Some(RouteMatch::Found(route)) => route.prompt_kind(),
         _ => PromptKind::Other,
     };
     let adapter = resolved.adapter.as_ref();

@@ -24,16 +24,17 @@ use std::time::Instant;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValueOption;
 use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse;
+use kvmesh_wire::ext_proc::messages::{
+    BodyMode, Half, body_answer, headers_answer, immediate, pick_metadata, set_header,
+    trailers_answer,
+};
+use kvmesh_wire::ext_proc::request::Seen;
 
 use crate::frontend::epp::decide::{
     Refusal, endpoint_list, model_slot, not_allowed, pick_with_fallbacks, prepare, queue, resolve,
 };
 use crate::frontend::epp::follow::{Decided, follow};
-use crate::frontend::epp::messages::{
-    BodyMode, Half, body_answer, headers_answer, immediate, pick_metadata, set_header,
-    trailers_answer,
-};
-use crate::frontend::epp::request_read::{Seen, Unread, read_request};
+use crate::frontend::epp::request_read::{Unread, read_request};
 use crate::frontend::epp::settings::Settings;
 use crate::frontend::epp::wire::Wire;
 use crate::openai::api_error::ApiError;

@@ -8,14 +8,14 @@ use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValueOption;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+use kvmesh_wire::ext_proc::messages::{
+    BodyMode, Half, body_answer, header, headers_answer, metadata_string, set_header,
+    trailers_answer,
+};
 use tonic::Status;
 
 use crate::engines::instance::Instance;
 use crate::frontend::epp::decide::{endpoint, rebook};
-use crate::frontend::epp::messages::{
-    BodyMode, Half, body_answer, header, headers_answer, metadata_string, set_header,
-    trailers_answer,
-};
 use crate::frontend::epp::settings::Settings;
 use crate::frontend::epp::wire::Wire;
 use crate::metrics::epp::{EppMetrics, Served};

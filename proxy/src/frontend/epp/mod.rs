@@ -21,7 +21,6 @@
 mod decide;
 mod exchange;
 mod follow;
-mod messages;
 mod request_read;
 mod server;
 mod settings;

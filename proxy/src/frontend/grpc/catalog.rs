@@ -10,8 +10,8 @@ use kvmesh_proto::inference::{
     DataType, ModelConfig, ModelInput, ModelMetadataResponse, ModelOutput, ModelParameter,
     ModelTransactionPolicy, ServerMetadataResponse,
 };
-
-use crate::frontend::grpc::params::PARAMETER_NAMES;
+use kvmesh_wire::kserve::params::PARAMETER_NAMES;
+use kvmesh_wire::kserve::tensors::{INPUT_IDS, SAMPLING_PARAMETERS, STREAMING, TEXT_INPUT};
 
 /// The server name in ServerMetadata.
 const SERVER_NAME: &str = "kvmesh";
@@ -20,16 +20,6 @@ pub(crate) const PLATFORM: &str = "kvmesh";
 /// The one version of every model.
 pub(crate) const MODEL_VERSION: &str = "1";
 
-/// Input: the prompt as text.
-pub(crate) const TEXT_INPUT: &str = "text_input";
-/// Input: the prompt as token ids.
-pub(crate) const INPUT_IDS: &str = "input_ids";
-/// Input: stream the answer (one response per generated chunk).
-pub(crate) const STREAMING: &str = "streaming";
-/// Input: another name of [`STREAMING`] (Triton's vLLM backend calls it so).
-pub(crate) const STREAM: &str = "stream";
-/// Input: sampling parameters as a JSON object (Triton's vLLM backend convention).
-pub(crate) const SAMPLING_PARAMETERS: &str = "sampling_parameters";
 /// Output: the generated text (a delta per response when streaming).
 pub(crate) const TEXT_OUTPUT: &str = "text_output";
 /// Output: why generation stopped (`stop`, `length`, ...; empty until it has).

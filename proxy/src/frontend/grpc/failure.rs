@@ -2,9 +2,9 @@
 //! status for ModelInfer, an `error_message` on a ModelStreamInfer stream, and the HTTP
 //! status of the same outcome for the request metrics.
 
+use kvmesh_wire::kserve::invalid::InvalidInput;
 use tonic::{Code, Status};
 
-use crate::frontend::grpc::invalid::InvalidInput;
 use crate::openai::api_error::{ApiError, ClientErrorReason};
 
 /// Status label of a request whose client left (as on the HTTP side).

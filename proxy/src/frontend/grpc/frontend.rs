@@ -6,16 +6,16 @@
 use bytes::{Bytes, BytesMut};
 use kvmesh_proto::inference::{ModelInferResponse, ModelStreamInferResponse};
 use kvmesh_telemetry::traceparent::{TRACEPARENT, TRACESTATE};
+use kvmesh_wire::engine_json::{Piece, error_message, parse_completion};
+use kvmesh_wire::sse_events::{DONE, SseData};
 use pingora_http::RequestHeader;
 use tokio::sync::mpsc;
 use tonic::Status;
 
 use crate::engines::upstream_session::UpstreamSession;
 use crate::frontend::grpc::call::Call;
-use crate::frontend::grpc::engine_json::{error_message, parse_completion};
 use crate::frontend::grpc::failure::Failure;
-use crate::frontend::grpc::outputs::{Piece, Reply};
-use crate::frontend::grpc::sse::{DONE, SseData};
+use crate::frontend::grpc::outputs::Reply;
 use crate::metrics::failure::FailureKind;
 use crate::metrics::families::Metrics;
 use crate::openai::api_error::ApiError;
@@ -278,6 +278,10 @@ impl Frontend for GrpcClient<'_> {
             return self.head.headers.get(name)?.to_str().ok();
         };
         metadata.as_ref()?.to_str().ok()
+    }
+
+    fn query(&self) -> Option<&str> {
+        None
     }
 
     async fn gone(&mut self) {

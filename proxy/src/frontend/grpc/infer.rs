@@ -8,16 +8,16 @@ use arc_swap::ArcSwap;
 use http::HeaderValue;
 use http::header::CONTENT_TYPE;
 use kvmesh_proto::inference::ModelInferRequest;
+use kvmesh_wire::kserve::completion::completion;
+use kvmesh_wire::kserve::invalid::InvalidInput;
 use pingora_http::RequestHeader;
 use tokio::time::timeout_at;
 
 use crate::edge::auth::{ApiKey, AuthFailure};
 use crate::frontend::grpc::call::{Call, Credentials};
 use crate::frontend::grpc::catalog::is_served_version;
-use crate::frontend::grpc::completion::completion;
 use crate::frontend::grpc::failure::Failure;
 use crate::frontend::grpc::frontend::{GrpcClient, Sink};
-use crate::frontend::grpc::invalid::InvalidInput;
 use crate::frontend::grpc::outputs::Reply;
 use crate::frontend::grpc::rpc_record::RpcRecord;
 use crate::frontend::respond::JSON;

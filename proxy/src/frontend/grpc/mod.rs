@@ -3,13 +3,13 @@
 //!
 //! It shares the one [`crate::state::shared::State`] with the OpenAI HTTP listeners: models and
 //! aliases, routing (KV-aware included), failover, limits and metrics. ModelInfer and
-//! ModelStreamInfer requests become OpenAI `/v1/completions` requests ([`completion`]):
-//! `text_input` or `input_ids` is the prompt, `streaming` asks for a stream, request
-//! parameters (or the `sampling_parameters` input) give the sampling fields. Each goes
-//! through the spine ([`crate::request`]) as an HTTP request does ([`infer`]), and the
-//! engine's JSON or server-sent events come back as `ModelInferResponse`s with
-//! `text_output` and `finish_reason` ([`frontend`]). ModelStreamInfer runs the requests of
-//! a stream concurrently ([`stream`]).
+//! ModelStreamInfer requests become OpenAI `/v1/completions` requests
+//! ([`kvmesh_wire::kserve`]): `text_input` or `input_ids` is the prompt, `streaming` asks for
+//! a stream, request parameters (or the `sampling_parameters` input) give the sampling
+//! fields. Each goes through the spine ([`crate::request`]) as an HTTP request does
+//! ([`infer`]), and the engine's JSON or server-sent events come back as
+//! `ModelInferResponse`s with `text_output` and `finish_reason` ([`frontend`]).
+//! ModelStreamInfer runs the requests of a stream concurrently ([`stream`]).
 //!
 //! The edge checks apply as on HTTP: the API key (`authorization: Bearer` metadata), its
 //! limits and the model's concurrency limit. Failures map to gRPC codes
@@ -21,21 +21,15 @@
 
 mod call;
 mod catalog;
-mod completion;
 mod deadline;
-mod engine_json;
 mod failure;
 mod frontend;
 pub(crate) mod incoming;
 mod infer;
-mod invalid;
 mod outputs;
-mod params;
 mod rpc_record;
 mod server;
 mod service;
-mod sse;
 mod stream;
-mod tensors;
 
 pub(crate) use server::GrpcListener;

@@ -5,49 +5,12 @@ use std::collections::HashMap;
 use kvmesh_proto::inference::infer_parameter::ParameterChoice;
 use kvmesh_proto::inference::model_infer_response::InferOutputTensor;
 use kvmesh_proto::inference::{InferParameter, ModelInferRequest, ModelInferResponse};
+use kvmesh_wire::engine_json::Piece;
+use kvmesh_wire::kserve::invalid::InvalidInput;
 
 use crate::frontend::grpc::catalog::{
     COMPLETION_TOKENS, FINAL_RESPONSE, FINISH_REASON, MODEL_VERSION, PROMPT_TOKENS, TEXT_OUTPUT,
 };
-use crate::frontend::grpc::invalid::InvalidInput;
-
-/// Token counts of a finished request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Usage {
-    /// Prompt tokens.
-    pub(crate) prompt_tokens: u64,
-    /// Generated tokens.
-    pub(crate) completion_tokens: u64,
-}
-
-/// What one engine message (a completion, or a chunk of a streamed one) carries.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct Piece {
-    /// Generated text.
-    pub(crate) text: String,
-    /// Why generation stopped, once it has.
-    pub(crate) finish_reason: Option<String>,
-    /// Token counts, once known.
-    pub(crate) usage: Option<Usage>,
-}
-
-impl Piece {
-    /// Folds a later piece of the same answer into this one.
-    pub(crate) fn absorb(&mut self, later: Piece) {
-        self.text.push_str(&later.text);
-        if later.finish_reason.is_some() {
-            self.finish_reason = later.finish_reason;
-        }
-        if later.usage.is_some() {
-            self.usage = later.usage;
-        }
-    }
-
-    /// A chunk that only reports token counts.
-    pub(crate) fn is_usage_only(&self) -> bool {
-        self.text.is_empty() && self.finish_reason.is_none() && self.usage.is_some()
-    }
-}
 
 /// How responses to one request look: what they echo and which outputs they hold.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -153,6 +116,7 @@ fn int(value: u64) -> InferParameter {
 mod tests {
     use super::*;
     use kvmesh_proto::inference::model_infer_request::InferRequestedOutputTensor;
+    use kvmesh_wire::engine_json::Usage;
 
     fn request(outputs: &[&str]) -> ModelInferRequest {
         ModelInferRequest {
@@ -214,31 +178,5 @@ mod tests {
                 .0
                 .contains("unknown output \"logits\"")
         );
-    }
-
-    #[test]
-    fn pieces_fold_in_order() {
-        let mut folded = Piece::default();
-        folded.absorb(Piece {
-            text: "a".into(),
-            ..Default::default()
-        });
-        folded.absorb(Piece {
-            text: "b".into(),
-            finish_reason: Some("stop".into()),
-            usage: None,
-        });
-        let usage = Piece {
-            usage: Some(Usage {
-                prompt_tokens: 1,
-                completion_tokens: 2,
-            }),
-            ..Default::default()
-        };
-        assert!(usage.is_usage_only());
-        folded.absorb(usage);
-        assert_eq!(folded.text, "ab");
-        assert_eq!(folded.finish_reason.as_deref(), Some("stop"));
-        assert_eq!(folded.usage.unwrap().completion_tokens, 2);
     }
 }

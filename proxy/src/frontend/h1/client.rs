@@ -24,8 +24,8 @@ use crate::engines::upstream_session::UpstreamSession;
 use crate::metrics::families::Metrics;
 use crate::openai::api_error::ApiError;
 use crate::openai::headers::{
-    ClientFraming, EngineHead, EngineTarget, InvalidHead, ProxyHeaders, X_REQUEST_ID,
-    upstream_request,
+    ClientFraming, EngineHead, EngineTarget, InvalidHead, ProxyHeaders, X_DATA_PARALLEL_RANK,
+    X_REQUEST_ID, upstream_request,
 };
 use crate::request::frontend::{Frontend, Unrelayable};
 use crate::request::record::Record;
@@ -195,6 +195,13 @@ impl<S: ClientIo> Frontend for FastConnection<'_, S> {
         std::str::from_utf8(value).ok()
     }
 
+    fn query(&self) -> Option<&str> {
+        let target = self.head.origin_form();
+        let start = target.iter().position(|&byte| byte == b'?')? + 1;
+        // httparse accepts only visible ASCII in the target.
+        std::str::from_utf8(&target[start..]).ok()
+    }
+
     fn write_engine_request(
         &self,
         target: &EngineTarget<'_>,
@@ -205,7 +212,10 @@ impl<S: ClientIo> Frontend for FastConnection<'_, S> {
         out.extend_from_slice(self.head.origin_form());
         out.extend_from_slice(b" HTTP/1.1\r\n");
         for (name, value) in self.head.fields.iter() {
-            if self.forwards(name) && !(target.trace.is_some() && is_trace_field(name)) {
+            let ours = (target.trace.is_some() && is_trace_field(name))
+                || (target.dp_rank.is_some()
+                    && name.eq_ignore_ascii_case(X_DATA_PARALLEL_RANK.as_bytes()));
+            if self.forwards(name) && !ours {
                 out.extend_from_slice(name);
                 out.extend_from_slice(b": ");
                 out.extend_from_slice(value);
@@ -223,6 +233,12 @@ impl<S: ClientIo> Frontend for FastConnection<'_, S> {
             out.extend_from_slice(name.as_bytes());
             out.extend_from_slice(b": ");
             out.extend_from_slice(value.as_bytes());
+        }
+        if let Some(rank) = target.dp_rank {
+            out.extend_from_slice(b"\r\n");
+            out.extend_from_slice(X_DATA_PARALLEL_RANK.as_bytes());
+            out.extend_from_slice(b": ");
+            push_decimal(out, rank as usize);
         }
         out.extend_from_slice(b"\r\n\r\n");
         Ok(())

@@ -32,7 +32,7 @@ use crate::edge::auth::AuthFailure;
 use crate::edge::edge_metrics::Peer;
 use crate::edge::limits::{SHUTDOWN_GRACE, answer_raw, check_head_size};
 use crate::openai::api_error::{ApiError, ClientErrorReason};
-use crate::openai::route::{Route, RouteMatch, match_route};
+use crate::openai::route::{EngineRoutes, Route, RouteMatch, match_route};
 use crate::request::frontend::Frontend;
 use crate::request::proxy;
 use crate::request::record::Record;
@@ -107,7 +107,8 @@ pub(crate) async fn serve<S: ClientIo>(
                 return ConnectionEnd::Done;
             }
         };
-        let Some(request) = fast_request(&head, framing, &state.limits) else {
+        let Some(request) = fast_request(&head, framing, &state.limits, &state.engine_routes)
+        else {
             let mut read = BytesMut::with_capacity(head.raw().len() + buf.len());
             read.extend_from_slice(head.raw());
             read.extend_from_slice(&buf);
@@ -155,7 +156,7 @@ async fn refuse<S: ClientIo>(
         .get(Known::RequestId)
         .and_then(|id| HeaderValue::from_bytes(id).ok());
     let mut record = Record::new(state.request_ids.resolve(client_id.as_ref()));
-    if let RouteMatch::Found(route) = match_route(&method, head.path()) {
+    if let RouteMatch::Found(route) = match_route(&state.engine_routes, &method, head.path()) {
         record.route = Some(route);
     }
     let mut client = FastConnection::new(io, buf, out, head, true);
@@ -238,11 +239,12 @@ fn fast_request(
     head: &RequestHead,
     framing: Framing,
     limits: &LimitsConfig,
+    routes: &EngineRoutes,
 ) -> Option<FastRequest> {
     if head.method() != b"POST" || head.minor_version != 1 {
         return None;
     }
-    let RouteMatch::Found(route) = match_route(&Method::POST, head.path()) else {
+    let RouteMatch::Found(route) = match_route(routes, &Method::POST, head.path()) else {
         return None;
     };
     // Several `Connection` fields, and expectations other than `100-continue`, are pingora's

@@ -273,7 +273,7 @@ fn text_chunk(id: &str, index: u64, text: &str, finish: Option<&str>) -> String 
 /// The data of each event of `forward`, parsed (`[DONE]` as a string).
 fn forwarded(forward: &Bytes) -> Vec<Value> {
     let text = std::str::from_utf8(forward).unwrap();
-    crate::openai::sse::data_values(text.as_bytes())
+    kvmesh_wire::sse::data_values(text.as_bytes())
         .map(|data| serde_json::from_slice(data).unwrap_or_else(|_| json!("[DONE]")))
         .collect()
 }
@@ -410,9 +410,9 @@ fn the_transcript_counts_the_text_events_the_token_counter_would() {
     ] {
         let mut m = migration(route, body);
         let passed = m.pass(Bytes::from(events.clone()));
-        let mut counter = crate::openai::usage::TokenCount::default();
+        let mut counter = kvmesh_wire::usage::TokenCount::default();
         counter.observe(events.as_bytes(), true);
-        let mut counted = crate::openai::usage::TokenCount::default();
+        let mut counted = kvmesh_wire::usage::TokenCount::default();
         counted.observe_counted(events.as_bytes(), passed.text_events);
         assert_eq!(passed.text_events, texts, "{events}");
         assert_eq!(

@@ -3,9 +3,8 @@
 //! events (`benches/relay.rs`). Not a stable API.
 
 use bytes::BytesMut;
-
-use crate::openai::sse::SseScanner;
 use kvmesh_h1::body::{ChunkState, Decoded, Framing};
+use kvmesh_wire::sse::SseScanner;
 
 /// Relays one chunked SSE body as the engine sent it (`wire`), read from the connection
 /// `read` bytes at a time; returns the data events seen and the data bytes decoded.

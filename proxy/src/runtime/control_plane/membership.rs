@@ -438,6 +438,12 @@ async fn instance_spec(record: &InstanceRecord) -> Result<InstanceSpec, String> 
         adapters: record.adapters.clone(),
         role,
         pool: record.labels.get("pool").cloned(),
+        dp_ranks: record.dp_ranks,
+        // Its agent's `--labels bootstrap_port=…` (an SGLang prefill engine's).
+        bootstrap_port: record
+            .labels
+            .get("bootstrap_port")
+            .and_then(|port| port.parse().ok()),
     })
 }
 

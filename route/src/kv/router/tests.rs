@@ -1086,3 +1086,37 @@ fn blocks_the_index_never_heard_of_disagree_unless_requests_in_flight_explain_th
     assert_eq!((state.judged, state.without_cached_tokens), (2, 1));
     drop((booking, sibling));
 }
+
+#[test]
+fn a_request_goes_to_the_data_parallel_rank_that_reported_its_prefix() {
+    let registry = Registry::new();
+    let families = KvFamilies::register(&registry).unwrap();
+    let instances = instances(2);
+    let router = KvRouter::new(&config(), None, false, true, families.model("m")).unwrap();
+    for instance in &instances {
+        router.add_instance(instance.id());
+    }
+    let feed = Arc::clone(router.event_feed().expect("events on"));
+    feed.set_live(true);
+    // Rank 1 of instance 0 holds the conversation's 16 blocks, rank 0 the first 4 of them.
+    let cached = request(&router, &conversation(1, 64));
+    feed.apply(kvmesh_kv::WorkerKey::new(0, 1), &stored_event(&cached));
+    let first = request(&router, &conversation(1, 16));
+    feed.apply(kvmesh_kv::WorkerKey::new(0, 0), &stored_event(&first));
+    let on_rank = pick_on(
+        &router,
+        &instances,
+        request(&router, &conversation(1, 66)),
+        0,
+    );
+    assert_eq!(on_rank.dp_rank, Some(1));
+    let explanation = on_rank.explanation.expect("explained");
+    assert!(explanation.contains("; rank=1"), "{explanation}");
+    drop(on_rank.booking);
+    // A prompt no rank holds: the engine chooses.
+    let fresh = request(&router, &conversation(2, 66));
+    let none = Excluded::default();
+    let all = Candidates::new(&instances, &none, 0);
+    let choice = router.choose(&all, &fresh, &mut StdRng::seed_from_u64(0));
+    assert_eq!(picked(choice).dp_rank, None);
+}
