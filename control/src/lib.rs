@@ -54,6 +54,6 @@ pub use namespace::{
 pub use registry::{EtcdRegistry, EtcdSettings};
 pub use registry::{InProcessRegistry, LeaseId, Listing, Registry, Watch, WatchEvent};
 pub use replica::{DecisionShare, InstanceLoadShare, LoadShare, SessionShare};
-pub use reply_parts::{ReplyAssembler, reply_parts};
+pub use reply_parts::{ReplyAssembler, ReplyPart, reply_parts};
 pub use resync::{SnapshotReply, SnapshotRequest};
 pub use security::{EtcdAuth, NatsAuth, TlsFiles, read_secret};

@@ -143,12 +143,48 @@ fn fitting_pieces(event: &RankedEvent, budget: usize) -> Result<Vec<RankedEvent>
     }
 }
 
-/// Joins the parts of one reply as they arrive.
+/// One part of a reply, checked to follow the part before it: a reply of the same kind and
+/// `last_seq` holding its run of the events (or batches).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplyPart {
+    /// This part's run, as a reply of its own.
+    pub reply: SnapshotReply,
+    /// Its position, from 0.
+    pub index: u32,
+    /// How many parts the reply has.
+    pub parts: u32,
+}
+
+impl ReplyPart {
+    /// A reply that came whole: part 0 of 1.
+    pub fn whole(reply: SnapshotReply) -> Self {
+        Self {
+            reply,
+            index: 0,
+            parts: 1,
+        }
+    }
+
+    /// Whether this is the reply's first part (a snapshot's receiver clears here).
+    pub fn is_first(&self) -> bool {
+        self.index == 0
+    }
+
+    /// Whether this is the reply's last part (the reply is complete with it).
+    pub fn is_last(&self) -> bool {
+        self.index + 1 == self.parts
+    }
+}
+
+/// Checks the parts of one reply as they arrive, so that each can be applied before the
+/// next is read, or joins them ([`ReplyAssembler::push`]).
 #[derive(Debug, Default)]
 pub struct ReplyAssembler {
-    joined: Option<SnapshotReply>,
+    /// The first part's kind (`true`: snapshot) and `last_seq`, once it is in.
+    first: Option<(bool, u64)>,
     next_part: u32,
     parts: u32,
+    joined: Option<SnapshotReply>,
 }
 
 impl ReplyAssembler {
@@ -157,37 +193,60 @@ impl ReplyAssembler {
         Self::default()
     }
 
-    /// Takes the next message of the reply: `Ok(Some(reply))` once every part is in,
-    /// `Ok(None)` while parts are missing; an error for a part that is unreadable, out of
-    /// order or of another reply (kind or `last_seq` differ).
-    pub fn push(&mut self, message: &[u8]) -> Result<Option<SnapshotReply>, ControlError> {
+    /// Reads the next message of the reply; an error for a part that is unreadable, out of
+    /// order, past the last, or of another reply (kind or `last_seq` differ).
+    pub fn next_part(&mut self, message: &[u8]) -> Result<ReplyPart, ControlError> {
         let header: PartHeader = serde_json::from_slice(message)?;
         let reply = SnapshotReply::from_json(message)?;
+        let complete = self.next_part > 0 && self.next_part == self.parts;
         let expected_parts = if self.next_part == 0 {
             header.parts
         } else {
             self.parts
         };
-        if header.part != self.next_part || header.parts != expected_parts || header.parts == 0 {
+        if complete
+            || header.part != self.next_part
+            || header.parts != expected_parts
+            || header.parts == 0
+        {
             return Err(ControlError::Protocol(format!(
                 "reply part {} of {} where part {} of {expected_parts} was due",
                 header.part, header.parts, self.next_part
             )));
         }
+        let identity = (
+            matches!(reply, SnapshotReply::Snapshot { .. }),
+            reply.last_seq(),
+        );
+        if *self.first.get_or_insert(identity) != identity {
+            return Err(ControlError::Protocol(
+                "the parts of a reply differ in kind or last_seq".to_owned(),
+            ));
+        }
         self.parts = header.parts;
         self.next_part += 1;
-        let joined = match (self.joined.take(), reply) {
+        Ok(ReplyPart {
+            reply,
+            index: header.part,
+            parts: header.parts,
+        })
+    }
+
+    /// Takes the next message of the reply and joins it to those before: `Ok(Some(reply))`
+    /// once every part is in, `Ok(None)` while parts are missing; errors as
+    /// [`ReplyAssembler::next_part`].
+    pub fn push(&mut self, message: &[u8]) -> Result<Option<SnapshotReply>, ControlError> {
+        let part = self.next_part(message)?;
+        let last = part.is_last();
+        let joined = match (self.joined.take(), part.reply) {
             (None, reply) => reply,
             (
                 Some(SnapshotReply::Events {
                     mut batches,
                     last_seq,
                 }),
-                SnapshotReply::Events {
-                    batches: more,
-                    last_seq: same,
-                },
-            ) if same == last_seq => {
+                SnapshotReply::Events { batches: more, .. },
+            ) => {
                 batches.extend(more);
                 SnapshotReply::Events { batches, last_seq }
             }
@@ -196,21 +255,18 @@ impl ReplyAssembler {
                     mut events,
                     last_seq,
                 }),
-                SnapshotReply::Snapshot {
-                    events: more,
-                    last_seq: same,
-                },
-            ) if same == last_seq => {
+                SnapshotReply::Snapshot { events: more, .. },
+            ) => {
                 events.extend(more);
                 SnapshotReply::Snapshot { events, last_seq }
             }
             _ => {
                 return Err(ControlError::Protocol(
-                    "the parts of a reply differ in kind or last_seq".to_owned(),
+                    "the parts of a reply differ in kind".to_owned(),
                 ));
             }
         };
-        if self.next_part == self.parts {
+        if last {
             return Ok(Some(joined));
         }
         self.joined = Some(joined);
@@ -331,6 +387,40 @@ mod tests {
             reply_parts(&huge, 16 * 1024),
             Err(ControlError::PayloadTooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn parts_are_read_one_by_one_with_their_place_and_none_past_the_last() {
+        let reply = SnapshotReply::Snapshot {
+            events: (0..50).map(|i| chain(i * 100, 20, 0)).collect(),
+            last_seq: 7,
+        };
+        let parts = reply_parts(&reply, 16 * 1024).expect("parts");
+        let count = u32::try_from(parts.len()).expect("few parts");
+        assert!(count >= 3);
+        let mut assembler = ReplyAssembler::new();
+        let mut events = Vec::new();
+        for (i, message) in parts.iter().enumerate() {
+            let part = assembler.next_part(message).expect("part");
+            assert_eq!((part.index as usize, part.parts), (i, count));
+            assert_eq!(part.is_first(), i == 0);
+            assert_eq!(part.is_last(), i + 1 == parts.len());
+            let SnapshotReply::Snapshot {
+                events: run,
+                last_seq,
+            } = part.reply
+            else {
+                panic!("a snapshot part");
+            };
+            assert_eq!(last_seq, 7);
+            events.extend(run);
+        }
+        let rejoined = SnapshotReply::Snapshot {
+            events,
+            last_seq: 7,
+        };
+        assert_eq!(blocks(&rejoined), blocks(&reply));
+        assert!(assembler.next_part(&parts[0]).is_err());
     }
 
     #[test]

@@ -1,10 +1,10 @@
 //! A 100,000-block snapshot resync into the real `kvmesh-proxy` process: the index holds
-//! exactly the snapshot's blocks, and the proxy's resident memory grows by at most twice
+//! exactly the snapshot's blocks, and the proxy's resident memory grows by at most 1.5 times
 //! the index's own heap bytes (the same index built in this process, its bytes counted by a
-//! global allocator wrapper). On an idle machine it grows about 1.16 times (10.4 MB for
-//! 9.0 MB); with the machine's cores busy, the resync's transient buffers stay in RSS and
-//! it grew up to 1.77 times (14.0-15.9 MB in 3 of 10 runs, also with one malloc arena):
-//! issue 30's 1.5 times holds only on an idle machine.
+//! global allocator wrapper). The proxy applies each part of the snapshot as it arrives and
+//! returns the free heap to the system once the resync is applied: it grew 1.12-1.21 times
+//! (10.1-10.9 MB for 9.0 MB) idle and with both cores busy. Holding the decoded parts
+//! until the last one was in, and keeping the free heap, it had grown up to 1.77 times.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
@@ -166,9 +166,24 @@ async fn a_100k_block_snapshot_fills_the_index_exactly_within_its_own_bytes() ->
         Duration::from_secs(60),
     )
     .await?;
-    let grown = proxy.rss_bytes().saturating_sub(baseline);
+    // The proxy returns the resync's free heap to the system just after applying the last
+    // part: the resident set settles within moments of the index being full.
+    let bound = index_bytes as f64 * 1.5;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let grown = loop {
+        let grown = proxy.rss_bytes().saturating_sub(baseline);
+        if grown as f64 <= bound || tokio::time::Instant::now() >= deadline {
+            break grown;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    eprintln!(
+        "the proxy grew by {} KB for an index of {} KB",
+        grown >> 10,
+        index_bytes >> 10
+    );
     assert!(
-        grown as f64 <= 2.0 * index_bytes as f64,
+        grown as f64 <= bound,
         "the proxy grew by {} KB for an index of {} KB ({:.0} B per block)",
         grown >> 10,
         index_bytes >> 10,

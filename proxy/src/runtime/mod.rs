@@ -4,6 +4,7 @@
 pub(crate) mod admin_app;
 pub mod bench_support;
 pub(crate) mod control_plane;
+pub(crate) mod heap;
 mod layering;
 pub(crate) mod reload;
 pub(crate) mod server;

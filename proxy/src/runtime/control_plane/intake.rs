@@ -37,7 +37,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use kvmesh_control::{
     ConnectionState, ControlError, DecisionShare, EventBatch, EventBus, HexU64, InstanceId,
-    InstanceLoadShare, LoadReport, LoadShare, Message, ReplyAssembler, SessionShare, SnapshotReply,
+    InstanceLoadShare, LoadReport, LoadShare, Message, ReplyAssembler, ReplyPart, SessionShare,
     SnapshotRequest, Subscription,
 };
 use kvmesh_kv::{BlockHashes, KvEvent, LocalBlockHash, SequenceHash, WorkerKey};
@@ -49,11 +49,15 @@ use kvmesh_route::kv::{EventFeed, SessionBinding, SharedDecision, SharedLoad, Sh
 use crate::engines::pool::ModelPool;
 use crate::runtime::control_plane::metrics::{ControlMetrics, Dropped, Malformed};
 use crate::runtime::control_plane::sequence::{Outcome, ResyncReason, SequenceTracker, Step};
+use crate::runtime::heap;
 
 /// Resync requests in flight at once.
 pub(crate) const MAX_CONCURRENT_RESYNCS: usize = 16;
 /// Shortest time between two repair resyncs of one instance.
 pub(crate) const REPAIR_INTERVAL: Duration = Duration::from_secs(5);
+/// Parts of resync answers decoded ahead of the intake: a reader waits for the intake to
+/// apply what it sent, so a large snapshot is held a few parts at a time, never whole.
+const ANSWER_PARTS_IN_FLIGHT: usize = 4;
 /// First pause before a failed resync request is sent again.
 const RETRY_FIRST: Duration = Duration::from_millis(200);
 /// Longest pause between resync attempts.
@@ -258,11 +262,11 @@ async fn own_changed(pool: &ModelPool) {
     }
 }
 
-/// The answer to one resync request.
+/// One part of the answer to a resync request, or why the answer could not be read.
 struct ResyncAnswer {
     id: u64,
     generation: u64,
-    reply: Result<SnapshotReply, ControlError>,
+    part: Result<ReplyPart, ControlError>,
 }
 
 /// An instance the intake feeds.
@@ -355,7 +359,7 @@ impl Intake {
             metrics,
         } = self;
         let mut connection = bus.connection_state();
-        let (answers_tx, mut answers) = mpsc::unbounded_channel();
+        let (answers_tx, mut answers) = mpsc::channel(ANSWER_PARTS_IN_FLIGHT);
         let (untrusted_tx, mut untrusted) = mpsc::unbounded_channel();
         let (deadlines_tx, mut deadlines) = mpsc::unbounded_channel();
         let durable = bus.is_durable();
@@ -375,6 +379,7 @@ impl Intake {
             connected: false,
             epoch: 0,
             verifying: HashMap::new(),
+            large_reply_applied: false,
             deadlines: deadlines_tx,
             durable,
             replica: rand::random(),
@@ -418,7 +423,7 @@ struct Actor {
     bus: Arc<dyn EventBus>,
     settings: IntakeSettings,
     metrics: ControlMetrics,
-    answers: mpsc::UnboundedSender<ResyncAnswer>,
+    answers: mpsc::Sender<ResyncAnswer>,
     /// Where the models' event feeds name the instances their cache check untrusted.
     untrusted: mpsc::UnboundedSender<u64>,
     permits: Arc<Semaphore>,
@@ -432,6 +437,8 @@ struct Actor {
     epoch: u64,
     /// Instances being checked after a reconnection, with its epoch.
     verifying: HashMap<u64, u64>,
+    /// A resync answered in several parts was applied since free heap was last returned.
+    large_reply_applied: bool,
     /// Where a check's deadline arrives, as (instance, epoch).
     deadlines: mpsc::UnboundedSender<(u64, u64)>,
     /// Whether the KV events come through a durable subscription (JetStream): after a
@@ -767,18 +774,32 @@ impl Actor {
         if !current {
             return;
         }
-        self.pending.remove(&answer.id);
-        self.verifying.remove(&answer.id);
-        match answer.reply {
-            Ok(reply) => {
-                let outcome = self.tracker.on_reply(answer.id, reply);
-                self.execute(answer.id, outcome);
-                if let Some(member) = self.members.get(&answer.id) {
-                    member.feed.trust(answer.id);
+        match answer.part {
+            Ok(part) => {
+                let complete = part.is_last();
+                let parts = part.parts;
+                if complete {
+                    self.pending.remove(&answer.id);
+                    self.verifying.remove(&answer.id);
                 }
-                self.settled(answer.id);
+                let outcome = self.tracker.on_reply(answer.id, part);
+                self.execute(answer.id, outcome);
+                if complete {
+                    if let Some(member) = self.members.get(&answer.id) {
+                        member.feed.trust(answer.id);
+                    }
+                    self.settled(answer.id);
+                    self.large_reply_applied |= parts > 1;
+                    if self.large_reply_applied && self.pending.is_empty() {
+                        // The tables the index outgrew and the decoded parts are free heap now.
+                        self.large_reply_applied = false;
+                        tokio::task::spawn_blocking(heap::release_free_heap);
+                    }
+                }
             }
             Err(error) => {
+                self.pending.remove(&answer.id);
+                self.verifying.remove(&answer.id);
                 self.metrics.malformed(Malformed::Snapshot);
                 tracing::warn!(id = %format_args!("{:016x}", answer.id), %error, "unreadable resync answer; asking again");
                 let request = self.tracker.resync(answer.id);
@@ -997,12 +1018,17 @@ impl Actor {
             if !delay.is_zero() {
                 tokio::time::sleep(delay).await;
             }
-            let reply = resync(&*bus, &permits, &subject, payload, timeout, &metrics).await;
-            let _ = answers.send(ResyncAnswer {
-                id,
-                generation,
-                reply,
-            });
+            let deliver = |part| {
+                answers.send(ResyncAnswer {
+                    id,
+                    generation,
+                    part,
+                })
+            };
+            resync(
+                &*bus, &permits, &subject, payload, timeout, &metrics, deliver,
+            )
+            .await;
         });
         let pending = Pending {
             generation,
@@ -1014,25 +1040,33 @@ impl Actor {
     }
 }
 
-/// Sends one resync request until it is answered (with backoff); returns the answer, joined
-/// from its parts when it came in several, or why its parts could not be read.
-async fn resync(
+/// Sends one resync request until it is answered (with backoff), handing each part of the
+/// answer to `deliver` as it arrives, or why the answer could not be read. An answer cut
+/// off after some parts (a timeout, the agent gone) is asked for again from its start.
+async fn resync<F, D>(
     bus: &dyn EventBus,
     permits: &Semaphore,
     subject: &str,
     payload: Bytes,
     timeout: Duration,
     metrics: &ControlMetrics,
-) -> Result<SnapshotReply, ControlError> {
+    deliver: D,
+) where
+    D: Fn(Result<ReplyPart, ControlError>) -> F,
+    F: Future<Output = Result<(), mpsc::error::SendError<ResyncAnswer>>>,
+{
     let mut backoff = RETRY_FIRST;
     loop {
         let answer = {
             let _permit = permits.acquire().await;
-            receive_reply(bus, subject, payload.clone(), timeout).await
+            receive_reply(bus, subject, payload.clone(), timeout, &deliver).await
         };
         match answer {
-            Ok(reply) => return Ok(reply),
-            Err(error @ (ControlError::Codec(_) | ControlError::Protocol(_))) => return Err(error),
+            Ok(()) => return,
+            Err(error @ (ControlError::Codec(_) | ControlError::Protocol(_))) => {
+                let _ = deliver(Err(error)).await;
+                return;
+            }
             Err(error) => {
                 tracing::debug!(%subject, %error, "resync request failed; retrying");
                 tokio::time::sleep(backoff).await;
@@ -1043,23 +1077,33 @@ async fn resync(
     }
 }
 
-/// Sends the request and reads its reply, each part within `timeout` of the one before.
-async fn receive_reply(
+/// Sends the request and reads its reply, each part within `timeout` of the one before,
+/// handing each part to `deliver` before the next is read (the intake applies it meanwhile:
+/// a large snapshot is never held whole).
+async fn receive_reply<F, D>(
     bus: &dyn EventBus,
     subject: &str,
     payload: Bytes,
     timeout: Duration,
-) -> Result<SnapshotReply, ControlError> {
+    deliver: &D,
+) -> Result<(), ControlError>
+where
+    D: Fn(Result<ReplyPart, ControlError>) -> F,
+    F: Future<Output = Result<(), mpsc::error::SendError<ResyncAnswer>>>,
+{
     let mut replies = bus.request_replies(subject, payload).await?;
     let mut assembler = ReplyAssembler::new();
     loop {
-        let part = match tokio::time::timeout(timeout, replies.next()).await {
-            Ok(Some(part)) => part,
+        let message = match tokio::time::timeout(timeout, replies.next()).await {
+            Ok(Some(message)) => message,
             Ok(None) => return Err(ControlError::NoResponders(subject.to_owned())),
             Err(_) => return Err(ControlError::Timeout("resync request")),
         };
-        if let Some(reply) = assembler.push(&part.payload)? {
-            return Ok(reply);
+        let part = assembler.next_part(&message.payload)?;
+        let last = part.is_last();
+        if deliver(Ok(part)).await.is_err() || last {
+            // Delivered whole, or the intake is gone.
+            return Ok(());
         }
     }
 }

@@ -26,7 +26,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use kvmesh_control::{EventBatch, RankedEvent, SnapshotReply, SnapshotRequest};
+use kvmesh_control::{EventBatch, RankedEvent, ReplyPart, SnapshotReply, SnapshotRequest};
 
 /// Live batches kept per instance while its resync is in flight.
 pub(crate) const MAX_BUFFERED: usize = 4096;
@@ -154,24 +154,31 @@ impl SequenceTracker {
         outcome
     }
 
-    /// Takes the answer to instance `instance`'s resync request.
-    pub(crate) fn on_reply(&mut self, instance: u64, reply: SnapshotReply) -> Outcome {
+    /// Takes one part of the answer to instance `instance`'s resync request, as it arrives
+    /// (parts come in order; a reply that fits one message is part 0 of 1). A snapshot clears
+    /// the instance at its first part and applies each part's events; a replay applies each
+    /// part's batches that continue the cursor. The instance stays resyncing, its live
+    /// batches buffered, until the last part is in.
+    pub(crate) fn on_reply(&mut self, instance: u64, part: ReplyPart) -> Outcome {
         let mut outcome = Outcome::default();
         let Some(cursor) = self.cursors.get_mut(&instance) else {
             return outcome;
         };
-        let newest = reply.last_seq();
-        cursor.resyncing = false;
-        match reply {
+        let complete = part.is_last();
+        let newest = part.reply.last_seq();
+        match part.reply {
             SnapshotReply::Snapshot { events, last_seq } => {
-                outcome.steps.push(Step::Clear);
+                if part.index == 0 {
+                    outcome.steps.push(Step::Clear);
+                }
                 outcome.steps.extend(events.into_iter().map(Step::Snapshot));
-                cursor.last = Some(last_seq);
+                if complete {
+                    cursor.last = Some(last_seq);
+                }
             }
             SnapshotReply::Events { batches, last_seq } => {
                 let Some(mut last) = cursor.last else {
                     // Replays continue a cursor; without one only a snapshot will do.
-                    cursor.resyncing = true;
                     outcome.request = Some((SnapshotRequest::full(), ResyncReason::Gap));
                     return outcome;
                 };
@@ -180,8 +187,7 @@ impl SequenceTracker {
                         continue;
                     }
                     if batch.seq != last + 1 {
-                        outcome.steps.clear();
-                        cursor.resyncing = true;
+                        cursor.last = Some(last);
                         outcome.request = Some((SnapshotRequest::full(), ResyncReason::Gap));
                         return outcome;
                     }
@@ -189,15 +195,18 @@ impl SequenceTracker {
                     outcome.steps.push(Step::Batch(batch));
                 }
                 cursor.last = Some(last);
-                if last < last_seq {
+                if complete && last < last_seq {
                     // The reply promised batches it did not contain.
-                    cursor.resyncing = true;
                     outcome.request =
                         Some((SnapshotRequest::from_seq(last + 1), ResyncReason::Gap));
                     return outcome;
                 }
             }
         }
+        if !complete {
+            return outcome;
+        }
+        cursor.resyncing = false;
         if std::mem::take(&mut cursor.overflowed) {
             cursor.buffer.clear();
             cursor.resyncing = true;
@@ -337,6 +346,10 @@ mod tests {
             .collect()
     }
 
+    fn whole(reply: SnapshotReply) -> ReplyPart {
+        ReplyPart::whole(reply)
+    }
+
     fn snapshot(last_seq: u64) -> SnapshotReply {
         SnapshotReply::Snapshot {
             events: vec![RankedEvent {
@@ -360,7 +373,7 @@ mod tests {
         assert_eq!(tracker.on_batch(batch(6)), Outcome::default());
         assert_eq!(tracker.on_batch(batch(7)), Outcome::default());
         // The snapshot is valid as of 5: batch 5 is stale, 6 and 7 follow.
-        let reply = tracker.on_reply(ID, snapshot(5));
+        let reply = tracker.on_reply(ID, whole(snapshot(5)));
         assert_eq!(reply.steps[0], Step::Clear);
         assert!(matches!(reply.steps[1], Step::Snapshot(_)));
         assert_eq!(applied(&reply), [6, 7]);
@@ -374,7 +387,7 @@ mod tests {
     fn a_batch_numbered_past_its_agent_is_dropped_instead_of_asked_for_forever() {
         let mut tracker = SequenceTracker::default();
         tracker.on_batch(batch(1));
-        tracker.on_reply(ID, snapshot(1));
+        tracker.on_reply(ID, whole(snapshot(1)));
         // Someone publishes seq 50 for this instance; its agent is at 1.
         let hostile = tracker.on_batch(batch(50));
         assert_eq!(hostile.gaps, 1);
@@ -384,10 +397,10 @@ mod tests {
         );
         let reply = tracker.on_reply(
             ID,
-            SnapshotReply::Events {
+            whole(SnapshotReply::Events {
                 batches: Vec::new(),
                 last_seq: 1,
-            },
+            }),
         );
         assert_eq!((reply.ahead, reply.gaps, reply.request), (1, 0, None));
         assert!(!tracker.is_resyncing(ID));
@@ -399,7 +412,7 @@ mod tests {
     fn synced(last: u64) -> SequenceTracker {
         let mut tracker = SequenceTracker::default();
         tracker.on_batch(batch(last));
-        tracker.on_reply(ID, snapshot(last));
+        tracker.on_reply(ID, whole(snapshot(last)));
         assert!(!tracker.is_resyncing(ID));
         tracker
     }
@@ -448,7 +461,7 @@ mod tests {
     fn a_gap_requests_the_missing_batches_and_applies_them_in_order() {
         let mut tracker = SequenceTracker::default();
         tracker.on_batch(batch(1));
-        tracker.on_reply(ID, snapshot(1));
+        tracker.on_reply(ID, whole(snapshot(1)));
         let gap = tracker.on_batch(batch(4));
         assert_eq!(gap.gaps, 1);
         assert_eq!(
@@ -458,10 +471,10 @@ mod tests {
         tracker.on_batch(batch(5));
         let reply = tracker.on_reply(
             ID,
-            SnapshotReply::Events {
+            whole(SnapshotReply::Events {
                 batches: vec![batch(2), batch(3), batch(4)],
                 last_seq: 4,
-            },
+            }),
         );
         assert_eq!(applied(&reply), [2, 3, 4, 5]);
         assert_eq!(reply.stale, 1, "the buffered 4 was covered by the replay");
@@ -472,21 +485,21 @@ mod tests {
     fn a_replay_with_a_hole_falls_back_to_a_snapshot() {
         let mut tracker = SequenceTracker::default();
         tracker.on_batch(batch(1));
-        tracker.on_reply(ID, snapshot(1));
+        tracker.on_reply(ID, whole(snapshot(1)));
         tracker.on_batch(batch(5));
         let reply = tracker.on_reply(
             ID,
-            SnapshotReply::Events {
+            whole(SnapshotReply::Events {
                 batches: vec![batch(2), batch(4)],
                 last_seq: 4,
-            },
+            }),
         );
-        assert!(reply.steps.is_empty());
+        assert_eq!(applied(&reply), [2], "what continues the cursor applies");
         assert_eq!(
             reply.request,
             Some((SnapshotRequest::full(), ResyncReason::Gap))
         );
-        let snap = tracker.on_reply(ID, snapshot(4));
+        let snap = tracker.on_reply(ID, whole(snapshot(4)));
         assert_eq!(applied(&snap), [5]);
     }
 
@@ -497,7 +510,7 @@ mod tests {
         for seq in 2..(MAX_BUFFERED as u64 + 10) {
             tracker.on_batch(batch(seq));
         }
-        let reply = tracker.on_reply(ID, snapshot(1));
+        let reply = tracker.on_reply(ID, whole(snapshot(1)));
         assert_eq!(applied(&reply), Vec::<u64>::new());
         assert_eq!(
             reply.request,
@@ -511,7 +524,7 @@ mod tests {
         assert_eq!(tracker.resync(ID), SnapshotRequest::full());
         assert!(tracker.is_resyncing(ID));
         assert_eq!(tracker.on_batch(batch(4)), Outcome::default(), "buffered");
-        assert_eq!(applied(&tracker.on_reply(ID, snapshot(3))), [4]);
+        assert_eq!(applied(&tracker.on_reply(ID, whole(snapshot(3)))), [4]);
         assert!(!tracker.is_resyncing(ID));
         tracker.forget(ID);
         assert!(!tracker.is_resyncing(ID));
@@ -519,6 +532,66 @@ mod tests {
             tracker.on_batch(batch(9)).request,
             Some((SnapshotRequest::full(), ResyncReason::FirstSight))
         );
-        assert!(tracker.on_reply(99, snapshot(1)).steps.is_empty());
+        assert!(tracker.on_reply(99, whole(snapshot(1))).steps.is_empty());
+    }
+
+    fn part(reply: SnapshotReply, index: u32, parts: u32) -> ReplyPart {
+        ReplyPart {
+            reply,
+            index,
+            parts,
+        }
+    }
+
+    fn kinds(outcome: &Outcome) -> Vec<&'static str> {
+        outcome
+            .steps
+            .iter()
+            .map(|step| match step {
+                Step::Clear => "clear",
+                Step::Snapshot(_) => "snapshot",
+                Step::Batch(_) => "batch",
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_snapshot_in_parts_applies_each_as_it_arrives_and_settles_at_the_last() {
+        let mut tracker = SequenceTracker::default();
+        tracker.on_batch(batch(3));
+        let first = tracker.on_reply(ID, part(snapshot(3), 0, 3));
+        assert_eq!(kinds(&first), ["clear", "snapshot"]);
+        assert!(tracker.is_resyncing(ID) && !tracker.is_synced(ID));
+        // Live batches keep waiting for the last part.
+        assert!(tracker.on_batch(batch(4)).steps.is_empty());
+        let middle = tracker.on_reply(ID, part(snapshot(3), 1, 3));
+        assert_eq!(kinds(&middle), ["snapshot"], "only the first part clears");
+        assert!(tracker.is_resyncing(ID));
+        let last = tracker.on_reply(ID, part(snapshot(3), 2, 3));
+        assert_eq!(kinds(&last), ["snapshot", "batch"]);
+        assert_eq!(applied(&last), [4]);
+        assert_eq!(last.stale, 1, "the buffered 3 was covered by the snapshot");
+        assert!(!tracker.is_resyncing(ID) && tracker.holds_up_to(ID, 4));
+    }
+
+    #[test]
+    fn a_replay_in_parts_applies_each_part_and_a_hole_in_a_later_part_asks_for_a_snapshot() {
+        let mut tracker = synced(1);
+        tracker.on_batch(batch(4));
+        let events = |batches: Vec<EventBatch>| SnapshotReply::Events {
+            batches,
+            last_seq: 6,
+        };
+        let first = tracker.on_reply(ID, part(events(vec![batch(2), batch(3)]), 0, 2));
+        assert_eq!(applied(&first), [2, 3]);
+        assert_eq!(first.request, None);
+        assert!(tracker.is_resyncing(ID));
+        let second = tracker.on_reply(ID, part(events(vec![batch(4), batch(6)]), 1, 2));
+        assert_eq!(applied(&second), [4]);
+        assert_eq!(
+            second.request,
+            Some((SnapshotRequest::full(), ResyncReason::Gap))
+        );
+        assert!(tracker.is_resyncing(ID) && !tracker.holds_up_to(ID, 4));
     }
 }
