@@ -156,3 +156,39 @@ async fn a_member_that_does_not_answer_hands_over_to_the_next() {
         WatchEvent::Delete { key: key_a }
     );
 }
+
+#[tokio::test]
+async fn a_call_a_hung_member_holds_is_answered_by_the_next_within_the_hedge() {
+    let dir = temp_dir("control-etcd-hung");
+    let etcd = EtcdServer::start(&dir).await.expect("etcd starts");
+    // A member that hangs (a stopped process): the kernel completes its connections, and
+    // nothing ever answers on them. Held open for the whole test.
+    let hung = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let hung_addr = hung.local_addr().expect("addr");
+    let reg = EtcdRegistry::new(&format!("http://{hung_addr},{}", etcd.url())).expect("client");
+    let ns = Namespace::default();
+    let a = record(&ns, "org/model.v1", 1);
+    let key_a = ns.instance_key("org/model.v1", a.instance_id);
+
+    // The call goes to the next member a second after the hung one got it, and is answered
+    // there: well before the hung member's 5 s call timeout.
+    let started = std::time::Instant::now();
+    reg.put(&key_a, &a, None)
+        .await
+        .expect("put through the live member");
+    let first = started.elapsed();
+    assert!(
+        first >= Duration::from_millis(900) && first < Duration::from_secs(3),
+        "the first call took {first:?}"
+    );
+    // The member that answered is the one in use: the next call does not wait on the hung one.
+    let started = std::time::Instant::now();
+    let listing = reg.list(&ns.instances_prefix()).await.expect("list");
+    assert_eq!(listing.records, vec![(key_a, a)]);
+    assert!(
+        started.elapsed() < Duration::from_millis(900),
+        "the second call took {:?}",
+        started.elapsed()
+    );
+    drop(hung);
+}

@@ -11,6 +11,8 @@ use etcd_client::{
     Certificate, Client, ConnectOptions, EventType, GetOptions, Identity, PutOptions, TlsOptions,
     WatchOptions,
 };
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 
 use super::etcd_members::Members;
 use super::watch::{RawChange, RawStream, WatchSource, list_records, spawn_watch};
@@ -22,6 +24,9 @@ use crate::security::{EtcdAuth, TlsFiles, read_pem, read_secret};
 const BACKEND: &str = "etcd";
 /// Deadline of every unary call (and of connecting, authentication included).
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// A call the member in use has not answered this long goes to the next member too: a
+/// healthy member answers in milliseconds, one that hangs never.
+const HEDGE_AFTER: Duration = Duration::from_secs(1);
 /// Deadline of one TCP (and TLS) connection to a member.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// HTTP/2 PING interval on a member's connection (etcd answers pings more often than every
@@ -176,6 +181,14 @@ impl EtcdSettings {
     }
 }
 
+/// How one member's attempt at a call failed.
+enum Failure {
+    /// The member did not answer (transport error, timeout): another member may.
+    Member(ControlError),
+    /// The member answered with an error (a refusal, a lapsed lease): another would too.
+    Answer(ControlError),
+}
+
 /// The etcd-backed [`Registry`]; clones share the members' clients.
 #[derive(Clone, Debug)]
 pub struct EtcdRegistry {
@@ -198,38 +211,79 @@ impl EtcdRegistry {
         })
     }
 
-    /// Runs `call` against the member in use, within [`CALL_TIMEOUT`]; when the member does
-    /// not answer (transport error or timeout) the next one takes over and `call` runs
-    /// again there, once per member.
+    /// Runs `call` against the member in use, within [`CALL_TIMEOUT`]. When the member does
+    /// not answer within [`HEDGE_AFTER`], the same call goes to the next member too (a
+    /// member that hangs, stopped or partitioned, resets nothing and would hold the call
+    /// for the whole timeout); the first answer wins and its member becomes the one in use.
+    /// A member that fails (transport error or timeout) hands the role on at once.
     async fn call<T, F, Fut>(&self, what: &'static str, call: F) -> Result<T, ControlError>
     where
         F: Fn(Client) -> Fut,
         Fut: Future<Output = Result<T, ControlError>>,
     {
-        let mut last = None;
-        for _ in 0..self.members.len() {
-            let (index, url) = self.members.current();
-            let attempt = async {
-                let client = self
-                    .members
-                    .client(index)
-                    .await
-                    .map_err(|error| etcd_error(error, None))?;
-                call(client).await
+        let count = self.members.len();
+        let (first, _) = self.members.current();
+        let attempt = |offset: usize| {
+            let index = (first + offset) % count;
+            let url = self.members.url(index);
+            let call = &call;
+            async move {
+                let answer = async {
+                    let client = self
+                        .members
+                        .client(index)
+                        .await
+                        .map_err(|error| etcd_error(error, None))?;
+                    call(client).await
+                };
+                let outcome = match tokio::time::timeout(CALL_TIMEOUT, answer).await {
+                    Ok(Ok(answer)) => Ok(answer),
+                    Ok(Err(ControlError::Transport { backend, message })) => {
+                        Err(Failure::Member(ControlError::Transport {
+                            backend,
+                            message: format!("{url}: {message}"),
+                        }))
+                    }
+                    Ok(Err(other)) => Err(Failure::Answer(other)),
+                    Err(_) => Err(Failure::Member(ControlError::Timeout(what))),
+                };
+                (index, outcome)
+            }
+        };
+        let mut attempts = FuturesUnordered::new();
+        attempts.push(attempt(0));
+        let mut launched = 1;
+        loop {
+            let hedge = async {
+                if launched < count {
+                    tokio::time::sleep(HEDGE_AFTER).await;
+                } else {
+                    std::future::pending::<()>().await;
+                }
             };
-            let error = match tokio::time::timeout(CALL_TIMEOUT, attempt).await {
-                Ok(Ok(answer)) => return Ok(answer),
-                Ok(Err(ControlError::Transport { backend, message })) => ControlError::Transport {
-                    backend,
-                    message: format!("{url}: {message}"),
+            tokio::select! {
+                Some((index, outcome)) = attempts.next() => match outcome {
+                    Ok(answer) => {
+                        self.members.answered(index);
+                        return Ok(answer);
+                    }
+                    Err(Failure::Answer(error)) => return Err(error),
+                    Err(Failure::Member(error)) => {
+                        self.members.failed(index);
+                        if launched < count {
+                            attempts.push(attempt(launched));
+                            launched += 1;
+                        } else if attempts.is_empty() {
+                            return Err(error);
+                        }
+                    }
                 },
-                Ok(Err(other)) => return Err(other),
-                Err(_) => ControlError::Timeout(what),
-            };
-            self.members.failed(index);
-            last = Some(error);
+                () = hedge => {
+                    attempts.push(attempt(launched));
+                    launched += 1;
+                }
+            }
         }
-        Err(last.unwrap_or(ControlError::Timeout(what)))
     }
 }
 

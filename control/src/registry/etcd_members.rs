@@ -1,5 +1,5 @@
 //! The members of an etcd cluster a client may talk to, one `etcd-client` client each, and
-//! which one is in use. `etcd-client` balances one channel over every endpoint, but a member
+//! which one is in use (the last to answer first). `etcd-client` balances one channel over every endpoint, but a member
 //! that refuses connections fails the calls routed to it (etcdv3/etcd-client#39); here calls
 //! go to the current member, and one that fails to answer (connection refused or reset, no
 //! leader, no answer in time) hands the role to the next, so a client given every member of
@@ -59,6 +59,11 @@ impl Members {
         (index, &self.members[index].url)
     }
 
+    /// The URL of the member at `index`.
+    pub(super) fn url(&self, index: usize) -> &str {
+        &self.members[index].url
+    }
+
     /// The client of the member at `index`, connecting on first use.
     pub(super) async fn client(&self, index: usize) -> Result<Client, etcd_client::Error> {
         let member = &self.members[index];
@@ -67,6 +72,11 @@ impl Members {
             .get_or_try_init(|| Client::connect([member.url.as_str()], Some(self.options.clone())))
             .await?;
         Ok(client.clone())
+    }
+
+    /// The member at `index` answered a call first: it is the one in use.
+    pub(super) fn answered(&self, index: usize) {
+        self.current.store(index, Ordering::Relaxed);
     }
 
     /// The member at `index` did not answer: the next one takes over, unless another call
@@ -98,5 +108,8 @@ mod tests {
         assert_eq!(members.current().0, 1);
         members.failed(1);
         assert_eq!(members.current().0, 0);
+        // A member that answered first (a hedged call) is the one in use.
+        members.answered(1);
+        assert_eq!(members.current(), (1, "http://b:2379"));
     }
 }
