@@ -42,7 +42,6 @@ mod http_client;
 mod load;
 mod metrics;
 mod pipeline;
-mod prom_text;
 mod publish;
 mod registration;
 mod server;

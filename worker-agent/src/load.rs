@@ -6,34 +6,19 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kvmesh_control::{EventBus, InstanceId, LoadReport};
+use kvmesh_wire::engine_load::{self, LoadGauges, read_load};
 
 use crate::config::EngineKind;
 use crate::core::Core;
 use crate::http_client::EngineClient;
 use crate::metrics::AgentMetrics;
-use crate::prom_text;
 
-/// Metric names of one engine kind: running, waiting, and KV usage (first present wins).
-fn names(kind: EngineKind) -> (&'static str, &'static str, &'static [&'static str]) {
+/// The metrics one engine kind states its load in.
+fn gauges(kind: EngineKind) -> LoadGauges<'static> {
     match kind {
-        EngineKind::Vllm => (
-            "vllm:num_requests_running",
-            "vllm:num_requests_waiting",
-            &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
-        ),
-        EngineKind::Sglang => (
-            "sglang:num_running_reqs",
-            "sglang:num_queue_reqs",
-            &["sglang:token_usage"],
-        ),
-        // trtllm-serve's `MetricsCollector` (tensorrt_llm/metrics/collector.py, read at
-        // TensorRT-LLM commit 050f80de): from its iteration stats' `numActiveRequests`,
-        // `numQueuedRequests` and `usedNumBlocks / maxNumBlocks`.
-        EngineKind::Trtllm => (
-            "trtllm_num_requests_running",
-            "trtllm_num_requests_waiting",
-            &["trtllm_kv_cache_utilization"],
-        ),
+        EngineKind::Vllm => engine_load::VLLM,
+        EngineKind::Sglang => engine_load::SGLANG,
+        EngineKind::Trtllm => engine_load::TRTLLM,
     }
 }
 
@@ -47,27 +32,21 @@ pub(crate) fn metrics_path(kind: EngineKind) -> &'static str {
     }
 }
 
-/// Builds a load report from an exposition; `None` when the running / waiting gauges are
-/// missing. Running and waiting are summed over label sets (data-parallel engines), KV usage
-/// averaged.
+/// Builds a load report from an exposition, as [`read_load`] reads the gauges of `kind`:
+/// `None` when the running / waiting gauges are missing or not finite numbers. Running and
+/// waiting are summed over label sets (data-parallel engines), KV usage averaged.
 pub fn parse_load(
     kind: EngineKind,
     text: &str,
     instance_id: InstanceId,
     at_ms: u64,
 ) -> Option<LoadReport> {
-    let (running, waiting, usage) = names(kind);
-    let running = prom_text::sum(text, running)?;
-    let waiting = prom_text::sum(text, waiting)?;
-    let kv_usage = usage
-        .iter()
-        .find_map(|name| prom_text::mean(text, name))
-        .unwrap_or(0.0);
+    let load = read_load(text, &gauges(kind))?;
     Some(LoadReport {
         instance_id,
-        running: running.max(0.0) as u64,
-        waiting: waiting.max(0.0) as u64,
-        kv_usage: kv_usage.clamp(0.0, 1.0),
+        running: load.running,
+        waiting: load.waiting,
+        kv_usage: load.kv_usage,
         at_ms,
         age_ms: None,
         events_complete: true,
@@ -145,6 +124,15 @@ mod tests {
         let r = parse_load(EngineKind::Sglang, sglang, id, 0).expect("sglang report");
         assert_eq!((r.running, r.waiting, r.kv_usage), (1, 0, 0.9));
         assert!(parse_load(EngineKind::Vllm, sglang, id, 0).is_none());
+    }
+
+    #[test]
+    fn a_usage_that_is_not_a_number_still_makes_a_report_the_proxy_reads() {
+        // A NaN usage was written as `"kv_usage":null`, which `LoadReport::from_json` refuses.
+        let text = "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc NaN\n";
+        let report = parse_load(EngineKind::Vllm, text, InstanceId(7), 5).expect("report");
+        assert_eq!(LoadReport::from_json(&report.to_json()).ok(), Some(report));
+        assert_eq!(report.kv_usage, 0.0);
     }
 
     #[test]

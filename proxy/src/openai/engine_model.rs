@@ -7,8 +7,7 @@ use std::borrow::Cow;
 
 use bytes::Bytes;
 use futures_util::FutureExt;
-
-use crate::openai::request_fields::{FieldsError, ModelName, extract};
+use kvmesh_wire::request_fields::{FieldsError, ModelName, extract};
 
 /// How much of a multipart body is searched for its `model` field (audio clients send it
 /// before the file).

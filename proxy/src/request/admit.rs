@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
+use kvmesh_wire::request_fields::{FieldsError, ModelName, extract, with_model_name};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::edge::auth::{ApiKey, KeyPermit, KeyRejection};
@@ -15,7 +16,6 @@ use crate::engines::pool::{Instances, ModelPool};
 use crate::engines::registry::Served;
 use crate::openai::api_error::ApiError;
 use crate::openai::engine_model::{MODEL_HEADER, Named, named_model};
-use crate::openai::request_fields::{FieldsError, ModelName, extract, with_model_name};
 use crate::openai::route::EngineRoute;
 use crate::request::frontend::{Frontend, unless};
 use crate::request::stop::Stop;

@@ -29,6 +29,7 @@ use std::sync::{Arc, LazyLock};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use kvmesh_preprocess::ModelPreprocessor;
+use kvmesh_wire::choice_scan::{Scanned, only_choice};
 use kvmesh_wire::sse::data_values;
 use memchr::memmem;
 use serde::Deserialize;
@@ -43,8 +44,6 @@ use crate::openai::headers::ClientFraming;
 use crate::openai::route::Route;
 use crate::request::pick::Pick;
 use crate::request::record::Record;
-
-use self::scan::{Scanned, only_choice};
 use crate::state::shared::State;
 
 /// The search for an error object's key, built once.
@@ -585,8 +584,6 @@ fn split_events(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
         Some(event)
     })
 }
-
-mod scan;
 
 #[cfg(test)]
 mod tests;

@@ -1,4 +1,7 @@
-//! Reading gauges out of a Prometheus text exposition (the engine's `/metrics`).
+//! Reading samples out of a Prometheus text exposition (an engine's `/metrics`): the values of
+//! one metric's samples, and the labels of its first sample. A sample line is the metric's
+//! name, its label set in braces (optional) and its value, then an optional timestamp; lines
+//! of other metrics, comments and lines that do not read are passed over.
 
 /// The values of every sample of metric `name` (all label sets), in order.
 pub fn samples(text: &str, name: &str) -> Vec<f64> {
@@ -45,8 +48,8 @@ fn parse_value(v: &str) -> Option<f64> {
     }
 }
 
-/// The labels of metric `name`'s first sample (`name="value"` pairs, escapes undone);
-/// `None` when it has no sample with labels.
+/// The labels of metric `name`'s first sample whose label set reads (`name="value"` pairs,
+/// escapes undone); `None` when it has no such sample.
 pub fn labels(text: &str, name: &str) -> Option<Vec<(String, String)>> {
     text.lines().find_map(|line| {
         let set = line.trim_start().strip_prefix(name)?.strip_prefix('{')?;

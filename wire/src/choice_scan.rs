@@ -1,10 +1,20 @@
-//! Reading a stream event's choice without parsing the event: its index, generated piece and
-//! whether it finished, for the common shape of a stream's chunk (one choice, so one
-//! `"index"`, the piece as a string without escapes, a `finish_reason`). Anything else is
-//! left to serde ([`Scanned::Unsure`]), so the scan never decides what it is not sure of.
-//! A migration's transcript reads every event of every stream that may migrate; parsing each
-//! with serde was most of a stream's cost in the proxy (BENCHMARKS.md, *Instructions per
-//! request*). Property-tested against serde below.
+//! Reading a streamed chunk's one choice without parsing the chunk: its index, generated piece
+//! and whether it finished, for the common shape of an engine's stream chunk (one choice, so
+//! one `"index"`, the piece as a string without escapes, a `finish_reason`). Anything else is
+//! left to a JSON parser ([`Scanned::Unsure`]).
+//!
+//! The scan reads field names, not the document's structure: when it is sure, the data (if it
+//! is JSON) has exactly one key `index`, at most one key `text` (or `content`) and at most one
+//! `finish_reason`, wherever they are, with the values it reports. In an OpenAI chunk they
+//! are the choice's (`content` its `delta`'s), so the scan reads what a parser reads; data
+//! that holds them elsewhere (and not in its choice) would be misread. Data with a backslash
+//! anywhere is left to the parser, as an escape could hide a key (`"ind\u0065x"`) or make one
+//! (`"a\"index": 1`).
+//!
+//! A migration's transcript (kvmesh-proxy) reads every event of every stream that may migrate;
+//! parsing each with serde was most of a stream's cost in the proxy (BENCHMARKS.md,
+//! *Instructions per request*). Property-tested against serde below, and fuzzed
+//! (`fuzz/fuzz_targets/openai_fields.rs`).
 
 use std::sync::LazyLock;
 
@@ -17,7 +27,7 @@ static FINISH: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"fini
 
 /// What the scan read of an event's data.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Scanned<'a> {
+pub enum Scanned<'a> {
     /// The event's one choice, surely: its index, its piece (`None`: none, or an empty one)
     /// and whether it finished.
     Choice {
@@ -34,7 +44,10 @@ pub(super) enum Scanned<'a> {
 
 /// Scans `data` (one event's JSON) for its one choice's piece: `"text"` (completions) or
 /// `"content"` (chat, `chat: true`).
-pub(super) fn only_choice(data: &[u8], chat: bool) -> Scanned<'_> {
+pub fn only_choice(data: &[u8], chat: bool) -> Scanned<'_> {
+    if memchr::memchr(b'\\', data).is_some() {
+        return Scanned::Unsure;
+    }
     let mut indexes = INDEX.find_iter(data);
     let (Some(at), None) = (indexes.next(), indexes.next()) else {
         return Scanned::Unsure;
@@ -92,13 +105,10 @@ fn small_number(value: &[u8]) -> Option<usize> {
     })
 }
 
-/// A JSON string's text from just past its opening quote, when it has no escape (`None`:
-/// it has one, or does not end).
+/// A JSON string's text from just past its opening quote (the data has no backslash, so the
+/// string has no escape); `None` when it does not end or is not UTF-8.
 fn plain_string(rest: &[u8]) -> Option<&str> {
-    let end = memchr::memchr2(b'"', b'\\', rest)?;
-    if rest[end] != b'"' {
-        return None;
-    }
+    let end = memchr::memchr(b'"', rest)?;
     std::str::from_utf8(&rest[..end]).ok()
 }
 
@@ -169,6 +179,19 @@ mod tests {
         }
         let two = br#"{"choices":[{"index":0,"text":"x"},{"index":1,"text":"y"}]}"#;
         assert_eq!(only_choice(two, false), Scanned::Unsure);
+    }
+
+    #[test]
+    fn escapes_are_left_to_serde() {
+        // Found writing the `openai_fields` fuzz target: a key ending in an escaped quote
+        // and `index` was read as the choice's index, which serde reads as 0 (absent).
+        let made = br#"{"choices":[{"text":"x","finish_reason":null}],"a\"index":7}"#;
+        assert_eq!(only_choice(made, false), Scanned::Unsure);
+        // A key written with an escape is still that key to serde: two `index` keys.
+        let hidden = br#"{"choices":[{"ind\u0065x":3,"text":"x"}],"usage":{"index":0}}"#;
+        assert_eq!(only_choice(hidden, false), Scanned::Unsure);
+        let elsewhere = br#"{"model":"a\/b","choices":[{"index":0,"text":"x"}]}"#;
+        assert_eq!(only_choice(elsewhere, false), Scanned::Unsure);
     }
 
     proptest! {
