@@ -34,6 +34,10 @@ pub struct KvRoutingConfig {
     /// How fast the cached-prefix credit shrinks as an instance's prefill backlog exceeds the
     /// least-loaded instance's: credit × `1 / (1 + decay × excess iterations)`; 0: never.
     pub overlap_credit_decay: f64,
+    /// What a cached block in a lower tier is worth against one in device memory, from 0
+    /// (as good as a miss) to 1 (as good as a device hit): the engine loads it back instead of
+    /// computing it (vLLM's offloading connectors report such blocks with `medium` `CPU`).
+    pub tier_weights: KvTierWeights,
     /// 0: always the cheapest instance; above 0: a softmax draw over range-normalised
     /// costs, flatter as it grows.
     pub temperature: f64,
@@ -81,6 +85,7 @@ impl Default for KvRoutingConfig {
             overlap_weight: 1.0,
             harm_weight: 0.0,
             overlap_credit_decay: 0.0,
+            tier_weights: KvTierWeights::default(),
             temperature: 0.0,
             approx_ttl: Duration::from_secs(120),
             approx_max_blocks: 1 << 20,
@@ -118,6 +123,27 @@ impl KvRoutingConfig {
     /// Active prefill tokens above which an instance is busy, when on.
     pub fn busy_prefill_tokens_limit(&self) -> Option<u64> {
         self.busy_prefill_tokens.filter(|&limit| limit > 0)
+    }
+}
+
+/// What a block in host memory or on disk counts for in `policy: kv`'s cost, as a share of a
+/// block in device memory. The defaults are NVIDIA Dynamo's KV router's (0.75 and 0.25); see
+/// docs/configuration.md for what they rest on.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvTierWeights {
+    /// A block in host (CPU) memory; in [0, 1].
+    pub host: f64,
+    /// A block on disk; in [0, 1].
+    pub disk: f64,
+}
+
+impl Default for KvTierWeights {
+    fn default() -> Self {
+        Self {
+            host: 0.75,
+            disk: 0.25,
+        }
     }
 }
 

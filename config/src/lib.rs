@@ -57,7 +57,7 @@ pub use field_path::{FieldPath, Segment};
 pub use grpc::{GRPC_LISTENER, GrpcConfig, MAX_GRPC_MESSAGE_BYTES};
 pub use health_check::HealthCheckConfig;
 pub use kv_routing::{
-    FALLBACK_BLOCK_SIZE, KvCacheCheckConfig, KvQueueConfig, KvRoutingConfig,
+    FALLBACK_BLOCK_SIZE, KvCacheCheckConfig, KvQueueConfig, KvRoutingConfig, KvTierWeights,
     KvTokenizerCheckConfig, MAX_APPROX_TTL,
 };
 pub use limits::LimitsConfig;

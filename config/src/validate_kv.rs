@@ -22,6 +22,17 @@ pub(crate) fn check_kv(kv: &KvRoutingConfig, path: &FieldPath) -> Checked {
     non_negative(kv.harm_weight, path.key("harm_weight"))?;
     non_negative(kv.overlap_credit_decay, path.key("overlap_credit_decay"))?;
     non_negative(kv.temperature, path.key("temperature"))?;
+    for (weight, name) in [
+        (kv.tier_weights.host, "host"),
+        (kv.tier_weights.disk, "disk"),
+    ] {
+        if !(0.0..=1.0).contains(&weight) {
+            return fail(
+                path.key("tier_weights").key(name),
+                format!("{weight} is not in [0, 1] (0: worth a miss, 1: a device hit)"),
+            );
+        }
+    }
     positive(kv.approx_ttl, path.key("approx_ttl"))?;
     if kv.approx_ttl > MAX_APPROX_TTL {
         return fail(

@@ -89,6 +89,7 @@ fn minimal_config_gets_every_default() {
     assert_eq!(kv.block_size, None);
     assert_eq!(kv.block_size_or_fallback(), 16);
     assert_eq!(kv.overlap_weight, 1.0);
+    assert_eq!((kv.tier_weights.host, kv.tier_weights.disk), (0.75, 0.25));
     assert_eq!(kv.temperature, 0.0);
     assert_eq!(kv.approx_ttl, Duration::from_secs(120));
     assert_eq!(kv.approx_max_blocks, 1_048_576);
@@ -821,6 +822,20 @@ fn kv_policy_settings_are_validated() {
         "finite number >= 0",
         8,
         23,
+    );
+    assert_err(
+        &kv("      tier_weights:\n        host: 1.5\n"),
+        "models[0].kv.tier_weights.host",
+        "not in [0, 1]",
+        9,
+        15,
+    );
+    assert_err(
+        &kv("      tier_weights:\n        disk: -0.1\n"),
+        "models[0].kv.tier_weights.disk",
+        "not in [0, 1]",
+        9,
+        15,
     );
     assert_err(
         &kv("      temperature: -0.1\n"),

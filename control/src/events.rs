@@ -1,7 +1,9 @@
 //! KV event batches on NATS (docs/control-plane.md, "NATS: KV events"): JSON with hashes as
 //! 16-digit hex strings, converted losslessly to and from [`kvmesh_kv::KvEvent`].
 
-use kvmesh_kv::{BlockParent, ExternalHash, KvEvent, LocalBlockHash, SequenceHash, StoredBlock};
+use kvmesh_kv::{
+    BlockParent, CacheTier, ExternalHash, KvEvent, LocalBlockHash, SequenceHash, StoredBlock,
+};
 use serde::ser::{SerializeMap, SerializeStruct};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -15,6 +17,9 @@ pub struct EventBatch {
     /// The data-parallel rank whose cache changed (0 for single-rank engines).
     #[serde(default)]
     pub dp_rank: u32,
+    /// The cache tier that changed: `"tier": "host"` or `"disk"`, absent for the device.
+    #[serde(default, with = "tier_name", skip_serializing_if = "is_device")]
+    pub tier: CacheTier,
     /// The agent's batch counter for this instance: starts at 1, grows by exactly 1 per batch
     /// across all ranks, so `seq > last + 1` means batches were missed.
     pub seq: u64,
@@ -49,6 +54,7 @@ impl EventBatch {
         let stamped = StampedRef {
             instance_id: self.instance_id,
             dp_rank: self.dp_rank,
+            tier: self.tier,
             seq: self.seq,
             at_ms,
             events: &self.events,
@@ -63,6 +69,7 @@ impl EventBatch {
         let batch = Self {
             instance_id: stamped.instance_id,
             dp_rank: stamped.dp_rank,
+            tier: stamped.tier,
             seq: stamped.seq,
             events: stamped.events,
         };
@@ -80,6 +87,8 @@ impl EventBatch {
 struct StampedRef<'a> {
     instance_id: InstanceId,
     dp_rank: u32,
+    #[serde(with = "tier_name", skip_serializing_if = "is_device")]
+    tier: CacheTier,
     seq: u64,
     at_ms: u64,
     #[serde(serialize_with = "kv_event_list::serialize")]
@@ -92,11 +101,35 @@ struct Stamped {
     instance_id: InstanceId,
     #[serde(default)]
     dp_rank: u32,
+    #[serde(default, with = "tier_name")]
+    tier: CacheTier,
     seq: u64,
     #[serde(default)]
     at_ms: Option<u64>,
     #[serde(with = "kv_event_list")]
     events: Vec<KvEvent>,
+}
+
+fn is_device(tier: &CacheTier) -> bool {
+    *tier == CacheTier::Device
+}
+
+/// `serde(with)` for a [`CacheTier`] by its name (`device`, `host`, `disk`).
+mod tier_name {
+    use super::*;
+
+    pub(super) fn serialize<S: Serializer>(tier: &CacheTier, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(tier.as_str())
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<CacheTier, D::Error> {
+        let name = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        CacheTier::from_name(&name).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "unknown cache tier {name:?} (device, host or disk)"
+            ))
+        })
+    }
 }
 
 /// Number of blocks a Stored or Removed event names (0 for Cleared).
@@ -204,6 +237,8 @@ struct EventRef<'a> {
     event: &'a KvEvent,
     /// Written as a `dp_rank` field when set (snapshot events).
     dp_rank: Option<u32>,
+    /// Written as a `tier` field when set (snapshot events of a lower tier).
+    tier: Option<CacheTier>,
 }
 
 struct BlockRef<'a>(&'a StoredBlock);
@@ -256,6 +291,9 @@ impl Serialize for EventRef<'_> {
         if let Some(rank) = self.dp_rank {
             map.serialize_entry("dp_rank", &rank)?;
         }
+        if let Some(tier) = self.tier {
+            map.serialize_entry("tier", tier.as_str())?;
+        }
         map.end()
     }
 }
@@ -268,6 +306,7 @@ mod kv_event_list {
         s.collect_seq(events.iter().map(|event| EventRef {
             event,
             dp_rank: None,
+            tier: None,
         }))
     }
 
@@ -277,12 +316,15 @@ mod kv_event_list {
     }
 }
 
-/// An event of a full snapshot, with the data-parallel rank whose cache holds it (on the wire,
-/// a `dp_rank` field beside `type`, omitted when 0).
+/// An event of a full snapshot, with the data-parallel rank and the tier whose cache holds it
+/// (on the wire, `dp_rank` and `tier` fields beside `type`, omitted for rank 0 and the
+/// device).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RankedEvent {
     /// The rank whose cache the event describes.
     pub dp_rank: u32,
+    /// The tier of that rank's cache.
+    pub tier: CacheTier,
     /// The event.
     pub event: KvEvent,
 }
@@ -292,6 +334,7 @@ impl Serialize for RankedEvent {
         EventRef {
             event: &self.event,
             dp_rank: (self.dp_rank != 0).then_some(self.dp_rank),
+            tier: (!is_device(&self.tier)).then_some(self.tier),
         }
         .serialize(s)
     }
@@ -301,6 +344,8 @@ impl Serialize for RankedEvent {
 struct RankedWire {
     #[serde(default)]
     dp_rank: u32,
+    #[serde(default, with = "tier_name")]
+    tier: CacheTier,
     #[serde(flatten)]
     event: WireEvent,
 }
@@ -310,6 +355,7 @@ impl<'de> Deserialize<'de> for RankedEvent {
         let wire = RankedWire::deserialize(d)?;
         Ok(Self {
             dp_rank: wire.dp_rank,
+            tier: wire.tier,
             event: wire.event.into(),
         })
     }
@@ -336,6 +382,7 @@ mod tests {
         EventBatch {
             instance_id: InstanceId(0x00c0_ffee_00c0_ffee),
             dp_rank: 0,
+            tier: Default::default(),
             seq: 42,
             events: vec![
                 stored(),
@@ -434,6 +481,7 @@ mod tests {
         for dp_rank in [0, 3] {
             let e = RankedEvent {
                 dp_rank,
+                tier: Default::default(),
                 event: stored(),
             };
             let json = serde_json::to_value(&e).expect("encode");
@@ -441,5 +489,39 @@ mod tests {
             let back: RankedEvent = serde_json::from_value(json).expect("decode");
             assert_eq!(back, e);
         }
+    }
+
+    #[test]
+    fn a_lower_tier_is_named_and_the_device_left_out() {
+        for tier in CacheTier::ALL {
+            let batch = EventBatch { tier, ..batch() };
+            let json: serde_json::Value = serde_json::from_slice(&batch.to_json()).expect("json");
+            let named = (tier != CacheTier::Device).then(|| tier.as_str());
+            assert_eq!(json.get("tier").and_then(|t| t.as_str()), named);
+            assert_eq!(
+                EventBatch::from_json(&batch.to_json()).expect("decode"),
+                batch
+            );
+            let mut stamped = Vec::new();
+            batch.write_json_at(7, &mut stamped);
+            assert_eq!(
+                EventBatch::from_json_at(&stamped).expect("decode"),
+                (batch.clone(), Some(7))
+            );
+            let ranked = RankedEvent {
+                dp_rank: 1,
+                tier,
+                event: stored(),
+            };
+            let json = serde_json::to_value(&ranked).expect("encode");
+            assert_eq!(json.get("tier").and_then(|t| t.as_str()), named);
+            assert_eq!(
+                serde_json::from_value::<RankedEvent>(json).expect("decode"),
+                ranked
+            );
+        }
+        let unknown = br#"{"instance_id":"0000000000000001","tier":"nvme","seq":1,"events":[]}"#;
+        let error = EventBatch::from_json(unknown).expect_err("an unknown tier");
+        assert!(error.to_string().contains("unknown cache tier"), "{error}");
     }
 }

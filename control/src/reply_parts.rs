@@ -120,6 +120,7 @@ fn fitting_pieces(event: &RankedEvent, budget: usize) -> Result<Vec<RankedEvent>
         for chunk in blocks.chunks(per_piece) {
             pieces.push(RankedEvent {
                 dp_rank: event.dp_rank,
+                tier: event.tier,
                 event: KvEvent::Stored {
                     parent: previous,
                     blocks: chunk.to_vec(),
@@ -285,6 +286,7 @@ mod tests {
     fn chain(start: u64, len: u64, dp_rank: u32) -> RankedEvent {
         RankedEvent {
             dp_rank,
+            tier: Default::default(),
             event: KvEvent::stored(
                 None,
                 (start..start + len).map(|i| (ExternalHash(i), LocalBlockHash(i * 7))),
@@ -369,6 +371,7 @@ mod tests {
         let batch = |seq: u64, len: u64| EventBatch {
             instance_id: InstanceId(5),
             dp_rank: 0,
+            tier: Default::default(),
             seq,
             events: vec![chain(seq * 1000, len, 0).event],
         };

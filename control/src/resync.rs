@@ -107,6 +107,7 @@ mod tests {
         let batch = EventBatch {
             instance_id: InstanceId(1),
             dp_rank: 0,
+            tier: Default::default(),
             seq: 5,
             events: vec![KvEvent::Cleared],
         };
@@ -125,6 +126,7 @@ mod tests {
         let snapshot = SnapshotReply::Snapshot {
             events: vec![RankedEvent {
                 dp_rank: 1,
+                tier: Default::default(),
                 event: KvEvent::stored(None, [(ExternalHash(1), LocalBlockHash(2))]),
             }],
             last_seq: 9,

@@ -4,6 +4,8 @@
 //! strings; unknown fields ignored. Events of other KV groups or media are kept as
 //! [`EngineEvent::Ignored`] so they can be counted.
 
+use kvmesh_kv::CacheTier;
+
 use crate::msgpack::{DecodeError, Kind, Reader, Result, malformed};
 
 /// Whose positional layout a batch's array-form events follow (map-form events name their
@@ -30,12 +32,30 @@ pub fn fold_hash_bytes(bytes: &[u8]) -> u64 {
     tail.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b))
 }
 
+/// The cache tier an event's `medium` names, whatever its case: vLLM 0.32 writes `GPU`,
+/// `CPU` (its offloading connectors' host memory) and `STORAGE` (their disk and object
+/// stores); LMCache and Mooncake write `cpu`, SGLang `CPU_PINNED`, Dynamo's block manager
+/// `CPU_TIER1` and `CPU_TIER2` (host memory and disk). `None` for a medium not placed.
+pub fn medium_tier(medium: &str) -> Option<CacheTier> {
+    let medium = medium.to_ascii_uppercase();
+    let names = |words: &[&str]| words.iter().any(|word| medium.contains(word));
+    if matches!(medium.as_str(), "GPU" | "DEVICE" | "CUDA" | "HBM") {
+        Some(CacheTier::Device)
+    } else if names(&["STORAGE", "DISK", "SSD", "NVME", "TIER2"]) {
+        Some(CacheTier::Disk)
+    } else if names(&["CPU", "HOST", "CXL", "DRAM"]) {
+        Some(CacheTier::Host)
+    } else {
+        None
+    }
+}
+
 /// Why an event was ignored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IgnoreReason {
     /// A KV-cache group other than the main one (hybrid models).
     KvGroup,
-    /// A medium other than the GPU (offloading tiers).
+    /// A medium kvmesh does not place in a tier ([`medium_tier`]).
     Medium,
     /// A CPU-offload-style store without tokens or block size.
     Offload,
@@ -87,6 +107,22 @@ pub enum EngineEvent {
     },
     /// Blocks were evicted.
     Removed {
+        /// Engine ids of the blocks.
+        block_hashes: Vec<u64>,
+    },
+    /// Blocks became cached in a lower tier (host memory, disk), named by the engine ids
+    /// their device copies had: an offloading connector's store (vLLM's carries the same
+    /// hashes as the device's events; its tokens, when it sends them, are not needed).
+    TierStored {
+        /// Where the blocks are kept.
+        tier: CacheTier,
+        /// Engine ids of the blocks.
+        block_hashes: Vec<u64>,
+    },
+    /// Blocks left a lower tier.
+    TierRemoved {
+        /// The tier they left.
+        tier: CacheTier,
         /// Engine ids of the blocks.
         block_hashes: Vec<u64>,
     },
@@ -381,25 +417,24 @@ impl Fields {
         })
     }
 
-    /// Why the event's blocks are not tracked, if they are not: a KV-cache group other than
-    /// the main one, or a medium other than the GPU.
-    fn untracked_placement(&self) -> Option<IgnoreReason> {
+    /// Where the event's blocks are kept, or why they are not tracked: a KV-cache group other
+    /// than the main one, or a medium kvmesh does not know.
+    fn placement(&self) -> std::result::Result<CacheTier, IgnoreReason> {
         let main_group = match &self.spec_kind {
             Some(kind) => MAIN_KINDS.contains(&kind.as_str()),
             None => self.group_idx.unwrap_or(0) == 0,
         };
         if !main_group {
-            return Some(IgnoreReason::KvGroup);
+            return Err(IgnoreReason::KvGroup);
         }
-        let on_gpu = self
-            .medium
-            .as_deref()
-            .is_none_or(|m| m.eq_ignore_ascii_case("gpu") || m.eq_ignore_ascii_case("device"));
-        (!on_gpu).then_some(IgnoreReason::Medium)
+        match self.medium.as_deref() {
+            None => Ok(CacheTier::Device),
+            Some(medium) => medium_tier(medium).ok_or(IgnoreReason::Medium),
+        }
     }
 
     fn into_event(self) -> Result<EngineEvent> {
-        let untracked = self.untracked_placement();
+        let placement = self.placement();
         let Some(tag) = self.tag else {
             return malformed("event without a type");
         };
@@ -408,8 +443,10 @@ impl Fields {
                 let Some(block_hashes) = self.block_hashes else {
                     return malformed("BlockStored without block_hashes");
                 };
-                if let Some(reason) = untracked {
-                    return Ok(EngineEvent::Ignored(reason));
+                match placement {
+                    Err(reason) => return Ok(EngineEvent::Ignored(reason)),
+                    Ok(CacheTier::Device) => {}
+                    Ok(tier) => return Ok(EngineEvent::TierStored { tier, block_hashes }),
                 }
                 let token_ids = self.token_ids.unwrap_or_default();
                 let block_size = self.block_size.unwrap_or(0) as usize;
@@ -434,10 +471,11 @@ impl Fields {
                 let Some(block_hashes) = self.block_hashes else {
                     return malformed("BlockRemoved without block_hashes");
                 };
-                if let Some(reason) = untracked {
-                    return Ok(EngineEvent::Ignored(reason));
+                match placement {
+                    Err(reason) => Ok(EngineEvent::Ignored(reason)),
+                    Ok(CacheTier::Device) => Ok(EngineEvent::Removed { block_hashes }),
+                    Ok(tier) => Ok(EngineEvent::TierRemoved { tier, block_hashes }),
                 }
-                Ok(EngineEvent::Removed { block_hashes })
             }
             "AllBlocksCleared" => Ok(EngineEvent::Cleared),
             _ => Ok(EngineEvent::Ignored(IgnoreReason::UnknownType)),

@@ -18,7 +18,9 @@ mod batch;
 mod msgpack;
 mod trtllm;
 
-pub use batch::{EngineBatch, EngineEvent, IgnoreReason, Layout, decode_batch, fold_hash_bytes};
+pub use batch::{
+    EngineBatch, EngineEvent, IgnoreReason, Layout, decode_batch, fold_hash_bytes, medium_tier,
+};
 pub use trtllm::{
     TrtllmBlock, TrtllmData, TrtllmEvent, TrtllmPoll, TrtllmStep, TrtllmView, decode_trtllm_events,
 };

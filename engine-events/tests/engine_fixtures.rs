@@ -5,6 +5,7 @@
 //! asserted here are the ones `tests/fixtures/gen_engine_kv_events.py` put in.
 
 use kvmesh_engine_events::{EngineBatch, EngineEvent, IgnoreReason, Layout, decode_batch};
+use kvmesh_kv::CacheTier;
 use rmpv::Value;
 
 /// The `ts` every fixture batch carries.
@@ -200,8 +201,11 @@ fn vllm_mixed_batch_of_rank_1() {
             stored(&[V6], None, tokens(4000, 16)),
             // group_idx 1, kv_cache_spec_kind "sliding_window".
             EngineEvent::Ignored(IgnoreReason::KvGroup),
-            // medium "CPU" (the CPU offloading connector's store).
-            EngineEvent::Ignored(IgnoreReason::Medium),
+            // medium "CPU" (the CPU offloading connector's store): kept in the host tier.
+            EngineEvent::TierStored {
+                tier: CacheTier::Host,
+                block_hashes: vec![V6],
+            },
             removed(&[V6]),
             EngineEvent::Cleared,
         ]
@@ -264,8 +268,14 @@ fn sglang_mixed_batch_of_attention_dp_rank_1() {
         vec![
             stored(&[S5], None, tokens(5000, 16)),
             // medium "CPU_PINNED" (the host / L2 tier): a store and a removal.
-            EngineEvent::Ignored(IgnoreReason::Medium),
-            EngineEvent::Ignored(IgnoreReason::Medium),
+            EngineEvent::TierStored {
+                tier: CacheTier::Host,
+                block_hashes: vec![S5],
+            },
+            EngineEvent::TierRemoved {
+                tier: CacheTier::Host,
+                block_hashes: vec![S5],
+            },
             removed(&[S5]),
             EngineEvent::Cleared,
         ]

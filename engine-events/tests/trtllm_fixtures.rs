@@ -290,6 +290,9 @@ impl Held {
                         self.cleared += 1;
                     }
                     Some(EngineEvent::Ignored(reason)) => self.ignored.push(reason),
+                    Some(EngineEvent::TierStored { .. } | EngineEvent::TierRemoved { .. }) => {
+                        panic!("{name}: TensorRT-LLM's reading places no block in a lower tier")
+                    }
                 }
             }
         }

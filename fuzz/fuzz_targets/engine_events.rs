@@ -14,6 +14,7 @@
 use kvmesh_engine_events::{
     EngineBatch, EngineEvent, IgnoreReason, Layout, decode_batch, fold_hash_bytes,
 };
+use kvmesh_kv::CacheTier;
 use libfuzzer_sys::fuzz_target;
 
 /// How a batch is written back.
@@ -121,7 +122,7 @@ fn ignored(out: &mut Vec<u8>, reason: IgnoreReason) {
         }
         IgnoreReason::Medium => {
             text(out, "medium");
-            text(out, "CPU");
+            text(out, "TAPE");
         }
         _ => {}
     }
@@ -138,6 +139,26 @@ fn event(out: &mut Vec<u8>, event: &EngineEvent, form: Form) {
         (EngineEvent::Cleared, Form::VllmPositional) => {
             array(out, 1);
             text(out, "AllBlocksCleared");
+        }
+        // Lower tiers as maps in both forms, their medium as vLLM and SGLang name it.
+        (EngineEvent::TierStored { tier, block_hashes }, _)
+        | (EngineEvent::TierRemoved { tier, block_hashes }, _) => {
+            let kind = match event {
+                EngineEvent::TierStored { .. } => "BlockStored",
+                _ => "BlockRemoved",
+            };
+            let medium = match tier {
+                CacheTier::Host => "CPU_PINNED",
+                CacheTier::Disk => "STORAGE",
+                CacheTier::Device => panic!("a lower tier event in the device tier"),
+            };
+            map(out, 3);
+            text(out, "type");
+            text(out, kind);
+            text(out, "block_hashes");
+            uints(out, block_hashes.iter().copied());
+            text(out, "medium");
+            text(out, medium);
         }
         (EngineEvent::Removed { block_hashes }, Form::Map) => {
             map(out, 2);

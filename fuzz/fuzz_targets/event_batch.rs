@@ -31,10 +31,7 @@ fuzz_target!(|data: &[u8]| {
     );
 
     let index = KvIndex::with_shards(4);
-    let worker = WorkerKey {
-        instance_id: batch.instance_id.0,
-        dp_rank: batch.dp_rank,
-    };
+    let worker = WorkerKey::new(batch.instance_id.0, batch.dp_rank).in_tier(batch.tier);
     let mut query = Vec::new();
     for event in &batch.events {
         index.apply(worker, event);

@@ -162,10 +162,7 @@ mod tests {
     use crate::index::KvIndex;
     use crate::worker::WorkerKey;
 
-    const W: WorkerKey = WorkerKey {
-        instance_id: 7,
-        dp_rank: 0,
-    };
+    const W: WorkerKey = WorkerKey::new(7, 0);
 
     #[test]
     fn engine_events_become_index_events_matching_request_hashes() {

@@ -137,4 +137,4 @@ pub use hash::{
 pub use index::{DEFAULT_SHARDS, IndexStats, KvIndex};
 pub use outcome::{ApplyOutcome, ApplyStatus};
 pub use scores::{OverlapScores, WorkerOverlap};
-pub use worker::WorkerKey;
+pub use worker::{CacheTier, WorkerKey};

@@ -8,10 +8,7 @@ use kvmesh_kv::{
     BlockHasher, BlockParent, ExternalHash, KvEvent, KvIndex, SequenceHash, WorkerKey,
 };
 
-const STABLE: WorkerKey = WorkerKey {
-    instance_id: 100,
-    dp_rank: 0,
-};
+const STABLE: WorkerKey = WorkerKey::new(100, 0);
 
 #[test]
 fn lookups_stay_exact_for_workers_nobody_writes_to() {

@@ -234,6 +234,7 @@ fn batch(id: u64, seq: u64, events: Vec<KvEvent>) -> EventBatch {
     EventBatch {
         instance_id: InstanceId(id),
         dp_rank: 0,
+        tier: Default::default(),
         seq,
         events,
     }
@@ -260,6 +261,7 @@ async fn a_gap_resyncs_from_the_agent_and_the_replay_is_applied_in_order() {
     agent.script(SnapshotReply::Snapshot {
         events: vec![RankedEvent {
             dp_rank: 0,
+            tier: Default::default(),
             event: stored(&a, 0, 2, 100),
         }],
         last_seq: 3,
@@ -330,6 +332,7 @@ async fn live_batches_are_timed_from_their_agent_numbering_them_to_the_intake() 
     agent.script(SnapshotReply::Snapshot {
         events: vec![RankedEvent {
             dp_rank: 0,
+            tier: Default::default(),
             event: stored(&a, 0, 1, 100),
         }],
         last_seq: 3,
@@ -381,6 +384,7 @@ async fn a_snapshot_replaces_what_the_proxy_held_and_garbage_is_counted() {
     agent.script(SnapshotReply::Snapshot {
         events: vec![RankedEvent {
             dp_rank: 0,
+            tier: Default::default(),
             event: stored(&old, 0, 4, 200),
         }],
         last_seq: 1,
@@ -393,6 +397,7 @@ async fn a_snapshot_replaces_what_the_proxy_held_and_garbage_is_counted() {
     agent.script(SnapshotReply::Snapshot {
         events: vec![RankedEvent {
             dp_rank: 0,
+            tier: Default::default(),
             event: stored(&new, 0, 3, 300),
         }],
         last_seq: 9,
@@ -624,6 +629,7 @@ async fn a_reload_keeps_unchanged_models_and_moves_changed_ones_to_new_pools() {
     agents[0].script(SnapshotReply::Snapshot {
         events: vec![RankedEvent {
             dp_rank: 0,
+            tier: Default::default(),
             event: stored(&pm, 0, 3, 100),
         }],
         last_seq: 1,
@@ -744,6 +750,7 @@ async fn an_unset_block_size_comes_from_the_first_record_and_another_degrades_he
     agent.script(SnapshotReply::Snapshot {
         events: vec![RankedEvent {
             dp_rank: 0,
+            tier: Default::default(),
             event: stored(&a, 0, 6, 100),
         }],
         last_seq: 1,
@@ -777,6 +784,7 @@ async fn an_unset_block_size_comes_from_the_first_record_and_another_degrades_he
     other.script(SnapshotReply::Snapshot {
         events: vec![RankedEvent {
             dp_rank: 0,
+            tier: Default::default(),
             event: stored(&a, 0, 6, 300),
         }],
         last_seq: 1,
@@ -933,6 +941,7 @@ async fn answers_that_keep_disagreeing_with_the_index_untrust_the_instance_until
     agent.script(SnapshotReply::Snapshot {
         events: vec![RankedEvent {
             dp_rank: 0,
+            tier: Default::default(),
             event: stored(&a, 0, 6, 100),
         }],
         last_seq: 1,
@@ -1034,6 +1043,7 @@ async fn an_agent_that_lost_events_its_engine_could_not_replay_degrades_its_inst
     agent.script(SnapshotReply::Snapshot {
         events: vec![RankedEvent {
             dp_rank: 0,
+            tier: Default::default(),
             event: stored(&a, 0, 4, 200),
         }],
         last_seq: 1,
@@ -1093,6 +1103,7 @@ async fn batches_lost_with_no_later_batch_are_found_by_the_agents_load_reports()
     agent.script(SnapshotReply::Snapshot {
         events: vec![RankedEvent {
             dp_rank: 0,
+            tier: Default::default(),
             event: stored(&a, 0, 4, 200),
         }],
         last_seq: 1,
@@ -1105,10 +1116,12 @@ async fn batches_lost_with_no_later_batch_are_found_by_the_agents_load_reports()
         events: vec![
             RankedEvent {
                 dp_rank: 0,
+                tier: Default::default(),
                 event: stored(&a, 0, 4, 200),
             },
             RankedEvent {
                 dp_rank: 0,
+                tier: Default::default(),
                 event: stored(&b, 0, 4, 300),
             },
         ],
@@ -1215,6 +1228,7 @@ async fn hostile_well_formed_batches_are_counted_and_change_nothing_else() {
     let truth = || SnapshotReply::Snapshot {
         events: vec![RankedEvent {
             dp_rank: 0,
+            tier: Default::default(),
             event: stored(&a, 0, 2, 100),
         }],
         last_seq: 3,

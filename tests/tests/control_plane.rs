@@ -2373,6 +2373,7 @@ async fn a_hostile_batch_for_a_real_instance_and_a_flood_past_the_buffer_are_cou
     let hostile = EventBatch {
         instance_id: InstanceId(0xaa),
         dp_rank: 0,
+        tier: Default::default(),
         seq: 1_000_000,
         events: vec![KvEvent::stored(
             None,

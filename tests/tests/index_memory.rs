@@ -120,7 +120,11 @@ async fn a_100k_block_snapshot_fills_the_index_exactly_within_its_own_bytes() ->
     let reply = SnapshotReply::Snapshot {
         events: events
             .into_iter()
-            .map(|event| RankedEvent { dp_rank: 0, event })
+            .map(|event| RankedEvent {
+                dp_rank: 0,
+                tier: Default::default(),
+                event,
+            })
             .collect(),
         last_seq: 0,
     };

@@ -80,7 +80,7 @@ fn pipeline(c: &mut Criterion) {
                 b.iter(|| {
                     let out = p.push(0, black_box(&batches[i % batches.len()]));
                     i += 1;
-                    black_box(out.map(|o| o.len()))
+                    black_box(out.len())
                 })
             },
         );

@@ -9,7 +9,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use kvmesh_control::{EventBatch, InstanceId, RankedEvent, SnapshotReply, SnapshotRequest};
 use kvmesh_engine_events::{EngineBatch, EngineEvent};
-use kvmesh_kv::KvEvent;
+use kvmesh_kv::{CacheTier, KvEvent};
 use kvmesh_telemetry::Tracer;
 use opentelemetry::KeyValue;
 use opentelemetry::trace::{SpanContext, SpanKind};
@@ -37,7 +37,8 @@ struct State {
     ranks: Vec<RankTable>,
     last_seq: u64,
     ring: VecDeque<EventBatch>,
-    scratch: Vec<KvEvent>,
+    /// The events of the batch being translated, per tier (by [`CacheTier`] order).
+    scratch: [Vec<KvEvent>; 3],
     json: Vec<u8>,
 }
 
@@ -70,7 +71,7 @@ impl Core {
                 ranks,
                 last_seq: 0,
                 ring: VecDeque::with_capacity(RING_CAPACITY),
-                scratch: Vec::new(),
+                scratch: Default::default(),
                 json: Vec::new(),
             }),
             outgoing,
@@ -112,7 +113,7 @@ impl Core {
             return 0;
         };
         let out = &mut state.scratch;
-        out.clear();
+        out.iter_mut().for_each(Vec::clear);
         let mut unknown_parent = 0;
         m.events_received.inc_by(batch.events.len() as u64);
         if batch.malformed_events > 0 {
@@ -139,7 +140,7 @@ impl Core {
                         lora_name.as_deref(),
                         mm_hashes,
                         cache_salt.as_deref(),
-                        out,
+                        &mut out[0],
                     );
                     match result {
                         Ok(()) => {}
@@ -154,7 +155,15 @@ impl Core {
                     }
                 }
                 EngineEvent::Removed { block_hashes } => {
-                    let unknown = table.removed(block_hashes, out);
+                    let unknown = table.removed(block_hashes, &mut out[0]);
+                    m.translation_misses.inc_by(unknown as u64);
+                }
+                EngineEvent::TierStored { tier, block_hashes } => {
+                    let unknown = table.tier_stored(*tier, block_hashes, &mut out[*tier as usize]);
+                    m.translation_misses.inc_by(unknown as u64);
+                }
+                EngineEvent::TierRemoved { tier, block_hashes } => {
+                    let unknown = table.tier_removed(*tier, block_hashes, &mut out[*tier as usize]);
                     m.translation_misses.inc_by(unknown as u64);
                 }
                 EngineEvent::Cleared => table.cleared(single_rank, out),
@@ -165,11 +174,22 @@ impl Core {
         }
         m.cached_blocks
             .set(state.ranks.iter().map(RankTable::len).sum::<usize>() as i64);
-        span.set(|| KeyValue::new("kvmesh.kv_events", state.scratch.len() as i64));
+        for tier in [CacheTier::Host, CacheTier::Disk] {
+            let blocks: usize = state.ranks.iter().map(|t| t.tier_len(tier)).sum();
+            m.offloaded_blocks
+                .with_label_values(&[tier.as_str()])
+                .set(blocks as i64);
+        }
+        span.set(|| {
+            let events: usize = state.scratch.iter().map(Vec::len).sum();
+            KeyValue::new("kvmesh.kv_events", events as i64)
+        });
         span.set(|| KeyValue::new("kvmesh.unknown_parent_blocks", unknown_parent as i64));
-        if !state.scratch.is_empty() {
-            let events = std::mem::take(&mut state.scratch);
-            self.publish_locked(state, rank, events, received, span.context());
+        for tier in CacheTier::ALL {
+            if !state.scratch[tier as usize].is_empty() {
+                let events = std::mem::take(&mut state.scratch[tier as usize]);
+                self.publish_locked(state, rank, tier, events, received, span.context());
+            }
         }
         span.end();
         unknown_parent
@@ -183,10 +203,12 @@ impl Core {
         let Some(table) = state.ranks.get_mut(rank as usize) else {
             return;
         };
-        let mut events = Vec::new();
+        let mut events: [Vec<KvEvent>; 3] = Default::default();
         table.cleared(single_rank, &mut events);
-        if !events.is_empty() {
-            self.publish_locked(state, rank, events, Instant::now(), None);
+        for (tier, events) in CacheTier::ALL.into_iter().zip(events) {
+            if !events.is_empty() {
+                self.publish_locked(state, rank, tier, events, Instant::now(), None);
+            }
         }
     }
 
@@ -194,6 +216,7 @@ impl Core {
         &self,
         state: &mut State,
         rank: u32,
+        tier: CacheTier,
         events: Vec<KvEvent>,
         received: Instant,
         trace: Option<SpanContext>,
@@ -202,6 +225,7 @@ impl Core {
         let batch = EventBatch {
             instance_id: self.instance_id,
             dp_rank: rank,
+            tier,
             seq: state.last_seq,
             events,
         };
@@ -214,9 +238,11 @@ impl Core {
         m.batches_published.inc();
         if state.ring.len() == RING_CAPACITY {
             // Reuse the evicted batch's event vector as the next scratch buffer.
-            if let Some(old) = state.ring.pop_front() {
-                state.scratch = old.events;
-                state.scratch.clear();
+            if let Some(old) = state.ring.pop_front()
+                && let Some(scratch) = state.scratch.iter_mut().find(|s| s.capacity() == 0)
+            {
+                *scratch = old.events;
+                scratch.clear();
             }
         }
         state.ring.push_back(batch);
@@ -274,12 +300,18 @@ impl Core {
         let mut events = Vec::new();
         for (rank, table) in state.ranks.iter().enumerate() {
             let dp_rank = rank as u32;
-            events.extend(
-                table
-                    .snapshot()
-                    .into_iter()
-                    .map(|event| RankedEvent { dp_rank, event }),
-            );
+            for tier in CacheTier::ALL {
+                events.extend(
+                    table
+                        .tier_snapshot(tier)
+                        .into_iter()
+                        .map(|event| RankedEvent {
+                            dp_rank,
+                            tier,
+                            event,
+                        }),
+                );
+            }
         }
         SnapshotReply::Snapshot {
             events,

@@ -2,8 +2,8 @@
 
 use kvmesh_telemetry::SpanCounters;
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 use crate::sidecar::pacer::PacerMetrics;
@@ -40,8 +40,10 @@ pub struct AgentMetrics {
     /// `kvmesh_agent_resync_requests_total{kind}`: resync requests answered (`events`,
     /// `snapshot`, `invalid`).
     pub resync_requests: IntCounterVec,
-    /// `kvmesh_agent_cached_blocks`: engine blocks the agent knows as cached.
+    /// `kvmesh_agent_cached_blocks`: engine blocks the agent knows as cached in device memory.
     pub cached_blocks: IntGauge,
+    /// `kvmesh_agent_offloaded_blocks{tier}`: engine blocks it knows in host memory or on disk.
+    pub offloaded_blocks: IntGaugeVec,
     /// `kvmesh_agent_registered`: 1 while the instance record is in the registry.
     pub registered: IntGauge,
     /// `kvmesh_agent_engine_healthy`: 1 while the engine's `/health` answers 200.
@@ -201,8 +203,22 @@ impl AgentMetrics {
             cached_blocks: gauge(
                 &r,
                 "kvmesh_agent_cached_blocks",
-                "Engine blocks the agent knows as cached",
+                "Engine blocks the agent knows as cached in device memory",
             )?,
+            offloaded_blocks: {
+                let v = IntGaugeVec::new(
+                    Opts::new(
+                        "kvmesh_agent_offloaded_blocks",
+                        "Engine blocks the agent knows as kept in a lower tier (host memory, disk)",
+                    ),
+                    &["tier"],
+                )?;
+                r.register(Box::new(v.clone()))?;
+                for tier in ["host", "disk"] {
+                    v.with_label_values(&[tier]);
+                }
+                v
+            },
             registered: gauge(
                 &r,
                 "kvmesh_agent_registered",
@@ -290,6 +306,7 @@ mod tests {
             "kvmesh_agent_replays_total{result=\"ok\"} 1",
             "kvmesh_agent_resync_requests_total",
             "kvmesh_agent_cached_blocks",
+            "kvmesh_agent_offloaded_blocks{tier=\"host\"} 0",
             "kvmesh_agent_registered",
             "kvmesh_agent_engine_healthy",
             "kvmesh_agent_adapters",

@@ -6,13 +6,23 @@
 //! sequence hash. The table keeps, per engine block id, its parent, local and sequence hashes
 //! and a reference count: vLLM may store the same block twice, and only the last matching
 //! removal evicts it. The table is also the source of full snapshots.
+//!
+//! Blocks an offloading connector keeps in host memory or on disk are named by the engine ids
+//! their device copies had (vLLM's offload events carry those ids; their tokens, when sent,
+//! lack the salt and adapter the device's events carry), so a lower tier takes each block's
+//! hashes from the device table (or another tier) where the engine stored it first. A tier
+//! whose engine never reports evictions (vLLM's disk stores) is bounded: past
+//! [`MAX_TIER_BLOCKS`] its oldest blocks are dropped.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use kvmesh_kv::{
-    BlockHasher, BlockParent, ExternalHash, HashError, KvEvent, LocalBlockHash, SequenceHash,
-    StoredBlock, apply_cache_salt, sequence_hash,
+    BlockHasher, BlockParent, CacheTier, ExternalHash, HashError, KvEvent, LocalBlockHash,
+    SequenceHash, StoredBlock, apply_cache_salt, sequence_hash,
 };
+
+/// Blocks one rank keeps in one lower tier before its oldest are dropped.
+pub const MAX_TIER_BLOCKS: usize = 1 << 20;
 
 /// What a stored block is known as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +45,14 @@ pub enum Miss {
     TokenCount,
 }
 
+/// The blocks of one rank in one lower tier, oldest first for the bound.
+#[derive(Debug, Default)]
+struct TierTable {
+    blocks: HashMap<ExternalHash, BlockInfo>,
+    /// Engine ids in the order they were stored (ids removed since are skipped lazily).
+    order: VecDeque<ExternalHash>,
+}
+
 /// One rank's engine block table.
 #[derive(Debug)]
 pub struct RankTable {
@@ -42,6 +60,9 @@ pub struct RankTable {
     base: BlockHasher,
     lora: HashMap<String, BlockHasher>,
     blocks: HashMap<ExternalHash, BlockInfo>,
+    /// Host memory, then disk.
+    tiers: [TierTable; 2],
+    max_tier_blocks: usize,
     locals: Vec<LocalBlockHash>,
 }
 
@@ -53,13 +74,29 @@ impl RankTable {
             base: BlockHasher::new(block_size, None)?,
             lora: HashMap::new(),
             blocks: HashMap::new(),
+            tiers: Default::default(),
+            max_tier_blocks: MAX_TIER_BLOCKS,
             locals: Vec::new(),
         })
     }
 
-    /// Number of engine blocks held.
+    /// The table with each lower tier bounded to `max` blocks.
+    pub fn with_max_tier_blocks(mut self, max: usize) -> Self {
+        self.max_tier_blocks = max.max(1);
+        self
+    }
+
+    /// Number of engine blocks held in device memory.
     pub fn len(&self) -> usize {
         self.blocks.len()
+    }
+
+    /// Number of engine blocks held in `tier`.
+    pub fn tier_len(&self, tier: CacheTier) -> usize {
+        match tier_slot(tier) {
+            Some(slot) => self.tiers[slot].blocks.len(),
+            None => self.blocks.len(),
+        }
     }
 
     /// Whether no block is held.
@@ -204,75 +241,216 @@ impl RankTable {
         unknown
     }
 
-    /// Forgets every block. With `instance_wide` the event is a Cleared (the instance has only
-    /// this rank); otherwise a Removed of every block, so the other ranks are untouched.
-    pub fn cleared(&mut self, instance_wide: bool, out: &mut Vec<KvEvent>) {
+    /// Forgets every block, in every tier (vLLM's reset sends one `AllBlocksCleared` for
+    /// all of them). With `instance_wide` the event is a Cleared (the instance has only this
+    /// rank: the receiver drops all its tiers); otherwise a Removed of every block per tier
+    /// (`out` by [`CacheTier`] order), so the other ranks are untouched.
+    pub fn cleared(&mut self, instance_wide: bool, out: &mut [Vec<KvEvent>; 3]) {
+        let device: Vec<ExternalHash> = self.blocks.drain().map(|(id, _)| id).collect();
+        let lower = self.tiers.each_mut().map(|tier| {
+            tier.order.clear();
+            tier.blocks.drain().map(|(id, _)| id).collect::<Vec<_>>()
+        });
         if instance_wide {
-            self.blocks.clear();
-            out.push(KvEvent::Cleared);
+            out[0].push(KvEvent::Cleared);
             return;
         }
-        let blocks: Vec<ExternalHash> = self.blocks.drain().map(|(id, _)| id).collect();
-        if !blocks.is_empty() {
-            out.push(KvEvent::Removed { blocks });
+        for (out, blocks) in out
+            .iter_mut()
+            .zip([device, lower[0].clone(), lower[1].clone()])
+        {
+            if !blocks.is_empty() {
+                out.push(KvEvent::Removed { blocks });
+            }
         }
     }
 
-    /// The whole table as Stored events, parents before children, linear chains merged into
+    /// What is known of engine block `id`: from the device table, else a lower tier.
+    fn known(&self, id: ExternalHash) -> Option<BlockInfo> {
+        self.blocks
+            .get(&id)
+            .or_else(|| self.tiers.iter().find_map(|tier| tier.blocks.get(&id)))
+            .copied()
+    }
+
+    /// Translates an offloading connector's store of `block_ids` into `tier` (a lower one):
+    /// each block known from an earlier store (device or another tier) is kept there under
+    /// the hashes it had, already-kept ones gain a reference; appends the Stored events
+    /// (runs of blocks that continue each other) to `out` and drops the tier's oldest blocks
+    /// past its bound (a Removed). Returns how many ids were unknown.
+    pub fn tier_stored(
+        &mut self,
+        tier: CacheTier,
+        block_ids: &[u64],
+        out: &mut Vec<KvEvent>,
+    ) -> usize {
+        let Some(slot) = tier_slot(tier) else {
+            return block_ids.len();
+        };
+        let mut unknown = 0;
+        let mut run: Vec<StoredBlock> = Vec::new();
+        let mut run_parent = None;
+        for &id in block_ids {
+            let external = ExternalHash(id);
+            if let Some(held) = self.tiers[slot].blocks.get_mut(&external) {
+                held.refs = held.refs.saturating_add(1);
+                continue;
+            }
+            let Some(info) = self.known(external) else {
+                unknown += 1;
+                continue;
+            };
+            let continues = run.last().map(|b| b.external) == info.parent.map(|p| p.external);
+            if !continues && !run.is_empty() {
+                out.push(KvEvent::Stored {
+                    parent: run_parent,
+                    blocks: std::mem::take(&mut run),
+                });
+            }
+            if run.is_empty() {
+                run_parent = info.parent;
+            }
+            run.push(StoredBlock {
+                external,
+                local: info.local,
+                sequence: info.sequence,
+            });
+            let table = &mut self.tiers[slot];
+            table.blocks.insert(external, BlockInfo { refs: 1, ..info });
+            table.order.push_back(external);
+        }
+        if !run.is_empty() {
+            out.push(KvEvent::Stored {
+                parent: run_parent,
+                blocks: run,
+            });
+        }
+        let table = &mut self.tiers[slot];
+        let mut dropped = Vec::new();
+        while table.blocks.len() > self.max_tier_blocks {
+            let Some(oldest) = table.order.pop_front() else {
+                break;
+            };
+            if table.blocks.remove(&oldest).is_some() {
+                dropped.push(oldest);
+            }
+        }
+        if table.order.len() > 2 * table.blocks.len() + 1024 {
+            let blocks = &table.blocks;
+            table.order.retain(|id| blocks.contains_key(id));
+        }
+        if !dropped.is_empty() {
+            out.push(KvEvent::Removed { blocks: dropped });
+        }
+        unknown
+    }
+
+    /// Translates a removal from lower tier `tier`: each block loses a reference and leaves
+    /// at zero (a Removed appended to `out`); returns how many ids were unknown there.
+    pub fn tier_removed(
+        &mut self,
+        tier: CacheTier,
+        block_ids: &[u64],
+        out: &mut Vec<KvEvent>,
+    ) -> usize {
+        let Some(slot) = tier_slot(tier) else {
+            return block_ids.len();
+        };
+        let table = &mut self.tiers[slot];
+        let mut unknown = 0;
+        let mut evicted = Vec::new();
+        for &id in block_ids {
+            let external = ExternalHash(id);
+            match table.blocks.get_mut(&external) {
+                Some(info) if info.refs > 1 => info.refs -= 1,
+                Some(_) => {
+                    table.blocks.remove(&external);
+                    evicted.push(external);
+                }
+                None => unknown += 1,
+            }
+        }
+        if !evicted.is_empty() {
+            out.push(KvEvent::Removed { blocks: evicted });
+        }
+        unknown
+    }
+
+    /// The device table as Stored events, parents before children, linear chains merged into
     /// one event. A block whose parent was evicted still names it (it stays an orphan at the
     /// receiver, as in the engine's own event history).
     pub fn snapshot(&self) -> Vec<KvEvent> {
-        let mut children: HashMap<ExternalHash, Vec<ExternalHash>> = HashMap::new();
-        let mut roots = Vec::new();
-        for (&id, info) in &self.blocks {
-            match info.parent {
-                Some(p) if self.blocks.contains_key(&p.external) => {
-                    children.entry(p.external).or_default().push(id);
-                }
-                _ => roots.push(id),
-            }
-        }
-        roots.sort_unstable();
-        for list in children.values_mut() {
-            list.sort_unstable();
-        }
-        let mut events = Vec::new();
-        let mut stack: Vec<ExternalHash> = roots.into_iter().rev().collect();
-        let mut current: Option<(Option<BlockParent>, Vec<StoredBlock>)> = None;
-        while let Some(id) = stack.pop() {
-            let Some(info) = self.blocks.get(&id) else {
-                continue;
-            };
-            let block = StoredBlock {
-                external: id,
-                local: info.local,
-                sequence: info.sequence,
-            };
-            let continues = match (&current, info.parent) {
-                (Some((_, blocks)), Some(p)) => {
-                    blocks.last().map(|b| b.external) == Some(p.external)
-                }
-                _ => false,
-            };
-            if continues {
-                if let Some((_, blocks)) = current.as_mut() {
-                    blocks.push(block);
-                }
-            } else {
-                if let Some((parent, blocks)) = current.take() {
-                    events.push(KvEvent::Stored { parent, blocks });
-                }
-                current = Some((info.parent, vec![block]));
-            }
-            if let Some(kids) = children.get(&id) {
-                stack.extend(kids.iter().rev());
-            }
-        }
-        if let Some((parent, blocks)) = current {
-            events.push(KvEvent::Stored { parent, blocks });
-        }
-        events
+        snapshot_of(&self.blocks)
     }
+
+    /// Tier `tier`'s blocks as Stored events, as [`RankTable::snapshot`] gives the device's.
+    pub fn tier_snapshot(&self, tier: CacheTier) -> Vec<KvEvent> {
+        match tier_slot(tier) {
+            Some(slot) => snapshot_of(&self.tiers[slot].blocks),
+            None => self.snapshot(),
+        }
+    }
+}
+
+/// The position of lower tier `tier` in [`RankTable`]'s tiers (`None`: the device).
+fn tier_slot(tier: CacheTier) -> Option<usize> {
+    match tier {
+        CacheTier::Device => None,
+        CacheTier::Host => Some(0),
+        CacheTier::Disk => Some(1),
+    }
+}
+
+/// `blocks` as Stored events, parents before children, linear chains merged into one event.
+fn snapshot_of(blocks: &HashMap<ExternalHash, BlockInfo>) -> Vec<KvEvent> {
+    let mut children: HashMap<ExternalHash, Vec<ExternalHash>> = HashMap::new();
+    let mut roots = Vec::new();
+    for (&id, info) in blocks {
+        match info.parent {
+            Some(p) if blocks.contains_key(&p.external) => {
+                children.entry(p.external).or_default().push(id);
+            }
+            _ => roots.push(id),
+        }
+    }
+    roots.sort_unstable();
+    for list in children.values_mut() {
+        list.sort_unstable();
+    }
+    let mut events = Vec::new();
+    let mut stack: Vec<ExternalHash> = roots.into_iter().rev().collect();
+    let mut current: Option<(Option<BlockParent>, Vec<StoredBlock>)> = None;
+    while let Some(id) = stack.pop() {
+        let Some(info) = blocks.get(&id) else {
+            continue;
+        };
+        let block = StoredBlock {
+            external: id,
+            local: info.local,
+            sequence: info.sequence,
+        };
+        let continues = match (&current, info.parent) {
+            (Some((_, blocks)), Some(p)) => blocks.last().map(|b| b.external) == Some(p.external),
+            _ => false,
+        };
+        if continues {
+            if let Some((_, blocks)) = current.as_mut() {
+                blocks.push(block);
+            }
+        } else {
+            if let Some((parent, blocks)) = current.take() {
+                events.push(KvEvent::Stored { parent, blocks });
+            }
+            current = Some((info.parent, vec![block]));
+        }
+        if let Some(kids) = children.get(&id) {
+            stack.extend(kids.iter().rev());
+        }
+    }
+    if let Some((parent, blocks)) = current {
+        events.push(KvEvent::Stored { parent, blocks });
+    }
+    events
 }
 
 #[cfg(test)]

@@ -196,7 +196,7 @@ fn hashes_as_signed_ints_and_byte_strings() {
 }
 
 #[test]
-fn other_groups_media_and_offload_stores_are_ignored() {
+fn other_groups_unknown_media_and_offload_stores_are_ignored_and_lower_tiers_kept() {
     let sliding = map(vec![
         ("type", s("BlockStored")),
         ("block_hashes", ints(&[1])),
@@ -239,6 +239,11 @@ fn other_groups_media_and_offload_stores_are_ignored() {
         ("kv_cache_spec_kind", s("mla_attention")),
     ]);
     let unknown = Value::Array(vec![s("BlockMoved")]);
+    let tape = map(vec![
+        ("type", s("BlockStored")),
+        ("block_hashes", ints(&[1])),
+        ("medium", s("TAPE")),
+    ]);
     let b = decode_ok(
         Layout::Vllm,
         &batch(vec![
@@ -250,6 +255,7 @@ fn other_groups_media_and_offload_stores_are_ignored() {
             removed_cpu,
             mla,
             unknown,
+            tape,
         ]),
     );
     let reasons: Vec<_> = b
@@ -265,13 +271,29 @@ fn other_groups_media_and_offload_stores_are_ignored() {
         vec![
             Some(IgnoreReason::KvGroup),
             Some(IgnoreReason::KvGroup),
-            Some(IgnoreReason::Medium),
+            None,
             Some(IgnoreReason::Offload),
             Some(IgnoreReason::KvGroup),
-            Some(IgnoreReason::Medium),
+            None,
             None,
             Some(IgnoreReason::UnknownType),
+            Some(IgnoreReason::Medium),
         ]
+    );
+    // Lower tiers are kept, by the engine's ids.
+    assert_eq!(
+        b.events[2],
+        EngineEvent::TierStored {
+            tier: CacheTier::Host,
+            block_hashes: vec![1]
+        }
+    );
+    assert_eq!(
+        b.events[5],
+        EngineEvent::TierRemoved {
+            tier: CacheTier::Disk,
+            block_hashes: vec![1]
+        }
     );
 }
 
@@ -609,4 +631,24 @@ fn sglang_cache_salt_field_salts_root_pages() {
             Some("tenant-c".to_owned())
         ]
     );
+}
+
+#[test]
+fn media_name_their_tier_whatever_their_case() {
+    for (medium, tier) in [
+        ("GPU", Some(CacheTier::Device)),
+        ("gpu", Some(CacheTier::Device)),
+        ("CPU", Some(CacheTier::Host)),
+        ("cpu", Some(CacheTier::Host)),
+        ("CPU_PINNED", Some(CacheTier::Host)),
+        ("CXL", Some(CacheTier::Host)),
+        ("CPU_TIER1", Some(CacheTier::Host)),
+        ("CPU_TIER2", Some(CacheTier::Disk)),
+        ("STORAGE", Some(CacheTier::Disk)),
+        ("disk", Some(CacheTier::Disk)),
+        ("TAPE", None),
+        ("", None),
+    ] {
+        assert_eq!(medium_tier(medium), tier, "{medium}");
+    }
 }

@@ -173,10 +173,7 @@ mod tests {
 
     use super::*;
 
-    const W: WorkerKey = WorkerKey {
-        instance_id: 1,
-        dp_rank: 0,
-    };
+    const W: WorkerKey = WorkerKey::new(1, 0);
 
     #[test]
     fn refreshes_keep_the_later_expiry_and_the_heap_stays_bounded() {

@@ -3,14 +3,8 @@ use std::time::Duration;
 use super::*;
 use crate::hash::BlockHasher;
 
-const W1: WorkerKey = WorkerKey {
-    instance_id: 1,
-    dp_rank: 0,
-};
-const W2: WorkerKey = WorkerKey {
-    instance_id: 2,
-    dp_rank: 0,
-};
+const W1: WorkerKey = WorkerKey::new(1, 0);
+const W2: WorkerKey = WorkerKey::new(2, 0);
 
 fn hashes(tokens: std::ops::Range<u32>) -> BlockHashes {
     let tokens: Vec<u32> = tokens.collect();

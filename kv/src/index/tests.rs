@@ -2,14 +2,8 @@ use super::*;
 use crate::event::{BlockParent, StoredBlock};
 use crate::hash::{ExternalHash, LocalBlockHash, extend_sequence_hashes};
 
-const W1: WorkerKey = WorkerKey {
-    instance_id: 1,
-    dp_rank: 0,
-};
-const W2: WorkerKey = WorkerKey {
-    instance_id: 2,
-    dp_rank: 0,
-};
+const W1: WorkerKey = WorkerKey::new(1, 0);
+const W2: WorkerKey = WorkerKey::new(2, 0);
 
 /// Sequence hashes of a chain of local hashes.
 fn chain(locals: &[u64]) -> Vec<SequenceHash> {

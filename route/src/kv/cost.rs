@@ -19,7 +19,8 @@
 //!   over those streams.
 //!
 //! An instance caching a prefix of the prompt skips prefilling it: the cached tokens are the
-//! overlap credit. Under `overlap_credit_decay` the credit shrinks as the instance's prefill
+//! overlap credit. Blocks past its device overlap that its host memory or disk hold count at
+//! `kv.tier_weights` of a device block each (loading them back costs the rest). Under `overlap_credit_decay` the credit shrinks as the instance's prefill
 //! backlog exceeds the least-loaded candidate's (Dynamo's anti-hot-spot decay), so a cache-rich
 //! but swamped instance stops drawing every request of its prefix.
 
@@ -117,8 +118,11 @@ impl EngineProfile {
 /// What one candidate instance holds and already caches for this request.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct CandidateLoad {
-    /// Leading blocks of the request the instance caches (KV index).
+    /// Leading blocks of the request the instance caches in device memory (KV index).
     pub(crate) overlap_blocks: u32,
+    /// The blocks after those its host memory or disk hold, in device blocks' worth
+    /// (`kv.tier_weights`): loaded back rather than computed.
+    pub(crate) lower_tier_blocks: f64,
     /// Prompt tokens of its requests still in prefill.
     pub(crate) active_prefill_tokens: u64,
     /// Distinct blocks held by its in-flight requests.
@@ -139,6 +143,7 @@ impl Default for CandidateLoad {
     fn default() -> Self {
         Self {
             overlap_blocks: 0,
+            lower_tier_blocks: 0.0,
             active_prefill_tokens: 0,
             active_blocks: 0,
             active_prefix_blocks: 0,
@@ -220,8 +225,9 @@ impl CostModel {
 
     /// The cost of sending a request of `shape` to a candidate with `load`.
     pub(crate) fn cost(&self, shape: &RequestShape, load: &CandidateLoad) -> Cost {
-        let overlap = load.overlap_blocks.min(shape.full_blocks);
-        let cached_tokens = u64::from(overlap).saturating_mul(self.block_size);
+        let overlap = (f64::from(load.overlap_blocks) + load.lower_tier_blocks.max(0.0))
+            .min(f64::from(shape.full_blocks));
+        let cached_tokens = (overlap * self.block_size as f64) as u64;
         let credited = (cached_tokens as f64 * load.credit.clamp(0.0, 1.0)) as u64;
         // A decode leg pulls the full blocks it does not cache instead of prefilling them.
         let full_tokens = u64::from(shape.full_blocks).saturating_mul(self.block_size);

@@ -5,7 +5,7 @@ use serde::Serialize;
 
 use crate::kv::cache_check::CacheCheckState;
 use crate::kv::decision::{Decision, KvRequest};
-use crate::kv::overlap::instance_depth;
+use crate::kv::overlap::{TierWeights, instance_depth};
 use crate::kv::tokenizer_check::TokenizerMismatch;
 use crate::prepare::RouteInput;
 
@@ -54,6 +54,8 @@ pub struct Explanation {
     pub(crate) harm_weight: f64,
     /// `kv.overlap_credit_decay`.
     pub(crate) overlap_credit_decay: f64,
+    /// `kv.tier_weights`.
+    pub(crate) tier_weights: TierWeights,
     /// `kv.temperature`.
     pub(crate) temperature: f64,
     /// Prompt tokens (0 without tokens).
@@ -81,8 +83,13 @@ pub struct InstanceExplanation {
     pub(crate) eligible: bool,
     /// Past a busy threshold.
     pub(crate) busy: bool,
-    /// Cached prefix blocks of this request.
+    /// Cached prefix blocks of this request, in device memory.
     pub(crate) overlap_blocks: u32,
+    /// The blocks after those that its engine holds in host memory (loaded back, counted at
+    /// `kv.tier_weights.host`).
+    pub(crate) host_blocks: u32,
+    /// The blocks after those that it holds on disk (counted at `kv.tier_weights.disk`).
+    pub(crate) disk_blocks: u32,
     /// The part of them its engine reported caching (KV events), without this proxy's
     /// predictions; `None` while events do not flow.
     pub(crate) reported_blocks: Option<u32>,

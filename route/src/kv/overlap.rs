@@ -9,15 +9,18 @@
 //!
 //! Workers are keyed by the instance's stable id ([`crate::Candidate::id`]): a
 //! static backend's position in `backends`, a discovered instance's agent-chosen id. Routing
-//! decisions are recorded under rank 0; KV events name their data-parallel rank, and an
-//! instance's overlap is its deepest rank ([`instance_depth`]).
+//! decisions are recorded under rank 0; KV events name their data-parallel rank and cache tier,
+//! and an instance's overlap is its deepest rank's device overlap ([`instance_depth`]), plus
+//! what its host memory and disk hold beyond it, weighted ([`lower_tier_blocks`]).
 
 use std::fmt;
 use std::time::Instant;
 
+use serde::Serialize;
+
 use kvmesh_kv::{
-    ApproxConfig, ApproxConfigError, ApproxIndex, BlockHashes, OverlapScores, SequenceHash,
-    WorkerKey,
+    ApproxConfig, ApproxConfigError, ApproxIndex, BlockHashes, CacheTier, OverlapScores,
+    SequenceHash, WorkerKey, WorkerOverlap,
 };
 
 /// A source of per-instance prefix overlaps for one model.
@@ -50,30 +53,106 @@ pub(crate) fn worker_key(instance: u64, rank: Option<u32>) -> WorkerKey {
     WorkerKey::new(instance, rank.unwrap_or(0))
 }
 
-/// Instance `instance`'s overlap in `scores`: its deepest data-parallel rank (the engine
-/// places a request on a rank itself).
-pub(crate) fn instance_depth(scores: &OverlapScores, instance: u64) -> u32 {
+/// Instance `instance`'s workers in `scores` (sorted by key, so by rank, then tier).
+fn instance_workers(scores: &OverlapScores, instance: u64) -> impl Iterator<Item = &WorkerOverlap> {
     let start = scores
         .workers
         .partition_point(|overlap| overlap.worker.instance_id < instance);
     scores.workers[start..]
         .iter()
-        .take_while(|overlap| overlap.worker.instance_id == instance)
+        .take_while(move |overlap| overlap.worker.instance_id == instance)
+}
+
+/// Instance `instance`'s overlap in device memory in `scores`: its deepest data-parallel
+/// rank (the engine places a request on a rank itself).
+pub(crate) fn instance_depth(scores: &OverlapScores, instance: u64) -> u32 {
+    instance_workers(scores, instance)
+        .filter(|overlap| overlap.worker.tier == CacheTier::Device)
         .map(|overlap| overlap.depth)
         .max()
         .unwrap_or(0)
 }
 
+/// Instance `instance`'s overlap in any tier: the prefix its engine finds cached, in device
+/// memory or loaded back from host memory or disk (what its `cached_tokens` shows).
+pub(crate) fn cached_depth(scores: &OverlapScores, instance: u64) -> u32 {
+    instance_workers(scores, instance)
+        .map(|overlap| overlap.depth)
+        .max()
+        .unwrap_or(0)
+}
+
+/// How far instance `instance`'s lower tiers reach past its device overlap: the blocks its
+/// engine would load back from host memory and from disk rather than compute, per rank the
+/// deepest of them (a rank's host blocks beyond its device prefix, its disk blocks beyond
+/// both), for the rank where they weigh most under `weights`.
+pub(crate) fn lower_tier_blocks(
+    scores: &OverlapScores,
+    instance: u64,
+    weights: TierWeights,
+) -> LowerTierBlocks {
+    let mut best = LowerTierBlocks::default();
+    let mut depths: Option<(u32, [u32; 3])> = None;
+    let mut consider = |depths: &[u32; 3]| {
+        let host = depths[1].saturating_sub(depths[0]);
+        let disk = depths[2].saturating_sub(depths[0].max(depths[1]));
+        let blocks = LowerTierBlocks { host, disk };
+        if blocks.weighted(weights) > best.weighted(weights) {
+            best = blocks;
+        }
+    };
+    for overlap in instance_workers(scores, instance) {
+        let rank = overlap.worker.dp_rank;
+        match &mut depths {
+            Some((current, tiers)) if *current == rank => {
+                tiers[overlap.worker.tier as usize] = overlap.depth;
+            }
+            _ => {
+                if let Some((_, tiers)) = &depths {
+                    consider(tiers);
+                }
+                let mut tiers = [0; 3];
+                tiers[overlap.worker.tier as usize] = overlap.depth;
+                depths = Some((rank, tiers));
+            }
+        }
+    }
+    if let Some((_, tiers)) = &depths {
+        consider(tiers);
+    }
+    best
+}
+
+/// What a hit in each lower tier is worth against a device hit (`kv.tier_weights`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub(crate) struct TierWeights {
+    /// A block loaded back from host memory.
+    pub(crate) host: f64,
+    /// A block loaded back from disk.
+    pub(crate) disk: f64,
+}
+
+/// Blocks past the device overlap an instance's lower tiers hold.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct LowerTierBlocks {
+    /// In host memory.
+    pub(crate) host: u32,
+    /// On disk.
+    pub(crate) disk: u32,
+}
+
+impl LowerTierBlocks {
+    /// Their worth in device blocks.
+    pub(crate) fn weighted(self, weights: TierWeights) -> f64 {
+        f64::from(self.host) * weights.host + f64::from(self.disk) * weights.disk
+    }
+}
+
 /// The data-parallel rank of instance `instance` that caches the longest prefix in `scores`
 /// (the lowest of equals), when one caches any.
 pub(crate) fn deepest_rank(scores: &OverlapScores, instance: u64) -> Option<u32> {
-    let start = scores
-        .workers
-        .partition_point(|overlap| overlap.worker.instance_id < instance);
-    scores.workers[start..]
-        .iter()
-        .take_while(|overlap| overlap.worker.instance_id == instance)
-        .filter(|overlap| overlap.depth > 0)
+    instance_workers(scores, instance)
+        .filter(|overlap| overlap.worker.tier == CacheTier::Device && overlap.depth > 0)
         .max_by_key(|overlap| (overlap.depth, std::cmp::Reverse(overlap.worker.dp_rank)))
         .map(|overlap| overlap.worker.dp_rank)
 }
@@ -181,6 +260,54 @@ mod tests {
         assert_eq!(deepest_rank(&scores, 10), None);
         assert_eq!(deepest_rank(&scores, 11), None);
         assert_eq!(deepest_rank(&scores, 12), Some(0));
+    }
+
+    #[test]
+    fn lower_tiers_count_past_the_device_overlap_of_one_rank_at_their_weight() {
+        let overlap = |instance, rank, tier, depth| WorkerOverlap {
+            worker: WorkerKey::new(instance, rank).in_tier(tier),
+            depth,
+            cached_blocks: 0,
+        };
+        let (device, host, disk) = (CacheTier::Device, CacheTier::Host, CacheTier::Disk);
+        let scores = OverlapScores {
+            workers: vec![
+                // Instance 1: 2 blocks on the GPU, 6 in host memory, 10 on disk.
+                overlap(1, 0, device, 2),
+                overlap(1, 0, host, 6),
+                overlap(1, 0, disk, 10),
+                // Instance 2: only host memory, on rank 1; rank 0 has the GPU blocks.
+                overlap(2, 0, device, 3),
+                overlap(2, 1, host, 5),
+                // Instance 3: host memory shorter than the device overlap.
+                overlap(3, 0, device, 4),
+                overlap(3, 0, host, 2),
+            ],
+        };
+        let weights = TierWeights {
+            host: 0.75,
+            disk: 0.25,
+        };
+        // Device depth ignores the lower tiers; the engine finds all tiers cached.
+        assert_eq!(instance_depth(&scores, 1), 2);
+        assert_eq!(cached_depth(&scores, 1), 10);
+        assert_eq!(deepest_rank(&scores, 2), Some(0));
+        let blocks = lower_tier_blocks(&scores, 1, weights);
+        assert_eq!(blocks, LowerTierBlocks { host: 4, disk: 4 });
+        assert_eq!(blocks.weighted(weights), 4.0 * 0.75 + 4.0 * 0.25);
+        // Rank 1's host blocks reach past nothing on rank 1: all 5 count.
+        assert_eq!(
+            lower_tier_blocks(&scores, 2, weights),
+            LowerTierBlocks { host: 5, disk: 0 }
+        );
+        assert_eq!(
+            lower_tier_blocks(&scores, 3, weights),
+            LowerTierBlocks::default()
+        );
+        assert_eq!(
+            lower_tier_blocks(&scores, 4, weights),
+            LowerTierBlocks::default()
+        );
     }
 
     #[test]

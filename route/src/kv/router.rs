@@ -21,7 +21,10 @@ use crate::kv::decision::{Choice, Decision, KvRequest, SharedDecision};
 use crate::kv::event_feed::{EventFed, EventFeed};
 use crate::kv::explain::{Explanation, InstanceExplanation};
 use crate::kv::load::{ActiveLoads, LoadSnapshot, NewRequest, ReportedLoad};
-use crate::kv::overlap::{Approximate, OverlapSource, deepest_rank, instance_depth, worker_key};
+use crate::kv::overlap::{
+    Approximate, LowerTierBlocks, OverlapSource, TierWeights, cached_depth, deepest_rank,
+    instance_depth, lower_tier_blocks, worker_key,
+};
 use crate::kv::replicas::{ReplicaLoads, SharedLoad};
 use crate::kv::select::{Scored, probabilities, select};
 use crate::kv::sessions::{SessionBinding, Sessions};
@@ -40,6 +43,7 @@ struct Evaluated {
     eligible: bool,
     busy: bool,
     overlap_blocks: u32,
+    lower_tier: LowerTierBlocks,
     load: LoadSnapshot,
     cost: Cost,
     in_flight: u64,
@@ -56,6 +60,8 @@ pub struct KvRouter {
     tokenizer_checks: TokenizerChecks,
     /// The cost's weights and profile (its block size is [`Self::block_size`]'s).
     cost: CostModel,
+    /// What a block in host memory or on disk is worth against one in device memory.
+    tier_weights: TierWeights,
     temperature: f64,
     busy: BusyThresholds,
     overlap: Box<dyn OverlapSource>,
@@ -115,6 +121,10 @@ impl KvRouter {
                 harm_weight: config.harm_weight,
                 overlap_credit_decay: config.overlap_credit_decay,
                 profile: EngineProfile::DEFAULT,
+            },
+            tier_weights: TierWeights {
+                host: config.tier_weights.host,
+                disk: config.tier_weights.disk,
             },
             temperature: config.temperature,
             busy: BusyThresholds::from_config(config),
@@ -471,10 +481,12 @@ impl KvRouter {
         eligible: bool,
     ) -> Evaluated {
         let overlap_blocks = instance_depth(&request.scores, id);
+        let lower_tier = lower_tier_blocks(&request.scores, id, self.tier_weights);
         let cost = self.cost_model().cost(
             &request.shape,
             &CandidateLoad {
                 overlap_blocks,
+                lower_tier_blocks: lower_tier.weighted(self.tier_weights),
                 active_prefill_tokens: load.prefill_tokens,
                 active_blocks: load.blocks,
                 active_prefix_blocks: load.prefix_blocks,
@@ -488,6 +500,7 @@ impl KvRouter {
             eligible,
             busy: self.is_busy(&load),
             overlap_blocks: overlap_blocks.min(request.shape.full_blocks),
+            lower_tier,
             load,
             cost,
             in_flight,
@@ -685,13 +698,13 @@ impl KvRouter {
         }
         let block_size = prompt.block_size.max(1);
         let cap = u32::try_from(prompt.tokens.saturating_sub(1) / block_size).unwrap_or(u32::MAX);
-        let reported = instance_depth(reported, instance).min(cap);
+        let reported = cached_depth(reported, instance).min(cap);
         let settled = self.replicas.on(instance).requests == 0
             && self.loads.settled(instance, now, SETTLE_GRACE);
         let allowed = if settled {
             reported
         } else {
-            instance_depth(&request.scores, instance).min(cap)
+            cached_depth(&request.scores, instance).min(cap)
         };
         Some(AnswerCheck {
             feed,
@@ -767,6 +780,7 @@ impl KvRouter {
             overlap_weight: self.cost.overlap_weight,
             harm_weight: self.cost.harm_weight,
             overlap_credit_decay: self.cost.overlap_credit_decay,
+            tier_weights: self.tier_weights,
             temperature: self.temperature,
             prompt_tokens,
             prompt_blocks: request.shape.full_blocks,
@@ -787,6 +801,8 @@ impl KvRouter {
                     eligible: e.eligible,
                     busy: e.busy,
                     overlap_blocks: e.overlap_blocks,
+                    host_blocks: e.lower_tier.host,
+                    disk_blocks: e.lower_tier.disk,
                     reported_blocks: request.reported.as_ref().map(|reported| {
                         instance_depth(reported, instance.id()).min(request.shape.full_blocks)
                     }),

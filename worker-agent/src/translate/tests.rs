@@ -2,10 +2,7 @@ use kvmesh_kv::{BlockHasher, KvIndex, WorkerKey};
 
 use super::*;
 
-const W: WorkerKey = WorkerKey {
-    instance_id: 1,
-    dp_rank: 0,
-};
+const W: WorkerKey = WorkerKey::new(1, 0);
 
 fn tokens(n: u32) -> Vec<u32> {
     (0..n).collect()
@@ -187,16 +184,107 @@ fn clearing_one_rank_of_many_removes_its_blocks() {
     table
         .stored(None, &[1, 2], &[1, 2, 3, 4], 2, None, &[], None, &mut out)
         .expect("store");
-    out.clear();
-    table.cleared(false, &mut out);
-    let KvEvent::Removed { blocks } = &out[0] else {
-        panic!("expected a removal: {out:?}");
+    assert_eq!(table.tier_stored(CacheTier::Host, &[1], &mut out), 0);
+    let mut tiers: [Vec<KvEvent>; 3] = Default::default();
+    table.cleared(false, &mut tiers);
+    let KvEvent::Removed { blocks } = &tiers[0][0] else {
+        panic!("expected a removal: {tiers:?}");
     };
     assert_eq!(blocks.len(), 2);
-    assert!(table.is_empty());
-    out.clear();
-    table.cleared(true, &mut out);
-    assert_eq!(out, vec![KvEvent::Cleared]);
+    // Its host copy goes too, in the host tier's own removal.
+    assert_eq!(
+        tiers[1],
+        vec![KvEvent::Removed {
+            blocks: vec![ExternalHash(1)]
+        }]
+    );
+    assert!(tiers[2].is_empty());
+    assert!(table.is_empty() && table.tier_len(CacheTier::Host) == 0);
+    let mut tiers: [Vec<KvEvent>; 3] = Default::default();
+    table.cleared(true, &mut tiers);
+    assert_eq!(tiers, [vec![KvEvent::Cleared], vec![], vec![]]);
+}
+
+/// Stores `ids` (parent first) of 2-token blocks with tokens from `first`.
+fn store(table: &mut RankTable, parent: Option<u64>, ids: &[u64], first: u32) -> Vec<KvEvent> {
+    let tokens: Vec<u32> = (first..first + 2 * ids.len() as u32).collect();
+    let mut out = Vec::new();
+    table
+        .stored(parent, ids, &tokens, 2, None, &[], None, &mut out)
+        .expect("store");
+    out
+}
+
+#[test]
+fn offloaded_blocks_keep_their_device_hashes_after_the_device_evicts_them() {
+    let mut table = RankTable::new(2).expect("table");
+    let device = store(&mut table, None, &[1, 2, 3], 0);
+    let hashes = BlockHasher::new(2, None)
+        .expect("hasher")
+        .hash(&(0..6).collect::<Vec<u32>>());
+    // The connector offloads them one chunk at a time, not in prefix order.
+    let mut host = Vec::new();
+    assert_eq!(table.tier_stored(CacheTier::Host, &[2], &mut host), 0);
+    assert_eq!(table.tier_stored(CacheTier::Host, &[1, 3], &mut host), 0);
+    // An id the engine never stored is counted, not invented.
+    assert_eq!(table.tier_stored(CacheTier::Host, &[99], &mut host), 1);
+    let mut evicted = Vec::new();
+    table.removed(&[1, 2, 3], &mut evicted);
+    assert!(table.is_empty() && table.tier_len(CacheTier::Host) == 3);
+
+    let index = KvIndex::new();
+    let host_worker = W.in_tier(CacheTier::Host);
+    apply_all(&index, &device);
+    for event in &host {
+        index.apply(host_worker, event);
+    }
+    apply_all(&index, &evicted);
+    let scores = index.find_matches(&hashes.sequence);
+    assert_eq!((scores.depth(W), scores.depth(host_worker)), (0, 3));
+
+    // A chunk announced twice leaves at its second removal; a snapshot rebuilds the tier.
+    assert_eq!(table.tier_stored(CacheTier::Host, &[3], &mut host), 0);
+    let mut removed = Vec::new();
+    assert_eq!(table.tier_removed(CacheTier::Host, &[3], &mut removed), 0);
+    assert!(removed.is_empty() && table.tier_len(CacheTier::Host) == 3);
+    let rebuilt = KvIndex::new();
+    for event in table.tier_snapshot(CacheTier::Host) {
+        rebuilt.apply(host_worker, &event);
+    }
+    assert_eq!(rebuilt.find_matches(&hashes.sequence).depth(host_worker), 3);
+    assert_eq!(
+        table.tier_removed(CacheTier::Host, &[3, 3, 42], &mut removed),
+        2
+    );
+    assert_eq!(
+        removed,
+        vec![KvEvent::Removed {
+            blocks: vec![ExternalHash(3)]
+        }]
+    );
+}
+
+#[test]
+fn a_tier_without_removals_drops_its_oldest_blocks_past_its_bound() {
+    let mut table = RankTable::new(2).expect("table").with_max_tier_blocks(2);
+    store(&mut table, None, &[1, 2, 3], 0);
+    let mut disk = Vec::new();
+    table.tier_stored(CacheTier::Disk, &[1, 2], &mut disk);
+    disk.clear();
+    table.tier_stored(CacheTier::Disk, &[3], &mut disk);
+    assert_eq!(table.tier_len(CacheTier::Disk), 2);
+    assert_eq!(
+        disk.last(),
+        Some(&KvEvent::Removed {
+            blocks: vec![ExternalHash(1)]
+        })
+    );
+    // A block on disk is known there: the host tier can take it from there.
+    let mut removed = Vec::new();
+    table.removed(&[1, 2, 3], &mut removed);
+    let mut host = Vec::new();
+    assert_eq!(table.tier_stored(CacheTier::Host, &[2, 3, 1], &mut host), 1);
+    assert_eq!(table.tier_len(CacheTier::Host), 2);
 }
 
 #[test]

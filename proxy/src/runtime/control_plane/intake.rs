@@ -939,11 +939,11 @@ impl Actor {
                     self.metrics.dropped(Dropped::UnknownRank, 1);
                 }
                 Step::Snapshot(ranked) => {
-                    let worker = WorkerKey::new(id, ranked.dp_rank);
+                    let worker = WorkerKey::new(id, ranked.dp_rank).in_tier(ranked.tier);
                     needs_repair |= self.apply(model, member, worker, &ranked.event);
                 }
                 Step::Batch(batch) => {
-                    let worker = WorkerKey::new(id, batch.dp_rank);
+                    let worker = WorkerKey::new(id, batch.dp_rank).in_tier(batch.tier);
                     for event in &batch.events {
                         needs_repair |= self.apply(model, member, worker, event);
                     }

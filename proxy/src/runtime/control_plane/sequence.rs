@@ -330,6 +330,7 @@ mod tests {
         EventBatch {
             instance_id: InstanceId(ID),
             dp_rank: 0,
+            tier: Default::default(),
             seq,
             events: vec![KvEvent::Cleared],
         }
@@ -354,6 +355,7 @@ mod tests {
         SnapshotReply::Snapshot {
             events: vec![RankedEvent {
                 dp_rank: 0,
+                tier: Default::default(),
                 event: KvEvent::Cleared,
             }],
             last_seq,

@@ -127,6 +127,7 @@ fn queued_prefill_running_streams_and_speed_all_count() {
     let shape = RequestShape::new(100, 16); // 6 full blocks + a tail: 7 blocks
     let load = CandidateLoad {
         overlap_blocks: 4,
+        lower_tier_blocks: 0.0,
         active_prefill_tokens: 9000,
         active_blocks: 1000,
         active_prefix_blocks: 3,
@@ -221,6 +222,7 @@ fn loads() -> impl Strategy<Value = CandidateLoad> {
         .prop_map(
             |(overlap, prefill, blocks, prefix, requests, total, speed, credit)| CandidateLoad {
                 overlap_blocks: overlap,
+                lower_tier_blocks: 0.0,
                 active_prefill_tokens: prefill,
                 active_blocks: blocks,
                 active_prefix_blocks: prefix,
@@ -281,4 +283,27 @@ fn the_itl_is_one_decode_iteration_at_the_usage_with_the_request_at_the_learned_
     assert_eq!(cost.decode_blocks, 8_192);
     assert!(close(cost.itl_ms(), 1.5 * profile.decode_ms(0.5), 1e-9));
     assert!(cost.itl_ms() > idle.itl_ms());
+}
+
+#[test]
+fn blocks_in_a_lower_tier_cost_between_a_device_hit_and_a_miss() {
+    let shape = RequestShape::new(64 * 16, 16);
+    let with = |overlap_blocks, lower_tier_blocks| {
+        MODEL.cost(
+            &shape,
+            &CandidateLoad {
+                overlap_blocks,
+                lower_tier_blocks,
+                ..CandidateLoad::default()
+            },
+        )
+    };
+    let miss = with(0, 0.0);
+    let device = with(48, 0.0);
+    // 48 blocks in host memory at 0.75 of a device block: 36 blocks' worth.
+    let host = with(0, 48.0 * 0.75);
+    assert_eq!(host.new_prefill_tokens, (64 - 36) * 16);
+    assert!(device.value < host.value && host.value < miss.value);
+    // Never more than the prompt's full blocks, with the device overlap.
+    assert_eq!(with(60, 48.0).new_prefill_tokens, 0);
 }
