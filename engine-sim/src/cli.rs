@@ -7,8 +7,8 @@ use clap::{Parser, ValueEnum};
 
 use crate::config::{
     DEFAULT_BOOTSTRAP_PORT, DisaggregationMode, InterferenceScaling, KvEventEncoding, KvEventHash,
-    KvEventsConfig, KvTransferConfig, ModelShape, PreemptionMode, Role, SglangDisaggregation,
-    SimConfig,
+    KvEventsConfig, KvTransferConfig, ModelShape, OffloadConfig, OffloadEvents, PreemptionMode,
+    Role, SglangDisaggregation, SimConfig,
 };
 use crate::lora::LoraModule;
 
@@ -153,6 +153,21 @@ pub struct Cli {
     /// SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 there).
     #[arg(long, value_name = "SECS", default_value_t = 30.0)]
     pub disaggregation_waiting_timeout: f64,
+    /// Capacity in blocks of a host-memory KV tier behind the device cache, as vLLM's
+    /// OffloadingConnector (`--kv-offloading-size`, one block per chunk): every stored block is
+    /// copied there, and a prompt's blocks found there after its device hit are loaded, not
+    /// prefilled. 0: off.
+    #[arg(long, value_name = "BLOCKS", default_value_t = 0)]
+    pub offload_blocks: usize,
+    /// What loading a token back from the host tier costs, as a share (0..=1) of what
+    /// prefilling it in the same iteration would.
+    #[arg(long, value_name = "SHARE", default_value_t = 0.25, value_parser = parse_share)]
+    pub offload_load_cost: f64,
+    /// The host tier's `BlockStored` events: vLLM's default `placeholder` (the hash alone,
+    /// `block_size` 0) or `self-describing` (parent, tokens, block size, adapter), as with
+    /// vLLM's `self_describing_kv_events`.
+    #[arg(long, value_enum, default_value_t = OffloadEvents::Placeholder)]
+    pub offload_events: OffloadEvents,
     /// Test hook: answer every generation request with this HTTP status (and an OpenAI-shaped
     /// error body), as an engine that keeps failing; `/health` and the rest stay up.
     #[arg(long, value_name = "CODE", value_parser = clap::value_parser!(u16).range(400..600))]
@@ -212,6 +227,11 @@ impl Cli {
             fail_status: self.fail_status,
             head_delay: std::time::Duration::from_millis(self.head_delay_ms),
             dp_ranks: usize::from(self.dp_ranks),
+            offload: OffloadConfig {
+                blocks: self.offload_blocks,
+                load_cost: self.offload_load_cost,
+                events: self.offload_events,
+            },
         }
     }
 }
@@ -219,6 +239,16 @@ impl Cli {
 /// `secs` as a duration (zero when negative or not finite: validation refuses it).
 fn seconds(secs: f64) -> std::time::Duration {
     std::time::Duration::try_from_secs_f64(secs).unwrap_or_default()
+}
+
+/// Parses a number between 0 and 1.
+fn parse_share(text: &str) -> Result<f64, String> {
+    let share: f64 = text.trim().parse().map_err(|e| format!("{text:?}: {e}"))?;
+    if (0.0..=1.0).contains(&share) {
+        Ok(share)
+    } else {
+        Err(format!("{text} is not between 0 and 1"))
+    }
 }
 
 /// Parses `LAYERS,KV_HEADS,HEAD_DIM,DTYPE_BYTES`.
@@ -355,6 +385,45 @@ mod tests {
         let replay_alone = ["x", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"];
         assert!(Cli::try_parse_from(replay_alone).is_err());
         assert!(Cli::try_parse_from(["x", "--kv-events-hash", "hex"]).is_err());
+    }
+
+    #[test]
+    fn offload_flags_map_to_config() {
+        let c = Cli::try_parse_from([
+            "x",
+            "--offload-blocks",
+            "96",
+            "--offload-load-cost",
+            "0.5",
+            "--offload-events",
+            "self-describing",
+        ])
+        .expect("valid flags")
+        .config();
+        assert_eq!(
+            c.offload,
+            OffloadConfig {
+                blocks: 96,
+                load_cost: 0.5,
+                events: OffloadEvents::SelfDescribing,
+            }
+        );
+        let c = Cli::try_parse_from(["x", "--offload-events", "placeholder"])
+            .expect("valid flags")
+            .config();
+        assert_eq!(c.offload.events, OffloadEvents::Placeholder);
+        for bad in [
+            ["--offload-load-cost", "1.5"],
+            ["--offload-load-cost", "-0.1"],
+            ["--offload-load-cost", "NaN"],
+            ["--offload-events", "full"],
+            ["--offload-blocks", "-1"],
+        ] {
+            assert!(
+                Cli::try_parse_from(["x", bad[0], bad[1]]).is_err(),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

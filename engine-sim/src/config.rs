@@ -277,6 +277,63 @@ impl KvTransferConfig {
     }
 }
 
+/// What a block offloaded to the host-memory tier announces (`--offload-events`), as vLLM's
+/// OffloadingConnector does with and without `kv_connector_extra_config`
+/// `self_describing_kv_events: true`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum OffloadEvents {
+    /// vLLM's default: `BlockStored{block_hashes: [h], parent_block_hash: None, token_ids: [],
+    /// block_size: 0, medium: "CPU"}`, `h` the block's device hash; no LoRA fields.
+    #[default]
+    Placeholder,
+    /// The block described in full: its hash, its parent's, its tokens, the device block size,
+    /// the adapter's `lora_id` / `lora_name`, `medium: "CPU"`, and no `extra_keys`.
+    SelfDescribing,
+}
+
+/// A host-memory KV tier behind the device cache, as vLLM's OffloadingConnector with its
+/// CPU spec and one block per chunk: every block stored on the device is copied there too
+/// (an LRU of `blocks` blocks), and admission loads the blocks after the device hit that it
+/// holds instead of prefilling them. Off while `blocks` is 0.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OffloadConfig {
+    /// Capacity of the host tier in blocks (`--offload-blocks`); 0: no tier.
+    pub blocks: usize,
+    /// What loading a token back from host memory costs, as a share of what prefilling it in
+    /// the same iteration would (`--offload-load-cost`, 0..=1): 0 prices a host hit as a
+    /// device hit, 1 as a recompute.
+    pub load_cost: f64,
+    /// The payload of the tier's `BlockStored` events.
+    pub events: OffloadEvents,
+}
+
+impl Default for OffloadConfig {
+    fn default() -> Self {
+        Self {
+            blocks: 0,
+            load_cost: 0.25,
+            events: OffloadEvents::Placeholder,
+        }
+    }
+}
+
+impl OffloadConfig {
+    fn validate(&self, prefix_caching: bool) -> Result<(), SimError> {
+        if !(self.load_cost.is_finite() && (0.0..=1.0).contains(&self.load_cost)) {
+            return Err(SimError::InvalidConfig(
+                "offload.load_cost must be between 0 and 1".to_owned(),
+            ));
+        }
+        if self.blocks > 0 && !prefix_caching {
+            return Err(SimError::InvalidConfig(
+                "offload.blocks needs prefix caching: the host tier is keyed by block hashes"
+                    .to_owned(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// KV event publishing over ZMQ in vLLM's wire format. Off while `endpoint` is `None`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvEventsConfig {
@@ -388,6 +445,8 @@ pub struct SimConfig {
     /// configured ports plus its rank); a request's `X-data-parallel-rank` header picks one,
     /// else vLLM's DP load balancer does.
     pub dp_ranks: usize,
+    /// The host-memory tier behind the KV cache (vLLM's OffloadingConnector); off by default.
+    pub offload: OffloadConfig,
 }
 
 impl Default for SimConfig {
@@ -415,6 +474,7 @@ impl Default for SimConfig {
             fail_status: None,
             head_delay: Duration::ZERO,
             dp_ranks: 1,
+            offload: OffloadConfig::default(),
         }
     }
 }
@@ -454,6 +514,7 @@ impl SimConfig {
         LoraRegistry::new(self.enable_lora, &self.lora_modules)
             .map_err(|e| SimError::InvalidConfig(format!("lora_modules: {e}")))?;
         self.kv_transfer.validate()?;
+        self.offload.validate(self.enable_prefix_caching)?;
         self.kv_events.validate()
     }
 
@@ -586,6 +647,36 @@ mod tests {
             };
             assert!(config.validate().is_err(), "{config:?}");
         }
+    }
+
+    #[test]
+    fn the_host_tier_is_off_by_default_and_checked() {
+        let c = SimConfig::default();
+        assert_eq!(
+            c.offload,
+            OffloadConfig {
+                blocks: 0,
+                load_cost: 0.25,
+                events: OffloadEvents::Placeholder,
+            }
+        );
+        let with = |blocks: usize, load_cost: f64, prefix_caching: bool| SimConfig {
+            offload: OffloadConfig {
+                blocks,
+                load_cost,
+                ..OffloadConfig::default()
+            },
+            enable_prefix_caching: prefix_caching,
+            ..SimConfig::default()
+        };
+        for cost in [0.0, 0.25, 1.0] {
+            assert!(with(96, cost, true).validate().is_ok(), "{cost}");
+        }
+        for cost in [-0.01, 1.01, f64::NAN, f64::INFINITY] {
+            assert!(with(96, cost, true).validate().is_err(), "{cost}");
+        }
+        assert!(with(96, 0.25, false).validate().is_err());
+        assert!(with(0, 0.25, false).validate().is_ok());
     }
 
     #[test]

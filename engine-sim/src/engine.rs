@@ -251,8 +251,13 @@ async fn start_core(
     )
     .await?;
     let core = SchedulerCore::new(config, metrics.clone(), events.clone());
-    let timing = (!config.no_delay)
-        .then(|| TimingModel::new(config.speedup_ratio, config.decode_speedup_ratio));
+    let timing = (!config.no_delay).then(|| {
+        TimingModel::new(
+            config.speedup_ratio,
+            config.decode_speedup_ratio,
+            config.offload.load_cost,
+        )
+    });
     let link = Arc::new(Link::new(config.kv_transfer.link_gbps, !config.no_delay));
     let interference = Interference {
         link: link.clone(),

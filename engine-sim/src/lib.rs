@@ -52,6 +52,12 @@
 //! batch. Events follow the real cache: `BlockStored` when a block becomes a cached full block (prefill or
 //! decode), `BlockRemoved` on eviction, `AllBlocksCleared` on `POST /reset_prefix_cache`.
 //! An adapter's `BlockStored` carries its `lora_id` (vLLM's, from 1 per load) and `lora_name`.
+//! With a host-memory tier ([`SimConfig::offload`], `--offload-blocks`, vLLM's
+//! OffloadingConnector) every stored block is offloaded too: after the device events of the
+//! same batch, one `BlockStored{medium: "CPU"}` per block (placeholder or self-describing,
+//! [`OffloadEvents`]) and a `BlockRemoved{medium: "CPU"}` for the blocks the full tier evicts;
+//! a prompt's blocks after its device hit that the tier holds are loaded instead of prefilled
+//! and count in `cached_tokens`.
 //! Encodings: legacy positional arrays or maps ([`KvEventEncoding`]); hashes as u64 or 32-byte
 //! digests ([`KvEventHash`]). With [`KvEventsConfig::replay_endpoint`] a ROUTER socket answers
 //! `[identity, empty, start_seq]` with every buffered batch numbered `start_seq` or later and the
@@ -144,10 +150,10 @@ mod zmq_events;
 
 pub use config::{
     DEFAULT_BOOTSTRAP_PORT, DisaggregationMode, InterferenceScaling, KvEventEncoding, KvEventHash,
-    KvEventsConfig, KvTransferConfig, ModelShape, PreemptionMode, Role, SglangDisaggregation,
-    SimConfig,
+    KvEventsConfig, KvTransferConfig, ModelShape, OffloadConfig, OffloadEvents, PreemptionMode,
+    Role, SglangDisaggregation, SimConfig,
 };
 pub use engine::{EngineHandle, spawn, spawn_engines};
 pub use error::SimError;
-pub use kv_events::{KvEvent, KvEventBatch};
+pub use kv_events::{KvEvent, KvEventBatch, Medium};
 pub use lora::{Lora, LoraModule};

@@ -16,6 +16,8 @@ pub(crate) struct EngineMetrics {
     kv_usage_bits: AtomicU64,
     prefix_queries: AtomicU64,
     prefix_hits: AtomicU64,
+    external_queries: AtomicU64,
+    external_hits: AtomicU64,
     preemptions: AtomicU64,
     prompt_tokens: AtomicU64,
     generation_tokens: AtomicU64,
@@ -47,6 +49,10 @@ pub(crate) struct CounterSnapshot {
     pub prefix_queries: u64,
     /// Prompt tokens found in the prefix cache.
     pub prefix_hits: u64,
+    /// Prompt tokens past the device hit looked up in the host tier.
+    pub external_queries: u64,
+    /// Prompt tokens loaded from the host tier.
+    pub external_hits: u64,
     /// Preemptions so far.
     pub preemptions: u64,
     /// Finished requests.
@@ -119,6 +125,8 @@ impl EngineMetrics {
             kv_usage_bits: AtomicU64::new(0f64.to_bits()),
             prefix_queries: AtomicU64::new(0),
             prefix_hits: AtomicU64::new(0),
+            external_queries: AtomicU64::new(0),
+            external_hits: AtomicU64::new(0),
             preemptions: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
@@ -176,6 +184,14 @@ impl EngineMetrics {
             running: self.running.load(Ordering::Relaxed),
             kv_usage: f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)),
         }
+    }
+
+    /// Records one host-tier lookup of the `queried` tokens past the device hit, of which
+    /// `hit` were loaded (vLLM's connector prefix-cache stats).
+    pub(crate) fn external_prefix_lookup(&self, queried: usize, hit: usize) {
+        self.external_queries
+            .fetch_add(queried as u64, Ordering::Relaxed);
+        self.external_hits.fetch_add(hit as u64, Ordering::Relaxed);
     }
 
     /// Records one prefix-cache lookup of `queried` tokens of which `hit` were cached.
@@ -267,6 +283,8 @@ impl EngineMetrics {
         CounterSnapshot {
             prefix_queries: self.prefix_queries.load(Ordering::Relaxed),
             prefix_hits: self.prefix_hits.load(Ordering::Relaxed),
+            external_queries: self.external_queries.load(Ordering::Relaxed),
+            external_hits: self.external_hits.load(Ordering::Relaxed),
             preemptions: self.preemptions.load(Ordering::Relaxed),
             successes: self.success_stop.load(Ordering::Relaxed)
                 + self.success_length.load(Ordering::Relaxed),
@@ -350,6 +368,18 @@ impl EngineMetrics {
             "vllm:prefix_cache_hits_total",
             "Prefix cache hits, in terms of number of cached tokens.",
             |m| &m.prefix_hits,
+        );
+        counter(
+            &mut out,
+            "vllm:external_prefix_cache_queries_total",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+            |m| &m.external_queries,
+        );
+        counter(
+            &mut out,
+            "vllm:external_prefix_cache_hits_total",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+            |m| &m.external_hits,
         );
         counter(
             &mut out,
@@ -500,6 +530,7 @@ mod tests {
             2,
         );
         m.prefix_lookup(128, 64);
+        m.external_prefix_lookup(64, 32);
         m.first_token(128, 0.02);
         m.next_token(0.006);
         m.finished(Finish::Length, 0.5);
@@ -512,6 +543,8 @@ mod tests {
             format!("vllm:kv_cache_usage_perc{{{l}}} 0.25"),
             format!("vllm:prefix_cache_queries_total{{{l}}} 128"),
             format!("vllm:prefix_cache_hits_total{{{l}}} 64"),
+            format!("vllm:external_prefix_cache_queries_total{{{l}}} 64"),
+            format!("vllm:external_prefix_cache_hits_total{{{l}}} 32"),
             format!("vllm:num_preemptions_total{{{l}}} 0"),
             format!("vllm:prompt_tokens_total{{{l}}} 128"),
             format!("vllm:generation_tokens_total{{{l}}} 2"),

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use kvmesh_engine_sim::{EngineHandle, KvEvent, SimConfig, spawn, spawn_engines};
+use kvmesh_engine_sim::{EngineHandle, KvEvent, Medium, SimConfig, spawn, spawn_engines};
 use serde_json::{Value, json};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -545,7 +545,9 @@ async fn kv_events_announce_stored_blocks() {
             block_size,
             lora,
             cache_salt,
+            medium,
         } => {
+            assert_eq!(*medium, Medium::Gpu);
             assert_eq!(block_hashes.len(), 2);
             assert_eq!(*parent_block_hash, None);
             assert_eq!(token_ids[..], prompt[..32]);

@@ -9,17 +9,26 @@
 //! - Releasing a sequence walks its blocks tail first, so its deeper blocks become older than its
 //!   prefix and are evicted first.
 //!
-//! Every store, eviction and reset is recorded for the KV event stream.
+//! - With a host tier ([`KvCache::with_host_tier`], vLLM's OffloadingConnector) every block
+//!   stored on the device is offloaded there too ([`host`]); a prompt's blocks after its device
+//!   hit that the tier holds are loaded instead of prefilled.
+//!
+//! Every store, eviction and reset is recorded for the KV event stream: the device's events
+//! first, then the host tier's, as vLLM's scheduler appends the connector's events to the KV
+//! cache manager's.
 
+mod host;
 mod lru;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use host::HostTier;
 use lru::LruList;
 
+use crate::config::OffloadEvents;
 use crate::hashing::EngineHash;
-use crate::kv_events::{EventBuffer, KvEvent};
+use crate::kv_events::{EventBuffer, KvEvent, Medium};
 use crate::lora::Lora;
 
 /// Index of a block in the pool.
@@ -46,6 +55,7 @@ pub(crate) struct KvCache {
     active: usize,
     events: EventBuffer,
     epoch: u64,
+    host: Option<HostTier>,
 }
 
 impl KvCache {
@@ -63,7 +73,26 @@ impl KvCache {
             active: 0,
             events: EventBuffer::default(),
             epoch: 0,
+            host: None,
         }
+    }
+
+    /// The same cache with a host tier of `blocks` blocks (none when 0) whose stores are
+    /// announced in `form`.
+    pub(crate) fn with_host_tier(mut self, blocks: usize, form: OffloadEvents) -> Self {
+        self.host = (blocks > 0).then(|| HostTier::new(blocks, form));
+        self
+    }
+
+    /// Whether a host tier backs the cache.
+    pub(crate) fn has_host_tier(&self) -> bool {
+        self.host.is_some()
+    }
+
+    /// Blocks the host tier holds.
+    #[cfg(test)]
+    pub(crate) fn host_blocks(&self) -> usize {
+        self.host.as_ref().map_or(0, HostTier::len)
     }
 
     /// Capacity in blocks.
@@ -113,6 +142,22 @@ impl KvCache {
             .count()
     }
 
+    /// Number of leading `hashes` the host tier holds (0 without one, or without prefix
+    /// caching).
+    pub(crate) fn host_lookup(&self, hashes: &[u64]) -> usize {
+        match &self.host {
+            Some(host) if self.prefix_caching => host.lookup(hashes),
+            _ => 0,
+        }
+    }
+
+    /// Marks the host tier's blocks among `hashes` as just used (they were loaded).
+    pub(crate) fn host_touch(&mut self, hashes: &[u64]) {
+        if let Some(host) = &mut self.host {
+            host.touch(hashes);
+        }
+    }
+
     /// How many of `hashes` (all resident) sit in the inactive pool, i.e. would stop being
     /// evictable once acquired.
     pub(crate) fn inactive_among(&self, hashes: &[u64]) -> usize {
@@ -150,7 +195,7 @@ impl KvCache {
                 let block = &mut self.blocks[id as usize];
                 if let Some(hash) = block.hash.take() {
                     self.cached.remove(&hash);
-                    self.events.removed(block.engine_hash);
+                    self.events.removed(block.engine_hash, Medium::Gpu);
                 }
                 id
             }
@@ -179,9 +224,9 @@ impl KvCache {
     }
 
     /// Makes a just-filled block a cached block under `hash`, recording a store event with its
-    /// `engine_hash`, `parent` engine hash, adapter `lora` and request `cache_salt`. Returns
-    /// false when caching is off or another block already holds `hash` (the block then stays
-    /// uncached, as in vLLM).
+    /// `engine_hash`, `parent` engine hash, adapter `lora` and request `cache_salt`, and queues
+    /// it for the host tier ([`Self::offload_stored`]). Returns false when caching is off or
+    /// another block already holds `hash` (the block then stays uncached, as in vLLM).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn promote(
         &mut self,
@@ -209,10 +254,22 @@ impl KvCache {
             lora,
             cache_salt,
         );
+        if let Some(host) = &mut self.host {
+            host.queue(hash, engine_hash, parent, tokens, self.block_size, lora);
+        }
         true
     }
 
-    /// Forgets every cached hash: inactive blocks become free, active ones stay in use uncached.
+    /// Offloads the blocks stored since the last call to the host tier (once per iteration,
+    /// after its stores).
+    pub(crate) fn offload_stored(&mut self) {
+        if let Some(host) = &mut self.host {
+            host.offload_queued();
+        }
+    }
+
+    /// Forgets every cached hash: inactive blocks become free, active ones stay in use
+    /// uncached; the host tier is emptied without an event of its own.
     pub(crate) fn reset(&mut self) {
         for (_, id) in self.cached.drain() {
             let block = &mut self.blocks[id as usize];
@@ -221,13 +278,20 @@ impl KvCache {
                 self.free.push(id);
             }
         }
+        if let Some(host) = &mut self.host {
+            host.clear();
+        }
         self.epoch += 1;
         self.events.cleared();
     }
 
-    /// The events recorded since the last call.
+    /// The events recorded since the last call: the device's, then the host tier's.
     pub(crate) fn take_events(&mut self) -> Vec<KvEvent> {
-        self.events.take()
+        let mut events = self.events.take();
+        if let Some(host) = &mut self.host {
+            events.extend(host.take_events());
+        }
+        events
     }
 }
 
@@ -285,7 +349,8 @@ mod tests {
         assert_eq!(
             c.take_events(),
             vec![KvEvent::BlockRemoved {
-                block_hashes: vec![eh(11), eh(10)]
+                block_hashes: vec![eh(11), eh(10)],
+                medium: Medium::Gpu,
             }]
         );
         assert_eq!(c.lookup(&[10]), 0);
@@ -361,5 +426,180 @@ mod tests {
         c.release(&a[..1]);
         assert_eq!(c.available(), 4);
         assert!(c.take_events().is_empty());
+    }
+
+    /// The host tier's events among `events`.
+    fn host_events(events: &[KvEvent]) -> Vec<&KvEvent> {
+        events
+            .iter()
+            .filter(|e| {
+                matches!(
+                    e,
+                    KvEvent::BlockStored {
+                        medium: Medium::Cpu,
+                        ..
+                    } | KvEvent::BlockRemoved {
+                        medium: Medium::Cpu,
+                        ..
+                    }
+                )
+            })
+            .collect()
+    }
+
+    fn placeholder(h: u64) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: vec![eh(h)],
+            parent_block_hash: None,
+            token_ids: Vec::new(),
+            block_size: 0,
+            lora: None,
+            cache_salt: None,
+            medium: Medium::Cpu,
+        }
+    }
+
+    #[test]
+    fn stored_blocks_are_offloaded_after_the_device_stores() {
+        let mut c = KvCache::new(8, 2, true).with_host_tier(4, OffloadEvents::Placeholder);
+        assert!(c.has_host_tier());
+        store(&mut c, &[1, 2]);
+        // Nothing reaches the tier before the iteration ends.
+        assert_eq!(c.host_lookup(&[1]), 0);
+        c.offload_stored();
+        assert_eq!(c.host_blocks(), 2);
+        assert_eq!(c.host_lookup(&[1, 2, 3]), 2);
+        let events = c.take_events();
+        assert_eq!(events.len(), 3, "{events:?}");
+        assert!(matches!(
+            &events[0],
+            KvEvent::BlockStored { block_hashes, medium: Medium::Gpu, .. }
+                if *block_hashes == [eh(1), eh(2)]
+        ));
+        assert_eq!(events[1..], [placeholder(1), placeholder(2)]);
+    }
+
+    #[test]
+    fn self_describing_stores_carry_parent_tokens_size_and_adapter() {
+        let mut c = KvCache::new(8, 2, true).with_host_tier(4, OffloadEvents::SelfDescribing);
+        let lora = Lora {
+            id: 3,
+            name: "sql".into(),
+        };
+        let salt: Arc<str> = Arc::from("tenant-a");
+        let a = c.allocate().expect("block");
+        assert!(c.promote(a, 1, eh(1), None, &[5, 6], Some(&lora), Some(&salt)));
+        let b = c.allocate().expect("block");
+        assert!(c.promote(b, 2, eh(2), Some(eh(1)), &[7, 8], Some(&lora), None));
+        c.offload_stored();
+        let events = c.take_events();
+        let host = host_events(&events);
+        let expected =
+            |h: u64, parent: Option<EngineHash>, tokens: Vec<u32>| KvEvent::BlockStored {
+                block_hashes: vec![eh(h)],
+                parent_block_hash: parent,
+                token_ids: tokens,
+                block_size: 2,
+                lora: Some(lora.clone()),
+                // Offload events have no extra_keys: the salt is only in the device event.
+                cache_salt: None,
+                medium: Medium::Cpu,
+            };
+        assert_eq!(
+            host,
+            [
+                &expected(1, None, vec![5, 6]),
+                &expected(2, Some(eh(1)), vec![7, 8])
+            ]
+        );
+    }
+
+    #[test]
+    fn a_full_tier_evicts_its_least_recently_used_blocks_in_one_removal() {
+        let mut c = KvCache::new(16, 2, true).with_host_tier(3, OffloadEvents::Placeholder);
+        store(&mut c, &[1, 2, 3]);
+        c.offload_stored();
+        c.take_events();
+        // Block 1 is used again (loaded): 2 and 3 are now the oldest.
+        c.host_touch(&[1]);
+        store(&mut c, &[4, 5]);
+        c.offload_stored();
+        let events = c.take_events();
+        assert_eq!(
+            host_events(&events),
+            [
+                &KvEvent::BlockRemoved {
+                    block_hashes: vec![eh(2), eh(3)],
+                    medium: Medium::Cpu,
+                },
+                &placeholder(4),
+                &placeholder(5),
+            ]
+        );
+        assert_eq!(c.host_blocks(), 3);
+        assert_eq!(c.host_lookup(&[1]), 1);
+        assert_eq!(c.host_lookup(&[2]), 0);
+        assert_eq!(c.host_lookup(&[4, 5]), 2);
+    }
+
+    #[test]
+    fn a_block_already_offloaded_is_refreshed_without_an_event() {
+        let mut c = KvCache::new(4, 2, true).with_host_tier(2, OffloadEvents::Placeholder);
+        let a = store(&mut c, &[1]);
+        let b = store(&mut c, &[2]);
+        c.offload_stored();
+        c.release(&a);
+        c.release(&b);
+        // The device evicts both; the tier keeps them (1 the older).
+        let filler: Vec<BlockId> = (0..4).map(|_| c.allocate().expect("block")).collect();
+        c.release(&filler);
+        assert_eq!(c.lookup(&[1]), 0);
+        assert_eq!(c.host_lookup(&[1, 2]), 2);
+        c.take_events();
+        // 1 is stored on the device again: the tier announces nothing, 1 becomes the newest.
+        store(&mut c, &[1]);
+        c.offload_stored();
+        let events = c.take_events();
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert!(host_events(&events).is_empty());
+        store(&mut c, &[3]);
+        c.offload_stored();
+        assert_eq!(
+            host_events(&c.take_events()),
+            [
+                &KvEvent::BlockRemoved {
+                    block_hashes: vec![eh(2)],
+                    medium: Medium::Cpu,
+                },
+                &placeholder(3),
+            ]
+        );
+    }
+
+    #[test]
+    fn reset_empties_the_tier_and_announces_only_the_device_clear() {
+        let mut c = KvCache::new(8, 2, true).with_host_tier(4, OffloadEvents::Placeholder);
+        store(&mut c, &[1, 2]);
+        c.offload_stored();
+        c.take_events();
+        // A block stored but not offloaded yet is dropped too.
+        store(&mut c, &[3]);
+        c.reset();
+        c.offload_stored();
+        assert_eq!(c.host_blocks(), 0);
+        assert_eq!(c.host_lookup(&[1, 2]), 0);
+        let events = c.take_events();
+        assert_eq!(events.last(), Some(&KvEvent::AllBlocksCleared));
+        assert!(host_events(&events).is_empty(), "{events:?}");
+    }
+
+    #[test]
+    fn without_a_tier_nothing_is_offloaded() {
+        let mut c = KvCache::new(4, 2, true).with_host_tier(0, OffloadEvents::Placeholder);
+        assert!(!c.has_host_tier());
+        store(&mut c, &[1]);
+        c.offload_stored();
+        assert_eq!(c.host_lookup(&[1]), 0);
+        assert!(host_events(&c.take_events()).is_empty());
     }
 }

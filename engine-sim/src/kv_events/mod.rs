@@ -10,10 +10,31 @@ use std::sync::Arc;
 use crate::hashing::EngineHash;
 use crate::lora::Lora;
 
+/// Where a cached block lives: vLLM's `medium` strings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Medium {
+    /// The device's KV cache (`"GPU"`).
+    Gpu,
+    /// The host-memory tier of the offloading connector (`"CPU"`).
+    Cpu,
+}
+
+impl Medium {
+    /// vLLM's string: `GPU` or `CPU`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Gpu => "GPU",
+            Self::Cpu => "CPU",
+        }
+    }
+}
+
 /// One change to the set of cached blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {
-    /// Consecutive full blocks of one sequence became cached (matchable) blocks.
+    /// Consecutive full blocks of one sequence became cached (matchable) blocks on `medium`.
+    /// A host-tier store covers one block; in the placeholder form (vLLM's default) it has
+    /// only the hash: no parent, no tokens, `block_size` 0, no adapter.
     BlockStored {
         /// Engine hash of each stored block, in order.
         block_hashes: Vec<EngineHash>,
@@ -26,15 +47,21 @@ pub enum KvEvent {
         /// The LoRA adapter the blocks were computed with; `None` for the base model.
         lora: Option<Lora>,
         /// The `cache_salt` of the request that stored the first block, only when that block
-        /// starts a sequence (no parent): vLLM lists it in that block's `extra_keys`.
+        /// starts a sequence (no parent): vLLM lists it in that block's `extra_keys`. Never on
+        /// the host tier (vLLM's offload events have no `extra_keys`).
         cache_salt: Option<Arc<str>>,
+        /// Where the blocks are now.
+        medium: Medium,
     },
-    /// Cached blocks were evicted.
+    /// Cached blocks were evicted from `medium`.
     BlockRemoved {
         /// Engine hashes of the evicted blocks.
         block_hashes: Vec<EngineHash>,
+        /// Where they were.
+        medium: Medium,
     },
-    /// Every cached block was dropped (prefix-cache reset).
+    /// Every cached block was dropped (prefix-cache reset; the host tier is emptied too,
+    /// without an event of its own, as vLLM's `reset_prefix_cache?reset_external=true`).
     AllBlocksCleared,
 }
 
@@ -50,7 +77,8 @@ pub struct KvEventBatch {
     pub engine_restarted: bool,
 }
 
-/// Collects events during an iteration, merging adjacent stores of one chain and adjacent removals.
+/// Collects events during an iteration, merging adjacent device stores of one chain and
+/// adjacent removals from one medium.
 #[derive(Debug, Default)]
 pub(crate) struct EventBuffer {
     events: Vec<KvEvent>,
@@ -58,7 +86,7 @@ pub(crate) struct EventBuffer {
 
 impl EventBuffer {
     /// Records that one block, computed with adapter `lora` (`None`: the base model) for a
-    /// request with `cache_salt`, was stored.
+    /// request with `cache_salt`, was stored on the device.
     pub(crate) fn stored(
         &mut self,
         hash: EngineHash,
@@ -71,6 +99,7 @@ impl EventBuffer {
         if let Some(KvEvent::BlockStored {
             block_hashes,
             token_ids,
+            medium: Medium::Gpu,
             ..
         }) = self.events.last_mut()
             && parent.is_some()
@@ -87,17 +116,37 @@ impl EventBuffer {
             block_size,
             lora: lora.cloned(),
             cache_salt: cache_salt.filter(|_| parent.is_none()).cloned(),
+            medium: Medium::Gpu,
         });
     }
 
-    /// Records that one block was evicted.
-    pub(crate) fn removed(&mut self, hash: EngineHash) {
-        if let Some(KvEvent::BlockRemoved { block_hashes }) = self.events.last_mut() {
+    /// Records a host-tier store: one event per block, never merged (vLLM's offloading
+    /// connector announces each chunk on its own).
+    pub(crate) fn offloaded(&mut self, event: KvEvent) {
+        debug_assert!(matches!(
+            event,
+            KvEvent::BlockStored {
+                medium: Medium::Cpu,
+                ..
+            }
+        ));
+        self.events.push(event);
+    }
+
+    /// Records that one block was evicted from `medium`.
+    pub(crate) fn removed(&mut self, hash: EngineHash, medium: Medium) {
+        if let Some(KvEvent::BlockRemoved {
+            block_hashes,
+            medium: last,
+        }) = self.events.last_mut()
+            && *last == medium
+        {
             block_hashes.push(hash);
             return;
         }
         self.events.push(KvEvent::BlockRemoved {
             block_hashes: vec![hash],
+            medium,
         });
     }
 
@@ -131,8 +180,8 @@ mod tests {
         b.stored(h(1), None, &[1, 2], 2, None, Some(&salt));
         b.stored(h(2), Some(h(1)), &[3, 4], 2, None, Some(&salt));
         b.stored(h(9), Some(h(5)), &[7, 8], 2, Some(&lora), Some(&salt));
-        b.removed(h(3));
-        b.removed(h(4));
+        b.removed(h(3), Medium::Gpu);
+        b.removed(h(4), Medium::Gpu);
         let events = b.take();
         assert_eq!(
             events,
@@ -144,6 +193,7 @@ mod tests {
                     block_size: 2,
                     lora: None,
                     cache_salt: Some(salt.clone()),
+                    medium: Medium::Gpu,
                 },
                 KvEvent::BlockStored {
                     block_hashes: vec![h(9)],
@@ -153,12 +203,57 @@ mod tests {
                     lora: Some(lora),
                     // Not the first block of its sequence: the salt is in its parent's hash.
                     cache_salt: None,
+                    medium: Medium::Gpu,
                 },
                 KvEvent::BlockRemoved {
-                    block_hashes: vec![h(3), h(4)]
+                    block_hashes: vec![h(3), h(4)],
+                    medium: Medium::Gpu,
                 },
             ]
         );
         assert!(b.take().is_empty());
+    }
+
+    #[test]
+    fn host_stores_stay_apart_and_removals_merge_per_medium() {
+        let mut b = EventBuffer::default();
+        let host = |hash: EngineHash| KvEvent::BlockStored {
+            block_hashes: vec![hash],
+            parent_block_hash: None,
+            token_ids: Vec::new(),
+            block_size: 0,
+            lora: None,
+            cache_salt: None,
+            medium: Medium::Cpu,
+        };
+        b.offloaded(host(h(1)));
+        // A device store whose parent is the host store's hash does not join it.
+        b.stored(h(2), Some(h(1)), &[3, 4], 2, None, None);
+        b.offloaded(host(h(2)));
+        b.offloaded(host(h(3)));
+        b.removed(h(5), Medium::Gpu);
+        b.removed(h(6), Medium::Cpu);
+        b.removed(h(7), Medium::Cpu);
+        let events = b.take();
+        assert_eq!(events.len(), 6, "{events:?}");
+        assert_eq!(events[0], host(h(1)));
+        assert!(matches!(
+            &events[1],
+            KvEvent::BlockStored { block_hashes, medium: Medium::Gpu, .. } if *block_hashes == [h(2)]
+        ));
+        assert_eq!(events[2..4], [host(h(2)), host(h(3))]);
+        assert_eq!(
+            events[4..],
+            [
+                KvEvent::BlockRemoved {
+                    block_hashes: vec![h(5)],
+                    medium: Medium::Gpu
+                },
+                KvEvent::BlockRemoved {
+                    block_hashes: vec![h(6), h(7)],
+                    medium: Medium::Cpu
+                },
+            ]
+        );
     }
 }

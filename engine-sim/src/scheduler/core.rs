@@ -18,6 +18,8 @@ use crate::output_text::Appended;
 pub(crate) struct StepPlan {
     /// New prompt (or recomputed) tokens in the batch.
     pub prefill_tokens: usize,
+    /// Prompt tokens loaded from the host tier in the batch (not prefilled).
+    pub loaded_tokens: usize,
     /// Sequences with work in the batch.
     pub batch: usize,
     /// KV usage after allocation.
@@ -68,7 +70,8 @@ impl SchedulerCore {
                 config.num_gpu_blocks,
                 config.block_size,
                 config.enable_prefix_caching,
-            ),
+            )
+            .with_host_tier(config.offload.blocks, config.offload.events),
             waiting: VecDeque::new(),
             running: Vec::new(),
             hasher: BlockHasher::new(),
@@ -152,11 +155,14 @@ impl SchedulerCore {
             budget -= n;
             i += 1;
         }
-        if !preempted {
-            self.admit_waiting(&mut budget);
-        }
+        let loaded_tokens = if preempted {
+            0
+        } else {
+            self.admit_waiting(&mut budget)
+        };
         let mut plan = StepPlan {
             prefill_tokens: 0,
+            loaded_tokens,
             batch: 0,
             usage: self.cache.usage(),
         };
@@ -174,8 +180,9 @@ impl SchedulerCore {
         plan
     }
 
-    /// Ends the planned iteration at `now`: computed tokens advance, full blocks become cached,
-    /// every sequence whose KV is complete samples one token.
+    /// Ends the planned iteration at `now`: computed tokens advance, full blocks become cached
+    /// (and are offloaded to the host tier), every sequence whose KV is complete samples one
+    /// token.
     pub(crate) fn complete(&mut self, now: Instant) {
         for i in 0..self.running.len() {
             if self.running[i].scheduled == 0 {
@@ -190,6 +197,7 @@ impl SchedulerCore {
                 Self::sample(seq, &self.metrics, now);
             }
         }
+        self.cache.offload_stored();
         let mut held = false;
         let mut left = 0;
         for mut seq in self.running.extract_if(.., |s| s.done) {
@@ -315,7 +323,10 @@ impl SchedulerCore {
         refund
     }
 
-    fn admit_waiting(&mut self, budget: &mut usize) {
+    /// Admits waiting sequences while the budget, the sequence limit and the free blocks
+    /// allow; returns the prompt tokens they load from the host tier.
+    fn admit_waiting(&mut self, budget: &mut usize) -> usize {
+        let mut loaded_tokens = 0;
         while *budget > 0 && self.running.len() < self.max_num_seqs {
             let Some(seq) = self.waiting.front_mut() else {
                 break;
@@ -336,7 +347,15 @@ impl SchedulerCore {
             // A decode leg's pulled blocks count as computed, as the cached ones do.
             let pulled = (seq.pulled_tokens / self.block_size)
                 .min(seq.tokens.len().saturating_sub(1) / self.block_size);
-            let start = hit.max(pulled) * self.block_size;
+            let local = hit.max(pulled);
+            // Of the blocks after those, the leading ones the host tier holds are loaded:
+            // computed too, within the same cap.
+            let loaded = if local < max_hit {
+                self.cache.host_lookup(&seq.hashes[local..max_hit])
+            } else {
+                0
+            };
+            let start = (local + loaded) * self.block_size;
             let n = (seq.tokens.len() - start).min(*budget);
             let need = (start + n).div_ceil(self.block_size) - hit;
             let available = self.cache.available() - self.cache.inactive_among(&seq.hashes[..hit]);
@@ -353,15 +372,26 @@ impl SchedulerCore {
             seq.computed = start;
             seq.pulled_tokens = 0;
             seq.epoch = self.cache.epoch();
-            seq.cached_tokens.get_or_insert(hit * self.block_size);
+            // vLLM's cached_tokens counts the device hit and the connector's load together.
+            seq.cached_tokens
+                .get_or_insert((hit + loaded) * self.block_size);
             self.metrics
                 .prefix_lookup(seq.tokens.len(), hit * self.block_size);
+            if self.cache.has_host_tier() {
+                self.metrics.external_prefix_lookup(
+                    seq.tokens.len() - hit * self.block_size,
+                    loaded * self.block_size,
+                );
+            }
+            self.cache.host_touch(&seq.hashes[local..local + loaded]);
+            loaded_tokens += loaded * self.block_size;
             seq.scheduled = n;
             *budget -= n;
             self.running.push(seq);
             let last = self.running.len() - 1;
             self.allocate(last, need);
         }
+        loaded_tokens
     }
 
     /// Makes every newly filled block of running sequence `i` a cached block.

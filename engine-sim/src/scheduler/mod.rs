@@ -298,7 +298,12 @@ async fn run(
                     Some(a) if now.saturating_duration_since(a) < MAX_LAG => a,
                     _ => now,
                 };
-                let mut iteration = model.iteration(plan.prefill_tokens, plan.usage, plan.batch);
+                let mut iteration = model.iteration(
+                    plan.prefill_tokens,
+                    plan.loaded_tokens,
+                    plan.usage,
+                    plan.batch,
+                );
                 let transfers = interference.link.active();
                 if transfers > 0 {
                     iteration = iteration.mul_f64(interference.slowdown(transfers));

@@ -11,16 +11,20 @@
 //! first block of a sequence (an event without a parent); nil for a block with neither. The
 //! map form always has them; the positional form stops at `lora_name` unless the event carries
 //! a salt, which it writes at position 8 as vLLM's positional encoding does.
+//!
+//! Host-tier events (`medium: "CPU"`, vLLM's OffloadingConnector) have the device events'
+//! layout with these differences, as vLLM 0.32.0's `OffloadingEventsTracker` writes them: a
+//! `BlockStored` has no `extra_keys` (nor a salt in the positional form), and the map form
+//! has `kv_cache_spec_kind` only when the event describes its block (`block_size` > 0): a
+//! placeholder store (`block_size` 0, no tokens) stops at `group_idx`.
 
 use std::sync::Arc;
 
 use crate::config::{KvEventEncoding, KvEventHash};
 use crate::hashing::EngineHash;
-use crate::kv_events::KvEvent;
+use crate::kv_events::{KvEvent, Medium};
 use crate::lora::Lora;
 
-/// The medium every simulated block lives on (vLLM's constant for device memory).
-const MEDIUM: &str = "GPU";
 /// Attention kind of the only KV cache group.
 const SPEC_KIND: &str = "full_attention";
 
@@ -143,6 +147,7 @@ impl Writer<'_> {
                 block_size,
                 lora,
                 cache_salt,
+                medium,
             } => {
                 self.array(if cache_salt.is_some() { 9 } else { 8 });
                 self.str("BlockStored");
@@ -151,17 +156,20 @@ impl Writer<'_> {
                 self.tokens(token_ids);
                 self.uint(*block_size as u64);
                 self.lora_id(lora.as_ref());
-                self.str(MEDIUM);
+                self.str(medium.as_str());
                 self.lora_name(lora.as_ref());
                 if cache_salt.is_some() {
                     self.extra_keys(block_hashes.len(), lora.as_ref(), cache_salt.as_ref());
                 }
             }
-            KvEvent::BlockRemoved { block_hashes } => {
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            } => {
                 self.array(3);
                 self.str("BlockRemoved");
                 self.hashes(block_hashes);
-                self.str(MEDIUM);
+                self.str(medium.as_str());
             }
             KvEvent::AllBlocksCleared => {
                 self.array(1);
@@ -179,8 +187,12 @@ impl Writer<'_> {
                 block_size,
                 lora,
                 cache_salt,
+                medium,
             } => {
-                self.map(11);
+                let device = *medium == Medium::Gpu;
+                // vLLM's offload events have no extra_keys; a placeholder has no spec kind.
+                let spec_kind = device || *block_size > 0;
+                self.map(9 + usize::from(device) + usize::from(spec_kind));
                 self.str("type");
                 self.str("BlockStored");
                 self.str("block_hashes");
@@ -194,24 +206,31 @@ impl Writer<'_> {
                 self.str("lora_id");
                 self.lora_id(lora.as_ref());
                 self.str("medium");
-                self.str(MEDIUM);
+                self.str(medium.as_str());
                 self.str("lora_name");
                 self.lora_name(lora.as_ref());
-                self.str("extra_keys");
-                self.extra_keys(block_hashes.len(), lora.as_ref(), cache_salt.as_ref());
+                if device {
+                    self.str("extra_keys");
+                    self.extra_keys(block_hashes.len(), lora.as_ref(), cache_salt.as_ref());
+                }
                 self.str("group_idx");
                 self.uint(0);
-                self.str("kv_cache_spec_kind");
-                self.str(SPEC_KIND);
+                if spec_kind {
+                    self.str("kv_cache_spec_kind");
+                    self.str(SPEC_KIND);
+                }
             }
-            KvEvent::BlockRemoved { block_hashes } => {
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            } => {
                 self.map(4);
                 self.str("type");
                 self.str("BlockRemoved");
                 self.str("block_hashes");
                 self.hashes(block_hashes);
                 self.str("medium");
-                self.str(MEDIUM);
+                self.str(medium.as_str());
                 self.str("group_idx");
                 self.uint(0);
             }
@@ -268,6 +287,7 @@ mod tests {
             block_size: 2,
             lora: None,
             cache_salt: None,
+            medium: Medium::Gpu,
         }
     }
 
@@ -282,6 +302,7 @@ mod tests {
                 name: "sql-lora".into(),
             }),
             cache_salt: None,
+            medium: Medium::Gpu,
         }
     }
 
@@ -293,6 +314,7 @@ mod tests {
                 token_ids,
                 block_size,
                 lora,
+                medium,
                 ..
             } => KvEvent::BlockStored {
                 block_hashes,
@@ -301,6 +323,7 @@ mod tests {
                 block_size,
                 lora,
                 cache_salt: Some(Arc::from(salt)),
+                medium,
             },
             other => other,
         }
@@ -342,6 +365,7 @@ mod tests {
     fn positional_events_with_int_hashes() {
         let removed = KvEvent::BlockRemoved {
             block_hashes: vec![hash(3)],
+            medium: Medium::Gpu,
         };
         let v = encode(
             KvEventEncoding::Positional,
@@ -384,6 +408,7 @@ mod tests {
             block_size: 2,
             lora: None,
             cache_salt: None,
+            medium: Medium::Gpu,
         };
         let v = encode(
             KvEventEncoding::Map,
@@ -480,5 +505,91 @@ mod tests {
                 Value::Array(vec![name])
             ])
         );
+    }
+
+    fn keys(event: &Value) -> Vec<&str> {
+        event
+            .as_map()
+            .expect("a map")
+            .iter()
+            .filter_map(|(k, _)| k.as_str())
+            .collect()
+    }
+
+    fn host_stored(placeholder: bool) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: vec![hash(2)],
+            parent_block_hash: (!placeholder).then(|| hash(1)),
+            token_ids: if placeholder { Vec::new() } else { vec![3, 4] },
+            block_size: if placeholder { 0 } else { 2 },
+            lora: (!placeholder).then(|| Lora {
+                id: 3,
+                name: "sql-lora".into(),
+            }),
+            cache_salt: None,
+            medium: Medium::Cpu,
+        }
+    }
+
+    #[test]
+    fn host_tier_events_have_the_offloading_connectors_fields() {
+        let removed = KvEvent::BlockRemoved {
+            block_hashes: vec![hash(4), hash(5)],
+            medium: Medium::Cpu,
+        };
+        let v = encode(
+            KvEventEncoding::Map,
+            KvEventHash::Int,
+            &[host_stored(true), host_stored(false), removed.clone()],
+        );
+        let events = v[1].as_array().expect("events");
+        let placeholder = &events[0];
+        assert_eq!(
+            keys(placeholder),
+            [
+                "type",
+                "block_hashes",
+                "parent_block_hash",
+                "token_ids",
+                "block_size",
+                "lora_id",
+                "medium",
+                "lora_name",
+                "group_idx"
+            ]
+        );
+        assert_eq!(field(placeholder, "medium").as_str(), Some("CPU"));
+        assert_eq!(field(placeholder, "block_size").as_u64(), Some(0));
+        assert!(field(placeholder, "parent_block_hash").is_nil());
+        assert_eq!(
+            field(placeholder, "token_ids").as_array().map(Vec::len),
+            Some(0)
+        );
+        let full = &events[1];
+        assert_eq!(keys(full)[..9], keys(placeholder)[..]);
+        assert_eq!(keys(full)[9..], ["kv_cache_spec_kind"]);
+        assert_eq!(
+            field(full, "parent_block_hash").as_u64(),
+            Some(hash(1).id())
+        );
+        assert_eq!(field(full, "lora_id").as_u64(), Some(3));
+        assert_eq!(field(full, "lora_name").as_str(), Some("sql-lora"));
+        assert_eq!(
+            keys(&events[2]),
+            ["type", "block_hashes", "medium", "group_idx"]
+        );
+        assert_eq!(field(&events[2], "medium").as_str(), Some("CPU"));
+
+        let v = encode(
+            KvEventEncoding::Positional,
+            KvEventHash::Int,
+            &[host_stored(true), removed],
+        );
+        let s = v[1][0].as_array().expect("stored array");
+        assert_eq!(s.len(), 8);
+        assert_eq!(s[4].as_u64(), Some(0));
+        assert_eq!(s[6].as_str(), Some("CPU"));
+        let r = v[1][1].as_array().expect("removed array");
+        assert_eq!(r[2].as_str(), Some("CPU"));
     }
 }

@@ -5,8 +5,9 @@ use tokio::sync::broadcast;
 use tokio::sync::mpsc::{self, UnboundedReceiver};
 
 use super::*;
-use crate::hashing::XXH3_SEED;
-use crate::kv_events::KvEvent;
+use crate::config::{OffloadConfig, OffloadEvents};
+use crate::hashing::{EngineHash, XXH3_SEED};
+use crate::kv_events::{KvEvent, Medium};
 use crate::lora::Lora;
 use crate::scheduler::{Handoff, SeqRequest};
 
@@ -621,4 +622,232 @@ fn simulated_restart_clears_in_its_own_marked_batch() {
     let restart = f.events.try_recv().expect("the restart batch");
     assert!(restart.engine_restarted);
     assert_eq!(restart.events, vec![KvEvent::AllBlocksCleared]);
+}
+
+/// An engine with `gpu_blocks` device blocks of 4 tokens and a host tier of `host_blocks`
+/// whose stores are announced in `form`.
+fn offload_config(gpu_blocks: usize, host_blocks: usize, form: OffloadEvents) -> SimConfig {
+    SimConfig {
+        offload: OffloadConfig {
+            blocks: host_blocks,
+            events: form,
+            ..OffloadConfig::default()
+        },
+        ..config(4, gpu_blocks)
+    }
+}
+
+/// Every published event, in order.
+fn published(f: &mut Fixture) -> Vec<KvEvent> {
+    std::iter::from_fn(|| f.events.try_recv().ok())
+        .flat_map(|batch| batch.events.clone())
+        .collect()
+}
+
+fn hashes_on(events: &[KvEvent], on: Medium) -> (Vec<EngineHash>, Vec<EngineHash>) {
+    let (mut stored, mut removed) = (Vec::new(), Vec::new());
+    for event in events {
+        match event {
+            KvEvent::BlockStored {
+                block_hashes,
+                medium,
+                ..
+            } if *medium == on => stored.extend_from_slice(block_hashes),
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            } if *medium == on => removed.extend_from_slice(block_hashes),
+            _ => {}
+        }
+    }
+    (stored, removed)
+}
+
+/// Runs a one-token request for `prompt`; its outcome and the plans.
+fn serve(f: &mut Fixture, prompt: &[u32]) -> (SeqOutcome, Vec<StepPlan>) {
+    let (r, mut rx) = request(prompt.to_vec(), 4, 1, false, &[]);
+    f.core.enqueue(r);
+    let plans = run_until_idle(&mut f.core);
+    (outcome(&mut rx), plans)
+}
+
+#[test]
+fn every_stored_block_is_offloaded_in_the_same_batch_after_the_device_stores() {
+    let mut f = fixture(&offload_config(64, 16, OffloadEvents::Placeholder));
+    let prompt: Vec<u32> = (0..10).collect();
+    serve(&mut f, &prompt);
+    let batch = f.events.try_recv().expect("the prefill's batch");
+    let mut h = BlockHasher::new();
+    let first = h.engine_hash(None, &prompt[..4], None);
+    let second = h.engine_hash(Some(first.id()), &prompt[4..8], None);
+    let placeholder = |hash: EngineHash| KvEvent::BlockStored {
+        block_hashes: vec![hash],
+        parent_block_hash: None,
+        token_ids: Vec::new(),
+        block_size: 0,
+        lora: None,
+        cache_salt: None,
+        medium: Medium::Cpu,
+    };
+    assert_eq!(batch.events.len(), 3, "{:?}", batch.events);
+    assert!(matches!(
+        &batch.events[0],
+        KvEvent::BlockStored { block_hashes, medium: Medium::Gpu, .. }
+            if *block_hashes == [first, second]
+    ));
+    assert_eq!(batch.events[1..], [placeholder(first), placeholder(second)]);
+    assert_eq!(f.core.cache().host_blocks(), 2);
+}
+
+#[test]
+fn self_describing_offloads_name_parent_tokens_and_block_size() {
+    let mut f = fixture(&offload_config(64, 16, OffloadEvents::SelfDescribing));
+    let prompt: Vec<u32> = (0..10).collect();
+    serve(&mut f, &prompt);
+    let mut h = BlockHasher::new();
+    let first = h.engine_hash(None, &prompt[..4], None);
+    let second = h.engine_hash(Some(first.id()), &prompt[4..8], None);
+    let host: Vec<KvEvent> = published(&mut f)
+        .into_iter()
+        .filter(|e| {
+            matches!(
+                e,
+                KvEvent::BlockStored {
+                    medium: Medium::Cpu,
+                    ..
+                }
+            )
+        })
+        .collect();
+    let described = |hash, parent, tokens: &[u32]| KvEvent::BlockStored {
+        block_hashes: vec![hash],
+        parent_block_hash: parent,
+        token_ids: tokens.to_vec(),
+        block_size: 4,
+        lora: None,
+        cache_salt: None,
+        medium: Medium::Cpu,
+    };
+    assert_eq!(
+        host,
+        [
+            described(first, None, &prompt[..4]),
+            described(second, Some(first), &prompt[4..8])
+        ]
+    );
+}
+
+#[test]
+fn a_host_hit_is_loaded_counted_as_cached_and_not_prefilled() {
+    // 3 device blocks: a 10-token prompt and its token (3 blocks) is evicted by the next one.
+    let mut f = fixture(&offload_config(3, 16, OffloadEvents::Placeholder));
+    let a: Vec<u32> = (0..10).collect();
+    let b: Vec<u32> = (100..110).collect();
+    let (first, plans) = serve(&mut f, &a);
+    assert_eq!(first.cached_tokens, 0);
+    assert_eq!((plans[0].prefill_tokens, plans[0].loaded_tokens), (10, 0));
+    serve(&mut f, &b);
+    let a_hashes = BlockHasher::new().sequence_hashes(&a, 4, XXH3_SEED);
+    assert_eq!(
+        f.core.cache().lookup(&a_hashes),
+        0,
+        "evicted from the device"
+    );
+    assert_eq!(
+        f.core.cache().host_lookup(&a_hashes),
+        2,
+        "kept in host memory"
+    );
+    published(&mut f);
+
+    let (again, plans) = serve(&mut f, &a);
+    // Both full blocks come from host memory: only the last two tokens are prefilled.
+    assert_eq!(again.cached_tokens, 8);
+    assert_eq!((plans[0].prefill_tokens, plans[0].loaded_tokens), (2, 8));
+    let snapshot = f.metrics.snapshot();
+    assert_eq!((snapshot.prefix_hits, snapshot.external_hits), (0, 8));
+    assert_eq!(
+        snapshot.external_queries, 30,
+        "each admission queries past its device hit"
+    );
+    // The loaded blocks are device blocks again (stored there), and already on the host
+    // tier (nothing new offloaded).
+    let events = published(&mut f);
+    let mut h = BlockHasher::new();
+    let first = h.engine_hash(None, &a[..4], None);
+    let second = h.engine_hash(Some(first.id()), &a[4..8], None);
+    let (gpu_stored, _) = hashes_on(&events, Medium::Gpu);
+    assert_eq!(gpu_stored, [first, second]);
+    assert_eq!(hashes_on(&events, Medium::Cpu), (Vec::new(), Vec::new()));
+    // So the next request hits them on the device.
+    let (third, plans) = serve(&mut f, &a);
+    assert_eq!(third.cached_tokens, 8);
+    assert_eq!(plans[0].loaded_tokens, 0);
+    assert_eq!(f.metrics.snapshot().prefix_hits, 8);
+}
+
+#[test]
+fn a_full_host_tier_evicts_its_least_recently_used_blocks() {
+    // Two host blocks: the second prompt's two blocks push out the first's.
+    let mut f = fixture(&offload_config(64, 2, OffloadEvents::Placeholder));
+    let a: Vec<u32> = (0..10).collect();
+    let b: Vec<u32> = (100..110).collect();
+    serve(&mut f, &a);
+    let (a_hashes, _) = hashes_on(&published(&mut f), Medium::Cpu);
+    assert_eq!(a_hashes.len(), 2);
+    serve(&mut f, &b);
+    let events = published(&mut f);
+    let (b_hashes, removed) = hashes_on(&events, Medium::Cpu);
+    assert_eq!(removed, a_hashes, "one removal naming both, oldest first");
+    assert_eq!(b_hashes.len(), 2);
+    let removal_at = events
+        .iter()
+        .position(|e| {
+            matches!(
+                e,
+                KvEvent::BlockRemoved {
+                    medium: Medium::Cpu,
+                    ..
+                }
+            )
+        })
+        .expect("a host removal");
+    let first_host_store = events
+        .iter()
+        .position(|e| {
+            matches!(
+                e,
+                KvEvent::BlockStored {
+                    medium: Medium::Cpu,
+                    ..
+                }
+            )
+        })
+        .expect("a host store");
+    assert!(
+        removal_at < first_host_store,
+        "room is made before the stores"
+    );
+    assert_eq!(f.core.cache().host_blocks(), 2);
+}
+
+#[test]
+fn a_reset_empties_the_host_tier_with_only_the_device_clear() {
+    let mut f = fixture(&offload_config(4, 16, OffloadEvents::Placeholder));
+    let a: Vec<u32> = (0..10).collect();
+    serve(&mut f, &a);
+    published(&mut f);
+    let (done, _wait) = tokio::sync::oneshot::channel();
+    f.core.handle(Command::ResetPrefixCache {
+        restart: false,
+        done,
+    });
+    assert_eq!(published(&mut f), [KvEvent::AllBlocksCleared]);
+    assert_eq!(f.core.cache().host_blocks(), 0);
+    let (again, plans) = serve(&mut f, &a);
+    assert_eq!(again.cached_tokens, 0);
+    assert_eq!((plans[0].prefill_tokens, plans[0].loaded_tokens), (10, 0));
+    // Offloaded anew.
+    let (stored, _) = hashes_on(&published(&mut f), Medium::Cpu);
+    assert_eq!(stored.len(), 2);
 }
