@@ -1,7 +1,8 @@
 //! An engine's answer body as the proxy reads it while relaying it: server-sent events counted
 //! as they pass (`kvmesh_wire::sse::SseScanner`, the HTTP relay), read event by event
 //! (`sse_events::SseData`, the gRPC listener), and the tokens the answer holds
-//! (`usage::TokenCount`, for metrics, API keys' token limits and the KV index's check).
+//! (`usage::TokenCount`, for metrics, API keys' token limits and the KV index's check), and
+//! split into whole events (`sse::split_events`, the migration's rewriting of a continuation).
 //!
 //! Whatever the bytes: nothing panics; both SSE readers agree with a plain line-by-line
 //! reading of the whole stream (the events and their data, the blank lines that end them,
@@ -11,7 +12,7 @@
 
 #![no_main]
 
-use kvmesh_wire::sse::{SseScanner, data_value};
+use kvmesh_wire::sse::{SseScanner, data_value, split_events};
 use kvmesh_wire::sse_events::SseData;
 use kvmesh_wire::usage::TokenCount;
 use libfuzzer_sys::fuzz_target;
@@ -158,6 +159,12 @@ fuzz_target!(|stream: &[u8]| {
         start = end;
     }
     let whole_events = &stream[..start];
+    // The migration splits whole events as the reference does, the unended rest last.
+    let mut split: Vec<&[u8]> = split_events(stream).collect();
+    if start < stream.len() {
+        assert_eq!(split.pop(), Some(&stream[start..]), "the unended rest");
+    }
+    assert_eq!(split, events, "split_events");
     assert_eq!(
         observed(&[whole_events], true),
         observed(&events, true),

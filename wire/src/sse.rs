@@ -135,6 +135,34 @@ pub fn data_values(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
     })
 }
 
+/// The events of `bytes`, each with the blank line that ends it (lines end with `\n`, `\r\n`
+/// or `\r`, as [`SseScanner`] reads them); bytes after the last blank line come last, as an
+/// unended event. A `\r\n` is one line ending, so a blank line ends after its `\n`.
+pub fn split_events(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = bytes;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut line_start = 0;
+        let end = loop {
+            let Some(offset) = memchr::memchr2(b'\r', b'\n', &rest[line_start..]) else {
+                break rest.len();
+            };
+            let ending = line_start + offset;
+            let crlf = rest[ending] == b'\r' && rest.get(ending + 1) == Some(&b'\n');
+            let after = ending + 1 + usize::from(crlf);
+            if ending == line_start {
+                break after;
+            }
+            line_start = after;
+        };
+        let (event, tail) = rest.split_at(end);
+        rest = tail;
+        Some(event)
+    })
+}
+
 /// The value of a `data` field line (`data`, `data:` or `data: x`), if it is one.
 pub fn data_value(line: &[u8]) -> Option<&[u8]> {
     let rest = line.strip_prefix(b"data")?;
@@ -326,7 +354,48 @@ mod tests {
         "abcdefghijklmnop",
     ];
 
+    #[test]
+    fn events_split_at_blank_lines_of_every_line_ending() {
+        let stream = b"data: a\n\ndata: b\r\n\r\ndata: c\r\rdata: d\r\n\ndata: e";
+        let events: Vec<&[u8]> = split_events(stream).collect();
+        assert_eq!(
+            events,
+            [
+                &b"data: a\n\n"[..],
+                b"data: b\r\n\r\n",
+                b"data: c\r\r",
+                b"data: d\r\n\n",
+                b"data: e"
+            ]
+        );
+        // A blank line first is an event of its own, with nothing in it.
+        assert_eq!(split_events(b"\ndata: x\n\n").count(), 2);
+        assert_eq!(split_events(b"").count(), 0);
+    }
+
     proptest::proptest! {
+        #[test]
+        fn events_end_where_the_whole_stream_has_its_blank_lines(
+            pieces in proptest::collection::vec(proptest::sample::select(PIECES), 0..40),
+        ) {
+            let stream = pieces.concat().into_bytes();
+            let (_, boundaries) = reference(&stream);
+            let events: Vec<&[u8]> = split_events(&stream).collect();
+            proptest::prop_assert_eq!(events.concat(), stream.clone());
+            let mut ends = Vec::new();
+            let mut at = 0;
+            for event in &events {
+                at += event.len();
+                ends.push(at);
+            }
+            let blank: Vec<usize> = boundaries.iter().map(|&(end, _)| end).collect();
+            if ends.last() != blank.last() {
+                // Bytes after the last blank line: one unended event.
+                ends.pop();
+            }
+            proptest::prop_assert_eq!(ends, blank);
+        }
+
         #[test]
         fn chunks_scan_as_the_whole_stream_reads(
             pieces in proptest::collection::vec(proptest::sample::select(PIECES), 0..40),

@@ -30,7 +30,7 @@ use std::sync::{Arc, LazyLock};
 use bytes::{BufMut, Bytes, BytesMut};
 use kvmesh_preprocess::ModelPreprocessor;
 use kvmesh_wire::choice_scan::{Scanned, only_choice};
-use kvmesh_wire::sse::data_values;
+use kvmesh_wire::sse::{data_values, split_events};
 use memchr::memmem;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
@@ -555,34 +555,6 @@ fn is_role_only(chunk: &Map<String, Value>) -> bool {
 /// Whether an event's data is an error object.
 fn is_error_event(data: &[u8]) -> bool {
     serde_json::from_slice::<Chunk<'_>>(data).is_ok_and(|chunk| chunk.error.is_some())
-}
-
-/// The events of `bytes` (whole events, each with its blank line: `\n\n` or `\r\n\r\n`).
-fn split_events(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
-    let mut rest = bytes;
-    std::iter::from_fn(move || {
-        if rest.is_empty() {
-            return None;
-        }
-        let mut from = 0;
-        let end = loop {
-            let Some(newline) = memchr::memchr(b'\n', &rest[from..]) else {
-                break rest.len();
-            };
-            let after = from + newline + 1;
-            let tail = &rest[after..];
-            if tail.starts_with(b"\n") {
-                break after + 1;
-            }
-            if tail.starts_with(b"\r\n") {
-                break after + 2;
-            }
-            from = after;
-        };
-        let (event, tail) = rest.split_at(end);
-        rest = tail;
-        Some(event)
-    })
 }
 
 #[cfg(test)]

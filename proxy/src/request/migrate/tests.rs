@@ -179,6 +179,31 @@ fn a_client_continuation_is_extended_in_place_and_crlf_events_split() {
     );
 }
 
+#[test]
+fn a_continuation_whose_events_end_in_bare_carriage_returns_keeps_every_event() {
+    let mut m = migration(
+        Route::ChatCompletions,
+        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+               "max_completion_tokens": 10, "stream": true}),
+    );
+    m.pass(Bytes::from(chat_chunk("Hello", None)));
+    assert!(m.next_body().is_some() && m.continuing());
+    // Two events in one piece, each ended by a blank line of bare `\r`s (valid SSE): each
+    // is rewritten on its own, none merged into the one before.
+    let continuation = format!(
+        "{}{}",
+        chat_chunk(" there", None).replace("\n\n", "\r\r"),
+        chat_chunk(" friend", Some("stop")).replace("\n\n", "\r\r"),
+    );
+    let passed = m.pass(Bytes::from(continuation));
+    let text = String::from_utf8(passed.forward.to_vec()).unwrap();
+    assert!(
+        text.contains(" there") && text.contains(" friend"),
+        "{text}"
+    );
+    assert_eq!(passed.text_events, 2, "{text}");
+}
+
 /// The Qwen3 tokenizer fetched by `scripts/fetch-tokenizer.sh` (or `KVMESH_QWEN3_TOKENIZER`).
 fn qwen3() -> Arc<ModelPreprocessor> {
     let dir = std::env::var_os("KVMESH_QWEN3_TOKENIZER")
