@@ -314,3 +314,37 @@ pub fn prompt_tokens(seed: u32, blocks: usize) -> Vec<u32> {
         .map(|i| 1000 + seed * 7919 + i * 31)
         .collect()
 }
+
+/// How long [`await_explained`] polls.
+const EXPLAIN_DEADLINE: Duration = Duration::from_secs(15);
+
+/// Polls proxy `proxy`'s `/debug/route` for the completion `request` (in `session` if any)
+/// until `done` holds for the explanation, or the deadline passes.
+pub async fn await_explained(
+    client: &HttpClient,
+    proxy: &Spawned,
+    request: &serde_json::Value,
+    session: Option<&str>,
+    done: impl Fn(&serde_json::Value) -> bool,
+) -> anyhow::Result<serde_json::Value> {
+    let url = format!("{}/debug/route?route=completions", proxy.url("admin"));
+    let mut headers = vec![("content-type", "application/json")];
+    headers.extend(session.map(|session| ("x-session-id", session)));
+    let body = request.to_string();
+    let deadline = std::time::Instant::now() + EXPLAIN_DEADLINE;
+    loop {
+        let response = client
+            .call(http::Method::POST, &url, &headers, body.clone())
+            .await?;
+        anyhow::ensure!(response.status == 200, "debug/route: {}", response.status);
+        let explained: serde_json::Value = serde_json::from_slice(&response.body)?;
+        if done(&explained) {
+            return Ok(explained);
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "never reached: {explained}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -59,10 +59,11 @@ use kvmesh_control::{EventBus, NatsBus};
 use kvmesh_e2e::certs::TestCerts;
 use kvmesh_e2e::cluster::{MODEL, start_proxy};
 use kvmesh_e2e::control_plane::{
-    BLOCK_SIZE, Engine, Servers, agent_args, agent_args_for, await_metric, control_proxy_config,
-    control_proxy_config_for, metric, metric_total, model_prompt, prompt_tokens,
-    proxy_metric_total, start_agent, start_event_engines, start_event_engines_of_block_size,
-    start_event_engines_with, start_timed_event_engines, token_prompt,
+    BLOCK_SIZE, Engine, Servers, agent_args, agent_args_for, await_explained, await_metric,
+    control_proxy_config, control_proxy_config_for, metric, metric_total, model_prompt,
+    prompt_tokens, proxy_metric_total, start_agent, start_event_engines,
+    start_event_engines_of_block_size, start_event_engines_with, start_timed_event_engines,
+    token_prompt,
 };
 use kvmesh_e2e::relay::TcpRelay;
 use kvmesh_e2e::sse::{OpenStream, assert_all_whole, open_streams};
@@ -1046,34 +1047,6 @@ async fn a_session_bound_on_one_replica_is_followed_by_the_other() -> anyhow::Re
     assert_no_panic(proxy_a);
     assert_no_panic(proxy_b);
     Ok(())
-}
-
-/// Polls proxy `proxy`'s `/debug/route` for the completion `request` (in `session` if any)
-/// until `done` holds for the explanation, or the deadline passes.
-async fn await_explained(
-    client: &HttpClient,
-    proxy: &Spawned,
-    request: &serde_json::Value,
-    session: Option<&str>,
-    done: impl Fn(&serde_json::Value) -> bool,
-) -> anyhow::Result<serde_json::Value> {
-    let url = format!("{}/debug/route?route=completions", proxy.url("admin"));
-    let mut headers = vec![("content-type", "application/json")];
-    headers.extend(session.map(|session| ("x-session-id", session)));
-    let body = request.to_string();
-    let deadline = Instant::now() + CONVERGE;
-    loop {
-        let response = client
-            .call(Method::POST, &url, &headers, body.clone())
-            .await?;
-        anyhow::ensure!(response.status == 200, "debug/route: {}", response.status);
-        let explained: serde_json::Value = serde_json::from_slice(&response.body)?;
-        if done(&explained) {
-            return Ok(explained);
-        }
-        anyhow::ensure!(Instant::now() < deadline, "never reached: {explained}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// The entry of instance `instance` in an explanation (`null` when it has none).

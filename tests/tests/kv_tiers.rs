@@ -16,13 +16,13 @@
 //! Readiness comes from `LISTENING`/`READY` lines, metrics and the admin `/debug/route`, each
 //! polled against a deadline.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use http::Method;
 use kvmesh_e2e::cluster::{MODEL, start_proxy};
 use kvmesh_e2e::control_plane::{
-    BLOCK_SIZE, Engine, Servers, agent_args, await_metric, control_proxy_config, metric,
-    prompt_tokens, start_event_engines_with, token_prompt,
+    BLOCK_SIZE, Engine, Servers, agent_args, await_explained, await_metric, control_proxy_config,
+    metric, prompt_tokens, start_event_engines_with, token_prompt,
 };
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
 
@@ -52,35 +52,6 @@ async fn complete(client: &HttpClient, url: &str, prompt: &[u32]) -> anyhow::Res
         .as_u64()
         .ok_or_else(|| anyhow::anyhow!("no cached_tokens in the usage"))?;
     Ok((route, cached))
-}
-
-/// Polls `proxy`'s `/debug/route` for `prompt` until `done` holds, or the deadline passes.
-async fn await_explained(
-    client: &HttpClient,
-    proxy: &Spawned,
-    prompt: &[u32],
-    done: impl Fn(&serde_json::Value) -> bool,
-) -> anyhow::Result<serde_json::Value> {
-    let url = format!("{}/debug/route?route=completions", proxy.url("admin"));
-    let body = token_prompt(prompt, 1).to_string();
-    let deadline = Instant::now() + CONVERGE;
-    loop {
-        let response = client
-            .call(
-                Method::POST,
-                &url,
-                &[("content-type", "application/json")],
-                body.clone(),
-            )
-            .await?;
-        anyhow::ensure!(response.status == 200, "debug/route: {}", response.status);
-        let explained: serde_json::Value = serde_json::from_slice(&response.body)?;
-        if done(&explained) {
-            return Ok(explained);
-        }
-        anyhow::ensure!(Instant::now() < deadline, "never reached: {explained}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// `field` of engine `engine`'s entry in an explanation.
@@ -163,8 +134,9 @@ async fn a_prefix_in_host_memory_draws_its_prompt_at_the_host_weight() -> anyhow
             && explained(explanation, offloading, "overlap_blocks") == 0
             && explained(explanation, plain, "overlap_blocks") == 3
     };
-    let at_default = await_explained(&client, &default_weights, &prompt, placed).await?;
-    let at_low = await_explained(&client, &low_host_weight, &prompt, placed).await?;
+    let request = token_prompt(&prompt, 1);
+    let at_default = await_explained(&client, &default_weights, &request, None, placed).await?;
+    let at_low = await_explained(&client, &low_host_weight, &request, None, placed).await?;
     assert_eq!(at_default["tier_weights"]["host"], 0.75);
     assert_eq!(at_low["tier_weights"]["host"], 0.25);
     // 0.75 × 6 host blocks beat 3 device blocks; 0.25 × 6 do not.

@@ -222,23 +222,7 @@ impl RankTable {
     /// Translates a removal: each block loses a reference and is evicted at zero. Appends a
     /// Removed event for the evicted ones to `out`; returns how many ids were unknown.
     pub fn removed(&mut self, block_ids: &[u64], out: &mut Vec<KvEvent>) -> usize {
-        let mut unknown = 0;
-        let mut evicted = Vec::new();
-        for &id in block_ids {
-            let external = ExternalHash(id);
-            match self.blocks.get_mut(&external) {
-                Some(info) if info.refs > 1 => info.refs -= 1,
-                Some(_) => {
-                    self.blocks.remove(&external);
-                    evicted.push(external);
-                }
-                None => unknown += 1,
-            }
-        }
-        if !evicted.is_empty() {
-            out.push(KvEvent::Removed { blocks: evicted });
-        }
-        unknown
+        release(&mut self.blocks, block_ids, out)
     }
 
     /// Forgets every block, in every tier (vLLM's reset sends one `AllBlocksCleared` for
@@ -356,24 +340,7 @@ impl RankTable {
         let Some(slot) = tier_slot(tier) else {
             return block_ids.len();
         };
-        let table = &mut self.tiers[slot];
-        let mut unknown = 0;
-        let mut evicted = Vec::new();
-        for &id in block_ids {
-            let external = ExternalHash(id);
-            match table.blocks.get_mut(&external) {
-                Some(info) if info.refs > 1 => info.refs -= 1,
-                Some(_) => {
-                    table.blocks.remove(&external);
-                    evicted.push(external);
-                }
-                None => unknown += 1,
-            }
-        }
-        if !evicted.is_empty() {
-            out.push(KvEvent::Removed { blocks: evicted });
-        }
-        unknown
+        release(&mut self.tiers[slot].blocks, block_ids, out)
     }
 
     /// The device table as Stored events, parents before children, linear chains merged into
@@ -390,6 +357,32 @@ impl RankTable {
             None => self.snapshot(),
         }
     }
+}
+
+/// Takes one reference off each of `block_ids` in `blocks`, evicting those left with none
+/// (a Removed appended to `out`); returns how many ids `blocks` did not hold.
+fn release(
+    blocks: &mut HashMap<ExternalHash, BlockInfo>,
+    block_ids: &[u64],
+    out: &mut Vec<KvEvent>,
+) -> usize {
+    let mut unknown = 0;
+    let mut evicted = Vec::new();
+    for &id in block_ids {
+        let external = ExternalHash(id);
+        match blocks.get_mut(&external) {
+            Some(info) if info.refs > 1 => info.refs -= 1,
+            Some(_) => {
+                blocks.remove(&external);
+                evicted.push(external);
+            }
+            None => unknown += 1,
+        }
+    }
+    if !evicted.is_empty() {
+        out.push(KvEvent::Removed { blocks: evicted });
+    }
+    unknown
 }
 
 /// The position of lower tier `tier` in [`RankTable`]'s tiers (`None`: the device).

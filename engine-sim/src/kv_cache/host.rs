@@ -93,15 +93,7 @@ impl HostTier {
         lora: Option<&Lora>,
     ) {
         let event = match self.form {
-            OffloadEvents::Placeholder => KvEvent::BlockStored {
-                block_hashes: vec![engine_hash],
-                parent_block_hash: None,
-                token_ids: Vec::new(),
-                block_size: 0,
-                lora: None,
-                cache_salt: None,
-                medium: Medium::Cpu,
-            },
+            OffloadEvents::Placeholder => KvEvent::host_placeholder(engine_hash),
             OffloadEvents::SelfDescribing => KvEvent::BlockStored {
                 block_hashes: vec![engine_hash],
                 parent_block_hash: parent,

@@ -448,15 +448,7 @@ mod tests {
     }
 
     fn placeholder(h: u64) -> KvEvent {
-        KvEvent::BlockStored {
-            block_hashes: vec![eh(h)],
-            parent_block_hash: None,
-            token_ids: Vec::new(),
-            block_size: 0,
-            lora: None,
-            cache_salt: None,
-            medium: Medium::Cpu,
-        }
+        KvEvent::host_placeholder(eh(h))
     }
 
     #[test]

@@ -65,6 +65,21 @@ pub enum KvEvent {
     AllBlocksCleared,
 }
 
+impl KvEvent {
+    /// A host-tier store of one block in vLLM's placeholder form: its hash alone.
+    pub fn host_placeholder(hash: EngineHash) -> Self {
+        Self::BlockStored {
+            block_hashes: vec![hash],
+            parent_block_hash: None,
+            token_ids: Vec::new(),
+            block_size: 0,
+            lora: None,
+            cache_salt: None,
+            medium: Medium::Cpu,
+        }
+    }
+}
+
 /// The events of one scheduler iteration, in order.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvEventBatch {
@@ -217,15 +232,7 @@ mod tests {
     #[test]
     fn host_stores_stay_apart_and_removals_merge_per_medium() {
         let mut b = EventBuffer::default();
-        let host = |hash: EngineHash| KvEvent::BlockStored {
-            block_hashes: vec![hash],
-            parent_block_hash: None,
-            token_ids: Vec::new(),
-            block_size: 0,
-            lora: None,
-            cache_salt: None,
-            medium: Medium::Cpu,
-        };
+        let host = KvEvent::host_placeholder;
         b.offloaded(host(h(1)));
         // A device store whose parent is the host store's hash does not join it.
         b.stored(h(2), Some(h(1)), &[3, 4], 2, None, None);

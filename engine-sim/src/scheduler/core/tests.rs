@@ -680,15 +680,7 @@ fn every_stored_block_is_offloaded_in_the_same_batch_after_the_device_stores() {
     let mut h = BlockHasher::new();
     let first = h.engine_hash(None, &prompt[..4], None);
     let second = h.engine_hash(Some(first.id()), &prompt[4..8], None);
-    let placeholder = |hash: EngineHash| KvEvent::BlockStored {
-        block_hashes: vec![hash],
-        parent_block_hash: None,
-        token_ids: Vec::new(),
-        block_size: 0,
-        lora: None,
-        cache_salt: None,
-        medium: Medium::Cpu,
-    };
+    let placeholder = KvEvent::host_placeholder;
     assert_eq!(batch.events.len(), 3, "{:?}", batch.events);
     assert!(matches!(
         &batch.events[0],
