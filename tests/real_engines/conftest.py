@@ -329,7 +329,18 @@ class Cluster:
         return agent
 
     def stop_agent(self, engine):
-        self.agents.pop(engine.name).stop()
+        """Stops `engine`'s agent as a pod's stop does (SIGTERM): with `--drain 0s` it takes its
+        instance out of etcd before it exits, so the proxy lists the engine once, under the
+        next agent's instance only. SIGKILL left the old instance listed until its 30 s lease
+        lapsed: the engine twice in the proxy, the old entry (no more events) found first by
+        URL, and a burst spread over three instances, two of them the same engine."""
+        agent = self.agents.pop(engine.name)
+        agent.proc.send_signal(signal.SIGTERM)
+        try:
+            agent.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        agent.stop()
 
     @property
     def base(self):
@@ -346,9 +357,11 @@ class Cluster:
         """Until the proxy's /health lists `n` healthy instances of the model."""
 
         def count():
-            health = get_json(self.admin + "/health")
-            text = json.dumps(health)
-            return sum(text.count(e.url) for e in self.engines) >= n and health
+            # 503 too lists the instances: while the only one listed is unhealthy (an engine
+            # busy past its probe's timeout, with the other's agent stopped), it says so.
+            _, _, body = http("GET", self.admin + "/health")
+            text = body.decode()
+            return sum(text.count(e.url) for e in self.engines) >= n and json.loads(body)
 
         return wait_until(f"{n} instances in the proxy", count, timeout=timeout)
 

@@ -161,9 +161,10 @@ def test_a_prefill_leg_after_the_engines_closed_their_idle_connections_is_served
     ports = (prefill.port, decode.port)
     # A long chat first, so that both engines' connections are pooled. A chat that outlasts
     # uvicorn's 5 s keep-alive (a slow first transfer) may find them closed already when it
-    # ends (one CI run did): then a second one, on warm engines, pools them.
-    for _ in range(2):
-        route, _, _ = streamed_chat(pd, [{"role": "user", "content": text(random.Random(82), 400)}], 4)
+    # ends (one CI run did): then a second one, on warm engines, pools them. Each is a prompt
+    # of its own: the same one again would be cached on the decode engine and prefilled there.
+    for attempt in range(2):
+        route, _, _ = streamed_chat(pd, [{"role": "user", "content": text(random.Random(190 + attempt), 400)}], 4)
         assert route["prefill"].rstrip("/") == prefill.url, route
         if established(pd, ports):
             break
