@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Method, Response};
 use serde_json::{Map, Value};
-use support::{Backend, TestProxy, closed_port, full, send};
+use support::{Backend, Recorded, TestProxy, closed_port, full, send};
 use tokio::sync::Notify;
 
 /// A prefill engine that answers `status` once `joined` is notified (the decode leg came).
@@ -100,6 +100,20 @@ async fn chat(proxy: &TestProxy) -> support::Reply {
     .await
 }
 
+/// The requests `engine` received, once it has `count` (deadline 5 s). A prefill leg goes out
+/// beside its decode leg and is read after the answer is relayed: it may reach its engine
+/// after the client has the decode leg's answer.
+async fn received(engine: &Backend, count: usize) -> Vec<Recorded> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let requests = engine.requests();
+        if requests.len() >= count || tokio::time::Instant::now() >= deadline {
+            return requests;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 fn object(bytes: &[u8]) -> Map<String, Value> {
     serde_json::from_slice(bytes).unwrap()
 }
@@ -119,7 +133,7 @@ async fn both_legs_carry_the_request_and_one_bootstrap_room() {
     );
     assert_eq!(reply.json().await["choices"][0]["text"], "decoded");
 
-    let (prefill_legs, decode_legs) = (prefill.requests(), decode.requests());
+    let (prefill_legs, decode_legs) = (received(&prefill, 1).await, decode.requests());
     assert_eq!((prefill_legs.len(), decode_legs.len()), (1, 1));
     let (p, d) = (&prefill_legs[0], &decode_legs[0]);
     assert_eq!(p.path, "/v1/chat/completions");
@@ -173,7 +187,7 @@ async fn a_prefill_engine_that_refuses_the_leg_is_failed_over() {
             "{route}"
         );
     }
-    assert_eq!(prefill.requests().len(), 2);
+    assert_eq!(received(&prefill, 2).await.len(), 2);
     assert_eq!(decode.requests().len(), 2);
     await_metric(
         &proxy,
@@ -218,7 +232,9 @@ async fn sglang_s_native_generate_runs_in_two_legs_too() {
     let json = [("content-type", "application/json")];
     let reply = send(proxy.main, Method::POST, "/generate", &json, body).await;
     assert_eq!(reply.status, 200);
-    let (p, d) = (&prefill.requests()[0], &decode.requests()[0]);
+    let (prefill_legs, decode_legs) = (received(&prefill, 1).await, decode.requests());
+    assert_eq!((prefill_legs.len(), decode_legs.len()), (1, 1));
+    let (p, d) = (&prefill_legs[0], &decode_legs[0]);
     assert_eq!(
         (p.path.as_str(), d.path.as_str()),
         ("/generate", "/generate")
