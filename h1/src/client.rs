@@ -1,7 +1,8 @@
 //! The keep-alive client of plaintext HTTP/1.1 engines: a pool of idle TCP connections per
 //! engine address ([`ConnectionPool`]) and one round trip on a connection ([`Roundtrip`]):
-//! the request head and body written in one `writev`, the response head parsed in place and
-//! the body read by its framing.
+//! the request head and body written in one `writev` (or, for a body that streams, the head
+//! and each piece as it comes), the response head parsed in place and the body read by its
+//! framing.
 
 use std::collections::HashMap;
 use std::io::{self, IoSlice};
@@ -15,6 +16,7 @@ use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout};
 
 use crate::body::{BadFraming, Decoded, Framing};
+use crate::digits::push_hex;
 use crate::fields::listed_in_connection;
 use crate::head::{Known, Parsed, ResponseHead, parse_response};
 use crate::lazy_timer::{Elapsed, LazyTimer};
@@ -168,6 +170,24 @@ impl Roundtrip {
         Ok((roundtrip, reused))
     }
 
+    /// A round trip on a new connection to `addr`, never a pooled one: for a request whose
+    /// body streams, which a pooled connection the engine closed meanwhile would fail after
+    /// bytes that cannot be sent again.
+    pub async fn open_new(
+        addr: SocketAddr,
+        connect_timeout: Option<Duration>,
+    ) -> Result<Self, RoundtripError> {
+        Ok(Self {
+            connection: connect(addr, connect_timeout).await?,
+            addr,
+            head: None,
+            framing: Framing::Length(0),
+            keep_alive: false,
+            eof: false,
+            lookahead: None,
+        })
+    }
+
     /// The request head to send, empty: written by the caller, sent by [`Roundtrip::request`].
     #[inline]
     pub fn request_head(&mut self) -> &mut Vec<u8> {
@@ -177,29 +197,71 @@ impl Roundtrip {
 
     /// Writes the request head and `body` (one `writev` when the socket takes it all).
     async fn send(&mut self, body: &[u8]) -> Result<(), RoundtripError> {
+        self.write_parts([&[], body, &[]]).await
+    }
+
+    /// Writes what is left of the request head (nothing once sent), then `parts` in order,
+    /// with vectored writes.
+    async fn write_parts(&mut self, mut parts: [&[u8]; 3]) -> Result<(), RoundtripError> {
         let Connection { tcp, head, .. } = &mut self.connection;
-        let mut written = 0;
-        let total = head.len() + body.len();
-        while written < total {
-            let slices = if written < head.len() {
-                [IoSlice::new(&head[written..]), IoSlice::new(body)]
-            } else {
-                [
-                    IoSlice::new(&body[written - head.len()..]),
-                    IoSlice::new(&[]),
-                ]
+        let mut head_left: &[u8] = head;
+        loop {
+            let slices = [
+                IoSlice::new(head_left),
+                IoSlice::new(parts[0]),
+                IoSlice::new(parts[1]),
+                IoSlice::new(parts[2]),
+            ];
+            let Some(first) = slices.iter().position(|slice| !slice.is_empty()) else {
+                break;
             };
-            match tcp.write_vectored(&slices).await {
+            let mut written = match tcp.write_vectored(&slices[first..]).await {
                 Ok(0) => {
                     return Err(RoundtripError::Broken(
                         "the engine closed the connection".into(),
                     ));
                 }
-                Ok(n) => written += n,
+                Ok(n) => n,
                 Err(error) => return Err(RoundtripError::Broken(format!("write: {error}"))),
+            };
+            for part in std::iter::once(&mut head_left).chain(parts.iter_mut()) {
+                let taken = written.min(part.len());
+                *part = &part[taken..];
+                written -= taken;
             }
         }
+        head.clear();
         Ok(())
+    }
+
+    /// Sends the request head when not sent yet, then `piece` of the body, within `limit`:
+    /// chunk-encoded when `chunked` (then an empty `piece` is the last chunk), else as it is.
+    pub async fn send_within(
+        &mut self,
+        piece: &[u8],
+        chunked: bool,
+        limit: Duration,
+    ) -> Result<Result<(), RoundtripError>, TimedOut> {
+        self.within(limit, async |roundtrip| {
+            if !chunked {
+                return roundtrip.write_parts([piece, &[], &[]]).await;
+            }
+            let mut size = Vec::with_capacity(20);
+            push_hex(&mut size, piece.len());
+            size.extend_from_slice(b"\r\n");
+            roundtrip.write_parts([&size, piece, b"\r\n"]).await
+        })
+        .await
+    }
+
+    /// Reads the response head within `limit`, once the request is sent
+    /// ([`Roundtrip::send_within`]).
+    pub async fn read_head_within(
+        &mut self,
+        limit: Duration,
+    ) -> Result<Result<(), RoundtripError>, TimedOut> {
+        self.within(limit, async |roundtrip| roundtrip.read_head().await)
+            .await
     }
 
     /// Sends the request (head and `body`) and reads the response head, within `limit`.
@@ -578,5 +640,53 @@ mod tests {
         let pool = ConnectionPool::new(4, Duration::from_secs(60));
         let opened = Roundtrip::open(&pool, addr, Some(Duration::from_secs(1))).await;
         assert!(matches!(opened, Err(RoundtripError::Connect(_))));
+    }
+
+    #[tokio::test]
+    async fn a_streamed_body_goes_out_piece_by_piece_on_a_new_connection() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (seen_tx, seen_rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            let mut read = Vec::new();
+            let mut buf = vec![0; 4096];
+            while !read.ends_with(b"0\r\n\r\n") {
+                let n = tcp.read(&mut buf).await.unwrap();
+                assert_ne!(n, 0, "the request ended early: {read:?}");
+                read.extend_from_slice(&buf[..n]);
+            }
+            tcp.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            seen_tx.send(read).unwrap();
+            let _ = tcp.read(&mut buf).await;
+        });
+        let pool = ConnectionPool::new(4, Duration::from_secs(60));
+        // A pooled connection to the address is not taken.
+        let mut roundtrip = Roundtrip::open_new(addr, None).await.unwrap();
+        let head = b"POST /up HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n";
+        roundtrip.request_head().extend_from_slice(head);
+        let limit = Duration::from_secs(5);
+        for piece in [&b"first"[..], &[b'x'; 300], b""] {
+            roundtrip
+                .send_within(piece, true, limit)
+                .await
+                .unwrap()
+                .unwrap();
+        }
+        roundtrip.read_head_within(limit).await.unwrap().unwrap();
+        assert_eq!(roundtrip.head().unwrap().status, 200);
+        assert_eq!(body(&mut roundtrip).await, b"ok");
+        let mut expected = head.to_vec();
+        expected.extend_from_slice(b"5\r\nfirst\r\n12c\r\n");
+        expected.extend_from_slice(&[b'x'; 300]);
+        expected.extend_from_slice(b"\r\n0\r\n\r\n");
+        assert_eq!(seen_rx.await.unwrap(), expected);
+        roundtrip.release(&pool);
+        assert!(
+            pool.take(addr).is_some(),
+            "the whole exchange leaves it reusable"
+        );
     }
 }
