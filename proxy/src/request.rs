@@ -1,7 +1,8 @@
 //! The spine: one proxied request, from a read body to the end of its answer, for every
 //! front end (the HTTP/1.1 fast path, pingora's h2/TLS/fallback path and KServe gRPC).
-//! The front end parses the request, authenticates it, reads the body and calls
-//! [`proxy`]; it writes what the spine hands it through its [`Frontend`]. In order:
+//! The front end parses the request, authenticates it, reads the body (a multipart upload
+//! to an engine route only its start: the rest streams, [`body`]) and calls [`proxy`]; it
+//! writes what the spine hands it through its [`Frontend`]. In order:
 //!
 //! 1. **admit** ([`admit`]): `model` and `stream` from the body (on an engine's own
 //!    route also from a form field, the query or a header; its admin routes only for keys
@@ -20,7 +21,8 @@
 //!    here, and its answer read after the decode leg's (8).
 //! 4. **pick** ([`pick`]): the next instance not tried yet (`policy: kv` books the load).
 //! 5. **attempt** ([`attempt`]): send, read the response head within the first-byte
-//!    timeout; a failure before it picks again ([`attempt::Failover`]).
+//!    timeout; a failure before it picks again ([`attempt::Failover`]), unless a streamed
+//!    body's later pieces were sent (they cannot be sent again).
 //! 6. **respond** ([`respond`]): the engine's status judged (5xx counts towards
 //!    ejection); a retryable one (5xx, 429), like a first-byte timeout, is dropped and the
 //!    request picks again after a backoff, within `limits.retries` and the model's retry
@@ -43,6 +45,7 @@
 
 pub(crate) mod admit;
 pub(crate) mod attempt;
+pub(crate) mod body;
 pub(crate) mod frontend;
 pub(crate) mod migrate;
 pub(crate) mod pick;
@@ -58,7 +61,6 @@ pub(crate) mod trace;
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use http::HeaderValue;
 
 use crate::edge::auth::ApiKey;
@@ -71,6 +73,7 @@ use admit::{
     admit_key, check_route_access, instances_for, model_slot, resolve_engine_model, resolve_model,
 };
 use attempt::{Failover, attempt};
+use body::RequestBody;
 use frontend::Frontend;
 use kvmesh_route::prepare::{InvalidPrompt, Preparer};
 use migrate::{Migration, migrated};
@@ -92,7 +95,7 @@ pub(crate) async fn proxy<F: Frontend>(
     frontend: &mut F,
     record: &mut Record,
     key: Option<Arc<ApiKey>>,
-    body: Bytes,
+    body: RequestBody,
 ) -> bool {
     let mut trace = RequestTrace::start(state, &*frontend, record);
     let reusable = match run(state, frontend, record, &mut trace, key, body).await {
@@ -130,7 +133,10 @@ async fn run<F: Frontend>(
     record: &mut Record,
     trace: &mut RequestTrace,
     key: Option<Arc<ApiKey>>,
-    body: Bytes,
+    RequestBody {
+        read: body,
+        mut rest,
+    }: RequestBody,
 ) -> Result<bool, Stop> {
     // 1. admit
     trace.phase(Phase::Admit);
@@ -182,6 +188,8 @@ async fn run<F: Frontend>(
     );
     // 3a. the prefill leg (disaggregated models)
     let mut prefilled = match pool.disaggregation() {
+        // A streamed body is sent once, whole, to one instance.
+        Some(_) if rest.is_some() => None,
         None => None,
         Some(config) => {
             trace.phase(Phase::Prefill);
@@ -225,17 +233,21 @@ async fn run<F: Frontend>(
         // 5. attempt
         let engine_trace = trace.attempt(&pick.instance);
         let request_id = &record.request_id;
-        let mut engine =
-            match attempt(state, frontend, &pick, &body, request_id, engine_trace).await {
-                Ok(engine) => engine,
-                Err(error) => {
-                    drop(in_flight);
-                    trace.attempt_failed(&error);
-                    failover.failed(state, &pool, &instances, &pick, error)?;
-                    failover.backoff(frontend).await?;
-                    continue;
-                }
-            };
+        let sent = (&body, rest.as_mut());
+        let attempted = attempt(state, frontend, &pick, sent, request_id, engine_trace).await;
+        if rest.is_some_and(|rest| rest.consumed) {
+            failover.last_attempt();
+        }
+        let mut engine = match attempted {
+            Ok(engine) => engine,
+            Err(error) => {
+                drop(in_flight);
+                trace.attempt_failed(&error);
+                failover.failed(state, &pool, &instances, &pick, error)?;
+                failover.backoff(frontend).await?;
+                continue;
+            }
+        };
         // 6. respond
         let Some(status) = judge(state, &pick.instance, &engine) else {
             return Ok(false);

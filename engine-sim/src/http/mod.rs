@@ -20,6 +20,7 @@ mod sglang_pd;
 mod sse;
 mod state;
 mod tokenize;
+mod transcription;
 
 pub(crate) use server::{serve, serve_bootstrap};
 pub(crate) use state::{EngineState, RankParts};

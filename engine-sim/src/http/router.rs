@@ -16,7 +16,7 @@ use super::openai::Endpoint;
 use super::state::EngineState;
 use super::{
     embeddings, info, kv_event_sources, kv_faults, kv_read, lora, openai, responses, sglang,
-    tokenize,
+    tokenize, transcription,
 };
 use crate::kv_transfer::pull::READ_PATH;
 
@@ -40,6 +40,7 @@ enum Route {
     Responses,
     Embeddings,
     Tokenize,
+    Transcription,
     Generate,
     ResetPrefixCache,
     KvFaults,
@@ -72,6 +73,7 @@ fn lookup(path: &str) -> Option<(Route, &'static str)> {
         "/v1/responses" => (Route::Responses, "POST"),
         "/v1/embeddings" => (Route::Embeddings, "POST"),
         "/tokenize" => (Route::Tokenize, "POST"),
+        "/v1/audio/transcriptions" => (Route::Transcription, "POST"),
         "/generate" => (Route::Generate, "POST"),
         "/reset_prefix_cache" => (Route::ResetPrefixCache, "POST"),
         "/sim/kv_events/faults" => (Route::KvFaults, "POST"),
@@ -150,6 +152,7 @@ async fn route(
         Route::Responses => responses::handle(state.clone(), read_body(req).await?).await,
         Route::Embeddings => embeddings::handle(state, &read_body(req).await?),
         Route::Tokenize => tokenize::handle(state, &read_body(req).await?),
+        Route::Transcription => transcription::handle(state, req).await?,
         Route::Generate => sglang::handle(state.clone(), read_body(req).await?).await,
         Route::ResetPrefixCache => info::reset_prefix_cache(state.clone()).await,
         Route::KvFaults => {

@@ -188,13 +188,16 @@ pub(crate) async fn pingora_send(
         }
         session.finish_request_body().await
     };
-    send.await.map_err(failure)
+    send.await.map_err(pingora_failure)
 }
 
 /// Reads the response head on `session` (informational ones skipped).
 pub(crate) async fn pingora_head(session: &mut HttpSession) -> Result<(), (FailureKind, String)> {
     loop {
-        session.read_response_header().await.map_err(failure)?;
+        session
+            .read_response_header()
+            .await
+            .map_err(pingora_failure)?;
         let informational = session
             .response_header()
             .is_some_and(|header| header.status.is_informational());
@@ -205,7 +208,7 @@ pub(crate) async fn pingora_head(session: &mut HttpSession) -> Result<(), (Failu
 }
 
 /// The kind of a failure pingora reports, and what it said.
-fn failure(error: Box<pingora_error::Error>) -> (FailureKind, String) {
+pub(crate) fn pingora_failure(error: Box<pingora_error::Error>) -> (FailureKind, String) {
     let kind = match error.etype() {
         ErrorType::ConnectTimedout
         | ErrorType::ConnectRefused

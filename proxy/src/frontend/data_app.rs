@@ -12,6 +12,7 @@
 //! answered before its body was read ends its HTTP/1 connection with a lingering close.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
@@ -24,6 +25,7 @@ use pingora_core::apps::{
 };
 use pingora_core::protocols::http::ServerSession;
 use pingora_core::server::ShutdownWatch;
+use tokio::time::Instant;
 
 use crate::edge::auth::{ApiKey, AuthFailure};
 use crate::edge::edge_metrics::Peer;
@@ -31,10 +33,11 @@ use crate::edge::limits::{
     HeadRead, answer_unread_head, check_head, malformed_head_error, read_head,
 };
 use crate::engines::upstream_session::UpstreamSession;
-use crate::frontend::request_body::{BodyError, read_body};
+use crate::frontend::request_body::{BodyError, read_body_start, read_piece};
 use crate::frontend::respond::{JSON, reject, respond};
 use crate::metrics::families::Metrics;
 use crate::openai::api_error::{ApiError, ClientErrorReason};
+use crate::openai::engine_model::MULTIPART_WINDOW;
 use crate::openai::headers::{
     ClientFraming, ProxyHeaders, X_REQUEST_ID, content_length, downstream_response,
     expects_continue, upstream_request,
@@ -42,6 +45,7 @@ use crate::openai::headers::{
 use crate::openai::headers::{EngineHead, EngineTarget, InvalidHead};
 use crate::openai::openapi;
 use crate::openai::route::{Route, RouteMatch, match_route};
+use crate::request::body::{BodyRest, PieceError, RequestBody, streams};
 use crate::request::frontend::{Frontend, Unrelayable};
 use crate::request::proxy;
 use crate::request::record::Record;
@@ -299,9 +303,28 @@ async fn read_and_proxy(
         return After::Close;
     }
     let deadline = record.started + state.limits.client_header_timeout;
-    let error = match read_body(session, limit, declared, deadline).await {
-        Ok(body) => {
-            let proxied = proxy(state, &mut PingoraClient { session }, record, key, body).await;
+    let content_type = session.req_header().headers.get(http::header::CONTENT_TYPE);
+    let route = record.route.unwrap_or(Route::ChatCompletions);
+    let streamed = streams(route, content_type.map(http::HeaderValue::as_bytes));
+    let window = streamed.then_some(MULTIPART_WINDOW);
+    let error = match read_body_start(session, limit, declared, deadline, window).await {
+        Ok((body, ended)) => {
+            let streaming = (!ended).then(|| Streaming {
+                read: body.len() as u64,
+                limit,
+                idle: state.limits.client_header_timeout,
+            });
+            let body = RequestBody {
+                rest: streaming.as_ref().map(|_| BodyRest::new(declared)),
+                read: body,
+            };
+            let mut client = PingoraClient { session, streaming };
+            let proxied = proxy(state, &mut client, record, key, body).await;
+            if client.streaming.is_some() {
+                // Answered before the streamed body's end was read.
+                client.session.set_keepalive(None);
+                return if proxied { After::Linger } else { After::Close };
+            }
             return After::written(proxied);
         }
         Err(BodyError::Client(error)) => {
@@ -326,6 +349,44 @@ async fn read_and_proxy(
 /// A request's client on a pingora session: the engine's answer is relayed as it is.
 struct PingoraClient<'a> {
     session: &'a mut ServerSession,
+    /// The request body streams: what is left of it to read.
+    streaming: Option<Streaming>,
+}
+
+/// How far a streamed request body is read.
+struct Streaming {
+    /// Bytes of the body read so far.
+    read: u64,
+    /// The body's size limit.
+    limit: u64,
+    /// The longest wait for each piece.
+    idle: Duration,
+}
+
+impl PingoraClient<'_> {
+    /// [`Frontend::read_body_piece`], before the connection is told to close on a failure.
+    async fn next_piece(&mut self) -> Result<Option<Bytes>, PieceError> {
+        let Some(streaming) = self.streaming.as_mut() else {
+            return Ok(None);
+        };
+        let deadline = Instant::now() + streaming.idle;
+        let piece = read_piece(self.session, deadline)
+            .await
+            .map_err(|error| match error {
+                BodyError::Timeout => PieceError::Timeout,
+                BodyError::Malformed => PieceError::Malformed,
+                BodyError::TooLarge | BodyError::Client(_) => PieceError::Gone,
+            })?;
+        let Some(piece) = piece else {
+            self.streaming = None;
+            return Ok(None);
+        };
+        streaming.read = streaming.read.saturating_add(piece.len() as u64);
+        if streaming.read > streaming.limit {
+            return Err(PieceError::TooLarge(streaming.limit));
+        }
+        Ok(Some(piece))
+    }
 }
 
 impl Frontend for PingoraClient<'_> {
@@ -343,7 +404,19 @@ impl Frontend for PingoraClient<'_> {
     }
 
     async fn gone(&mut self) {
+        if self.streaming.is_some() {
+            // The client is still sending the body the spine reads.
+            return std::future::pending().await;
+        }
         let _ = self.session.read_body_or_idle(true).await;
+    }
+
+    async fn read_body_piece(&mut self) -> Result<Option<Bytes>, PieceError> {
+        let piece = self.next_piece().await;
+        if piece.is_err() {
+            self.session.set_keepalive(None);
+        }
+        piece
     }
 
     async fn reject(&mut self, record: &mut Record, metrics: &Metrics, error: &ApiError) -> bool {

@@ -51,6 +51,9 @@ impl TraceHeaders {
 /// The header naming the data-parallel rank an engine runs a request on (vLLM's).
 pub(crate) const X_DATA_PARALLEL_RANK: &str = "x-data-parallel-rank";
 
+/// `Transfer-Encoding: chunked`, for a streamed body of unknown length.
+const CHUNKED: HeaderValue = HeaderValue::from_static("chunked");
+
 /// What the engine request adds to the client's: the engine's `Host`, the body's length,
 /// the request id, while tracing the trace context, and the data-parallel rank routing
 /// chose.
@@ -58,8 +61,9 @@ pub(crate) const X_DATA_PARALLEL_RANK: &str = "x-data-parallel-rank";
 pub(crate) struct EngineTarget<'a> {
     /// `Host` of the engine.
     pub(crate) host: &'a HeaderValue,
-    /// Length of the body sent.
-    pub(crate) body_len: usize,
+    /// Length of the body sent (`None`: not known, a streamed body sent chunked; HTTP/2
+    /// frames it without a field).
+    pub(crate) body_len: Option<u64>,
     /// `x-request-id`.
     pub(crate) request_id: &'a HeaderValue,
     /// `traceparent` and `tracestate` (`None`: tracing is off, the client's pass through).
@@ -111,7 +115,10 @@ pub(crate) fn upstream_request(client: &RequestHeader, target: &EngineTarget<'_>
         headers.append(name.clone(), value.clone());
     }
     headers.insert(header::HOST, target.host.clone());
-    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(target.body_len));
+    match target.body_len {
+        Some(length) => headers.insert(header::CONTENT_LENGTH, HeaderValue::from(length)),
+        None => headers.insert(header::TRANSFER_ENCODING, CHUNKED),
+    };
     headers.insert(X_REQUEST_ID, target.request_id.clone());
     for (name, value) in target.trace.iter().flat_map(|trace| trace.fields()) {
         headers.insert(name, value.clone());
@@ -244,7 +251,7 @@ mod tests {
         let id = HeaderValue::from_static("rid");
         let target = EngineTarget {
             host: &host,
-            body_len: 42,
+            body_len: Some(42),
             request_id: &id,
             trace: None,
             dp_rank: None,
@@ -284,7 +291,7 @@ mod tests {
         let id = HeaderValue::from_static("rid");
         let mut target = EngineTarget {
             host: &host,
-            body_len: 1,
+            body_len: Some(1),
             request_id: &id,
             trace: None,
             dp_rank: None,
@@ -321,7 +328,7 @@ mod tests {
         let id = HeaderValue::from_static("rid");
         let mut target = EngineTarget {
             host: &host,
-            body_len: 1,
+            body_len: Some(1),
             request_id: &id,
             trace: None,
             dp_rank: None,

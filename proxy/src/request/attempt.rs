@@ -1,7 +1,9 @@
 //! One attempt on one instance (phase 5 of [`crate::request`]): the request sent, and the
 //! engine's response head read within the first-byte timeout, over our HTTP/1.1 client
 //! (plaintext HTTP/1.1 engines: head and body in one write) or pingora's (h2c and
-//! `https://` engines).
+//! `https://` engines). A streamed body ([`crate::request::body`]) goes out as the client
+//! sends it, each write to the engine within the first-byte timeout, and the first-byte
+//! timeout runs from its end.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,18 +18,21 @@ use crate::engines::clock::now_millis;
 use crate::engines::instance::Instance;
 use crate::engines::pool::ModelPool;
 use crate::engines::upstream::{
-    Outgoing, SentLeg, pingora_exchange, pingora_request, pingora_send,
+    Outgoing, SentLeg, pingora_exchange, pingora_failure, pingora_head, pingora_request,
+    pingora_send,
 };
 use crate::engines::upstream_session::UpstreamSession;
 use crate::metrics::failure::FailureKind;
 use crate::openai::api_error::ApiError;
 use crate::openai::headers::{EngineTarget, TraceHeaders};
+use crate::request::body::{BodyRest, PieceError};
 use crate::request::frontend::{Frontend, unless_gone};
 use crate::request::pick::{Pick, overloaded};
 use crate::request::stop::Stop;
 use crate::state::shared::State;
 use kvmesh_h1::client::{Roundtrip, RoundtripError, TimedOut};
 use kvmesh_route::{CandidateSet, Candidates, Excluded, NoPick};
+use pingora_core::protocols::http::client::HttpSession;
 
 /// How one attempt on one instance ended before any response byte reached the client.
 pub(crate) enum AttemptError {
@@ -44,6 +49,8 @@ pub(crate) enum AttemptError {
     Unforwardable(String),
     /// The client went away while waiting.
     ClientGone,
+    /// The rest of a streamed body could not be read from the client.
+    Client(PieceError),
 }
 
 /// Extra attempts after a failure on a pooled keep-alive connection (it may
@@ -149,7 +156,21 @@ impl Failover {
                 Err(Stop::Answer(ApiError::UpstreamUnavailable { detail }))
             }
             AttemptError::ClientGone => Err(Stop::ClientGone),
+            AttemptError::Client(error) => {
+                if error == PieceError::Malformed {
+                    tracing::debug!("malformed chunked request body");
+                    let chunk = kvmesh_h1::strict::Violation::Chunk;
+                    state.metrics.edge.count_framing(Peer::Client, chunk);
+                }
+                Err(error.into())
+            }
         }
+    }
+
+    /// Makes the next failure final: a streamed body that cannot be sent again.
+    pub(crate) fn last_attempt(&mut self) {
+        self.attempts_left = self.attempts_left.min(1);
+        self.stale_retries_left = 0;
     }
 
     /// Whether the engine's answer with `status` from `pick` is dropped and the request
@@ -210,21 +231,34 @@ impl Failover {
 }
 
 /// Sends the request to `pick`'s instance (on its data-parallel rank, if routing chose
-/// one; with `trace`'s context while tracing) and waits for its response headers.
+/// one; with `trace`'s context while tracing) and waits for its response headers. `body` is
+/// the whole body, or the start of a streamed one whose `rest` is read from `client` as it
+/// is sent.
 pub(crate) async fn attempt<F: Frontend>(
     state: &State,
     client: &mut F,
     pick: &Pick<'_>,
-    body: &Bytes,
+    (body, rest): (&Bytes, Option<&mut BodyRest>),
     request_id: &HeaderValue,
     trace: Option<&TraceHeaders>,
 ) -> Result<UpstreamSession, AttemptError> {
     let instance = &*pick.instance;
-    let target = engine_target(pick, body, request_id, trace);
+    let body_len = match &rest {
+        None => Some(body.len() as u64),
+        Some(rest) => rest.length,
+    };
+    let target = engine_target(pick, body_len, request_id, trace);
+    let body = Outbound { start: body, rest };
     match instance.h1_address() {
         Some(address) => attempt_h1(state, client, instance, address, body, &target).await,
         None => attempt_pingora(state, client, instance, body, &target).await,
     }
+}
+
+/// The body of an attempt: whole, or the start of a streamed one and its rest.
+struct Outbound<'a> {
+    start: &'a Bytes,
+    rest: Option<&'a mut BodyRest>,
 }
 
 /// Sends the request to `pick`'s instance without waiting for its answer (a leg whose
@@ -238,7 +272,7 @@ pub(crate) async fn send_leg<F: Frontend>(
     trace: Option<&TraceHeaders>,
 ) -> Result<SentLeg, AttemptError> {
     let instance = &*pick.instance;
-    let target = engine_target(pick, body, request_id, trace);
+    let target = engine_target(pick, Some(body.len() as u64), request_id, trace);
     let Outgoing {
         request,
         mut session,
@@ -277,42 +311,51 @@ fn connect_failed(instance: &Instance, error: impl std::fmt::Display) -> Attempt
     }
 }
 
-/// [`attempt`] on our HTTP/1.1 client: head and body in one write.
+/// [`attempt`] on our HTTP/1.1 client: head and body in one write (a streamed body: on a
+/// new connection, piece by piece).
 async fn attempt_h1<F: Frontend>(
     state: &State,
     client: &mut F,
     instance: &Instance,
     address: std::net::SocketAddr,
-    body: &Bytes,
+    body: Outbound<'_>,
     target: &EngineTarget<'_>,
 ) -> Result<UpstreamSession, AttemptError> {
-    let pool = state.upstream.h1();
-    let (mut upstream, reused) = Roundtrip::open(pool, address, instance.connect_timeout())
-        .await
-        .map_err(|error| connect_failed(instance, error))?;
+    let connect_timeout = instance.connect_timeout();
+    let (mut upstream, reused) = match body.rest {
+        None => Roundtrip::open(state.upstream.h1(), address, connect_timeout).await,
+        Some(_) => Roundtrip::open_new(address, connect_timeout)
+            .await
+            .map(|upstream| (upstream, false)),
+    }
+    .map_err(|error| connect_failed(instance, error))?;
     client
         .write_engine_request(target, upstream.request_head())
         .map_err(|error| AttemptError::Unforwardable(error.to_string()))?;
-    // The first-byte deadline runs on the connection's own timer.
-    let exchange = upstream.request(body, state.limits.first_byte_timeout);
-    match unless_gone(client, exchange)
-        .await
-        .ok_or(AttemptError::ClientGone)?
-    {
-        Err(TimedOut) => Err(AttemptError::Timeout),
-        Ok(Err(error)) => Err(AttemptError::Retryable {
-            kind: match error {
-                RoundtripError::Connect(_) => FailureKind::Connect,
-                RoundtripError::Broken(_) => FailureKind::Reset,
-                RoundtripError::Malformed(violation) => {
-                    state.metrics.edge.count_framing(Peer::Engine, violation);
-                    FailureKind::Reset
+    let limit = state.limits.first_byte_timeout;
+    let exchanged = match body.rest {
+        // The first-byte deadline runs on the connection's own timer.
+        None => unless_gone(client, upstream.request(body.start, limit)).await,
+        Some(rest) => {
+            let chunked = rest.length.is_none();
+            let mut pieces = Pieces::new(body.start, rest);
+            loop {
+                let piece = pieces.next(client).await?;
+                let sent = upstream.send_within(&piece, chunked, limit).await;
+                match sent.map_err(|TimedOut| AttemptError::Timeout)? {
+                    Ok(()) if piece.is_empty() => break,
+                    Ok(()) => {}
+                    Err(error) => {
+                        return Err(h1_failed(state, instance, error, reused, "while sending"));
+                    }
                 }
-            },
-            detail: format!("{} before the response: {error}", instance.url()),
-            reused,
-        }),
-        Ok(Ok(())) => match upstream.check_buffered() {
+            }
+            unless_gone(client, upstream.read_head_within(limit)).await
+        }
+    };
+    let exchanged = exchanged.ok_or(AttemptError::ClientGone)?;
+    match exchanged.map_err(|TimedOut| AttemptError::Timeout)? {
+        Ok(()) => match upstream.check_buffered() {
             Ok(()) => Ok(UpstreamSession::H1(upstream)),
             // A body framed wrongly from its start, read with the head: nothing of it has
             // reached the client, so the request fails over (or is answered 502) as one
@@ -323,19 +366,88 @@ async fn attempt_h1<F: Frontend>(
                 reused,
             }),
         },
+        Err(error) => Err(h1_failed(
+            state,
+            instance,
+            error,
+            reused,
+            "before the response",
+        )),
+    }
+}
+
+/// The attempt error of `error` in an exchange with `instance` on our HTTP/1.1 client
+/// (`when`: what it was doing).
+fn h1_failed(
+    state: &State,
+    instance: &Instance,
+    error: RoundtripError,
+    reused: bool,
+    when: &str,
+) -> AttemptError {
+    AttemptError::Retryable {
+        kind: match error {
+            RoundtripError::Connect(_) => FailureKind::Connect,
+            RoundtripError::Broken(_) => FailureKind::Reset,
+            RoundtripError::Malformed(violation) => {
+                state.metrics.edge.count_framing(Peer::Engine, violation);
+                FailureKind::Reset
+            }
+        },
+        detail: format!("{} {when}: {error}", instance.url()),
+        reused,
+    }
+}
+
+/// A streamed body's pieces, in order: its start, then what the client sends, then an empty
+/// piece at the end.
+struct Pieces<'a> {
+    start: Option<&'a Bytes>,
+    rest: &'a mut BodyRest,
+    done: bool,
+}
+
+impl<'a> Pieces<'a> {
+    fn new(start: &'a Bytes, rest: &'a mut BodyRest) -> Self {
+        Self {
+            start: Some(start),
+            rest,
+            done: false,
+        }
+    }
+
+    /// The next piece to send (empty: the body's end). Taking one from the client makes
+    /// the body one that cannot be sent again.
+    async fn next<F: Frontend>(&mut self, client: &mut F) -> Result<Bytes, AttemptError> {
+        if let Some(start) = self.start.take() {
+            return Ok(start.clone());
+        }
+        while !self.done {
+            self.rest.consumed = true;
+            match client
+                .read_body_piece()
+                .await
+                .map_err(AttemptError::Client)?
+            {
+                Some(piece) if piece.is_empty() => {}
+                Some(piece) => return Ok(piece),
+                None => self.done = true,
+            }
+        }
+        Ok(Bytes::new())
     }
 }
 
 /// What the engine request to `pick`'s instance adds to the client's.
 fn engine_target<'a>(
     pick: &'a Pick<'_>,
-    body: &Bytes,
+    body_len: Option<u64>,
     request_id: &'a HeaderValue,
     trace: Option<&'a TraceHeaders>,
 ) -> EngineTarget<'a> {
     EngineTarget {
         host: pick.instance.host_header(),
-        body_len: body.len(),
+        body_len,
         request_id,
         trace,
         dp_rank: pick.dp_rank,
@@ -372,21 +484,54 @@ async fn attempt_pingora<F: Frontend>(
     state: &State,
     client: &mut F,
     instance: &Instance,
-    body: &Bytes,
+    body: Outbound<'_>,
     target: &EngineTarget<'_>,
 ) -> Result<UpstreamSession, AttemptError> {
     let Outgoing {
-        request,
+        mut request,
         session: mut upstream,
         reused,
     } = pingora_session(state, client, instance, target).await?;
-    let exchange = pingora_exchange(&mut upstream, request, body);
-    match within_first_byte(state, client, exchange).await? {
-        Err((kind, error)) => Err(AttemptError::Retryable {
-            kind,
-            detail: format!("{} before the response: {error}", instance.url()),
-            reused,
-        }),
+    let failed = |(kind, error): (FailureKind, String), when: &str| AttemptError::Retryable {
+        kind,
+        detail: format!("{} {when}: {error}", instance.url()),
+        reused,
+    };
+    let Some(rest) = body.rest else {
+        let exchange = pingora_exchange(&mut upstream, request, body.start);
+        return match within_first_byte(state, client, exchange).await? {
+            Err(error) => Err(failed(error, "before the response")),
+            Ok(()) => Ok(UpstreamSession::Pingora(Box::new(upstream))),
+        };
+    };
+    if matches!(upstream, HttpSession::H2(_)) {
+        // HTTP/2 frames a body of unknown length itself.
+        request.remove_header(&http::header::TRANSFER_ENCODING);
+    }
+    let limit = state.limits.first_byte_timeout;
+    let sending = "while sending";
+    timeout(limit, upstream.write_request_header(Box::new(request)))
+        .await
+        .map_err(|_| AttemptError::Timeout)?
+        .map_err(|error| failed(pingora_failure(error), sending))?;
+    let mut pieces = Pieces::new(body.start, rest);
+    loop {
+        let piece = pieces.next(client).await?;
+        let end = piece.is_empty();
+        let write = if end {
+            timeout(limit, upstream.finish_request_body()).await
+        } else {
+            timeout(limit, upstream.write_request_body(piece, false)).await
+        };
+        write
+            .map_err(|_| AttemptError::Timeout)?
+            .map_err(|error| failed(pingora_failure(error), sending))?;
+        if end {
+            break;
+        }
+    }
+    match within_first_byte(state, client, pingora_head(&mut upstream)).await? {
+        Err(error) => Err(failed(error, "before the response")),
         Ok(()) => Ok(UpstreamSession::Pingora(Box::new(upstream))),
     }
 }

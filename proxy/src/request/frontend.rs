@@ -13,6 +13,7 @@ use crate::metrics::failure::FailureKind;
 use crate::metrics::families::Metrics;
 use crate::openai::api_error::ApiError;
 use crate::openai::headers::{ClientFraming, EngineHead, EngineTarget, InvalidHead, ProxyHeaders};
+use crate::request::body::PieceError;
 use crate::request::record::Record;
 
 /// Writes `request` as an HTTP/1.1 head.
@@ -55,8 +56,17 @@ pub(crate) trait Frontend: Send {
     /// The query of the client's request target (after `?`), when it has one.
     fn query(&self) -> Option<&str>;
 
-    /// Completes when the client has gone away; stays pending while it waits.
+    /// Completes when the client has gone away; stays pending while it waits (and while a
+    /// streamed body is still to be read: a client gone shows when its next piece is read).
     fn gone(&mut self) -> impl Future<Output = ()> + Send;
+
+    /// The next piece of a streamed body ([`crate::request::body`]); `Ok(None)` at its end.
+    /// Front ends that never stream a body keep this default.
+    fn read_body_piece(
+        &mut self,
+    ) -> impl Future<Output = Result<Option<Bytes>, PieceError>> + Send {
+        async { Ok(None) }
+    }
 
     /// Answers with a proxy-generated error; returns whether the client can still be
     /// served (an HTTP connection reused).

@@ -354,7 +354,16 @@ async fn sequential<'a, F: Frontend>(
         let instance = Arc::clone(&picked.instance);
         let in_flight = instance.start_request();
         let engine_trace = trace.attempt(&instance);
-        let answer = match attempt(state, frontend, &picked, &leg, request_id, engine_trace).await {
+        let answer = match attempt(
+            state,
+            frontend,
+            &picked,
+            (&leg, None),
+            request_id,
+            engine_trace,
+        )
+        .await
+        {
             Ok(answer) => answer,
             Err(error) => {
                 drop(in_flight);

@@ -212,6 +212,7 @@ impl RequestTrace {
                 AttemptError::Timeout => ("timeout", "no response head in time".to_string()),
                 AttemptError::Unforwardable(detail) => ("unforwardable", detail.clone()),
                 AttemptError::ClientGone => ("client_gone", "the client left".to_string()),
+                AttemptError::Client(error) => ("client_body", format!("{error:?}")),
             };
             let span = attempt.span();
             span.set_attribute(KeyValue::new("error.type", kind));

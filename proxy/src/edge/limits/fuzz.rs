@@ -112,7 +112,7 @@ proptest! {
         let _ = content_length(&request);
         let host = HeaderValue::from_static("127.0.0.1:1");
         let id = HeaderValue::from_static("rid");
-        let target = EngineTarget { host: &host, body_len: 3, request_id: &id, trace: None, dp_rank: None };
+        let target = EngineTarget { host: &host, body_len: Some(3), request_id: &id, trace: None, dp_rank: None };
         let _ = upstream_request(&request, &target);
         let ours = ProxyHeaders { instance: &host, request_id: &id, route: None };
         for (version, h2) in [(Version::HTTP_11, false), (Version::HTTP_10, false), (Version::HTTP_2, true)] {

@@ -25,6 +25,7 @@ use crate::metrics::families::{NO_MODEL, RpcTable};
 use crate::metrics::rpc::Rpc;
 use crate::openai::api_error::ApiError;
 use crate::openai::route::Route;
+use crate::request::body::RequestBody;
 use crate::request::proxy;
 use crate::request::record::Record;
 use crate::state::shared::State;
@@ -165,7 +166,14 @@ async fn serve(
         completion.stream,
         shared.max_message_bytes,
     );
-    proxy(state, &mut client, record, key, completion.body).await;
+    proxy(
+        state,
+        &mut client,
+        record,
+        key,
+        RequestBody::whole(completion.body),
+    )
+    .await;
     if let Some(failure) = client.into_failure() {
         return Err(failure);
     }

@@ -15,6 +15,7 @@ use kvmesh_h1::fields::is_end_to_end;
 use kvmesh_h1::head::{Known, RequestHead};
 use kvmesh_telemetry::traceparent::is_trace_field;
 use pingora_http::RequestHeader;
+use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::{Instant, timeout_at};
 
@@ -23,10 +24,12 @@ use super::response::{write_error, write_relayed_head};
 use crate::engines::upstream_session::UpstreamSession;
 use crate::metrics::families::Metrics;
 use crate::openai::api_error::ApiError;
+use crate::openai::engine_model::MULTIPART_WINDOW;
 use crate::openai::headers::{
     ClientFraming, EngineHead, EngineTarget, InvalidHead, ProxyHeaders, X_DATA_PARALLEL_RANK,
     X_REQUEST_ID, upstream_request,
 };
+use crate::request::body::{BodyRest, PieceError, RequestBody};
 use crate::request::frontend::{Frontend, Unrelayable};
 use crate::request::record::Record;
 
@@ -62,6 +65,21 @@ pub(crate) struct FastConnection<'a, S> {
     pub(crate) body_read: bool,
     /// The response body is chunk-encoded.
     chunked: bool,
+    /// The request body streams: what is left of it to read.
+    streaming: Option<Streaming>,
+}
+
+/// What is left to read of a streamed request body.
+#[derive(Debug)]
+struct Streaming {
+    /// The rest's framing, as far as it is decoded.
+    framing: Framing,
+    /// Bytes of the body read so far.
+    read: u64,
+    /// The body's size limit.
+    limit: u64,
+    /// The longest wait for each piece.
+    idle: Duration,
 }
 
 impl<'a, S: ClientIo> FastConnection<'a, S> {
@@ -82,28 +100,51 @@ impl<'a, S: ClientIo> FastConnection<'a, S> {
             close,
             body_read: false,
             chunked: false,
+            streaming: None,
         }
     }
 
     /// Reads the body framed by `framing` (a length, or chunked), of at most `limit` bytes,
-    /// by `deadline`. A body announced over the limit is refused before it is read.
+    /// by `deadline`. A body announced over the limit is refused before it is read. A body
+    /// that `streams` longer than [`MULTIPART_WINDOW`] is read only that far: the spine reads
+    /// the rest ([`Frontend::read_body_piece`]), each piece within `idle`.
     pub(crate) async fn read_body(
         &mut self,
         mut framing: Framing,
-        limit: u64,
+        (limit, idle): (u64, Duration),
         deadline: Instant,
-    ) -> Result<Bytes, BodyRead> {
+        streams: bool,
+    ) -> Result<RequestBody, BodyRead> {
         if framing.announced() > limit {
             return Err(BodyRead::TooLarge);
         }
+        let window = if streams {
+            MULTIPART_WINDOW
+        } else {
+            usize::MAX
+        };
         if let Framing::Length(length) = framing {
             let length = usize::try_from(length).map_err(|_| BodyRead::TooLarge)?;
-            while self.buf.len() < length {
-                self.buf.reserve(length - self.buf.len());
+            while self.buf.len() < length.min(window) {
+                self.buf.reserve(length.min(window) - self.buf.len());
                 self.read_within(deadline).await?;
             }
-            self.body_read = true;
-            return Ok(self.buf.split_to(length).freeze());
+            let start = self.buf.split_to(self.buf.len().min(length)).freeze();
+            if start.len() == length {
+                self.body_read = true;
+                return Ok(RequestBody::whole(start));
+            }
+            self.streaming = Some(Streaming {
+                framing: Framing::Length((length - start.len()) as u64),
+                read: start.len() as u64,
+                limit,
+                idle,
+            });
+            let rest = BodyRest::new(Some(length as u64));
+            return Ok(RequestBody {
+                read: start,
+                rest: Some(rest),
+            });
         }
         let mut body = BytesMut::new();
         loop {
@@ -118,16 +159,69 @@ impl<'a, S: ClientIo> FastConnection<'a, S> {
                 return Err(BodyRead::TooLarge);
             }
             match decoded {
+                Decoded::Data(_) if body.len() >= window => break,
                 Decoded::Data(_) => {}
-                Decoded::End => break,
+                Decoded::End => {
+                    self.body_read = true;
+                    return Ok(RequestBody::whole(body.freeze()));
+                }
                 Decoded::NeedMore => {
                     self.buf.reserve(READ_RESERVE);
                     self.read_within(deadline).await?;
                 }
             }
         }
-        self.body_read = true;
-        Ok(body.freeze())
+        self.streaming = Some(Streaming {
+            framing,
+            read: body.len() as u64,
+            limit,
+            idle,
+        });
+        Ok(RequestBody {
+            read: body.freeze(),
+            rest: Some(BodyRest::new(None)),
+        })
+    }
+
+    /// The next piece of a streamed body, decoded from what is read (and read within the
+    /// wait allowed); `None` at its end. On an error the connection is to close.
+    async fn next_piece(&mut self) -> Result<Option<Bytes>, PieceError> {
+        let Some(streaming) = self.streaming.as_mut() else {
+            return Ok(None);
+        };
+        loop {
+            let decoded = streaming
+                .framing
+                .decode(self.buf, false)
+                .map_err(|_| PieceError::Malformed)?;
+            let piece = match decoded {
+                Decoded::Data(data) => Some(data),
+                Decoded::End => None,
+                Decoded::NeedMore => {
+                    let announced = streaming.read.saturating_add(streaming.framing.announced());
+                    if announced > streaming.limit {
+                        return Err(PieceError::TooLarge(streaming.limit));
+                    }
+                    self.buf.reserve(READ_RESERVE);
+                    let until = Instant::now() + streaming.idle;
+                    match timeout_at(until, self.io.read_buf(self.buf)).await {
+                        Err(_) => return Err(PieceError::Timeout),
+                        Ok(Ok(0) | Err(_)) => return Err(PieceError::Gone),
+                        Ok(Ok(_)) => continue,
+                    }
+                }
+            };
+            let Some(piece) = piece else {
+                self.streaming = None;
+                self.body_read = true;
+                return Ok(None);
+            };
+            streaming.read += piece.len() as u64;
+            if streaming.read > streaming.limit {
+                return Err(PieceError::TooLarge(streaming.limit));
+            }
+            return Ok(Some(piece));
+        }
     }
 
     /// Reads more of the request by `deadline`.
@@ -224,8 +318,13 @@ impl<S: ClientIo> Frontend for FastConnection<'_, S> {
         }
         out.extend_from_slice(b"host: ");
         out.extend_from_slice(target.host.as_bytes());
-        out.extend_from_slice(b"\r\ncontent-length: ");
-        push_decimal(out, target.body_len);
+        match target.body_len {
+            Some(length) => {
+                out.extend_from_slice(b"\r\ncontent-length: ");
+                push_decimal(out, length as usize);
+            }
+            None => out.extend_from_slice(b"\r\ntransfer-encoding: chunked"),
+        }
         out.extend_from_slice(b"\r\nx-request-id: ");
         out.extend_from_slice(target.request_id.as_bytes());
         for (name, value) in target.trace.iter().flat_map(|trace| trace.fields()) {
@@ -244,7 +343,17 @@ impl<S: ClientIo> Frontend for FastConnection<'_, S> {
         Ok(())
     }
 
+    async fn read_body_piece(&mut self) -> Result<Option<Bytes>, PieceError> {
+        let piece = self.next_piece().await;
+        self.close |= piece.is_err();
+        piece
+    }
+
     async fn gone(&mut self) {
+        if self.streaming.is_some() {
+            // The client is still sending the body the spine reads.
+            return std::future::pending().await;
+        }
         // Nothing else reads the client while a request is served: what it sends ahead is
         // kept for the next request, up to a bound.
         poll_fn(|cx| {
@@ -260,6 +369,8 @@ impl<S: ClientIo> Frontend for FastConnection<'_, S> {
     }
 
     async fn reject(&mut self, record: &mut Record, metrics: &Metrics, error: &ApiError) -> bool {
+        // The rest of a streamed body is unread: nothing after it can be read as a request.
+        self.close |= self.streaming.is_some();
         record.answered_with(metrics, error);
         write_error(self.out, error, &record.request_id, self.close);
         let written = self.flush().await;

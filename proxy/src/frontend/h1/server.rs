@@ -33,6 +33,7 @@ use crate::edge::edge_metrics::Peer;
 use crate::edge::limits::{SHUTDOWN_GRACE, answer_raw, check_head_size};
 use crate::openai::api_error::{ApiError, ClientErrorReason};
 use crate::openai::route::{EngineRoutes, Route, RouteMatch, match_route};
+use crate::request::body::streams;
 use crate::request::frontend::Frontend;
 use crate::request::proxy;
 use crate::request::record::Record;
@@ -210,7 +211,12 @@ async fn serve_request<S: ClientIo>(
         record.client_gone = true;
         return false;
     }
-    let error = match client.read_body(request.framing, limit, deadline).await {
+    let streams = streams(request.route, head.fields.get(Known::ContentType));
+    let limits = (limit, state.limits.client_header_timeout);
+    let error = match client
+        .read_body(request.framing, limits, deadline, streams)
+        .await
+    {
         Ok(body) => return proxy(state, client, record, key, body).await,
         Err(BodyRead::Gone) => {
             record.client_gone = true;
