@@ -19,6 +19,10 @@
 //! # }
 //! ```
 //!
+//! Qwen3's own chat template renders plain conversations without the template engine
+//! (`qwen3_template`: the same text, held to minijinja by a property test); other templates
+//! and other requests render through minijinja.
+//!
 //! Long multi-turn prompts repeat their history on every request; an optional segment cache
 //! ([`ModelPreprocessor::with_segment_cache`]) reuses the ids of long messages seen before.
 //!
@@ -36,6 +40,7 @@ mod error;
 mod native;
 mod preprocessor;
 mod py_json;
+mod qwen3_template;
 mod request;
 mod segment_cache;
 mod strftime;

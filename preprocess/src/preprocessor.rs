@@ -10,6 +10,7 @@ use crate::content_format::ContentFormat;
 use crate::conversation::Conversation;
 use crate::encoder_kind::{EncoderKind, EncoderPreference};
 use crate::error::{PreprocessError, Result};
+use crate::qwen3_template;
 use crate::request::ChatRequest;
 use crate::text_encoder::TextEncoder;
 use crate::tokenizer_config::TokenizerConfig;
@@ -31,6 +32,9 @@ pub struct ModelPreprocessor {
     encoder: TextEncoder,
     template: Option<ChatTemplate>,
     content_format: ContentFormat,
+    /// The chat template is Qwen3's: plain conversations render natively
+    /// ([`crate::qwen3_template`]).
+    pub(crate) qwen3_template: bool,
     /// `(name, content)` of the named special tokens, passed to every template render.
     special_tokens: Vec<(&'static str, String)>,
 }
@@ -85,6 +89,7 @@ impl ModelPreprocessor {
             encoder,
             template,
             content_format,
+            qwen3_template: main.is_some_and(qwen3_template::is_qwen3),
             special_tokens: config.special_tokens,
         })
     }
@@ -134,6 +139,20 @@ impl ModelPreprocessor {
     /// A template that calls `raise_exception` gives [`PreprocessError::Template`] with the
     /// template's message.
     pub fn render_chat(&self, request: &ChatRequest<'_>) -> Result<String> {
+        if self.qwen3_template
+            && self.content_format == ContentFormat::String
+            && let Some(rendered) = qwen3_template::render(request)
+        {
+            return Ok(rendered);
+        }
+        self.render_chat_with_template_engine(request)
+    }
+
+    /// [`render_chat`](Self::render_chat) through minijinja, whatever the template.
+    pub(crate) fn render_chat_with_template_engine(
+        &self,
+        request: &ChatRequest<'_>,
+    ) -> Result<String> {
         let template = self
             .template
             .as_ref()
