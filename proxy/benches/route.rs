@@ -1,6 +1,7 @@
 //! The full `policy: kv` routing decision — template, tokenize, hash, lookup, score, then book
 //! and record — for an ~8k-token chat prompt over 8 instances whose approximate index already
-//! holds 32 such conversations.
+//! holds 32 such conversations, and for a ~128k-token chat prompt never seen before (block
+//! size 64).
 //!
 //! Needs `scripts/fetch-tokenizer.sh`. Run with `cargo bench -p kvmesh-proxy --bench route`.
 //! After criterion's groups it prints the p50 per stage of 200 single decisions per case
@@ -20,6 +21,10 @@ const INSTANCES: usize = 8;
 const WARM_CONVERSATIONS: u64 = 32;
 /// Single decisions per case in the percentile pass.
 const SAMPLES: usize = 200;
+/// Single decisions of the ~128k-token case.
+const LONG_SAMPLES: usize = 30;
+/// Words of the ~128k-token conversation (≈ 1.3 tokens per word).
+const LONG_WORDS: usize = 85_000;
 
 /// A conversation of about 8k tokens: a system prompt and 9 turns, as JSON messages.
 fn history(seed: u64) -> Vec<serde_json::Value> {
@@ -28,6 +33,19 @@ fn history(seed: u64) -> Vec<serde_json::Value> {
     for turn in 0..9u64 {
         let role = if turn % 2 == 0 { "user" } else { "assistant" };
         let content = common::prose(seed * 100 + turn + 1, 560);
+        messages.push(serde_json::json!({"role": role, "content": content}));
+    }
+    messages
+}
+
+/// A conversation of about 128k tokens: a system prompt and 9 turns of ≈ 10k words each.
+fn long_history(seed: u64) -> Vec<serde_json::Value> {
+    let turn_words = LONG_WORDS / 10;
+    let mut messages =
+        vec![serde_json::json!({"role": "system", "content": common::prose(seed, turn_words)})];
+    for turn in 0..9u64 {
+        let role = if turn % 2 == 0 { "user" } else { "assistant" };
+        let content = common::prose(seed * 100 + turn + 1, turn_words);
         messages.push(serde_json::json!({"role": role, "content": content}));
     }
     messages
@@ -173,6 +191,27 @@ fn split_pass() {
         splits.push(split);
     }
     report("completions, token ids", &splits, &tokens(&splits));
+    splits.clear();
+    let config = KvRoutingConfig {
+        block_size: Some(64),
+        ..KvRoutingConfig::default()
+    };
+    let long = RouteBench::new(&config, Some(&common::tokenizer_dir()), INSTANCES).expect("router");
+    let bodies: Vec<Bytes> = (0..LONG_SAMPLES as u64)
+        .map(|i| body(&long_history(40_000_000 + i)))
+        .collect();
+    for body in &bodies {
+        let (chosen, split) = long.route_chat(body);
+        assert!(chosen.is_some(), "the long prompt is routed");
+        splits.push(split);
+    }
+    report("chat, cold, block 64", &splits, &tokens(&splits));
+    let decisions: Vec<Duration> = splits.iter().map(|s| s.total() - s.commit).collect();
+    println!(
+        "\n~128k-token cold chat, body to instance chosen (without commit): p50 {} p90 {}",
+        us(percentile(decisions.clone(), 0.5)),
+        us(percentile(decisions, 0.9))
+    );
 }
 
 fn main() {
