@@ -247,7 +247,11 @@ impl TextEncoder {
 
     /// Token ids of `text`; with `add_special_tokens`, BOS/EOS as the model's config says.
     pub(crate) fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        if !add_special_tokens && let Some(cache) = &self.segment_cache {
+        // A text shorter than the shortest cached piece has nothing to look up.
+        if !add_special_tokens
+            && text.len() >= MIN_CACHED_BYTES
+            && let Some(cache) = &self.segment_cache
+        {
             return self.encode_cached(cache, text);
         }
         let (tokenizer, special) = match &self.backend {
