@@ -8,7 +8,9 @@
 mod support;
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::io;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -224,35 +226,27 @@ async fn start_upload(addr: std::net::SocketAddr, client: Client, length: usize)
         let body = response.into_body().collect().await;
         Ok((status, body.map_err(|e| e.to_string())?.to_bytes()))
     };
-    let reply = match client {
-        Client::Length | Client::Chunked => {
-            let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
-                .await
-                .unwrap();
-            tokio::spawn(connection);
-            tokio::spawn(async move {
-                let response = sender
-                    .send_request(request)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                read_reply(response).await
-            })
-        }
-        Client::H2c => {
-            let (mut sender, connection) =
-                hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
-                    .await
-                    .unwrap();
-            tokio::spawn(connection);
-            tokio::spawn(async move {
-                let response = sender
-                    .send_request(request)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                read_reply(response).await
-            })
-        }
-    };
+    let response: Pin<Box<dyn Future<Output = hyper::Result<Response<Incoming>>> + Send>> =
+        match client {
+            Client::Length | Client::Chunked => {
+                let io = TokioIo::new(tcp);
+                let (mut sender, connection) =
+                    hyper::client::conn::http1::handshake(io).await.unwrap();
+                tokio::spawn(connection);
+                Box::pin(async move { sender.send_request(request).await })
+            }
+            Client::H2c => {
+                let io = TokioIo::new(tcp);
+                let (mut sender, connection) =
+                    hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
+                        .await
+                        .unwrap();
+                tokio::spawn(connection);
+                Box::pin(async move { sender.send_request(request).await })
+            }
+        };
+    let reply =
+        tokio::spawn(async move { read_reply(response.await.map_err(|e| e.to_string())?).await });
     Upload {
         pieces,
         reply,
