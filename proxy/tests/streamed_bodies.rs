@@ -262,6 +262,16 @@ impl Upload {
             .unwrap();
     }
 
+    /// Sends `pieces` in turn until the proxy stops reading the body (it answered early).
+    async fn offer<'p>(&self, pieces: impl IntoIterator<Item = &'p [u8]>) {
+        for piece in pieces {
+            let piece = Bytes::copy_from_slice(piece);
+            if self.pieces.send(Ok(piece)).await.is_err() {
+                return;
+            }
+        }
+    }
+
     /// Ends the body and waits (10 s at most) for the answer.
     async fn finish(self) -> Result<(StatusCode, Bytes), String> {
         drop(self.pieces);
@@ -287,7 +297,7 @@ fn form_pieces(file: &[u8]) -> (Vec<u8>, Vec<Vec<u8>>) {
     form.extend_from_slice(file);
     form.extend_from_slice(&form_end());
     let pieces = form.chunks(256 * 1024).map(<[u8]>::to_vec).collect();
-    (form.clone(), pieces)
+    (form, pieces)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -347,16 +357,7 @@ async fn a_small_form_is_read_whole_and_a_large_one_over_the_limit_is_413_midway
     let (large, _) = form_pieces(&file_bytes(2, 2 * 1024 * 1024));
     for client in [Client::Chunked, Client::H2c] {
         let upload = start_upload(proxy.main, client, large.len()).await;
-        for piece in large.chunks(128 * 1024) {
-            if upload
-                .pieces
-                .send(Ok(Bytes::copy_from_slice(piece)))
-                .await
-                .is_err()
-            {
-                break;
-            }
-        }
+        upload.offer(large.chunks(128 * 1024)).await;
         let finished = upload.finish().await;
         if let Ok((status, body)) = &finished {
             assert_eq!(
@@ -447,16 +448,7 @@ async fn an_upload_answered_before_its_rest_was_read_closes_the_connection() {
     let (form, pieces) = form_pieces(&file_bytes(8, 512 * 1024));
     let upload = start_upload(proxy.main, Client::Length, form.len()).await;
     let connection = Arc::clone(&upload.connection);
-    for piece in &pieces {
-        if upload
-            .pieces
-            .send(Ok(Bytes::from(piece.clone())))
-            .await
-            .is_err()
-        {
-            break;
-        }
-    }
+    upload.offer(pieces.iter().map(Vec::as_slice)).await;
     let (status, body) = upload.finish().await.unwrap();
     assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
     assert_eq!(connection.lock().unwrap().as_deref(), Some("close"));
@@ -470,16 +462,7 @@ async fn once_its_rest_is_sent_a_streamed_body_is_not_tried_again() {
     let b = Uploads::start(Answer::BreakAfter(200 * 1024)).await;
     let proxy = proxy_for(&[&a.url, &b.url], "", "").await;
     let upload = start_upload(proxy.main, Client::Length, form.len()).await;
-    for piece in &pieces {
-        if upload
-            .pieces
-            .send(Ok(Bytes::from(piece.clone())))
-            .await
-            .is_err()
-        {
-            break;
-        }
-    }
+    upload.offer(pieces.iter().map(Vec::as_slice)).await;
     match upload.finish().await {
         Ok((status, body)) => {
             assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));

@@ -12,7 +12,6 @@
 //! answered before its body was read ends its HTTP/1 connection with a lingering close.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
@@ -25,7 +24,6 @@ use pingora_core::apps::{
 };
 use pingora_core::protocols::http::ServerSession;
 use pingora_core::server::ShutdownWatch;
-use tokio::time::Instant;
 
 use crate::edge::auth::{ApiKey, AuthFailure};
 use crate::edge::edge_metrics::Peer;
@@ -45,7 +43,7 @@ use crate::openai::headers::{
 use crate::openai::headers::{EngineHead, EngineTarget, InvalidHead};
 use crate::openai::openapi;
 use crate::openai::route::{Route, RouteMatch, match_route};
-use crate::request::body::{BodyRest, PieceError, RequestBody, streams};
+use crate::request::body::{BodyRest, PieceError, RequestBody, StreamedRead, streams};
 use crate::request::frontend::{Frontend, Unrelayable};
 use crate::request::proxy;
 use crate::request::record::Record;
@@ -309,11 +307,8 @@ async fn read_and_proxy(
     let window = streamed.then_some(MULTIPART_WINDOW);
     let error = match read_body_start(session, limit, declared, deadline, window).await {
         Ok((body, ended)) => {
-            let streaming = (!ended).then(|| Streaming {
-                read: body.len() as u64,
-                limit,
-                idle: state.limits.client_header_timeout,
-            });
+            let idle = state.limits.client_header_timeout;
+            let streaming = (!ended).then(|| StreamedRead::new(body.len() as u64, limit, idle));
             let body = RequestBody {
                 rest: streaming.as_ref().map(|_| BodyRest::new(declared)),
                 read: body,
@@ -349,18 +344,8 @@ async fn read_and_proxy(
 /// A request's client on a pingora session: the engine's answer is relayed as it is.
 struct PingoraClient<'a> {
     session: &'a mut ServerSession,
-    /// The request body streams: what is left of it to read.
-    streaming: Option<Streaming>,
-}
-
-/// How far a streamed request body is read.
-struct Streaming {
-    /// Bytes of the body read so far.
-    read: u64,
-    /// The body's size limit.
-    limit: u64,
-    /// The longest wait for each piece.
-    idle: Duration,
+    /// The request body streams: how far it is read.
+    streaming: Option<StreamedRead>,
 }
 
 impl PingoraClient<'_> {
@@ -369,8 +354,7 @@ impl PingoraClient<'_> {
         let Some(streaming) = self.streaming.as_mut() else {
             return Ok(None);
         };
-        let deadline = Instant::now() + streaming.idle;
-        let piece = read_piece(self.session, deadline)
+        let piece = read_piece(self.session, streaming.deadline())
             .await
             .map_err(|error| match error {
                 BodyError::Timeout => PieceError::Timeout,
@@ -381,10 +365,7 @@ impl PingoraClient<'_> {
             self.streaming = None;
             return Ok(None);
         };
-        streaming.read = streaming.read.saturating_add(piece.len() as u64);
-        if streaming.read > streaming.limit {
-            return Err(PieceError::TooLarge(streaming.limit));
-        }
+        streaming.count(piece.len())?;
         Ok(Some(piece))
     }
 }

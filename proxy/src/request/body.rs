@@ -8,7 +8,10 @@
 //! answer) only while the client has sent nothing beyond the start the spine holds; once a
 //! later piece went to an engine, a failure ends the request.
 
+use std::time::Duration;
+
 use bytes::Bytes;
+use tokio::time::Instant;
 
 use crate::openai::api_error::ApiError;
 use crate::openai::route::Route;
@@ -47,6 +50,44 @@ impl BodyRest {
             length,
             consumed: false,
         }
+    }
+}
+
+/// How far a front end has read a streamed body, against its size limit and the wait
+/// allowed for each piece.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StreamedRead {
+    /// Bytes of the body read so far.
+    read: u64,
+    /// The body's size limit.
+    limit: u64,
+    /// The longest wait for each piece.
+    idle: Duration,
+}
+
+impl StreamedRead {
+    /// A body of which `read` bytes are read, limited to `limit`, each piece due within `idle`.
+    pub(crate) fn new(read: u64, limit: u64, idle: Duration) -> Self {
+        Self { read, limit, idle }
+    }
+
+    /// Counts a piece of `len` bytes; too large once past the limit.
+    pub(crate) fn count(&mut self, len: usize) -> Result<(), PieceError> {
+        self.read = self.read.saturating_add(len as u64);
+        self.check(0)
+    }
+
+    /// Too large when `announced` more bytes (a chunk's size line) would pass the limit.
+    pub(crate) fn check(&self, announced: u64) -> Result<(), PieceError> {
+        if self.read.saturating_add(announced) > self.limit {
+            return Err(PieceError::TooLarge(self.limit));
+        }
+        Ok(())
+    }
+
+    /// When the next piece is due.
+    pub(crate) fn deadline(&self) -> Instant {
+        Instant::now() + self.idle
     }
 }
 

@@ -29,7 +29,7 @@ use crate::openai::headers::{
     ClientFraming, EngineHead, EngineTarget, InvalidHead, ProxyHeaders, X_DATA_PARALLEL_RANK,
     X_REQUEST_ID, upstream_request,
 };
-use crate::request::body::{BodyRest, PieceError, RequestBody};
+use crate::request::body::{BodyRest, PieceError, RequestBody, StreamedRead};
 use crate::request::frontend::{Frontend, Unrelayable};
 use crate::request::record::Record;
 
@@ -74,12 +74,8 @@ pub(crate) struct FastConnection<'a, S> {
 struct Streaming {
     /// The rest's framing, as far as it is decoded.
     framing: Framing,
-    /// Bytes of the body read so far.
-    read: u64,
-    /// The body's size limit.
-    limit: u64,
-    /// The longest wait for each piece.
-    idle: Duration,
+    /// How far it is read.
+    read: StreamedRead,
 }
 
 impl<'a, S: ClientIo> FastConnection<'a, S> {
@@ -136,9 +132,7 @@ impl<'a, S: ClientIo> FastConnection<'a, S> {
             }
             self.streaming = Some(Streaming {
                 framing: Framing::Length((length - start.len()) as u64),
-                read: start.len() as u64,
-                limit,
-                idle,
+                read: StreamedRead::new(start.len() as u64, limit, idle),
             });
             let rest = BodyRest::new(Some(length as u64));
             return Ok(RequestBody {
@@ -173,9 +167,7 @@ impl<'a, S: ClientIo> FastConnection<'a, S> {
         }
         self.streaming = Some(Streaming {
             framing,
-            read: body.len() as u64,
-            limit,
-            idle,
+            read: StreamedRead::new(body.len() as u64, limit, idle),
         });
         Ok(RequestBody {
             read: body.freeze(),
@@ -198,12 +190,9 @@ impl<'a, S: ClientIo> FastConnection<'a, S> {
                 Decoded::Data(data) => Some(data),
                 Decoded::End => None,
                 Decoded::NeedMore => {
-                    let announced = streaming.read.saturating_add(streaming.framing.announced());
-                    if announced > streaming.limit {
-                        return Err(PieceError::TooLarge(streaming.limit));
-                    }
+                    streaming.read.check(streaming.framing.announced())?;
                     self.buf.reserve(READ_RESERVE);
-                    let until = Instant::now() + streaming.idle;
+                    let until = streaming.read.deadline();
                     match timeout_at(until, self.io.read_buf(self.buf)).await {
                         Err(_) => return Err(PieceError::Timeout),
                         Ok(Ok(0) | Err(_)) => return Err(PieceError::Gone),
@@ -216,10 +205,7 @@ impl<'a, S: ClientIo> FastConnection<'a, S> {
                 self.body_read = true;
                 return Ok(None);
             };
-            streaming.read += piece.len() as u64;
-            if streaming.read > streaming.limit {
-                return Err(PieceError::TooLarge(streaming.limit));
-            }
+            streaming.read.count(piece.len())?;
             return Ok(Some(piece));
         }
     }
