@@ -14,6 +14,9 @@ use tokenizers::Tokenizer;
 pub(crate) struct AddedTokenSplitter {
     /// Token contents and ids by first byte, longest first.
     by_first_byte: Vec<Vec<(Box<str>, u32)>>,
+    /// The distinct first bytes of the tokens, so that a text is searched with `memchr` when
+    /// there are at most three (all of Qwen's and Llama's added tokens start with `<`).
+    first_bytes: Vec<u8>,
 }
 
 impl AddedTokenSplitter {
@@ -47,7 +50,26 @@ impl AddedTokenSplitter {
         for tokens in &mut by_first_byte {
             tokens.sort_by_key(|(t, _)| std::cmp::Reverse(t.len()));
         }
-        Some(Self { by_first_byte })
+        let first_bytes = (0..=u8::MAX)
+            .filter(|&b| !by_first_byte[usize::from(b)].is_empty())
+            .collect();
+        Some(Self {
+            by_first_byte,
+            first_bytes,
+        })
+    }
+
+    /// Where the first byte that starts some token is in `bytes`.
+    fn next_candidate(&self, bytes: &[u8]) -> Option<usize> {
+        match *self.first_bytes.as_slice() {
+            [] => None,
+            [a] => memchr::memchr(a, bytes),
+            [a, b] => memchr::memchr2(a, b, bytes),
+            [a, b, c] => memchr::memchr3(a, b, c, bytes),
+            _ => bytes
+                .iter()
+                .position(|&b| !self.by_first_byte[usize::from(b)].is_empty()),
+        }
     }
 
     /// Byte ranges and ids of the added tokens in `text`, in order, non-overlapping,
@@ -60,9 +82,7 @@ impl AddedTokenSplitter {
         let mut pos = 0;
         std::iter::from_fn(move || {
             while pos < bytes.len() {
-                let skipped = bytes[pos..]
-                    .iter()
-                    .position(|&b| !self.by_first_byte[usize::from(b)].is_empty());
+                let skipped = self.next_candidate(&bytes[pos..]);
                 let Some(skipped) = skipped else {
                     pos = bytes.len();
                     break;
@@ -104,6 +124,30 @@ mod tests {
             r#"{{"id": {id}, "content": "{content}", "single_word": false, "lstrip": {lstrip},
                 "rstrip": false, "normalized": {normalized}, "special": true}}"#
         )
+    }
+
+    #[test]
+    fn tokens_with_any_number_of_first_bytes_are_found() {
+        let contents = ["[a]", "{b}", "#c", "<d>", "[aa]"];
+        for n in 1..=contents.len() {
+            let tokens: Vec<String> = (0u32..)
+                .zip(&contents[..n])
+                .map(|(id, content)| added(content, id + 5, false, false))
+                .collect();
+            let t = tokenizer(&tokens.join(","), r#"{"type": "Whitespace"}"#);
+            let splitter = AddedTokenSplitter::for_tokenizer(&t).unwrap();
+            let text = "x[aa]y{b}#c <d>[a]z[a";
+            let found: Vec<_> = splitter
+                .matches(text)
+                .map(|(r, id)| (&text[r], id))
+                .collect();
+            let want: Vec<_> = [("[aa]", 9), ("{b}", 6), ("#c", 7), ("<d>", 8), ("[a]", 5)]
+                .into_iter()
+                .filter(|(_, id)| *id < 5 + n as u32)
+                .collect();
+            // "[aa]" is the fifth token: before it is added, nothing matches there.
+            assert_eq!(found, want, "{n} tokens");
+        }
     }
 
     #[test]

@@ -35,6 +35,7 @@ mod added_token_split;
 mod chat_template;
 mod content_format;
 mod conversation;
+mod encode_plan;
 mod encoder_kind;
 mod error;
 mod native;

@@ -1,14 +1,13 @@
 //! Text to token ids with the model's `tokenizer.json`, as Hugging Face's fast tokenizer does:
 //! with the native encoder when it supports the tokenizer, else with `tokenizers` itself.
 
-use std::ops::Range;
 use std::path::Path;
 use std::str::FromStr;
-use std::sync::Arc;
 
 use tokenizers::{Encoding, Token, Tokenizer};
 
 use crate::added_token_split::AddedTokenSplitter;
+use crate::encode_plan;
 use crate::encoder_kind::{EncoderKind, EncoderPreference};
 use crate::error::{PreprocessError, Result};
 use crate::native::NativeEncoder;
@@ -106,6 +105,9 @@ pub(crate) struct TextEncoder {
     /// tokens may not be encoded on their own (see [`AddedTokenSplitter::for_tokenizer`]).
     splitter: Option<AddedTokenSplitter>,
     segment_cache: Option<SegmentCache>,
+    /// Threads one long text may be encoded on: the cores available, at most
+    /// [`encode_plan::MAX_PARTS`].
+    parts: usize,
 }
 
 impl TextEncoder {
@@ -166,6 +168,9 @@ impl TextEncoder {
             backend,
             splitter,
             segment_cache: None,
+            parts: std::thread::available_parallelism()
+                .map_or(1, usize::from)
+                .min(encode_plan::MAX_PARTS),
         };
         (encoder, fallback_reason)
     }
@@ -211,38 +216,16 @@ impl TextEncoder {
     }
 
     /// Ids of `text` (no post-processing) through the segment cache: long pieces between added
-    /// tokens come from the cache or are encoded and remembered; everything between them
-    /// (short pieces and the added tokens) is encoded in one call.
+    /// tokens come from the cache or are encoded and remembered, everything between them (short
+    /// pieces and the added tokens) is encoded in runs; a long text's runs and pieces are shared
+    /// between threads ([`encode_plan`]).
     fn encode_cached(&self, cache: &SegmentCache, text: &str) -> Result<Vec<u32>> {
-        let mut out = Vec::with_capacity(text.len() / 3);
-        let mut run_start = 0;
-        let mut piece_start = 0;
-        let piece =
-            |piece: Range<usize>, run_start: &mut usize, out: &mut Vec<u32>| -> Result<()> {
-                if piece.len() < MIN_CACHED_BYTES {
-                    return Ok(());
-                }
-                self.encode_into(&text[*run_start..piece.start], out)?;
-                let piece_text = &text[piece.clone()];
-                match cache.get(piece_text) {
-                    Some(ids) => out.extend_from_slice(&ids),
-                    None => {
-                        let mut ids = Vec::new();
-                        self.encode_into(piece_text, &mut ids)?;
-                        out.extend_from_slice(&ids);
-                        cache.insert(piece_text, Arc::from(ids));
-                    }
-                }
-                *run_start = piece.end;
-                Ok(())
-            };
-        for (token, _) in cache.splitter.matches(text) {
-            piece(piece_start..token.start, &mut run_start, &mut out)?;
-            piece_start = token.end;
-        }
-        piece(piece_start..text.len(), &mut run_start, &mut out)?;
-        self.encode_into(&text[run_start..], &mut out)?;
-        Ok(out)
+        let cut: Option<encode_plan::Cut> = match self.backend {
+            Backend::Native { .. } => Some(NativeEncoder::cut_at_or_after),
+            Backend::HuggingFace { .. } => None,
+        };
+        let encode = |text: &str, out: &mut Vec<u32>| self.encode_into(text, out);
+        encode_plan::encode_cached(cache, text, self.parts, &encode, cut)
     }
 
     /// Token ids of `text`; with `add_special_tokens`, BOS/EOS as the model's config says.
@@ -348,5 +331,76 @@ mod tests {
     fn flags_without_a_token_add_nothing() {
         let enc = encoder(r#"{"add_bos_token": true}"#);
         assert_eq!(enc.encode("a", true).unwrap(), [2]);
+    }
+
+    /// The Qwen3 tokenizer fetched by `scripts/fetch-tokenizer.sh`, with `preference`.
+    fn qwen3(preference: EncoderPreference) -> TextEncoder {
+        let dir = match std::env::var_os("KVMESH_QWEN3_TOKENIZER") {
+            Some(dir) => std::path::PathBuf::from(dir),
+            None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/tokenizers/qwen3"),
+        };
+        let config_path = dir.join("tokenizer_config.json");
+        let config_text = std::fs::read_to_string(&config_path)
+            .unwrap_or_else(|e| panic!("{}: {e} (run scripts/fetch-tokenizer.sh)", dir.display()));
+        let config = TokenizerConfig::parse(&config_text, &config_path).unwrap();
+        TextEncoder::load(&dir.join("tokenizer.json"), &config, preference).unwrap()
+    }
+
+    /// Long texts, of over twice [`encode_plan::PARALLEL_MIN_BYTES`]: a chat of several long
+    /// turns, one long piece with no added token, and mixed text with long words and numbers.
+    fn long_texts() -> Vec<String> {
+        let prose = |seed: usize, words: usize| -> String {
+            const WORDS: [&str; 8] = [
+                "Hello", "world", "naïve", "café", "don't", "12345", "the", "kv-mesh,",
+            ];
+            (0..words)
+                .map(|i| WORDS[(i * 7 + seed) % WORDS.len()])
+                .collect::<Vec<_>>()
+                .join(if seed.is_multiple_of(2) { " " } else { "  \n" })
+        };
+        let chat: String = (0..6)
+            .map(|turn| format!("<|im_start|>user\n{}<|im_end|>\n", prose(turn, 3_500)))
+            .collect();
+        let mixed: String = (0..2_500)
+            .map(|i| {
+                format!(
+                    "{} A\u{30a} 😀 x{i} 全角 {}\n",
+                    prose(i, 5),
+                    "é".repeat(i % 3)
+                )
+            })
+            .collect();
+        vec![chat, prose(0, 22_000), mixed]
+    }
+
+    #[test]
+    fn long_texts_encode_the_same_on_any_number_of_threads() {
+        let mut reference = qwen3(EncoderPreference::HuggingFace);
+        let mut native = qwen3(EncoderPreference::Auto);
+        assert_eq!(native.kind(), EncoderKind::Native);
+        for text in long_texts() {
+            assert!(text.len() > 2 * encode_plan::PARALLEL_MIN_BYTES);
+            let want = reference.encode(&text, false).unwrap();
+            for parts in 1..=encode_plan::MAX_PARTS {
+                native.parts = parts;
+                native.set_segment_cache(1 << 22);
+                assert_eq!(
+                    native.encode(&text, false).unwrap(),
+                    want,
+                    "cold, {parts} parts"
+                );
+                assert_eq!(
+                    native.encode(&text, false).unwrap(),
+                    want,
+                    "warm, {parts} parts"
+                );
+            }
+        }
+        // `tokenizers` itself: stretches go to threads whole (no cut inside a piece).
+        let chat = &long_texts()[0];
+        let want = reference.encode(chat, false).unwrap();
+        reference.parts = 2;
+        reference.set_segment_cache(1 << 22);
+        assert_eq!(reference.encode(chat, false).unwrap(), want);
     }
 }

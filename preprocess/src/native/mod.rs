@@ -90,6 +90,13 @@ impl NativeEncoder {
         Ok(())
     }
 
+    /// The first byte at or after `at` (looking `within` bytes on) where a text without added
+    /// tokens may be cut and its two sides encoded apart, giving the ids of the whole (see
+    /// [`PieceSplitter::cut_at_or_after`]).
+    pub(crate) fn cut_at_or_after(text: &str, at: usize, within: usize) -> Option<usize> {
+        PieceSplitter::cut_at_or_after(text, at, within)
+    }
+
     /// Appends the ids of `text` (no special tokens added) to `out`.
     pub(crate) fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
         let mut start = 0;

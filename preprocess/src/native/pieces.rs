@@ -75,6 +75,26 @@ impl PieceSplitter {
         })
     }
 
+    /// The first byte at or after `at` where `text` may be cut so that its two sides split into
+    /// exactly the pieces the whole text splits into (and NFC-normalise the same); `None` when
+    /// there is none before `at + within`.
+    ///
+    /// The cut is before a space with an ASCII letter on each side, as in `"word word"`. No
+    /// alternative crosses it: letters run (2.) stop at the space, a contraction (1.) ends in a
+    /// letter, and the other alternatives cannot start on a letter; so a piece ends right before
+    /// the space in the whole text, and one that starts at the space sees only what follows
+    /// it. ASCII characters never compose under NFC, so normalising either side alone changes
+    /// nothing across the cut.
+    pub(crate) fn cut_at_or_after(text: &str, at: usize, within: usize) -> Option<usize> {
+        let bytes = text.as_bytes();
+        let end = at.saturating_add(within).min(bytes.len().saturating_sub(1));
+        (at.max(1)..end).find(|&i| {
+            bytes[i] == b' '
+                && bytes[i - 1].is_ascii_alphabetic()
+                && bytes[i + 1].is_ascii_alphabetic()
+        })
+    }
+
     /// The character at byte `at`, its class bits and its length in bytes.
     #[inline]
     fn at(&self, text: &str, at: usize) -> Option<(char, u8, usize)> {
@@ -283,6 +303,23 @@ mod tests {
         fn same_pieces_as_fancy_regex(text in mixed_text()) {
             prop_assert_eq!(native(QWEN2_PATTERN, &text), reference(QWEN2_PATTERN, &text));
             prop_assert_eq!(native(LLAMA3_PATTERN, &text), reference(LLAMA3_PATTERN, &text));
+        }
+
+        #[test]
+        fn a_cut_splits_into_the_same_pieces(left in mixed_text(), right in mixed_text()) {
+            let text = format!("{left}ab cd{right}");
+            let mut at = 0;
+            let mut cuts = 0;
+            while let Some(cut) = PieceSplitter::cut_at_or_after(&text, at, text.len()) {
+                for pattern in [QWEN2_PATTERN, LLAMA3_PATTERN] {
+                    let mut sides = native(pattern, &text[..cut]);
+                    sides.extend(native(pattern, &text[cut..]));
+                    prop_assert_eq!(sides, reference(pattern, &text));
+                }
+                cuts += 1;
+                at = cut + 1;
+            }
+            prop_assert!(cuts >= 1);
         }
 
         #[test]
