@@ -96,6 +96,10 @@ pub struct Args {
     /// Prompt length: a deterministic prompt of this many words (about one token each).
     #[arg(long, default_value_t = 16)]
     pub prompt_tokens: usize,
+    /// Fixed: this many distinct prompts (seeds `--seed`, `--seed`+1, ...), sent in turn, so a
+    /// router's caches see each again only after all the others (1: the same prompt always).
+    #[arg(long, default_value_t = 1, value_parser = parse_positive)]
+    pub distinct_prompts: usize,
     /// `max_tokens` of every request.
     #[arg(long, default_value_t = 16)]
     pub max_tokens: u32,

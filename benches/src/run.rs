@@ -208,6 +208,7 @@ fn prepare(args: &Args, target: &Target) -> Result<Prepared, RunError> {
                 max_tokens: args.max_tokens,
                 stream: args.stream,
                 seed: args.seed,
+                distinct: args.distinct_prompts,
             };
             Ok(Prepared {
                 workload: Arc::new(SyntheticWorkload::new(&spec, target, args.http2)?),

@@ -92,47 +92,54 @@ pub struct SyntheticSpec {
     pub max_tokens: u32,
     /// `stream` field of the body.
     pub stream: bool,
-    /// Seed of the prompt's words.
+    /// Seed of the first prompt's words.
     pub seed: u64,
+    /// Distinct prompts (seeds `seed`, `seed + 1`, ...), sent in turn; at least one.
+    pub distinct: usize,
 }
 
-/// The same deterministic request, over and over.
+/// The same deterministic requests, over and over: one, or a few distinct ones in turn.
 #[derive(Debug, Clone)]
 pub struct SyntheticWorkload {
-    item: WorkItem,
+    items: Vec<WorkItem>,
 }
 
 impl SyntheticWorkload {
-    /// Builds the request once for `target`.
+    /// Builds the requests once for `target`.
     pub fn new(spec: &SyntheticSpec, target: &Target, http2: bool) -> Result<Self, WorkloadError> {
-        let prompt = synthetic_prompt(spec.prompt_words, spec.seed);
-        let body = match spec.endpoint {
-            Endpoint::Chat => json!({
-                "model": spec.model,
-                "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": spec.max_tokens,
-                "stream": spec.stream,
-            }),
-            Endpoint::Completions => json!({
-                "model": spec.model,
-                "prompt": prompt,
-                "max_tokens": spec.max_tokens,
-                "stream": spec.stream,
-            }),
-        };
-        Ok(Self {
-            item: WorkItem {
-                uri: target.endpoint_uri(spec.endpoint.path(), http2)?,
-                body: Bytes::from(serde_json::to_vec(&body)?),
-                stream: spec.stream,
-            },
-        })
+        let uri = target.endpoint_uri(spec.endpoint.path(), http2)?;
+        let items = (0..spec.distinct.max(1) as u64)
+            .map(|i| {
+                let prompt = synthetic_prompt(spec.prompt_words, spec.seed.wrapping_add(i));
+                let body = match spec.endpoint {
+                    Endpoint::Chat => json!({
+                        "model": spec.model,
+                        "messages": [{"role": "user", "content": prompt}],
+                        "max_tokens": spec.max_tokens,
+                        "stream": spec.stream,
+                    }),
+                    Endpoint::Completions => json!({
+                        "model": spec.model,
+                        "prompt": prompt,
+                        "max_tokens": spec.max_tokens,
+                        "stream": spec.stream,
+                    }),
+                };
+                Ok(WorkItem {
+                    uri: uri.clone(),
+                    body: Bytes::from(serde_json::to_vec(&body)?),
+                    stream: spec.stream,
+                })
+            })
+            .collect::<Result<_, WorkloadError>>()?;
+        Ok(Self { items })
     }
 }
 
 impl Workload for SyntheticWorkload {
-    fn item(&self, _index: u64) -> Option<WorkItem> {
-        Some(self.item.clone())
+    fn item(&self, index: u64) -> Option<WorkItem> {
+        let at = (index % self.items.len() as u64) as usize;
+        Some(self.items[at].clone())
     }
 }
 
@@ -148,6 +155,7 @@ mod tests {
             max_tokens: 16,
             stream: true,
             seed: 1,
+            distinct: 1,
         }
     }
 
@@ -177,5 +185,20 @@ mod tests {
         assert_eq!(a.uri.path(), "/v1/completions");
         let v: serde_json::Value = serde_json::from_slice(&a.body).expect("json");
         assert!(v["prompt"].is_string());
+    }
+
+    #[tokio::test]
+    async fn distinct_prompts_come_in_turn() {
+        let target = Target::resolve("http://127.0.0.1:1").await.expect("target");
+        let spec = SyntheticSpec {
+            distinct: 3,
+            ..spec(Endpoint::Completions)
+        };
+        let w = SyntheticWorkload::new(&spec, &target, false).expect("workload");
+        let bodies: Vec<Bytes> = (0..6).map(|i| w.item(i).expect("item").body).collect();
+        assert_ne!(bodies[0], bodies[1]);
+        assert_ne!(bodies[1], bodies[2]);
+        assert_ne!(bodies[0], bodies[2]);
+        assert_eq!(bodies[..3], bodies[3..]);
     }
 }
