@@ -3,7 +3,9 @@
 //! See the crate documentation for the data layout, the concurrency design and measurements.
 
 mod block_table;
+mod key_mixer;
 mod matcher;
+mod ordered_table;
 mod slot_bits;
 mod slot_set;
 mod worker_blocks;
@@ -64,7 +66,6 @@ pub struct IndexStats {
 pub struct KvIndex {
     table: BlockTable,
     registry: RwLock<Registry>,
-    hasher: KeyedState,
 }
 
 impl Default for KvIndex {
@@ -85,7 +86,6 @@ impl KvIndex {
         Self {
             table: BlockTable::new(shards),
             registry: RwLock::default(),
-            hasher: KeyedState::new(),
         }
     }
 
@@ -118,10 +118,11 @@ impl KvIndex {
         }
         let number = registry.free.pop().unwrap_or_else(|| {
             registry.slots.push(None);
-            // Slots are dense; more than u32::MAX registered workers is not a supported state.
+            // Slots are dense; 2^31 registered workers (the block table's
+            // holder tag bit) is not a supported state.
             (registry.slots.len() - 1) as u32
         });
-        let slot = Arc::new(WorkerSlot::new(worker, number, self.hasher));
+        let slot = Arc::new(WorkerSlot::new(worker, number));
         registry.slots[number as usize] = Some(Arc::clone(&slot));
         registry.by_key.insert(worker, Arc::clone(&slot));
         slot

@@ -1,16 +1,15 @@
 //! One worker's view of its blocks: engine ids, reference counts and orphan accounting.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use crate::event::{BlockParent, StoredBlock};
-use crate::hash::{ExternalHash, SequenceHash, sequence_hash};
-use crate::keyed_hasher::KeyedState;
+use crate::hash::{ExternalHash, sequence_hash};
 use crate::outcome::ApplyOutcome;
 use crate::worker::WorkerKey;
 
 use super::block_table::BlockTable;
+use super::ordered_table::{OrderedTable, join, split};
 
 /// A registered worker: its dense slot number, counters lookups read without locking, and the
 /// bookkeeping that writers for this worker serialise on.
@@ -27,12 +26,12 @@ pub(crate) struct WorkerSlot {
 
 impl WorkerSlot {
     /// A fresh, empty worker in slot `slot`.
-    pub(crate) fn new(key: WorkerKey, slot: u32, hasher: KeyedState) -> Self {
+    pub(crate) fn new(key: WorkerKey, slot: u32) -> Self {
         Self {
             key,
             slot,
             counters: WorkerCounters::default(),
-            blocks: Mutex::new(WorkerBlocks::new(hasher)),
+            blocks: Mutex::new(WorkerBlocks::default()),
         }
     }
 
@@ -76,25 +75,20 @@ struct NodeRefs {
 }
 
 /// One worker's blocks. Every method runs under the worker's lock.
-#[derive(Debug)]
+///
+/// Keys are mixed ([`super::key_mixer::KeyMixer`], the block table's): engine ids and sequence
+/// hashes alike.
+#[derive(Debug, Default)]
 pub(crate) struct WorkerBlocks {
-    /// Engine id → sequence hash, to resolve removals and parents.
-    external: HashMap<ExternalHash, SequenceHash, KeyedState>,
-    /// Sequence hash → counts, for held blocks and for unheld parents of held blocks.
-    nodes: HashMap<SequenceHash, NodeRefs, KeyedState>,
+    /// Engine id key → block key, to resolve removals and parents.
+    external: OrderedTable<[u32; 2]>,
+    /// Block key → counts, for held blocks and for unheld parents of held blocks.
+    nodes: OrderedTable<NodeRefs>,
     /// Set when the worker was removed from the index; later writers must re-register.
     pub(crate) retired: bool,
 }
 
 impl WorkerBlocks {
-    fn new(hasher: KeyedState) -> Self {
-        Self {
-            external: HashMap::with_hasher(hasher),
-            nodes: HashMap::with_hasher(hasher),
-            retired: false,
-        }
-    }
-
     /// Applies a Stored event.
     pub(crate) fn store(
         &mut self,
@@ -103,23 +97,32 @@ impl WorkerBlocks {
         parent: Option<BlockParent>,
         blocks: &[StoredBlock],
     ) -> ApplyOutcome {
+        let mixer = *table.mixer();
         let mut outcome = ApplyOutcome::default();
         if let Some(parent) = parent
-            && self.external.get(&parent.external) != Some(&parent.sequence)
+            && self
+                .external
+                .get(mixer.mix(parent.external.0))
+                .copied()
+                .map(join)
+                != Some(mixer.mix(parent.sequence.0))
         {
             outcome.parent_not_found += 1;
         }
         let mut previous = parent.map(|p| p.sequence);
+        let mut previous_key = previous.map(|p| mixer.mix(p.0));
         for (index, block) in blocks.iter().enumerate() {
+            let key = mixer.mix(block.sequence.0);
             let valid = sequence_hash(previous, block.local) == block.sequence
                 && previous != Some(block.sequence)
-                && self.map_external(table, slot, block.external, block.sequence, previous);
+                && self.map_external(table, slot, mixer.mix(block.external.0), key, previous_key);
             if !valid {
                 outcome.blocks_invalid += (blocks.len() - index) as u64;
                 break;
             }
             outcome.blocks_stored += 1;
             previous = Some(block.sequence);
+            previous_key = Some(key);
         }
         outcome
     }
@@ -131,11 +134,12 @@ impl WorkerBlocks {
         slot: &WorkerSlot,
         blocks: &[ExternalHash],
     ) -> ApplyOutcome {
+        let mixer = *table.mixer();
         let mut outcome = ApplyOutcome::default();
         for external in blocks {
-            match self.external.remove(external) {
-                Some(sequence) => {
-                    self.release(table, slot, sequence);
+            match self.external.remove(mixer.mix(external.0)) {
+                Some(key) => {
+                    self.release(table, slot, join(key));
                     outcome.blocks_removed += 1;
                 }
                 None => outcome.blocks_not_found += 1,
@@ -147,9 +151,9 @@ impl WorkerBlocks {
     /// Drops every block of the worker; returns how many distinct blocks it held.
     pub(crate) fn clear(&mut self, table: &BlockTable, slot: &WorkerSlot) -> u64 {
         let mut cleared = 0;
-        for (&sequence, node) in &self.nodes {
+        for (key, node) in self.nodes.iter() {
             if node.refs > 0 {
-                table.remove_holder(sequence, slot.slot);
+                table.remove_holder(key, slot.slot);
                 cleared += 1;
             }
         }
@@ -160,23 +164,24 @@ impl WorkerBlocks {
         cleared
     }
 
-    /// Points engine id `external` at `sequence`, holding it; false on a parent mismatch.
+    /// Points engine id key `external` at block key `key`, holding it; false on a parent
+    /// mismatch.
     fn map_external(
         &mut self,
         table: &BlockTable,
         slot: &WorkerSlot,
-        external: ExternalHash,
-        sequence: SequenceHash,
-        parent: Option<SequenceHash>,
+        external: u64,
+        key: u64,
+        parent: Option<u64>,
     ) -> bool {
-        let old = self.external.insert(external, sequence);
-        if old == Some(sequence) {
+        let old = self.external.insert(external, split(key)).map(join);
+        if old == Some(key) {
             return true;
         }
-        if !self.acquire(table, slot, sequence, parent) {
+        if !self.acquire(table, slot, key, parent) {
             match old {
-                Some(old) => self.external.insert(external, old),
-                None => self.external.remove(&external),
+                Some(old) => self.external.insert(external, split(old)),
+                None => self.external.remove(external),
             };
             return false;
         }
@@ -191,10 +196,10 @@ impl WorkerBlocks {
         &mut self,
         table: &BlockTable,
         slot: &WorkerSlot,
-        sequence: SequenceHash,
-        parent: Option<SequenceHash>,
+        sequence: u64,
+        parent: Option<u64>,
     ) -> bool {
-        let node = self.nodes.entry(sequence).or_default();
+        let node = self.nodes.get_or_default(sequence);
         if node.refs > 0 {
             node.refs += 1;
             return true;
@@ -202,7 +207,7 @@ impl WorkerBlocks {
         // Orphan counts rise before the block becomes visible, and fall after.
         let orphan = match parent {
             Some(parent) => {
-                let parent_node = self.nodes.entry(parent).or_default();
+                let parent_node = self.nodes.get_or_default(parent);
                 parent_node.children += 1;
                 parent_node.refs == 0
             }
@@ -221,7 +226,7 @@ impl WorkerBlocks {
             self.drop_if_unused(sequence);
             return false;
         }
-        let adopted = match self.nodes.get_mut(&sequence) {
+        let adopted = match self.nodes.get_mut(sequence) {
             Some(node) => {
                 node.refs = 1;
                 node.children
@@ -234,27 +239,27 @@ impl WorkerBlocks {
     }
 
     /// Undoes one `children` count of `parent`.
-    fn forget_child(&mut self, parent: SequenceHash) {
-        if let Some(node) = self.nodes.get_mut(&parent) {
+    fn forget_child(&mut self, parent: u64) {
+        if let Some(node) = self.nodes.get_mut(parent) {
             node.children = node.children.saturating_sub(1);
         }
         self.drop_if_unused(parent);
     }
 
     /// Removes the node of `sequence` when it is neither held nor a parent of held blocks.
-    fn drop_if_unused(&mut self, sequence: SequenceHash) {
+    fn drop_if_unused(&mut self, sequence: u64) {
         if self
             .nodes
-            .get(&sequence)
+            .get(sequence)
             .is_some_and(|node| node.refs == 0 && node.children == 0)
         {
-            self.nodes.remove(&sequence);
+            self.nodes.remove(sequence);
         }
     }
 
     /// Drops one reference to `sequence`, releasing the block when none is left.
-    fn release(&mut self, table: &BlockTable, slot: &WorkerSlot, sequence: SequenceHash) {
-        let Some(node) = self.nodes.get_mut(&sequence) else {
+    fn release(&mut self, table: &BlockTable, slot: &WorkerSlot, sequence: u64) {
+        let Some(node) = self.nodes.get_mut(sequence) else {
             return;
         };
         if node.refs == 0 {
@@ -266,7 +271,7 @@ impl WorkerBlocks {
         }
         let children = node.children;
         if children == 0 {
-            self.nodes.remove(&sequence);
+            self.nodes.remove(sequence);
         }
         // Held children become orphans before the block disappears from lookups.
         slot.counters.add_orphans(children);
@@ -275,12 +280,12 @@ impl WorkerBlocks {
         let Some(parent) = parent else {
             return;
         };
-        if let Some(parent_node) = self.nodes.get_mut(&parent) {
+        if let Some(parent_node) = self.nodes.get_mut(parent) {
             parent_node.children = parent_node.children.saturating_sub(1);
             if parent_node.refs == 0 {
                 slot.counters.sub_orphans(1);
                 if parent_node.children == 0 {
-                    self.nodes.remove(&parent);
+                    self.nodes.remove(parent);
                 }
             }
         }
