@@ -1,6 +1,9 @@
 //! Heap bytes per cached block, counted by a global allocator wrapper.
 //!
-//! Run with `cargo bench -p kvmesh-kv --bench memory`.
+//! Run with `cargo bench -p kvmesh-kv --bench memory`. With `KVMESH_MEMORY_BLOCKS=N` it builds
+//! one index of about N (worker, block) pairs over 1,024 workers instead, and also reports the
+//! apply rate while filling it and single-call `find_matches` percentiles on it (check free
+//! memory first: the index takes about 70 bytes per block).
 
 #[allow(
     dead_code,
@@ -101,7 +104,54 @@ fn approx_index(workers: u64, total: usize) {
     );
 }
 
+/// The `KVMESH_MEMORY_BLOCKS` run: one large index, its build rate and lookup latency.
+fn large_index(total: usize) {
+    const WORKERS: u64 = 1024;
+    let before = live();
+    let index = KvIndex::new();
+    let start = Instant::now();
+    let query = populate(&index, WORKERS, total);
+    let elapsed = start.elapsed();
+    let bytes = (live() - before) as f64;
+    let stats = index.stats();
+    println!(
+        "KvIndex {WORKERS} workers: {} distinct blocks, {} (worker, block) pairs, {:.2} GiB: {:.1} B/distinct block, {:.1} B/pair",
+        stats.distinct_blocks,
+        stats.worker_blocks,
+        bytes / (1u64 << 30) as f64,
+        bytes / stats.distinct_blocks as f64,
+        bytes / stats.worker_blocks as f64,
+    );
+    println!(
+        "built in {:.1} s: {:.2}M block-events/s (Stored, 512 blocks per event, one thread)",
+        elapsed.as_secs_f64(),
+        stats.worker_blocks as f64 / elapsed.as_secs_f64() / 1e6,
+    );
+    let mut latencies: Vec<Duration> = (0..20_000)
+        .map(|_| {
+            let start = Instant::now();
+            std::hint::black_box(index.find_matches(std::hint::black_box(&query)));
+            start.elapsed()
+        })
+        .collect();
+    latencies.sort_unstable();
+    let at = |p: f64| latencies[((latencies.len() - 1) as f64 * p).round() as usize];
+    println!(
+        "find_matches, 512-block query: p50 {:.2?} p99 {:.2?} ({} matching workers)",
+        at(0.5),
+        at(0.99),
+        index.find_matches(&query).workers.len(),
+    );
+}
+
 fn main() {
+    if let Some(total) = std::env::var("KVMESH_MEMORY_BLOCKS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        large_index(total);
+        return;
+    }
     for workers in [1, 8, 64, 256] {
         events_index(workers, 1 << 20);
     }

@@ -120,20 +120,6 @@ impl<V: Copy + Default> OrderedTable<V> {
         (slot.key() == key).then_some(&mut slot.value)
     }
 
-    /// The value of `key`, inserting `V::default()` first when absent.
-    pub(crate) fn get_or_default(&mut self, key: u64) -> &mut V {
-        if key == EMPTY {
-            return self.max_key.get_or_insert_with(V::default);
-        }
-        let at = self.lower_bound(key);
-        let at = if self.slots[at].key() == key {
-            at
-        } else {
-            self.insert_new(key, V::default())
-        };
-        &mut self.slots[at].value
-    }
-
     /// Sets `key` to `value`; returns the previous value.
     pub(crate) fn insert(&mut self, key: u64, value: V) -> Option<V> {
         if key == EMPTY {
@@ -296,7 +282,8 @@ mod tests {
                 ),
                 2 => assert_eq!(table.remove(key), model.remove(&key)),
                 _ => {
-                    *table.get_or_default(key) += 1;
+                    let value = table.get(key).copied().unwrap_or_default() + 1;
+                    table.insert(key, value);
                     *model.entry(key).or_default() += 1;
                 }
             }

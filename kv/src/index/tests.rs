@@ -297,3 +297,73 @@ fn a_block_recorded_under_another_parent_is_rejected() {
         "the rejected block left no engine id behind"
     );
 }
+
+#[test]
+fn counts_past_16_bits_stay_exact() {
+    // 70,000 children of one root, then 70,000 engine ids for that root: both counts overflow
+    // the packed 16-bit form.
+    let index = KvIndex::with_shards(4);
+    let root = chain(&[1])[0];
+    let parent = Some(BlockParent {
+        external: ExternalHash(1),
+        sequence: root,
+    });
+    index.apply(
+        W1,
+        &KvEvent::stored(None, [(ExternalHash(1), LocalBlockHash(1))]),
+    );
+    let n = 70_000u64;
+    let children = KvEvent::Stored {
+        parent,
+        blocks: Vec::new(),
+    };
+    assert_eq!(index.apply(W1, &children).blocks_stored, 0);
+    for c in 0..n {
+        let event = KvEvent::stored(parent, [(ExternalHash(10 + c), LocalBlockHash(10 + c))]);
+        assert_eq!(index.apply(W1, &event).status(), crate::ApplyStatus::Ok);
+    }
+    for id in 0..n {
+        let event = KvEvent::stored(None, [(ExternalHash(1_000_000 + id), LocalBlockHash(1))]);
+        index.apply(W1, &event);
+    }
+    let stats = index.stats();
+    assert_eq!((stats.worker_blocks, stats.orphan_blocks), (n + 1, 0));
+    // Every engine id but the last one of the root goes: it stays held.
+    let ids: Vec<ExternalHash> = (0..n).map(|id| ExternalHash(1_000_000 + id)).collect();
+    let removed = index.apply(W1, &KvEvent::Removed { blocks: ids });
+    assert_eq!(removed.blocks_removed, n);
+    assert_eq!(index.stats().orphan_blocks, 0);
+    let removed = index.apply(
+        W1,
+        &KvEvent::Removed {
+            blocks: vec![ExternalHash(1)],
+        },
+    );
+    assert_eq!(removed.blocks_removed, 1);
+    let stats = index.stats();
+    assert_eq!((stats.worker_blocks, stats.orphan_blocks), (n, n));
+    // The root comes back: every child is matchable again.
+    index.apply(
+        W1,
+        &KvEvent::stored(None, [(ExternalHash(1), LocalBlockHash(1))]),
+    );
+    assert_eq!(index.stats().orphan_blocks, 0);
+    let child = chain(&[1, 10 + n - 1]);
+    assert_eq!(index.find_matches(&child).depth(W1), 2);
+    let ids: Vec<ExternalHash> = (0..n).map(|c| ExternalHash(10 + c)).collect();
+    assert_eq!(
+        index
+            .apply(W1, &KvEvent::Removed { blocks: ids })
+            .blocks_removed,
+        n
+    );
+    let stats = index.stats();
+    assert_eq!(
+        (
+            stats.distinct_blocks,
+            stats.worker_blocks,
+            stats.orphan_blocks
+        ),
+        (1, 1, 0)
+    );
+}

@@ -1,5 +1,6 @@
 //! One worker's view of its blocks: engine ids, reference counts and orphan accounting.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -65,14 +66,28 @@ impl WorkerCounters {
     }
 }
 
-/// Reference counts of one sequence hash in one worker.
-#[derive(Debug, Clone, Copy, Default)]
+/// Reference counts of one block in one worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct NodeRefs {
     /// Engine ids of this worker that map to the block; held while non-zero.
     refs: u32,
     /// Held blocks of this worker whose parent is this block.
     children: u32,
 }
+
+/// [`NodeRefs`] as stored: two 16-bit counts (a 12-byte table slot with its key). Counts that
+/// do not fit are kept in [`WorkerBlocks::wide`] and stored here as [`WIDE`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct PackedRefs {
+    refs: u16,
+    children: u16,
+}
+
+/// The packed form of counts kept in [`WorkerBlocks::wide`].
+const WIDE: PackedRefs = PackedRefs {
+    refs: u16::MAX,
+    children: u16::MAX,
+};
 
 /// One worker's blocks. Every method runs under the worker's lock.
 ///
@@ -82,8 +97,11 @@ struct NodeRefs {
 pub(crate) struct WorkerBlocks {
     /// Engine id key → block key, to resolve removals and parents.
     external: OrderedTable<[u32; 2]>,
-    /// Block key → counts, for held blocks and for unheld parents of held blocks.
-    nodes: OrderedTable<NodeRefs>,
+    /// Block key → counts, for held blocks and for unheld parents of held blocks (a node
+    /// exists exactly while one of its counts is non-zero).
+    nodes: OrderedTable<PackedRefs>,
+    /// Counts of the nodes stored as [`WIDE`] (a block with 65,535 engine ids or children).
+    wide: HashMap<u64, NodeRefs>,
     /// Set when the worker was removed from the index; later writers must re-register.
     pub(crate) retired: bool,
 }
@@ -151,13 +169,19 @@ impl WorkerBlocks {
     /// Drops every block of the worker; returns how many distinct blocks it held.
     pub(crate) fn clear(&mut self, table: &BlockTable, slot: &WorkerSlot) -> u64 {
         let mut cleared = 0;
-        for (key, node) in self.nodes.iter() {
-            if node.refs > 0 {
+        for (key, &packed) in self.nodes.iter() {
+            let held = if packed == WIDE {
+                self.wide.get(&key).is_some_and(|node| node.refs > 0)
+            } else {
+                packed.refs > 0
+            };
+            if held {
                 table.remove_holder(key, slot.slot);
                 cleared += 1;
             }
         }
         self.nodes.clear();
+        self.wide.clear();
         self.external.clear();
         slot.counters.cached_blocks.store(0, Ordering::Release);
         slot.counters.orphans.store(0, Ordering::Release);
@@ -191,24 +215,72 @@ impl WorkerBlocks {
         true
     }
 
-    /// Adds one reference to `sequence`; false (and nothing changed) on a parent mismatch.
+    /// The counts of `key` (zero when it has no node).
+    fn node(&self, key: u64) -> NodeRefs {
+        match self.nodes.get(key) {
+            None => NodeRefs::default(),
+            Some(&WIDE) => self.wide.get(&key).copied().unwrap_or_default(),
+            Some(packed) => NodeRefs {
+                refs: u32::from(packed.refs),
+                children: u32::from(packed.children),
+            },
+        }
+    }
+
+    /// Sets the counts of `key`, dropping its node when both are zero.
+    fn set_node(&mut self, key: u64, node: NodeRefs) {
+        let packed = if node == NodeRefs::default() {
+            None
+        } else {
+            match (u16::try_from(node.refs), u16::try_from(node.children)) {
+                (Ok(refs), Ok(children)) if (PackedRefs { refs, children }) != WIDE => {
+                    Some(PackedRefs { refs, children })
+                }
+                _ => {
+                    self.wide.insert(key, node);
+                    Some(WIDE)
+                }
+            }
+        };
+        let old = match packed {
+            None => self.nodes.remove(key),
+            Some(packed) => self.nodes.insert(key, packed),
+        };
+        if old == Some(WIDE) && packed != Some(WIDE) {
+            self.wide.remove(&key);
+        }
+    }
+
+    /// Adds one reference to `key`; false (and nothing changed) on a parent mismatch.
     fn acquire(
         &mut self,
         table: &BlockTable,
         slot: &WorkerSlot,
-        sequence: u64,
+        key: u64,
         parent: Option<u64>,
     ) -> bool {
-        let node = self.nodes.get_or_default(sequence);
+        let node = self.node(key);
         if node.refs > 0 {
-            node.refs += 1;
+            self.set_node(
+                key,
+                NodeRefs {
+                    refs: node.refs + 1,
+                    ..node
+                },
+            );
             return true;
         }
         // Orphan counts rise before the block becomes visible, and fall after.
         let orphan = match parent {
             Some(parent) => {
-                let parent_node = self.nodes.get_or_default(parent);
-                parent_node.children += 1;
+                let parent_node = self.node(parent);
+                self.set_node(
+                    parent,
+                    NodeRefs {
+                        children: parent_node.children + 1,
+                        ..parent_node
+                    },
+                );
                 parent_node.refs == 0
             }
             None => false,
@@ -216,78 +288,64 @@ impl WorkerBlocks {
         if orphan {
             slot.counters.add_orphans(1);
         }
-        if table.add_holder(sequence, parent, slot.slot).is_err() {
+        if table.add_holder(key, parent, slot.slot).is_err() {
             if orphan {
                 slot.counters.sub_orphans(1);
             }
             if let Some(parent) = parent {
                 self.forget_child(parent);
             }
-            self.drop_if_unused(sequence);
             return false;
         }
-        let adopted = match self.nodes.get_mut(sequence) {
-            Some(node) => {
-                node.refs = 1;
-                node.children
-            }
-            None => 0,
-        };
-        slot.counters.sub_orphans(adopted);
+        // `key` is not its own parent (rejected earlier), so its children are unchanged.
+        self.set_node(key, NodeRefs { refs: 1, ..node });
+        slot.counters.sub_orphans(node.children);
         slot.counters.cached_blocks.fetch_add(1, Ordering::Release);
         true
     }
 
     /// Undoes one `children` count of `parent`.
     fn forget_child(&mut self, parent: u64) {
-        if let Some(node) = self.nodes.get_mut(parent) {
-            node.children = node.children.saturating_sub(1);
-        }
-        self.drop_if_unused(parent);
+        let node = self.node(parent);
+        self.set_node(
+            parent,
+            NodeRefs {
+                children: node.children.saturating_sub(1),
+                ..node
+            },
+        );
     }
 
-    /// Removes the node of `sequence` when it is neither held nor a parent of held blocks.
-    fn drop_if_unused(&mut self, sequence: u64) {
-        if self
-            .nodes
-            .get(sequence)
-            .is_some_and(|node| node.refs == 0 && node.children == 0)
-        {
-            self.nodes.remove(sequence);
-        }
-    }
-
-    /// Drops one reference to `sequence`, releasing the block when none is left.
-    fn release(&mut self, table: &BlockTable, slot: &WorkerSlot, sequence: u64) {
-        let Some(node) = self.nodes.get_mut(sequence) else {
-            return;
-        };
+    /// Drops one reference to `key`, releasing the block when none is left.
+    fn release(&mut self, table: &BlockTable, slot: &WorkerSlot, key: u64) {
+        let node = self.node(key);
         if node.refs == 0 {
             return;
         }
-        node.refs -= 1;
-        if node.refs > 0 {
+        self.set_node(
+            key,
+            NodeRefs {
+                refs: node.refs - 1,
+                ..node
+            },
+        );
+        if node.refs > 1 {
             return;
         }
-        let children = node.children;
-        if children == 0 {
-            self.nodes.remove(sequence);
-        }
         // Held children become orphans before the block disappears from lookups.
-        slot.counters.add_orphans(children);
-        let parent = table.remove_holder(sequence, slot.slot).flatten();
+        slot.counters.add_orphans(node.children);
+        let parent = table.remove_holder(key, slot.slot).flatten();
         slot.counters.cached_blocks.fetch_sub(1, Ordering::Release);
         let Some(parent) = parent else {
             return;
         };
-        if let Some(parent_node) = self.nodes.get_mut(parent) {
-            parent_node.children = parent_node.children.saturating_sub(1);
-            if parent_node.refs == 0 {
-                slot.counters.sub_orphans(1);
-                if parent_node.children == 0 {
-                    self.nodes.remove(parent);
-                }
-            }
+        let parent_node = self.node(parent);
+        if parent_node.children == 0 {
+            return;
+        }
+        self.forget_child(parent);
+        if parent_node.refs == 0 {
+            slot.counters.sub_orphans(1);
         }
     }
 }
