@@ -392,12 +392,12 @@ fn index_matches_the_model_over_hundreds_of_workers() {
     let mut model = Model::default();
     let mut rng = 7;
     let mut total = ApplyOutcome::default();
-    for round in 0..4_000 {
+    for round in 0..4_000u32 {
         let r = next(&mut rng);
         let worker = WorkerKey::new(r % 150, (r >> 8) as u32 % 2);
         let doc = docs[(worker.instance_id + (r >> 16) % 3) as usize % docs.len()].clone();
         let pick = (r >> 24) as usize % doc.len();
-        let scheme = if (r >> 32) % 8 == 0 {
+        let scheme = if (r >> 32).is_multiple_of(8) {
             IdScheme::ByLocal
         } else {
             IdScheme::BySequence
@@ -405,11 +405,11 @@ fn index_matches_the_model_over_hundreds_of_workers() {
         let action = match (r >> 40) % 100 {
             0..60 => Action::Store {
                 worker,
-                from: if (r >> 48) % 3 == 0 { pick } else { 0 },
+                from: if (r >> 48).is_multiple_of(3) { pick } else { 0 },
                 doc,
                 scheme,
-                wrong_parent: (r >> 52) % 16 == 0,
-                corrupt: ((r >> 56) % 32 == 0).then_some(pick % 8),
+                wrong_parent: (r >> 52).is_multiple_of(16),
+                corrupt: (r >> 56).is_multiple_of(32).then_some(pick % 8),
             },
             60..95 => Action::Remove {
                 worker,
@@ -429,7 +429,7 @@ fn index_matches_the_model_over_hundreds_of_workers() {
                 instance_id: worker.instance_id,
             },
         };
-        let check = round % 40 == 0;
+        let check = round.is_multiple_of(40);
         total += step(&index, &mut model, &action, check.then_some(&queries[..]))
             .map_err(|e| format!("round {round}: {e}"))
             .unwrap();
