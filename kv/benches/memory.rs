@@ -1,9 +1,12 @@
 //! Heap bytes per cached block, counted by a global allocator wrapper.
 //!
 //! Run with `cargo bench -p kvmesh-kv --bench memory`. With `KVMESH_MEMORY_BLOCKS=N` it builds
-//! one index of about N (worker, block) pairs over 1,024 workers instead, and also reports the
-//! apply rate while filling it and single-call `find_matches` percentiles on it (check free
-//! memory first: the index takes about 70 bytes per block).
+//! one index of about N (worker, block) pairs over `KVMESH_MEMORY_WORKERS` workers (default
+//! 1,024) instead, and also reports the apply rate while filling it and single-call
+//! `find_matches` percentiles over `KVMESH_MEMORY_LOOKUPS` calls (default 20,000) on it (check
+//! free memory first: the index takes about 70 bytes per block). Counting instructions
+//! (`perf stat -e instructions:u`) with two lookup counts gives instructions per lookup,
+//! independent of the machine's load.
 
 #[allow(
     dead_code,
@@ -106,16 +109,23 @@ fn approx_index(workers: u64, total: usize) {
 
 /// The `KVMESH_MEMORY_BLOCKS` run: one large index, its build rate and lookup latency.
 fn large_index(total: usize) {
-    const WORKERS: u64 = 1024;
+    let env = |name: &str, default: u64| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let workers = env("KVMESH_MEMORY_WORKERS", 1024);
+    let lookups = env("KVMESH_MEMORY_LOOKUPS", 20_000).max(1);
     let before = live();
     let index = KvIndex::new();
     let start = Instant::now();
-    let query = populate(&index, WORKERS, total);
+    let query = populate(&index, workers, total);
     let elapsed = start.elapsed();
     let bytes = (live() - before) as f64;
     let stats = index.stats();
     println!(
-        "KvIndex {WORKERS} workers: {} distinct blocks, {} (worker, block) pairs, {:.2} GiB: {:.1} B/distinct block, {:.1} B/pair",
+        "KvIndex {workers} workers: {} distinct blocks, {} (worker, block) pairs, {:.2} GiB: {:.1} B/distinct block, {:.1} B/pair",
         stats.distinct_blocks,
         stats.worker_blocks,
         bytes / (1u64 << 30) as f64,
@@ -127,7 +137,7 @@ fn large_index(total: usize) {
         elapsed.as_secs_f64(),
         stats.worker_blocks as f64 / elapsed.as_secs_f64() / 1e6,
     );
-    let mut latencies: Vec<Duration> = (0..20_000)
+    let mut latencies: Vec<Duration> = (0..lookups)
         .map(|_| {
             let start = Instant::now();
             std::hint::black_box(index.find_matches(std::hint::black_box(&query)));

@@ -61,16 +61,17 @@
 //!
 //! ## Concurrency: sharded table, one short lock per block operation
 //!
-//! The block table is split into [`DEFAULT_SHARDS`] (1024) shards by a keyed hash of the
-//! sequence hash, each a `std::sync::RwLock<HashMap>` on its own cache lines. Every read or
-//! write holds one shard lock for one map operation, so a lookup never waits for a whole event,
+//! The block table is split into [`DEFAULT_SHARDS`] (1024) shards by the block's key, each a
+//! `std::sync::RwLock` over a compact hash table on its own cache lines. Every read or
+//! write holds one shard lock for one table operation, so a lookup never waits for a whole event,
 //! let alone a stream of them, writers for different workers run in parallel, and a table
 //! resize stalls one small shard only. Per-worker bookkeeping sits behind a per-worker mutex
 //! that lookups never take: they read only atomic counters. A lookup concurrent with writes
 //! sees each block at some moment during the lookup.
 //!
-//! Measured on the 2-core development machine (`docs/BENCHMARKS.md`, `--bench contention`),
-//! for a 512-block query over 64 workers and 1M cached blocks while another thread applies
+//! Measured on the 2-core development machine in a quiet window, with the `std` hash-map
+//! shards this table replaced (`docs/BENCHMARKS.md`, `--bench contention`; the compact table
+//! measured the same within noise side by side, on a loaded machine), for a 512-block query over 64 workers and 1M cached blocks while another thread applies
 //! events non-stop (p50 / p99 of single calls; idle: ≈ 3.0 / 3.1 µs):
 //!
 //! | shards | lookup under a writer | writer alone beside it | 2 writers, no reader |
@@ -94,12 +95,25 @@
 //!
 //! ## Memory
 //!
-//! Per distinct block: a 24-byte entry plus its 8-byte key in the shard table (holders inline up
-//! to 3 workers, a bitset beyond). Per (worker, block) pair: 16 bytes in the engine-id map and
-//! 16 in the reference-count map. With hash-table slack (tables grow by doubling) the measured
-//! total is about 95–140 bytes per cached block at 0.5M–1.4M blocks (`cargo bench -p kvmesh-kv
-//! --bench memory`). Entries are deleted when their last holder goes; like any hash map, the
-//! tables keep their peak capacity.
+//! Every table is an ordered linear-probing table (`index/ordered_table.rs`): slots of a key and
+//! a small value with no control bytes and no tombstones, sorted by key so that a hit and a miss
+//! both scan a few slots from the key's home, grown by a quarter when 7/8 full (70–88 % full
+//! once grown). Keys are the sequence hashes and engine ids under a secret keyed bijection
+//! (`index/key_mixer.rs`): all 64 bits are kept, so there are no false matches, and clients
+//! cannot aim blocks at one bucket.
+//!
+//! - Per distinct block: a 20-byte slot in its shard (8-byte key, 8-byte parent key, and a
+//!   4-byte holder word: the one holding worker's slot, or an index into the shard's holder sets
+//!   for blocks held by several workers, which are 16 bytes, a bitset beyond 3 holders).
+//! - Per (worker, block) pair: a 16-byte slot in the worker's engine-id table (engine id →
+//!   block key) and a 12-byte slot in its reference-count table (engine ids and held children
+//!   per block, 16 bits each; wider counts live in a side map).
+//!
+//! Measured (`cargo bench -p kvmesh-kv --bench memory`): ≈ 60–70 bytes per distinct block at
+//! 0.5–1.4M blocks (≈ 1.0–1.15 pairs per block), against ≈ 95–135 with `std` hash maps;
+//! `docs/BENCHMARKS.md` has the table and a 50M-block run. Entries are deleted when their last
+//! holder goes; like any hash map, the tables keep their peak capacity. There is no bound on
+//! the number of blocks yet: the index holds what the events say.
 //!
 //! # Approximate mode ([`ApproxIndex`])
 //!

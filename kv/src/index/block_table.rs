@@ -101,7 +101,7 @@ impl SharedHolders {
 }
 
 /// One shard: the blocks, and the holder sets of blocks held by more than one worker.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Shard {
     blocks: OrderedTable<BlockValue>,
     shared: SharedHolders,
@@ -126,6 +126,7 @@ pub(crate) struct ParentMismatch;
 #[derive(Debug)]
 pub(crate) struct BlockTable {
     shards: Box<[PaddedShard]>,
+    /// 63 minus the number of shard bits: `key >> 1 >> shard_shift` is the shard.
     shard_shift: u32,
     mixer: KeyMixer,
 }
@@ -135,8 +136,15 @@ impl BlockTable {
     pub(crate) fn new(shards: usize) -> Self {
         let count = shards.max(1).next_power_of_two();
         Self {
-            shards: (0..count).map(|_| PaddedShard(RwLock::default())).collect(),
-            shard_shift: 64 - count.trailing_zeros(),
+            shards: (0..count)
+                .map(|_| {
+                    PaddedShard(RwLock::new(Shard {
+                        blocks: OrderedTable::with_shift(count.trailing_zeros()),
+                        shared: SharedHolders::default(),
+                    }))
+                })
+                .collect(),
+            shard_shift: 63 - count.trailing_zeros(),
             mixer: KeyMixer::new(),
         }
     }
@@ -157,14 +165,8 @@ impl BlockTable {
     }
 
     fn shard_of(&self, key: u64) -> &RwLock<Shard> {
-        let index = if self.shards.len() == 1 {
-            0
-        } else {
-            // Keys are uniform; a second multiply decorrelates the shard from the home bucket
-            // (the key's high bits). `shard_shift` < 64 here.
-            (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> self.shard_shift) as usize
-        };
-        &self.shards[index].0
+        // The key's top bits pick the shard, the next ones its bucket in the shard.
+        &self.shards[(key >> 1 >> self.shard_shift) as usize].0
     }
 
     fn read(&self, key: u64) -> RwLockReadGuard<'_, Shard> {

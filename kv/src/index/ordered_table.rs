@@ -33,6 +33,12 @@ pub(crate) fn join(halves: [u32; 2]) -> u64 {
     u64::from(halves[0]) | u64::from(halves[1]) << 32
 }
 
+/// The home bucket of `placed` (a key's bits that place it) among `buckets`: monotone in
+/// `placed`.
+fn home(placed: u64, buckets: usize) -> usize {
+    ((u128::from(placed) * buckets as u128) >> 64) as usize
+}
+
 /// One slot: a key split in two `u32`s (so slots of 4-byte values pack without padding) and
 /// its value.
 #[derive(Debug, Clone, Copy)]
@@ -65,6 +71,9 @@ pub(crate) struct OrderedTable<V> {
     /// `buckets` home slots plus a tail for the last clusters; the last slot is always empty.
     slots: Vec<Slot<V>>,
     buckets: usize,
+    /// Bits of the key above those that place it: every key of the table has the same top
+    /// `shift` bits (a shard of a larger table), so they are shifted out first.
+    shift: u32,
     len: usize,
     /// The value of the key `u64::MAX`, which cannot be stored in a slot.
     max_key: Option<V>,
@@ -72,23 +81,29 @@ pub(crate) struct OrderedTable<V> {
 
 impl<V: Copy + Default> Default for OrderedTable<V> {
     fn default() -> Self {
-        Self {
-            slots: vec![Slot::empty()],
-            buckets: 0,
-            len: 0,
-            max_key: None,
-        }
+        Self::with_shift(0)
     }
 }
 
 impl<V: Copy + Default> OrderedTable<V> {
+    /// An empty table whose keys all share their top `shift` bits (`shift` < 64).
+    pub(crate) fn with_shift(shift: u32) -> Self {
+        Self {
+            slots: vec![Slot::empty()],
+            buckets: 0,
+            shift,
+            len: 0,
+            max_key: None,
+        }
+    }
+
     /// Number of keys.
     pub(crate) fn len(&self) -> usize {
         self.len + usize::from(self.max_key.is_some())
     }
 
     fn home(&self, key: u64) -> usize {
-        ((u128::from(key) * self.buckets as u128) >> 64) as usize
+        home(key << self.shift, self.buckets)
     }
 
     /// The first position at or after `key`'s home whose key is not smaller than `key`.
@@ -217,7 +232,7 @@ impl<V: Copy + Default> OrderedTable<V> {
         let mut slots = vec![Slot::empty(); buckets + tail];
         let mut next = 0;
         for slot in self.slots.iter().filter(|slot| slot.key() != EMPTY) {
-            let home = ((u128::from(slot.key()) * buckets as u128) >> 64) as usize;
+            let home = home(slot.key() << self.shift, buckets);
             let at = home.max(next);
             if at + 1 >= slots.len() {
                 return None;
