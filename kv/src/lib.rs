@@ -150,7 +150,7 @@ pub use hash::{
     XXH3_SEED, apply_cache_salt, extend_sequence_hashes, lora_seed, salted_local_hash,
     sequence_hash,
 };
-pub use index::{DEFAULT_SHARDS, IndexStats, KvIndex};
+pub use index::{DEFAULT_SHARDS, EVICTION_FACTOR, IndexLimits, IndexStats, KvIndex};
 pub use outcome::{ApplyOutcome, ApplyStatus};
 pub use scores::{OverlapScores, WorkerOverlap};
 pub use worker::{CacheTier, WorkerKey};

@@ -11,6 +11,7 @@ use crate::worker::WorkerKey;
 
 use super::block_table::BlockTable;
 use super::ordered_table::{OrderedTable, join, split};
+use super::store_order::StoreOrder;
 
 /// A registered worker: its dense slot number, counters lookups read without locking, and the
 /// bookkeeping that writers for this worker serialise on.
@@ -22,18 +23,33 @@ pub(crate) struct WorkerSlot {
     pub(crate) slot: u32,
     /// Counters published for lookups.
     pub(crate) counters: WorkerCounters,
+    /// The worker's KV capacity in blocks as its engine reports it (`u64::MAX`: unknown).
+    pub(crate) capacity: AtomicU64,
+    /// The index's eviction clock when the worker last stored a block or matched a lookup.
+    pub(crate) last_used: AtomicU64,
     blocks: Mutex<WorkerBlocks>,
 }
 
 impl WorkerSlot {
-    /// A fresh, empty worker in slot `slot`.
-    pub(crate) fn new(key: WorkerKey, slot: u32) -> Self {
+    /// A fresh, empty worker in slot `slot`; `ordered` keeps its store order for eviction.
+    pub(crate) fn new(key: WorkerKey, slot: u32, ordered: bool) -> Self {
         Self {
             key,
             slot,
             counters: WorkerCounters::default(),
-            blocks: Mutex::new(WorkerBlocks::default()),
+            capacity: AtomicU64::new(u64::MAX),
+            last_used: AtomicU64::new(0),
+            blocks: Mutex::new(WorkerBlocks {
+                order: ordered.then(StoreOrder::default),
+                ..WorkerBlocks::default()
+            }),
         }
+    }
+
+    /// Blocks held beyond the worker's reported capacity.
+    pub(crate) fn excess(&self) -> u64 {
+        let held = self.counters.cached_blocks.load(Ordering::Acquire);
+        held.saturating_sub(self.capacity.load(Ordering::Relaxed))
     }
 
     /// Locks the worker's bookkeeping (held for one event).
@@ -102,6 +118,8 @@ pub(crate) struct WorkerBlocks {
     nodes: OrderedTable<PackedRefs>,
     /// Counts of the nodes stored as [`WIDE`] (a block with 65,535 engine ids or children).
     wide: HashMap<u64, NodeRefs>,
+    /// Engine ids in store order, when the index has a bound and may evict.
+    order: Option<StoreOrder>,
     /// Set when the worker was removed from the index; later writers must re-register.
     pub(crate) retired: bool,
 }
@@ -142,7 +160,41 @@ impl WorkerBlocks {
             previous = Some(block.sequence);
             previous_key = Some(key);
         }
+        if let Some(order) = &mut self.order {
+            let external = &self.external;
+            let work = 2 * blocks.len() + 8;
+            order.compact(external.len(), work, |entry| external.get(entry).is_some());
+        }
         outcome
+    }
+
+    /// Evicts this worker's oldest-stored blocks until `pairs` blocks are gone or `work` queue
+    /// entries were examined (decremented per entry); returns the number of blocks evicted. An
+    /// engine id is dropped as a Removed event would drop it; a block goes when its last engine
+    /// id goes.
+    pub(crate) fn evict(
+        &mut self,
+        table: &BlockTable,
+        slot: &WorkerSlot,
+        pairs: u64,
+        work: &mut u64,
+    ) -> u64 {
+        let Some(mut order) = self.order.take() else {
+            return 0;
+        };
+        let held = |slot: &WorkerSlot| slot.counters.cached_blocks.load(Ordering::Acquire);
+        let before = held(slot);
+        while *work > 0 && before - held(slot) < pairs {
+            *work -= 1;
+            let Some(external) = order.pop() else {
+                break;
+            };
+            if let Some(key) = self.external.remove(external) {
+                self.release(table, slot, join(key));
+            }
+        }
+        self.order = Some(order);
+        before - held(slot)
     }
 
     /// Applies a Removed event.
@@ -183,6 +235,9 @@ impl WorkerBlocks {
         self.nodes.clear();
         self.wide.clear();
         self.external.clear();
+        if let Some(order) = &mut self.order {
+            order.clear();
+        }
         slot.counters.cached_blocks.store(0, Ordering::Release);
         slot.counters.orphans.store(0, Ordering::Release);
         cleared
@@ -211,6 +266,9 @@ impl WorkerBlocks {
         }
         if let Some(old) = old {
             self.release(table, slot, old);
+        }
+        if let Some(order) = &mut self.order {
+            order.push(external);
         }
         true
     }
