@@ -367,3 +367,105 @@ fn counts_past_16_bits_stay_exact() {
         (1, 1, 0)
     );
 }
+
+/// An index bounded to `max` (worker, block) pairs.
+fn bounded(max: u64) -> KvIndex {
+    KvIndex::with_limits(IndexLimits {
+        max_blocks: Some(max),
+    })
+}
+
+#[test]
+fn eviction_keeps_the_bound_and_counts_exactly() {
+    let index = bounded(4);
+    let doc: Vec<u64> = (100..106).collect();
+    assert_eq!(store(&index, W1, &doc, 0, 4).blocks_stored, 4);
+    assert_eq!(index.stats().evicted_blocks, 0);
+    // Two more blocks: the two oldest-stored go (the chain's first two).
+    assert_eq!(store(&index, W1, &doc, 4, 6).blocks_stored, 2);
+    let stats = index.stats();
+    assert_eq!(stats.evicted_blocks, 2);
+    assert_eq!(stats.worker_blocks, 4);
+    assert_eq!(stats.distinct_blocks, 4);
+    // Blocks 2..6 are held without their parent block 1: block 2 is an orphan.
+    assert_eq!(stats.orphan_blocks, 1);
+    let query = chain(&doc);
+    assert_eq!(index.find_matches(&query).depth(W1), 0);
+    assert_eq!(index.find_matches(&query[2..]).depth(W1), 4);
+    // A later Removed of an evicted block is an unknown block.
+    let outcome = remove(&index, W1, &doc[..1]);
+    assert_eq!((outcome.blocks_removed, outcome.blocks_not_found), (0, 1));
+    // Storing the evicted prefix again evicts the oldest blocks left (2, 3) and re-attaches.
+    store(&index, W1, &doc, 0, 2);
+    let stats = index.stats();
+    assert_eq!((stats.evicted_blocks, stats.worker_blocks), (4, 4));
+    assert_eq!(stats.orphan_blocks, 1, "block 4 lost its parent 3");
+    assert_eq!(index.find_matches(&query).depth(W1), 2);
+}
+
+#[test]
+fn over_capacity_workers_lose_blocks_first() {
+    let index = bounded(6);
+    let doc1: Vec<u64> = (10..14).collect();
+    let doc2: Vec<u64> = (20..24).collect();
+    index.set_worker_capacity(W2, 2);
+    // W2 stores first (least recently used) but is also over its capacity of 2.
+    store(&index, W2, &doc2, 0, 4);
+    store(&index, W1, &doc1, 0, 2);
+    // Two pairs over the bound: both come from W2, which was over capacity by 2.
+    store(&index, W1, &doc1, 2, 4);
+    let counts = index.cached_blocks();
+    assert_eq!(counts, vec![(W1, 4), (W2, 2)]);
+    assert_eq!(index.stats().evicted_blocks, 2);
+    // W2 is at its capacity now; the next eviction takes the least recently used worker,
+    // W2 again (it stored before W1), and not W1's blocks.
+    let doc3: Vec<u64> = (30..31).collect();
+    store(&index, W1, &doc3, 0, 1);
+    assert_eq!(index.cached_blocks(), vec![(W1, 5), (W2, 1)]);
+}
+
+#[test]
+fn lookups_refresh_recency() {
+    let w3 = WorkerKey::new(3, 0);
+    let index = bounded(6);
+    let doc1: Vec<u64> = (10..12).collect();
+    let doc2: Vec<u64> = (20..22).collect();
+    let doc3: Vec<u64> = (30..32).collect();
+    store(&index, W1, &doc1, 0, 2);
+    store(&index, W2, &doc2, 0, 2);
+    store(&index, w3, &doc3, 0, 2);
+    // W1 stored first, but a lookup just matched it: W2 is now the least recently used.
+    assert_eq!(index.find_matches(&chain(&doc1)).depth(W1), 2);
+    store(&index, w3, &[40], 0, 1);
+    assert_eq!(index.cached_blocks(), vec![(W1, 2), (W2, 1), (w3, 3)]);
+    assert_eq!(index.stats().evicted_blocks, 1);
+}
+
+#[test]
+fn eviction_per_apply_is_proportional_to_the_event() {
+    let index = bounded(100);
+    let doc: Vec<u64> = (1000..1200).collect();
+    // One 200-block event evicts its own 100 oldest blocks (within 2 × 200), no more.
+    store(&index, W2, &doc, 0, 200);
+    let stats = index.stats();
+    assert_eq!((stats.worker_blocks, stats.evicted_blocks), (100, 100));
+    // Each one-block event of another worker then evicts exactly one of W2's oldest.
+    let doc1: Vec<u64> = (1..20).collect();
+    for i in 0..10 {
+        store(&index, W1, &doc1, i, i + 1);
+        assert_eq!(index.stats().evicted_blocks, 100 + i as u64 + 1);
+    }
+    assert_eq!(index.cached_blocks(), vec![(W1, 10), (W2, 90)]);
+    assert_eq!(index.find_matches(&chain(&doc1)).depth(W1), 10);
+    assert_eq!(index.find_matches(&chain(&doc)[110..]).depth(W2), 90);
+}
+
+#[test]
+fn unbounded_index_keeps_everything() {
+    let index = KvIndex::new();
+    assert_eq!(index.limits(), IndexLimits::default());
+    index.set_worker_capacity(W1, 1);
+    store(&index, W1, &DOC, 0, 6);
+    let stats = index.stats();
+    assert_eq!((stats.worker_blocks, stats.evicted_blocks), (6, 0));
+}
