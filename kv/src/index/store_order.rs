@@ -83,7 +83,7 @@ mod tests {
     #[test]
     fn compaction_keeps_live_entries_in_order_while_popping() {
         let mut order = StoreOrder::default();
-        let live = |entry: u64| entry % 3 != 0;
+        let live = |entry: u64| !entry.is_multiple_of(3);
         for entry in 0..3000 {
             order.push(entry);
         }
