@@ -114,8 +114,40 @@
 //! 0.5–1.4M blocks (≈ 1.0–1.15 pairs per block), against ≈ 95–135 with `std` hash maps, and
 //! 69 bytes per block (5.6 GiB) for 87M blocks over 1,024 workers (`KVMESH_MEMORY_BLOCKS`);
 //! `docs/BENCHMARKS.md` has the tables. Entries are deleted when their last
-//! holder goes; like any hash map, the tables keep their peak capacity. There is no bound on
-//! the number of blocks yet: the index holds what the events say.
+//! holder goes; like any hash map, the tables keep their peak capacity.
+//!
+//! ## A bound, and eviction past it (optional)
+//!
+//! [`KvIndex::new`] holds what the events say, without bound. [`KvIndex::with_limits`] with
+//! [`IndexLimits::max_blocks`] bounds the number of (worker, block) pairs
+//! ([`IndexStats::worker_blocks`]): pairs rather than distinct blocks, because most of the
+//! memory is per pair, a pair is what eviction can drop and what a worker's capacity counts,
+//! and a bound on pairs bounds distinct blocks as well. A bounded index also keeps, per pair,
+//! the engine id in store order (8 bytes, 16 at worst as the queue doubles; stale entries stay
+//! below the live ones plus 1,024, compacted
+//! a few entries per event). Past the bound, after a Stored event and outside any worker
+//! lock, the index evicts pairs:
+//!
+//! 1. first from the worker furthest over its own capacity ([`KvIndex::set_worker_capacity`]:
+//!    engines report their KV capacity in blocks; a worker holding more is lagging or
+//!    misreporting), down to that capacity;
+//! 2. then from the least recently used worker: a per-worker clock, stamped when the worker
+//!    stores an event and when a lookup matches it (one relaxed store per matched worker, and
+//!    only in a bounded index). Per worker rather than per block, because that is what a
+//!    lookup can refresh without touching the blocks it probed.
+//!
+//! Within a worker the oldest-stored engine ids go first, each dropped as a Removed event
+//! would drop it (a block goes with its last engine id), so the index stays exact for what it
+//! keeps: an evicted block is absent, its held children on that worker become orphans (oldest
+//! first means a chain loses its head first: until the rest of the chain goes too, its blocks
+//! are orphans and that worker's lookups take the exact block-by-block path), and a later
+//! Removed for it counts as `blocks_not_found`, like any unknown block. Work is bounded per
+//! `apply`: an event of `n` stored blocks evicts at most [`EVICTION_FACTOR`]` · n` pairs and
+//! examines at most twice that many store-order entries, plus one scan of the registered
+//! workers per victim chosen; so the index stays at its bound while events arrive (it may
+//! stay above it by a few pairs while stale entries use up the examination budget).
+//! [`IndexStats::evicted_blocks`] counts evicted pairs. A property test checks a bounded
+//! index against the naive model of what it kept (`tests/index_model.rs`).
 //!
 //! # Approximate mode ([`ApproxIndex`])
 //!
