@@ -4,7 +4,8 @@
 //! one index of about N (worker, block) pairs over `KVMESH_MEMORY_WORKERS` workers (default
 //! 1,024) instead, and also reports the apply rate while filling it and single-call
 //! `find_matches` percentiles over `KVMESH_MEMORY_LOOKUPS` calls (default 20,000) on it (check
-//! free memory first: the index takes about 70 bytes per block). Counting instructions
+//! free memory first: the index takes about 70 bytes per block). `KVMESH_MEMORY_MAX_BLOCKS=M`
+//! bounds that index to M pairs ([`IndexLimits`]), so filling it evicts. Counting instructions
 //! (`perf stat -e instructions:u`) with two lookup counts gives instructions per lookup,
 //! independent of the machine's load.
 
@@ -19,7 +20,7 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvmesh_kv::{
-    ApproxConfig, ApproxIndex, BlockHashes, KvIndex, WorkerKey, extend_sequence_hashes,
+    ApproxConfig, ApproxIndex, BlockHashes, IndexLimits, KvIndex, WorkerKey, extend_sequence_hashes,
 };
 
 use common::{populate, sequence_locals};
@@ -117,17 +118,21 @@ fn large_index(total: usize) {
     };
     let workers = env("KVMESH_MEMORY_WORKERS", 1024);
     let lookups = env("KVMESH_MEMORY_LOOKUPS", 20_000).max(1);
+    let max_blocks = std::env::var("KVMESH_MEMORY_MAX_BLOCKS")
+        .ok()
+        .and_then(|v| v.parse().ok());
     let before = live();
-    let index = KvIndex::new();
+    let index = KvIndex::with_limits(IndexLimits { max_blocks });
     let start = Instant::now();
     let query = populate(&index, workers, total);
     let elapsed = start.elapsed();
     let bytes = (live() - before) as f64;
     let stats = index.stats();
     println!(
-        "KvIndex {workers} workers: {} distinct blocks, {} (worker, block) pairs, {:.2} GiB: {:.1} B/distinct block, {:.1} B/pair",
+        "KvIndex {workers} workers, bound {max_blocks:?}: {} distinct blocks, {} (worker, block) pairs ({} evicted), {:.2} GiB: {:.1} B/distinct block, {:.1} B/pair",
         stats.distinct_blocks,
         stats.worker_blocks,
+        stats.evicted_blocks,
         bytes / (1u64 << 30) as f64,
         bytes / stats.distinct_blocks as f64,
         bytes / stats.worker_blocks as f64,
@@ -135,7 +140,7 @@ fn large_index(total: usize) {
     println!(
         "built in {:.1} s: {:.2}M block-events/s (Stored, 512 blocks per event, one thread)",
         elapsed.as_secs_f64(),
-        stats.worker_blocks as f64 / elapsed.as_secs_f64() / 1e6,
+        (stats.worker_blocks + stats.evicted_blocks) as f64 / elapsed.as_secs_f64() / 1e6,
     );
     let mut latencies: Vec<Duration> = (0..lookups)
         .map(|_| {
