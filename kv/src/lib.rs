@@ -131,8 +131,8 @@
 //!    engines report their KV capacity in blocks; a worker holding more is lagging or
 //!    misreporting), down to that capacity;
 //! 2. then from the least recently used worker: a per-worker clock, stamped when the worker
-//!    stores an event and when a lookup matches it (one relaxed store per matched worker, and
-//!    only in a bounded index). Per worker rather than per block, because that is what a
+//!    stores an event and when a lookup matches it (per matched worker one relaxed load, and a
+//!    relaxed store when the clock moved since; only in a bounded index). Per worker rather than per block, because that is what a
 //!    lookup can refresh without touching the blocks it probed.
 //!
 //! Within a worker the oldest-stored engine ids go first, each dropped as a Removed event

@@ -296,7 +296,11 @@ impl KvIndex {
                 depth
             };
             if depth > 0 {
-                if let Some(now) = now {
+                // Written only when the clock moved, so that lookups on several cores do not
+                // keep taking the worker's cache line from one another.
+                if let Some(now) = now
+                    && worker.last_used.load(Ordering::Relaxed) != now
+                {
                     worker.last_used.store(now, Ordering::Relaxed);
                 }
                 workers.push(WorkerOverlap {
