@@ -213,7 +213,20 @@ impl<V: Copy + Default> OrderedTable<V> {
 
     /// Rebuilds with a quarter more buckets.
     fn grow(&mut self) {
-        let buckets = (self.buckets + self.buckets / 4).max(MIN_BUCKETS);
+        self.resize((self.buckets + self.buckets / 4).max(MIN_BUCKETS));
+    }
+
+    /// Gives memory back once at most a quarter of the buckets are used: rebuilds with half
+    /// again as many buckets as keys (two thirds full, so far from growing again). The tables
+    /// otherwise keep their peak size.
+    pub(crate) fn shrink(&mut self) {
+        if self.buckets > MIN_BUCKETS && self.len * 4 < self.buckets {
+            self.resize((self.len + self.len / 2).max(MIN_BUCKETS));
+        }
+    }
+
+    /// Rebuilds with `buckets` buckets, which hold the keys below the maximum load.
+    fn resize(&mut self, buckets: usize) {
         let mut tail = 4 + buckets / 64;
         loop {
             if let Some(slots) = self.rebuilt(buckets, tail) {
@@ -255,6 +268,35 @@ mod tests {
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
+    }
+
+    #[test]
+    fn shrink_gives_back_memory_and_keeps_the_keys() {
+        let mut table = OrderedTable::default();
+        for i in 0..10_000u64 {
+            table.insert(mix(i), i as u32);
+        }
+        let peak = table.slots.len();
+        for i in 100..10_000u64 {
+            assert_eq!(table.remove(mix(i)), Some(i as u32));
+        }
+        table.shrink();
+        check_invariants(&table);
+        assert!(
+            table.slots.len() * 20 < peak,
+            "{} of {peak}",
+            table.slots.len()
+        );
+        for i in 0..100u64 {
+            assert_eq!(table.get(mix(i)), Some(&(i as u32)));
+        }
+        let kept = table.slots.len();
+        table.shrink();
+        assert_eq!(
+            table.slots.len(),
+            kept,
+            "two thirds full: nothing to give back"
+        );
     }
 
     fn check_invariants(table: &OrderedTable<u32>) {

@@ -70,6 +70,13 @@ impl StoreOrder {
         }
     }
 
+    /// Gives memory back once at most a quarter of the queue's capacity is used.
+    pub(crate) fn shrink(&mut self) {
+        if self.entries.len() * 4 < self.entries.capacity() {
+            self.entries.shrink_to(self.entries.len() * 2);
+        }
+    }
+
     /// Forgets every entry.
     pub(crate) fn clear(&mut self) {
         *self = Self::default();

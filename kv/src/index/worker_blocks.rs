@@ -171,7 +171,8 @@ impl WorkerBlocks {
     /// Evicts this worker's oldest-stored blocks until `pairs` blocks are gone or `work` queue
     /// entries were examined (decremented per entry); returns the number of blocks evicted. An
     /// engine id is dropped as a Removed event would drop it; a block goes when its last engine
-    /// id goes.
+    /// id goes. Tables left at most a quarter full are rebuilt smaller (work proportional to
+    /// the table, amortised over the three quarters of it evicted before).
     pub(crate) fn evict(
         &mut self,
         table: &BlockTable,
@@ -193,6 +194,11 @@ impl WorkerBlocks {
                 self.release(table, slot, join(key));
             }
         }
+        // A worker emptied by eviction keeps little memory, so the bound on pairs bounds the
+        // sum of the workers' tables, not only the sum of what they hold.
+        self.external.shrink();
+        self.nodes.shrink();
+        order.shrink();
         self.order = Some(order);
         before - held(slot)
     }
