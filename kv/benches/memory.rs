@@ -23,7 +23,7 @@ use kvmesh_kv::{
     ApproxConfig, ApproxIndex, BlockHashes, IndexLimits, KvIndex, WorkerKey, extend_sequence_hashes,
 };
 
-use common::{populate, sequence_locals};
+use common::{PROMPTS, SEQUENCE_BLOCKS, mix, populate, sequence_locals, stored_chain};
 
 /// The system allocator, keeping a count of live heap bytes.
 struct Counting;
@@ -141,6 +141,26 @@ fn large_index(total: usize) {
         "built in {:.1} s: {:.2}M block-events/s (Stored, 512 blocks per event, one thread)",
         elapsed.as_secs_f64(),
         (stats.worker_blocks + stats.evicted_blocks) as f64 / elapsed.as_secs_f64() / 1e6,
+    );
+    // Single-apply latency once full: 1,000 more 512-block events of new sequences, spread over
+    // the workers (with a bound, each evicts as much as it stores).
+    let mut applies: Vec<Duration> = (0..1_000u64)
+        .map(|i| {
+            let locals = sequence_locals(i % PROMPTS, 1 << 40 | i, SEQUENCE_BLOCKS);
+            let event = stored_chain(None, &locals).0;
+            let worker = WorkerKey::new(mix(i) % workers, 0);
+            let start = Instant::now();
+            index.apply(worker, &event);
+            start.elapsed()
+        })
+        .collect();
+    applies.sort_unstable();
+    println!(
+        "apply once full, 512-block Stored: p50 {:.2?} p99 {:.2?} max {:.2?} ({} evicted in all)",
+        applies[applies.len() / 2],
+        applies[applies.len() * 99 / 100],
+        applies[applies.len() - 1],
+        index.stats().evicted_blocks,
     );
     let mut latencies: Vec<Duration> = (0..lookups)
         .map(|_| {
