@@ -135,12 +135,15 @@
 //!    relaxed store when the clock moved since; only in a bounded index). Per worker rather than per block, because that is what a
 //!    lookup can refresh without touching the blocks it probed.
 //!
-//! Within a worker the oldest-stored engine ids go first, each dropped as a Removed event
-//! would drop it (a block goes with its last engine id), so the index stays exact for what it
-//! keeps: an evicted block is absent, its held children on that worker become orphans (oldest
-//! first means a chain loses its head first: until the rest of the chain goes too, its blocks
-//! are orphans and that worker's lookups take the exact block-by-block path), and a later
-//! Removed for it counts as `blocks_not_found`, like any unknown block. Work is bounded per
+//! Within a worker the oldest Stored event's engine ids go first, its deepest block first,
+//! each dropped as a Removed event would drop it (a block goes with its last engine id), so
+//! the index stays exact for what it keeps: an evicted block is absent, and its held children
+//! on that worker become orphans. Deepest first means an event's own chain loses its tail
+//! before its head and leaves no orphans; a later event that continued the chain does become
+//! orphaned (its blocks wait, exact but unmatchable, until they are evicted in turn or their
+//! parent is stored again, and that worker's lookups take the exact block-by-block path).
+//! A later Removed for an evicted block counts as `blocks_not_found`, like any unknown block.
+//! Work is bounded per
 //! `apply`: an event of `n` stored blocks evicts at most [`EVICTION_FACTOR`]` · n` pairs and
 //! examines at most twice that many store-order entries, plus one scan of the registered
 //! workers per victim chosen; so the index stays at its bound while events arrive (it may

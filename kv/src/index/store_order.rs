@@ -2,7 +2,8 @@
 
 use std::collections::VecDeque;
 
-/// Engine-id keys in store order (oldest first), kept only when the index has a bound.
+/// Engine-id keys in store order (oldest event first, each event's deepest block first), kept
+/// only when the index has a bound.
 ///
 /// Removals and moves leave stale entries behind (an engine id no longer mapped, or mapped and
 /// listed twice); eviction skips them. So that stale entries cannot pile up, the queue is
@@ -22,6 +23,23 @@ impl StoreOrder {
     /// Records that engine-id key `external` was stored now.
     pub(crate) fn push(&mut self, external: u64) {
         self.entries.push_back(external);
+    }
+
+    /// A mark for [`StoreOrder::reverse_since`]: the position of the next entry pushed.
+    pub(crate) fn mark(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Reverses the entries pushed since `mark`, so that one event's deepest block is evicted
+    /// first and its chain loses its tail before its head (no orphans behind it). Pushes only
+    /// append after the entries a compaction checks, so they are not disturbed.
+    pub(crate) fn reverse_since(&mut self, mark: usize) {
+        let (mut low, mut high) = (mark, self.entries.len());
+        while low + 1 < high {
+            high -= 1;
+            self.entries.swap(low, high);
+            low += 1;
+        }
     }
 
     /// The oldest entry, removed (it may be stale).
@@ -112,6 +130,19 @@ mod tests {
         let rest: Vec<u64> = std::iter::from_fn(|| order.pop()).collect();
         let expected: Vec<u64> = (4..3000).filter(|&e| live(e)).chain([3001]).collect();
         assert_eq!(rest, expected);
+    }
+
+    #[test]
+    fn reverse_since_reverses_only_the_last_pushes() {
+        let mut order = StoreOrder::default();
+        order.push(1);
+        let mark = order.mark();
+        for entry in 2..6 {
+            order.push(entry);
+        }
+        order.reverse_since(mark);
+        let all: Vec<u64> = std::iter::from_fn(|| order.pop()).collect();
+        assert_eq!(all, vec![1, 5, 4, 3, 2]);
     }
 
     #[test]

@@ -379,28 +379,29 @@ fn bounded(max: u64) -> KvIndex {
 fn eviction_keeps_the_bound_and_counts_exactly() {
     let index = bounded(4);
     let doc: Vec<u64> = (100..106).collect();
+    let query = chain(&doc);
     assert_eq!(store(&index, W1, &doc, 0, 4).blocks_stored, 4);
     assert_eq!(index.stats().evicted_blocks, 0);
-    // Two more blocks: the two oldest-stored go (the chain's first two).
+    // Two more blocks: the oldest event loses its two deepest blocks (3, then 2).
     assert_eq!(store(&index, W1, &doc, 4, 6).blocks_stored, 2);
     let stats = index.stats();
     assert_eq!(stats.evicted_blocks, 2);
     assert_eq!(stats.worker_blocks, 4);
     assert_eq!(stats.distinct_blocks, 4);
-    // Blocks 2..6 are held without their parent block 1: block 2 is an orphan.
+    // Blocks 0, 1, 4, 5 are held: block 4 lost its parent 3 and is an orphan.
     assert_eq!(stats.orphan_blocks, 1);
-    let query = chain(&doc);
-    assert_eq!(index.find_matches(&query).depth(W1), 0);
-    assert_eq!(index.find_matches(&query[2..]).depth(W1), 4);
+    assert_eq!(index.find_matches(&query).depth(W1), 2);
+    assert_eq!(index.find_matches(&query[4..]).depth(W1), 2);
     // A later Removed of an evicted block is an unknown block.
-    let outcome = remove(&index, W1, &doc[..1]);
+    let outcome = remove(&index, W1, &doc[3..4]);
     assert_eq!((outcome.blocks_removed, outcome.blocks_not_found), (0, 1));
-    // Storing the evicted prefix again evicts the oldest blocks left (2, 3) and re-attaches.
-    store(&index, W1, &doc, 0, 2);
+    // Storing 2 and 3 again evicts what is oldest now: 1, then 0.
+    store(&index, W1, &doc, 2, 4);
     let stats = index.stats();
     assert_eq!((stats.evicted_blocks, stats.worker_blocks), (4, 4));
-    assert_eq!(stats.orphan_blocks, 1, "block 4 lost its parent 3");
-    assert_eq!(index.find_matches(&query).depth(W1), 2);
+    assert_eq!(stats.orphan_blocks, 1, "block 2 lost its parent 1");
+    assert_eq!(index.find_matches(&query).depth(W1), 0);
+    assert_eq!(index.find_matches(&query[2..]).depth(W1), 4);
 }
 
 #[test]
@@ -445,11 +446,14 @@ fn lookups_refresh_recency() {
 fn eviction_per_apply_is_proportional_to_the_event() {
     let index = bounded(100);
     let doc: Vec<u64> = (1000..1200).collect();
-    // One 200-block event evicts its own 100 oldest blocks (within 2 × 200), no more.
+    // One 200-block event evicts its own 100 deepest blocks (within 2 × 200), no more, and
+    // leaves a prefix without orphans.
     store(&index, W2, &doc, 0, 200);
     let stats = index.stats();
     assert_eq!((stats.worker_blocks, stats.evicted_blocks), (100, 100));
-    // Each one-block event of another worker then evicts exactly one of W2's oldest.
+    assert_eq!(stats.orphan_blocks, 0);
+    assert_eq!(index.find_matches(&chain(&doc)).depth(W2), 100);
+    // Each one-block event of another worker then evicts exactly one of W2's, deepest first.
     let doc1: Vec<u64> = (1..20).collect();
     for i in 0..10 {
         store(&index, W1, &doc1, i, i + 1);
@@ -457,7 +461,8 @@ fn eviction_per_apply_is_proportional_to_the_event() {
     }
     assert_eq!(index.cached_blocks(), vec![(W1, 10), (W2, 90)]);
     assert_eq!(index.find_matches(&chain(&doc1)).depth(W1), 10);
-    assert_eq!(index.find_matches(&chain(&doc)[110..]).depth(W2), 90);
+    assert_eq!(index.find_matches(&chain(&doc)).depth(W2), 90);
+    assert_eq!(index.stats().orphan_blocks, 0);
 }
 
 #[test]

@@ -135,6 +135,7 @@ impl WorkerBlocks {
     ) -> ApplyOutcome {
         let mixer = *table.mixer();
         let mut outcome = ApplyOutcome::default();
+        let mark = self.order.as_ref().map(StoreOrder::mark);
         if let Some(parent) = parent
             && self
                 .external
@@ -160,7 +161,8 @@ impl WorkerBlocks {
             previous = Some(block.sequence);
             previous_key = Some(key);
         }
-        if let Some(order) = &mut self.order {
+        if let (Some(order), Some(mark)) = (&mut self.order, mark) {
+            order.reverse_since(mark);
             let external = &self.external;
             let work = 2 * blocks.len() + 8;
             order.compact(external.len(), work, |entry| external.get(entry).is_some());
@@ -168,7 +170,7 @@ impl WorkerBlocks {
         outcome
     }
 
-    /// Evicts this worker's oldest-stored blocks until `pairs` blocks are gone or `work` queue
+    /// Evicts this worker's oldest-stored blocks (an event's deepest first) until `pairs` blocks are gone or `work` queue
     /// entries were examined (decremented per entry); returns the number of blocks evicted. An
     /// engine id is dropped as a Removed event would drop it; a block goes when its last engine
     /// id goes. Tables left at most a quarter full are rebuilt smaller (work proportional to
