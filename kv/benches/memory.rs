@@ -1,6 +1,13 @@
 //! Heap bytes per cached block, counted by a global allocator wrapper.
 //!
-//! Run with `cargo bench -p kvmesh-kv --bench memory`.
+//! Run with `cargo bench -p kvmesh-kv --bench memory`. With `KVMESH_MEMORY_BLOCKS=N` it builds
+//! one index of about N (worker, block) pairs over `KVMESH_MEMORY_WORKERS` workers (default
+//! 1,024) instead, and also reports the apply rate while filling it and single-call
+//! `find_matches` percentiles over `KVMESH_MEMORY_LOOKUPS` calls (default 20,000) on it (check
+//! free memory first: the index takes about 70 bytes per block). `KVMESH_MEMORY_MAX_BLOCKS=M`
+//! bounds that index to M pairs ([`IndexLimits`]), so filling it evicts. Counting instructions
+//! (`perf stat -e instructions:u`) with two lookup counts gives instructions per lookup,
+//! independent of the machine's load.
 
 #[allow(
     dead_code,
@@ -13,10 +20,10 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvmesh_kv::{
-    ApproxConfig, ApproxIndex, BlockHashes, KvIndex, WorkerKey, extend_sequence_hashes,
+    ApproxConfig, ApproxIndex, BlockHashes, IndexLimits, KvIndex, WorkerKey, extend_sequence_hashes,
 };
 
-use common::{populate, sequence_locals};
+use common::{PROMPTS, SEQUENCE_BLOCKS, mix, populate, sequence_locals, stored_chain};
 
 /// The system allocator, keeping a count of live heap bytes.
 struct Counting;
@@ -101,7 +108,85 @@ fn approx_index(workers: u64, total: usize) {
     );
 }
 
+/// The `KVMESH_MEMORY_BLOCKS` run: one large index, its build rate and lookup latency.
+fn large_index(total: usize) {
+    let env = |name: &str, default: u64| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let workers = env("KVMESH_MEMORY_WORKERS", 1024);
+    let lookups = env("KVMESH_MEMORY_LOOKUPS", 20_000).max(1);
+    let max_blocks = std::env::var("KVMESH_MEMORY_MAX_BLOCKS")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let before = live();
+    let index = KvIndex::with_limits(IndexLimits { max_blocks });
+    let start = Instant::now();
+    let query = populate(&index, workers, total);
+    let elapsed = start.elapsed();
+    let bytes = (live() - before) as f64;
+    let stats = index.stats();
+    println!(
+        "KvIndex {workers} workers, bound {max_blocks:?}: {} distinct blocks, {} (worker, block) pairs ({} evicted), {:.2} GiB: {:.1} B/distinct block, {:.1} B/pair",
+        stats.distinct_blocks,
+        stats.worker_blocks,
+        stats.evicted_blocks,
+        bytes / (1u64 << 30) as f64,
+        bytes / stats.distinct_blocks as f64,
+        bytes / stats.worker_blocks as f64,
+    );
+    println!(
+        "built in {:.1} s: {:.2}M block-events/s (Stored, 512 blocks per event, one thread)",
+        elapsed.as_secs_f64(),
+        (stats.worker_blocks + stats.evicted_blocks) as f64 / elapsed.as_secs_f64() / 1e6,
+    );
+    // Single-apply latency once full: 1,000 more 512-block events of new sequences, spread over
+    // the workers (with a bound, each evicts as much as it stores).
+    let mut applies: Vec<Duration> = (0..1_000u64)
+        .map(|i| {
+            let locals = sequence_locals(i % PROMPTS, 1 << 40 | i, SEQUENCE_BLOCKS);
+            let event = stored_chain(None, &locals).0;
+            let worker = WorkerKey::new(mix(i) % workers, 0);
+            let start = Instant::now();
+            index.apply(worker, &event);
+            start.elapsed()
+        })
+        .collect();
+    applies.sort_unstable();
+    println!(
+        "apply once full, 512-block Stored: p50 {:.2?} p99 {:.2?} max {:.2?} ({} evicted in all)",
+        applies[applies.len() / 2],
+        applies[applies.len() * 99 / 100],
+        applies[applies.len() - 1],
+        index.stats().evicted_blocks,
+    );
+    let mut latencies: Vec<Duration> = (0..lookups)
+        .map(|_| {
+            let start = Instant::now();
+            std::hint::black_box(index.find_matches(std::hint::black_box(&query)));
+            start.elapsed()
+        })
+        .collect();
+    latencies.sort_unstable();
+    let at = |p: f64| latencies[((latencies.len() - 1) as f64 * p).round() as usize];
+    println!(
+        "find_matches, 512-block query: p50 {:.2?} p99 {:.2?} ({} matching workers)",
+        at(0.5),
+        at(0.99),
+        index.find_matches(&query).workers.len(),
+    );
+}
+
 fn main() {
+    if let Some(total) = std::env::var("KVMESH_MEMORY_BLOCKS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        large_index(total);
+        return;
+    }
     for workers in [1, 8, 64, 256] {
         events_index(workers, 1 << 20);
     }

@@ -61,16 +61,17 @@
 //!
 //! ## Concurrency: sharded table, one short lock per block operation
 //!
-//! The block table is split into [`DEFAULT_SHARDS`] (1024) shards by a keyed hash of the
-//! sequence hash, each a `std::sync::RwLock<HashMap>` on its own cache lines. Every read or
-//! write holds one shard lock for one map operation, so a lookup never waits for a whole event,
+//! The block table is split into [`DEFAULT_SHARDS`] (1024) shards by the block's key, each a
+//! `std::sync::RwLock` over a compact hash table on its own cache lines. Every read or
+//! write holds one shard lock for one table operation, so a lookup never waits for a whole event,
 //! let alone a stream of them, writers for different workers run in parallel, and a table
 //! resize stalls one small shard only. Per-worker bookkeeping sits behind a per-worker mutex
 //! that lookups never take: they read only atomic counters. A lookup concurrent with writes
 //! sees each block at some moment during the lookup.
 //!
-//! Measured on the 2-core development machine (`docs/BENCHMARKS.md`, `--bench contention`),
-//! for a 512-block query over 64 workers and 1M cached blocks while another thread applies
+//! Measured on the 2-core development machine in a quiet window, with the `std` hash-map
+//! shards this table replaced (`docs/BENCHMARKS.md`, `--bench contention`; the compact table
+//! measured the same within noise side by side, on a loaded machine), for a 512-block query over 64 workers and 1M cached blocks while another thread applies
 //! events non-stop (p50 / p99 of single calls; idle: ≈ 3.0 / 3.1 µs):
 //!
 //! | shards | lookup under a writer | writer alone beside it | 2 writers, no reader |
@@ -84,7 +85,8 @@
 //! since the last lookup; more shards make that rarer, with no measurable gain past 1024.
 //! Without contention `find_matches` takes ≈ 1.3 / 2.3 / 3.1 µs at 8 / 64 / 256 workers, and
 //! one core applies ≈ 9 / 13 / 11M block-events/s (Stored + Removed, 1 / 32 / 512 blocks per
-//! event).
+//! event), again with the `std` hash maps; side by side on a loaded machine the compact tables
+//! apply 32-block events ≈ 20 % faster and execute ≈ 5–6 % more instructions per lookup.
 //!
 //! Alternatives considered: one global lock (above); RCU or a left-right copy (readers never
 //! touch a lock, but every write is applied twice or copied, halving a write path that is the
@@ -94,12 +96,60 @@
 //!
 //! ## Memory
 //!
-//! Per distinct block: a 24-byte entry plus its 8-byte key in the shard table (holders inline up
-//! to 3 workers, a bitset beyond). Per (worker, block) pair: 16 bytes in the engine-id map and
-//! 16 in the reference-count map. With hash-table slack (tables grow by doubling) the measured
-//! total is about 95–140 bytes per cached block at 0.5M–1.4M blocks (`cargo bench -p kvmesh-kv
-//! --bench memory`). Entries are deleted when their last holder goes; like any hash map, the
-//! tables keep their peak capacity.
+//! Every table is an ordered linear-probing table (`index/ordered_table.rs`): slots of a key and
+//! a small value with no control bytes and no tombstones, sorted by key so that a hit and a miss
+//! both scan a few slots from the key's home, grown by a quarter when 7/8 full (70–88 % full
+//! once grown). Keys are the sequence hashes and engine ids under a secret keyed bijection
+//! (`index/key_mixer.rs`): all 64 bits are kept, so there are no false matches, and clients
+//! cannot aim blocks at one bucket.
+//!
+//! - Per distinct block: a 20-byte slot in its shard (8-byte key, 8-byte parent key, and a
+//!   4-byte holder word: the one holding worker's slot, or an index into the shard's holder sets
+//!   for blocks held by several workers, which are 16 bytes, a bitset beyond 3 holders).
+//! - Per (worker, block) pair: a 16-byte slot in the worker's engine-id table (engine id →
+//!   block key) and a 12-byte slot in its reference-count table (engine ids and held children
+//!   per block, 16 bits each; wider counts live in a side map).
+//!
+//! Measured (`cargo bench -p kvmesh-kv --bench memory`): ≈ 60–70 bytes per distinct block at
+//! 0.5–1.4M blocks (≈ 1.0–1.15 pairs per block), against ≈ 95–135 with `std` hash maps, and
+//! 69 bytes per block (5.6 GiB) for 87M blocks over 1,024 workers (`KVMESH_MEMORY_BLOCKS`);
+//! `docs/BENCHMARKS.md` has the tables. Entries are deleted when their last
+//! holder goes; like any hash map, the tables keep their peak capacity.
+//!
+//! ## A bound, and eviction past it (optional)
+//!
+//! [`KvIndex::new`] holds what the events say, without bound. [`KvIndex::with_limits`] with
+//! [`IndexLimits::max_blocks`] bounds the number of (worker, block) pairs
+//! ([`IndexStats::worker_blocks`]): pairs rather than distinct blocks, because most of the
+//! memory is per pair, a pair is what eviction can drop and what a worker's capacity counts,
+//! and a bound on pairs bounds distinct blocks as well. A bounded index also keeps, per pair,
+//! the engine id in store order (8 bytes, 16 at worst as the queue doubles; stale entries stay
+//! below the live ones plus 1,024, compacted a few entries per event). Past the bound, after a
+//! Stored event and outside any worker lock, the index evicts pairs:
+//!
+//! 1. first from the worker furthest over its own capacity ([`KvIndex::set_worker_capacity`]:
+//!    engines report their KV capacity in blocks; a worker holding more is lagging or
+//!    misreporting), down to that capacity;
+//! 2. then from the least recently used worker: a per-worker clock, stamped when the worker
+//!    stores an event and when a lookup matches it (per matched worker one relaxed load, and a
+//!    relaxed store when the clock moved since; only in a bounded index). Per worker rather than per block, because that is what a
+//!    lookup can refresh without touching the blocks it probed.
+//!
+//! Within a worker the oldest Stored event's engine ids go first, its deepest block first,
+//! each dropped as a Removed event would drop it (a block goes with its last engine id), so
+//! the index stays exact for what it keeps: an evicted block is absent, and its held children
+//! on that worker become orphans. Deepest first means an event's own chain loses its tail
+//! before its head and leaves no orphans; a later event that continued the chain does become
+//! orphaned (its blocks wait, exact but unmatchable, until they are evicted in turn or their
+//! parent is stored again, and that worker's lookups take the exact block-by-block path).
+//! A later Removed for an evicted block counts as `blocks_not_found`, like any unknown block.
+//! Work is bounded per
+//! `apply`: an event of `n` stored blocks evicts at most [`EVICTION_FACTOR`]` · n` pairs and
+//! examines at most twice that many store-order entries, plus one scan of the registered
+//! workers per victim chosen; so the index stays at its bound while events arrive (it may
+//! stay above it by a few pairs while stale entries use up the examination budget).
+//! [`IndexStats::evicted_blocks`] counts evicted pairs. A property test checks a bounded
+//! index against the naive model of what it kept (`tests/index_model.rs`).
 //!
 //! # Approximate mode ([`ApproxIndex`])
 //!
@@ -134,7 +184,7 @@ pub use hash::{
     XXH3_SEED, apply_cache_salt, extend_sequence_hashes, lora_seed, salted_local_hash,
     sequence_hash,
 };
-pub use index::{DEFAULT_SHARDS, IndexStats, KvIndex};
+pub use index::{DEFAULT_SHARDS, EVICTION_FACTOR, IndexLimits, IndexStats, KvIndex};
 pub use outcome::{ApplyOutcome, ApplyStatus};
 pub use scores::{OverlapScores, WorkerOverlap};
 pub use worker::{CacheTier, WorkerKey};

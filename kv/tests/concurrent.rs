@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 
 use kvmesh_kv::{
-    BlockHasher, BlockParent, ExternalHash, KvEvent, KvIndex, SequenceHash, WorkerKey,
+    BlockHasher, BlockParent, ExternalHash, IndexLimits, KvEvent, KvIndex, SequenceHash, WorkerKey,
 };
 
 const STABLE: WorkerKey = WorkerKey::new(100, 0);
@@ -89,4 +89,76 @@ fn lookups_stay_exact_for_workers_nobody_writes_to() {
     let stats = index.stats();
     assert_eq!(stats.distinct_blocks, hashes.len());
     assert_eq!(stats.orphan_blocks, 0);
+}
+
+#[test]
+fn a_bounded_index_stays_consistent_under_concurrent_writers_and_lookups() {
+    let tokens: Vec<u32> = (0..64 * 16).collect();
+    let hashes = BlockHasher::new(16, None)
+        .expect("block size")
+        .hash(&tokens);
+    let index = Arc::new(KvIndex::with_limits(IndexLimits {
+        max_blocks: Some(100),
+    }));
+    let done = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..3u64)
+        .map(|w| {
+            let index = Arc::clone(&index);
+            let hashes = hashes.clone();
+            thread::spawn(move || {
+                let worker = WorkerKey::new(w, 0);
+                index.set_worker_capacity(worker, 20 + 10 * w);
+                for round in 0..200u64 {
+                    // Engine ids differ per round, so every event stores new pairs.
+                    let blocks = hashes
+                        .local
+                        .iter()
+                        .zip(&hashes.sequence)
+                        .map(|(&l, &s)| (ExternalHash(s.0 ^ (round << 48 | w << 40)), l));
+                    let cut = (round as usize * 7 + w as usize) % hashes.len() + 1;
+                    index.apply(worker, &KvEvent::stored(None, blocks.take(cut)));
+                    if round % 5 == 4 {
+                        index.apply(worker, &KvEvent::Cleared);
+                    }
+                }
+            })
+        })
+        .collect();
+    let reader = {
+        let index = Arc::clone(&index);
+        let done = Arc::clone(&done);
+        let query = hashes.sequence.clone();
+        thread::spawn(move || {
+            let mut lookups = 0u64;
+            while !done.load(Ordering::Acquire) || lookups == 0 {
+                let scores = index.find_matches(&query);
+                assert!(scores.workers.iter().all(|o| o.depth <= 64));
+                lookups += 1;
+            }
+            lookups
+        })
+    };
+    for writer in writers {
+        writer.join().expect("writer panicked");
+    }
+    done.store(true, Ordering::Release);
+    assert!(reader.join().expect("reader panicked") > 0);
+    let stats = index.stats();
+    let held: u64 = index.cached_blocks().iter().map(|&(_, n)| n).sum();
+    assert_eq!(stats.worker_blocks, held);
+    assert!(stats.worker_blocks <= 100, "{stats:?}");
+    assert!(stats.evicted_blocks > 0, "{stats:?}");
+    // Each worker holds blocks of the one chain: blocks past its match depth are held, and at
+    // least one of them (the first past a gap) is an orphan.
+    for (worker, n) in index.cached_blocks() {
+        let depth = u64::from(index.find_matches(&hashes.sequence).depth(worker));
+        assert!(depth <= n);
+    }
+    let past_depth: u64 = index
+        .cached_blocks()
+        .iter()
+        .map(|&(worker, n)| n - u64::from(index.find_matches(&hashes.sequence).depth(worker)))
+        .sum();
+    assert!(stats.orphan_blocks <= past_depth, "{stats:?}");
+    assert_eq!(stats.orphan_blocks == 0, past_depth == 0, "{stats:?}");
 }

@@ -42,7 +42,7 @@ pub(crate) fn prefix_depths(
         probe,
         first_miss,
     } = scratch;
-    table.holders_into(first, current);
+    table.holders_into(table.key(first), current);
     let mut lo = 0;
     while !current.is_empty() {
         // Invariant: every worker in `current` holds query[lo].
@@ -56,7 +56,7 @@ pub(crate) fn prefix_depths(
             } else {
                 good + (bad - good) / 2
             };
-            table.holders_into(query[j], probe);
+            table.holders_into(table.key(query[j]), probe);
             if current.is_subset_of(probe) {
                 good = j;
                 step *= 2;
@@ -83,6 +83,6 @@ pub(crate) fn prefix_depths(
 pub(crate) fn linear_depth(table: &BlockTable, query: &[SequenceHash], slot: u32) -> u32 {
     query
         .iter()
-        .take_while(|&&sequence| table.holds(sequence, slot))
+        .take_while(|&&sequence| table.holds(table.key(sequence), slot))
         .count() as u32
 }

@@ -3,14 +3,20 @@
 //! See the crate documentation for the data layout, the concurrency design and measurements.
 
 mod block_table;
+mod eviction;
+mod key_mixer;
 mod matcher;
+mod ordered_table;
 mod slot_bits;
 mod slot_set;
+mod store_order;
 mod worker_blocks;
+
+pub use eviction::{EVICTION_FACTOR, IndexLimits};
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::event::KvEvent;
@@ -50,6 +56,9 @@ pub struct IndexStats {
     pub worker_blocks: u64,
     /// Sum over workers of held blocks whose parent that worker does not hold.
     pub orphan_blocks: u64,
+    /// (worker, block) pairs evicted to keep under [`IndexLimits::max_blocks`] since the
+    /// index was created (a counter).
+    pub evicted_blocks: u64,
 }
 
 /// The KV overlap index over all workers. Safe to share between threads (`Arc<KvIndex>`).
@@ -64,7 +73,13 @@ pub struct IndexStats {
 pub struct KvIndex {
     table: BlockTable,
     registry: RwLock<Registry>,
-    hasher: KeyedState,
+    limits: IndexLimits,
+    /// (worker, block) pairs held: the sum of the workers' `cached_blocks`.
+    pairs: AtomicU64,
+    /// Pairs evicted so far.
+    evicted: AtomicU64,
+    /// Eviction clock: ticks once per Stored event.
+    clock: AtomicU64,
 }
 
 impl Default for KvIndex {
@@ -85,7 +100,10 @@ impl KvIndex {
         Self {
             table: BlockTable::new(shards),
             registry: RwLock::default(),
-            hasher: KeyedState::new(),
+            limits: IndexLimits::default(),
+            pairs: AtomicU64::new(0),
+            evicted: AtomicU64::new(0),
+            clock: AtomicU64::new(0),
         }
     }
 
@@ -118,10 +136,12 @@ impl KvIndex {
         }
         let number = registry.free.pop().unwrap_or_else(|| {
             registry.slots.push(None);
-            // Slots are dense; more than u32::MAX registered workers is not a supported state.
+            // Slots are dense; 2^31 registered workers (the block table's
+            // holder tag bit) is not a supported state.
             (registry.slots.len() - 1) as u32
         });
-        let slot = Arc::new(WorkerSlot::new(worker, number, self.hasher));
+        let ordered = self.limits.max_blocks.is_some();
+        let slot = Arc::new(WorkerSlot::new(worker, number, ordered));
         registry.slots[number as usize] = Some(Arc::clone(&slot));
         registry.by_key.insert(worker, Arc::clone(&slot));
         slot
@@ -141,14 +161,24 @@ impl KvIndex {
     ///   ranks stay registered.
     pub fn apply(&self, worker: WorkerKey, event: &KvEvent) -> ApplyOutcome {
         match event {
-            KvEvent::Stored { parent, blocks } => loop {
-                let slot = self.slot_or_register(worker);
-                let mut state = slot.lock();
-                if state.retired {
-                    continue;
-                }
-                return state.store(&self.table, &slot, *parent, blocks);
-            },
+            KvEvent::Stored { parent, blocks } => {
+                let outcome = loop {
+                    let slot = self.slot_or_register(worker);
+                    let mut state = slot.lock();
+                    if state.retired {
+                        continue;
+                    }
+                    let before = slot.counters.cached_blocks.load(Ordering::Acquire);
+                    let outcome = state.store(&self.table, &slot, *parent, blocks);
+                    self.count_pairs(before, &slot);
+                    if self.limits.max_blocks.is_some() {
+                        slot.last_used.store(self.tick(), Ordering::Relaxed);
+                    }
+                    break outcome;
+                };
+                self.enforce_bound(outcome.blocks_stored);
+                outcome
+            }
             KvEvent::Removed { blocks } => {
                 let not_found = ApplyOutcome {
                     blocks_not_found: blocks.len() as u64,
@@ -161,9 +191,23 @@ impl KvIndex {
                 if state.retired {
                     return not_found;
                 }
-                state.remove(&self.table, &slot, blocks)
+                let before = slot.counters.cached_blocks.load(Ordering::Acquire);
+                let outcome = state.remove(&self.table, &slot, blocks);
+                self.count_pairs(before, &slot);
+                outcome
             }
             KvEvent::Cleared => self.clear_instance(worker.instance_id),
+        }
+    }
+
+    /// Adds the change of `slot`'s held blocks since `before` to the index's pair count (under
+    /// the worker's lock, so no other writer changed them).
+    fn count_pairs(&self, before: u64, slot: &WorkerSlot) {
+        let after = slot.counters.cached_blocks.load(Ordering::Acquire);
+        if after >= before {
+            self.pairs.fetch_add(after - before, Ordering::AcqRel);
+        } else {
+            self.pairs.fetch_sub(before - after, Ordering::AcqRel);
         }
     }
 
@@ -181,7 +225,9 @@ impl KvIndex {
         for slot in self.instance_slots(instance_id) {
             let mut state = slot.lock();
             if !state.retired {
-                outcome.blocks_cleared += state.clear(&self.table, &slot);
+                let cleared = state.clear(&self.table, &slot);
+                self.pairs.fetch_sub(cleared, Ordering::AcqRel);
+                outcome.blocks_cleared += cleared;
             }
         }
         outcome
@@ -211,6 +257,7 @@ impl KvIndex {
             state.retired = true;
             state.clear(&self.table, &slot)
         };
+        self.pairs.fetch_sub(blocks_cleared, Ordering::AcqRel);
         self.registry_mut().free.push(slot.slot);
         ApplyOutcome {
             blocks_cleared,
@@ -234,6 +281,10 @@ impl KvIndex {
     /// Maps slots to workers, re-checking depths of workers that hold orphans.
     fn resolve(&self, query: &[SequenceHash], depths: &[(u32, u32)]) -> OverlapScores {
         let registry = self.registry();
+        let now = self
+            .limits
+            .max_blocks
+            .map(|_| self.clock.load(Ordering::Relaxed));
         let mut workers = Vec::with_capacity(depths.len());
         for &(slot, depth) in depths {
             let Some(Some(worker)) = registry.slots.get(slot as usize) else {
@@ -245,6 +296,13 @@ impl KvIndex {
                 depth
             };
             if depth > 0 {
+                // Written only when the clock moved, so that lookups on several cores do not
+                // keep taking the worker's cache line from one another.
+                if let Some(now) = now
+                    && worker.last_used.load(Ordering::Relaxed) != now
+                {
+                    worker.last_used.store(now, Ordering::Relaxed);
+                }
                 workers.push(WorkerOverlap {
                     worker: worker.key,
                     depth,
@@ -297,6 +355,7 @@ impl KvIndex {
             distinct_blocks: self.table.len(),
             worker_blocks,
             orphan_blocks,
+            evicted_blocks: self.evicted.load(Ordering::Relaxed),
         }
     }
 }

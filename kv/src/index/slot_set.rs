@@ -18,6 +18,15 @@ pub(crate) enum SlotSet {
     Shared(Box<SlotBits>),
 }
 
+impl Default for SlotSet {
+    fn default() -> Self {
+        Self::Inline {
+            len: 0,
+            slots: [0; INLINE],
+        }
+    }
+}
+
 impl SlotSet {
     /// A set holding only `slot`.
     pub(crate) fn one(slot: u32) -> Self {
@@ -27,19 +36,19 @@ impl SlotSet {
         }
     }
 
+    /// The only slot of a one-slot set.
+    pub(crate) fn single(&self) -> Option<u32> {
+        match self {
+            Self::Inline { len: 1, slots } => Some(slots[0]),
+            _ => None,
+        }
+    }
+
     /// Whether `slot` is in the set.
     pub(crate) fn contains(&self, slot: u32) -> bool {
         match self {
             Self::Inline { len, slots } => slots[..usize::from(*len)].contains(&slot),
             Self::Shared(bits) => bits.contains(slot),
-        }
-    }
-
-    /// Whether the set is empty.
-    pub(crate) fn is_empty(&self) -> bool {
-        match self {
-            Self::Inline { len, .. } => *len == 0,
-            Self::Shared(bits) => bits.is_empty(),
         }
     }
 
@@ -139,7 +148,7 @@ mod tests {
             assert!(set.contains(slot));
             assert!(set.remove(slot));
         }
-        assert!(set.is_empty());
+        assert!(members(&set).is_empty());
         assert!(!set.contains(3));
     }
 

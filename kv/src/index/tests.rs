@@ -297,3 +297,180 @@ fn a_block_recorded_under_another_parent_is_rejected() {
         "the rejected block left no engine id behind"
     );
 }
+
+#[test]
+fn counts_past_16_bits_stay_exact() {
+    // 70,000 children of one root, then 70,000 engine ids for that root: both counts overflow
+    // the packed 16-bit form.
+    let index = KvIndex::with_shards(4);
+    let root = chain(&[1])[0];
+    let parent = Some(BlockParent {
+        external: ExternalHash(1),
+        sequence: root,
+    });
+    index.apply(
+        W1,
+        &KvEvent::stored(None, [(ExternalHash(1), LocalBlockHash(1))]),
+    );
+    let n = 70_000u64;
+    let children = KvEvent::Stored {
+        parent,
+        blocks: Vec::new(),
+    };
+    assert_eq!(index.apply(W1, &children).blocks_stored, 0);
+    for c in 0..n {
+        let event = KvEvent::stored(parent, [(ExternalHash(10 + c), LocalBlockHash(10 + c))]);
+        assert_eq!(index.apply(W1, &event).status(), crate::ApplyStatus::Ok);
+    }
+    for id in 0..n {
+        let event = KvEvent::stored(None, [(ExternalHash(1_000_000 + id), LocalBlockHash(1))]);
+        index.apply(W1, &event);
+    }
+    let stats = index.stats();
+    assert_eq!((stats.worker_blocks, stats.orphan_blocks), (n + 1, 0));
+    // Every engine id but the last one of the root goes: it stays held.
+    let ids: Vec<ExternalHash> = (0..n).map(|id| ExternalHash(1_000_000 + id)).collect();
+    let removed = index.apply(W1, &KvEvent::Removed { blocks: ids });
+    assert_eq!(removed.blocks_removed, n);
+    assert_eq!(index.stats().orphan_blocks, 0);
+    let removed = index.apply(
+        W1,
+        &KvEvent::Removed {
+            blocks: vec![ExternalHash(1)],
+        },
+    );
+    assert_eq!(removed.blocks_removed, 1);
+    let stats = index.stats();
+    assert_eq!((stats.worker_blocks, stats.orphan_blocks), (n, n));
+    // The root comes back: every child is matchable again.
+    index.apply(
+        W1,
+        &KvEvent::stored(None, [(ExternalHash(1), LocalBlockHash(1))]),
+    );
+    assert_eq!(index.stats().orphan_blocks, 0);
+    let child = chain(&[1, 10 + n - 1]);
+    assert_eq!(index.find_matches(&child).depth(W1), 2);
+    let ids: Vec<ExternalHash> = (0..n).map(|c| ExternalHash(10 + c)).collect();
+    assert_eq!(
+        index
+            .apply(W1, &KvEvent::Removed { blocks: ids })
+            .blocks_removed,
+        n
+    );
+    let stats = index.stats();
+    assert_eq!(
+        (
+            stats.distinct_blocks,
+            stats.worker_blocks,
+            stats.orphan_blocks
+        ),
+        (1, 1, 0)
+    );
+}
+
+/// An index bounded to `max` (worker, block) pairs.
+fn bounded(max: u64) -> KvIndex {
+    KvIndex::with_limits(IndexLimits {
+        max_blocks: Some(max),
+    })
+}
+
+#[test]
+fn eviction_keeps_the_bound_and_counts_exactly() {
+    let index = bounded(4);
+    let doc: Vec<u64> = (100..106).collect();
+    let query = chain(&doc);
+    assert_eq!(store(&index, W1, &doc, 0, 4).blocks_stored, 4);
+    assert_eq!(index.stats().evicted_blocks, 0);
+    // Two more blocks: the oldest event loses its two deepest blocks (3, then 2).
+    assert_eq!(store(&index, W1, &doc, 4, 6).blocks_stored, 2);
+    let stats = index.stats();
+    assert_eq!(stats.evicted_blocks, 2);
+    assert_eq!(stats.worker_blocks, 4);
+    assert_eq!(stats.distinct_blocks, 4);
+    // Blocks 0, 1, 4, 5 are held: block 4 lost its parent 3 and is an orphan.
+    assert_eq!(stats.orphan_blocks, 1);
+    assert_eq!(index.find_matches(&query).depth(W1), 2);
+    assert_eq!(index.find_matches(&query[4..]).depth(W1), 2);
+    // A later Removed of an evicted block is an unknown block.
+    let outcome = remove(&index, W1, &doc[3..4]);
+    assert_eq!((outcome.blocks_removed, outcome.blocks_not_found), (0, 1));
+    // Storing 2 and 3 again evicts what is oldest now: 1, then 0.
+    store(&index, W1, &doc, 2, 4);
+    let stats = index.stats();
+    assert_eq!((stats.evicted_blocks, stats.worker_blocks), (4, 4));
+    assert_eq!(stats.orphan_blocks, 1, "block 2 lost its parent 1");
+    assert_eq!(index.find_matches(&query).depth(W1), 0);
+    assert_eq!(index.find_matches(&query[2..]).depth(W1), 4);
+}
+
+#[test]
+fn over_capacity_workers_lose_blocks_first() {
+    let index = bounded(6);
+    let doc1: Vec<u64> = (10..14).collect();
+    let doc2: Vec<u64> = (20..24).collect();
+    index.set_worker_capacity(W2, 2);
+    // W2 stores first (least recently used) but is also over its capacity of 2.
+    store(&index, W2, &doc2, 0, 4);
+    store(&index, W1, &doc1, 0, 2);
+    // Two pairs over the bound: both come from W2, which was over capacity by 2.
+    store(&index, W1, &doc1, 2, 4);
+    let counts = index.cached_blocks();
+    assert_eq!(counts, vec![(W1, 4), (W2, 2)]);
+    assert_eq!(index.stats().evicted_blocks, 2);
+    // W2 is at its capacity now; the next eviction takes the least recently used worker,
+    // W2 again (it stored before W1), and not W1's blocks.
+    let doc3: Vec<u64> = (30..31).collect();
+    store(&index, W1, &doc3, 0, 1);
+    assert_eq!(index.cached_blocks(), vec![(W1, 5), (W2, 1)]);
+}
+
+#[test]
+fn lookups_refresh_recency() {
+    let w3 = WorkerKey::new(3, 0);
+    let index = bounded(6);
+    let doc1: Vec<u64> = (10..12).collect();
+    let doc2: Vec<u64> = (20..22).collect();
+    let doc3: Vec<u64> = (30..32).collect();
+    store(&index, W1, &doc1, 0, 2);
+    store(&index, W2, &doc2, 0, 2);
+    store(&index, w3, &doc3, 0, 2);
+    // W1 stored first, but a lookup just matched it: W2 is now the least recently used.
+    assert_eq!(index.find_matches(&chain(&doc1)).depth(W1), 2);
+    store(&index, w3, &[40], 0, 1);
+    assert_eq!(index.cached_blocks(), vec![(W1, 2), (W2, 1), (w3, 3)]);
+    assert_eq!(index.stats().evicted_blocks, 1);
+}
+
+#[test]
+fn eviction_per_apply_is_proportional_to_the_event() {
+    let index = bounded(100);
+    let doc: Vec<u64> = (1000..1200).collect();
+    // One 200-block event evicts its own 100 deepest blocks (within 2 × 200), no more, and
+    // leaves a prefix without orphans.
+    store(&index, W2, &doc, 0, 200);
+    let stats = index.stats();
+    assert_eq!((stats.worker_blocks, stats.evicted_blocks), (100, 100));
+    assert_eq!(stats.orphan_blocks, 0);
+    assert_eq!(index.find_matches(&chain(&doc)).depth(W2), 100);
+    // Each one-block event of another worker then evicts exactly one of W2's, deepest first.
+    let doc1: Vec<u64> = (1..20).collect();
+    for i in 0..10 {
+        store(&index, W1, &doc1, i, i + 1);
+        assert_eq!(index.stats().evicted_blocks, 100 + i as u64 + 1);
+    }
+    assert_eq!(index.cached_blocks(), vec![(W1, 10), (W2, 90)]);
+    assert_eq!(index.find_matches(&chain(&doc1)).depth(W1), 10);
+    assert_eq!(index.find_matches(&chain(&doc)).depth(W2), 90);
+    assert_eq!(index.stats().orphan_blocks, 0);
+}
+
+#[test]
+fn unbounded_index_keeps_everything() {
+    let index = KvIndex::new();
+    assert_eq!(index.limits(), IndexLimits::default());
+    index.set_worker_capacity(W1, 1);
+    store(&index, W1, &DOC, 0, 6);
+    let stats = index.stats();
+    assert_eq!((stats.worker_blocks, stats.evicted_blocks), (6, 0));
+}

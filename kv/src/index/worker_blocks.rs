@@ -5,12 +5,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use crate::event::{BlockParent, StoredBlock};
-use crate::hash::{ExternalHash, SequenceHash, sequence_hash};
-use crate::keyed_hasher::KeyedState;
+use crate::hash::{ExternalHash, sequence_hash};
 use crate::outcome::ApplyOutcome;
 use crate::worker::WorkerKey;
 
 use super::block_table::BlockTable;
+use super::ordered_table::{OrderedTable, join, split};
+use super::store_order::StoreOrder;
 
 /// A registered worker: its dense slot number, counters lookups read without locking, and the
 /// bookkeeping that writers for this worker serialise on.
@@ -22,18 +23,33 @@ pub(crate) struct WorkerSlot {
     pub(crate) slot: u32,
     /// Counters published for lookups.
     pub(crate) counters: WorkerCounters,
+    /// The worker's KV capacity in blocks as its engine reports it (`u64::MAX`: unknown).
+    pub(crate) capacity: AtomicU64,
+    /// The index's eviction clock when the worker last stored a block or matched a lookup.
+    pub(crate) last_used: AtomicU64,
     blocks: Mutex<WorkerBlocks>,
 }
 
 impl WorkerSlot {
-    /// A fresh, empty worker in slot `slot`.
-    pub(crate) fn new(key: WorkerKey, slot: u32, hasher: KeyedState) -> Self {
+    /// A fresh, empty worker in slot `slot`; `ordered` keeps its store order for eviction.
+    pub(crate) fn new(key: WorkerKey, slot: u32, ordered: bool) -> Self {
         Self {
             key,
             slot,
             counters: WorkerCounters::default(),
-            blocks: Mutex::new(WorkerBlocks::new(hasher)),
+            capacity: AtomicU64::new(u64::MAX),
+            last_used: AtomicU64::new(0),
+            blocks: Mutex::new(WorkerBlocks {
+                order: ordered.then(StoreOrder::default),
+                ..WorkerBlocks::default()
+            }),
         }
+    }
+
+    /// Blocks held beyond the worker's reported capacity.
+    pub(crate) fn excess(&self) -> u64 {
+        let held = self.counters.cached_blocks.load(Ordering::Acquire);
+        held.saturating_sub(self.capacity.load(Ordering::Relaxed))
     }
 
     /// Locks the worker's bookkeeping (held for one event).
@@ -66,8 +82,8 @@ impl WorkerCounters {
     }
 }
 
-/// Reference counts of one sequence hash in one worker.
-#[derive(Debug, Clone, Copy, Default)]
+/// Reference counts of one block in one worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct NodeRefs {
     /// Engine ids of this worker that map to the block; held while non-zero.
     refs: u32,
@@ -75,26 +91,40 @@ struct NodeRefs {
     children: u32,
 }
 
+/// [`NodeRefs`] as stored: two 16-bit counts (a 12-byte table slot with its key). Counts that
+/// do not fit are kept in [`WorkerBlocks::wide`] and stored here as [`WIDE`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct PackedRefs {
+    refs: u16,
+    children: u16,
+}
+
+/// The packed form of counts kept in [`WorkerBlocks::wide`].
+const WIDE: PackedRefs = PackedRefs {
+    refs: u16::MAX,
+    children: u16::MAX,
+};
+
 /// One worker's blocks. Every method runs under the worker's lock.
-#[derive(Debug)]
+///
+/// Keys are mixed ([`super::key_mixer::KeyMixer`], the block table's): engine ids and sequence
+/// hashes alike.
+#[derive(Debug, Default)]
 pub(crate) struct WorkerBlocks {
-    /// Engine id → sequence hash, to resolve removals and parents.
-    external: HashMap<ExternalHash, SequenceHash, KeyedState>,
-    /// Sequence hash → counts, for held blocks and for unheld parents of held blocks.
-    nodes: HashMap<SequenceHash, NodeRefs, KeyedState>,
+    /// Engine id key → block key, to resolve removals and parents.
+    external: OrderedTable<[u32; 2]>,
+    /// Block key → counts, for held blocks and for unheld parents of held blocks (a node
+    /// exists exactly while one of its counts is non-zero).
+    nodes: OrderedTable<PackedRefs>,
+    /// Counts of the nodes stored as [`WIDE`] (a block with 65,535 engine ids or children).
+    wide: HashMap<u64, NodeRefs>,
+    /// Engine ids in store order, when the index has a bound and may evict.
+    order: Option<StoreOrder>,
     /// Set when the worker was removed from the index; later writers must re-register.
     pub(crate) retired: bool,
 }
 
 impl WorkerBlocks {
-    fn new(hasher: KeyedState) -> Self {
-        Self {
-            external: HashMap::with_hasher(hasher),
-            nodes: HashMap::with_hasher(hasher),
-            retired: false,
-        }
-    }
-
     /// Applies a Stored event.
     pub(crate) fn store(
         &mut self,
@@ -103,25 +133,76 @@ impl WorkerBlocks {
         parent: Option<BlockParent>,
         blocks: &[StoredBlock],
     ) -> ApplyOutcome {
+        let mixer = *table.mixer();
         let mut outcome = ApplyOutcome::default();
+        let mark = self.order.as_ref().map(StoreOrder::mark);
         if let Some(parent) = parent
-            && self.external.get(&parent.external) != Some(&parent.sequence)
+            && self
+                .external
+                .get(mixer.mix(parent.external.0))
+                .copied()
+                .map(join)
+                != Some(mixer.mix(parent.sequence.0))
         {
             outcome.parent_not_found += 1;
         }
         let mut previous = parent.map(|p| p.sequence);
+        let mut previous_key = previous.map(|p| mixer.mix(p.0));
         for (index, block) in blocks.iter().enumerate() {
+            let key = mixer.mix(block.sequence.0);
             let valid = sequence_hash(previous, block.local) == block.sequence
                 && previous != Some(block.sequence)
-                && self.map_external(table, slot, block.external, block.sequence, previous);
+                && self.map_external(table, slot, mixer.mix(block.external.0), key, previous_key);
             if !valid {
                 outcome.blocks_invalid += (blocks.len() - index) as u64;
                 break;
             }
             outcome.blocks_stored += 1;
             previous = Some(block.sequence);
+            previous_key = Some(key);
+        }
+        if let (Some(order), Some(mark)) = (&mut self.order, mark) {
+            order.reverse_since(mark);
+            let external = &self.external;
+            let work = 2 * blocks.len() + 8;
+            order.compact(external.len(), work, |entry| external.get(entry).is_some());
         }
         outcome
+    }
+
+    /// Evicts this worker's oldest-stored blocks (an event's deepest first) until `pairs` blocks are gone or `work` queue
+    /// entries were examined (decremented per entry); returns the number of blocks evicted. An
+    /// engine id is dropped as a Removed event would drop it; a block goes when its last engine
+    /// id goes. Tables left at most a quarter full are rebuilt smaller (work proportional to
+    /// the table, amortised over the three quarters of it evicted before).
+    pub(crate) fn evict(
+        &mut self,
+        table: &BlockTable,
+        slot: &WorkerSlot,
+        pairs: u64,
+        work: &mut u64,
+    ) -> u64 {
+        let Some(mut order) = self.order.take() else {
+            return 0;
+        };
+        let held = |slot: &WorkerSlot| slot.counters.cached_blocks.load(Ordering::Acquire);
+        let before = held(slot);
+        while *work > 0 && before - held(slot) < pairs {
+            *work -= 1;
+            let Some(external) = order.pop() else {
+                break;
+            };
+            if let Some(key) = self.external.remove(external) {
+                self.release(table, slot, join(key));
+            }
+        }
+        // A worker emptied by eviction keeps little memory, so the bound on pairs bounds the
+        // sum of the workers' tables, not only the sum of what they hold.
+        self.external.shrink();
+        self.nodes.shrink();
+        order.shrink();
+        self.order = Some(order);
+        before - held(slot)
     }
 
     /// Applies a Removed event.
@@ -131,11 +212,12 @@ impl WorkerBlocks {
         slot: &WorkerSlot,
         blocks: &[ExternalHash],
     ) -> ApplyOutcome {
+        let mixer = *table.mixer();
         let mut outcome = ApplyOutcome::default();
         for external in blocks {
-            match self.external.remove(external) {
-                Some(sequence) => {
-                    self.release(table, slot, sequence);
+            match self.external.remove(mixer.mix(external.0)) {
+                Some(key) => {
+                    self.release(table, slot, join(key));
                     outcome.blocks_removed += 1;
                 }
                 None => outcome.blocks_not_found += 1,
@@ -147,63 +229,124 @@ impl WorkerBlocks {
     /// Drops every block of the worker; returns how many distinct blocks it held.
     pub(crate) fn clear(&mut self, table: &BlockTable, slot: &WorkerSlot) -> u64 {
         let mut cleared = 0;
-        for (&sequence, node) in &self.nodes {
-            if node.refs > 0 {
-                table.remove_holder(sequence, slot.slot);
+        for (key, &packed) in self.nodes.iter() {
+            let held = if packed == WIDE {
+                self.wide.get(&key).is_some_and(|node| node.refs > 0)
+            } else {
+                packed.refs > 0
+            };
+            if held {
+                table.remove_holder(key, slot.slot);
                 cleared += 1;
             }
         }
         self.nodes.clear();
+        self.wide.clear();
         self.external.clear();
+        if let Some(order) = &mut self.order {
+            order.clear();
+        }
         slot.counters.cached_blocks.store(0, Ordering::Release);
         slot.counters.orphans.store(0, Ordering::Release);
         cleared
     }
 
-    /// Points engine id `external` at `sequence`, holding it; false on a parent mismatch.
+    /// Points engine id key `external` at block key `key`, holding it; false on a parent
+    /// mismatch.
     fn map_external(
         &mut self,
         table: &BlockTable,
         slot: &WorkerSlot,
-        external: ExternalHash,
-        sequence: SequenceHash,
-        parent: Option<SequenceHash>,
+        external: u64,
+        key: u64,
+        parent: Option<u64>,
     ) -> bool {
-        let old = self.external.insert(external, sequence);
-        if old == Some(sequence) {
+        let old = self.external.insert(external, split(key)).map(join);
+        if old == Some(key) {
             return true;
         }
-        if !self.acquire(table, slot, sequence, parent) {
+        if !self.acquire(table, slot, key, parent) {
             match old {
-                Some(old) => self.external.insert(external, old),
-                None => self.external.remove(&external),
+                Some(old) => self.external.insert(external, split(old)),
+                None => self.external.remove(external),
             };
             return false;
         }
         if let Some(old) = old {
             self.release(table, slot, old);
         }
+        if let Some(order) = &mut self.order {
+            order.push(external);
+        }
         true
     }
 
-    /// Adds one reference to `sequence`; false (and nothing changed) on a parent mismatch.
+    /// The counts of `key` (zero when it has no node).
+    fn node(&self, key: u64) -> NodeRefs {
+        match self.nodes.get(key) {
+            None => NodeRefs::default(),
+            Some(&WIDE) => self.wide.get(&key).copied().unwrap_or_default(),
+            Some(packed) => NodeRefs {
+                refs: u32::from(packed.refs),
+                children: u32::from(packed.children),
+            },
+        }
+    }
+
+    /// Sets the counts of `key`, dropping its node when both are zero.
+    fn set_node(&mut self, key: u64, node: NodeRefs) {
+        let packed = if node == NodeRefs::default() {
+            None
+        } else {
+            match (u16::try_from(node.refs), u16::try_from(node.children)) {
+                (Ok(refs), Ok(children)) if (PackedRefs { refs, children }) != WIDE => {
+                    Some(PackedRefs { refs, children })
+                }
+                _ => {
+                    self.wide.insert(key, node);
+                    Some(WIDE)
+                }
+            }
+        };
+        let old = match packed {
+            None => self.nodes.remove(key),
+            Some(packed) => self.nodes.insert(key, packed),
+        };
+        if old == Some(WIDE) && packed != Some(WIDE) {
+            self.wide.remove(&key);
+        }
+    }
+
+    /// Adds one reference to `key`; false (and nothing changed) on a parent mismatch.
     fn acquire(
         &mut self,
         table: &BlockTable,
         slot: &WorkerSlot,
-        sequence: SequenceHash,
-        parent: Option<SequenceHash>,
+        key: u64,
+        parent: Option<u64>,
     ) -> bool {
-        let node = self.nodes.entry(sequence).or_default();
+        let node = self.node(key);
         if node.refs > 0 {
-            node.refs += 1;
+            self.set_node(
+                key,
+                NodeRefs {
+                    refs: node.refs + 1,
+                    ..node
+                },
+            );
             return true;
         }
         // Orphan counts rise before the block becomes visible, and fall after.
         let orphan = match parent {
             Some(parent) => {
-                let parent_node = self.nodes.entry(parent).or_default();
-                parent_node.children += 1;
+                let parent_node = self.node(parent);
+                self.set_node(
+                    parent,
+                    NodeRefs {
+                        children: parent_node.children + 1,
+                        ..parent_node
+                    },
+                );
                 parent_node.refs == 0
             }
             None => false,
@@ -211,78 +354,64 @@ impl WorkerBlocks {
         if orphan {
             slot.counters.add_orphans(1);
         }
-        if table.add_holder(sequence, parent, slot.slot).is_err() {
+        if table.add_holder(key, parent, slot.slot).is_err() {
             if orphan {
                 slot.counters.sub_orphans(1);
             }
             if let Some(parent) = parent {
                 self.forget_child(parent);
             }
-            self.drop_if_unused(sequence);
             return false;
         }
-        let adopted = match self.nodes.get_mut(&sequence) {
-            Some(node) => {
-                node.refs = 1;
-                node.children
-            }
-            None => 0,
-        };
-        slot.counters.sub_orphans(adopted);
+        // `key` is not its own parent (rejected earlier), so its children are unchanged.
+        self.set_node(key, NodeRefs { refs: 1, ..node });
+        slot.counters.sub_orphans(node.children);
         slot.counters.cached_blocks.fetch_add(1, Ordering::Release);
         true
     }
 
     /// Undoes one `children` count of `parent`.
-    fn forget_child(&mut self, parent: SequenceHash) {
-        if let Some(node) = self.nodes.get_mut(&parent) {
-            node.children = node.children.saturating_sub(1);
-        }
-        self.drop_if_unused(parent);
+    fn forget_child(&mut self, parent: u64) {
+        let node = self.node(parent);
+        self.set_node(
+            parent,
+            NodeRefs {
+                children: node.children.saturating_sub(1),
+                ..node
+            },
+        );
     }
 
-    /// Removes the node of `sequence` when it is neither held nor a parent of held blocks.
-    fn drop_if_unused(&mut self, sequence: SequenceHash) {
-        if self
-            .nodes
-            .get(&sequence)
-            .is_some_and(|node| node.refs == 0 && node.children == 0)
-        {
-            self.nodes.remove(&sequence);
-        }
-    }
-
-    /// Drops one reference to `sequence`, releasing the block when none is left.
-    fn release(&mut self, table: &BlockTable, slot: &WorkerSlot, sequence: SequenceHash) {
-        let Some(node) = self.nodes.get_mut(&sequence) else {
-            return;
-        };
+    /// Drops one reference to `key`, releasing the block when none is left.
+    fn release(&mut self, table: &BlockTable, slot: &WorkerSlot, key: u64) {
+        let node = self.node(key);
         if node.refs == 0 {
             return;
         }
-        node.refs -= 1;
-        if node.refs > 0 {
+        self.set_node(
+            key,
+            NodeRefs {
+                refs: node.refs - 1,
+                ..node
+            },
+        );
+        if node.refs > 1 {
             return;
         }
-        let children = node.children;
-        if children == 0 {
-            self.nodes.remove(&sequence);
-        }
         // Held children become orphans before the block disappears from lookups.
-        slot.counters.add_orphans(children);
-        let parent = table.remove_holder(sequence, slot.slot).flatten();
+        slot.counters.add_orphans(node.children);
+        let parent = table.remove_holder(key, slot.slot).flatten();
         slot.counters.cached_blocks.fetch_sub(1, Ordering::Release);
         let Some(parent) = parent else {
             return;
         };
-        if let Some(parent_node) = self.nodes.get_mut(&parent) {
-            parent_node.children = parent_node.children.saturating_sub(1);
-            if parent_node.refs == 0 {
-                slot.counters.sub_orphans(1);
-                if parent_node.children == 0 {
-                    self.nodes.remove(&parent);
-                }
-            }
+        let parent_node = self.node(parent);
+        if parent_node.children == 0 {
+            return;
+        }
+        self.forget_child(parent);
+        if parent_node.refs == 0 {
+            slot.counters.sub_orphans(1);
         }
     }
 }
