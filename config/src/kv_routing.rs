@@ -49,6 +49,10 @@ pub struct KvRoutingConfig {
     pub approx_max_blocks: usize,
     /// Pruning keeps `approx_max_blocks × approx_prune_ratio` pairs; in (0, 1].
     pub approx_prune_ratio: f64,
+    /// Most (instance, block) pairs the event-fed KV index keeps (≈ 65 bytes each); past it,
+    /// each event evicts up to twice the blocks it stores, from the least recently used
+    /// instance's oldest blocks; `null` or 0: no bound.
+    pub index_max_blocks: Option<u64>,
     /// KV cache capacity of one instance in blocks (vLLM `num_gpu_blocks`), for the decode
     /// busy threshold; `null` or 0: unknown (no decode threshold).
     pub total_kv_blocks: Option<u64>,
@@ -90,6 +94,7 @@ impl Default for KvRoutingConfig {
             approx_ttl: Duration::from_secs(120),
             approx_max_blocks: 1 << 20,
             approx_prune_ratio: 0.8,
+            index_max_blocks: None,
             total_kv_blocks: Some(16_384),
             busy_decode_blocks_fraction: Some(1.0),
             busy_prefill_tokens: Some(10_000_000),

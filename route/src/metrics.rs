@@ -34,6 +34,7 @@ pub struct KvFamilies {
     overlap_blocks: HistogramVec,
     decision_seconds: HistogramVec,
     index_blocks: IntGaugeVec,
+    index_evicted_blocks: IntGaugeVec,
     instance_speed: GaugeVec,
     index_prunes: IntCounterVec,
     busy_rejections: IntCounterVec,
@@ -74,6 +75,13 @@ impl KvFamilies {
                 "policy kv: blocks the KV index holds per instance.",
             ),
             &["model", "instance"],
+        )?;
+        let index_evicted_blocks = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_index_evicted_blocks",
+                "policy kv: (instance, block) pairs the KV index evicted past kv.index_max_blocks since the proxy started.",
+            ),
+            &["model"],
         )?;
         let instance_speed = GaugeVec::new(
             Opts::new(
@@ -170,6 +178,7 @@ impl KvFamilies {
         registry.register(Box::new(overlap_blocks.clone()))?;
         registry.register(Box::new(decision_seconds.clone()))?;
         registry.register(Box::new(index_blocks.clone()))?;
+        registry.register(Box::new(index_evicted_blocks.clone()))?;
         registry.register(Box::new(instance_speed.clone()))?;
         registry.register(Box::new(index_prunes.clone()))?;
         registry.register(Box::new(busy_rejections.clone()))?;
@@ -187,6 +196,7 @@ impl KvFamilies {
             overlap_blocks,
             decision_seconds,
             index_blocks,
+            index_evicted_blocks,
             instance_speed,
             index_prunes,
             busy_rejections,
@@ -215,6 +225,7 @@ impl KvFamilies {
             index_blocks: self.index_blocks.clone(),
             instance_speed: self.instance_speed.clone(),
             index_prunes: self.index_prunes.with_label_values(&[model]),
+            index_evicted_blocks: self.index_evicted_blocks.with_label_values(&[model]),
             busy_rejections: self.busy_rejections.with_label_values(&[model]),
             queue_depth: self.queue_depth.with_label_values(&[model]),
             fallbacks: FallbackReason::ALL
@@ -307,6 +318,8 @@ pub struct KvMetrics {
     instance_speed: GaugeVec,
     /// `kvmesh_index_prunes_total{model}`.
     pub(crate) index_prunes: IntCounter,
+    /// `kvmesh_index_evicted_blocks{model}`.
+    index_evicted_blocks: IntGauge,
     /// `kvmesh_route_busy_rejections_total{model}`.
     pub(crate) busy_rejections: IntCounter,
     /// `kvmesh_route_queue_depth{model}`.
@@ -347,6 +360,12 @@ impl KvMetrics {
         self.index_blocks
             .with_label_values(&[self.model.as_str(), instance])
             .set(i64::try_from(blocks).unwrap_or(i64::MAX));
+    }
+
+    /// Sets `kvmesh_index_evicted_blocks`.
+    pub fn set_index_evicted_blocks(&self, evicted: u64) {
+        self.index_evicted_blocks
+            .set(i64::try_from(evicted).unwrap_or(i64::MAX));
     }
 
     /// Sets `kvmesh_route_instance_speed` of `instance` (its URL).
@@ -443,6 +462,7 @@ mod tests {
         kv.set_index_blocks("http://b:2", 40);
         kv.set_index_blocks("http://a:1", 0);
         kv.index_prunes.inc_by(3);
+        kv.set_index_evicted_blocks(7);
         kv.busy_rejections.inc();
         kv.queue_depth.set(2);
         kv.count_fallback(FallbackReason::NoTokenizer);
@@ -460,6 +480,7 @@ mod tests {
             "kvmesh_index_blocks{instance=\"http://b:2\",model=\"qwen3\"} 40",
             "kvmesh_index_blocks{instance=\"http://a:1\",model=\"qwen3\"} 0",
             "kvmesh_index_prunes_total{model=\"qwen3\"} 3",
+            "kvmesh_index_evicted_blocks{model=\"qwen3\"} 7",
             "kvmesh_route_busy_rejections_total{model=\"qwen3\"} 1",
             "kvmesh_route_queue_depth{model=\"qwen3\"} 2",
             "kvmesh_route_fallbacks_total{model=\"qwen3\",reason=\"no_tokenizer\"} 1",

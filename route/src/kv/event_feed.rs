@@ -32,8 +32,8 @@ use kvmesh_config::KvCacheCheckConfig;
 use tokio::sync::mpsc;
 
 use kvmesh_kv::{
-    ApplyOutcome, ApproxConfig, ApproxConfigError, BlockHashes, KvEvent, KvIndex, OverlapScores,
-    SequenceHash, WorkerKey,
+    ApplyOutcome, ApproxConfig, ApproxConfigError, BlockHashes, IndexLimits, KvEvent, KvIndex,
+    OverlapScores, SequenceHash, WorkerKey,
 };
 
 use crate::kv::cache_check::{CacheCheck, CacheCheckState, Expectation, Verdict};
@@ -66,14 +66,18 @@ pub struct EventFeed {
 }
 
 impl EventFeed {
-    /// An empty feed whose decisions are predicted as approximate mode's are (`limits`),
+    /// An empty feed whose index holds at most `index_max_blocks` (instance, block) pairs
+    /// (`None`: no bound), whose decisions are predicted as approximate mode's are (`limits`),
     /// checked against the engines' answers as `check` says.
     pub fn new(
+        index_max_blocks: Option<u64>,
         limits: ApproxConfig,
         check: &KvCacheCheckConfig,
     ) -> Result<Self, ApproxConfigError> {
         Ok(Self {
-            index: KvIndex::default(),
+            index: KvIndex::with_limits(IndexLimits {
+                max_blocks: index_max_blocks.filter(|&max| max > 0),
+            }),
             predicted: Approximate::new(limits)?,
             live: AtomicBool::new(false),
             approximate_only: ArcSwap::from_pointee(HashSet::new()),
@@ -307,7 +311,7 @@ mod tests {
             ttl: TTL,
             ..ApproxConfig::default()
         };
-        let feed = Arc::new(EventFeed::new(limits, &KvCacheCheckConfig::default()).unwrap());
+        let feed = Arc::new(EventFeed::new(None, limits, &KvCacheCheckConfig::default()).unwrap());
         (Arc::clone(&feed), EventFed::new(feed))
     }
 
@@ -349,6 +353,41 @@ mod tests {
         assert!(source.find_matches(&prompt.sequence, later).is_empty());
         source.remove_instance(1);
         assert!(source.find_matches(&prompt.sequence, now).is_empty());
+    }
+
+    #[test]
+    fn a_bounded_index_evicts_past_its_bound() {
+        let feed = EventFeed::new(
+            Some(4),
+            ApproxConfig::default(),
+            &KvCacheCheckConfig::default(),
+        )
+        .unwrap();
+        let mut hasher = BlockHasher::new(4, None).unwrap();
+        let prompt = hasher.hash(&(0..24).collect::<Vec<u32>>());
+        let blocks = |ids: std::ops::Range<u64>| {
+            KvEvent::stored(
+                None,
+                ids.map(|i| (ExternalHash(i), prompt.local[i as usize])),
+            )
+        };
+        // Two chains of three blocks (the second starts at block 3, an orphan chain) for
+        // one instance: six pairs against a bound of four.
+        feed.apply(WorkerKey::new(1, 0), &blocks(0..3));
+        assert_eq!(feed.index().stats().evicted_blocks, 0);
+        feed.apply(WorkerKey::new(1, 0), &blocks(3..6));
+        let stats = feed.index().stats();
+        assert_eq!(stats.evicted_blocks, 2);
+        assert_eq!(stats.worker_blocks, 4);
+        let unbounded = EventFeed::new(
+            None,
+            ApproxConfig::default(),
+            &KvCacheCheckConfig::default(),
+        )
+        .unwrap();
+        unbounded.apply(WorkerKey::new(1, 0), &blocks(0..3));
+        unbounded.apply(WorkerKey::new(1, 0), &blocks(3..6));
+        assert_eq!(unbounded.index().stats().worker_blocks, 6);
     }
 
     #[test]

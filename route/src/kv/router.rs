@@ -100,7 +100,11 @@ impl KvRouter {
             prune_target_ratio: config.approx_prune_ratio,
         };
         let events = if kv_events {
-            Some(Arc::new(EventFeed::new(limits, &config.cache_check)?))
+            Some(Arc::new(EventFeed::new(
+                config.index_max_blocks,
+                limits,
+                &config.cache_check,
+            )?))
         } else {
             None
         };
@@ -858,8 +862,13 @@ impl KvRouter {
     }
 
     /// Copies the index size of each of `instances` (all its ranks) into
-    /// `kvmesh_index_blocks`, and its learned speed into `kvmesh_route_instance_speed`.
+    /// `kvmesh_index_blocks`, and its learned speed into `kvmesh_route_instance_speed`; the
+    /// blocks the event-fed index evicted into `kvmesh_index_evicted_blocks`.
     pub fn refresh_gauges<C: Candidate>(&self, instances: &[Arc<C>]) {
+        if let Some(feed) = &self.events {
+            self.metrics
+                .set_index_evicted_blocks(feed.index().stats().evicted_blocks);
+        }
         let mut counts: HashMap<u64, u64> = HashMap::with_capacity(instances.len());
         for (worker, blocks) in self.overlap.cached_blocks() {
             *counts.entry(worker.instance_id).or_default() += blocks;
