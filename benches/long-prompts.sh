@@ -51,10 +51,7 @@ done
 need_tool jq jq
 need_tool taskset util-linux
 "$BENCH_ROOT/scripts/fetch-tokenizer.sh" "$TOKENIZER" >&2
-if ((BUILD)); then
-  log "building release binaries (several minutes on 2 cores)"
-  (cd "$BENCH_ROOT" && cargo build --release -p kvmesh-proxy -p kvmesh-engine-sim -p kvmesh-bench)
-fi
+build_release kvmesh-proxy kvmesh-engine-sim kvmesh-bench
 SIM=$BIN_DIR/kvmesh-engine-sim
 PROXY=$BIN_DIR/kvmesh-proxy
 BENCH=$BIN_DIR/kvmesh-bench
