@@ -132,6 +132,13 @@ wait_http() {
   done
 }
 
+# proxy_config_head: the start of a kvmesh-proxy config for a benchmark: one listener and the
+# admin listener on loopback port 0, then `models:` (the caller writes the models next).
+proxy_config_head() {
+  printf '%s\n' "listeners:" "  - name: main" "    address: 127.0.0.1:0" "admin:" \
+    "  address: 127.0.0.1:0" "models:"
+}
+
 # start_etcd_nats DIR: starts etcd and nats-server on free loopback ports (data and logs in DIR)
 # and waits until both answer; sets ETCD_PID, NATS_PID, ETCD_URL and NATS_URL.
 start_etcd_nats() {

@@ -83,12 +83,7 @@ model() {
   listening "$2" 'engine-[0-9]+' | sed 's|^|      - url: http://|'
 }
 {
-  echo "listeners:"
-  echo "  - name: main"
-  echo "    address: 127.0.0.1:0"
-  echo "admin:"
-  echo "  address: 127.0.0.1:0"
-  echo "models:"
+  proxy_config_head
   model "$MODEL" "$WORK_DIR/sim.out"
   model "$LONG_MODEL" "$WORK_DIR/long-sim.out"
   echo "health_check:"

@@ -192,12 +192,7 @@ write_proxy_config() { # FILE POLICY SIM_ADDR...
   local file=$1 policy=$2 addr
   shift 2
   {
-    echo "listeners:"
-    echo "  - name: main"
-    echo "    address: 127.0.0.1:0"
-    echo "admin:"
-    echo "  address: 127.0.0.1:0"
-    echo "models:"
+    proxy_config_head
     echo "  - name: $MODEL"
     echo "    policy: $policy"
     if [[ $policy == kv ]]; then echo "    tokenizer: $TOKENIZER"; fi

@@ -124,12 +124,7 @@ start_agents() {
 start_proxy() {
   local config=$RUN_DIR/kvmesh.yaml
   {
-    echo "listeners:"
-    echo "  - name: main"
-    echo "    address: 127.0.0.1:0"
-    echo "admin:"
-    echo "  address: 127.0.0.1:0"
-    echo "models:"
+    proxy_config_head
     echo "  - name: $MODEL"
     echo "    policy: kv"
     if [[ $1 == 1 ]]; then

@@ -216,12 +216,7 @@ start_sims() {
 kvmesh_config() {
   local file=$1 policy=$2 workload=$3 control=${4:-} addr
   {
-    echo "listeners:"
-    echo "  - name: main"
-    echo "    address: 127.0.0.1:0"
-    echo "admin:"
-    echo "  address: 127.0.0.1:0"
-    echo "models:"
+    proxy_config_head
     echo "  - name: $MODEL"
     echo "    policy: $policy"
     if [[ $workload == chat && $policy == kv ]]; then echo "    tokenizer: $TOKENIZER"; fi
