@@ -1,4 +1,5 @@
-//! A fast keyed hasher for maps keyed by 64-bit block hashes.
+//! A fast keyed hasher for maps keyed by 64-bit block hashes (and other integer ids: the
+//! router's per-instance and per-request maps use it too).
 //!
 //! Block hashes are already uniformly distributed, so SipHash would be wasted work; but they are
 //! derived from client-chosen tokens with a public seed, so using them as bucket indices directly
@@ -11,7 +12,7 @@ use std::hash::{BuildHasher, Hasher, RandomState};
 
 /// Builds [`KeyedHasher`]s that share two random keys drawn when the state is created.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct KeyedState {
+pub struct KeyedState {
     k0: u64,
     k1: u64,
     k2: u64,
@@ -19,7 +20,7 @@ pub(crate) struct KeyedState {
 
 impl KeyedState {
     /// A state with fresh random keys.
-    pub(crate) fn new() -> Self {
+    pub fn new() -> Self {
         let random = RandomState::new();
         Self {
             k0: random.hash_one(0x6b76_6d65_7368_u64),
@@ -49,7 +50,7 @@ impl BuildHasher for KeyedState {
 
 /// Hasher for keys made of `u64`/`u32` words (block hashes, worker keys).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct KeyedHasher {
+pub struct KeyedHasher {
     state: u64,
     k1: u64,
     k2: u64,

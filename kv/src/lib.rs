@@ -185,6 +185,7 @@ pub use hash::{
     sequence_hash,
 };
 pub use index::{DEFAULT_SHARDS, EVICTION_FACTOR, IndexLimits, IndexStats, KvIndex};
+pub use keyed_hasher::{KeyedHasher, KeyedState};
 pub use outcome::{ApplyOutcome, ApplyStatus};
 pub use scores::{OverlapScores, WorkerOverlap};
 pub use worker::{CacheTier, WorkerKey};

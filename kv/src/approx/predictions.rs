@@ -6,6 +6,7 @@ use std::collections::{BinaryHeap, HashMap};
 use std::time::Instant;
 
 use crate::hash::SequenceHash;
+use crate::keyed_hasher::KeyedState;
 use crate::worker::WorkerKey;
 
 use super::outcome::ApproxOutcome;
@@ -39,7 +40,7 @@ pub(crate) enum Insert {
 /// Predicted pairs and their eviction heap.
 #[derive(Debug, Default)]
 pub(crate) struct Predictions {
-    entries: HashMap<(WorkerKey, SequenceHash), Prediction>,
+    entries: HashMap<(WorkerKey, SequenceHash), Prediction, KeyedState>,
     heap: BinaryHeap<Reverse<Candidate>>,
 }
 

@@ -29,6 +29,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use kvmesh_config::KvCacheCheckConfig;
+use kvmesh_kv::KeyedState;
 use serde::Serialize;
 
 /// How long after an instance's last request ended its KV events may still be on their way
@@ -119,7 +120,7 @@ struct InstanceCheck {
 pub(crate) struct CacheCheck {
     window: usize,
     mismatches: usize,
-    instances: Mutex<HashMap<u64, InstanceCheck>>,
+    instances: Mutex<HashMap<u64, InstanceCheck, KeyedState>>,
 }
 
 impl CacheCheck {
@@ -128,7 +129,7 @@ impl CacheCheck {
         Self {
             window: config.window,
             mismatches: config.mismatches.max(1),
-            instances: Mutex::new(HashMap::new()),
+            instances: Mutex::new(HashMap::default()),
         }
     }
 
@@ -137,7 +138,7 @@ impl CacheCheck {
         self.window > 0
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<u64, InstanceCheck>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<u64, InstanceCheck, KeyedState>> {
         self.instances
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use kvmesh_kv::SequenceHash;
+use kvmesh_kv::{KeyedState, SequenceHash};
 use tokio::sync::Notify;
 
 use crate::kv::replicas::{SharedLoad, SharedSpeed};
@@ -165,11 +165,11 @@ struct InstanceLoad {
     /// When the last of its requests produced its first response byte.
     last_prefill_done: Option<Instant>,
     /// Reference counts of the full blocks of in-flight requests.
-    blocks: HashMap<SequenceHash, u32>,
+    blocks: HashMap<SequenceHash, u32, KeyedState>,
     tail_blocks: u64,
     /// Output blocks of in-flight requests.
     output_blocks: u64,
-    requests: HashMap<u64, ActiveRequest>,
+    requests: HashMap<u64, ActiveRequest, KeyedState>,
     foreign: Option<ForeignLoad>,
     /// Recent releases: when, and how many blocks each freed.
     released: VecDeque<(Instant, u64)>,
@@ -279,7 +279,7 @@ impl InstanceLoad {
 /// write) when an instance is added or removed, and read without a lock.
 #[derive(Debug)]
 pub(crate) struct ActiveLoads {
-    instances: ArcSwap<HashMap<u64, Arc<Mutex<InstanceLoad>>>>,
+    instances: ArcSwap<HashMap<u64, Arc<Mutex<InstanceLoad>>, KeyedState>>,
     next_id: AtomicU64,
     /// Every instance's speed samples together: the prior of each instance's own.
     fleet_speed: Mutex<LearnedSpeed>,
@@ -295,7 +295,7 @@ impl ActiveLoads {
     /// Empty loads for no instance.
     pub(crate) fn new() -> Self {
         Self {
-            instances: ArcSwap::from_pointee(HashMap::new()),
+            instances: ArcSwap::from_pointee(HashMap::default()),
             next_id: AtomicU64::new(1),
             fleet_speed: Mutex::new(LearnedSpeed::default()),
             fleet_ln_factor: AtomicU64::new(0f64.to_bits()),

@@ -16,6 +16,7 @@ use std::sync::{Mutex, PoisonError};
 
 use arc_swap::ArcSwap;
 use kvmesh_config::KvTokenizerCheckConfig;
+use kvmesh_kv::KeyedState;
 use kvmesh_preprocess::{ChatRequest, ModelPreprocessor};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -181,9 +182,9 @@ impl TokenizerOutcome {
 #[derive(Debug)]
 pub struct TokenizerChecks {
     settings: KvTokenizerCheckConfig,
-    outcomes: ArcSwap<HashMap<u64, TokenizerOutcome>>,
+    outcomes: ArcSwap<HashMap<u64, TokenizerOutcome, KeyedState>>,
     /// The mismatched instances alone (read per request, usually empty).
-    mismatched: ArcSwap<HashMap<u64, TokenizerMismatch>>,
+    mismatched: ArcSwap<HashMap<u64, TokenizerMismatch, KeyedState>>,
     running: Mutex<HashSet<u64>>,
 }
 
@@ -192,8 +193,8 @@ impl TokenizerChecks {
     pub(crate) fn new(settings: KvTokenizerCheckConfig) -> Self {
         Self {
             settings,
-            outcomes: ArcSwap::from_pointee(HashMap::new()),
-            mismatched: ArcSwap::from_pointee(HashMap::new()),
+            outcomes: ArcSwap::from_pointee(HashMap::default()),
+            mismatched: ArcSwap::from_pointee(HashMap::default()),
             running: Mutex::new(HashSet::new()),
         }
     }
