@@ -1,6 +1,8 @@
 //! Why a request went where it went: the `x-kvmesh-route` response header and the body of the
 //! admin `POST /debug/route` endpoint.
 
+use std::fmt::Write;
+
 use serde::Serialize;
 
 use crate::kv::cache_check::CacheCheckState;
@@ -17,21 +19,21 @@ use crate::prepare::RouteInput;
 /// the request's session chose the instance and `; fallback=<reason>` for a request routed
 /// without tokens.
 pub(crate) fn route_header(instance: &str, decision: &Decision, request: &KvRequest) -> String {
-    let mut text = format!(
-        "instance={instance}; overlap_blocks={}; prompt_blocks={}; ttft_ms={:.1}; cost={:.1}",
-        decision.overlap_blocks,
-        request.shape.full_blocks,
-        decision.cost.ttft_ms,
-        decision.cost.value
-    );
+    let mut text = String::with_capacity(instance.len() + HEADER_SPARE);
+    text.push_str("instance=");
+    text.push_str(instance);
+    push_field(&mut text, "overlap_blocks=", decision.overlap_blocks);
+    push_field(&mut text, "prompt_blocks=", request.shape.full_blocks);
+    text.push_str("; ttft_ms=");
+    push_tenths(&mut text, decision.cost.ttft_ms);
+    text.push_str("; cost=");
+    push_tenths(&mut text, decision.cost.value);
     if let Some(reported) = &request.reported {
         let blocks = instance_depth(reported, decision.instance_id).min(request.shape.full_blocks);
-        text.push_str("; reported_blocks=");
-        text.push_str(&blocks.to_string());
+        push_field(&mut text, "reported_blocks=", blocks);
     }
     if let Some(rank) = decision.dp_rank {
-        text.push_str("; rank=");
-        text.push_str(&rank.to_string());
+        push_field(&mut text, "rank=", rank);
     }
     if decision.affinity {
         text.push_str("; session=bound");
@@ -41,6 +43,38 @@ pub(crate) fn route_header(instance: &str, decision: &Decision, request: &KvRequ
         text.push_str(reason.label());
     }
     text
+}
+
+/// Room for the header's fields after the instance's URL, so that it is built without
+/// growing.
+const HEADER_SPARE: usize = 160;
+
+/// Appends `; {name}{value}`.
+fn push_field(text: &mut String, name: &str, value: impl itoa::Integer) {
+    text.push_str("; ");
+    text.push_str(name);
+    text.push_str(itoa::Buffer::new().format(value));
+}
+
+/// Appends `value` with one decimal, as `{value:.1}` writes it, except that a value at (or
+/// within a rounding error of) a tie may round away from zero where the float formatter
+/// rounds to even, and a value that rounds to zero has no sign. Per request, this takes a
+/// fraction of the float formatter's instructions.
+fn push_tenths(text: &mut String, value: f64) {
+    const EXACT: f64 = 1e15;
+    let tenths = (value * 10.0).round();
+    if tenths.is_nan() || tenths.abs() >= EXACT {
+        let _ = write!(text, "{value:.1}");
+        return;
+    }
+    let tenths = tenths as i64;
+    if tenths < 0 {
+        text.push('-');
+    }
+    let tenths = tenths.unsigned_abs();
+    text.push_str(itoa::Buffer::new().format(tenths / 10));
+    text.push('.');
+    text.push(char::from(b'0' + (tenths % 10) as u8));
 }
 
 /// How a request would be routed now (`POST /debug/route`).
@@ -156,8 +190,7 @@ pub(crate) fn route_header_noting(
 ) -> String {
     let mut text = route_header(instance, decision, request);
     if let Some(engine) = block_size_mismatch {
-        text.push_str("; block_size_mismatch=");
-        text.push_str(&engine.to_string());
+        push_field(&mut text, "block_size_mismatch=", engine);
     }
     if let Some(probe) = tokenizer_mismatch {
         text.push_str("; tokenizer_mismatch=");
@@ -266,5 +299,37 @@ mod tests {
         assert_eq!(noted, format!("{plain}; block_size_mismatch=32"));
         let noted = route_header_noting("http://h:1", &decision, &request, None, Some("chat"));
         assert_eq!(noted, format!("{plain}; tokenizer_mismatch=chat"));
+    }
+
+    fn tenths(value: f64) -> String {
+        let mut text = String::new();
+        push_tenths(&mut text, value);
+        text
+    }
+
+    #[test]
+    fn tenths_read_as_the_float_formatter_writes_them() {
+        for value in [
+            0.0, 0.04, 1.0, 24.44, 31.5, 9.96, 99.99, 1234.56, -3.21, -0.96, 7e13,
+        ] {
+            assert_eq!(tenths(value), format!("{value:.1}"), "{value}");
+        }
+        assert_eq!(tenths(-0.01), "0.0");
+        for value in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 1e300] {
+            assert_eq!(tenths(value), format!("{value:.1}"), "{value}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Away from ties (more than 0.01 from one), the two agree.
+        #[test]
+        fn tenths_agree_with_the_float_formatter_away_from_ties(
+            whole in -1_000_000_000i64..1_000_000_000,
+            offset in -0.039f64..0.039,
+        ) {
+            let value = whole as f64 / 10.0 + offset;
+            proptest::prop_assume!(whole != 0 || value >= 0.0);
+            proptest::prop_assert_eq!(tenths(value), format!("{value:.1}"));
+        }
     }
 }
