@@ -13,7 +13,7 @@ use tokenizers::Tokenizer;
 #[derive(Debug, Clone)]
 pub(crate) struct AddedTokenSplitter {
     /// Token contents and ids by first byte, longest first.
-    by_first_byte: Vec<Vec<(Box<str>, u32)>>,
+    by_first_byte: Vec<Vec<AddedToken>>,
     /// The distinct first bytes of the tokens, so that a text is searched with `memchr` when
     /// there are at most three (all of Qwen's and Llama's added tokens start with `<`).
     first_bytes: Vec<u8>,
@@ -34,7 +34,7 @@ impl AddedTokenSplitter {
                 return None;
             }
         }
-        let mut by_first_byte: Vec<Vec<(Box<str>, u32)>> = vec![Vec::new(); 256];
+        let mut by_first_byte: Vec<Vec<AddedToken>> = vec![Vec::new(); 256];
         for (&id, token) in tokenizer.get_added_vocabulary().get_added_tokens_decoder() {
             if token.normalized {
                 // Matched inside pieces, after normalization: encoding a piece alone does the same.
@@ -44,11 +44,11 @@ impl AddedTokenSplitter {
                 return None;
             }
             if let Some(&first) = token.content.as_bytes().first() {
-                by_first_byte[usize::from(first)].push((token.content.as_str().into(), id));
+                by_first_byte[usize::from(first)].push(AddedToken::new(&token.content, id));
             }
         }
         for tokens in &mut by_first_byte {
-            tokens.sort_by_key(|(t, _)| std::cmp::Reverse(t.len()));
+            tokens.sort_by_key(|token| std::cmp::Reverse(token.text.len()));
         }
         let first_bytes = (0..=u8::MAX)
             .filter(|&b| !by_first_byte[usize::from(b)].is_empty())
@@ -89,18 +89,58 @@ impl AddedTokenSplitter {
                 };
                 let start = pos + skipped;
                 let candidates = &self.by_first_byte[usize::from(bytes[start])];
-                if let Some((token, id)) = candidates
-                    .iter()
-                    .find(|(t, _)| bytes[start..].starts_with(t.as_bytes()))
-                {
-                    pos = start + token.len();
-                    return Some((start..pos, *id));
+                let rest = &bytes[start..];
+                let head = head_word(rest);
+                if let Some(token) = candidates.iter().find(|token| token.starts(rest, head)) {
+                    pos = start + token.text.len();
+                    return Some((start..pos, token.id));
                 }
                 pos = start + 1;
             }
             None
         })
     }
+}
+
+/// One added token, with its first bytes as a word to rule out most candidates without a
+/// comparison call (Qwen's 26 tokens all start with `<`; a chat has several per prompt).
+#[derive(Debug, Clone)]
+struct AddedToken {
+    /// Its first (up to) eight bytes, little-endian, zero-padded.
+    head: u64,
+    /// The bits of `head` that hold bytes of the token.
+    mask: u64,
+    text: Box<str>,
+    id: u32,
+}
+
+impl AddedToken {
+    fn new(text: &str, id: u32) -> Self {
+        let len = text.len().min(8);
+        Self {
+            head: head_word(text.as_bytes()),
+            mask: if len == 8 {
+                u64::MAX
+            } else {
+                (1u64 << (8 * len)) - 1
+            },
+            text: text.into(),
+            id,
+        }
+    }
+
+    /// Whether `rest` (whose [`head_word`] is `head`) starts with the token.
+    fn starts(&self, rest: &[u8], head: u64) -> bool {
+        head & self.mask == self.head && rest.starts_with(self.text.as_bytes())
+    }
+}
+
+/// The first (up to) eight bytes of `bytes`, little-endian, zero-padded.
+fn head_word(bytes: &[u8]) -> u64 {
+    let mut word = [0u8; 8];
+    let len = bytes.len().min(8);
+    word[..len].copy_from_slice(&bytes[..len]);
+    u64::from_le_bytes(word)
 }
 
 #[cfg(test)]
@@ -166,6 +206,26 @@ mod tests {
             .collect();
         // "<y>" is a normalized token: it is matched inside pieces, not by this pass.
         assert_eq!(found, [("<|xy|>", 2), ("<|x|>", 1), ("<|x|>", 1)]);
+    }
+
+    #[test]
+    fn tokens_longer_than_a_word_match_whole() {
+        let tokens = [
+            added("<|im_start|>", 5, false, false),
+            added("<|im_starts|>", 6, false, false),
+            added("<|im_end|>", 7, false, false),
+        ];
+        let t = tokenizer(&tokens.join(","), r#"{"type": "Whitespace"}"#);
+        let splitter = AddedTokenSplitter::for_tokenizer(&t).unwrap();
+        let text = "<|im_start|>a<|im_starts|><|im_stard|><|im_end|<|im_end|><|im_sta";
+        let found: Vec<_> = splitter
+            .matches(text)
+            .map(|(r, id)| (&text[r], id))
+            .collect();
+        assert_eq!(
+            found,
+            [("<|im_start|>", 5), ("<|im_starts|>", 6), ("<|im_end|>", 7)]
+        );
     }
 
     #[test]
