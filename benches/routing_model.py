@@ -27,6 +27,7 @@ delays), learned speeds, engine load reports, preemption. Standard library only.
 import argparse
 import heapq
 import json
+import math
 import random
 from collections import OrderedDict
 
@@ -298,6 +299,21 @@ class KvCost:
         self.in_flight[engine.index] = {r for r in self.in_flight[engine.index] if not r.done}
 
 
+def draw(costs, temperature):
+    """kvmesh's choice at `temperature` > 0 (route/src/kv/select.rs): `p(i) ∝
+    exp(−((cost(i) − min) / (max − min)) / T)`, uniform when all costs are equal."""
+    low, high = min(costs), max(costs)
+    if not high - low > 1e-9:
+        return int(random.random() * len(costs))
+    weights = [math.exp(-((c - low) / (high - low)) / temperature) for c in costs]
+    x = random.random() * sum(weights)
+    for k, w in enumerate(weights):
+        if x < w:
+            return k
+        x -= w
+    return len(costs) - 1
+
+
 class Replica:
     """What one proxy replica knows: its own bookings, in-flight requests and their blocks, the
     decisions it recorded (its own and those the others shared), and where it has read the
@@ -329,9 +345,13 @@ class ReplicatedKv(KvCost):
     ties on every replica's requests. With `delay_ms` 0 it routes as one proxy does.
     """
 
-    def __init__(self, replicas, delay_ms=1.0, spread="lanes", share="loads", **kwargs):
+    def __init__(self, replicas, delay_ms=1.0, spread="lanes", share="loads", decide="own",
+                 temperature=0.0, **kwargs):
         super().__init__(**kwargs)
         self.count, self.delay, self.spread, self.share = replicas, delay_ms, spread, share
+        self.decide, self.temperature = decide, temperature
+        # A leader deciding for every replica: one proxy's decisions, each a round trip late.
+        self.extra_ms = 2 * delay_ms if decide == "leader" and replicas > 1 else 0.0
         self.name += f", {replicas} replicas"
 
     def setup(self, engines):
@@ -345,11 +365,13 @@ class ReplicatedKv(KvCost):
         self.idle = []
         self.connections = 0
 
-    def reach(self):
+    def reach(self, request):
         """The replica the next request reaches. `lanes`: as kvmesh-bench spreads it, one
         request at a time per connection, the most recently freed connection first, a new one
         when none is free, new connections opened on each replica in turn; `request`: each
-        request to the next replica in turn."""
+        request to the next replica in turn. A `leader` decides every request itself."""
+        if self.decide == "leader":
+            return 0
         if self.spread == "request":
             return self.arrived % self.count
         if self.idle:
@@ -435,7 +457,7 @@ class ReplicatedKv(KvCost):
         return value, tie, new, own_ms + own_iterations * per_iteration
 
     def route(self, request, now):
-        i = self.reach()
+        i = self.reach(request)
         self.arrived += 1
         self.owner[request] = (i, self.arrived)
         me = self.replicas[i]
@@ -446,12 +468,17 @@ class ReplicatedKv(KvCost):
                 for h in hashes:
                     me.decided[k][h] = at + self.delay + self.ttl
         best = None
+        scored = []
         for k in range(len(self.engines)):
             value, tie, new, own_ms = self.replica_cost(i, k, request, now)
+            scored.append((value, new, own_ms))
             key = (value, tie, random.random())
             if best is None or key < best[0]:
                 best = (key, k, new, own_ms)
         _, k, new, own_ms = best
+        if self.temperature > 0:
+            k = draw([value for value, _, _ in scored], self.temperature)
+            _, new, own_ms = scored[k]
         for h in request.hashes:
             me.decided[k][h] = now + self.ttl
             me.blocks[k][h] = me.blocks[k].get(h, 0) + 1
@@ -514,14 +541,21 @@ def replay(policy, requests, engines):
     return engines
 
 
-def load(path, limit, speedup):
+def load(path, limit, speedup, jitter_ms=0.0, seed=1):
+    """The first `limit` requests of the trace at `path`, `speedup` times faster; each arrival
+    moved later by up to `jitter_ms` (uniform, drawn from `seed`), to spread out the trace's
+    bursts of requests with one timestamp."""
     requests = []
+    jitter = random.Random(seed)
     with open(path) as f:
         for line in f:
             if len(requests) == limit:
                 break
             d = json.loads(line)
-            requests.append(Request(d["timestamp"] / speedup, d["input_length"],
+            arrival = d["timestamp"] / speedup
+            if jitter_ms:
+                arrival += jitter.uniform(0.0, jitter_ms)
+            requests.append(Request(arrival, d["input_length"],
                                     max(1, d["output_length"]), d["hash_ids"]))
     return requests
 
@@ -530,9 +564,11 @@ def measure(policy, args, seed):
     """Replays the trace slice through `policy`: TTFT p50, p90, p99, hit rate, requests per
     engine."""
     random.seed(seed)
-    requests = load(args.trace, args.slice_requests, args.arrival_speedup)
+    requests = load(args.trace, args.slice_requests, args.arrival_speedup,
+                    getattr(args, "arrival_jitter_ms", 0.0), seed)
     engines = replay(policy, requests, args.engines)
-    ttft = sorted(r.first - r.arrival for r in requests)
+    extra = getattr(policy, "extra_ms", 0.0)
+    ttft = sorted(r.first - r.arrival + extra for r in requests)
     q = lambda p: ttft[min(len(ttft) - 1, int(p * len(ttft)))]
     hits = sum(e.hit_tokens for e in engines) / max(1, sum(e.query_tokens for e in engines))
     per = [0] * args.engines
@@ -545,7 +581,8 @@ def kv_policy(args, replicas, **kwargs):
     """kvmesh's `kv` with `kwargs`, run by one proxy or by `replicas` of them."""
     if replicas == 1:
         return KvCost(**kwargs)
-    return ReplicatedKv(replicas, args.share_delay_ms, args.spread, args.share, **kwargs)
+    return ReplicatedKv(replicas, args.share_delay_ms, args.spread, args.share, args.decide,
+                        args.temperature, **kwargs)
 
 
 def median(values):
@@ -567,7 +604,8 @@ def replica_sweep(args):
     spread = [(min(run[i] for run in results[1]), max(run[i] for run in results[1]))
               for i in range(4)]
     print(f"kvmesh kv defaults; share: {args.share}, delay {args.share_delay_ms:g} ms, "
-          f"spread: {args.spread}; medians of seeds {args.seeds}; one replica's range over "
+          f"spread: {args.spread}, decide: {args.decide}, temperature {args.temperature:g}, "
+          f"arrival jitter {args.arrival_jitter_ms:g} ms; medians of seeds {args.seeds}; one replica's range over "
           f"the seeds: TTFT p50 {spread[0][0]:.0f}–{spread[0][1]:.0f}, p90 "
           f"{spread[1][0]:.0f}–{spread[1][1]:.0f}, p99 {spread[2][0]:.0f}–{spread[2][1]:.0f}, "
           f"hit rate {spread[3][0]:.3f}–{spread[3][1]:.3f}")
@@ -603,6 +641,15 @@ def main():
     ap.add_argument("--share", choices=["loads", "bookings"], default="loads",
                     help="what replicas share of their in-flight load: loads (per-instance "
                          "totals, what kvmesh does) or bookings (each request)")
+    ap.add_argument("--decide", choices=["own", "leader"], default="own",
+                    help="who decides a replica's requests: own (itself, what kvmesh does) or "
+                         "leader (one replica decides for all, a round trip of --share-delay-ms "
+                         "added to each request's time to first token)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="kv.temperature of the replicas (default 0: the cheapest instance)")
+    ap.add_argument("--arrival-jitter-ms", type=float, default=0.0,
+                    help="move each arrival later by up to this many engine-time ms (uniform): "
+                         "the trace's requests come in bursts with one timestamp")
     ap.add_argument("--replica-sweep", metavar="COUNTS",
                     help="comma-separated replica counts: instead of the policy table, kvmesh "
                          "kv's defaults at each, medians over --seeds, against one replica")
