@@ -20,6 +20,11 @@ mocker polynomials). A router policy picks each request's engine at its arrival:
   engine's cache and the proxy's decisions of the last 120 s), with exact speeds and instant
   KV events.
 
+With `--replicas N` the `kv` rows are run by N proxy replicas that share what kvmesh's
+replicas share, a share delay late (`ReplicatedKv`); `--replica-sweep` compares replica
+counts with one replica (docs/BENCHMARKS.md, *Routing quality: replicas in the offline model
+(issue 31)*).
+
 What it leaves out: every wall-clock effect (CPU contention, the proxy's overhead, event
 delays), learned speeds, engine load reports, preemption. Standard library only.
 """
