@@ -6,9 +6,10 @@
 #   kvmesh-kv        kvmesh-proxy, policy: kv (approximate: predicted from its own decisions)
 #   kvmesh-precise   kvmesh-proxy, policy: kv with KV events: one kvmesh-agent per engine,
 #                    etcd discovery, nats-server events
-#   kvmesh-precise-2r  the same with two kvmesh-proxy replicas sharing etcd and NATS, the load
+#   kvmesh-precise-2r, kvmesh-precise-4r (any kvmesh-precise-Nr, N >= 2)
+#                    the same with N kvmesh-proxy replicas sharing etcd and NATS, the load
 #                    generator opening its connections to each in turn (so a conversation's
-#                    turns land on either replica)
+#                    turns land on any replica); the targets compare each with one replica
 #   sglang           sglang-router 0.3.2, --policy cache_aware
 #   vllm-router      vllm-router 0.1.17, --policy cache_aware
 #   nginx            nginx round robin
@@ -46,14 +47,18 @@
 #                         --sweep-sessions conversations through kvmesh round robin at each of
 #                         the comma-separated rates (req/s), reported before the comparison
 #   --sweep-sessions N    conversations per sweep step (default 12)
-#   --lanes LIST          comma-separated subset of the lanes above (default: all)
+#   --lanes LIST          comma-separated subset of the lanes above (default: all, with
+#                         kvmesh-precise-2r and kvmesh-precise-4r as the replica lanes)
+#   --rounds R            run every lane R times (round by round, all lanes in each) and report
+#                         each quantity's median over the rounds; the replica targets show the
+#                         one-replica lane's range beside (default 1)
 #   --kv-overlap-weight W kvmesh policy: kv overlap_weight (default: the proxy's default)
 #   --kv KEY=VALUE        any other kvmesh policy: kv setting, e.g. --kv harm_weight=0.1
 #                         (repeatable; default: the proxy's defaults)
 #   --workloads LIST      trace,chat (default both)
-#   --second-replica-idle the kvmesh-precise-2r lane sends all its load to the first replica,
-#                         the second running beside it (sharing, receiving events) with none:
-#                         what a second proxy process costs on this machine, apart from routing
+#   --second-replica-idle the kvmesh-precise-Nr lanes send all their load to the first replica,
+#                         the others running beside it (sharing, receiving events) with none:
+#                         what more proxy processes cost on this machine, apart from routing
 #   --no-build            use the binaries already in --bin-dir
 #   --bin-dir DIR         where the binaries are (default target/release)
 #   --doc FILE            document to update (default docs/BENCHMARKS.md)
@@ -77,7 +82,8 @@ CHAT_SYSTEM_PROMPTS=4
 CHAT_SYSTEM_WORDS=500
 CHAT_USER_WORDS=800
 CHAT_ANSWER_WORDS=100
-LANES=kvmesh-rr,kvmesh-kv,kvmesh-precise,kvmesh-precise-2r,sglang,vllm-router,nginx
+LANES=kvmesh-rr,kvmesh-kv,kvmesh-precise,kvmesh-precise-2r,kvmesh-precise-4r,sglang,vllm-router,nginx
+ROUNDS=1
 WORKLOADS=trace,chat
 KV_OVERLAP_WEIGHT=
 KV_SETTINGS=()
@@ -103,6 +109,7 @@ while (($#)); do
     --chat-rate) CHAT_RATE=$2; GIVEN[rate]=1; shift 2 ;;
     --chat-sessions) CHAT_SESSIONS=$2; GIVEN[sessions]=1; shift 2 ;;
     --lanes) LANES=$2; GIVEN[lanes]=1; shift 2 ;;
+    --rounds) ROUNDS=$2; shift 2 ;;
     --real-engines) REAL_ENGINES=1; shift ;;
     --real-cache-blocks) REAL_CACHE_BLOCKS=$2; shift 2 ;;
     --real-sweep) REAL_SWEEP=$2; shift 2 ;;
@@ -138,8 +145,23 @@ IFS=, read -ra LANE_LIST <<<"$LANES"
 IFS=, read -ra WORKLOAD_LIST <<<"$WORKLOADS"
 [[ -f $TRACE ]] || die "no trace at $TRACE"
 TIME_SCALE=$(awk -v a="$ARRIVAL_SPEEDUP" -v s="$SPEEDUP" 'BEGIN { print a * s }')
+[[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || die "--rounds takes a positive count, not $ROUNDS"
 has_lane() { [[ ",$LANES," == *",$1,"* ]]; }
-has_precise() { has_lane kvmesh-precise || has_lane kvmesh-precise-2r; }
+has_precise() { [[ ",$LANES," == *",kvmesh-precise"* ]]; }
+# replicas_of LANE: the proxy replicas of a kvmesh-precise lane (kvmesh-precise: 1,
+# kvmesh-precise-Nr: N); nothing for other lanes.
+replicas_of() {
+  local n=${1#kvmesh-precise-}
+  n=${n%r}
+  if [[ $1 == kvmesh-precise ]]; then
+    echo 1
+  elif [[ $1 == kvmesh-precise-*r && $n =~ ^[0-9]+$ ]] && ((n >= 2)); then
+    echo "$n"
+  fi
+}
+for lane in "${LANE_LIST[@]}"; do
+  [[ $lane != kvmesh-precise-* || -n $(replicas_of "$lane") ]] || die "unknown lane $lane (kvmesh-precise-Nr takes N >= 2)"
+done
 
 # ---- tools, binaries, peers -----------------------------------------------------------------
 need_tool jq jq
@@ -250,9 +272,10 @@ start_kvmesh() { # CONFIG
 
 # start_precise WORKLOAD [REPLICAS]: etcd, nats-server, one kvmesh-agent per engine, then
 # kvmesh-proxy with etcd discovery and NATS events; waits until the proxy routes to every
-# engine. With 2 replicas, a second proxy with the same config (ALSO_URLS).
+# engine. With more replicas, more proxies with the same config (ALSO_URLS: the load generator
+# opens its connections on each in turn; none with --second-replica-idle).
 start_precise() {
-  local i replicas=${2:-1}
+  local i r replicas=${2:-1}
   start_etcd_nats "$RUN_DIR"
   ROUTER_PIDS=("$ETCD_PID" "$NATS_PID")
   for ((i = 0; i < ENGINES; i++)); do
@@ -275,12 +298,12 @@ events:
   wait_ready "$RUN_DIR/proxy.out" "$PROXY_PID"
   ROUTER_URL=http://$(listening "$RUN_DIR/proxy.out" main)
   ROUTER_PIDS+=("$PROXY_PID")
-  if ((replicas == 2)); then
-    start_bg PROXY2_PID "$RUN_DIR/proxy-2.out" env RUST_LOG=warn "$PROXY" --config "$RUN_DIR/kvmesh.yaml"
-    wait_ready "$RUN_DIR/proxy-2.out" "$PROXY2_PID"
-    ROUTER_PIDS+=("$PROXY2_PID")
-    ((SECOND_REPLICA_IDLE)) || ALSO_URLS=("http://$(listening "$RUN_DIR/proxy-2.out" main)")
-  fi
+  for ((r = 2; r <= replicas; r++)); do
+    start_bg REPLICA_PID "$RUN_DIR/proxy-$r.out" env RUST_LOG=warn "$PROXY" --config "$RUN_DIR/kvmesh.yaml"
+    wait_ready "$RUN_DIR/proxy-$r.out" "$REPLICA_PID"
+    ROUTER_PIDS+=("$REPLICA_PID")
+    ((SECOND_REPLICA_IDLE)) || ALSO_URLS+=("http://$(listening "$RUN_DIR/proxy-$r.out" main)")
+  done
 }
 
 start_sglang() {
@@ -359,19 +382,19 @@ metric_sum() {
   awk -v n="$1" '$1 == n || index($1, n "{") == 1 { s += $NF } END { printf "%.0f", s }' "$RUN_DIR/proxy-metrics.txt" 2>/dev/null || echo 0
 }
 
-# run_one WORKLOAD LANE: fresh sims and router, the workload through it, JSON in $WORK_DIR.
+# run_one WORKLOAD LANE [ROUND]: fresh sims and router, the workload through it, JSON in
+# $WORK_DIR/WORKLOAD-LANE (in its round-ROUND when given).
 run_one() {
-  local workload=$1 lane=$2 started=$SECONDS
-  RUN_DIR=$WORK_DIR/$workload-$lane
+  local workload=$1 lane=$2 round=${3:-} started=$SECONDS
+  RUN_DIR=$WORK_DIR/$workload-$lane${round:+/round-$round}
   mkdir -p "$RUN_DIR"
-  log "== $workload through $lane"
+  log "== $workload through $lane${round:+, round $round of $ROUNDS}"
   ALSO_URLS=()
   start_sims "$workload" "$lane"
   case $lane in
     kvmesh-rr) kvmesh_config "$RUN_DIR/kvmesh.yaml" round_robin "$workload"; start_kvmesh "$RUN_DIR/kvmesh.yaml" ;;
     kvmesh-kv) kvmesh_config "$RUN_DIR/kvmesh.yaml" kv "$workload"; start_kvmesh "$RUN_DIR/kvmesh.yaml" ;;
-    kvmesh-precise) start_precise "$workload" ;;
-    kvmesh-precise-2r) start_precise "$workload" 2 ;;
+    kvmesh-precise*) start_precise "$workload" "$(replicas_of "$lane")" ;;
     sglang) start_sglang ;;
     vllm-router) start_vllm_router ;;
     nginx) start_nginx ;;
@@ -399,7 +422,7 @@ run_one() {
     curl -sf "http://$(listening "$RUN_DIR/proxy.out" admin)/metrics" >"$RUN_DIR/proxy-metrics.txt" || true
   fi
   if [[ $lane == kvmesh-precise* ]]; then
-    note "$lane, $workload: the proxy applied $(metric_sum kvmesh_kv_events_applied_total) KV events from the agents ($(metric_sum kvmesh_kv_event_gaps_total) gaps, $(metric_sum kvmesh_kv_resyncs_total) resyncs), saw $(metric_sum kvmesh_discovery_instances) instances in etcd, and made $(metric_sum kvmesh_route_fallbacks_total) fallback routing decisions"
+    note "$lane, $workload${round:+, round $round}: the proxy applied $(metric_sum kvmesh_kv_events_applied_total) KV events from the agents ($(metric_sum kvmesh_kv_event_gaps_total) gaps, $(metric_sum kvmesh_kv_resyncs_total) resyncs), saw $(metric_sum kvmesh_discovery_instances) instances in etcd, and made $(metric_sum kvmesh_route_fallbacks_total) fallback routing decisions"
   fi
   sed 's/^/    /' "$RUN_DIR/report.txt" >&2
   local pid
@@ -414,18 +437,32 @@ if ((REAL_ENGINES)); then
   exit 0
 fi
 
+# median_reports OUT REPORT...: a report whose every number is the median of that number over
+# the REPORTs (the middle one; the upper middle of an even count).
+median_reports() {
+  local out=$1
+  shift
+  jq -s '. as $all | reduce ($all[0] | paths(numbers)) as $p ($all[0];
+    setpath($p; [$all[] | getpath($p) | select(type == "number")] | sort | .[length / 2 | floor]))' "$@" >"$out"
+}
+
 RAN=()
-for workload in "${WORKLOAD_LIST[@]}"; do
-  for lane in "${LANE_LIST[@]}"; do
-    if [[ $lane == kvmesh-precise* ]] && ! { [[ -x $AGENT ]] && "$AGENT" --help >/dev/null 2>&1 &&
-      "$AGENT" --help 2>&1 | grep -q -- '--kv-events-endpoint'; }; then
-      note "$lane skipped: no usable kvmesh-agent at $AGENT (the worker-agent is not built yet)"
-      continue
-    fi
-    run_one "$workload" "$lane"
-    RAN+=("$workload-$lane")
+for ((round = 1; round <= ROUNDS; round++)); do
+  for workload in "${WORKLOAD_LIST[@]}"; do
+    for lane in "${LANE_LIST[@]}"; do
+      if [[ $lane == kvmesh-precise* ]] && ! { [[ -x $AGENT ]] && "$AGENT" --help >/dev/null 2>&1 &&
+        "$AGENT" --help 2>&1 | grep -q -- '--kv-events-endpoint'; }; then
+        note "$lane skipped: no usable kvmesh-agent at $AGENT (the worker-agent is not built yet)"
+        continue
+      fi
+      if ((ROUNDS == 1)); then run_one "$workload" "$lane"; else run_one "$workload" "$lane" "$round"; fi
+      ((round > 1)) || RAN+=("$workload-$lane")
+    done
   done
 done
+if ((ROUNDS > 1)); then
+  for run in "${RAN[@]}"; do median_reports "$WORK_DIR/$run/report.json" "$WORK_DIR/$run"/round-*/report.json; done
+fi
 TOTAL_SECONDS=$((SECONDS - STARTED_AT))
 
 # ---- plots ----------------------------------------------------------------------------------
@@ -465,13 +502,28 @@ verdict() {
 }
 SECTION=$WORK_DIR/section.md
 declare -A LABEL=([kvmesh-rr]="kvmesh round robin" [kvmesh-kv]="kvmesh kv (approximate)"
-  [kvmesh-precise]="kvmesh kv precise (agents + NATS)"
-  [kvmesh-precise-2r]="kvmesh kv precise, 2 replicas" [sglang]="sglang-router $SGLANG_VERSION cache_aware"
+  [kvmesh-precise]="kvmesh kv precise (agents + NATS)" [sglang]="sglang-router $SGLANG_VERSION cache_aware"
   [vllm-router]="vllm-router $VLLM_ROUTER_VERSION cache_aware" [nginx]="nginx round robin")
+REPLICA_LANES=()
+for lane in "${LANE_LIST[@]}"; do
+  n=$(replicas_of "$lane")
+  if [[ -n $n ]] && ((n > 1)); then LABEL[$lane]="kvmesh kv precise, $n replicas"; REPLICA_LANES+=("$lane"); fi
+done
+# spread WORKLOAD LANE FILTER FORMAT SCALE: "(one replica's rounds: LOW–HIGH)" of FILTER × SCALE
+# over the lane's rounds (nothing for one round).
+spread() {
+  ((ROUNDS > 1)) || return 0
+  local low high
+  read -r low high < <(jq -s -r --argjson s "$5" "[.[] | ($3) | select(type == \"number\") | . * \$s] | sort | \"\\(.[0]) \\(.[-1])\"" \
+    "$WORK_DIR/$1-$2"/round-*/report.json)
+  [[ $low != null ]] || return 0
+  awk -v a="$low" -v b="$high" -v n="$ROUNDS" -v fmt="$4" 'BEGIN { printf " (one replica, %d rounds: " fmt "–" fmt ")", n, a, b }'
+}
 {
   echo "## Routing quality (\`benches/routing-quality.sh\`)"
   echo
   echo "Last run: $DATE, command \`$COMMAND\`, $TOTAL_SECONDS s in all."
+  if ((ROUNDS > 1)); then echo; echo "Every lane ran $ROUNDS times, round by round; each number below is the median of its $ROUNDS measurements."; fi
   echo
   echo "$LOAD_BEFORE"
   echo "- Load average after the run: \`$(cut -d' ' -f1-3 /proc/loadavg)\`"
@@ -565,7 +617,7 @@ declare -A LABEL=([kvmesh-rr]="kvmesh round robin" [kvmesh-kv]="kvmesh kv (appro
   }
   echo "### Targets (issue 18: routing that wins with no knob set)"
   echo
-  echo "kvmesh precise against the best of sglang-router and vllm-router \`cache_aware\` in this run: each TTFT quantile ≤ 0.8× the better peer's, fleet reuse ≥ the better peer's; the two-replica lane within 5 % of one replica. Meaningful only when the run sets no kv knob."
+  echo "kvmesh precise against the best of sglang-router and vllm-router \`cache_aware\` in this run: each TTFT quantile ≤ 0.8× the better peer's, fleet reuse ≥ the better peer's; each multi-replica lane within 5 % of one replica (TTFT p50 and p90 ≤ 1.05×, fleet reuse ≥ 0.95×, issue 31). Meaningful only when the run sets no kv knob."
   echo
   echo "| workload | target | measured | result |"
   echo "|---|---|---|---|"
@@ -582,12 +634,19 @@ declare -A LABEL=([kvmesh-rr]="kvmesh round robin" [kvmesh-kv]="kvmesh kv (appro
     best=$(best_peer "$w" '.cache.hit_rate' '>')
     a=$(get "$P" '.cache.hit_rate')
     echo "| $workload | hit rate ≥ best peer's | $(versus "$a" "$best" "%.3f vs %.3f" 1) | $(verdict "$a" "$best" '>=') |"
-    R=$w-kvmesh-precise-2r/report.json
-    for q in p50 p90; do
-      a=$(get "$R" ".ttft_ms.$q")
-      b=$(get "$P" ".ttft_ms.$q")
-      bar=$( [[ $b == n/a ]] && echo n/a || awk -v b="$b" 'BEGIN { print b * 1.05 }')
-      echo "| $workload | 2 replicas TTFT $q ≤ 1.05× one replica | $(versus "$a" "$b" "%.0f vs %.0f ms" "$SPEEDUP") | $(verdict "$a" "$bar" '<') |"
+    for lane in "${REPLICA_LANES[@]}"; do
+      R=$w-$lane/report.json
+      n=$(replicas_of "$lane")
+      for q in p50 p90; do
+        a=$(get "$R" ".ttft_ms.$q")
+        b=$(get "$P" ".ttft_ms.$q")
+        bar=$( [[ $b == n/a ]] && echo n/a || awk -v b="$b" 'BEGIN { print b * 1.05 }')
+        echo "| $workload | $n replicas TTFT $q ≤ 1.05× one replica | $(versus "$a" "$b" "%.0f vs %.0f ms" "$SPEEDUP")$(spread "$workload" kvmesh-precise ".ttft_ms.$q" "%.0f" "$SPEEDUP") | $(verdict "$a" "$bar" '<') |"
+      done
+      a=$(get "$R" '.cache.hit_rate')
+      b=$(get "$P" '.cache.hit_rate')
+      bar=$( [[ $b == n/a ]] && echo n/a || awk -v b="$b" 'BEGIN { print b * 0.95 }')
+      echo "| $workload | $n replicas hit rate ≥ 0.95× one replica | $(versus "$a" "$b" "%.3f vs %.3f" 1)$(spread "$workload" kvmesh-precise '.cache.hit_rate' "%.3f" 1) | $(verdict "$a" "$bar" '>=') |"
     done
   done
   echo
@@ -602,6 +661,9 @@ declare -A LABEL=([kvmesh-rr]="kvmesh round robin" [kvmesh-kv]="kvmesh kv (appro
     echo "- kvmesh: \`health_check.enabled: false\`, \`limits.first_byte_timeout\`/\`idle_timeout\` 600 s; \`policy: kv\` with ${kv_set[*]} and otherwise its defaults; chat runs give it the Qwen3 tokenizer directory."
   else
     echo "- kvmesh: \`health_check.enabled: false\`, \`limits.first_byte_timeout\`/\`idle_timeout\` 600 s; \`policy: kv\` with **no knob set** (its defaults, docs/configuration.md); chat runs give it the Qwen3 tokenizer directory."
+  fi
+  if ((${#REPLICA_LANES[@]})); then
+    echo "- Replica lanes (${REPLICA_LANES[*]}): N kvmesh-proxy processes with the same config over the same etcd, NATS and agents, sharing their decisions and in-flight load. \`kvmesh-bench --also-url\` opens its connections on each replica in turn and sends one request at a time per connection, reusing the connection freed last; a burst of arrivals opens new connections, so its requests land on every replica. The offline model's view of what that costs: *Routing quality: replicas in the offline model (issue 31)* below."
   fi
   cat "$NOTES"
 } >"$SECTION"

@@ -20,6 +20,11 @@ mocker polynomials). A router policy picks each request's engine at its arrival:
   engine's cache and the proxy's decisions of the last 120 s), with exact speeds and instant
   KV events.
 
+With `--replicas N` the `kv` rows are run by N proxy replicas that share what kvmesh's
+replicas share, a share delay late (`ReplicatedKv`); `--replica-sweep` compares replica
+counts with one replica (docs/BENCHMARKS.md, *Routing quality: replicas in the offline model
+(issue 31)*).
+
 What it leaves out: every wall-clock effect (CPU contention, the proxy's overhead, event
 delays), learned speeds, engine load reports, preemption. Standard library only.
 """
@@ -27,6 +32,7 @@ delays), learned speeds, engine load reports, preemption. Standard library only.
 import argparse
 import heapq
 import json
+import math
 import random
 from collections import OrderedDict
 
@@ -298,6 +304,222 @@ class KvCost:
         self.in_flight[engine.index] = {r for r in self.in_flight[engine.index] if not r.done}
 
 
+def draw(costs, temperature):
+    """kvmesh's choice at `temperature` > 0 (route/src/kv/select.rs): `p(i) ∝
+    exp(−((cost(i) − min) / (max − min)) / T)`, uniform when all costs are equal."""
+    low, high = min(costs), max(costs)
+    if not high - low > 1e-9:
+        return int(random.random() * len(costs))
+    weights = [math.exp(-((c - low) / (high - low)) / temperature) for c in costs]
+    x = random.random() * sum(weights)
+    for k, w in enumerate(weights):
+        if x < w:
+            return k
+        x -= w
+    return len(costs) - 1
+
+
+class Replica:
+    """What one proxy replica knows: its own bookings, in-flight requests and their blocks, the
+    decisions it recorded (its own and those the others shared), and where it has read the
+    shared decision log up to."""
+
+    def __init__(self, engines):
+        self.decided = [{} for _ in engines]
+        self.prefill = [{} for _ in engines]
+        self.in_flight = [set() for _ in engines]
+        self.blocks = [{} for _ in engines]
+        self.last_first = [None] * len(engines)
+        self.read = 0
+
+
+class ReplicatedKv(KvCost):
+    """`kv` run by `replicas` proxy replicas over the same engines, each routing the requests
+    that reach it (`spread`) with what it knows (route/src/kv/replicas.rs, the control plane's
+    Sharer): its own bookings exactly, every engine's cache at once (every replica reads every
+    KV event), the other replicas' routing decisions `delay_ms` after they were made (recorded
+    as its own, for the same 120 s), and their in-flight load as they share it at every change,
+    `delay_ms` late: per instance, the prefill tokens booked and not yet answered (whole: the
+    oldest request's progress is decayed only for a replica's own requests, as the
+    instance's own first tokens teach it), the distinct blocks held (summed over replicas, a
+    prefix two replicas both hold counted twice) and the requests.
+
+    `share="bookings"` models sharing each booking instead of the totals (a shared in-flight
+    index): every replica sees the others' requests themselves, `delay_ms` late, so it decays
+    the instance's oldest prefill whoever booked it, counts a shared prefix once and breaks
+    ties on every replica's requests. With `delay_ms` 0 it routes as one proxy does.
+    """
+
+    def __init__(self, replicas, delay_ms=1.0, spread="lanes", share="loads", decide="own",
+                 temperature=0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.count, self.delay, self.spread, self.share = replicas, delay_ms, spread, share
+        self.decide, self.temperature = decide, temperature
+        # A leader deciding for every replica: one proxy's decisions, each a round trip late.
+        self.extra_ms = 2 * delay_ms if decide == "leader" and replicas > 1 else 0.0
+        self.name += f", {replicas} replicas"
+
+    def setup(self, engines):
+        super().setup(engines)
+        self.replicas = [Replica(engines) for _ in range(self.count)]
+        self.log = []
+        nothing = (float("-inf"), 0, 0, 0, (), frozenset(), None)
+        self.shares = [[[nothing] for _ in engines] for _ in range(self.count)]
+        self.owner = {}
+        self.arrived = 0
+        self.idle = []
+        self.connections = 0
+
+    def reach(self, request):
+        """The replica the next request reaches. `lanes`: as kvmesh-bench spreads it, one
+        request at a time per connection, the most recently freed connection first, a new one
+        when none is free, new connections opened on each replica in turn; `request`: each
+        request to the next replica in turn. A `leader` decides every request itself."""
+        if self.decide == "leader":
+            return 0
+        if self.spread == "request":
+            return self.arrived % self.count
+        if self.idle:
+            return self.idle.pop()
+        self.connections += 1
+        return (self.connections - 1) % self.count
+
+    def publish(self, j, k, now):
+        """Replica `j` shares its load on engine `k` as it is at `now`."""
+        me = self.replicas[j]
+        exact = self.share == "bookings"
+        entry = (now, sum(b[0] for b in me.prefill[k].values()), len(me.blocks[k]),
+                 len(me.in_flight[k]), tuple(me.prefill[k].values()) if exact else (),
+                 frozenset(me.blocks[k]) if exact else frozenset(), me.last_first[k])
+        history = self.shares[j][k]
+        history.append(entry)
+        while len(history) > 1 and history[1][0] <= now - self.delay:
+            history.pop(0)
+
+    def seen(self, j, k, at):
+        """Replica `j`'s last share of its load on engine `k` that arrived by `at`."""
+        for entry in reversed(self.shares[j][k]):
+            if entry[0] <= at:
+                return entry
+        return self.shares[j][k][0]
+
+    def others(self, i, k, now):
+        """What replica `i` knows at `now` of the other replicas' load on engine `k`."""
+        return [self.seen(j, k, now - self.delay) for j in range(self.count) if j != i]
+
+    def queued_by(self, i, k, now, others):
+        me = self.replicas[i]
+        if self.share != "bookings":
+            return self.queued_own(me, k, now) + sum(o[1] for o in others)
+        bookings = list(me.prefill[k].values())
+        firsts = [me.last_first[k]]
+        for o in others:
+            bookings.extend(o[4])
+            firsts.append(o[6])
+        total = sum(b[0] for b in bookings)
+        if self.decay and bookings:
+            tokens, own_ms, booked, _ = min(bookings, key=lambda b: (b[2], b[3]))
+            known = [f for f in firsts if f is not None]
+            began = max([booked] + known)
+            if own_ms > 0:
+                total -= int(tokens * min(1.0, (now - began) / own_ms))
+        return total
+
+    def queued_own(self, me, k, now):
+        bookings = me.prefill[k]
+        total = sum(b[0] for b in bookings.values())
+        if self.decay and bookings:
+            tokens, own_ms, booked, _ = min(bookings.values(), key=lambda b: (b[2], b[3]))
+            began = booked if me.last_first[k] is None else max(booked, me.last_first[k])
+            if own_ms > 0:
+                total -= int(tokens * min(1.0, (now - began) / own_ms))
+        return total
+
+    def replica_cost(self, i, k, request, now):
+        me = self.replicas[i]
+        others = self.others(i, k, now)
+        overlap = max(self.engines[k].cached_prefix(request.hashes),
+                      unexpired_prefix(me.decided[k], request.hashes, now))
+        new = max(1, request.isl - min(overlap * BLOCK, request.isl))
+        own = me.blocks[k]
+        if self.share == "bookings":
+            held = set(own)
+            for o in others:
+                held.update(o[5])
+            shared = leading(request.hashes, held.__contains__)
+            active = len(held)
+        else:
+            shared = leading(request.hashes, own.__contains__)
+            active = len(own) + sum(o[2] for o in others)
+        usage = min(1.0, (active + len(request.hashes) - shared) / CAPACITY)
+        requests = sum(o[3] for o in others)
+        running = bool(me.in_flight[k]) or requests > 0
+        queue_ms, iterations = chunked_ms(self.queued_by(i, k, now, others) + new)
+        own_ms, own_iterations = chunked_ms(new)
+        per_iteration = decode_ms(usage) if running else 0.0
+        value = self.w * queue_ms + iterations * per_iteration + self.work * own_ms
+        tie = len(me.in_flight[k]) + (requests if self.share == "bookings" else 0)
+        return value, tie, new, own_ms + own_iterations * per_iteration
+
+    def route(self, request, now):
+        i = self.reach(request)
+        self.arrived += 1
+        self.owner[request] = (i, self.arrived)
+        me = self.replicas[i]
+        while me.read < len(self.log) and self.log[me.read][0] + self.delay <= now:
+            at, j, k, hashes = self.log[me.read]
+            me.read += 1
+            if j != i:
+                for h in hashes:
+                    me.decided[k][h] = at + self.delay + self.ttl
+        best = None
+        scored = []
+        for k in range(len(self.engines)):
+            value, tie, new, own_ms = self.replica_cost(i, k, request, now)
+            scored.append((value, new, own_ms))
+            key = (value, tie, random.random())
+            if best is None or key < best[0]:
+                best = (key, k, new, own_ms)
+        _, k, new, own_ms = best
+        if self.temperature > 0:
+            k = draw([value for value, _, _ in scored], self.temperature)
+            _, new, own_ms = scored[k]
+        for h in request.hashes:
+            me.decided[k][h] = now + self.ttl
+            me.blocks[k][h] = me.blocks[k].get(h, 0) + 1
+        self.log.append((now, i, k, request.hashes))
+        me.prefill[k][request] = (new, own_ms, now, self.arrived)
+        me.in_flight[k].add(request)
+        self.publish(i, k, now)
+        return k
+
+    def first_token(self, request, now):
+        i, _ = self.owner[request]
+        me = self.replicas[i]
+        if me.prefill[request.engine].pop(request, None) is not None:
+            me.last_first[request.engine] = now
+            self.publish(i, request.engine, now)
+
+    def ended(self, engine, now):
+        k = engine.index
+        done = []
+        for i, me in enumerate(self.replicas):
+            ended = [r for r in me.in_flight[k] if r.done]
+            if not ended:
+                continue
+            for r in ended:
+                me.in_flight[k].discard(r)
+                for h in r.hashes:
+                    me.blocks[k][h] -= 1
+                    if me.blocks[k][h] == 0:
+                        del me.blocks[k][h]
+                replica, order = self.owner.pop(r)
+                done.append((order, replica))
+            self.publish(i, k, now)
+        for _, i in sorted(done):
+            self.idle.append(i)
+
+
 def replay(policy, requests, engines):
     engines = [Engine(k) for k in range(engines)]
     policy.setup(engines)
@@ -324,16 +546,85 @@ def replay(policy, requests, engines):
     return engines
 
 
-def load(path, limit, speedup):
+def load(path, limit, speedup, jitter_ms=0.0, seed=1):
+    """The first `limit` requests of the trace at `path`, `speedup` times faster; each arrival
+    moved later by up to `jitter_ms` (uniform, drawn from `seed`), to spread out the trace's
+    bursts of requests with one timestamp."""
     requests = []
+    jitter = random.Random(seed)
     with open(path) as f:
         for line in f:
             if len(requests) == limit:
                 break
             d = json.loads(line)
-            requests.append(Request(d["timestamp"] / speedup, d["input_length"],
+            arrival = d["timestamp"] / speedup
+            if jitter_ms:
+                arrival += jitter.uniform(0.0, jitter_ms)
+            requests.append(Request(arrival, d["input_length"],
                                     max(1, d["output_length"]), d["hash_ids"]))
     return requests
+
+
+def measure(policy, args, seed):
+    """Replays the trace slice through `policy`: TTFT p50, p90, p99, hit rate, requests per
+    engine."""
+    random.seed(seed)
+    requests = load(args.trace, args.slice_requests, args.arrival_speedup,
+                    getattr(args, "arrival_jitter_ms", 0.0), seed)
+    engines = replay(policy, requests, args.engines)
+    extra = getattr(policy, "extra_ms", 0.0)
+    ttft = sorted(r.first - r.arrival + extra for r in requests)
+    q = lambda p: ttft[min(len(ttft) - 1, int(p * len(ttft)))]
+    hits = sum(e.hit_tokens for e in engines) / max(1, sum(e.query_tokens for e in engines))
+    per = [0] * args.engines
+    for r in requests:
+        per[r.engine] += 1
+    return q(.5), q(.9), q(.99), hits, per
+
+
+def kv_policy(args, replicas, **kwargs):
+    """kvmesh's `kv` with `kwargs`, run by one proxy or by `replicas` of them."""
+    if replicas == 1:
+        return KvCost(**kwargs)
+    return ReplicatedKv(replicas, args.share_delay_ms, args.spread, args.share, args.decide,
+                        args.temperature, **kwargs)
+
+
+def median(values):
+    values = sorted(values)
+    return values[len(values) // 2] if len(values) % 2 else (
+        values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+
+
+def replica_sweep(args):
+    """kvmesh kv's defaults at each replica count of `--replica-sweep`: medians over
+    `--seeds`, each against one replica's, within 5 % or not."""
+    counts = [int(c) for c in args.replica_sweep.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    results = {}
+    for count in sorted(set(counts) | {1}):
+        runs = [measure(kv_policy(args, count), args, seed)[:4] for seed in seeds]
+        results[count] = runs
+    base = [median([run[i] for run in results[1]]) for i in range(4)]
+    spread = [(min(run[i] for run in results[1]), max(run[i] for run in results[1]))
+              for i in range(4)]
+    print(f"kvmesh kv defaults; share: {args.share}, delay {args.share_delay_ms:g} ms, "
+          f"spread: {args.spread}, decide: {args.decide}, temperature {args.temperature:g}, "
+          f"arrival jitter {args.arrival_jitter_ms:g} ms; medians of seeds {args.seeds}; one replica's range over "
+          f"the seeds: TTFT p50 {spread[0][0]:.0f}–{spread[0][1]:.0f}, p90 "
+          f"{spread[1][0]:.0f}–{spread[1][1]:.0f}, p99 {spread[2][0]:.0f}–{spread[2][1]:.0f}, "
+          f"hit rate {spread[3][0]:.3f}–{spread[3][1]:.3f}")
+    print()
+    print("| replicas | TTFT p50 | TTFT p90 | TTFT p99 | hit rate | p50 / 1 | p90 / 1 | p99 / 1 "
+          "| hit rate / 1 | within 5 % (p50, p90, reuse) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for count in counts:
+        m = [median([run[i] for run in results[count]]) for i in range(4)]
+        r = [m[i] / base[i] if base[i] else float("nan") for i in range(4)]
+        ok = r[0] <= 1.05 and r[1] <= 1.05 and r[3] >= 0.95
+        print(f"| {count} | {m[0]:.0f} | {m[1]:.0f} | {m[2]:.0f} | {m[3]:.3f} | {r[0]:.3f} "
+              f"| {r[1]:.3f} | {r[2]:.3f} | {r[3]:.3f} | {'pass' if ok else '**FAIL**'} |",
+              flush=True)
 
 
 def main():
@@ -343,22 +634,43 @@ def main():
     ap.add_argument("--arrival-speedup", type=float, default=4.0)
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="proxy replicas running the kv rows (default 1: one proxy)")
+    ap.add_argument("--share-delay-ms", type=float, default=1.0,
+                    help="how late a replica's decisions and load reach the others (default 1: "
+                         "they are shared at every change, over NATS)")
+    ap.add_argument("--spread", choices=["lanes", "request"], default="lanes",
+                    help="how requests reach replicas: lanes (kvmesh-bench's connections, "
+                         "opened on each replica in turn, the last freed reused first; the "
+                         "harness) or request (each request to the next replica)")
+    ap.add_argument("--share", choices=["loads", "bookings"], default="loads",
+                    help="what replicas share of their in-flight load: loads (per-instance "
+                         "totals, what kvmesh does) or bookings (each request)")
+    ap.add_argument("--decide", choices=["own", "leader"], default="own",
+                    help="who decides a replica's requests: own (itself, what kvmesh does) or "
+                         "leader (one replica decides for all, a round trip of --share-delay-ms "
+                         "added to each request's time to first token)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="kv.temperature of the replicas (default 0: the cheapest instance)")
+    ap.add_argument("--arrival-jitter-ms", type=float, default=0.0,
+                    help="move each arrival later by up to this many engine-time ms (uniform): "
+                         "the trace's requests come in bursts with one timestamp")
+    ap.add_argument("--replica-sweep", metavar="COUNTS",
+                    help="comma-separated replica counts: instead of the policy table, kvmesh "
+                         "kv's defaults at each, medians over --seeds, against one replica")
+    ap.add_argument("--seeds", default="1,2,3", help="seeds of --replica-sweep (default 1,2,3)")
     args = ap.parse_args()
-    policies = [RoundRobin(), CacheAware(), KvCost(decay=False), KvCost(),
-                KvCost(overlap_weight=2.0), KvCost(work_weight=1.0)]
+    if args.replica_sweep:
+        replica_sweep(args)
+        return
+    kv = lambda **kwargs: kv_policy(args, args.replicas, **kwargs)
+    policies = [RoundRobin(), CacheAware(), kv(decay=False), kv(),
+                kv(overlap_weight=2.0), kv(work_weight=1.0)]
     print("| policy | TTFT p50 | TTFT p90 | TTFT p99 | hit rate | requests per engine |")
     print("|---|---:|---:|---:|---:|---:|")
     for policy in policies:
-        random.seed(args.seed)
-        requests = load(args.trace, args.slice_requests, args.arrival_speedup)
-        engines = replay(policy, requests, args.engines)
-        ttft = sorted(r.first - r.arrival for r in requests)
-        q = lambda p: ttft[min(len(ttft) - 1, int(p * len(ttft)))]
-        hits = sum(e.hit_tokens for e in engines) / max(1, sum(e.query_tokens for e in engines))
-        per = [0] * args.engines
-        for r in requests:
-            per[r.engine] += 1
-        print(f"| {policy.name} | {q(.5):.0f} | {q(.9):.0f} | {q(.99):.0f} | {hits:.3f} "
+        p50, p90, p99, hits, per = measure(policy, args, args.seed)
+        print(f"| {policy.name} | {p50:.0f} | {p90:.0f} | {p99:.0f} | {hits:.3f} "
               f"| {min(per)}–{max(per)} |", flush=True)
 
 
