@@ -88,6 +88,22 @@ impl EventFeed {
         })
     }
 
+    /// Instance `instance`'s engine holds `blocks` KV blocks (in the model's block size) on its
+    /// device, over `dp_ranks` data-parallel ranks, each with an equal share: past the
+    /// index's bound, a rank holding more than its share loses blocks first (a lagging or
+    /// misreporting engine). Nothing changes without a bound or with `blocks` 0 (unknown).
+    pub fn set_capacity(&self, instance: u64, blocks: u64, dp_ranks: u32) {
+        if self.index.limits().max_blocks.is_none() || blocks == 0 {
+            return;
+        }
+        let ranks = dp_ranks.max(1);
+        let share = blocks.div_ceil(u64::from(ranks));
+        for rank in 0..ranks {
+            self.index
+                .set_worker_capacity(WorkerKey::new(instance, rank), share);
+        }
+    }
+
     /// From now on, the id of every instance that becomes untrusted goes to `requests`, whose
     /// receiver resyncs it and then calls [`Self::trust`].
     pub fn resync_requests_to(&self, requests: mpsc::UnboundedSender<u64>) {
@@ -388,6 +404,57 @@ mod tests {
         unbounded.apply(WorkerKey::new(1, 0), &blocks(0..3));
         unbounded.apply(WorkerKey::new(1, 0), &blocks(3..6));
         assert_eq!(unbounded.index().stats().worker_blocks, 6);
+    }
+
+    #[test]
+    fn past_its_bound_the_index_evicts_first_from_a_rank_over_its_share() {
+        let bounded = |max| {
+            EventFeed::new(
+                Some(max),
+                ApproxConfig::default(),
+                &KvCacheCheckConfig::default(),
+            )
+            .unwrap()
+        };
+        let mut hasher = BlockHasher::new(4, None).unwrap();
+        let prompts: Vec<_> = (0..3u32)
+            .map(|p| hasher.hash(&(p * 100..p * 100 + 12).collect::<Vec<u32>>()))
+            .collect();
+        let stored = |p: usize, blocks: std::ops::Range<usize>| {
+            KvEvent::stored(
+                None,
+                blocks.map(|b| (ExternalHash((p * 100 + b) as u64), prompts[p].local[b])),
+            )
+        };
+        let run = |feed: &EventFeed| {
+            // Instance 2 stores first (least recently used), instance 1 next: three blocks
+            // each; instance 3's two more pass the bound of six by two.
+            feed.apply(WorkerKey::new(2, 0), &stored(1, 0..3));
+            feed.apply(WorkerKey::new(1, 0), &stored(0, 0..3));
+            feed.apply(WorkerKey::new(3, 0), &stored(2, 0..2));
+            assert_eq!(feed.index().stats().evicted_blocks, 2);
+            let depth = |p: usize, instance: u64| {
+                feed.index()
+                    .find_matches(&prompts[p].sequence)
+                    .depth(WorkerKey::new(instance, 0))
+            };
+            (depth(0, 1), depth(1, 2), depth(2, 3))
+        };
+        // Without capacities the least recently used instance loses its deepest blocks.
+        assert_eq!(run(&bounded(6)), (3, 1, 2));
+        // Instance 1 reports one block per rank over two ranks: rank 0 holds two too many.
+        let feed = bounded(6);
+        feed.set_capacity(1, 2, 2);
+        assert_eq!(run(&feed), (1, 3, 2));
+        // Without a bound a capacity registers nothing.
+        let unbounded = EventFeed::new(
+            None,
+            ApproxConfig::default(),
+            &KvCacheCheckConfig::default(),
+        )
+        .unwrap();
+        unbounded.set_capacity(1, 2, 2);
+        assert_eq!(unbounded.index().stats().workers, 0);
     }
 
     #[test]

@@ -232,10 +232,11 @@ impl KvRouter {
     }
 
     /// Instance `instance`'s engine holds `total_blocks` KV blocks (0: unknown, then
-    /// `kv.total_kv_blocks`): its busy threshold and its decode cost are measured against it.
-    /// An engine whose block size differs from the model's has its capacity converted into
-    /// the model's blocks.
-    pub fn set_capacity(&self, instance: u64, total_blocks: u64) {
+    /// `kv.total_kv_blocks`) over `dp_ranks` data-parallel ranks: its busy threshold and its
+    /// decode cost are measured against it, and a bounded index (`kv.index_max_blocks`)
+    /// evicts first from ranks holding more than their share. An engine whose block size
+    /// differs from the model's has its capacity converted into the model's blocks.
+    pub fn set_capacity(&self, instance: u64, total_blocks: u64, dp_ranks: u32) {
         let total_blocks = match self.block_size.conflict(instance) {
             Some(engine) => {
                 let tokens = u128::from(total_blocks) * u128::from(engine);
@@ -244,6 +245,9 @@ impl KvRouter {
             None => total_blocks,
         };
         self.loads.set_capacity(instance, total_blocks);
+        if let Some(feed) = &self.events {
+            feed.set_capacity(instance, total_blocks, dp_ranks);
+        }
         self.admission.wake();
     }
 

@@ -177,7 +177,7 @@ impl MembershipApplier {
                     instance.set_membership(membership);
                 }
                 if let Some(router) = pool.balancer().kv_router() {
-                    router.set_capacity(spec.id, record.total_blocks);
+                    router.set_capacity(spec.id, record.total_blocks, record.dp_ranks);
                 }
                 if known.adapters != spec.adapters {
                     tracing::info!(model = %known.model, instance = %spec.url, adapters = ?spec.adapters, "instance adapters changed");
@@ -208,7 +208,7 @@ impl MembershipApplier {
         pool.add_instance(Arc::clone(&instance));
         pool.set_adapters(spec.id, spec.adapters.clone());
         if let Some(router) = pool.balancer().kv_router() {
-            router.set_capacity(spec.id, record.total_blocks);
+            router.set_capacity(spec.id, record.total_blocks, record.dp_ranks);
         }
         if let Some(spawner) = &mut self.spawner {
             if let Some(health) = &spawner.health_check {
@@ -310,7 +310,11 @@ impl MembershipApplier {
                         spawn_tokenizer_check(new, &pool, &instance, &mut spawner.tasks);
                     }
                     if let Some(router) = pool.balancer().kv_router() {
-                        router.set_capacity(known.id, known.record.total_blocks);
+                        router.set_capacity(
+                            known.id,
+                            known.record.total_blocks,
+                            known.record.dp_ranks,
+                        );
                     }
                     self.count(&pool);
                     self.feed_intake(&known.record, &pool);

@@ -520,7 +520,7 @@ fn engine_reports_raise_the_load_of_their_instance() {
         explanation.instances[1].active_prefill_tokens,
         3 * BLOCK as u64
     );
-    router.set_capacity(1, 1000);
+    router.set_capacity(1, 1000, 1);
     router.report_load(1, 0, 0.9, Duration::ZERO, Duration::ZERO);
     assert_eq!(
         router
@@ -541,7 +541,7 @@ fn an_engines_reported_capacity_sets_its_busy_threshold() {
     };
     let (router, instances) = router_with(config, 2);
     let fresh = request(&router, &conversation(3, 16));
-    router.set_capacity(0, 1000);
+    router.set_capacity(0, 1000, 1);
     for instance in [0, 1] {
         router.report_load(instance, 0, 0.3, Duration::ZERO, Duration::from_secs(60));
     }
@@ -564,7 +564,7 @@ fn an_engines_reported_capacity_sets_its_busy_threshold() {
         picked(choose(&router, &instances, &fresh, 0)).instance_id,
         0
     );
-    router.set_capacity(0, 0);
+    router.set_capacity(0, 0, 1);
     let explanation = router.explain(&instances, &fresh, 0, &mut StdRng::seed_from_u64(0));
     assert!(
         explanation.instances[0].busy,
@@ -802,7 +802,7 @@ fn an_unset_block_size_is_the_first_records_and_another_engines_is_scored_approx
     );
     assert_eq!(router.block_size_conflicts(), [(1, 8)]);
     assert!(feed.is_approximate_only(1) && !feed.is_approximate_only(0));
-    router.set_capacity(1, 100);
+    router.set_capacity(1, 100, 1);
     let event = stored_event(&prompt);
     feed.apply(kvmesh_kv::WorkerKey::new(0, 0), &event);
     feed.apply(kvmesh_kv::WorkerKey::new(1, 0), &event);
@@ -897,7 +897,7 @@ fn a_configured_block_size_stays_whatever_the_records_say() {
     assert_eq!(router.block_size_conflict(1), Some(16));
     // Without KV events there is nothing to leave out; the conflict is still reported.
     assert!(router.event_feed().is_none());
-    router.set_capacity(1, 10);
+    router.set_capacity(1, 10, 1);
     let (instances, probe) = (instances(2), request(&router, &conversation(2, 8)));
     let explanation = router.explain(&instances, &probe, 0, &mut StdRng::seed_from_u64(0));
     assert_eq!(
