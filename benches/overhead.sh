@@ -13,7 +13,8 @@
 #   --concurrency N    connections of the saturating runs (default 32)
 #   --max-tokens N     max_tokens of every request (default 16)
 #   --unloaded-duration D  measured time of the 1-connection runs (default 5s)
-#   --rounds N         rounds over all setups; cells are medians (default 3)
+#   --rounds N         rounds over all setups, even ones in reverse order; cells are medians
+#                      (default 4: each setup as often first as second in its pair)
 #   --streams N        concurrent streams of the memory test (default 1000)
 #   --stream-duration D  length of the memory test (default 20s)
 #   --no-build         use the binaries already in --bin-dir
@@ -40,7 +41,7 @@ CONCURRENCY=32
 MAX_TOKENS=16
 PROMPT_WORDS=16
 LOW_LOAD_DURATION=5s
-ROUNDS=3
+ROUNDS=4
 STREAMS=1000
 STREAM_TOKENS=100
 STREAM_DURATION=20s
@@ -314,9 +315,16 @@ run_load() {
 declare -A URL=([direct]="http://${SIM_ADDRS[0]}" [nginx]="http://127.0.0.1:$NGINX_PORT" [kvmesh]="http://$PROXY_ADDR" [kvmesh-baseline]="http://$BASELINE_ADDR" [kvmesh-traced]="http://$TRACED_ADDR" [kvmesh-kv]="http://$KV_PROXY_ADDR" [kvmesh-kv-baseline]="http://$KV_BASELINE_ADDR")
 for setup in "${!PEER_URL[@]}"; do URL[$setup]=${PEER_URL[$setup]}; done
 MODES=(non-stream stream)
-# Rounds interleave the setups, so background load on the shared machine hits them alike.
+# Rounds interleave the setups, so background load on the shared machine hits them alike;
+# even rounds run them in reverse order, because a setup run second in a pair measured 6-12 %
+# cheaper than the same binary run first (docs/BENCHMARKS.md, 2026-11-27 22:44 and 22:53).
 for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
-  for setup in "${SETUPS[@]}"; do
+  ORDER=("${SETUPS[@]}")
+  if ((ROUND % 2 == 0)); then
+    ORDER=()
+    for ((i = ${#SETUPS[@]} - 1; i >= 0; i--)); do ORDER+=("${SETUPS[i]}"); done
+  fi
+  for setup in "${ORDER[@]}"; do
     case $setup in
       direct) pids=() ;;
       nginx) pids=("${NGINX_PIDS[@]}") ;;
@@ -397,12 +405,12 @@ SECTION=$WORK_DIR/section.md
   echo "- Load average after the run: \`$(cut -d' ' -f1-3 /proc/loadavg)\`"
   echo "- Backends: one \`kvmesh-engine-sim --no-delay --engines 2 --port 0 --block-size 64\` process (two engines); *direct* loads engine 0 only."
   echo "- Load: \`kvmesh-bench\`, chat completions, $PROMPT_WORDS-word prompt, max_tokens $MAX_TOKENS, closed loop, HTTP/1.1 keep-alive; every measured run follows a $WARMUP warm-up run."
-  echo "- $ROUNDS rounds, each running every setup and mode in turn; each cell is the median over the rounds (req/s also shows the range), errors are summed."
+  echo "- $ROUNDS rounds, each running every setup and mode in turn (even rounds in reverse order); each cell is the median over the rounds (req/s also shows the range), errors are summed."
   echo "- Pinning: load generator \`taskset -c $LOADGEN_CPU\` with one runtime thread; sims and the proxy under test \`taskset -c $SERVER_CPU\`. Sim and proxy share one core, so saturated req/s measures sim + proxy CPU per request; the generator's CPU use is in its reports."
   echo "- nginx: $NGINX_VERSION, \`worker_processes 1\`, upstream with both sims, \`keepalive 64\`, \`proxy_http_version 1.1\`, \`proxy_set_header Connection \"\"\`, \`proxy_buffering off\`, \`keepalive_requests 1000000\` (client and upstream side, so neither closes connections mid-run), access log off."
   echo "- kvmesh-proxy: \`policy: round_robin\` (*kvmesh*) and \`policy: kv\` with the Qwen3 tokenizer directory (*kvmesh-kv*: every request is rendered with the chat template, tokenized, hashed into 64-token blocks, scored against the KV index and booked), \`upstream.pool_size: 64\`, health checks off (nginx has none either), \`RUST_LOG=warn\` (no per-request log line, like nginx's access log off); pinned to one CPU, the proxy runs a single-threaded tokio runtime (it chooses one whenever it may use one CPU), as nginx runs \`worker_processes 1\`."
   if [[ -n $BASELINE ]]; then
-    echo "- *kvmesh-baseline* (and *kvmesh-kv-baseline*): the binary \`$BASELINE\` with *kvmesh*'s (*kvmesh-kv*'s) configuration, run right after *kvmesh* (*kvmesh-kv*) in every round, to compare a change with what it changes."
+    echo "- *kvmesh-baseline* (and *kvmesh-kv-baseline*): the binary \`$BASELINE\` with *kvmesh*'s (*kvmesh-kv*'s) configuration, run right after *kvmesh* (*kvmesh-kv*) in odd rounds and right before it in even rounds, to compare a change with what it changes."
   fi
   if has_setup kvmesh-traced; then
     echo "- *kvmesh-traced*: *kvmesh*'s configuration plus \`telemetry\` with \`sampling_ratio: 1.0\` (every request recorded: 6 spans each), exported over OTLP/gRPC to \`benches/otlp_sink.py\` (grpcio, pinned to the load generator's core); the receiver counted $(cat "$WORK_DIR/otlp.spans" 2>/dev/null || echo 0) spans."
