@@ -166,6 +166,17 @@ mod tests {
         )
     }
 
+    /// The added tokens `tokens` (JSON entries) found in `text` by the splitter of a
+    /// whitespace-pre-tokenized tokenizer, with their ids.
+    fn found<'t>(tokens: &[String], text: &'t str) -> Vec<(&'t str, u32)> {
+        let t = tokenizer(&tokens.join(","), r#"{"type": "Whitespace"}"#);
+        let splitter = AddedTokenSplitter::for_tokenizer(&t).unwrap();
+        splitter
+            .matches(text)
+            .map(|(r, id)| (&text[r], id))
+            .collect()
+    }
+
     #[test]
     fn tokens_with_any_number_of_first_bytes_are_found() {
         let contents = ["[a]", "{b}", "#c", "<d>", "[aa]"];
@@ -174,13 +185,7 @@ mod tests {
                 .zip(&contents[..n])
                 .map(|(id, content)| added(content, id + 5, false, false))
                 .collect();
-            let t = tokenizer(&tokens.join(","), r#"{"type": "Whitespace"}"#);
-            let splitter = AddedTokenSplitter::for_tokenizer(&t).unwrap();
-            let text = "x[aa]y{b}#c <d>[a]z[a";
-            let found: Vec<_> = splitter
-                .matches(text)
-                .map(|(r, id)| (&text[r], id))
-                .collect();
+            let found = found(&tokens, "x[aa]y{b}#c <d>[a]z[a");
             let want: Vec<_> = [("[aa]", 9), ("{b}", 6), ("#c", 7), ("<d>", 8), ("[a]", 5)]
                 .into_iter()
                 .filter(|(_, id)| *id < 5 + n as u32)
@@ -197,13 +202,7 @@ mod tests {
             added("<|xy|>", 2, false, false),
             added("<y>", 3, true, true),
         ];
-        let t = tokenizer(&tokens.join(","), r#"{"type": "Whitespace"}"#);
-        let splitter = AddedTokenSplitter::for_tokenizer(&t).unwrap();
-        let text = "a<|xy|>b<|x|><|x|>c<y><|x";
-        let found: Vec<_> = splitter
-            .matches(text)
-            .map(|(r, id)| (&text[r], id))
-            .collect();
+        let found = found(&tokens, "a<|xy|>b<|x|><|x|>c<y><|x");
         // "<y>" is a normalized token: it is matched inside pieces, not by this pass.
         assert_eq!(found, [("<|xy|>", 2), ("<|x|>", 1), ("<|x|>", 1)]);
     }
@@ -215,15 +214,9 @@ mod tests {
             added("<|im_starts|>", 6, false, false),
             added("<|im_end|>", 7, false, false),
         ];
-        let t = tokenizer(&tokens.join(","), r#"{"type": "Whitespace"}"#);
-        let splitter = AddedTokenSplitter::for_tokenizer(&t).unwrap();
         let text = "<|im_start|>a<|im_starts|><|im_stard|><|im_end|<|im_end|><|im_sta";
-        let found: Vec<_> = splitter
-            .matches(text)
-            .map(|(r, id)| (&text[r], id))
-            .collect();
         assert_eq!(
-            found,
+            found(&tokens, text),
             [("<|im_start|>", 5), ("<|im_starts|>", 6), ("<|im_end|>", 7)]
         );
     }

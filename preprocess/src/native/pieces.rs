@@ -233,9 +233,7 @@ fn ascii_letters_end(bytes: &[u8], mut at: usize) -> usize {
     const FROM_A: u64 = 0x1f1f_1f1f_1f1f_1f1f;
     const PAST_Z: u64 = 0x0505_0505_0505_0505;
     while let Some(chunk) = bytes.get(at..at + 8) {
-        let mut word = [0u8; 8];
-        word.copy_from_slice(chunk);
-        let word = u64::from_le_bytes(word);
+        let word = u64::from_le_bytes(chunk.try_into().expect("eight bytes"));
         // Upper case folded to lower; bytes 0x80 and up are ruled out by `!word` below.
         let lower = (word | CASE) & LOW;
         let letters = lower.wrapping_add(FROM_A) & !lower.wrapping_add(PAST_Z) & !word & HIGH;
