@@ -13,8 +13,17 @@
 #   sglang           sglang-router 0.3.2, --policy cache_aware
 #   vllm-router      vllm-router 0.1.17, --policy cache_aware
 #   nginx            nginx round robin
-# Workloads: a slice of a Mooncake trace (token-id prompts replayed at their timestamps) and
-# synthetic multi-turn chat. Writes the `routing-quality` section of docs/BENCHMARKS.md (table,
+# Workloads (--workloads):
+#   trace        the first --slice-requests requests of a Mooncake trace (token-id prompts
+#                replayed at their timestamps): the slice kvmesh's defaults were chosen on
+#   trace-late   as many requests from the trace's second half (from half its span, or
+#                --late-from): the same traffic's later part, which no default was tuned on
+#   chat         synthetic multi-turn chat from kvmesh-bench
+#   aiperf       NVIDIA AIPerf's own synthetic multi-turn chat (a client nobody here wrote:
+#                its prompts, arrivals and history, with the live answers threaded in),
+#                the same size as chat; TTFT from AIPerf's summary, cache hit rate from the
+#                engines' counters around it (kvmesh-engine-cache); no oracle
+# Writes the `routing-quality` section of docs/BENCHMARKS.md (table,
 # targets) and one TTFT CDF plot per workload under docs/img/ (beside --doc).
 #
 # With --real-engines, the real-engine lane set instead (benches/routing-quality-real.sh): the chat
@@ -35,6 +44,7 @@
 #   --trace FILE          Mooncake JSONL trace (default: the committed 200-request slice,
 #                         benches/data/conversation_trace_head200.jsonl)
 #   --slice-requests N    replay the first N requests of the trace (default 2000)
+#   --late-from S         trace-late: start S seconds into the trace (default: half its span)
 #   --arrival-speedup A   replay the trace A times faster than recorded, in engine time (default 4)
 #   --speedup S           engine-sim --speedup-ratio: the whole run goes S times faster than
 #                         engine time; latencies in the doc are wall time × S (default 4)
@@ -55,7 +65,7 @@
 #   --kv-overlap-weight W kvmesh policy: kv overlap_weight (default: the proxy's default)
 #   --kv KEY=VALUE        any other kvmesh policy: kv setting, e.g. --kv harm_weight=0.1
 #                         (repeatable; default: the proxy's defaults)
-#   --workloads LIST      trace,chat (default both)
+#   --workloads LIST      any of trace,trace-late,chat,aiperf (default all four)
 #   --second-replica-idle the kvmesh-precise-Nr lanes send all their load to the first replica,
 #                         the others running beside it (sharing, receiving events) with none:
 #                         what more proxy processes cost on this machine, apart from routing
@@ -64,7 +74,7 @@
 #   --doc FILE            document to update (default docs/BENCHMARKS.md)
 #   --keep                keep the work directory (configs, logs, JSON reports)
 # Installs what is missing: jq, nginx, etcd, nats-server (apt); the peers and matplotlib into
-# virtualenvs under .cache/bench/ (pip, from PyPI); the Qwen3 tokenizer (scripts/fetch-tokenizer.sh).
+# virtualenvs under .cache/bench/ (pip, from PyPI; AIPerf is about 1.2 GB); the Qwen3 tokenizer (scripts/fetch-tokenizer.sh).
 set -euo pipefail
 # shellcheck source=benches/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -84,7 +94,8 @@ CHAT_USER_WORDS=800
 CHAT_ANSWER_WORDS=100
 LANES=kvmesh-rr,kvmesh-kv,kvmesh-precise,kvmesh-precise-2r,kvmesh-precise-4r,sglang,vllm-router,nginx
 ROUNDS=1
-WORKLOADS=trace,chat
+WORKLOADS=trace,trace-late,chat,aiperf
+LATE_FROM=
 KV_OVERLAP_WEIGHT=
 KV_SETTINGS=()
 REAL_ENGINES=0
@@ -98,11 +109,17 @@ TOKENIZER=$BENCH_ROOT/.cache/tokenizers/qwen3
 MODEL=sim-model
 SGLANG_VERSION=0.3.2
 VLLM_ROUTER_VERSION=0.1.17
+AIPERF_VERSION=0.13.0
+# AIPerf's multi-turn chat at the size of the chat workload: its prefix prompts stand for the
+# shared system prompts (about 500 words each), its synthetic user turns for the user messages.
+AIPERF_PREFIX_TOKENS=650
+AIPERF_INPUT_TOKENS=1000
 
 while (($#)); do
   case $1 in
     --trace) TRACE=$(cd "$(dirname "$2")" && pwd)/$(basename "$2"); shift 2 ;;
     --slice-requests) SLICE_REQUESTS=$2; shift 2 ;;
+    --late-from) LATE_FROM=$2; shift 2 ;;
     --arrival-speedup) ARRIVAL_SPEEDUP=$2; shift 2 ;;
     --speedup) SPEEDUP=$2; shift 2 ;;
     --engines) ENGINES=$2; GIVEN[engines]=1; shift 2 ;;
@@ -146,6 +163,16 @@ IFS=, read -ra WORKLOAD_LIST <<<"$WORKLOADS"
 [[ -f $TRACE ]] || die "no trace at $TRACE"
 TIME_SCALE=$(awk -v a="$ARRIVAL_SPEEDUP" -v s="$SPEEDUP" 'BEGIN { print a * s }')
 [[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || die "--rounds takes a positive count, not $ROUNDS"
+for workload in "${WORKLOAD_LIST[@]}"; do
+  [[ $workload =~ ^(trace|trace-late|chat|aiperf)$ ]] || die "unknown workload $workload"
+done
+has_workload() { [[ ",$WORKLOADS," == *",$1,"* ]]; }
+# chat_like WORKLOAD: whether the engines and kvmesh tokenize it with Qwen3's chat template.
+chat_like() { [[ $1 == chat || $1 == aiperf ]]; }
+if has_workload trace-late && [[ -z $LATE_FROM ]]; then
+  LATE_FROM=$(awk 'NF { t = $0; sub(/.*"timestamp": */, "", t); sub(/[^0-9].*/, "", t);
+    if (first == "") first = t; last = t } END { printf "%d", (last - first) / 2000 }' "$TRACE")
+fi
 has_lane() { [[ ",$LANES," == *",$1,"* ]]; }
 has_precise() { [[ ",$LANES," == *",kvmesh-precise"* ]]; }
 # replicas_of LANE: the proxy replicas of a kvmesh-precise lane (kvmesh-precise: 1,
@@ -184,6 +211,7 @@ SIM=$BIN_DIR/kvmesh-engine-sim
 PROXY=$BIN_DIR/kvmesh-proxy
 BENCH=$BIN_DIR/kvmesh-bench
 AGENT=$BIN_DIR/kvmesh-agent
+ENGINE_CACHE=$BIN_DIR/kvmesh-engine-cache
 for bin in "$PROXY" "$BENCH"; do [[ -x $bin ]] || die "missing $bin"; done
 ((REAL_ENGINES)) || [[ -x $SIM ]] || die "missing $SIM"
 
@@ -203,7 +231,11 @@ mkdir -p "$CACHE_DIR"
 has_lane sglang && SGLANG_VENV=$(venv sglang "sglang-router==$SGLANG_VERSION")
 has_lane vllm-router && VLLM_VENV=$(venv vllm-router "vllm-router==$VLLM_ROUTER_VERSION")
 PLOT_VENV=$(venv plot matplotlib)
-[[ ",$WORKLOADS," == *",chat,"* ]] && "$BENCH_ROOT/scripts/fetch-tokenizer.sh" "$TOKENIZER" >&2
+if has_workload aiperf; then
+  [[ -x $ENGINE_CACHE ]] || die "missing $ENGINE_CACHE"
+  AIPERF_VENV=$(venv aiperf "aiperf==$AIPERF_VERSION")
+fi
+if has_workload chat || has_workload aiperf; then "$BENCH_ROOT/scripts/fetch-tokenizer.sh" "$TOKENIZER" >&2; fi
 
 WORK_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvmesh-routing.XXXXXX")
 chmod 755 "$WORK_DIR"
@@ -221,7 +253,7 @@ note() { grep -qxF -- "- $*" "$NOTES" || echo "- $*" >>"$NOTES"; log "note: $*";
 # start_sims WORKLOAD LANE: 8 engines in one process; SIM_ADDRS, SIM_URLS, EVENT_ADDRS.
 start_sims() {
   local args=(--engines "$ENGINES" --port 0 --block-size 64 --model "$MODEL" --speedup-ratio "$SPEEDUP")
-  [[ $1 == chat ]] && args+=(--tokenizer "$TOKENIZER/tokenizer.json")
+  chat_like "$1" && args+=(--tokenizer "$TOKENIZER/tokenizer.json")
   [[ $2 == kvmesh-precise* ]] && args+=(--kv-events-endpoint tcp://127.0.0.1:0 --kv-events-replay-endpoint tcp://127.0.0.1:0)
   start_bg SIM_PID "$RUN_DIR/sim.out" "$SIM" "${args[@]}"
   wait_ready "$RUN_DIR/sim.out" "$SIM_PID"
@@ -241,7 +273,7 @@ kvmesh_config() {
     proxy_config_head
     echo "  - name: $MODEL"
     echo "    policy: $policy"
-    if [[ $workload == chat && $policy == kv ]]; then echo "    tokenizer: $TOKENIZER"; fi
+    if chat_like "$workload" && [[ $policy == kv ]]; then echo "    tokenizer: $TOKENIZER"; fi
     if [[ $policy == kv ]] && { [[ -n $KV_OVERLAP_WEIGHT ]] || ((${#KV_SETTINGS[@]})); }; then
       echo "    kv:"
       if [[ -n $KV_OVERLAP_WEIGHT ]]; then echo "      overlap_weight: $KV_OVERLAP_WEIGHT"; fi
@@ -382,6 +414,25 @@ metric_sum() {
   awk -v n="$1" '$1 == n || index($1, n "{") == 1 { s += $NF } END { printf "%.0f", s }' "$RUN_DIR/proxy-metrics.txt" 2>/dev/null || echo 0
 }
 
+# run_aiperf: AIPerf's multi-turn chat through ROUTER_URL (and ALSO_URLS, round robin), the
+# engines' cache counters around it; $RUN_DIR/report.json in kvmesh-bench's shape.
+run_aiperf() {
+  local urls=(--url "$ROUTER_URL") url
+  for url in "${ALSO_URLS[@]}"; do urls+=(--url "$url"); done
+  "$ENGINE_CACHE" --engine-metrics "$SIM_URLS" --json "$RUN_DIR/cache.json" -- \
+    "$AIPERF_VENV/bin/aiperf" profile --model "$MODEL" "${urls[@]}" --endpoint-type chat --streaming \
+    --tokenizer "$TOKENIZER" --conversation-num "$CHAT_SESSIONS" \
+    --conversation-turn-mean "$CHAT_TURNS" --conversation-turn-stddev 0 \
+    --num-prefix-prompts "$CHAT_SYSTEM_PROMPTS" --prefix-prompt-length "$AIPERF_PREFIX_TOKENS" \
+    --synthetic-input-tokens-mean "$AIPERF_INPUT_TOKENS" --synthetic-input-tokens-stddev $((AIPERF_INPUT_TOKENS / 5)) \
+    --output-tokens-mean "$CHAT_MAX_TOKENS" --output-tokens-stddev 0 --extra-inputs ignore_eos:true \
+    --request-rate "$CHAT_RATE" --request-rate-mode poisson --random-seed 1 \
+    --request-timeout-seconds 600 --ui none --artifact-dir "$RUN_DIR/aiperf" >"$RUN_DIR/report.txt" 2>&1 ||
+    { tail -n 30 "$RUN_DIR/report.txt" >&2; die "AIPerf failed through $lane"; }
+  python3 "$BENCH_ROOT/benches/aiperf_report.py" --artifacts "$RUN_DIR/aiperf" --cache "$RUN_DIR/cache.json" \
+    --out "$RUN_DIR/report.json"
+}
+
 # run_one WORKLOAD LANE [ROUND]: fresh sims and router, the workload through it, JSON in
 # $WORK_DIR/WORKLOAD-LANE (in its round-ROUND when given).
 run_one() {
@@ -405,18 +456,26 @@ run_one() {
     --engine-metrics "$SIM_URLS" --oracle-engines "$ENGINES" --json "$RUN_DIR/report.json")
   local url
   for url in "${ALSO_URLS[@]}"; do flags+=(--also-url "$url"); done
-  if [[ $workload == trace ]]; then
-    flags+=(--workload trace --trace "$TRACE" --slice-requests "$SLICE_REQUESTS" --time-scale "$TIME_SCALE")
-    # sglang-router 0.3.2 answers 422 to token-id prompts (and routes on text anyway).
-    if [[ $lane == sglang ]]; then flags+=(--prompt-format text); fi
+  case $workload in
+    trace | trace-late)
+      flags+=(--workload trace --trace "$TRACE" --slice-requests "$SLICE_REQUESTS" --time-scale "$TIME_SCALE")
+      [[ $workload == trace-late ]] && flags+=(--skip-seconds "${LATE_FROM}s")
+      # sglang-router 0.3.2 answers 422 to token-id prompts (and routes on text anyway).
+      if [[ $lane == sglang ]]; then flags+=(--prompt-format text); fi
+      ;;
+    chat)
+      flags+=(--workload chat --rate "$CHAT_RATE" --chat-sessions "$CHAT_SESSIONS"
+        --chat-active-sessions "$CHAT_ACTIVE" --chat-turns "$CHAT_TURNS"
+        --chat-system-prompts "$CHAT_SYSTEM_PROMPTS" --chat-system-words "$CHAT_SYSTEM_WORDS"
+        --chat-user-words "$CHAT_USER_WORDS" --chat-answer-words "$CHAT_ANSWER_WORDS"
+        --max-tokens "$CHAT_ANSWER_WORDS" --tokenizer "$TOKENIZER")
+      ;;
+  esac
+  if [[ $workload == aiperf ]]; then
+    run_aiperf
   else
-    flags+=(--workload chat --rate "$CHAT_RATE" --chat-sessions "$CHAT_SESSIONS"
-      --chat-active-sessions "$CHAT_ACTIVE" --chat-turns "$CHAT_TURNS"
-      --chat-system-prompts "$CHAT_SYSTEM_PROMPTS" --chat-system-words "$CHAT_SYSTEM_WORDS"
-      --chat-user-words "$CHAT_USER_WORDS" --chat-answer-words "$CHAT_ANSWER_WORDS"
-      --max-tokens "$CHAT_ANSWER_WORDS" --tokenizer "$TOKENIZER")
+    "$BENCH" "${flags[@]}" >"$RUN_DIR/report.txt"
   fi
-  "$BENCH" "${flags[@]}" >"$RUN_DIR/report.txt"
   expect_alive "$workload through $lane" "$SIM_PID" "${ROUTER_PIDS[@]}"
   if [[ $lane == kvmesh-* ]]; then
     curl -sf "http://$(listening "$RUN_DIR/proxy.out" admin)/metrics" >"$RUN_DIR/proxy-metrics.txt" || true
@@ -536,18 +595,32 @@ spread() {
     any=
     for lane in "${LANE_LIST[@]}"; do [[ -f $WORK_DIR/$workload-$lane/report.json ]] && any=$WORK_DIR/$workload-$lane/report.json; done
     [[ -n $any ]] || continue
-    if [[ $workload == trace ]]; then
-      echo "### Mooncake conversation trace: first $(num "$any" '.workload.requests') requests"
+    case $workload in
+      trace | trace-late)
+        if [[ $workload == trace ]]; then
+          echo "### Mooncake conversation trace: first $(num "$any" '.workload.requests') requests"
+        else
+          echo "### Mooncake conversation trace, second half: $(num "$any" '.workload.requests') requests from ${LATE_FROM} s"
+        fi
+        echo
+        echo "\`$(basename "$TRACE")\`, $(num "$any" '.workload.trace_span_s | round') s of trace time from $(num "$any" '.workload.skipped_s // 0 | round') s replayed at ${ARRIVAL_SPEEDUP}× in engine time (\`--time-scale $TIME_SCALE\` in wall time); mean $(num "$any" '.workload.mean_input_tokens | round') prompt / $(num "$any" '.workload.mean_output_tokens | round') output tokens; token-id prompts to \`/v1/completions\` with \`max_tokens\` = the trace's output length and \`ignore_eos\`."
+        ;;
+      chat)
+        echo "### Synthetic multi-turn chat"
+        echo
+        echo "$CHAT_SESSIONS conversations × $CHAT_TURNS turns, $((CHAT_ACTIVE < CHAT_SESSIONS ? CHAT_ACTIVE : CHAT_SESSIONS)) open at once, $CHAT_SYSTEM_PROMPTS shared system prompts of $CHAT_SYSTEM_WORDS words, user messages and history answers of $CHAT_USER_WORDS / $CHAT_ANSWER_WORDS words, \`max_tokens\` $CHAT_ANSWER_WORDS, Poisson arrivals at $CHAT_RATE req/s wall ($(awk -v r="$CHAT_RATE" -v s="$SPEEDUP" 'BEGIN { print r / s }') req/s engine time); \`/v1/chat/completions\`, engines and kvmesh tokenizing with Qwen3's tokenizer and chat template."
+        ;;
+      aiperf)
+        echo "### NVIDIA AIPerf multi-turn chat"
+        echo
+        echo "AIPerf $AIPERF_VERSION (\`aiperf profile --endpoint-type chat --streaming\`, its synthetic multi-turn dataset): $CHAT_SESSIONS conversations × $CHAT_TURNS turns, $CHAT_SYSTEM_PROMPTS prefix prompts of $AIPERF_PREFIX_TOKENS tokens on the first turns, user turns of $AIPERF_INPUT_TOKENS ± $((AIPERF_INPUT_TOKENS / 5)) tokens, each turn carrying the whole history with the engines' live answers, $CHAT_MAX_TOKENS output tokens (\`ignore_eos\`), Poisson arrivals at $CHAT_RATE req/s wall, \`--random-seed 1\`; mean $(num "$any" '.mean_input_tokens | round') prompt tokens (Qwen3's tokenizer). TTFT, ITL and E2E are AIPerf's own; hit rate from the engines' counters around the run (\`kvmesh-engine-cache\`). AIPerf does not give the prompts to an oracle, so *of oracle* is n/a."
+        ;;
+    esac
+    echo
+    if [[ $workload != aiperf ]]; then
+      echo "Oracle hit rate $(rate "$any" '.cache.oracle.hit_rate') (pooled LRU), infinite-cache bound $(rate "$any" '.cache.oracle.infinite_hit_rate'), over $(num "$any" '.cache.oracle.prompt_tokens') prompt tokens."
       echo
-      echo "\`$(basename "$TRACE")\`, $(num "$any" '.workload.trace_span_s | round') s of trace time replayed at ${ARRIVAL_SPEEDUP}× in engine time (\`--time-scale $TIME_SCALE\` in wall time); mean $(num "$any" '.workload.mean_input_tokens | round') prompt / $(num "$any" '.workload.mean_output_tokens | round') output tokens; token-id prompts to \`/v1/completions\` with \`max_tokens\` = the trace's output length and \`ignore_eos\`."
-    else
-      echo "### Synthetic multi-turn chat"
-      echo
-      echo "$CHAT_SESSIONS conversations × $CHAT_TURNS turns, $((CHAT_ACTIVE < CHAT_SESSIONS ? CHAT_ACTIVE : CHAT_SESSIONS)) open at once, $CHAT_SYSTEM_PROMPTS shared system prompts of $CHAT_SYSTEM_WORDS words, user messages and history answers of $CHAT_USER_WORDS / $CHAT_ANSWER_WORDS words, \`max_tokens\` $CHAT_ANSWER_WORDS, Poisson arrivals at $CHAT_RATE req/s wall ($(awk -v r="$CHAT_RATE" -v s="$SPEEDUP" 'BEGIN { print r / s }') req/s engine time); \`/v1/chat/completions\`, engines and kvmesh tokenizing with Qwen3's tokenizer and chat template."
     fi
-    echo
-    echo "Oracle hit rate $(rate "$any" '.cache.oracle.hit_rate') (pooled LRU), infinite-cache bound $(rate "$any" '.cache.oracle.infinite_hit_rate'), over $(num "$any" '.cache.oracle.prompt_tokens') prompt tokens."
-    echo
     echo "| router | ok | errors | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | E2E p50 | E2E p90 | req/s | output tok/s | hit rate | of oracle | requests per engine | preemptions |"
     echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     for lane in "${LANE_LIST[@]}"; do

@@ -25,6 +25,11 @@ pub struct Args {
     /// Trace: arrival times are divided by this (2 replays twice as fast as recorded).
     #[arg(long, default_value_t = 1.0, value_parser = parse_rate)]
     pub time_scale: f64,
+    /// Trace: leave out the requests that arrive sooner than this after the trace's first (trace
+    /// time, e.g. `1768s` for the second half of a 3,537 s trace); the other slice options count
+    /// from the first request left.
+    #[arg(long, value_parser = parse_duration)]
+    pub skip_seconds: Option<Duration>,
     /// Trace: replay only the first N requests.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub slice_requests: Option<u64>,

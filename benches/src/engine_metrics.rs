@@ -133,6 +133,15 @@ impl EngineProbe {
     }
 }
 
+/// Every engine's counters now, in probe order.
+pub async fn scrape_all(probes: &[EngineProbe]) -> Result<Vec<EngineCounters>, ScrapeError> {
+    let mut out = Vec::with_capacity(probes.len());
+    for probe in probes {
+        out.push(probe.scrape().await?);
+    }
+    Ok(out)
+}
+
 /// What one engine did during a run (counter differences).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct EngineDelta {

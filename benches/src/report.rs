@@ -49,6 +49,8 @@ pub enum WorkloadInfo {
         path: String,
         /// Requests replayed.
         requests: u64,
+        /// Trace time left out before the first request replayed (`--skip-seconds`), seconds.
+        skipped_s: f64,
         /// Trace time from the first to the last request, seconds.
         trace_span_s: f64,
         /// Arrival times were divided by this.
@@ -221,6 +223,7 @@ fn write_workload(f: &mut fmt::Formatter<'_>, workload: &WorkloadInfo) -> fmt::R
         WorkloadInfo::Trace {
             path,
             requests,
+            skipped_s,
             trace_span_s,
             time_scale,
             prompt_format,
@@ -228,7 +231,7 @@ fn write_workload(f: &mut fmt::Formatter<'_>, workload: &WorkloadInfo) -> fmt::R
             mean_output_tokens,
         } => writeln!(
             f,
-            "trace {path}: {requests} requests over {trace_span_s:.1} s of trace time at {time_scale}x, \
+            "trace {path}: {requests} requests over {trace_span_s:.1} s of trace time from {skipped_s:.0} s at {time_scale}x, \
              prompts as {prompt_format}, mean {mean_input_tokens:.0} in / {mean_output_tokens:.0} out tokens"
         ),
         WorkloadInfo::Chat {
@@ -488,6 +491,7 @@ mod tests {
         run.workload = WorkloadInfo::Trace {
             path: "t.jsonl".into(),
             requests: 3,
+            skipped_s: 0.0,
             trace_span_s: 2.0,
             time_scale: 4.0,
             prompt_format: "ids",

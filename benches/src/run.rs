@@ -12,7 +12,7 @@ use crate::cli::Args;
 use crate::client::Client;
 use crate::closed_loop::run_closed_loop;
 use crate::connection::Connector;
-use crate::engine_metrics::{EngineDelta, EngineProbe, ScrapeError};
+use crate::engine_metrics::{EngineDelta, EngineProbe, ScrapeError, scrape_all};
 use crate::open_loop::{OpenLoop, run_open_loop};
 use crate::oracle::{OracleReport, OracleSpec};
 use crate::oracle_input::{OracleInputError, chat_oracle, trace_oracle};
@@ -221,6 +221,7 @@ fn prepare(args: &Args, target: &Target) -> Result<Prepared, RunError> {
         WorkloadKind::Trace => {
             let path = args.trace.clone().unwrap_or_default();
             let slice = TraceSlice {
+                skip: args.skip_seconds,
                 requests: args
                     .slice_requests
                     .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
@@ -244,6 +245,7 @@ fn prepare(args: &Args, target: &Target) -> Result<Prepared, RunError> {
             let info = WorkloadInfo::Trace {
                 path: path.display().to_string(),
                 requests: records.len() as u64,
+                skipped_s: args.skip_seconds.map_or(0.0, |d| d.as_secs_f64()),
                 trace_span_s: (last - first) as f64 / 1000.0,
                 time_scale: args.time_scale,
                 prompt_format: args.prompt_format.name(),
@@ -307,15 +309,4 @@ fn prepare(args: &Args, target: &Target) -> Result<Prepared, RunError> {
             })
         }
     }
-}
-
-/// Every engine's counters now, in probe order.
-async fn scrape_all(
-    probes: &[EngineProbe],
-) -> Result<Vec<crate::engine_metrics::EngineCounters>, ScrapeError> {
-    let mut out = Vec::with_capacity(probes.len());
-    for probe in probes {
-        out.push(probe.scrape().await?);
-    }
-    Ok(out)
 }

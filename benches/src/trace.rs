@@ -48,6 +48,9 @@ impl TraceRecord {
 /// Which part of a trace to replay.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct TraceSlice {
+    /// Leave out the requests that arrive sooner than this after the trace's first request; the
+    /// slice starts with the first one left (e.g. half the trace's span: its second half).
+    pub skip: Option<Duration>,
     /// At most this many requests, from the first.
     pub requests: Option<usize>,
     /// Only requests that arrive within this long of the first one.
@@ -131,6 +134,8 @@ pub fn parse_trace(
         source,
     };
     let mut records: Vec<TraceRecord> = Vec::new();
+    let mut trace_start: Option<u64> = None;
+    let mut previous: Option<u64> = None;
     for (i, line) in reader.lines().enumerate() {
         if slice.requests.is_some_and(|n| records.len() >= n) {
             break;
@@ -154,17 +159,22 @@ pub fn parse_trace(
                 block_size,
             });
         }
+        if previous.is_some_and(|last| record.timestamp < last) {
+            return Err(TraceError::Unsorted {
+                path: path.to_owned(),
+                line: i + 1,
+                timestamp: record.timestamp,
+            });
+        }
+        previous = Some(record.timestamp);
+        let start = *trace_start.get_or_insert(record.timestamp);
+        if slice
+            .skip
+            .is_some_and(|skip| Duration::from_millis(record.timestamp - start) < skip)
+        {
+            continue;
+        }
         if let Some(first) = records.first() {
-            if records
-                .last()
-                .is_some_and(|last| record.timestamp < last.timestamp)
-            {
-                return Err(TraceError::Unsorted {
-                    path: path.to_owned(),
-                    line: i + 1,
-                    timestamp: record.timestamp,
-                });
-            }
             let since_first = Duration::from_millis(record.timestamp - first.timestamp);
             if slice.span.is_some_and(|span| since_first > span) {
                 break;
@@ -218,14 +228,45 @@ mod tests {
     fn slices_by_count_and_by_time() {
         let first_two = TraceSlice {
             requests: Some(2),
-            span: None,
+            ..TraceSlice::default()
         };
         assert_eq!(parse(TRACE, first_two).expect("trace").len(), 2);
         let two_seconds = TraceSlice {
-            requests: None,
             span: Some(Duration::from_secs(2)),
+            ..TraceSlice::default()
         };
         assert_eq!(parse(TRACE, two_seconds).expect("trace").len(), 3);
+    }
+
+    #[test]
+    fn skips_the_trace_s_start_and_slices_from_the_first_request_left() {
+        let after_one_second = TraceSlice {
+            skip: Some(Duration::from_secs(1)),
+            ..TraceSlice::default()
+        };
+        let records = parse(TRACE, after_one_second).expect("trace");
+        assert_eq!(
+            records.iter().map(|r| r.timestamp).collect::<Vec<_>>(),
+            [1500, 4000]
+        );
+        assert_eq!(
+            arrival_offsets(&records, 1.0),
+            [0, 2500].map(Duration::from_millis).to_vec()
+        );
+        let one_after = TraceSlice {
+            skip: Some(Duration::from_secs(1)),
+            requests: Some(1),
+            span: None,
+        };
+        assert_eq!(parse(TRACE, one_after).expect("trace").len(), 1);
+        let past_the_end = TraceSlice {
+            skip: Some(Duration::from_secs(5)),
+            ..TraceSlice::default()
+        };
+        assert!(matches!(
+            parse(TRACE, past_the_end),
+            Err(TraceError::Empty(_))
+        ));
     }
 
     #[test]

@@ -219,3 +219,82 @@ fn synthetic_chat_reports_latencies_hit_rates_and_the_oracle() {
     assert_sane(&report, CHAT_SESSIONS * CHAT_TURNS);
     assert_eq!(report["workload"]["kind"], "chat");
 }
+
+/// `kvmesh-engine-cache` (the counters around AIPerf in the routing-quality harness) reads the
+/// same engine counters as `kvmesh-bench` does around its own load: wrapped around a
+/// `kvmesh-bench` replay of the trace's later part (`--skip-seconds`), it counts exactly the
+/// requests and prompt tokens the replay's own report counts. A failing command gives its
+/// status and writes nothing.
+#[test]
+fn engine_cache_counts_what_a_wrapped_load_generator_sent() {
+    let scratch = ScratchDir::new("bench-engine-cache").expect("scratch dir");
+    let (_sims, proxy, engines) = cluster(&scratch, None);
+    let trace = workspace_root().join("benches/data/conversation_trace_head200.jsonl");
+    let report = scratch.path().join("report.json");
+    let cache = scratch.path().join("cache.json");
+    let mut bench_args = common_args(&proxy, &engines);
+    bench_args.extend(
+        [
+            "--workload",
+            "trace",
+            "--trace",
+            &trace.display().to_string(),
+            "--skip-seconds",
+            "36s",
+            "--slice-requests",
+            &TRACE_REQUESTS.to_string(),
+            "--time-scale",
+            "20",
+            "--json",
+            &report.display().to_string(),
+        ]
+        .map(String::from),
+    );
+    let wrapper = bin_dir().join("kvmesh-engine-cache");
+    let status = Command::new(&wrapper)
+        .arg("--engine-metrics")
+        .arg(engines.join(","))
+        .arg("--json")
+        .arg(&cache)
+        .arg("--")
+        .arg(bin_dir().join("kvmesh-bench"))
+        .args(&bench_args)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("run kvmesh-engine-cache");
+    assert!(status.success(), "kvmesh-engine-cache: {status}");
+    let read = |path: &Path| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(path).expect("JSON written"))
+            .expect("JSON parses")
+    };
+    let (report, cache) = (read(&report), read(&cache));
+    assert_eq!(number(&report, "/workload/skipped_s"), 36.0);
+    assert_eq!(number(&report, "/workload/requests"), TRACE_REQUESTS as f64);
+    let served: f64 = cache["engines"]
+        .as_array()
+        .expect("engines")
+        .iter()
+        .map(|e| number(e, "/requests"))
+        .sum();
+    assert_eq!(served, TRACE_REQUESTS as f64, "{cache:#}");
+    for counter in ["query_tokens", "hit_tokens", "preemptions"] {
+        assert_eq!(
+            number(&cache, &format!("/{counter}")),
+            number(&report, &format!("/cache/{counter}")),
+            "{counter}"
+        );
+    }
+    assert!(cache["oracle"].is_null());
+
+    let missing = scratch.path().join("never.json");
+    let status = Command::new(&wrapper)
+        .arg("--engine-metrics")
+        .arg(engines.join(","))
+        .arg("--json")
+        .arg(&missing)
+        .args(["--", "sh", "-c", "exit 3"])
+        .status()
+        .expect("run kvmesh-engine-cache");
+    assert_eq!(status.code(), Some(3));
+    assert!(!missing.exists());
+}
