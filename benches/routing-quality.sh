@@ -73,6 +73,9 @@
 #   --bin-dir DIR         where the binaries are (default target/release)
 #   --doc FILE            document to update (default docs/BENCHMARKS.md)
 #   --keep                keep the work directory (configs, logs, JSON reports)
+#   --resume DIR          use DIR, a work directory an earlier run kept, and run only the
+#                         (workload, lane) pairs without a report there (delete a pair's
+#                         directory to run it again); the section reports them all
 # Installs what is missing: jq, nginx, etcd, nats-server (apt); the peers and matplotlib into
 # virtualenvs under .cache/bench/ (pip, from PyPI; AIPerf is about 1.2 GB); the Qwen3 tokenizer (scripts/fetch-tokenizer.sh).
 set -euo pipefail
@@ -96,6 +99,7 @@ LANES=kvmesh-rr,kvmesh-kv,kvmesh-precise,kvmesh-precise-2r,kvmesh-precise-4r,sgl
 ROUNDS=1
 WORKLOADS=trace,trace-late,chat,aiperf
 LATE_FROM=
+RESUME=
 KV_OVERLAP_WEIGHT=
 KV_SETTINGS=()
 REAL_ENGINES=0
@@ -120,6 +124,7 @@ while (($#)); do
     --trace) TRACE=$(cd "$(dirname "$2")" && pwd)/$(basename "$2"); shift 2 ;;
     --slice-requests) SLICE_REQUESTS=$2; shift 2 ;;
     --late-from) LATE_FROM=$2; shift 2 ;;
+    --resume) RESUME=$(cd "$2" && pwd); shift 2 ;;
     --arrival-speedup) ARRIVAL_SPEEDUP=$2; shift 2 ;;
     --speedup) SPEEDUP=$2; shift 2 ;;
     --engines) ENGINES=$2; GIVEN[engines]=1; shift 2 ;;
@@ -167,6 +172,11 @@ for workload in "${WORKLOAD_LIST[@]}"; do
   [[ $workload =~ ^(trace|trace-late|chat|aiperf)$ ]] || die "unknown workload $workload"
 done
 has_workload() { [[ ",$WORKLOADS," == *",$1,"* ]]; }
+# speedup_of WORKLOAD: the sims' speed-up in WORKLOAD's runs. AIPerf's own processes take
+# about a core and a half at the chat's wall-clock rate, which starves 4× sims on 2 cores (load
+# average 4.3 in a trial), so its runs go in engine time: speed-up 1, arrivals --speedup times
+# slower, the same load in engine time.
+speedup_of() { if [[ $1 == aiperf ]]; then echo 1; else echo "$SPEEDUP"; fi; }
 # chat_like WORKLOAD: whether the engines and kvmesh tokenize it with Qwen3's chat template.
 chat_like() { [[ $1 == chat || $1 == aiperf ]]; }
 if has_workload trace-late && [[ -z $LATE_FROM ]]; then
@@ -237,7 +247,12 @@ if has_workload aiperf; then
 fi
 if has_workload chat || has_workload aiperf; then "$BENCH_ROOT/scripts/fetch-tokenizer.sh" "$TOKENIZER" >&2; fi
 
-WORK_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvmesh-routing.XXXXXX")
+if [[ -n $RESUME ]]; then
+  WORK_DIR=$RESUME
+  KEEP_WORK_DIR=1
+else
+  WORK_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvmesh-routing.XXXXXX")
+fi
 chmod 755 "$WORK_DIR"
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -246,13 +261,13 @@ LOAD_BEFORE=$(machine_lines)
 DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
 STARTED_AT=$SECONDS
 NOTES=$WORK_DIR/notes.md
-: >"$NOTES"
+[[ -n $RESUME ]] || : >"$NOTES"
 note() { grep -qxF -- "- $*" "$NOTES" || echo "- $*" >>"$NOTES"; log "note: $*"; }
 
 # ---- one run: fresh engines, one router, one workload ----------------------------------------
 # start_sims WORKLOAD LANE: 8 engines in one process; SIM_ADDRS, SIM_URLS, EVENT_ADDRS.
 start_sims() {
-  local args=(--engines "$ENGINES" --port 0 --block-size 64 --model "$MODEL" --speedup-ratio "$SPEEDUP")
+  local args=(--engines "$ENGINES" --port 0 --block-size 64 --model "$MODEL" --speedup-ratio "$(speedup_of "$1")")
   chat_like "$1" && args+=(--tokenizer "$TOKENIZER/tokenizer.json")
   [[ $2 == kvmesh-precise* ]] && args+=(--kv-events-endpoint tcp://127.0.0.1:0 --kv-events-replay-endpoint tcp://127.0.0.1:0)
   start_bg SIM_PID "$RUN_DIR/sim.out" "$SIM" "${args[@]}"
@@ -426,7 +441,8 @@ run_aiperf() {
     --num-prefix-prompts "$CHAT_SYSTEM_PROMPTS" --prefix-prompt-length "$AIPERF_PREFIX_TOKENS" \
     --synthetic-input-tokens-mean "$AIPERF_INPUT_TOKENS" --synthetic-input-tokens-stddev $((AIPERF_INPUT_TOKENS / 5)) \
     --output-tokens-mean "$CHAT_MAX_TOKENS" --output-tokens-stddev 0 --extra-inputs ignore_eos:true \
-    --request-rate "$CHAT_RATE" --request-rate-mode poisson --random-seed 1 \
+    --request-rate "$(awk -v r="$CHAT_RATE" -v s="$SPEEDUP" 'BEGIN { print r / s }')" --request-rate-mode poisson \
+    --random-seed 1 --use-server-token-count \
     --request-timeout-seconds 600 --ui none --artifact-dir "$RUN_DIR/aiperf" >"$RUN_DIR/report.txt" 2>&1 ||
     { tail -n 30 "$RUN_DIR/report.txt" >&2; die "AIPerf failed through $lane"; }
   python3 "$BENCH_ROOT/benches/aiperf_report.py" --artifacts "$RUN_DIR/aiperf" --cache "$RUN_DIR/cache.json" \
@@ -514,8 +530,14 @@ for ((round = 1; round <= ROUNDS; round++)); do
         note "$lane skipped: no usable kvmesh-agent at $AGENT (the worker-agent is not built yet)"
         continue
       fi
-      if ((ROUNDS == 1)); then run_one "$workload" "$lane"; else run_one "$workload" "$lane" "$round"; fi
       ((round > 1)) || RAN+=("$workload-$lane")
+      if [[ -n $RESUME && -f $WORK_DIR/$workload-$lane/report.json ]]; then
+        log "== $workload through $lane: kept from the resumed run"
+        continue
+      fi
+      # A pair run again replaces the notes an earlier run left of it.
+      [[ -z $RESUME ]] || sed -i "/^- $lane, $workload[:,]/d" "$NOTES"
+      if ((ROUNDS == 1)); then run_one "$workload" "$lane"; else run_one "$workload" "$lane" "$round"; fi
     done
   done
 done
@@ -533,14 +555,15 @@ for workload in "${WORKLOAD_LIST[@]}"; do
     [[ -f $f ]] && series+=("$lane=$f")
   done
   ((${#series[@]})) || continue
-  "$PLOT_VENV/bin/python" "$BENCH_ROOT/benches/plot_cdf.py" --scale "$SPEEDUP" \
+  "$PLOT_VENV/bin/python" "$BENCH_ROOT/benches/plot_cdf.py" --scale "$(speedup_of "$workload")" \
     --title "TTFT CDF, $workload workload ($ENGINES engine-sims, engine time)" \
     --out "$IMG_DIR/routing-ttft-$workload.png" "${series[@]}"
 done
 
 # ---- report ---------------------------------------------------------------------------------
-# ms FILE FILTER: a latency of the report in engine-time ms (wall ms × speed-up), rounded.
-ms() { jq -r --argjson s "$SPEEDUP" "($2) as \$v | if \$v == null then \"n/a\" else (\$v * \$s | round) end" "$1"; }
+# ms FILE FILTER: a latency of the report in engine-time ms (wall ms × the speed-up of the
+# workload being reported, SCALE), rounded.
+ms() { jq -r --argjson s "$SCALE" "($2) as \$v | if \$v == null then \"n/a\" else (\$v * \$s | round) end" "$1"; }
 num() { jq -r "($2) as \$v | if \$v == null then \"n/a\" else \$v end" "$1"; }
 rate() { jq -r "($2) as \$v | if \$v == null then \"n/a\" else (\$v * 1000 | round / 1000) end" "$1"; }
 # versus A B FORMAT SCALE: "A vs B" with both multiplied by SCALE ("n/a" if either is missing).
@@ -582,12 +605,13 @@ spread() {
   echo "## Routing quality (\`benches/routing-quality.sh\`)"
   echo
   echo "Last run: $DATE, command \`$COMMAND\`, $TOTAL_SECONDS s in all."
+  if [[ -n $RESUME ]]; then echo; echo "It resumed an earlier run's kept work directory: the (workload, lane) pairs already reported there were not run again, and the load averages below are this run's."; fi
   if ((ROUNDS > 1)); then echo; echo "Every lane ran $ROUNDS times, round by round; each number below is the median of its $ROUNDS measurements."; fi
   echo
   echo "$LOAD_BEFORE"
   echo "- Load average after the run: \`$(cut -d' ' -f1-3 /proc/loadavg)\`"
   echo "- Cluster: $ENGINES engines in one \`kvmesh-engine-sim --engines $ENGINES --speedup-ratio $SPEEDUP\` process (Dynamo mocker timing model, 16,384 blocks of 64 tokens each, prefix caching, chunked prefill), started fresh for every run. Every process (load generator, router, sims) shares the 2 cores; nothing is pinned."
-  echo "- **Latencies are engine time**: wall-clock ms × $SPEEDUP (the sims run $SPEEDUP× faster than the timing model), comparable with the model's own numbers; a router's own overhead is magnified by the same factor. Throughput is wall-clock."
+  echo "- **Latencies are engine time**: wall-clock ms × $SPEEDUP (the sims run $SPEEDUP× faster than the timing model; the aiperf workload's run at 1×), comparable with the model's own numbers; a router's own overhead is magnified by the same factor. Throughput is wall-clock."
   echo "- Hit rate: the engines' \`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total\` (tokens) over the run, all engines together; *of oracle* = that ÷ the oracle's hit rate."
   echo "- Oracle (\`kvmesh-bench\`, \`benches/src/oracle.rs\`): the same prompts in arrival order, prefix-chained 64-token blocks; a perfect router that never duplicates a block behaves like one LRU cache of all $ENGINES × 16,384 blocks (pooled LRU, optimistic: a request's blocks count as cached from its arrival, running requests never crowd the cache; vLLM's rule that the last prompt token is always computed is kept). *Infinite* is the bound for any router and any cache size: every block seen before is a hit."
   echo
@@ -595,6 +619,7 @@ spread() {
     any=
     for lane in "${LANE_LIST[@]}"; do [[ -f $WORK_DIR/$workload-$lane/report.json ]] && any=$WORK_DIR/$workload-$lane/report.json; done
     [[ -n $any ]] || continue
+    SCALE=$(speedup_of "$workload")
     case $workload in
       trace | trace-late)
         if [[ $workload == trace ]]; then
@@ -613,7 +638,7 @@ spread() {
       aiperf)
         echo "### NVIDIA AIPerf multi-turn chat"
         echo
-        echo "AIPerf $AIPERF_VERSION (\`aiperf profile --endpoint-type chat --streaming\`, its synthetic multi-turn dataset): $CHAT_SESSIONS conversations × $CHAT_TURNS turns, $CHAT_SYSTEM_PROMPTS prefix prompts of $AIPERF_PREFIX_TOKENS tokens on the first turns, user turns of $AIPERF_INPUT_TOKENS ± $((AIPERF_INPUT_TOKENS / 5)) tokens, each turn carrying the whole history with the engines' live answers, $CHAT_MAX_TOKENS output tokens (\`ignore_eos\`), Poisson arrivals at $CHAT_RATE req/s wall, \`--random-seed 1\`; mean $(num "$any" '.mean_input_tokens | round') prompt tokens (Qwen3's tokenizer). TTFT, ITL and E2E are AIPerf's own; hit rate from the engines' counters around the run (\`kvmesh-engine-cache\`). AIPerf does not give the prompts to an oracle, so *of oracle* is n/a."
+        echo "AIPerf $AIPERF_VERSION (\`aiperf profile --endpoint-type chat --streaming\`, its synthetic multi-turn dataset): $CHAT_SESSIONS conversations × $CHAT_TURNS turns, $CHAT_SYSTEM_PROMPTS prefix prompts of $AIPERF_PREFIX_TOKENS tokens on the first turns, user turns of $AIPERF_INPUT_TOKENS ± $((AIPERF_INPUT_TOKENS / 5)) tokens, each turn carrying the whole history with the engines' live answers, $CHAT_MAX_TOKENS output tokens (\`ignore_eos\`), the engine-sims at speed-up 1 (engine time is wall time: AIPerf's own processes need more than a core at 4×) and Poisson arrivals at $(awk -v r="$CHAT_RATE" -v s="$SPEEDUP" 'BEGIN { print r / s }') req/s (the chat's engine-time rate), \`--random-seed 1\`, \`--use-server-token-count\`; mean $(num "$any" '.mean_input_tokens | round') prompt tokens (Qwen3's tokenizer). TTFT, ITL and E2E are AIPerf's own; hit rate from the engines' counters around the run (\`kvmesh-engine-cache\`). AIPerf does not give the prompts to an oracle, so *of oracle* is n/a."
         ;;
     esac
     echo
@@ -629,7 +654,7 @@ spread() {
       printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n' "${LABEL[$lane]}" \
         "$(num "$f" '.requests_ok')" "$(num "$f" '.errors_total')" \
         "$(ms "$f" '.ttft_ms.p50')" "$(ms "$f" '.ttft_ms.p90')" "$(ms "$f" '.ttft_ms.p99')" \
-        "$(jq -r --argjson s "$SPEEDUP" '.itl_ms.p50 * $s * 10 | round / 10' "$f")" \
+        "$(jq -r --argjson s "$SCALE" '.itl_ms.p50 * $s * 10 | round / 10' "$f")" \
         "$(ms "$f" '.e2e_ms.p50')" "$(ms "$f" '.e2e_ms.p90')" \
         "$(rate "$f" '.requests_per_s * 10 | round / 10')" "$(num "$f" '.output_tokens_per_s | round')" \
         "$(rate "$f" '.cache.hit_rate')" "$(jq -r '.cache.fraction_of_oracle as $x | if $x == null then "n/a" else "\($x * 1000 | round / 10) %" end' "$f")" \
@@ -646,13 +671,14 @@ spread() {
   get() { if [[ -f $1 ]]; then num "$1" "$2"; else echo n/a; fi; }
   echo "| target | measured | result |"
   echo "|---|---|---|"
+  SCALE=$SPEEDUP
   frac=$(get "$P" '.cache.fraction_of_oracle')
   echo "| kvmesh precise hit rate ≥ 95 % of the oracle's | $(percent "$frac") | $(verdict "$frac" 0.95 '>=') |"
   for other in kvmesh-kv sglang vllm-router; do
     for q in p50 p90; do
       a=$(get "$P" ".ttft_ms.$q")
       b=$(get "$t-$other/report.json" ".ttft_ms.$q")
-      echo "| kvmesh precise TTFT $q < ${LABEL[$other]} | $(versus "$a" "$b" "%.0f vs %.0f ms" "$SPEEDUP") | $(verdict "$a" "$b" '<') |"
+      echo "| kvmesh precise TTFT $q < ${LABEL[$other]} | $(versus "$a" "$b" "%.0f vs %.0f ms" "$SCALE") | $(verdict "$a" "$b" '<') |"
     done
   done
   a=$(get "$P" '.output_tokens_per_s')
@@ -670,7 +696,7 @@ spread() {
     for q in p50 p90; do
       a=$(get "$A" ".ttft_ms.$q")
       b=$(get "$t-$other/report.json" ".ttft_ms.$q")
-      echo "| kvmesh kv TTFT $q < ${LABEL[$other]} | $(versus "$a" "$b" "%.0f vs %.0f ms" "$SPEEDUP") | $(verdict "$a" "$b" '<') |"
+      echo "| kvmesh kv TTFT $q < ${LABEL[$other]} | $(versus "$a" "$b" "%.0f vs %.0f ms" "$SCALE") | $(verdict "$a" "$b" '<') |"
     done
   done
   a=$(get "$A" '.output_tokens_per_s')
@@ -698,11 +724,12 @@ spread() {
     w=$WORK_DIR/$workload
     P=$w-kvmesh-precise/report.json
     [[ -f $P ]] || continue
+    SCALE=$(speedup_of "$workload")
     for q in p50 p90 p99; do
       best=$(best_peer "$w" ".ttft_ms.$q" '<')
       a=$(get "$P" ".ttft_ms.$q")
       bar=$( [[ $best == n/a ]] && echo n/a || awk -v b="$best" 'BEGIN { print b * 0.8 }')
-      echo "| $workload | TTFT $q ≤ 0.8× best peer | $(versus "$a" "$bar" "%.0f vs %.0f ms" "$SPEEDUP") | $(verdict "$a" "$bar" '<') |"
+      echo "| $workload | TTFT $q ≤ 0.8× best peer | $(versus "$a" "$bar" "%.0f vs %.0f ms" "$SCALE") | $(verdict "$a" "$bar" '<') |"
     done
     best=$(best_peer "$w" '.cache.hit_rate' '>')
     a=$(get "$P" '.cache.hit_rate')
@@ -714,7 +741,7 @@ spread() {
         a=$(get "$R" ".ttft_ms.$q")
         b=$(get "$P" ".ttft_ms.$q")
         bar=$( [[ $b == n/a ]] && echo n/a || awk -v b="$b" 'BEGIN { print b * 1.05 }')
-        echo "| $workload | $n replicas TTFT $q ≤ 1.05× one replica | $(versus "$a" "$b" "%.0f vs %.0f ms" "$SPEEDUP")$(spread "$workload" kvmesh-precise ".ttft_ms.$q" "%.0f" "$SPEEDUP") | $(verdict "$a" "$bar" '<') |"
+        echo "| $workload | $n replicas TTFT $q ≤ 1.05× one replica | $(versus "$a" "$b" "%.0f vs %.0f ms" "$SCALE")$(spread "$workload" kvmesh-precise ".ttft_ms.$q" "%.0f" "$SCALE") | $(verdict "$a" "$bar" '<') |"
       done
       a=$(get "$R" '.cache.hit_rate')
       b=$(get "$P" '.cache.hit_rate')
