@@ -7,8 +7,9 @@ use tonic::metadata::MetadataMap;
 
 /// How much earlier than the client's deadline the proxy gives up. tonic's own timeout
 /// (started a little before the handler) answers CANCELLED; ending first, the proxy answers
-/// DEADLINE_EXCEEDED and records it as such.
-const MARGIN: Duration = Duration::from_millis(10);
+/// DEADLINE_EXCEEDED and records it as such. 10 ms lost that race about once in a few dozen
+/// runs on a loaded 2-core machine (the handler starts late, or its timer wakes late).
+const MARGIN: Duration = Duration::from_millis(50);
 
 /// The deadline a request carries, counted from `now` (less [`MARGIN`]); `None` when it has
 /// none (or an unreadable one, which gRPC says to ignore).
@@ -72,7 +73,7 @@ mod tests {
         metadata.insert("grpc-timeout", "1500m".parse().unwrap());
         assert_eq!(
             deadline(&metadata, now),
-            Some(now + Duration::from_millis(1490))
+            Some(now + Duration::from_millis(1450))
         );
         metadata.insert("grpc-timeout", "1u".parse().unwrap());
         assert_eq!(deadline(&metadata, now), Some(now));
