@@ -30,11 +30,16 @@ struct Model {
     parent_of: HashMap<SequenceHash, Option<SequenceHash>>,
     /// Pairs a bounded index evicted (found by [`sync_evictions`]).
     evicted: u64,
+    /// (worker, block) pairs that lost an engine id in the last event, by removal or by the id
+    /// moving to another block. A bounded index may have evicted the pair's other ids before,
+    /// unseen by lookups; such a pair then goes with this event, and that is not an eviction.
+    lost_id: HashSet<(WorkerKey, SequenceHash)>,
 }
 
 impl Model {
     fn apply(&mut self, worker: WorkerKey, event: &KvEvent) -> ApplyOutcome {
         let mut outcome = ApplyOutcome::default();
+        self.lost_id.clear();
         match event {
             KvEvent::Stored { parent, blocks } => {
                 self.workers.entry(worker).or_default();
@@ -67,7 +72,11 @@ impl Model {
                         self.parent_of.insert(block.sequence, previous);
                     }
                     let state = self.workers.entry(worker).or_default();
-                    state.external.insert(block.external, block.sequence);
+                    if let Some(moved) = state.external.insert(block.external, block.sequence)
+                        && moved != block.sequence
+                    {
+                        self.lost_id.insert((worker, moved));
+                    }
                     outcome.blocks_stored += 1;
                     previous = Some(block.sequence);
                 }
@@ -76,7 +85,8 @@ impl Model {
                 None => outcome.blocks_not_found += blocks.len() as u64,
                 Some(state) => {
                     for external in blocks {
-                        if state.external.remove(external).is_some() {
+                        if let Some(sequence) = state.external.remove(external) {
+                            self.lost_id.insert((worker, sequence));
                             outcome.blocks_removed += 1;
                         } else {
                             outcome.blocks_not_found += 1;
@@ -414,9 +424,12 @@ fn step(
 
 /// Drops from the model the (worker, block) pairs a bounded index evicted, found by one-block
 /// lookups of every block the model holds, and checks that the index counted them.
+///
+/// A pair is evicted when eviction drops its last engine id; eviction may drop some of a
+/// pair's ids and keep the pair, unseen by lookups. So a gone pair that also lost an id in the
+/// last event may have gone by that event (a removal) or by eviction: the index's count must
+/// lie between the pairs that can only have been evicted and all gone pairs.
 fn sync_evictions(index: &KvIndex, model: &mut Model) -> Result<(), TestCaseError> {
-    let before = model.totals().1;
-    let evicted_before = model.evicted;
     let mut held_by: HashMap<SequenceHash, Vec<WorkerKey>> = HashMap::new();
     for state in model.workers.values() {
         for sequence in state.held() {
@@ -426,15 +439,87 @@ fn sync_evictions(index: &KvIndex, model: &mut Model) -> Result<(), TestCaseErro
             });
         }
     }
+    let (mut surely, mut maybe) = (0, 0);
     for (worker, state) in &mut model.workers {
+        let gone: HashSet<SequenceHash> = state
+            .held()
+            .into_iter()
+            .filter(|sequence| !held_by[sequence].contains(worker))
+            .collect();
+        for sequence in &gone {
+            if model.lost_id.contains(&(*worker, *sequence)) {
+                maybe += 1;
+            } else {
+                surely += 1;
+            }
+        }
         state
             .external
-            .retain(|_, sequence| held_by[sequence].contains(worker));
+            .retain(|_, sequence| !gone.contains(sequence));
     }
-    model.evicted += before - model.totals().1;
-    prop_assert_eq!(index.stats().evicted_blocks, model.evicted);
-    prop_assert!(model.evicted >= evicted_before);
+    let Some(counted) = index.stats().evicted_blocks.checked_sub(model.evicted) else {
+        return Err(TestCaseError::fail("the index's eviction count went down"));
+    };
+    prop_assert!(
+        (surely..=surely + maybe).contains(&counted),
+        "the index counted {} evictions; the model {} surely and {} maybe",
+        counted,
+        surely,
+        maybe
+    );
+    model.evicted += counted;
     Ok(())
+}
+
+/// The proptest's counterexample of 2026-11-28, kept: one block held under two engine ids on
+/// one worker; eviction drops one id (the block stays, nothing is counted), then a Removed
+/// event drops the other and the block goes as a removal, not an eviction.
+#[test]
+fn a_block_whose_other_engine_id_was_evicted_goes_as_a_removal() {
+    let (w21, w20) = (WorkerKey::new(2, 1), WorkerKey::new(2, 0));
+    let store = |worker, doc: &[u64], scheme, corrupt| Action::Store {
+        worker,
+        doc: doc.to_vec(),
+        from: 0,
+        scheme,
+        wrong_parent: false,
+        corrupt,
+    };
+    let actions = [
+        store(w21, POOL[0], IdScheme::BySequence, None),
+        store(w21, POOL[1], IdScheme::ByLocal, None),
+        Action::Collide {
+            worker: WorkerKey::new(0, 0),
+            doc: vec![1, 1, 1],
+            at: 2,
+        },
+        store(w20, POOL[0], IdScheme::BySequence, Some(3)),
+        store(w20, POOL[1], IdScheme::BySequence, None),
+        Action::Remove {
+            worker: w21,
+            doc: POOL[0].to_vec(),
+            picks: vec![0],
+            scheme: IdScheme::ByLocal,
+        },
+    ];
+    let index = KvIndex::with_limits(IndexLimits {
+        max_blocks: Some(9),
+    });
+    let mut model = Model::default();
+    let queries: Vec<Vec<SequenceHash>> = all_docs().iter().map(|d| sequences(d)).collect();
+    let mut last = ApplyOutcome::default();
+    for action in &actions {
+        last = step(&index, &mut model, action, Some(&queries)).unwrap();
+    }
+    assert_eq!((last.blocks_removed, last.blocks_not_found), (1, 0));
+    assert_eq!(index.stats().evicted_blocks, 8);
+    assert!(
+        index
+            .find_matches(&sequences(&[1]))
+            .workers
+            .iter()
+            .all(|w| w.worker != w21)
+    );
 }
 
 /// SplitMix64: the seeded run's random numbers.
@@ -567,7 +652,6 @@ proptest! {
     }
 
     #[test]
-    #[ignore = "fails about every second run since 2026-11-28: a shrunk case evicts 8 pairs by the index's count and 9 by the model's (one block held under two engine ids on one worker); the cause is not found yet"]
     fn bounded_index_matches_the_model_of_what_it_keeps(
         actions in prop::collection::vec(action(), 1..40),
         max_blocks in 1u64..12,
