@@ -10,7 +10,9 @@ use crate::hash::{ExternalHash, LocalBlockHash, SequenceHash, sequence_hash};
 /// One block of a [`KvEvent::Stored`] event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct StoredBlock {
-    /// The engine's id of the block, used by later [`KvEvent::Removed`] events.
+    /// The id later [`KvEvent::Removed`] events name the block by. The worker-agent sends the
+    /// block's own sequence hash (which the index stores for free); any other 64-bit id per
+    /// engine block works too.
     pub external: ExternalHash,
     /// kvmesh's local hash of the block's tokens.
     pub local: LocalBlockHash,

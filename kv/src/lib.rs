@@ -31,7 +31,11 @@
 //!
 //! Per worker key ([`WorkerKey`]: instance id, data-parallel rank) the index keeps the engine id
 //! → sequence hash map (for removals) and per-block reference counts (a block stays held while
-//! any engine id maps to it).
+//! any engine id maps to it). An id equal to its block's sequence hash (the block's *own id*)
+//! takes no entry in that map, only a bit in the block's counts. The worker-agent names every
+//! block so: it keeps the engine's ids itself and sends a block as stored when its first engine
+//! id appears and as removed when its last goes, which saves the map's ≈ 20 bytes per
+//! (worker, block) pair. Any other ids work as well, at that cost.
 //!
 //! ## Semantics (Dynamo's §2, without dropping events)
 //!
@@ -106,14 +110,15 @@
 //! - Per distinct block: a 20-byte slot in its shard (8-byte key, 8-byte parent key, and a
 //!   4-byte holder word: the one holding worker's slot, or an index into the shard's holder sets
 //!   for blocks held by several workers, which are 16 bytes, a bitset beyond 3 holders).
-//! - Per (worker, block) pair: a 16-byte slot in the worker's engine-id table (engine id →
-//!   block key) and a 12-byte slot in its reference-count table (engine ids and held children
-//!   per block, 16 bits each; wider counts live in a side map).
+//! - Per (worker, block) pair: a 12-byte slot in its reference-count table (engine ids and held
+//!   children per block, 15 and 16 bits, and the own-id bit; wider counts live in a side map),
+//!   plus, only for a block held under an id other than its own, a 16-byte slot in the
+//!   worker's engine-id table (engine id → block key).
 //!
-//! Measured (`cargo bench -p kvmesh-kv --bench memory`): ≈ 60–70 bytes per distinct block at
-//! 0.5–1.4M blocks (≈ 1.0–1.15 pairs per block), against ≈ 95–135 with `std` hash maps, and
-//! 69 bytes per block (5.6 GiB) for 87M blocks over 1,024 workers (`KVMESH_MEMORY_BLOCKS`);
-//! `docs/BENCHMARKS.md` has the tables. Entries are deleted when their last
+//! Measured with own ids (`cargo bench -p kvmesh-kv --bench memory`): ≈ 40–46 bytes per
+//! distinct block at 0.5–1.4M blocks (≈ 1.0–1.15 pairs per block; ≈ 60–70 with an engine-id
+//! entry per pair, ≈ 95–135 with `std` hash maps); `docs/BENCHMARKS.md` has the tables, and the
+//! 100M-block index over 1,024 workers (`KVMESH_MEMORY_BLOCKS`). Entries are deleted when their last
 //! holder goes; like any hash map, the tables keep their peak capacity.
 //!
 //! ## A bound, and eviction past it (optional)

@@ -159,7 +159,8 @@ mod tests {
         let mut p = Pipeline::new(EngineKind::Vllm, 1, 4).expect("pipeline");
         for i in 0..(RING_CAPACITY as u64 + 10) {
             let ids = [1000 + i];
-            p.push(0, &batch(&[(&ids, None, 0..4)], &[]))
+            let first = 4 * i as u32;
+            p.push(0, &batch(&[(&ids, None, first..first + 4)], &[]))
                 .pop()
                 .expect("published");
         }

@@ -7,6 +7,12 @@
 //! and a reference count: vLLM may store the same block twice, and only the last matching
 //! removal evicts it. The table is also the source of full snapshots.
 //!
+//! The events sent name every block by its own sequence hash, not by the engine's id
+//! ([`own_id`]): the proxy's index then needs no engine id → block table (a third of its
+//! memory per block). So the agent keeps that table (above) and, per tier, how many engine ids
+//! map to each sequence hash ([`SequenceRefs`]): a block is sent as stored when its first id
+//! appears and as removed when its last goes, whatever ids the engine used.
+//!
 //! Blocks an offloading connector keeps in host memory or on disk are named by the engine ids
 //! their device copies had (vLLM's offload events carry those ids; their tokens, when sent,
 //! lack the salt and adapter the device's events carry), so a lower tier takes each block's
@@ -14,7 +20,7 @@
 //! whose engine never reports evictions (vLLM's disk stores) is bounded: past
 //! [`MAX_TIER_BLOCKS`] its oldest blocks are dropped.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use kvmesh_kv::{
     BlockHasher, BlockParent, CacheTier, ExternalHash, HashError, KvEvent, LocalBlockHash,
@@ -33,6 +39,56 @@ struct BlockInfo {
     refs: u32,
 }
 
+/// How the events sent name a block: by its sequence hash (the proxy's index keeps such ids
+/// without a table).
+pub fn own_id(sequence: SequenceHash) -> ExternalHash {
+    ExternalHash(sequence.0)
+}
+
+/// `sequence` as the parent of a chain sent.
+fn own_parent(sequence: SequenceHash) -> BlockParent {
+    BlockParent {
+        external: own_id(sequence),
+        sequence,
+    }
+}
+
+/// How many engine ids of one tier map to each sequence hash.
+#[derive(Debug, Default)]
+struct SequenceRefs(HashMap<SequenceHash, u32>);
+
+impl SequenceRefs {
+    /// One more engine id maps to `sequence`; true when it is the first.
+    fn gain(&mut self, sequence: SequenceHash) -> bool {
+        let refs = self.0.entry(sequence).or_insert(0);
+        *refs += 1;
+        *refs == 1
+    }
+
+    /// One engine id less maps to `sequence`; true when it was the last.
+    fn lose(&mut self, sequence: SequenceHash) -> bool {
+        match self.0.get_mut(&sequence) {
+            Some(refs) if *refs > 1 => {
+                *refs -= 1;
+                false
+            }
+            Some(_) => {
+                self.0.remove(&sequence);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Forgets every block; returns their ids as sent.
+    fn drain(&mut self) -> Vec<ExternalHash> {
+        self.0
+            .drain()
+            .map(|(sequence, _)| own_id(sequence))
+            .collect()
+    }
+}
+
 /// Why an engine event produced nothing (or less than it named).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Miss {
@@ -49,6 +105,7 @@ pub enum Miss {
 #[derive(Debug, Default)]
 struct TierTable {
     blocks: HashMap<ExternalHash, BlockInfo>,
+    sequences: SequenceRefs,
     /// Engine ids in the order they were stored (ids removed since are skipped lazily).
     order: VecDeque<ExternalHash>,
 }
@@ -60,6 +117,8 @@ pub struct RankTable {
     base: BlockHasher,
     lora: HashMap<String, BlockHasher>,
     blocks: HashMap<ExternalHash, BlockInfo>,
+    /// The device's engine ids per sequence hash.
+    sequences: SequenceRefs,
     /// Host memory, then disk.
     tiers: [TierTable; 2],
     max_tier_blocks: usize,
@@ -74,6 +133,7 @@ impl RankTable {
             base: BlockHasher::new(block_size, None)?,
             lora: HashMap::new(),
             blocks: HashMap::new(),
+            sequences: SequenceRefs::default(),
             tiers: Default::default(),
             max_tier_blocks: MAX_TIER_BLOCKS,
             locals: Vec::new(),
@@ -169,7 +229,7 @@ impl RankTable {
             apply_cache_salt(&mut locals, cache_salt);
         }
         let mut previous = parent;
-        let mut run_parent = parent;
+        let mut run_parent = parent.map(|p| own_parent(p.sequence));
         let mut run: Vec<StoredBlock> = Vec::new();
         for (&id, &local) in block_ids.iter().zip(&locals) {
             let external = ExternalHash(id);
@@ -180,34 +240,51 @@ impl RankTable {
                 sequence,
                 refs: 1,
             };
-            let this = Some(BlockParent { external, sequence });
-            match self.blocks.get_mut(&external) {
+            let fresh = match self.blocks.get_mut(&external) {
                 Some(held) if held.sequence == sequence => {
                     held.refs = held.refs.saturating_add(1);
-                    if !run.is_empty() {
-                        out.push(KvEvent::Stored {
-                            parent: run_parent,
-                            blocks: std::mem::take(&mut run),
+                    false
+                }
+                Some(held) => {
+                    // An engine id reused for other content leaves its old block, which goes
+                    // when no other id holds it (sent before anything after it).
+                    let old = std::mem::replace(held, info).sequence;
+                    if self.sequences.lose(old) {
+                        if !run.is_empty() {
+                            out.push(KvEvent::Stored {
+                                parent: run_parent,
+                                blocks: std::mem::take(&mut run),
+                            });
+                        }
+                        run_parent = previous.map(|p| own_parent(p.sequence));
+                        out.push(KvEvent::Removed {
+                            blocks: vec![own_id(old)],
                         });
                     }
-                    run_parent = this;
+                    self.sequences.gain(sequence)
                 }
-                held => {
-                    // A new block, or an engine id reused for other content: (re)place it.
-                    match held {
-                        Some(h) => *h = info,
-                        None => {
-                            self.blocks.insert(external, info);
-                        }
-                    }
-                    run.push(StoredBlock {
-                        external,
-                        local,
-                        sequence,
+                None => {
+                    self.blocks.insert(external, info);
+                    self.sequences.gain(sequence)
+                }
+            };
+            if fresh {
+                run.push(StoredBlock {
+                    external: own_id(sequence),
+                    local,
+                    sequence,
+                });
+            } else {
+                // Already held (under this id or another): the chain is split here.
+                if !run.is_empty() {
+                    out.push(KvEvent::Stored {
+                        parent: run_parent,
+                        blocks: std::mem::take(&mut run),
                     });
                 }
+                run_parent = Some(own_parent(sequence));
             }
-            previous = this;
+            previous = Some(BlockParent { external, sequence });
         }
         if !run.is_empty() {
             out.push(KvEvent::Stored {
@@ -222,7 +299,7 @@ impl RankTable {
     /// Translates a removal: each block loses a reference and is evicted at zero. Appends a
     /// Removed event for the evicted ones to `out`; returns how many ids were unknown.
     pub fn removed(&mut self, block_ids: &[u64], out: &mut Vec<KvEvent>) -> usize {
-        release(&mut self.blocks, block_ids, out)
+        release(&mut self.blocks, &mut self.sequences, block_ids, out)
     }
 
     /// Forgets every block, in every tier (vLLM's reset sends one `AllBlocksCleared` for
@@ -230,10 +307,12 @@ impl RankTable {
     /// rank: the receiver drops all its tiers); otherwise a Removed of every block per tier
     /// (`out` by [`CacheTier`] order), so the other ranks are untouched.
     pub fn cleared(&mut self, instance_wide: bool, out: &mut [Vec<KvEvent>; 3]) {
-        let device: Vec<ExternalHash> = self.blocks.drain().map(|(id, _)| id).collect();
+        self.blocks.clear();
+        let device = self.sequences.drain();
         let lower = self.tiers.each_mut().map(|tier| {
             tier.order.clear();
-            tier.blocks.drain().map(|(id, _)| id).collect::<Vec<_>>()
+            tier.blocks.clear();
+            tier.sequences.drain()
         });
         if instance_wide {
             out[0].push(KvEvent::Cleared);
@@ -284,7 +363,14 @@ impl RankTable {
                 unknown += 1;
                 continue;
             };
-            let continues = run.last().map(|b| b.external) == info.parent.map(|p| p.external);
+            let table = &mut self.tiers[slot];
+            table.blocks.insert(external, BlockInfo { refs: 1, ..info });
+            table.order.push_back(external);
+            if !table.sequences.gain(info.sequence) {
+                // Already kept in this tier under another engine id.
+                continue;
+            }
+            let continues = run.last().map(|b| b.sequence) == info.parent.map(|p| p.sequence);
             if !continues && !run.is_empty() {
                 out.push(KvEvent::Stored {
                     parent: run_parent,
@@ -292,16 +378,13 @@ impl RankTable {
                 });
             }
             if run.is_empty() {
-                run_parent = info.parent;
+                run_parent = info.parent.map(|p| own_parent(p.sequence));
             }
             run.push(StoredBlock {
-                external,
+                external: own_id(info.sequence),
                 local: info.local,
                 sequence: info.sequence,
             });
-            let table = &mut self.tiers[slot];
-            table.blocks.insert(external, BlockInfo { refs: 1, ..info });
-            table.order.push_back(external);
         }
         if !run.is_empty() {
             out.push(KvEvent::Stored {
@@ -315,8 +398,10 @@ impl RankTable {
             let Some(oldest) = table.order.pop_front() else {
                 break;
             };
-            if table.blocks.remove(&oldest).is_some() {
-                dropped.push(oldest);
+            if let Some(info) = table.blocks.remove(&oldest)
+                && table.sequences.lose(info.sequence)
+            {
+                dropped.push(own_id(info.sequence));
             }
         }
         if table.order.len() > 2 * table.blocks.len() + 1024 {
@@ -340,7 +425,8 @@ impl RankTable {
         let Some(slot) = tier_slot(tier) else {
             return block_ids.len();
         };
-        release(&mut self.tiers[slot].blocks, block_ids, out)
+        let table = &mut self.tiers[slot];
+        release(&mut table.blocks, &mut table.sequences, block_ids, out)
     }
 
     /// The device table as Stored events, parents before children, linear chains merged into
@@ -359,10 +445,12 @@ impl RankTable {
     }
 }
 
-/// Takes one reference off each of `block_ids` in `blocks`, evicting those left with none
-/// (a Removed appended to `out`); returns how many ids `blocks` did not hold.
+/// Takes one reference off each of `block_ids` in `blocks`, evicting those left with none; a
+/// block whose last engine id goes is sent as removed (appended to `out`). Returns how many
+/// ids `blocks` did not hold.
 fn release(
     blocks: &mut HashMap<ExternalHash, BlockInfo>,
+    sequences: &mut SequenceRefs,
     block_ids: &[u64],
     out: &mut Vec<KvEvent>,
 ) -> usize {
@@ -372,9 +460,12 @@ fn release(
         let external = ExternalHash(id);
         match blocks.get_mut(&external) {
             Some(info) if info.refs > 1 => info.refs -= 1,
-            Some(_) => {
+            Some(info) => {
+                let sequence = info.sequence;
                 blocks.remove(&external);
-                evicted.push(external);
+                if sequences.lose(sequence) {
+                    evicted.push(own_id(sequence));
+                }
             }
             None => unknown += 1,
         }
@@ -394,7 +485,8 @@ fn tier_slot(tier: CacheTier) -> Option<usize> {
     }
 }
 
-/// `blocks` as Stored events, parents before children, linear chains merged into one event.
+/// `blocks` as Stored events, parents before children, linear chains merged into one event;
+/// blocks named by [`own_id`], each sequence hash once.
 fn snapshot_of(blocks: &HashMap<ExternalHash, BlockInfo>) -> Vec<KvEvent> {
     let mut children: HashMap<ExternalHash, Vec<ExternalHash>> = HashMap::new();
     let mut roots = Vec::new();
@@ -413,17 +505,25 @@ fn snapshot_of(blocks: &HashMap<ExternalHash, BlockInfo>) -> Vec<KvEvent> {
     let mut events = Vec::new();
     let mut stack: Vec<ExternalHash> = roots.into_iter().rev().collect();
     let mut current: Option<(Option<BlockParent>, Vec<StoredBlock>)> = None;
+    let mut sent = HashSet::new();
     while let Some(id) = stack.pop() {
         let Some(info) = blocks.get(&id) else {
             continue;
         };
+        if let Some(kids) = children.get(&id) {
+            stack.extend(kids.iter().rev());
+        }
+        if !sent.insert(info.sequence) {
+            // Held under another engine id too, and sent already.
+            continue;
+        }
         let block = StoredBlock {
-            external: id,
+            external: own_id(info.sequence),
             local: info.local,
             sequence: info.sequence,
         };
         let continues = match (&current, info.parent) {
-            (Some((_, blocks)), Some(p)) => blocks.last().map(|b| b.external) == Some(p.external),
+            (Some((_, blocks)), Some(p)) => blocks.last().map(|b| b.sequence) == Some(p.sequence),
             _ => false,
         };
         if continues {
@@ -434,10 +534,7 @@ fn snapshot_of(blocks: &HashMap<ExternalHash, BlockInfo>) -> Vec<KvEvent> {
             if let Some((parent, blocks)) = current.take() {
                 events.push(KvEvent::Stored { parent, blocks });
             }
-            current = Some((info.parent, vec![block]));
-        }
-        if let Some(kids) = children.get(&id) {
-            stack.extend(kids.iter().rev());
+            current = Some((info.parent.map(|p| own_parent(p.sequence)), vec![block]));
         }
     }
     if let Some((parent, blocks)) = current {

@@ -85,18 +85,49 @@ impl WorkerCounters {
 /// Reference counts of one block in one worker.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct NodeRefs {
-    /// Engine ids of this worker that map to the block; held while non-zero.
+    /// Engine ids of this worker that map to the block, its own id included; held while
+    /// non-zero.
     refs: u32,
     /// Held blocks of this worker whose parent is this block.
     children: u32,
+    /// Whether the block's own id maps to it: the engine id equal to its sequence hash, which
+    /// is how the worker-agent names blocks. That id has no entry in
+    /// [`WorkerBlocks::external`]; this flag is its entry.
+    own: bool,
 }
 
-/// [`NodeRefs`] as stored: two 16-bit counts (a 12-byte table slot with its key). Counts that
-/// do not fit are kept in [`WorkerBlocks::wide`] and stored here as [`WIDE`].
+/// [`NodeRefs`] as stored (a 12-byte table slot with its key): `refs` holds the count in its
+/// low 15 bits and [`NodeRefs::own`] in its top bit; `children` is the count. Counts that do
+/// not fit are kept in [`WorkerBlocks::wide`] and stored here as [`WIDE`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct PackedRefs {
     refs: u16,
     children: u16,
+}
+
+/// The bit of [`PackedRefs::refs`] that holds [`NodeRefs::own`].
+const OWN: u16 = 1 << 15;
+
+impl PackedRefs {
+    /// `node` packed, or `None` when its counts do not fit.
+    fn pack(node: NodeRefs) -> Option<Self> {
+        let refs = u16::try_from(node.refs).ok().filter(|&r| r < OWN)?;
+        let children = u16::try_from(node.children).ok()?;
+        let packed = Self {
+            refs: refs | if node.own { OWN } else { 0 },
+            children,
+        };
+        (packed != WIDE).then_some(packed)
+    }
+
+    /// The counts this packs (not for [`WIDE`]).
+    fn unpack(self) -> NodeRefs {
+        NodeRefs {
+            refs: u32::from(self.refs & !OWN),
+            children: u32::from(self.children),
+            own: self.refs & OWN != 0,
+        }
+    }
 }
 
 /// The packed form of counts kept in [`WorkerBlocks::wide`].
@@ -108,11 +139,15 @@ const WIDE: PackedRefs = PackedRefs {
 /// One worker's blocks. Every method runs under the worker's lock.
 ///
 /// Keys are mixed ([`super::key_mixer::KeyMixer`], the block table's): engine ids and sequence
-/// hashes alike.
+/// hashes alike. The mixer is a bijection, so an engine id equal to a block's sequence hash
+/// has that block's key.
 #[derive(Debug, Default)]
 pub(crate) struct WorkerBlocks {
-    /// Engine id key → block key, to resolve removals and parents.
+    /// Engine id key → block key, to resolve removals and parents, for ids other than their
+    /// block's own ([`NodeRefs::own`]).
     external: OrderedTable<[u32; 2]>,
+    /// Blocks whose own id maps to them: with `external`'s length, the engine ids mapped.
+    own_ids: usize,
     /// Block key → counts, for held blocks and for unheld parents of held blocks (a node
     /// exists exactly while one of its counts is non-zero).
     nodes: OrderedTable<PackedRefs>,
@@ -137,12 +172,7 @@ impl WorkerBlocks {
         let mut outcome = ApplyOutcome::default();
         let mark = self.order.as_ref().map(StoreOrder::mark);
         if let Some(parent) = parent
-            && self
-                .external
-                .get(mixer.mix(parent.external.0))
-                .copied()
-                .map(join)
-                != Some(mixer.mix(parent.sequence.0))
+            && self.target(mixer.mix(parent.external.0)) != Some(mixer.mix(parent.sequence.0))
         {
             outcome.parent_not_found += 1;
         }
@@ -163,9 +193,14 @@ impl WorkerBlocks {
         }
         if let (Some(order), Some(mark)) = (&mut self.order, mark) {
             order.reverse_since(mark);
-            let external = &self.external;
+            let (external, nodes) = (&self.external, &self.nodes);
             let work = 2 * blocks.len() + 8;
-            order.compact(external.len(), work, |entry| external.get(entry).is_some());
+            order.compact(external.len() + self.own_ids, work, |entry| {
+                external.get(entry).is_some()
+                    || nodes
+                        .get(entry)
+                        .is_some_and(|&packed| is_own(packed, entry, &self.wide))
+            });
         }
         outcome
     }
@@ -192,9 +227,7 @@ impl WorkerBlocks {
             let Some(external) = order.pop() else {
                 break;
             };
-            if let Some(key) = self.external.remove(external) {
-                self.release(table, slot, join(key));
-            }
+            self.drop_id(table, slot, external);
         }
         // A worker emptied by eviction keeps little memory, so the bound on pairs bounds the
         // sum of the workers' tables, not only the sum of what they hold.
@@ -215,15 +248,34 @@ impl WorkerBlocks {
         let mixer = *table.mixer();
         let mut outcome = ApplyOutcome::default();
         for external in blocks {
-            match self.external.remove(mixer.mix(external.0)) {
-                Some(key) => {
-                    self.release(table, slot, join(key));
-                    outcome.blocks_removed += 1;
-                }
-                None => outcome.blocks_not_found += 1,
+            if self.drop_id(table, slot, mixer.mix(external.0)) {
+                outcome.blocks_removed += 1;
+            } else {
+                outcome.blocks_not_found += 1;
             }
         }
         outcome
+    }
+
+    /// The block key engine id key `external` maps to.
+    fn target(&self, external: u64) -> Option<u64> {
+        match self.external.get(external) {
+            Some(&key) => Some(join(key)),
+            None => self.node(external).own.then_some(external),
+        }
+    }
+
+    /// Unmaps engine id key `external`, releasing its block; false when it was not mapped.
+    fn drop_id(&mut self, table: &BlockTable, slot: &WorkerSlot, external: u64) -> bool {
+        if let Some(key) = self.external.remove(external) {
+            self.release(table, slot, join(key), false);
+            true
+        } else if self.node(external).own {
+            self.release(table, slot, external, true);
+            true
+        } else {
+            false
+        }
     }
 
     /// Drops every block of the worker; returns how many distinct blocks it held.
@@ -233,7 +285,7 @@ impl WorkerBlocks {
             let held = if packed == WIDE {
                 self.wide.get(&key).is_some_and(|node| node.refs > 0)
             } else {
-                packed.refs > 0
+                packed.unpack().refs > 0
             };
             if held {
                 table.remove_holder(key, slot.slot);
@@ -243,6 +295,7 @@ impl WorkerBlocks {
         self.nodes.clear();
         self.wide.clear();
         self.external.clear();
+        self.own_ids = 0;
         if let Some(order) = &mut self.order {
             order.clear();
         }
@@ -252,7 +305,8 @@ impl WorkerBlocks {
     }
 
     /// Points engine id key `external` at block key `key`, holding it; false on a parent
-    /// mismatch.
+    /// mismatch. An id equal to its block's key is kept as the node's own id, not in
+    /// `external`.
     fn map_external(
         &mut self,
         table: &BlockTable,
@@ -261,19 +315,27 @@ impl WorkerBlocks {
         key: u64,
         parent: Option<u64>,
     ) -> bool {
-        let old = self.external.insert(external, split(key)).map(join);
+        let old = self.target(external);
         if old == Some(key) {
             return true;
         }
-        if !self.acquire(table, slot, key, parent) {
-            match old {
-                Some(old) => self.external.insert(external, split(old)),
-                None => self.external.remove(external),
-            };
+        let own = external == key;
+        if !self.acquire(table, slot, key, parent, own) {
             return false;
         }
-        if let Some(old) = old {
-            self.release(table, slot, old);
+        match old {
+            // The id moves from its own block to another.
+            Some(old) if old == external => self.release(table, slot, old, true),
+            Some(old) => {
+                if own {
+                    self.external.remove(external);
+                }
+                self.release(table, slot, old, false);
+            }
+            None => {}
+        }
+        if !own {
+            self.external.insert(external, split(key));
         }
         if let Some(order) = &mut self.order {
             order.push(external);
@@ -286,10 +348,7 @@ impl WorkerBlocks {
         match self.nodes.get(key) {
             None => NodeRefs::default(),
             Some(&WIDE) => self.wide.get(&key).copied().unwrap_or_default(),
-            Some(packed) => NodeRefs {
-                refs: u32::from(packed.refs),
-                children: u32::from(packed.children),
-            },
+            Some(packed) => packed.unpack(),
         }
     }
 
@@ -298,11 +357,9 @@ impl WorkerBlocks {
         let packed = if node == NodeRefs::default() {
             None
         } else {
-            match (u16::try_from(node.refs), u16::try_from(node.children)) {
-                (Ok(refs), Ok(children)) if (PackedRefs { refs, children }) != WIDE => {
-                    Some(PackedRefs { refs, children })
-                }
-                _ => {
+            match PackedRefs::pack(node) {
+                Some(packed) => Some(packed),
+                None => {
                     self.wide.insert(key, node);
                     Some(WIDE)
                 }
@@ -317,13 +374,15 @@ impl WorkerBlocks {
         }
     }
 
-    /// Adds one reference to `key`; false (and nothing changed) on a parent mismatch.
+    /// Adds one reference to `key`, its own id's when `own`; false (and nothing changed) on a
+    /// parent mismatch.
     fn acquire(
         &mut self,
         table: &BlockTable,
         slot: &WorkerSlot,
         key: u64,
         parent: Option<u64>,
+        own: bool,
     ) -> bool {
         let node = self.node(key);
         if node.refs > 0 {
@@ -331,9 +390,11 @@ impl WorkerBlocks {
                 key,
                 NodeRefs {
                     refs: node.refs + 1,
-                    ..node
+                    children: node.children,
+                    own: node.own || own,
                 },
             );
+            self.own_ids += usize::from(own);
             return true;
         }
         // Orphan counts rise before the block becomes visible, and fall after.
@@ -364,7 +425,15 @@ impl WorkerBlocks {
             return false;
         }
         // `key` is not its own parent (rejected earlier), so its children are unchanged.
-        self.set_node(key, NodeRefs { refs: 1, ..node });
+        self.set_node(
+            key,
+            NodeRefs {
+                refs: 1,
+                children: node.children,
+                own,
+            },
+        );
+        self.own_ids += usize::from(own);
         slot.counters.sub_orphans(node.children);
         slot.counters.cached_blocks.fetch_add(1, Ordering::Release);
         true
@@ -382,8 +451,9 @@ impl WorkerBlocks {
         );
     }
 
-    /// Drops one reference to `key`, releasing the block when none is left.
-    fn release(&mut self, table: &BlockTable, slot: &WorkerSlot, key: u64) {
+    /// Drops one reference to `key`, its own id's when `own`, releasing the block when none
+    /// is left.
+    fn release(&mut self, table: &BlockTable, slot: &WorkerSlot, key: u64, own: bool) {
         let node = self.node(key);
         if node.refs == 0 {
             return;
@@ -392,9 +462,11 @@ impl WorkerBlocks {
             key,
             NodeRefs {
                 refs: node.refs - 1,
-                ..node
+                children: node.children,
+                own: node.own && !own,
             },
         );
+        self.own_ids -= usize::from(own && node.own);
         if node.refs > 1 {
             return;
         }
@@ -413,5 +485,14 @@ impl WorkerBlocks {
         if parent_node.refs == 0 {
             slot.counters.sub_orphans(1);
         }
+    }
+}
+
+/// Whether the node `key`, stored as `packed`, holds its own id.
+fn is_own(packed: PackedRefs, key: u64, wide: &HashMap<u64, NodeRefs>) -> bool {
+    if packed == WIDE {
+        wide.get(&key).is_some_and(|node| node.own)
+    } else {
+        packed.unpack().own
     }
 }

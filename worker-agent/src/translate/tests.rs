@@ -142,9 +142,12 @@ fn duplicate_stores_are_refcounted_and_split_chains() {
     let KvEvent::Stored { parent, blocks } = &out[0] else {
         panic!("a Stored event expected: {out:?}");
     };
+    let hashes = BlockHasher::new(2, None)
+        .expect("hasher")
+        .hash(&[1, 2, 3, 4, 5, 6]);
     assert_eq!(blocks.len(), 1);
-    assert_eq!(blocks[0].external, ExternalHash(3));
-    assert_eq!(parent.map(|p| p.external), Some(ExternalHash(2)));
+    assert_eq!(blocks[0].external, own_id(hashes.sequence[2]));
+    assert_eq!(parent.map(|p| p.external), Some(own_id(hashes.sequence[1])));
     out.clear();
     // One removal of a twice-stored block keeps it; the second evicts it.
     assert_eq!(table.removed(&[2], &mut out), 0);
@@ -153,9 +156,87 @@ fn duplicate_stores_are_refcounted_and_split_chains() {
     assert_eq!(
         out,
         vec![KvEvent::Removed {
-            blocks: vec![ExternalHash(2)]
+            blocks: vec![own_id(hashes.sequence[1])]
         }]
     );
+}
+
+#[test]
+fn blocks_are_sent_by_sequence_hash_once_whatever_ids_the_engine_uses() {
+    let mut table = RankTable::new(2).expect("table");
+    let hashes = BlockHasher::new(2, None)
+        .expect("hasher")
+        .hash(&[1, 2, 3, 4]);
+    let [a, b] = [hashes.sequence[0], hashes.sequence[1]];
+    let mut out = Vec::new();
+    table
+        .stored(None, &[1, 2], &[1, 2, 3, 4], 2, None, &[], None, &mut out)
+        .expect("first");
+    assert_eq!(
+        out,
+        vec![KvEvent::Stored {
+            parent: None,
+            blocks: vec![
+                StoredBlock {
+                    external: own_id(a),
+                    local: hashes.local[0],
+                    sequence: a,
+                },
+                StoredBlock {
+                    external: own_id(b),
+                    local: hashes.local[1],
+                    sequence: b,
+                },
+            ],
+        }]
+    );
+    out.clear();
+    // The same content under other engine ids: already held, nothing is sent.
+    table
+        .stored(None, &[11, 12], &[1, 2, 3, 4], 2, None, &[], None, &mut out)
+        .expect("again");
+    assert!(out.is_empty(), "{out:?}");
+    // A block goes when its last id does.
+    assert_eq!(table.removed(&[1, 2], &mut out), 0);
+    assert!(out.is_empty(), "{out:?}");
+    assert_eq!(table.removed(&[12], &mut out), 0);
+    assert_eq!(
+        out,
+        vec![KvEvent::Removed {
+            blocks: vec![own_id(b)]
+        }]
+    );
+    out.clear();
+    // An id reused for other content: its old block goes first (no other id holds it), then
+    // the new one is stored.
+    table
+        .stored(None, &[11], &[7, 8], 2, None, &[], None, &mut out)
+        .expect("reuse");
+    let c = BlockHasher::new(2, None)
+        .expect("hasher")
+        .hash(&[7, 8])
+        .sequence[0];
+    assert_eq!(out.len(), 2, "{out:?}");
+    assert_eq!(
+        out[0],
+        KvEvent::Removed {
+            blocks: vec![own_id(a)]
+        }
+    );
+    assert!(
+        matches!(&out[1], KvEvent::Stored { parent: None, blocks } if blocks[0].external == own_id(c))
+    );
+    // The proxy's index holds exactly what the engine holds.
+    let index = KvIndex::new();
+    table
+        .stored(None, &[21, 22], &[1, 2, 3, 4], 2, None, &[], None, &mut out)
+        .expect("back");
+    apply_all(&index, &out);
+    assert_eq!(index.find_matches(&hashes.sequence).depth(W), 2);
+    let mut gone = Vec::new();
+    table.removed(&[11, 21, 22], &mut gone);
+    apply_all(&index, &gone);
+    assert_eq!(index.stats().worker_blocks, 0);
 }
 
 #[test]
@@ -192,10 +273,14 @@ fn clearing_one_rank_of_many_removes_its_blocks() {
     };
     assert_eq!(blocks.len(), 2);
     // Its host copy goes too, in the host tier's own removal.
+    let first = BlockHasher::new(2, None)
+        .expect("hasher")
+        .hash(&[1, 2])
+        .sequence[0];
     assert_eq!(
         tiers[1],
         vec![KvEvent::Removed {
-            blocks: vec![ExternalHash(1)]
+            blocks: vec![own_id(first)]
         }]
     );
     assert!(tiers[2].is_empty());
@@ -259,7 +344,7 @@ fn offloaded_blocks_keep_their_device_hashes_after_the_device_evicts_them() {
     assert_eq!(
         removed,
         vec![KvEvent::Removed {
-            blocks: vec![ExternalHash(3)]
+            blocks: vec![own_id(hashes.sequence[2])]
         }]
     );
 }
@@ -273,10 +358,14 @@ fn a_tier_without_removals_drops_its_oldest_blocks_past_its_bound() {
     disk.clear();
     table.tier_stored(CacheTier::Disk, &[3], &mut disk);
     assert_eq!(table.tier_len(CacheTier::Disk), 2);
+    let first = BlockHasher::new(2, None)
+        .expect("hasher")
+        .hash(&[0, 1])
+        .sequence[0];
     assert_eq!(
         disk.last(),
         Some(&KvEvent::Removed {
-            blocks: vec![ExternalHash(1)]
+            blocks: vec![own_id(first)]
         })
     );
     // A block on disk is known there: the host tier can take it from there.
