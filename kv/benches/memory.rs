@@ -129,10 +129,11 @@ fn large_index(total: usize) {
     let bytes = (live() - before) as f64;
     let stats = index.stats();
     println!(
-        "KvIndex {workers} workers, bound {max_blocks:?}: {} distinct blocks, {} (worker, block) pairs ({} evicted), {:.2} GiB: {:.1} B/distinct block, {:.1} B/pair",
+        "KvIndex {workers} workers, bound {max_blocks:?}: {} distinct blocks, {} (worker, block) pairs ({} evicted, {} orphans), {:.2} GiB: {:.1} B/distinct block, {:.1} B/pair",
         stats.distinct_blocks,
         stats.worker_blocks,
         stats.evicted_blocks,
+        stats.orphan_blocks,
         bytes / (1u64 << 30) as f64,
         bytes / stats.distinct_blocks as f64,
         bytes / stats.worker_blocks as f64,

@@ -129,7 +129,8 @@
 //! memory is per pair, a pair is what eviction can drop and what a worker's capacity counts,
 //! and a bound on pairs bounds distinct blocks as well. A bounded index also keeps, per pair,
 //! the engine id in store order (8 bytes, 16 at worst as the queue doubles; stale entries stay
-//! below the live ones plus 1,024, compacted a few entries per event). Past the bound, after a
+//! below the held blocks plus the other ids mapped plus 1,024, compacted a few entries per
+//! event). Past the bound, after a
 //! Stored event and outside any worker lock, the index evicts pairs:
 //!
 //! 1. first from the worker furthest over its own capacity ([`KvIndex::set_worker_capacity`]:

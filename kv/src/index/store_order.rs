@@ -66,7 +66,7 @@ impl StoreOrder {
     }
 
     /// Checks at most `work` entries of a compaction, when one runs or when more than half of
-    /// the entries could be stale (`live` engine ids are mapped); `is_live` says whether an
+    /// the entries could be stale (`live` bounds the engine ids mapped); `is_live` says whether an
     /// entry's engine id is still mapped.
     pub(crate) fn compact(&mut self, live: usize, work: usize, is_live: impl Fn(u64) -> bool) {
         if self.read == 0 && self.entries.len() <= 2 * live + SLACK {

@@ -146,8 +146,6 @@ pub(crate) struct WorkerBlocks {
     /// Engine id key → block key, to resolve removals and parents, for ids other than their
     /// block's own ([`NodeRefs::own`]).
     external: OrderedTable<[u32; 2]>,
-    /// Blocks whose own id maps to them: with `external`'s length, the engine ids mapped.
-    own_ids: usize,
     /// Block key → counts, for held blocks and for unheld parents of held blocks (a node
     /// exists exactly while one of its counts is non-zero).
     nodes: OrderedTable<PackedRefs>,
@@ -195,7 +193,9 @@ impl WorkerBlocks {
             order.reverse_since(mark);
             let (external, nodes) = (&self.external, &self.nodes);
             let work = 2 * blocks.len() + 8;
-            order.compact(external.len() + self.own_ids, work, |entry| {
+            // Own ids are at most the held blocks: a bound on the ids mapped.
+            let live = external.len() as u64 + slot.counters.cached_blocks.load(Ordering::Relaxed);
+            order.compact(live as usize, work, |entry| {
                 external.get(entry).is_some()
                     || nodes
                         .get(entry)
@@ -295,7 +295,6 @@ impl WorkerBlocks {
         self.nodes.clear();
         self.wide.clear();
         self.external.clear();
-        self.own_ids = 0;
         if let Some(order) = &mut self.order {
             order.clear();
         }
@@ -394,7 +393,6 @@ impl WorkerBlocks {
                     own: node.own || own,
                 },
             );
-            self.own_ids += usize::from(own);
             return true;
         }
         // Orphan counts rise before the block becomes visible, and fall after.
@@ -433,7 +431,6 @@ impl WorkerBlocks {
                 own,
             },
         );
-        self.own_ids += usize::from(own);
         slot.counters.sub_orphans(node.children);
         slot.counters.cached_blocks.fetch_add(1, Ordering::Release);
         true
@@ -466,7 +463,6 @@ impl WorkerBlocks {
                 own: node.own && !own,
             },
         );
-        self.own_ids -= usize::from(own && node.own);
         if node.refs > 1 {
             return;
         }
