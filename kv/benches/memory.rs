@@ -69,12 +69,13 @@ fn events_index(workers: u64, total: usize) {
     let bytes = (live() - before) as f64;
     let stats = index.stats();
     println!(
-        "KvIndex    {workers:>3} workers: {:>8} distinct blocks, {:>8} (worker, block) pairs, {:>6.1} MiB: {:>6.1} B/distinct block, {:>6.1} B/pair",
+        "KvIndex    {workers:>3} workers: {:>8} distinct blocks, {:>8} (worker, block) pairs, {:>6.1} MiB: {:>6.1} B/distinct block, {:>6.1} B/pair ({:.3} of it in heap_bytes())",
         stats.distinct_blocks,
         stats.worker_blocks,
         bytes / (1 << 20) as f64,
         bytes / stats.distinct_blocks as f64,
         bytes / stats.worker_blocks as f64,
+        index.heap_bytes() as f64 / bytes,
     );
 }
 

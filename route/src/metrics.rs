@@ -35,6 +35,7 @@ pub struct KvFamilies {
     decision_seconds: HistogramVec,
     index_blocks: IntGaugeVec,
     index_evicted_blocks: IntGaugeVec,
+    index_bytes: IntGaugeVec,
     instance_speed: GaugeVec,
     index_prunes: IntCounterVec,
     busy_rejections: IntCounterVec,
@@ -80,6 +81,13 @@ impl KvFamilies {
             Opts::new(
                 "kvmesh_index_evicted_blocks",
                 "policy kv: (instance, block) pairs the KV index evicted past kv.index_max_blocks since the proxy started.",
+            ),
+            &["model"],
+        )?;
+        let index_bytes = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_index_bytes",
+                "policy kv: heap bytes the event-fed KV index holds (its tables' capacity), for sizing kv.index_max_blocks.",
             ),
             &["model"],
         )?;
@@ -179,6 +187,7 @@ impl KvFamilies {
         registry.register(Box::new(decision_seconds.clone()))?;
         registry.register(Box::new(index_blocks.clone()))?;
         registry.register(Box::new(index_evicted_blocks.clone()))?;
+        registry.register(Box::new(index_bytes.clone()))?;
         registry.register(Box::new(instance_speed.clone()))?;
         registry.register(Box::new(index_prunes.clone()))?;
         registry.register(Box::new(busy_rejections.clone()))?;
@@ -197,6 +206,7 @@ impl KvFamilies {
             decision_seconds,
             index_blocks,
             index_evicted_blocks,
+            index_bytes,
             instance_speed,
             index_prunes,
             busy_rejections,
@@ -226,6 +236,7 @@ impl KvFamilies {
             instance_speed: self.instance_speed.clone(),
             index_prunes: self.index_prunes.with_label_values(&[model]),
             index_evicted_blocks: self.index_evicted_blocks.with_label_values(&[model]),
+            index_bytes: self.index_bytes.with_label_values(&[model]),
             busy_rejections: self.busy_rejections.with_label_values(&[model]),
             queue_depth: self.queue_depth.with_label_values(&[model]),
             fallbacks: FallbackReason::ALL
@@ -320,6 +331,8 @@ pub struct KvMetrics {
     pub(crate) index_prunes: IntCounter,
     /// `kvmesh_index_evicted_blocks{model}`.
     index_evicted_blocks: IntGauge,
+    /// `kvmesh_index_bytes{model}`.
+    index_bytes: IntGauge,
     /// `kvmesh_route_busy_rejections_total{model}`.
     pub(crate) busy_rejections: IntCounter,
     /// `kvmesh_route_queue_depth{model}`.
@@ -360,6 +373,12 @@ impl KvMetrics {
         self.index_blocks
             .with_label_values(&[self.model.as_str(), instance])
             .set(i64::try_from(blocks).unwrap_or(i64::MAX));
+    }
+
+    /// Sets `kvmesh_index_bytes`.
+    pub fn set_index_bytes(&self, bytes: usize) {
+        self.index_bytes
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
     /// Sets `kvmesh_index_evicted_blocks`.
@@ -463,6 +482,7 @@ mod tests {
         kv.set_index_blocks("http://a:1", 0);
         kv.index_prunes.inc_by(3);
         kv.set_index_evicted_blocks(7);
+        kv.set_index_bytes(4096);
         kv.busy_rejections.inc();
         kv.queue_depth.set(2);
         kv.count_fallback(FallbackReason::NoTokenizer);
@@ -481,6 +501,7 @@ mod tests {
             "kvmesh_index_blocks{instance=\"http://a:1\",model=\"qwen3\"} 0",
             "kvmesh_index_prunes_total{model=\"qwen3\"} 3",
             "kvmesh_index_evicted_blocks{model=\"qwen3\"} 7",
+            "kvmesh_index_bytes{model=\"qwen3\"} 4096",
             "kvmesh_route_busy_rejections_total{model=\"qwen3\"} 1",
             "kvmesh_route_queue_depth{model=\"qwen3\"} 2",
             "kvmesh_route_fallbacks_total{model=\"qwen3\",reason=\"no_tokenizer\"} 1",

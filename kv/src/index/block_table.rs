@@ -48,6 +48,13 @@ struct SharedHolders {
 }
 
 impl SharedHolders {
+    /// Heap bytes of the sets and their free list.
+    fn heap_bytes(&self) -> usize {
+        self.sets.capacity() * std::mem::size_of::<SlotSet>()
+            + self.sets.iter().map(SlotSet::heap_bytes).sum::<usize>()
+            + self.free.capacity() * std::mem::size_of::<u32>()
+    }
+
     /// The set a holders word refers to, when it refers to one.
     fn set(&self, holders: u32) -> Option<&SlotSet> {
         (holders & SHARED != 0).then(|| &self.sets[(holders & !SHARED) as usize])
@@ -253,6 +260,19 @@ impl BlockTable {
             .blocks
             .get(key)
             .is_some_and(|entry| shard.shared.holds(entry.holders, slot))
+    }
+
+    /// Heap bytes of the shards: their locks and tables (each shard read-locked in turn).
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.shards.len() * std::mem::size_of::<PaddedShard>()
+            + self
+                .shards
+                .iter()
+                .map(|shard| {
+                    let shard = shard.0.read().unwrap_or_else(PoisonError::into_inner);
+                    shard.blocks.heap_bytes() + shard.shared.heap_bytes()
+                })
+                .sum::<usize>()
     }
 
     /// Number of distinct blocks held by at least one worker.

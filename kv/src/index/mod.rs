@@ -338,6 +338,28 @@ impl KvIndex {
         keys
     }
 
+    /// Heap bytes the index holds: its tables' allocations (capacity, not only what is
+    /// used), the workers' bookkeeping and the registry. Walks every shard and every worker,
+    /// locking each briefly: for gauges, not for the request path.
+    pub fn heap_bytes(&self) -> usize {
+        let (workers, registry_bytes) = {
+            let registry = self.registry();
+            let workers: Vec<Arc<WorkerSlot>> = registry.by_key.values().cloned().collect();
+            let bytes = registry.by_key.capacity()
+                * (std::mem::size_of::<(WorkerKey, Arc<WorkerSlot>)>() + 1)
+                + registry.slots.capacity() * std::mem::size_of::<Option<Arc<WorkerSlot>>>()
+                + registry.free.capacity() * std::mem::size_of::<u32>();
+            (workers, bytes)
+        };
+        // An `Arc`'s allocation: two counts and the slot.
+        let per_worker = 2 * std::mem::size_of::<usize>() + std::mem::size_of::<WorkerSlot>();
+        let worker_bytes: usize = workers
+            .iter()
+            .map(|worker| per_worker + worker.lock().heap_bytes())
+            .sum();
+        self.table.heap_bytes() + registry_bytes + worker_bytes
+    }
+
     /// Totals for gauges (walks every shard: not for the request path).
     pub fn stats(&self) -> IndexStats {
         let (workers, worker_blocks, orphan_blocks) = {

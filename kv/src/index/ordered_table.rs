@@ -97,6 +97,11 @@ impl<V: Copy + Default> OrderedTable<V> {
         }
     }
 
+    /// Heap bytes of the table's slots.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.slots.capacity() * std::mem::size_of::<Slot<V>>()
+    }
+
     /// Number of keys.
     pub(crate) fn len(&self) -> usize {
         self.len + usize::from(self.max_key.is_some())

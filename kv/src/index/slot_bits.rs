@@ -13,6 +13,11 @@ fn position(slot: u32) -> (usize, u64) {
 }
 
 impl SlotBits {
+    /// Heap bytes of the set's words.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.words.capacity() * std::mem::size_of::<u64>()
+    }
+
     /// Empties the set, keeping its allocation.
     pub(crate) fn clear(&mut self) {
         self.words.fill(0);

@@ -28,6 +28,14 @@ impl Default for SlotSet {
 }
 
 impl SlotSet {
+    /// Heap bytes the set owns beyond its own size.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        match self {
+            Self::Inline { .. } => 0,
+            Self::Shared(bits) => std::mem::size_of::<SlotBits>() + bits.heap_bytes(),
+        }
+    }
+
     /// A set holding only `slot`.
     pub(crate) fn one(slot: u32) -> Self {
         Self::Inline {

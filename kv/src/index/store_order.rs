@@ -20,6 +20,11 @@ pub(crate) struct StoreOrder {
 const SLACK: usize = 1024;
 
 impl StoreOrder {
+    /// Heap bytes of the queue.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.entries.capacity() * std::mem::size_of::<u64>()
+    }
+
     /// Records that engine-id key `external` was stored now.
     pub(crate) fn push(&mut self, external: u64) {
         self.entries.push_back(external);

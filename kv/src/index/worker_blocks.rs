@@ -158,6 +158,15 @@ pub(crate) struct WorkerBlocks {
 }
 
 impl WorkerBlocks {
+    /// Heap bytes of the worker's tables (the wide counts' map estimated from its capacity:
+    /// key, value and one control byte per bucket).
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.external.heap_bytes()
+            + self.nodes.heap_bytes()
+            + self.wide.capacity() * (std::mem::size_of::<(u64, NodeRefs)>() + 1)
+            + self.order.as_ref().map_or(0, StoreOrder::heap_bytes)
+    }
+
     /// Applies a Stored event.
     pub(crate) fn store(
         &mut self,

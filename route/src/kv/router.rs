@@ -867,11 +867,14 @@ impl KvRouter {
 
     /// Copies the index size of each of `instances` (all its ranks) into
     /// `kvmesh_index_blocks`, and its learned speed into `kvmesh_route_instance_speed`; the
-    /// blocks the event-fed index evicted into `kvmesh_index_evicted_blocks`.
+    /// blocks the event-fed index evicted into `kvmesh_index_evicted_blocks`, and its heap
+    /// bytes into `kvmesh_index_bytes`.
     pub fn refresh_gauges<C: Candidate>(&self, instances: &[Arc<C>]) {
         if let Some(feed) = &self.events {
+            let index = feed.index();
             self.metrics
-                .set_index_evicted_blocks(feed.index().stats().evicted_blocks);
+                .set_index_evicted_blocks(index.stats().evicted_blocks);
+            self.metrics.set_index_bytes(index.heap_bytes());
         }
         let mut counts: HashMap<u64, u64> = HashMap::with_capacity(instances.len());
         for (worker, blocks) in self.overlap.cached_blocks() {

@@ -862,6 +862,13 @@ fn an_unset_block_size_is_the_first_records_and_another_engines_is_scored_approx
         );
         assert!(text.contains(&series), "{text}");
     }
+    // The event-fed index's heap bytes, as the index counts them.
+    let bytes = feed.index().heap_bytes();
+    assert!(bytes > 0);
+    assert!(
+        text.contains(&format!("kvmesh_index_bytes{{model=\"m\"}} {bytes}\n")),
+        "{text}"
+    );
     // It leaves: no conflict; every registered instance gone, the next record sets it again.
     router.remove_instance(1);
     assert!(router.block_size_conflicts().is_empty());
