@@ -1,16 +1,15 @@
 //! A 200,000-block snapshot resync into the real `kvmesh-proxy` process, blocks named by their
 //! own sequence hashes as the worker-agent names them: the index holds exactly the snapshot's
 //! blocks, and the proxy's resident memory grows by at most 1.5 times the index's own heap
-//! bytes (the same index built in this process, its bytes counted by a global allocator
-//! wrapper). The proxy applies each part of the snapshot as it arrives and returns the free
-//! heap to the system once the resync is applied: it grew 1.23-1.34 times (9.9-10.8 MB for
-//! 8.1 MB) idle and with both cores busy. Part of that growth is a fixed ≈ 2 MB (decoded parts
-//! in flight, allocator arenas), so the snapshot is large enough for the ratio to mean
-//! something: 100,000 blocks (4.2 MB) grew 6.4 MB. Holding the decoded parts until the last
-//! one was in, and keeping the free heap, it had grown up to 1.77 times.
+//! bytes (the same index built in this process, its bytes from `KvIndex::heap_bytes`, which
+//! `kv/tests/heap_bytes.rs` holds to a counting allocator). The proxy applies each part of the
+//! snapshot as it arrives and returns the free heap to the system once the resync is applied:
+//! it grew 1.23-1.34 times (9.9-10.8 MB for 8.1 MB) idle and with both cores busy. Part of that
+//! growth is a fixed ≈ 2 MB (decoded parts in flight, allocator arenas), so the snapshot is
+//! large enough for the ratio to mean something: 100,000 blocks (4.2 MB) grew 6.4 MB. Holding
+//! the decoded parts until the last one was in, and keeping the free heap, it had grown up to
+//! 1.77 times.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -23,39 +22,6 @@ use kvmesh_e2e::cluster::{MODEL, engine_urls, start_engines, start_proxy};
 use kvmesh_e2e::control_plane::{BLOCK_SIZE, await_metric, control_proxy_config_for};
 use kvmesh_e2e::{HttpClient, ScratchDir};
 use kvmesh_kv::{ExternalHash, KvEvent, KvIndex, LocalBlockHash, WorkerKey};
-
-/// The system allocator, keeping a count of live heap bytes.
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: every method forwards to `System` with the caller's arguments unchanged, so the
-// `GlobalAlloc` contract is `System`'s; the counter has no effect on the allocations.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
-        // SAFETY: forwarded from our caller, who upholds `alloc`'s contract.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
-        // SAFETY: forwarded from our caller, who upholds `dealloc`'s contract.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(
-            new_size as isize - layout.size() as isize,
-            Ordering::Relaxed,
-        );
-        // SAFETY: forwarded from our caller, who upholds `realloc`'s contract.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static ALLOCATOR: Counting = Counting;
 
 /// Blocks in the snapshot: 2,000 chains of 100.
 const CHAINS: u64 = 2_000;
@@ -92,12 +58,11 @@ async fn a_200k_block_snapshot_fills_the_index_exactly_within_its_own_bytes() ->
     let total = CHAINS * CHAIN_BLOCKS;
     // The index's own bytes: the same events applied to an index in this process.
     let events = snapshot_events();
-    let before = LIVE.load(Ordering::Relaxed);
     let index = KvIndex::new();
     for event in &events {
         index.apply(WorkerKey::new(1, 0), event);
     }
-    let index_bytes = (LIVE.load(Ordering::Relaxed) - before) as u64;
+    let index_bytes = index.heap_bytes() as u64;
     assert_eq!(index.stats().distinct_blocks as u64, total);
     drop(index);
 
