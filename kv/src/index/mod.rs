@@ -5,6 +5,7 @@
 mod block_table;
 mod eviction;
 mod key_mixer;
+mod key_order;
 mod matcher;
 mod ordered_table;
 mod slot_bits;
@@ -27,14 +28,24 @@ use crate::scores::{OverlapScores, WorkerOverlap};
 use crate::worker::WorkerKey;
 
 use block_table::BlockTable;
+use key_order::{KeyOrder, OrderScratch};
 use matcher::{MatchScratch, linear_depth, prefix_depths};
 use worker_blocks::WorkerSlot;
 
 /// Default number of block-table shards.
 pub const DEFAULT_SHARDS: usize = 1024;
 
+/// A lookup's reusable buffers.
+#[derive(Debug, Default)]
+struct LookupScratch {
+    matching: MatchScratch,
+    /// (slot, depth) of the workers holding the query's first block.
+    depths: Vec<(u32, u32)>,
+    order: OrderScratch,
+}
+
 thread_local! {
-    static SCRATCH: RefCell<(MatchScratch, Vec<(u32, u32)>)> = RefCell::default();
+    static SCRATCH: RefCell<LookupScratch> = RefCell::default();
 }
 
 /// Registered workers by key and by slot.
@@ -43,6 +54,7 @@ struct Registry {
     by_key: HashMap<WorkerKey, Arc<WorkerSlot>, KeyedState>,
     slots: Vec<Option<Arc<WorkerSlot>>>,
     free: Vec<u32>,
+    order: KeyOrder,
 }
 
 /// Totals over the whole index, for gauges.
@@ -144,6 +156,7 @@ impl KvIndex {
         let slot = Arc::new(WorkerSlot::new(worker, number, ordered));
         registry.slots[number as usize] = Some(Arc::clone(&slot));
         registry.by_key.insert(worker, Arc::clone(&slot));
+        registry.order.insert(worker, number);
         slot
     }
 
@@ -250,6 +263,7 @@ impl KvIndex {
                 return ApplyOutcome::default();
             };
             registry.slots[slot.slot as usize] = None;
+            registry.order.remove(slot.slot);
             slot
         };
         let blocks_cleared = {
@@ -271,22 +285,28 @@ impl KvIndex {
     pub fn find_matches(&self, query: &[SequenceHash]) -> OverlapScores {
         let query = &query[..query.len().min(u32::MAX as usize)];
         SCRATCH.with(|scratch| {
-            let (scratch, depths) = &mut *scratch.borrow_mut();
-            depths.clear();
-            prefix_depths(&self.table, query, scratch, depths);
-            self.resolve(query, depths)
+            let scratch = &mut *scratch.borrow_mut();
+            scratch.depths.clear();
+            prefix_depths(
+                &self.table,
+                query,
+                &mut scratch.matching,
+                &mut scratch.depths,
+            );
+            self.resolve(query, scratch)
         })
     }
 
-    /// Maps slots to workers, re-checking depths of workers that hold orphans.
-    fn resolve(&self, query: &[SequenceHash], depths: &[(u32, u32)]) -> OverlapScores {
+    /// Maps slots to workers, re-checking depths of workers that hold orphans, in key order.
+    fn resolve(&self, query: &[SequenceHash], scratch: &mut LookupScratch) -> OverlapScores {
         let registry = self.registry();
         let now = self
             .limits
             .max_blocks
             .map(|_| self.clock.load(Ordering::Relaxed));
-        let mut workers = Vec::with_capacity(depths.len());
-        for &(slot, depth) in depths {
+        registry.order.sort(&mut scratch.depths, &mut scratch.order);
+        let mut workers = Vec::with_capacity(scratch.depths.len());
+        for &(slot, depth) in &scratch.depths {
             let Some(Some(worker)) = registry.slots.get(slot as usize) else {
                 continue;
             };
@@ -310,7 +330,6 @@ impl KvIndex {
                 });
             }
         }
-        workers.sort_unstable_by_key(|overlap| overlap.worker);
         OverlapScores { workers }
     }
 
@@ -348,7 +367,8 @@ impl KvIndex {
             let bytes = registry.by_key.capacity()
                 * (std::mem::size_of::<(WorkerKey, Arc<WorkerSlot>)>() + 1)
                 + registry.slots.capacity() * std::mem::size_of::<Option<Arc<WorkerSlot>>>()
-                + registry.free.capacity() * std::mem::size_of::<u32>();
+                + registry.free.capacity() * std::mem::size_of::<u32>()
+                + registry.order.heap_bytes();
             (workers, bytes)
         };
         // An `Arc`'s allocation: two counts and the slot.
