@@ -61,7 +61,9 @@
 //! still-matching worker holds, scores the workers missing from the next block, and continues
 //! with the rest; k is the number of distinct depths. Each worker keeps a lock-free orphan
 //! counter; a worker with orphans is re-checked block by block, so results are exact in every
-//! state, which property tests check against a naive model (`tests/index_model.rs`).
+//! state, which property tests check against a naive model (`tests/index_model.rs`). The
+//! matches come out in worker-key order without a sort: the registry keeps its workers' key
+//! order as they register (`index/key_order.rs`), and a lookup places each match at its rank.
 //!
 //! ## Concurrency: sharded table, one short lock per block operation
 //!
