@@ -35,6 +35,10 @@ pub enum TranslateError {
 /// chain from the parent's. This map remembers the sequence hash of every block the engine
 /// reported, so a Stored event can be re-hashed from its tokens and chained to its parent.
 /// Use one per worker key, and feed it that worker's events in order.
+///
+/// Its events name blocks by the engine's ids, which the index keeps in a table (about 20 bytes
+/// per (worker, block) pair). The worker-agent instead names each block by its own sequence
+/// hash and counts the engine ids per block itself, which the index stores for free.
 #[derive(Debug, Clone, Default)]
 pub struct EngineBlockMap {
     blocks: HashMap<ExternalHash, SequenceHash, KeyedState>,
