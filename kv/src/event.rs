@@ -29,6 +29,16 @@ pub struct BlockParent {
     pub sequence: SequenceHash,
 }
 
+impl BlockParent {
+    /// The block `sequence` as a parent, named by its own id ([`ExternalHash::own`]).
+    pub fn own(sequence: SequenceHash) -> Self {
+        Self {
+            external: ExternalHash::own(sequence),
+            sequence,
+        }
+    }
+}
+
 /// A change to one worker's KV cache.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {

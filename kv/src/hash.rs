@@ -27,6 +27,14 @@ pub struct SequenceHash(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ExternalHash(pub u64);
 
+impl ExternalHash {
+    /// A block's *own id*: its sequence hash as its id, how the worker-agent names blocks.
+    /// [`crate::KvIndex`] keeps such an id without an entry in its engine-id table.
+    pub fn own(sequence: SequenceHash) -> Self {
+        Self(sequence.0)
+    }
+}
+
 /// The seed for local block hashes of a model or LoRA adapter.
 ///
 /// `None` or an empty name is the base model ([`XXH3_SEED`]); otherwise the seed is

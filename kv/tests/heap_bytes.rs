@@ -27,7 +27,7 @@ fn chain(chain: u64, engine_ids: bool) -> KvEvent {
         let external = if engine_ids {
             ExternalHash(chain << 32 | i)
         } else {
-            ExternalHash(sequence.0)
+            ExternalHash::own(sequence)
         };
         (external, local, sequence)
     });

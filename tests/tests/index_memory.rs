@@ -44,7 +44,7 @@ fn snapshot_events() -> Vec<KvEvent> {
             );
             if let KvEvent::Stored { blocks, .. } = &mut event {
                 for block in blocks {
-                    block.external = ExternalHash(block.sequence.0);
+                    block.external = ExternalHash::own(block.sequence);
                 }
             }
             event

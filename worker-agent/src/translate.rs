@@ -8,7 +8,7 @@
 //! removal evicts it. The table is also the source of full snapshots.
 //!
 //! The events sent name every block by its own sequence hash, not by the engine's id
-//! ([`own_id`]): the proxy's index then needs no engine id → block table (a third of its
+//! ([`ExternalHash::own`]): the proxy's index then needs no engine id → block table (a third of its
 //! memory per block). So the agent keeps that table (above) and, per tier, how many engine ids
 //! map to each sequence hash ([`SequenceRefs`]): a block is sent as stored when its first id
 //! appears and as removed when its last goes, whatever ids the engine used.
@@ -37,20 +37,6 @@ struct BlockInfo {
     local: LocalBlockHash,
     sequence: SequenceHash,
     refs: u32,
-}
-
-/// How the events sent name a block: by its sequence hash (the proxy's index keeps such ids
-/// without a table).
-pub fn own_id(sequence: SequenceHash) -> ExternalHash {
-    ExternalHash(sequence.0)
-}
-
-/// `sequence` as the parent of a chain sent.
-fn own_parent(sequence: SequenceHash) -> BlockParent {
-    BlockParent {
-        external: own_id(sequence),
-        sequence,
-    }
 }
 
 /// How many engine ids of one tier map to each sequence hash.
@@ -84,7 +70,7 @@ impl SequenceRefs {
     fn drain(&mut self) -> Vec<ExternalHash> {
         self.0
             .drain()
-            .map(|(sequence, _)| own_id(sequence))
+            .map(|(sequence, _)| ExternalHash::own(sequence))
             .collect()
     }
 }
@@ -229,7 +215,7 @@ impl RankTable {
             apply_cache_salt(&mut locals, cache_salt);
         }
         let mut previous = parent;
-        let mut run_parent = parent.map(|p| own_parent(p.sequence));
+        let mut run_parent = parent.map(|p| BlockParent::own(p.sequence));
         let mut run: Vec<StoredBlock> = Vec::new();
         for (&id, &local) in block_ids.iter().zip(&locals) {
             let external = ExternalHash(id);
@@ -250,15 +236,10 @@ impl RankTable {
                     // when no other id holds it (sent before anything after it).
                     let old = std::mem::replace(held, info).sequence;
                     if self.sequences.lose(old) {
-                        if !run.is_empty() {
-                            out.push(KvEvent::Stored {
-                                parent: run_parent,
-                                blocks: std::mem::take(&mut run),
-                            });
-                        }
-                        run_parent = previous.map(|p| own_parent(p.sequence));
+                        flush(out, run_parent, &mut run);
+                        run_parent = previous.map(|p| BlockParent::own(p.sequence));
                         out.push(KvEvent::Removed {
-                            blocks: vec![own_id(old)],
+                            blocks: vec![ExternalHash::own(old)],
                         });
                     }
                     self.sequences.gain(sequence)
@@ -270,28 +251,18 @@ impl RankTable {
             };
             if fresh {
                 run.push(StoredBlock {
-                    external: own_id(sequence),
+                    external: ExternalHash::own(sequence),
                     local,
                     sequence,
                 });
             } else {
                 // Already held (under this id or another): the chain is split here.
-                if !run.is_empty() {
-                    out.push(KvEvent::Stored {
-                        parent: run_parent,
-                        blocks: std::mem::take(&mut run),
-                    });
-                }
-                run_parent = Some(own_parent(sequence));
+                flush(out, run_parent, &mut run);
+                run_parent = Some(BlockParent::own(sequence));
             }
             previous = Some(BlockParent { external, sequence });
         }
-        if !run.is_empty() {
-            out.push(KvEvent::Stored {
-                parent: run_parent,
-                blocks: run,
-            });
-        }
+        flush(out, run_parent, &mut run);
         self.locals = locals;
         Ok(())
     }
@@ -371,27 +342,19 @@ impl RankTable {
                 continue;
             }
             let continues = run.last().map(|b| b.sequence) == info.parent.map(|p| p.sequence);
-            if !continues && !run.is_empty() {
-                out.push(KvEvent::Stored {
-                    parent: run_parent,
-                    blocks: std::mem::take(&mut run),
-                });
+            if !continues {
+                flush(out, run_parent, &mut run);
             }
             if run.is_empty() {
-                run_parent = info.parent.map(|p| own_parent(p.sequence));
+                run_parent = info.parent.map(|p| BlockParent::own(p.sequence));
             }
             run.push(StoredBlock {
-                external: own_id(info.sequence),
+                external: ExternalHash::own(info.sequence),
                 local: info.local,
                 sequence: info.sequence,
             });
         }
-        if !run.is_empty() {
-            out.push(KvEvent::Stored {
-                parent: run_parent,
-                blocks: run,
-            });
-        }
+        flush(out, run_parent, &mut run);
         let table = &mut self.tiers[slot];
         let mut dropped = Vec::new();
         while table.blocks.len() > self.max_tier_blocks {
@@ -401,7 +364,7 @@ impl RankTable {
             if let Some(info) = table.blocks.remove(&oldest)
                 && table.sequences.lose(info.sequence)
             {
-                dropped.push(own_id(info.sequence));
+                dropped.push(ExternalHash::own(info.sequence));
             }
         }
         if table.order.len() > 2 * table.blocks.len() + 1024 {
@@ -445,6 +408,16 @@ impl RankTable {
     }
 }
 
+/// Sends `run` (when not empty) as one Stored event after `parent`, leaving it empty.
+fn flush(out: &mut Vec<KvEvent>, parent: Option<BlockParent>, run: &mut Vec<StoredBlock>) {
+    if !run.is_empty() {
+        out.push(KvEvent::Stored {
+            parent,
+            blocks: std::mem::take(run),
+        });
+    }
+}
+
 /// Takes one reference off each of `block_ids` in `blocks`, evicting those left with none; a
 /// block whose last engine id goes is sent as removed (appended to `out`). Returns how many
 /// ids `blocks` did not hold.
@@ -464,7 +437,7 @@ fn release(
                 let sequence = info.sequence;
                 blocks.remove(&external);
                 if sequences.lose(sequence) {
-                    evicted.push(own_id(sequence));
+                    evicted.push(ExternalHash::own(sequence));
                 }
             }
             None => unknown += 1,
@@ -486,7 +459,7 @@ fn tier_slot(tier: CacheTier) -> Option<usize> {
 }
 
 /// `blocks` as Stored events, parents before children, linear chains merged into one event;
-/// blocks named by [`own_id`], each sequence hash once.
+/// blocks named by their own ids ([`ExternalHash::own`]), each sequence hash once.
 fn snapshot_of(blocks: &HashMap<ExternalHash, BlockInfo>) -> Vec<KvEvent> {
     let mut children: HashMap<ExternalHash, Vec<ExternalHash>> = HashMap::new();
     let mut roots = Vec::new();
@@ -518,7 +491,7 @@ fn snapshot_of(blocks: &HashMap<ExternalHash, BlockInfo>) -> Vec<KvEvent> {
             continue;
         }
         let block = StoredBlock {
-            external: own_id(info.sequence),
+            external: ExternalHash::own(info.sequence),
             local: info.local,
             sequence: info.sequence,
         };
@@ -534,7 +507,10 @@ fn snapshot_of(blocks: &HashMap<ExternalHash, BlockInfo>) -> Vec<KvEvent> {
             if let Some((parent, blocks)) = current.take() {
                 events.push(KvEvent::Stored { parent, blocks });
             }
-            current = Some((info.parent.map(|p| own_parent(p.sequence)), vec![block]));
+            current = Some((
+                info.parent.map(|p| BlockParent::own(p.sequence)),
+                vec![block],
+            ));
         }
     }
     if let Some((parent, blocks)) = current {

@@ -20,6 +20,17 @@ pub(crate) struct KeyOrder {
     rank: Vec<u32>,
 }
 
+/// Reusable buffers of [`KeyOrder::sort`].
+#[derive(Debug, Default)]
+pub(crate) struct OrderScratch {
+    /// Depth by rank, [`NONE`] where no worker matched.
+    placed: Vec<u32>,
+}
+
+/// Matches below this many are sorted by rank; from it on, placed at their ranks (linear in
+/// the registered workers).
+const PLACE_FROM: usize = 32;
+
 impl KeyOrder {
     /// Registers `slot` for worker `key` (not registered yet).
     pub(crate) fn insert(&mut self, key: WorkerKey, slot: u32) {
@@ -58,20 +69,7 @@ impl KeyOrder {
             self.rank[slot as usize] = position as u32;
         }
     }
-}
 
-/// Reusable buffers of [`KeyOrder::sort`].
-#[derive(Debug, Default)]
-pub(crate) struct OrderScratch {
-    /// Depth by rank, [`NONE`] where no worker matched.
-    placed: Vec<u32>,
-}
-
-/// Matches below this many are sorted by rank; from it on, placed at their ranks (linear in
-/// the registered workers).
-const PLACE_FROM: usize = 32;
-
-impl KeyOrder {
     /// Puts `matches` ((slot, depth), each slot at most once) in their workers' key order.
     /// Slots not registered go last (sorted) or are dropped (placed).
     pub(crate) fn sort(&self, matches: &mut Vec<(u32, u32)>, scratch: &mut OrderScratch) {

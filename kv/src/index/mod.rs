@@ -364,8 +364,7 @@ impl KvIndex {
         let (workers, registry_bytes) = {
             let registry = self.registry();
             let workers: Vec<Arc<WorkerSlot>> = registry.by_key.values().cloned().collect();
-            let bytes = registry.by_key.capacity()
-                * (std::mem::size_of::<(WorkerKey, Arc<WorkerSlot>)>() + 1)
+            let bytes = hash_map_bytes::<WorkerKey, Arc<WorkerSlot>>(registry.by_key.capacity())
                 + registry.slots.capacity() * std::mem::size_of::<Option<Arc<WorkerSlot>>>()
                 + registry.free.capacity() * std::mem::size_of::<u32>()
                 + registry.order.heap_bytes();
@@ -400,6 +399,12 @@ impl KvIndex {
             evicted_blocks: self.evicted.load(Ordering::Relaxed),
         }
     }
+}
+
+/// Heap bytes of a `HashMap<K, V>` of `capacity`, estimated: an entry and one control byte
+/// per bucket.
+fn hash_map_bytes<K, V>(capacity: usize) -> usize {
+    capacity * (std::mem::size_of::<(K, V)>() + 1)
 }
 
 #[cfg(test)]

@@ -158,12 +158,11 @@ pub(crate) struct WorkerBlocks {
 }
 
 impl WorkerBlocks {
-    /// Heap bytes of the worker's tables (the wide counts' map estimated from its capacity:
-    /// key, value and one control byte per bucket).
+    /// Heap bytes of the worker's tables.
     pub(crate) fn heap_bytes(&self) -> usize {
         self.external.heap_bytes()
             + self.nodes.heap_bytes()
-            + self.wide.capacity() * (std::mem::size_of::<(u64, NodeRefs)>() + 1)
+            + super::hash_map_bytes::<u64, NodeRefs>(self.wide.capacity())
             + self.order.as_ref().map_or(0, StoreOrder::heap_bytes)
     }
 
@@ -198,18 +197,14 @@ impl WorkerBlocks {
             previous = Some(block.sequence);
             previous_key = Some(key);
         }
-        if let (Some(order), Some(mark)) = (&mut self.order, mark) {
+        if let (Some(mut order), Some(mark)) = (self.order.take(), mark) {
             order.reverse_since(mark);
-            let (external, nodes) = (&self.external, &self.nodes);
             let work = 2 * blocks.len() + 8;
             // Own ids are at most the held blocks: a bound on the ids mapped.
-            let live = external.len() as u64 + slot.counters.cached_blocks.load(Ordering::Relaxed);
-            order.compact(live as usize, work, |entry| {
-                external.get(entry).is_some()
-                    || nodes
-                        .get(entry)
-                        .is_some_and(|&packed| is_own(packed, entry, &self.wide))
-            });
+            let live =
+                self.external.len() as u64 + slot.counters.cached_blocks.load(Ordering::Relaxed);
+            order.compact(live as usize, work, |entry| self.target(entry).is_some());
+            self.order = Some(order);
         }
         outcome
     }
@@ -291,12 +286,7 @@ impl WorkerBlocks {
     pub(crate) fn clear(&mut self, table: &BlockTable, slot: &WorkerSlot) -> u64 {
         let mut cleared = 0;
         for (key, &packed) in self.nodes.iter() {
-            let held = if packed == WIDE {
-                self.wide.get(&key).is_some_and(|node| node.refs > 0)
-            } else {
-                packed.unpack().refs > 0
-            };
-            if held {
+            if self.counts(key, packed).refs > 0 {
                 table.remove_holder(key, slot.slot);
                 cleared += 1;
             }
@@ -353,10 +343,17 @@ impl WorkerBlocks {
 
     /// The counts of `key` (zero when it has no node).
     fn node(&self, key: u64) -> NodeRefs {
-        match self.nodes.get(key) {
-            None => NodeRefs::default(),
-            Some(&WIDE) => self.wide.get(&key).copied().unwrap_or_default(),
-            Some(packed) => packed.unpack(),
+        self.nodes
+            .get(key)
+            .map_or_else(NodeRefs::default, |&packed| self.counts(key, packed))
+    }
+
+    /// The counts of node `key`, stored as `packed`.
+    fn counts(&self, key: u64, packed: PackedRefs) -> NodeRefs {
+        if packed == WIDE {
+            self.wide.get(&key).copied().unwrap_or_default()
+        } else {
+            packed.unpack()
         }
     }
 
@@ -490,14 +487,5 @@ impl WorkerBlocks {
         if parent_node.refs == 0 {
             slot.counters.sub_orphans(1);
         }
-    }
-}
-
-/// Whether the node `key`, stored as `packed`, holds its own id.
-fn is_own(packed: PackedRefs, key: u64, wide: &HashMap<u64, NodeRefs>) -> bool {
-    if packed == WIDE {
-        wide.get(&key).is_some_and(|node| node.own)
-    } else {
-        packed.unpack().own
     }
 }

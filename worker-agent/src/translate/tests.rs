@@ -146,8 +146,11 @@ fn duplicate_stores_are_refcounted_and_split_chains() {
         .expect("hasher")
         .hash(&[1, 2, 3, 4, 5, 6]);
     assert_eq!(blocks.len(), 1);
-    assert_eq!(blocks[0].external, own_id(hashes.sequence[2]));
-    assert_eq!(parent.map(|p| p.external), Some(own_id(hashes.sequence[1])));
+    assert_eq!(blocks[0].external, ExternalHash::own(hashes.sequence[2]));
+    assert_eq!(
+        parent.map(|p| p.external),
+        Some(ExternalHash::own(hashes.sequence[1]))
+    );
     out.clear();
     // One removal of a twice-stored block keeps it; the second evicts it.
     assert_eq!(table.removed(&[2], &mut out), 0);
@@ -156,7 +159,7 @@ fn duplicate_stores_are_refcounted_and_split_chains() {
     assert_eq!(
         out,
         vec![KvEvent::Removed {
-            blocks: vec![own_id(hashes.sequence[1])]
+            blocks: vec![ExternalHash::own(hashes.sequence[1])]
         }]
     );
 }
@@ -178,12 +181,12 @@ fn blocks_are_sent_by_sequence_hash_once_whatever_ids_the_engine_uses() {
             parent: None,
             blocks: vec![
                 StoredBlock {
-                    external: own_id(a),
+                    external: ExternalHash::own(a),
                     local: hashes.local[0],
                     sequence: a,
                 },
                 StoredBlock {
-                    external: own_id(b),
+                    external: ExternalHash::own(b),
                     local: hashes.local[1],
                     sequence: b,
                 },
@@ -203,7 +206,7 @@ fn blocks_are_sent_by_sequence_hash_once_whatever_ids_the_engine_uses() {
     assert_eq!(
         out,
         vec![KvEvent::Removed {
-            blocks: vec![own_id(b)]
+            blocks: vec![ExternalHash::own(b)]
         }]
     );
     out.clear();
@@ -220,11 +223,11 @@ fn blocks_are_sent_by_sequence_hash_once_whatever_ids_the_engine_uses() {
     assert_eq!(
         out[0],
         KvEvent::Removed {
-            blocks: vec![own_id(a)]
+            blocks: vec![ExternalHash::own(a)]
         }
     );
     assert!(
-        matches!(&out[1], KvEvent::Stored { parent: None, blocks } if blocks[0].external == own_id(c))
+        matches!(&out[1], KvEvent::Stored { parent: None, blocks } if blocks[0].external == ExternalHash::own(c))
     );
     // The proxy's index holds exactly what the engine holds.
     let index = KvIndex::new();
@@ -280,7 +283,7 @@ fn clearing_one_rank_of_many_removes_its_blocks() {
     assert_eq!(
         tiers[1],
         vec![KvEvent::Removed {
-            blocks: vec![own_id(first)]
+            blocks: vec![ExternalHash::own(first)]
         }]
     );
     assert!(tiers[2].is_empty());
@@ -344,7 +347,7 @@ fn offloaded_blocks_keep_their_device_hashes_after_the_device_evicts_them() {
     assert_eq!(
         removed,
         vec![KvEvent::Removed {
-            blocks: vec![own_id(hashes.sequence[2])]
+            blocks: vec![ExternalHash::own(hashes.sequence[2])]
         }]
     );
 }
@@ -365,7 +368,7 @@ fn a_tier_without_removals_drops_its_oldest_blocks_past_its_bound() {
     assert_eq!(
         disk.last(),
         Some(&KvEvent::Removed {
-            blocks: vec![own_id(first)]
+            blocks: vec![ExternalHash::own(first)]
         })
     );
     // A block on disk is known there: the host tier can take it from there.
