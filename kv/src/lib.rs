@@ -31,7 +31,7 @@
 //!
 //! Per worker key ([`WorkerKey`]: instance id, data-parallel rank) the index keeps the engine id
 //! → sequence hash map (for removals) and per-block reference counts (a block stays held while
-//! any engine id maps to it). An id equal to its block's sequence hash (the block's *own id*)
+//! any engine id maps to it). An id equal to its block's sequence hash (the block's *own id*, [`ExternalHash::own`])
 //! takes no entry in that map, only a bit in the block's counts. The worker-agent names every
 //! block so: it keeps the engine's ids itself and sends a block as stored when its first engine
 //! id appears and as removed when its last goes, which saves the map's ≈ 20 bytes per
