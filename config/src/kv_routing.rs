@@ -49,7 +49,7 @@ pub struct KvRoutingConfig {
     pub approx_max_blocks: usize,
     /// Pruning keeps `approx_max_blocks × approx_prune_ratio` pairs; in (0, 1].
     pub approx_prune_ratio: f64,
-    /// Most (instance, block) pairs the event-fed KV index keeps (≈ 65 bytes each); past it,
+    /// Most (instance, block) pairs the event-fed KV index keeps (≈ 40–56 bytes each); past it,
     /// each event evicts up to twice the blocks it stores, from the least recently used
     /// instance's oldest blocks; `null` or 0: no bound.
     pub index_max_blocks: Option<u64>,
@@ -80,6 +80,11 @@ pub struct KvRoutingConfig {
     pub cache_check: KvCacheCheckConfig,
     /// Checking the proxy's tokenizer and chat template against each engine's `/tokenize`.
     pub tokenizer_check: KvTokenizerCheckConfig,
+    /// With several proxy replicas on one NATS: how long a replica waits for the model's
+    /// decider (the live replica with the lowest id) to route a request before routing it
+    /// alone; 0: every replica routes alone.
+    #[serde(deserialize_with = "crate::duration::deserialize")]
+    pub decider_timeout: Duration,
 }
 
 impl Default for KvRoutingConfig {
@@ -105,6 +110,7 @@ impl Default for KvRoutingConfig {
             stale_request_timeout: Duration::from_secs(300),
             cache_check: KvCacheCheckConfig::default(),
             tokenizer_check: KvTokenizerCheckConfig::default(),
+            decider_timeout: Duration::from_millis(20),
         }
     }
 }

@@ -5,6 +5,9 @@ use crate::duration::format_duration;
 use crate::violation::{Checked, fail, non_negative, positive};
 use crate::{FieldPath, KvRoutingConfig, MAX_APPROX_TTL};
 
+/// Longest accepted `kv.decider_timeout`.
+const MAX_DECIDER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Whether `byte` may appear in a header name (RFC 9110 `tchar`).
 fn is_header_name_byte(byte: u8) -> bool {
     byte.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&byte)
@@ -77,6 +80,15 @@ pub(crate) fn check_kv(kv: &KvRoutingConfig, path: &FieldPath) -> Checked {
         return fail(
             path.key("session_header"),
             format!("{:?} is not a header name", kv.session_header),
+        );
+    }
+    if kv.decider_timeout > MAX_DECIDER_TIMEOUT {
+        return fail(
+            path.key("decider_timeout"),
+            format!(
+                "must be at most {} (every request waits this long for an unresponsive decider)",
+                format_duration(MAX_DECIDER_TIMEOUT)
+            ),
         );
     }
     positive(kv.stale_request_timeout, path.key("stale_request_timeout"))

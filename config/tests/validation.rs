@@ -100,6 +100,7 @@ fn minimal_config_gets_every_default() {
     assert_eq!(kv.queue.max_size, 0);
     assert_eq!(kv.queue.timeout, Duration::from_secs(5));
     assert_eq!(kv.stale_request_timeout, Duration::from_secs(300));
+    assert_eq!(kv.decider_timeout, Duration::from_millis(20));
     assert_eq!((kv.cache_check.window, kv.cache_check.mismatches), (8, 3));
 }
 
@@ -780,6 +781,7 @@ fn kv_policy_settings_parse() {
         max_size: 8
         timeout: 250ms
       stale_request_timeout: 1m
+      decider_timeout: 0s
 "
     );
     let config = Config::from_yaml_str(&text, "kv.yaml").unwrap();
@@ -804,6 +806,7 @@ fn kv_policy_settings_parse() {
     assert_eq!(kv.queue.max_size, 8);
     assert_eq!(kv.queue.timeout, Duration::from_millis(250));
     assert_eq!(kv.stale_request_timeout, Duration::from_secs(60));
+    assert_eq!(kv.decider_timeout, Duration::ZERO);
 }
 
 #[test]
@@ -910,6 +913,13 @@ fn kv_policy_settings_are_validated() {
         "greater than 0",
         8,
         30,
+    );
+    assert_err(
+        &kv("      decider_timeout: 2s\n"),
+        "models[0].kv.decider_timeout",
+        "at most 1s",
+        8,
+        24,
     );
     assert_err(
         &kv("      block_sizes: 4\n"),

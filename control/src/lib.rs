@@ -53,7 +53,9 @@ pub use namespace::{
 #[cfg(feature = "transports")]
 pub use registry::{EtcdRegistry, EtcdSettings};
 pub use registry::{InProcessRegistry, LeaseId, Listing, Registry, Watch, WatchEvent};
-pub use replica::{DecisionShare, InstanceLoadShare, LoadShare, SessionShare};
+pub use replica::{
+    DecideAnswer, DecideRequest, DecisionShare, InstanceLoadShare, LoadShare, SessionShare,
+};
 pub use reply_parts::{ReplyAssembler, ReplyPart, reply_parts};
 pub use resync::{SnapshotReply, SnapshotRequest};
 pub use security::{EtcdAuth, NatsAuth, TlsFiles, read_secret};

@@ -173,6 +173,16 @@ impl Namespace {
         format!("{}.replica_load", self.0)
     }
 
+    /// `{ns}.decide.{replica}.{model}`: where proxy replica `replica` (hex) decides for the
+    /// other replicas of `model` while it is that model's decider.
+    pub fn decide_subject(&self, replica: u64, model: &str) -> String {
+        format!(
+            "{}.decide.{replica:016x}.{}",
+            self.0,
+            encode_model_for_subject(model)
+        )
+    }
+
     /// `{ns}.key_usage`: where proxy replicas share what their API keys consumed.
     pub fn key_usage_subject(&self) -> String {
         format!("{}.key_usage", self.0)
@@ -200,6 +210,10 @@ mod tests {
         assert_eq!(ns.replica_load_subject(), "kvmesh.replica_load");
         assert_eq!(ns.decisions_subject(), "kvmesh.decisions");
         assert_eq!(ns.key_usage_subject(), "kvmesh.key_usage");
+        assert_eq!(
+            ns.decide_subject(7, model),
+            "kvmesh.decide.0000000000000007.Qwen%2FQwen3-0%2E6B"
+        );
         assert_eq!(ns.instances_prefix(), "/kvmesh/instances/");
         assert_eq!(ns.all_events_subject(), "kvmesh.kv.*");
     }

@@ -1,6 +1,6 @@
 //! What proxy replicas share with each other on NATS (docs/control-plane.md, "NATS:
-//! replicas"): session bindings, the in-flight load each one puts on each instance, and
-//! its routing decisions.
+//! replicas"): session bindings, the in-flight load each one puts on each instance, its
+//! routing decisions, and the decisions it asks its model's decider for.
 
 use serde::{Deserialize, Serialize};
 
@@ -74,6 +74,11 @@ pub struct LoadShare {
     pub ttl_ms: u64,
     /// Its load per instance (instances without load or learned speed may be left out).
     pub instances: Vec<InstanceLoadShare>,
+    /// Every decision it asked the decider for up to this number ([`DecideRequest::seq`]) is
+    /// settled: booked in `instances`, or given up. The decider then drops what it booked
+    /// for them itself (absent, from older replicas: 0).
+    #[serde(default)]
+    pub decided: u64,
 }
 
 impl LoadShare {
@@ -122,9 +127,77 @@ impl DecisionShare {
     }
 }
 
+/// A replica asks its model's decider (the live replica with the lowest id) to choose an
+/// instance for one request, so that a burst split over replicas is routed in one order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DecideRequest {
+    /// The asking replica.
+    pub replica: HexU64,
+    /// Its number for this request, rising per replica and model.
+    pub seq: u64,
+    /// The prompt's tokens.
+    pub tokens: u64,
+    /// Tokens per block of the hashes.
+    pub block_size: u64,
+    /// Each full block's local hash, in prompt order.
+    pub local: Vec<HexU64>,
+    /// Each full block's sequence hash, in prompt order; as long as `local`.
+    pub sequence: Vec<HexU64>,
+    /// The instances it may use (healthy, not tried yet); the decider chooses among them.
+    pub candidates: Vec<InstanceId>,
+    /// The request's session key (`kv.session_header`), if any.
+    #[serde(default)]
+    pub session: Option<String>,
+}
+
+impl DecideRequest {
+    /// The request as its JSON payload.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Parses a JSON payload; `local` and `sequence` must be as long as each other.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+        let request: Self = serde_json::from_slice(bytes)?;
+        if request.local.len() != request.sequence.len() {
+            return Err(serde::de::Error::custom(
+                "local and sequence hashes differ in length",
+            ));
+        }
+        Ok(request)
+    }
+}
+
+/// The decider's answer: the instance chosen (and booked on the decider until the asking
+/// replica's load share shows it), or none, and the asker decides alone.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DecideAnswer {
+    /// The chosen instance; absent when the decider did not choose (it does not route the
+    /// model, or every candidate is busy or unknown to it).
+    #[serde(default)]
+    pub instance_id: Option<InstanceId>,
+    /// The data-parallel rank to send it to, when the engines' reports name one.
+    #[serde(default)]
+    pub dp_rank: Option<u32>,
+}
+
+impl DecideAnswer {
+    /// The answer as its JSON payload.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Parses a JSON payload.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(bytes)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const ID: InstanceId = InstanceId(0x00c0_ffee_00c0_ffee);
 
     #[test]
     fn a_decision_round_trips_and_mismatched_hashes_are_rejected() {
@@ -137,6 +210,33 @@ mod tests {
         );
         let uneven = br#"{"replica":"0000000000000007","model":"m","instance_id":"00c0ffee00c0ffee","local":["0000000000000001"],"sequence":[]}"#;
         assert!(DecisionShare::from_json(uneven).is_err());
+    }
+
+    #[test]
+    fn a_decide_request_and_answer_round_trip() {
+        let json = br#"{"replica":"0000000000000007","seq":12,"tokens":130,"block_size":64,"local":["0000000000000001","0000000000000002"],"sequence":["00000000000000aa","00000000000000bb"],"candidates":["00c0ffee00c0ffee"],"session":"chat-42"}"#;
+        let request = DecideRequest::from_json(json).expect("doc example");
+        assert_eq!((request.seq, request.sequence[1]), (12, HexU64(0xbb)));
+        assert_eq!(
+            DecideRequest::from_json(&request.to_json()).expect("round trip"),
+            request
+        );
+        let uneven = br#"{"replica":"0000000000000007","seq":1,"tokens":64,"block_size":64,"local":["0000000000000001"],"sequence":[],"candidates":[]}"#;
+        assert!(DecideRequest::from_json(uneven).is_err());
+        let answer = DecideAnswer::from_json(br#"{"instance_id":"00c0ffee00c0ffee","dp_rank":1}"#)
+            .expect("doc example");
+        assert_eq!(answer.instance_id, Some(ID));
+        assert_eq!(
+            DecideAnswer::from_json(&answer.to_json()).expect("round trip"),
+            answer
+        );
+        assert_eq!(
+            DecideAnswer::from_json(b"{}").expect("a decider that did not choose"),
+            DecideAnswer {
+                instance_id: None,
+                dp_rank: None
+            }
+        );
     }
 
     #[test]

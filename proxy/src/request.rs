@@ -77,7 +77,7 @@ use body::RequestBody;
 use frontend::Frontend;
 use kvmesh_route::prepare::{InvalidPrompt, Preparer};
 use migrate::{Migration, migrated};
-use pick::{pick, queue, report_cached, whole_request_exclusions};
+use pick::{pick, queue, report_cached, steer, whole_request_exclusions};
 use pool_choice::choose_pool;
 use prefill::{Prefilled, prefill};
 use prepare::{charge_prompt, prepare};
@@ -215,8 +215,9 @@ async fn run<F: Frontend>(
         }
     };
     loop {
-        // 4. pick
-        let mut pick = match pick(&instances, &picker, &failover.excluded) {
+        // 4. pick (a replica asks its model's decider first, when another replica is it)
+        let steer = steer(&instances, &picker, &failover.excluded).await;
+        let mut pick = match pick(&instances, &picker, &failover.excluded, steer) {
             Ok(pick) => pick,
             Err(why) => return Err(failover.exhausted(state, &pool, why).into()),
         };

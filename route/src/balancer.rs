@@ -7,7 +7,7 @@ use std::time::Instant;
 use kvmesh_config::PolicyKind;
 
 use crate::candidates::{Candidate, CandidateSet};
-use crate::kv::{Choice, Cost, KvRouter, Rejected};
+use crate::kv::{Choice, Cost, KvRouter, Rejected, Steer};
 use crate::policies::{LeastRequest, PowerOfTwo, Random, RoundRobin};
 use crate::policy::{NoPick, Picked, Policy, PolicyInput};
 use crate::prepare::{Prepared, Preparer};
@@ -105,6 +105,20 @@ impl Balancer {
         match router.choose(candidates, request, &mut rand::thread_rng()) {
             Choice::Picked(decision) => Some(decision.cost),
             Choice::AllBusy | Choice::NoneEligible => None,
+        }
+    }
+
+    /// [`Policy::pick`], taking the instance the model's decider chose (`steer`, `policy:
+    /// kv` only) when it may.
+    pub fn pick_steered<S: CandidateSet + ?Sized>(
+        &self,
+        candidates: &S,
+        input: &PolicyInput,
+        steer: Option<Steer>,
+    ) -> Result<Picked<'_>, NoPick> {
+        match (self, steer) {
+            (Self::Kv(router), Some(_)) => router.pick_steered(candidates, input, steer),
+            _ => self.pick(candidates, input),
         }
     }
 

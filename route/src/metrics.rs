@@ -49,6 +49,8 @@ pub struct KvFamilies {
     events_incomplete: IntGaugeVec,
     tokenizer_mismatch: IntGaugeVec,
     tokenizer_checks: IntCounterVec,
+    decider_asks: IntCounterVec,
+    decided_for_replicas: IntCounterVec,
 }
 
 impl KvFamilies {
@@ -183,6 +185,22 @@ impl KvFamilies {
             ),
             &["model", "outcome"],
         )?;
+        let decider_asks = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_route_decider_asks_total",
+                "policy kv: requests this replica asked its model's decider (another replica) to route, by outcome (chosen: routed as it answered; declined: it did not choose; timeout: no answer within kv.decider_timeout; unavailable: the ask could not be sent). All but chosen were routed by this replica alone.",
+            ),
+            &["model", "outcome"],
+        )?;
+        let decided_for_replicas = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_route_decided_for_replicas_total",
+                "policy kv: requests of other replicas this replica routed as its model's decider.",
+            ),
+            &["model"],
+        )?;
+        registry.register(Box::new(decider_asks.clone()))?;
+        registry.register(Box::new(decided_for_replicas.clone()))?;
         registry.register(Box::new(overlap_blocks.clone()))?;
         registry.register(Box::new(decision_seconds.clone()))?;
         registry.register(Box::new(index_blocks.clone()))?;
@@ -220,6 +238,8 @@ impl KvFamilies {
             events_incomplete,
             tokenizer_mismatch,
             tokenizer_checks,
+            decider_asks,
+            decided_for_replicas,
         })
     }
 
@@ -251,6 +271,11 @@ impl KvFamilies {
             tokenizer_mismatch: self.tokenizer_mismatch.clone(),
             tokenizer_checks: TokenizerOutcome::LABELS
                 .map(|outcome| self.tokenizer_checks.with_label_values(&[model, outcome])),
+            decider_asks: AskOutcome::ALL.map(|outcome| {
+                self.decider_asks
+                    .with_label_values(&[model, outcome.label()])
+            }),
+            decided_for_replicas: self.decided_for_replicas.with_label_values(&[model]),
         }
     }
 
@@ -355,12 +380,52 @@ pub struct KvMetrics {
     /// `kvmesh_route_tokenizer_checks_total{model,outcome}`, in [`TokenizerOutcome::LABELS`]
     /// order.
     tokenizer_checks: [IntCounter; 3],
+    /// `kvmesh_route_decider_asks_total{model,outcome}`, in [`AskOutcome::ALL`] order.
+    decider_asks: [IntCounter; 4],
+    /// `kvmesh_route_decided_for_replicas_total{model}`.
+    pub(crate) decided_for_replicas: IntCounter,
+}
+
+/// How asking the model's decider ended (`kvmesh_route_decider_asks_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AskOutcome {
+    /// It chose; the request goes there.
+    Chosen,
+    /// It answered without choosing.
+    Declined,
+    /// No answer within `kv.decider_timeout`.
+    Timeout,
+    /// The ask could not be sent (no connection, nobody serving the decider's subject).
+    Unavailable,
+}
+
+impl AskOutcome {
+    const ALL: [AskOutcome; 4] = [
+        Self::Chosen,
+        Self::Declined,
+        Self::Timeout,
+        Self::Unavailable,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::Chosen => "chosen",
+            Self::Declined => "declined",
+            Self::Timeout => "timeout",
+            Self::Unavailable => "unavailable",
+        }
+    }
 }
 
 /// The `result` labels of `kvmesh_route_cache_check_answers_total`.
 const CHECK_RESULTS: [&str; 3] = ["agreed", "disagreed", "without_cached_tokens"];
 
 impl KvMetrics {
+    /// Counts one ask of the model's decider that ended as `outcome`.
+    pub(crate) fn count_ask(&self, outcome: AskOutcome) {
+        self.decider_asks[outcome as usize].inc();
+    }
+
     /// Records the time one stage took.
     pub fn observe_stage(&self, stage: RouteStage, elapsed: Duration) {
         if let Some(histogram) = self.stages.get(stage as usize) {

@@ -27,6 +27,10 @@
 //!   outage reaches the proxy's index through the stream;
 //! - a routing knob changed by reload under load: no request fails, the model's index is
 //!   rebuilt from the agents' snapshots and routing by cache goes on;
+//! - a burst split over two replicas, one request through each at the same moment, goes to
+//!   two engines every time: the replica with the higher id asks the other (its model's
+//!   decider), which sees its own booking; the decider killed, the other routes alone at
+//!   once;
 //! - a proxy replica killed (SIGKILL) under load: the survivor answers every request, forgets
 //!   the dead one's shared load within its TTL and follows the sessions it bound; restarted,
 //!   it resyncs each instance once and routes by an index equal to the survivor's;
@@ -1119,6 +1123,107 @@ async fn a_replica_counts_the_requests_and_speeds_another_has_learned() -> anyho
     .await?;
     assert_no_panic(proxy_a);
     assert_no_panic(proxy_b);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_split_over_two_replicas_is_routed_by_one_decider() -> anyhow::Result<()> {
+    const ASKED: &str = "kvmesh_route_decider_asks_total{model=\"sim-model\",outcome=\"chosen\"}";
+    const DECIDED: &str = "kvmesh_route_decided_for_replicas_total";
+    let _serial = SERIAL.lock().await;
+    let mut setup = TwoReplicas::start("cp-decider").await?;
+    let client = HttpClient::default();
+    for proxy in [&setup.proxy_a, &setup.proxy_b] {
+        let metrics = metrics_url(proxy);
+        await_instances(&client, &metrics, 2.0).await?;
+        await_events_live(&client, &metrics).await?;
+    }
+    // Each replica learns of the other from its load shares (one a second): from then on
+    // the one with the higher id asks the other for every decision.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let (decider, asker) = loop {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "no replica decided for the other"
+        );
+        for (seed, proxy) in (60_000..).zip([&setup.proxy_a, &setup.proxy_b]) {
+            let (status, _, _) = complete(&client, proxy, &prompt_tokens(seed, 2)).await?;
+            anyhow::ensure!(status == 200, "status {status}");
+        }
+        let a = proxy_metric_total(&client, &setup.proxy_a, DECIDED).await?;
+        let b = proxy_metric_total(&client, &setup.proxy_b, DECIDED).await?;
+        match (a > 0.0, b > 0.0) {
+            (true, false) => break (&setup.proxy_a, &setup.proxy_b),
+            (false, true) => break (&setup.proxy_b, &setup.proxy_a),
+            (false, false) => tokio::time::sleep(Duration::from_millis(200)).await,
+            (true, true) => anyhow::bail!("both replicas decided for the other"),
+        }
+    };
+    // Bursts of two fresh prompts, one through each replica at the same moment, each held
+    // in flight: one decider sees the first booked when it routes the second, so they go to
+    // different engines every time (two replicas routing alone each find both engines idle).
+    const ROUNDS: u32 = 5;
+    let (asked, decided) = (
+        proxy_metric_total(&client, asker, ASKED).await?,
+        proxy_metric_total(&client, decider, DECIDED).await?,
+    );
+    let url = |proxy: &Spawned| format!("{}/v1/completions", proxy.url("main"));
+    let (decider_url, asker_url) = (url(decider), url(asker));
+    for round in 0..ROUNDS {
+        let own = prompt_tokens(61_000 + 2 * round, 4);
+        let theirs = prompt_tokens(61_001 + 2 * round, 4);
+        let (first, second) = tokio::join!(
+            hold_stream(&client, &decider_url, &own),
+            hold_stream(&client, &asker_url, &theirs)
+        );
+        let ((first, on_first), (second, on_second)) = (first?, second?);
+        assert_ne!(
+            on_first, on_second,
+            "round {round}: both went to one engine"
+        );
+        drop((first, second));
+        for proxy in [decider, asker] {
+            await_explained(
+                &client,
+                proxy,
+                &token_prompt(&prompt_tokens(62_000, 1), 1),
+                None,
+                |explained| {
+                    explained["instances"]
+                        .as_array()
+                        .is_some_and(|all| all.iter().all(|i| i["active_requests"] == 0))
+                },
+            )
+            .await?;
+        }
+    }
+    assert_eq!(
+        proxy_metric_total(&client, asker, ASKED).await? - asked,
+        f64::from(ROUNDS)
+    );
+    assert_eq!(
+        proxy_metric_total(&client, decider, DECIDED).await? - decided,
+        f64::from(ROUNDS)
+    );
+    // The decider dies: the other replica routes alone at once, every request answered.
+    let asker_is_b = std::ptr::eq(asker, &setup.proxy_b);
+    let asked = proxy_metric_total(&client, asker, ASKED).await?;
+    if asker_is_b {
+        setup.proxy_a.kill();
+    } else {
+        setup.proxy_b.kill();
+    }
+    let survivor = if asker_is_b {
+        &setup.proxy_b
+    } else {
+        &setup.proxy_a
+    };
+    for seed in 63_000..63_005 {
+        let (status, _, _) = complete(&client, survivor, &prompt_tokens(seed, 2)).await?;
+        assert_eq!(status, 200);
+    }
+    assert_eq!(proxy_metric_total(&client, survivor, ASKED).await?, asked);
+    assert_no_panic(survivor);
     Ok(())
 }
 

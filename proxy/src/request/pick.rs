@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::HeaderValue;
-use kvmesh_route::kv::Booking;
-use kvmesh_route::{Candidates, Excluded, NoPick, Policy};
+use kvmesh_route::kv::{Booking, Steer};
+use kvmesh_route::{CandidateSet, Candidates, Excluded, NoPick, PolicyInput};
 use kvmesh_wire::usage::TokenCount;
 
 use crate::engines::clock::now_millis;
@@ -80,15 +80,41 @@ pub(crate) fn whole_request_exclusions(
     Ok(excluded)
 }
 
+/// Asks the model's decider, another proxy replica, which of `instances` not in `excluded`
+/// to route the request to (`policy: kv` with a prompt, while a replica with a lower id
+/// shares its load: [`kvmesh_route::kv::KvRouter::ask_decider`]); `None`: [`pick`] decides
+/// here.
+pub(crate) async fn steer(
+    instances: &[Arc<Instance>],
+    picker: &Picker<'_>,
+    excluded: &Excluded,
+) -> Option<Steer> {
+    let router = picker.balancer.kv_router()?;
+    let PolicyInput::Kv(request) = &picker.input else {
+        return None;
+    };
+    let ids = {
+        let candidates = Candidates::new(instances, excluded, now_millis());
+        (0..candidates.len())
+            .filter(|&index| candidates.is_eligible(index))
+            .map(|index| candidates.id(index))
+            .collect()
+    };
+    router.ask_decider(ids, request).await
+}
+
 /// Picks the next instance of `instances` (the pool's, loaded once per request) not in
-/// `excluded`.
+/// `excluded`: the one `steer` names when it may ([`steer`]).
 pub(crate) fn pick<'a>(
     instances: &[Arc<Instance>],
     picker: &Picker<'a>,
     excluded: &Excluded,
+    steer: Option<Steer>,
 ) -> Result<Pick<'a>, NoPick> {
     let candidates = Candidates::new(instances, excluded, now_millis());
-    let picked = picker.balancer.pick(&candidates, &picker.input)?;
+    let picked = picker
+        .balancer
+        .pick_steered(&candidates, &picker.input, steer)?;
     let instance = instances.get(picked.index).ok_or(NoPick::Nothing)?;
     let ranks = instance.dp_ranks();
     Ok(Pick {

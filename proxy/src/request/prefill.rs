@@ -283,7 +283,7 @@ async fn concurrent<'a, F: Frontend>(
     let mut failover = Failover::for_leg(state);
     failover.excluded = not_prefilling;
     loop {
-        let picked = match pick(instances, picker, &failover.excluded) {
+        let picked = match pick(instances, picker, &failover.excluded, None) {
             Ok(picked) => picked,
             Err(why) => return Err(no_prefill_instance(state, pool, &mut failover, why)),
         };
@@ -347,7 +347,7 @@ async fn sequential<'a, F: Frontend>(
     let mut failover = Failover::for_leg(state);
     failover.excluded = not_prefilling;
     loop {
-        let picked = match pick(instances, picker, &failover.excluded) {
+        let picked = match pick(instances, picker, &failover.excluded, None) {
             Ok(picked) => picked,
             Err(why) => return Err(no_prefill_instance(state, pool, &mut failover, why)),
         };

@@ -27,6 +27,9 @@
 //!    releases prefill at the first response byte and blocks at the end) and record the
 //!    prediction. A connect failure drops the booking and routes again without that instance.
 //!
+//! With several proxy replicas, one of them decides for all of a model's requests
+//! ([`decider`]): the others ask it between lookup and commit, and commit its choice.
+//!
 //! Every routed response carries `x-kvmesh-route` ([`explain`]); `POST /debug/route` on the
 //! admin listener explains a request without forwarding it.
 //!
@@ -46,6 +49,7 @@ mod booking;
 mod busy;
 pub(crate) mod cache_check;
 mod cost;
+mod decider;
 mod decision;
 mod event_feed;
 mod explain;
@@ -63,6 +67,7 @@ pub use block_size::BlockSizeFit;
 pub use booking::Booking;
 pub use cache_check::{CacheCheckState, CheckedAnswer};
 pub use cost::{Cost, RequestShape};
+pub use decider::{DecideAsk, QUIET_AFTER_TIMEOUT, REMOTE_BOOKING_TTL, Steer};
 pub use decision::{Choice, Decision, KvRequest, SharedDecision};
 pub use event_feed::EventFeed;
 pub(crate) use explain::route_header_noting;

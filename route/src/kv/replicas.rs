@@ -88,6 +88,8 @@ struct Totals {
     /// Every speed sample of every live share, of every instance: the other replicas' view
     /// of the whole fleet's speed.
     fleet: SharedSpeed,
+    /// The lowest id of a replica with a live share.
+    lowest: Option<u64>,
 }
 
 /// Every other replica's shared load.
@@ -135,7 +137,10 @@ impl ReplicaLoads {
     /// Recomputes the totals from the live shares (dropping the expired ones).
     fn publish(&self, shares: &mut HashMap<u64, Share>, now: Instant) {
         shares.retain(|_, share| share.until > now);
-        let mut totals = Totals::default();
+        let mut totals = Totals {
+            lowest: shares.keys().min().copied(),
+            ..Totals::default()
+        };
         for share in shares.values() {
             for (&instance, load) in &share.loads {
                 totals.loads.entry(instance).or_default().add(load);
@@ -153,6 +158,11 @@ impl ReplicaLoads {
             .get(&instance)
             .copied()
             .unwrap_or_default()
+    }
+
+    /// The lowest id of the other replicas whose shares are live (`None`: none is).
+    pub(crate) fn lowest(&self) -> Option<u64> {
+        self.totals.load().lowest
     }
 
     /// The other replicas' speed samples of every instance together.
@@ -191,6 +201,7 @@ mod tests {
         assert_eq!(replicas.on(7), load(150, 15, 3));
         assert_eq!(replicas.on(8), load(1, 1, 1));
         assert_eq!(replicas.on(9), SharedLoad::default());
+        assert_eq!(replicas.lowest(), Some(1));
         // A newer share replaces the replica's last one; an older one is ignored.
         let later = now + Duration::from_secs(1);
         assert!(replicas.apply(1, 3, HashMap::new(), TTL, later));
@@ -222,8 +233,16 @@ mod tests {
         // shares carry none).
         assert_eq!(replicas.fleet_speed(), merged);
         // Replica 2 stops sharing (it died): its load goes when its share expires.
+        assert_eq!(replicas.lowest(), Some(1));
         replicas.expire(now + TTL);
         assert_eq!(replicas.on(7), SharedLoad::default());
+        assert_eq!(
+            replicas.lowest(),
+            Some(1),
+            "replica 1's newer share lives on"
+        );
+        replicas.expire(later + TTL);
+        assert_eq!(replicas.lowest(), None);
         assert_eq!(replicas.on(8).requests, 0);
     }
 }

@@ -17,6 +17,7 @@ use crate::kv::booking::{AnswerCheck, Booking};
 use crate::kv::busy::BusyThresholds;
 use crate::kv::cache_check::{Expectation, SETTLE_GRACE};
 use crate::kv::cost::{CandidateLoad, Cost, CostModel, EngineProfile, RequestShape};
+use crate::kv::decider::{Asks, RemoteBookings, Steer};
 use crate::kv::decision::{Choice, Decision, KvRequest, SharedDecision};
 use crate::kv::event_feed::{EventFed, EventFeed};
 use crate::kv::explain::{Explanation, InstanceExplanation};
@@ -30,7 +31,7 @@ use crate::kv::select::{Scored, probabilities, select};
 use crate::kv::sessions::{SessionBinding, Sessions};
 use crate::kv::tokenizer_check::{TokenizerChecks, TokenizerOutcome};
 use crate::metrics::{KvMetrics, RouteStage};
-use crate::prepare::{Prepared, Preparer, RouteInput};
+use crate::prepare::{Prepared, Preparer, PromptBlocks, RouteInput, StageTimes};
 
 /// Longest pause between two sweeps of stale loads and expired predictions.
 const MAX_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
@@ -80,6 +81,12 @@ pub struct KvRouter {
     replicas: ReplicaLoads,
     /// Where routing decisions go to be shared with the other replicas, once sharing starts.
     decisions: OnceLock<mpsc::UnboundedSender<SharedDecision>>,
+    /// Longest wait for the model's decider (`kv.decider_timeout`; 0: never asked).
+    decider_timeout: Duration,
+    /// Asks of the model's decider (another replica).
+    asks: Asks,
+    /// Bookings made as the model's decider for other replicas' requests.
+    remote: RemoteBookings,
     metrics: KvMetrics,
 }
 
@@ -147,10 +154,49 @@ impl KvRouter {
                 .then(|| Sessions::new(&config.session_header, config.session_ttl)),
             replicas: ReplicaLoads::default(),
             decisions: OnceLock::new(),
+            decider_timeout: config.decider_timeout,
+            asks: Asks::default(),
+            remote: RemoteBookings::default(),
             block_size,
             tokenizer_checks: TokenizerChecks::new(config.tokenizer_check.clone()),
             metrics,
         })
+    }
+
+    /// Asks of the model's decider.
+    pub(super) fn asks(&self) -> &Asks {
+        &self.asks
+    }
+
+    /// Bookings made as the model's decider.
+    pub(super) fn remote(&self) -> &RemoteBookings {
+        &self.remote
+    }
+
+    /// The other replicas' shared load (and so which replicas are live).
+    pub(super) fn replica_loads(&self) -> &ReplicaLoads {
+        &self.replicas
+    }
+
+    /// The model's metric handles.
+    pub(super) fn metrics(&self) -> &KvMetrics {
+        &self.metrics
+    }
+
+    /// `kv.decider_timeout`.
+    pub(super) fn decider_timeout(&self) -> Duration {
+        self.decider_timeout
+    }
+
+    /// Releases bookings (instance, booking id), waking the admission queue.
+    pub(super) fn release_all(&self, bookings: &[(u64, u64)]) {
+        let mut released = false;
+        for &(instance, id) in bookings {
+            released |= self.loads.release(instance, id);
+        }
+        if released {
+            self.admission.wake();
+        }
     }
 
     /// The cost model with the block size in force.
@@ -337,22 +383,33 @@ impl KvRouter {
         self.loads.changed().await;
     }
 
-    /// Drops the other replicas' shares that expired (replicas that stopped sharing).
+    /// Drops the other replicas' shares that expired (replicas that stopped sharing), and
+    /// what this replica booked as decider for asks never settled.
     pub fn expire_replica_loads(&self) {
-        self.replicas.expire(Instant::now());
+        let now = Instant::now();
+        self.replicas.expire(now);
+        self.expire_remote(now);
     }
 
     /// Takes in replica `replica`'s share number `seq` of its in-flight load per instance,
-    /// lasting `ttl`; returns whether it was taken (not older than its last one).
+    /// lasting `ttl`, in which its asks of the decider up to `decided` are settled (what
+    /// this replica booked for them as decider goes); returns whether it was taken (not
+    /// older than its last one).
     pub fn apply_replica_loads(
         &self,
         replica: u64,
         seq: u64,
         loads: HashMap<u64, SharedLoad>,
         ttl: Duration,
+        decided: u64,
     ) -> bool {
-        self.replicas
-            .apply(replica, seq, loads, ttl, Instant::now())
+        let taken = self
+            .replicas
+            .apply(replica, seq, loads, ttl, Instant::now());
+        if taken {
+            self.settle_remote(replica, decided);
+        }
+        taken
     }
 
     /// Records instance `instance`'s load report, scraped `age` before now: `waiting` queued
@@ -442,6 +499,16 @@ impl KvRouter {
         request
     }
 
+    /// Looks up another replica's prompt (nothing recorded).
+    pub(super) fn lookup_prompt(&self, prompt: Arc<PromptBlocks>, now: Instant) -> KvRequest {
+        let prepared = Prepared {
+            input: RouteInput::Tokens(prompt),
+            times: StageTimes::default(),
+            rewritten: None,
+        };
+        self.lookup(&prepared, now)
+    }
+
     /// Looks a prepared request up in the index (nothing recorded).
     pub fn lookup(&self, prepared: &Prepared, now: Instant) -> KvRequest {
         match &prepared.input {
@@ -523,6 +590,18 @@ impl KvRouter {
         request: &KvRequest,
         rng: &mut impl Rng,
     ) -> Choice {
+        self.choose_steered(candidates, request, None, rng)
+    }
+
+    /// [`Self::choose`], but the instance `steer` names (the model's decider chose it) when
+    /// it is an eligible candidate that is not busy here.
+    pub fn choose_steered<S: CandidateSet + ?Sized>(
+        &self,
+        candidates: &S,
+        request: &KvRequest,
+        steer: Option<Steer>,
+        rng: &mut impl Rng,
+    ) -> Choice {
         let start = Instant::now();
         let mut loads: Vec<(usize, LoadSnapshot)> = Vec::with_capacity(candidates.len());
         for index in 0..candidates.len() {
@@ -559,7 +638,14 @@ impl KvRouter {
             open.iter()
                 .position(|&(index, _)| candidates.id(index) == id)
         });
-        let choice = match affine.or_else(|| select(&scored, self.temperature, rng)) {
+        let steered = steer.and_then(|steer| {
+            open.iter()
+                .position(|&(index, _)| candidates.id(index) == steer.instance)
+        });
+        let chosen = steered
+            .or(affine)
+            .or_else(|| select(&scored, self.temperature, rng));
+        let choice = match chosen {
             Some(at) => {
                 let (index, evaluated) = open[at];
                 let instance_id = candidates.id(index);
@@ -568,12 +654,15 @@ impl KvRouter {
                     instance_id,
                     overlap_blocks: evaluated.overlap_blocks,
                     cost: evaluated.cost,
-                    affinity: affine.is_some(),
+                    affinity: steered.is_none() && affine == Some(at),
                     // Only the engines' own reports say which rank holds a prefix.
-                    dp_rank: request
-                        .reported
-                        .as_ref()
-                        .and_then(|reported| deepest_rank(reported, instance_id)),
+                    dp_rank: match steer.filter(|_| steered.is_some()) {
+                        Some(steer) => steer.dp_rank,
+                        None => request
+                            .reported
+                            .as_ref()
+                            .and_then(|reported| deepest_rank(reported, instance_id)),
+                    },
                 })
             }
             None if eligible > 0 => Choice::AllBusy,
@@ -634,6 +723,31 @@ impl KvRouter {
     /// does, so concurrent requests with the same prefix see it); if the attempt then fails to
     /// connect, it stays until its TTL ends, and the failing instance is ejected or skipped.
     pub fn commit(&self, decision: &Decision, request: &KvRequest, now: Instant) -> Booking<'_> {
+        let check = self.answer_check(decision.instance_id, request, now);
+        let id = self.book(decision, request, now);
+        let output_block_size = if self.track_output_blocks {
+            self.block_size()
+        } else {
+            0
+        };
+        Booking::new(
+            &self.loads,
+            &self.admission,
+            decision.instance_id,
+            id,
+            output_block_size,
+        )
+        .checked_by(check)
+    }
+
+    /// Records `decision`'s prediction (shared with the other replicas), binds its session
+    /// and books its load; returns the booking's id (`None`: nothing booked).
+    pub(super) fn book(
+        &self,
+        decision: &Decision,
+        request: &KvRequest,
+        now: Instant,
+    ) -> Option<u64> {
         let prompt = match &request.input {
             RouteInput::Tokens(prompt) => {
                 let pruned = self.overlap.record(
@@ -665,21 +779,7 @@ impl KvRouter {
         if let (Some(sessions), Some(session)) = (&self.sessions, &request.session) {
             sessions.bind(session, decision.instance_id, now);
         }
-        let check = self.answer_check(decision.instance_id, request, now);
-        let id = self.loads.book(decision.instance_id, booked, now);
-        let output_block_size = if self.track_output_blocks {
-            self.block_size()
-        } else {
-            0
-        };
-        Booking::new(
-            &self.loads,
-            &self.admission,
-            decision.instance_id,
-            id,
-            output_block_size,
-        )
-        .checked_by(check)
+        self.loads.book(decision.instance_id, booked, now)
     }
 
     /// What the index expects instance `instance`'s answer to `request` to report cached,

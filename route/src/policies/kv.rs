@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use crate::candidates::CandidateSet;
-use crate::kv::{Choice, KvRequest, KvRouter, route_header_noting};
+use crate::kv::{Choice, KvRequest, KvRouter, Steer, route_header_noting};
 use crate::policy::{NoPick, Picked, Policy, PolicyInput};
 
 impl KvRouter {
@@ -24,13 +24,25 @@ impl KvRouter {
         })
     }
 
-    /// Chooses for `request` and books the choice.
+    /// [`Policy::pick`], taking the instance the model's decider chose (`steer`) when it
+    /// is an eligible candidate that is not busy here.
+    pub fn pick_steered<S: CandidateSet + ?Sized>(
+        &self,
+        candidates: &S,
+        input: &PolicyInput,
+        steer: Option<Steer>,
+    ) -> Result<Picked<'_>, NoPick> {
+        with_request(input, |request| self.pick_for(candidates, request, steer))
+    }
+
+    /// Chooses for `request` (the instance `steer` names, when it may) and books the choice.
     fn pick_for<S: CandidateSet + ?Sized>(
         &self,
         candidates: &S,
         request: &KvRequest,
+        steer: Option<Steer>,
     ) -> Result<Picked<'_>, NoPick> {
-        match self.choose(candidates, request, &mut rand::thread_rng()) {
+        match self.choose_steered(candidates, request, steer, &mut rand::thread_rng()) {
             Choice::Picked(decision) => {
                 let booking = self.commit(&decision, request, Instant::now());
                 Ok(Picked {
@@ -65,7 +77,7 @@ impl Policy for KvRouter {
         candidates: &S,
         input: &PolicyInput,
     ) -> Result<Picked<'_>, NoPick> {
-        with_request(input, |request| self.pick_for(candidates, request))
+        with_request(input, |request| self.pick_for(candidates, request, None))
     }
 }
 

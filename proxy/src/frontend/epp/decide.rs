@@ -206,7 +206,7 @@ pub(crate) fn pick_with_fallbacks<'a>(
     mut excluded: Excluded,
     fallbacks: usize,
 ) -> Result<(Pick<'a>, Vec<usize>), Refusal> {
-    let picked = pick(instances, picker, &excluded).map_err(|no_pick| {
+    let picked = pick(instances, picker, &excluded, None).map_err(|no_pick| {
         let error = match no_pick {
             NoPick::Busy => overloaded(pool, "every allowed instance is busy"),
             NoPick::Nothing => ApiError::NoHealthyInstance {
@@ -255,5 +255,5 @@ pub(crate) fn rebook<'a>(
 ) -> Option<Pick<'a>> {
     let served = &instances[index];
     let others = Excluded::matching(instances, |instance| !Arc::ptr_eq(instance, served));
-    pick(instances, picker, &others).ok()
+    pick(instances, picker, &others, None).ok()
 }

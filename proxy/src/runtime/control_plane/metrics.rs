@@ -55,6 +55,10 @@ pub(crate) enum Malformed {
     Decision,
     /// API key usage shared by another proxy replica.
     KeyUsage,
+    /// A request another proxy replica sent this one as its model's decider.
+    DecideRequest,
+    /// The answer of this replica's model's decider.
+    DecideAnswer,
 }
 
 impl Malformed {
@@ -67,6 +71,8 @@ impl Malformed {
             Self::ReplicaLoad => "replica_load",
             Self::Decision => "decision",
             Self::KeyUsage => "key_usage",
+            Self::DecideRequest => "decide_request",
+            Self::DecideAnswer => "decide_answer",
         }
     }
 }

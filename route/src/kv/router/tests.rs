@@ -686,7 +686,7 @@ fn a_replica_counts_the_load_another_shares_until_it_expires() {
     let shared = one.own_loads();
     assert_eq!(shared[&0].prefill_tokens, 4_000);
     assert_eq!((shared[&0].requests, shared[&1].requests), (1, 0));
-    assert!(other.apply_replica_loads(7, 1, shared, Duration::from_secs(60)));
+    assert!(other.apply_replica_loads(7, 1, shared, Duration::from_secs(60), 0));
     for seed in 0..10 {
         let fresh = request(&other, &conversation(2 + seed, 400));
         let chosen = picked(choose(&other, &instances, &fresh, u64::from(seed)));
@@ -701,7 +701,7 @@ fn a_replica_counts_the_load_another_shares_until_it_expires() {
     assert_eq!(explained.instances[0].active_prefill_tokens, 4_000);
     assert_eq!(explained.instances[0].active_requests, 1);
     // The replica dies: its last share expires.
-    assert!(other.apply_replica_loads(7, 2, one.own_loads(), Duration::ZERO));
+    assert!(other.apply_replica_loads(7, 2, one.own_loads(), Duration::ZERO, 0));
     other.expire_replica_loads();
     let explained = other.explain(
         &instances,
@@ -1126,4 +1126,140 @@ fn a_request_goes_to_the_data_parallel_rank_that_reported_its_prefix() {
     let all = Candidates::new(&instances, &none, 0);
     let choice = router.choose(&all, &fresh, &mut StdRng::seed_from_u64(0));
     assert_eq!(picked(choice).dp_rank, None);
+}
+
+fn requests_on(router: &KvRouter, instance: u64) -> u64 {
+    router
+        .own_loads()
+        .get(&instance)
+        .map_or(0, |load| load.requests)
+}
+
+#[test]
+fn the_decider_sees_its_own_booking_and_holds_anothers_until_settled() {
+    let (decider, instances) = router_with(config(), 2);
+    let excluded = Excluded::default();
+    let candidates = Candidates::new(&instances, &excluded, 0);
+    // A burst of two fresh prompts, one reaching each replica: the decider's own first.
+    let own = request(&decider, &conversation(1, 400));
+    let own_pick = picked(choose(&decider, &instances, &own, 0));
+    let _own = decider.commit(&own_pick, &own, Instant::now());
+    let theirs = prompt_of(&request(&decider, &conversation(2, 400)));
+    let steer = decider
+        .decide_for(&candidates, theirs, None, 9, 1)
+        .expect("an idle instance is left");
+    assert_ne!(
+        steer.instance, own_pick.instance_id,
+        "the second of the burst goes where the first is not"
+    );
+    assert_eq!(
+        requests_on(&decider, steer.instance),
+        1,
+        "held for replica 9"
+    );
+    // Replica 9's share before it settled ask 1 leaves the booking; the one after takes it.
+    let shared = HashMap::from([(
+        steer.instance,
+        SharedLoad {
+            prefill_tokens: 400,
+            blocks: 100,
+            requests: 1,
+            ..SharedLoad::default()
+        },
+    )]);
+    assert!(decider.apply_replica_loads(9, 1, HashMap::new(), Duration::from_secs(60), 0));
+    assert_eq!(requests_on(&decider, steer.instance), 1);
+    assert!(decider.apply_replica_loads(9, 2, shared, Duration::from_secs(60), 1));
+    assert_eq!(
+        requests_on(&decider, steer.instance),
+        0,
+        "settled: counted once"
+    );
+    assert_eq!(decider.replica_loads().on(steer.instance).requests, 1);
+}
+
+#[tokio::test]
+async fn a_replica_asks_the_lowest_live_replica_and_takes_its_choice() {
+    let (asker, instances) = router_with(config(), 2);
+    let mut outbox = asker.serve_asks(5).expect("asks start once");
+    assert!(asker.serve_asks(5).is_none());
+    let fresh = request(&asker, &conversation(1, 400));
+    // Alone, it asks nobody.
+    assert_eq!(asker.ask_decider(vec![0, 1], &fresh).await, None);
+    assert!(outbox.try_recv().is_err());
+    // A replica with a higher id is not its decider; one with a lower id is.
+    assert!(asker.apply_replica_loads(8, 1, HashMap::new(), Duration::from_secs(60), 0));
+    assert_eq!(asker.ask_decider(vec![0, 1], &fresh).await, None);
+    assert!(outbox.try_recv().is_err());
+    assert!(asker.apply_replica_loads(3, 1, HashMap::new(), Duration::from_secs(60), 0));
+    let answer = async {
+        let ask = outbox.recv().await.expect("an ask");
+        assert_eq!(
+            (ask.decider, ask.seq, ask.candidates.clone()),
+            (3, 1, vec![0, 1])
+        );
+        ask.answer
+            .send(Some(Steer {
+                instance: 1,
+                dp_rank: None,
+            }))
+            .expect("waiting");
+    };
+    let (steer, ()) = tokio::join!(asker.ask_decider(vec![0, 1], &fresh), answer);
+    let steer = steer.expect("the decider chose");
+    assert_eq!(asker.decided(), 1);
+    // Its own view prefers instance 0 (1 holds a booking); the decider's choice wins.
+    let held = request_on(&asker, &instances, 1);
+    let excluded = Excluded::default();
+    let candidates = Candidates::new(&instances, &excluded, 0);
+    let input = PolicyInput::Kv(fresh);
+    let alone = asker
+        .pick_steered(&candidates, &input, None)
+        .expect("picked");
+    assert_eq!(alone.index, 0);
+    drop(alone);
+    let steered = asker
+        .pick_steered(&candidates, &input, Some(steer))
+        .expect("picked");
+    assert_eq!(steered.index, 1);
+    drop((steered, held));
+}
+
+#[tokio::test]
+async fn a_decider_that_does_not_answer_in_time_is_not_asked_for_a_while() {
+    let config = KvRoutingConfig {
+        decider_timeout: Duration::from_millis(20),
+        ..config()
+    };
+    let (asker, _) = router_with(config, 2);
+    let mut outbox = asker.serve_asks(5).expect("asks start");
+    assert!(asker.apply_replica_loads(3, 1, HashMap::new(), Duration::from_secs(60), 0));
+    let request = request(&asker, &conversation(1, 400));
+    assert_eq!(asker.ask_decider(vec![0, 1], &request).await, None);
+    let unanswered = outbox.try_recv().expect("it was asked");
+    assert_eq!(asker.decided(), 1, "given up is settled");
+    assert_eq!(asker.ask_decider(vec![0, 1], &request).await, None);
+    assert!(outbox.try_recv().is_err(), "quiet after a timeout");
+    drop(unanswered);
+}
+
+#[test]
+fn a_zero_decider_timeout_never_asks() {
+    let config = KvRoutingConfig {
+        decider_timeout: Duration::ZERO,
+        ..config()
+    };
+    let (router, _) = router_with(config, 1);
+    assert!(router.serve_asks(1).is_none());
+}
+
+/// A booking of a fresh prompt on `instance` of `router`.
+fn request_on<'a>(router: &'a KvRouter, instances: &[Arc<Fake>], instance: u64) -> Booking<'a> {
+    let heavy = request(router, &conversation(77, 4_000));
+    let decision = Decision {
+        index: instance as usize,
+        instance_id: instance,
+        ..picked(choose(router, instances, &heavy, 0))
+    };
+    router.commit(&decision, &heavy, Instant::now())
 }
