@@ -110,7 +110,7 @@ impl Default for KvRoutingConfig {
             stale_request_timeout: Duration::from_secs(300),
             cache_check: KvCacheCheckConfig::default(),
             tokenizer_check: KvTokenizerCheckConfig::default(),
-            decider_timeout: Duration::from_millis(20),
+            decider_timeout: Duration::from_millis(50),
         }
     }
 }

@@ -100,7 +100,7 @@ fn minimal_config_gets_every_default() {
     assert_eq!(kv.queue.max_size, 0);
     assert_eq!(kv.queue.timeout, Duration::from_secs(5));
     assert_eq!(kv.stale_request_timeout, Duration::from_secs(300));
-    assert_eq!(kv.decider_timeout, Duration::from_millis(20));
+    assert_eq!(kv.decider_timeout, Duration::from_millis(50));
     assert_eq!((kv.cache_check.window, kv.cache_check.mismatches), (8, 3));
 }
 

@@ -215,8 +215,12 @@ async fn run<F: Frontend>(
         }
     };
     loop {
-        // 4. pick (a replica asks its model's decider first, when another replica is it)
-        let steer = steer(&instances, &picker, &failover.excluded).await;
+        // 4. pick (a replica asks its model's decider first, when another replica is it; not
+        // for a decode leg that pulls its KV: the decider would cost its prefill whole)
+        let steer = match prefilled {
+            Some(Prefilled::Remote { .. }) => None,
+            _ => steer(&instances, &picker, &failover.excluded).await,
+        };
         let mut pick = match pick(&instances, &picker, &failover.excluded, steer) {
             Ok(pick) => pick,
             Err(why) => return Err(failover.exhausted(state, &pool, why).into()),

@@ -188,7 +188,7 @@ impl KvFamilies {
         let decider_asks = IntCounterVec::new(
             Opts::new(
                 "kvmesh_route_decider_asks_total",
-                "policy kv: requests this replica asked its model's decider (another replica) to route, by outcome (chosen: routed as it answered; declined: it did not choose; timeout: no answer within kv.decider_timeout; unavailable: the ask could not be sent). All but chosen were routed by this replica alone.",
+                "policy kv: requests this replica asked its model's decider (another replica) to route, by outcome (chosen: routed as it answered; declined: it did not choose; timeout: no answer within kv.decider_timeout; unavailable: the ask could not be sent; skipped: not asked, within 250 ms of a timeout). All but chosen were routed by this replica alone.",
             ),
             &["model", "outcome"],
         )?;
@@ -381,7 +381,7 @@ pub struct KvMetrics {
     /// order.
     tokenizer_checks: [IntCounter; 3],
     /// `kvmesh_route_decider_asks_total{model,outcome}`, in [`AskOutcome::ALL`] order.
-    decider_asks: [IntCounter; 4],
+    decider_asks: [IntCounter; 5],
     /// `kvmesh_route_decided_for_replicas_total{model}`.
     pub(crate) decided_for_replicas: IntCounter,
 }
@@ -397,14 +397,17 @@ pub(crate) enum AskOutcome {
     Timeout,
     /// The ask could not be sent (no connection, nobody serving the decider's subject).
     Unavailable,
+    /// Not asked: an ask timed out less than [`crate::kv::QUIET_AFTER_TIMEOUT`] ago.
+    Skipped,
 }
 
 impl AskOutcome {
-    const ALL: [AskOutcome; 4] = [
+    const ALL: [AskOutcome; 5] = [
         Self::Chosen,
         Self::Declined,
         Self::Timeout,
         Self::Unavailable,
+        Self::Skipped,
     ];
 
     fn label(self) -> &'static str {
@@ -413,6 +416,7 @@ impl AskOutcome {
             Self::Declined => "declined",
             Self::Timeout => "timeout",
             Self::Unavailable => "unavailable",
+            Self::Skipped => "skipped",
         }
     }
 }

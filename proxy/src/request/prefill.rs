@@ -38,7 +38,7 @@ use crate::openai::api_error::ApiError;
 use crate::openai::route::Route;
 use crate::request::attempt::{Failover, attempt, send_leg};
 use crate::request::frontend::Frontend;
-use crate::request::pick::{pick, prefill_only};
+use crate::request::pick::{pick, prefill_only, steer};
 use crate::request::prepare::Picker;
 use crate::request::record::Record;
 use crate::request::respond::judge;
@@ -283,7 +283,8 @@ async fn concurrent<'a, F: Frontend>(
     let mut failover = Failover::for_leg(state);
     failover.excluded = not_prefilling;
     loop {
-        let picked = match pick(instances, picker, &failover.excluded, None) {
+        let steer = steer(instances, picker, &failover.excluded).await;
+        let picked = match pick(instances, picker, &failover.excluded, steer) {
             Ok(picked) => picked,
             Err(why) => return Err(no_prefill_instance(state, pool, &mut failover, why)),
         };
@@ -347,7 +348,8 @@ async fn sequential<'a, F: Frontend>(
     let mut failover = Failover::for_leg(state);
     failover.excluded = not_prefilling;
     loop {
-        let picked = match pick(instances, picker, &failover.excluded, None) {
+        let steer = steer(instances, picker, &failover.excluded).await;
+        let picked = match pick(instances, picker, &failover.excluded, steer) {
             Ok(picked) => picked,
             Err(why) => return Err(no_prefill_instance(state, pool, &mut failover, why)),
         };

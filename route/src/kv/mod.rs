@@ -44,6 +44,7 @@
 //! ([`tokenizer_check`]): an engine that tokenizes otherwise is scored approximately too.
 
 mod admission;
+mod asks;
 mod block_size;
 mod booking;
 mod busy;
@@ -63,11 +64,11 @@ mod speed;
 mod tokenizer_check;
 
 pub use admission::Rejected;
+pub use asks::{DecideAsk, QUIET_AFTER_TIMEOUT, REMOTE_BOOKING_TTL, Steer};
 pub use block_size::BlockSizeFit;
 pub use booking::Booking;
 pub use cache_check::{CacheCheckState, CheckedAnswer};
 pub use cost::{Cost, RequestShape};
-pub use decider::{DecideAsk, QUIET_AFTER_TIMEOUT, REMOTE_BOOKING_TTL, Steer};
 pub use decision::{Choice, Decision, KvRequest, SharedDecision};
 pub use event_feed::EventFeed;
 pub(crate) use explain::route_header_noting;

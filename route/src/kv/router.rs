@@ -12,12 +12,12 @@ use tokio::sync::mpsc;
 
 use crate::candidates::{Candidate, CandidateSet};
 use crate::kv::admission::{Admission, Rejected};
+use crate::kv::asks::{Asks, RemoteBookings, Steer};
 use crate::kv::block_size::{BlockSizeFit, ModelBlockSize};
 use crate::kv::booking::{AnswerCheck, Booking};
 use crate::kv::busy::BusyThresholds;
 use crate::kv::cache_check::{Expectation, SETTLE_GRACE};
 use crate::kv::cost::{CandidateLoad, Cost, CostModel, EngineProfile, RequestShape};
-use crate::kv::decider::{Asks, RemoteBookings, Steer};
 use crate::kv::decision::{Choice, Decision, KvRequest, SharedDecision};
 use crate::kv::event_feed::{EventFed, EventFeed};
 use crate::kv::explain::{Explanation, InstanceExplanation};
@@ -654,7 +654,7 @@ impl KvRouter {
                     instance_id,
                     overlap_blocks: evaluated.overlap_blocks,
                     cost: evaluated.cost,
-                    affinity: steered.is_none() && affine == Some(at),
+                    affinity: affine == Some(at),
                     // Only the engines' own reports say which rank holds a prefix.
                     dp_rank: match steer.filter(|_| steered.is_some()) {
                         Some(steer) => steer.dp_rank,

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::Method;
+use kvmesh_route::kv::Steer;
 use kvmesh_route::prepare::{InvalidPrompt, PromptKind};
 use kvmesh_route::{Candidates, Excluded, NoPick};
 use kvmesh_wire::ext_proc::request::Seen;
@@ -195,18 +196,18 @@ pub(crate) fn not_allowed(
     Ok(excluded)
 }
 
-/// Picks among the instances not `excluded` (booking the request's load), then names up to
-/// `fallbacks` more in the order the policy would choose them; returns the pick and the
-/// endpoints, pick first.
+/// Picks among the instances not `excluded` (booking the request's load; the one `steer`
+/// names when it may: the model's decider chose it), then names up to `fallbacks` more in the
+/// order the policy would choose them; returns the pick and the endpoints, pick first.
 pub(crate) fn pick_with_fallbacks<'a>(
     state: &State,
     pool: &ModelPool,
     instances: &[Arc<Instance>],
     picker: &'a Picker<'a>,
-    mut excluded: Excluded,
+    (mut excluded, steer): (Excluded, Option<Steer>),
     fallbacks: usize,
 ) -> Result<(Pick<'a>, Vec<usize>), Refusal> {
-    let picked = pick(instances, picker, &excluded, None).map_err(|no_pick| {
+    let picked = pick(instances, picker, &excluded, steer).map_err(|no_pick| {
         let error = match no_pick {
             NoPick::Busy => overloaded(pool, "every allowed instance is busy"),
             NoPick::Nothing => ApiError::NoHealthyInstance {

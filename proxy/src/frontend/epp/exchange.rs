@@ -12,7 +12,8 @@
 //!    busy.
 //! 5. **pick** ([`pick_with_fallbacks`]): among the instances that take whole requests (not
 //!    prefill-only ones, [`not_allowed`]) and the subset hint allows, the
-//!    pick (its load booked) and the fallbacks after it.
+//!    pick (its load booked; with several picker replicas, the one their model's decider
+//!    chose, [`steer`]) and the fallbacks after it.
 //! 6. **answer**: the endpoints in the destination header and the dynamic metadata (with
 //!    full duplex bodies, the request body carried back); a refusal instead becomes an
 //!    immediate response (400/404/413, 429 shed, 503 no endpoint).
@@ -39,6 +40,7 @@ use crate::frontend::epp::settings::Settings;
 use crate::frontend::epp::wire::Wire;
 use crate::openai::api_error::ApiError;
 use crate::request::admit::instances_for;
+use crate::request::pick::steer;
 use crate::request::pool_choice::choose_pool;
 use crate::state::shared::State;
 
@@ -96,12 +98,13 @@ pub(crate) async fn exchange(state: Arc<State>, settings: Arc<Settings>, mut wir
         Ok(excluded) => excluded,
         Err(refusal) => return refuse(&wire, &state, &refusal, started).await,
     };
+    let steer = steer(&instances, &picker, &excluded).await;
     let picked = pick_with_fallbacks(
         &state,
         &pool,
         &instances,
         &picker,
-        excluded,
+        (excluded, steer),
         settings.fallbacks,
     );
     let (pick, order) = match picked {

@@ -36,22 +36,18 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kvmesh_control::{
-    ConnectionState, ControlError, DecideAnswer, DecideRequest, DecisionShare, EventBatch,
-    EventBus, HexU64, InstanceId, InstanceLoadShare, LoadReport, LoadShare, Message, Namespace,
-    ReplyAssembler, ReplyPart, SessionShare, SnapshotRequest, Subscription,
+    ConnectionState, ControlError, DecisionShare, EventBatch, EventBus, HexU64, InstanceId,
+    InstanceLoadShare, LoadReport, LoadShare, Message, Namespace, ReplyAssembler, ReplyPart,
+    SessionShare, SnapshotRequest, Subscription,
 };
 use kvmesh_kv::{BlockHashes, KvEvent, LocalBlockHash, SequenceHash, WorkerKey};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::AbortHandle;
 
-use kvmesh_route::kv::{
-    DecideAsk, EventFeed, SessionBinding, SharedDecision, SharedLoad, SharedSpeed, Steer,
-};
-use kvmesh_route::prepare::PromptBlocks;
-use kvmesh_route::{Candidates, Excluded};
+use kvmesh_route::kv::{EventFeed, SessionBinding, SharedDecision, SharedLoad, SharedSpeed};
 
-use crate::engines::clock::now_millis;
 use crate::engines::pool::ModelPool;
+use crate::runtime::control_plane::decider::DecideLink;
 use crate::runtime::control_plane::metrics::{ControlMetrics, Dropped, Malformed};
 use crate::runtime::control_plane::sequence::{Outcome, ResyncReason, SequenceTracker, Step};
 use crate::runtime::heap;
@@ -135,12 +131,9 @@ struct ReplicaSubjects {
 const LOAD_SHARE_HEARTBEAT: Duration = Duration::from_secs(1);
 /// How long a replica's shared load counts: a few heartbeats.
 const LOAD_SHARE_TTL: Duration = Duration::from_secs(3);
-/// How long an ask's background request waits for the decider: past `kv.decider_timeout`
-/// (at most 1 s) the router has stopped waiting anyway.
-const ASK_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Shares one model's session bindings and in-flight load with the other replicas, sends
-/// its asks to the model's decider, and decides for the other replicas while it is theirs.
+/// Shares one model's session bindings and in-flight load with the other replicas, and
+/// starts its link to the model's decider ([`DecideLink`]).
 struct Sharer {
     bus: Arc<dyn EventBus>,
     subjects: ReplicaSubjects,
@@ -153,30 +146,24 @@ impl Sharer {
     /// Runs until `pool` is retired or dropped. Publishing is best effort: while NATS is
     /// down, the other replicas' copies expire and each routes on its own bookings.
     async fn run(self, pool: Weak<ModelPool>) {
-        let (mut bindings, mut decisions, mut asks) = match pool.upgrade() {
+        let (mut bindings, mut decisions) = match pool.upgrade() {
             Some(pool) => match pool.balancer().kv_router() {
-                Some(router) => (
-                    router.share_sessions(),
-                    router.share_decisions(),
-                    router.serve_asks(self.replica.0),
-                ),
+                Some(router) => {
+                    if let Some(asks) = router.serve_asks(self.replica.0) {
+                        let link = DecideLink {
+                            bus: Arc::clone(&self.bus),
+                            namespace: self.subjects.namespace.clone(),
+                            replica: self.replica,
+                            model: self.model.clone(),
+                            metrics: self.metrics.clone(),
+                        };
+                        link.start(asks, Arc::downgrade(&pool)).await;
+                    }
+                    (router.share_sessions(), router.share_decisions())
+                }
                 None => return,
             },
             None => return,
-        };
-        let subject = self
-            .subjects
-            .namespace
-            .decide_subject(self.replica.0, &self.model);
-        let mut served = match asks.as_ref() {
-            None => None,
-            Some(_) => match self.bus.serve(&subject).await {
-                Ok(served) => Some(served),
-                Err(error) => {
-                    tracing::warn!(%error, model = %self.model, "cannot decide for the other replicas: every replica routes alone");
-                    None
-                }
-            },
         };
         let mut tick = tokio::time::interval(LOAD_SHARE_HEARTBEAT);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
@@ -198,29 +185,9 @@ impl Sharer {
                     None => std::future::pending().await,
                 }
             };
-            let ask = async {
-                match asks.as_mut() {
-                    Some(asks) => asks.recv().await,
-                    None => std::future::pending().await,
-                }
-            };
-            let asked = async {
-                match served.as_mut() {
-                    Some(served) => served.next().await,
-                    None => std::future::pending().await,
-                }
-            };
             let heartbeat = tokio::select! {
                 Some(binding) = binding => {
                     self.publish_session(binding).await;
-                    continue;
-                }
-                Some(ask) = ask => {
-                    self.send_ask(ask);
-                    continue;
-                }
-                Some(request) = asked => {
-                    self.decide(&alive, &request).await;
                     continue;
                 }
                 Some(decision) = decision => {
@@ -273,99 +240,6 @@ impl Sharer {
             .bus
             .publish(&self.subjects.sessions, Bytes::from(share.to_json()))
             .await;
-    }
-
-    /// Sends `ask` to the model's decider, in the background: its answer (or nothing, once
-    /// the router stopped waiting) goes back through the ask.
-    fn send_ask(&self, ask: DecideAsk) {
-        let request = DecideRequest {
-            replica: self.replica,
-            seq: ask.seq,
-            tokens: ask.prompt.tokens as u64,
-            block_size: ask.prompt.block_size as u64,
-            local: ask
-                .prompt
-                .hashes
-                .local
-                .iter()
-                .map(|h| HexU64(h.0))
-                .collect(),
-            sequence: ask
-                .prompt
-                .hashes
-                .sequence
-                .iter()
-                .map(|h| HexU64(h.0))
-                .collect(),
-            candidates: ask.candidates.iter().map(|&id| InstanceId(id)).collect(),
-            session: ask.session.as_deref().map(str::to_owned),
-        };
-        let subject = self
-            .subjects
-            .namespace
-            .decide_subject(ask.decider, &self.model);
-        let bus = Arc::clone(&self.bus);
-        let metrics = self.metrics.clone();
-        tokio::spawn(async move {
-            let payload = Bytes::from(request.to_json());
-            let sent = bus.request(&subject, payload, ASK_TIMEOUT).await;
-            let answer = match sent.map(|reply| DecideAnswer::from_json(&reply)) {
-                Ok(Ok(answer)) => answer,
-                Ok(Err(error)) => {
-                    metrics.malformed(Malformed::DecideAnswer);
-                    tracing::debug!(%error, "malformed decider answer");
-                    return;
-                }
-                Err(error) => {
-                    tracing::debug!(%error, %subject, "the decider did not answer");
-                    return;
-                }
-            };
-            let steer = answer.instance_id.map(|instance| Steer {
-                instance: instance.0,
-                dp_rank: answer.dp_rank,
-            });
-            // The router may have stopped waiting.
-            let _ = ask.answer.send(steer);
-        });
-    }
-
-    /// Decides another replica's `request` as the model's decider, and answers it.
-    async fn decide(&self, pool: &ModelPool, request: &Message) {
-        let asked = match DecideRequest::from_json(&request.payload) {
-            Ok(asked) => asked,
-            Err(error) => {
-                self.metrics.malformed(Malformed::DecideRequest);
-                tracing::debug!(%error, "malformed decide request");
-                let _ = self
-                    .bus
-                    .reply(request, Bytes::from(DecideAnswer::default().to_json()))
-                    .await;
-                return;
-            }
-        };
-        let steer = pool.balancer().kv_router().and_then(|router| {
-            let instances = pool.instances();
-            let allowed: HashSet<u64> = asked.candidates.iter().map(|id| id.0).collect();
-            let excluded =
-                Excluded::matching(&instances, |instance| !allowed.contains(&instance.id()));
-            let candidates = Candidates::new(&instances, &excluded, now_millis());
-            let prompt = Arc::new(PromptBlocks {
-                tokens: usize::try_from(asked.tokens).unwrap_or(usize::MAX),
-                hashes: BlockHashes {
-                    local: asked.local.iter().map(|h| LocalBlockHash(h.0)).collect(),
-                    sequence: asked.sequence.iter().map(|h| SequenceHash(h.0)).collect(),
-                },
-                block_size: usize::try_from(asked.block_size).unwrap_or(usize::MAX),
-            });
-            let session = asked.session.as_deref().map(Arc::from);
-            router.decide_for(&candidates, prompt, session, asked.replica.0, asked.seq)
-        });
-        let answer = DecideAnswer {
-            instance_id: steer.map(|steer| InstanceId(steer.instance)),
-            dp_rank: steer.and_then(|steer| steer.dp_rank),
-        };
-        let _ = self.bus.reply(request, Bytes::from(answer.to_json())).await;
     }
 
     /// Publishes this replica's share number `seq` of its in-flight load, in which its asks

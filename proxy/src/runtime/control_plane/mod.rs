@@ -6,6 +6,7 @@
 //!   models the config does not list come and go).
 //! - [`intake`]: event batches → each `policy: kv` model's KV index, with per-instance
 //!   sequence tracking ([`sequence`]) and resync; load reports → routing costs.
+//! - [`decider`]: one model's link to its decider, the replica that routes for the others.
 //! - [`metrics`]: `kvmesh_discovery_*`, `kvmesh_kv_events_*`, `kvmesh_kv_resyncs_total`, ….
 //!
 //! Startup: the registry is listed (and its watch opened) before the proxy announces
@@ -13,6 +14,7 @@
 //! the background, so a proxy starts (in approximate mode) even while NATS is down.
 
 mod clients;
+mod decider;
 pub(crate) mod intake;
 mod key_usage;
 pub(crate) mod membership;
