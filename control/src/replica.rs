@@ -148,6 +148,10 @@ pub struct DecideRequest {
     /// The request's session key (`kv.session_header`), if any.
     #[serde(default)]
     pub session: Option<String>,
+    /// A fingerprint of the asker's `kv` settings for the model; the decider declines when
+    /// its own differ (absent: 0, which matches none).
+    #[serde(default)]
+    pub settings: HexU64,
 }
 
 impl DecideRequest {
@@ -214,7 +218,7 @@ mod tests {
 
     #[test]
     fn a_decide_request_and_answer_round_trip() {
-        let json = br#"{"replica":"0000000000000007","seq":12,"tokens":130,"block_size":64,"local":["0000000000000001","0000000000000002"],"sequence":["00000000000000aa","00000000000000bb"],"candidates":["00c0ffee00c0ffee"],"session":"chat-42"}"#;
+        let json = br#"{"replica":"0000000000000007","seq":12,"tokens":130,"block_size":64,"local":["0000000000000001","0000000000000002"],"sequence":["00000000000000aa","00000000000000bb"],"candidates":["00c0ffee00c0ffee"],"session":"chat-42","settings":"5e771465b3a1c0de"}"#;
         let request = DecideRequest::from_json(json).expect("doc example");
         assert_eq!((request.seq, request.sequence[1]), (12, HexU64(0xbb)));
         assert_eq!(

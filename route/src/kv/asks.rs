@@ -40,6 +40,9 @@ pub struct DecideAsk {
     pub candidates: Vec<u64>,
     /// Its session key, if any.
     pub session: Option<Arc<str>>,
+    /// A fingerprint of this replica's `kv` settings for the model: the decider declines
+    /// when its own differ (replicas configured apart, or in the middle of a reload).
+    pub settings: u64,
     /// Where the decider's answer goes: `Some` with its choice, `None` when it declined.
     pub answer: oneshot::Sender<Option<Steer>>,
 }

@@ -66,6 +66,7 @@ impl KvRouter {
             prompt: Arc::clone(prompt),
             candidates,
             session: request.session.clone(),
+            settings: self.settings(),
             answer,
         };
         let outcome = match outbox.send(ask) {
@@ -90,15 +91,22 @@ impl KvRouter {
     /// Routes replica `replica`'s request number `seq` as this model's decider: chooses among
     /// `candidates` for `prompt` (in `session`), records the prediction, and books it here
     /// until `replica`'s load share settles it ([`Self::settle_remote`]) or
-    /// [`REMOTE_BOOKING_TTL`] passes. `None`: no instance could be chosen.
+    /// [`REMOTE_BOOKING_TTL`] passes. `None`: no instance could be chosen, or the asker's
+    /// `kv` settings (their fingerprint, `settings`) are not this replica's.
     pub fn decide_for<S: CandidateSet + ?Sized>(
         &self,
         candidates: &S,
         prompt: Arc<PromptBlocks>,
         session: Option<Arc<str>>,
-        replica: u64,
-        seq: u64,
+        (replica, seq, settings): (u64, u64, u64),
     ) -> Option<Steer> {
+        if settings != self.settings() {
+            tracing::debug!(
+                replica,
+                "a replica with other kv settings asked this one to decide: it routes alone"
+            );
+            return None;
+        }
         let now = Instant::now();
         let mut request = self.lookup_prompt(prompt, now);
         request.session = session;

@@ -83,6 +83,9 @@ pub struct KvRouter {
     decisions: OnceLock<mpsc::UnboundedSender<SharedDecision>>,
     /// Longest wait for the model's decider (`kv.decider_timeout`; 0: never asked).
     decider_timeout: Duration,
+    /// A fingerprint of the model's `kv` settings: a decider routes only for replicas whose
+    /// settings are its own.
+    settings: u64,
     /// Asks of the model's decider (another replica).
     asks: Asks,
     /// Bookings made as the model's decider for other replicas' requests.
@@ -155,6 +158,7 @@ impl KvRouter {
             replicas: ReplicaLoads::default(),
             decisions: OnceLock::new(),
             decider_timeout: config.decider_timeout,
+            settings: xxhash_rust::xxh3::xxh3_64(format!("{config:?}").as_bytes()),
             asks: Asks::default(),
             remote: RemoteBookings::default(),
             block_size,
@@ -186,6 +190,12 @@ impl KvRouter {
     /// `kv.decider_timeout`.
     pub(super) fn decider_timeout(&self) -> Duration {
         self.decider_timeout
+    }
+
+    /// A fingerprint of the model's `kv` settings (equal settings, equal fingerprints, within
+    /// one kvmesh version).
+    pub(super) fn settings(&self) -> u64 {
+        self.settings
     }
 
     /// Releases bookings (instance, booking id), waking the admission queue.

@@ -89,6 +89,7 @@ impl DecideLink {
                 .collect(),
             candidates: ask.candidates.iter().map(|&id| InstanceId(id)).collect(),
             session: ask.session.as_deref().map(str::to_owned),
+            settings: HexU64(ask.settings),
         };
         let subject = self.namespace.decide_subject(ask.decider, &self.model);
         let payload = Bytes::from(request.to_json());
@@ -156,7 +157,8 @@ impl DecideLink {
             block_size: usize::try_from(asked.block_size).unwrap_or(usize::MAX),
         });
         let session = asked.session.as_deref().map(Arc::from);
-        let steer = router.decide_for(&candidates, prompt, session, asked.replica.0, asked.seq);
+        let asker = (asked.replica.0, asked.seq, asked.settings.0);
+        let steer = router.decide_for(&candidates, prompt, session, asker);
         DecideAnswer {
             instance_id: steer.map(|steer| InstanceId(steer.instance)),
             dp_rank: steer.and_then(|steer| steer.dp_rank),

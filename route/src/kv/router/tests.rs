@@ -1145,8 +1145,15 @@ fn the_decider_sees_its_own_booking_and_holds_anothers_until_settled() {
     let own_pick = picked(choose(&decider, &instances, &own, 0));
     let _own = decider.commit(&own_pick, &own, Instant::now());
     let theirs = prompt_of(&request(&decider, &conversation(2, 400)));
+    let other_settings = (9, 1, decider.settings() ^ 1);
+    assert_eq!(
+        decider.decide_for(&candidates, Arc::clone(&theirs), None, other_settings),
+        None,
+        "a replica configured otherwise routes alone"
+    );
+    assert_eq!(requests_on(&decider, 0) + requests_on(&decider, 1), 1);
     let steer = decider
-        .decide_for(&candidates, theirs, None, 9, 1)
+        .decide_for(&candidates, theirs, None, (9, 1, decider.settings()))
         .expect("an idle instance is left");
     assert_ne!(
         steer.instance, own_pick.instance_id,
@@ -1198,6 +1205,7 @@ async fn a_replica_asks_the_lowest_live_replica_and_takes_its_choice() {
             (ask.decider, ask.seq, ask.candidates.clone()),
             (3, 1, vec![0, 1])
         );
+        assert_eq!(ask.settings, asker.settings());
         ask.answer
             .send(Some(Steer {
                 instance: 1,
@@ -1241,6 +1249,22 @@ async fn a_decider_that_does_not_answer_in_time_is_not_asked_for_a_while() {
     assert_eq!(asker.ask_decider(vec![0, 1], &request).await, None);
     assert!(outbox.try_recv().is_err(), "quiet after a timeout");
     drop(unanswered);
+}
+
+#[test]
+fn kv_settings_that_differ_have_other_fingerprints() {
+    let (one, _) = router_with(config(), 1);
+    let (same, _) = router_with(config(), 1);
+    let other = KvRoutingConfig {
+        tier_weights: kvmesh_config::KvTierWeights {
+            host: 0.25,
+            ..kvmesh_config::KvTierWeights::default()
+        },
+        ..config()
+    };
+    let (other, _) = router_with(other, 1);
+    assert_eq!(one.settings(), same.settings());
+    assert_ne!(one.settings(), other.settings());
 }
 
 #[test]
