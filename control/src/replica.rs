@@ -118,13 +118,19 @@ impl DecisionShare {
     /// Parses a JSON payload; `local` and `sequence` must be as long as each other.
     pub fn from_json(bytes: &[u8]) -> Result<Self, serde_json::Error> {
         let share: Self = serde_json::from_slice(bytes)?;
-        if share.local.len() != share.sequence.len() {
-            return Err(serde::de::Error::custom(
-                "local and sequence hashes differ in length",
-            ));
-        }
+        check_hashes(&share.local, &share.sequence)?;
         Ok(share)
     }
+}
+
+/// Refuses a prompt's local and sequence hashes that differ in length.
+fn check_hashes(local: &[HexU64], sequence: &[HexU64]) -> Result<(), serde_json::Error> {
+    if local.len() != sequence.len() {
+        return Err(serde::de::Error::custom(
+            "local and sequence hashes differ in length",
+        ));
+    }
+    Ok(())
 }
 
 /// A replica asks its model's decider (the live replica with the lowest id) to choose an
@@ -163,11 +169,7 @@ impl DecideRequest {
     /// Parses a JSON payload; `local` and `sequence` must be as long as each other.
     pub fn from_json(bytes: &[u8]) -> Result<Self, serde_json::Error> {
         let request: Self = serde_json::from_slice(bytes)?;
-        if request.local.len() != request.sequence.len() {
-            return Err(serde::de::Error::custom(
-                "local and sequence hashes differ in length",
-            ));
-        }
+        check_hashes(&request.local, &request.sequence)?;
         Ok(request)
     }
 }

@@ -25,6 +25,24 @@ use crate::runtime::control_plane::metrics::{ControlMetrics, Malformed};
 /// (at most 1 s) the router has stopped waiting anyway.
 const ASK_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// A prompt's local hashes as the replica messages carry them.
+pub(crate) fn hex_local(hashes: &BlockHashes) -> Vec<HexU64> {
+    hashes.local.iter().map(|h| HexU64(h.0)).collect()
+}
+
+/// A prompt's sequence hashes as the replica messages carry them.
+pub(crate) fn hex_sequence(hashes: &BlockHashes) -> Vec<HexU64> {
+    hashes.sequence.iter().map(|h| HexU64(h.0)).collect()
+}
+
+/// A prompt's hashes from a replica message's `local` and `sequence` lists.
+pub(crate) fn block_hashes(local: &[HexU64], sequence: &[HexU64]) -> BlockHashes {
+    BlockHashes {
+        local: local.iter().map(|h| LocalBlockHash(h.0)).collect(),
+        sequence: sequence.iter().map(|h| SequenceHash(h.0)).collect(),
+    }
+}
+
 /// What both sides of one model's decider link need.
 #[derive(Clone)]
 pub(crate) struct DecideLink {
@@ -73,20 +91,8 @@ impl DecideLink {
             seq: ask.seq,
             tokens: ask.prompt.tokens as u64,
             block_size: ask.prompt.block_size as u64,
-            local: ask
-                .prompt
-                .hashes
-                .local
-                .iter()
-                .map(|h| HexU64(h.0))
-                .collect(),
-            sequence: ask
-                .prompt
-                .hashes
-                .sequence
-                .iter()
-                .map(|h| HexU64(h.0))
-                .collect(),
+            local: hex_local(&ask.prompt.hashes),
+            sequence: hex_sequence(&ask.prompt.hashes),
             candidates: ask.candidates.iter().map(|&id| InstanceId(id)).collect(),
             session: ask.session.as_deref().map(str::to_owned),
             settings: HexU64(ask.settings),
@@ -150,10 +156,7 @@ impl DecideLink {
         let candidates = Candidates::new(&instances, &excluded, now_millis());
         let prompt = Arc::new(PromptBlocks {
             tokens: usize::try_from(asked.tokens).unwrap_or(usize::MAX),
-            hashes: BlockHashes {
-                local: asked.local.iter().map(|h| LocalBlockHash(h.0)).collect(),
-                sequence: asked.sequence.iter().map(|h| SequenceHash(h.0)).collect(),
-            },
+            hashes: block_hashes(&asked.local, &asked.sequence),
             block_size: usize::try_from(asked.block_size).unwrap_or(usize::MAX),
         });
         let session = asked.session.as_deref().map(Arc::from);

@@ -40,14 +40,14 @@ use kvmesh_control::{
     InstanceLoadShare, LoadReport, LoadShare, Message, Namespace, ReplyAssembler, ReplyPart,
     SessionShare, SnapshotRequest, Subscription,
 };
-use kvmesh_kv::{BlockHashes, KvEvent, LocalBlockHash, SequenceHash, WorkerKey};
+use kvmesh_kv::{KvEvent, WorkerKey};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::AbortHandle;
 
 use kvmesh_route::kv::{EventFeed, SessionBinding, SharedDecision, SharedLoad, SharedSpeed};
 
 use crate::engines::pool::ModelPool;
-use crate::runtime::control_plane::decider::DecideLink;
+use crate::runtime::control_plane::decider::{DecideLink, block_hashes, hex_local, hex_sequence};
 use crate::runtime::control_plane::metrics::{ControlMetrics, Dropped, Malformed};
 use crate::runtime::control_plane::sequence::{Outcome, ResyncReason, SequenceTracker, Step};
 use crate::runtime::heap;
@@ -218,8 +218,8 @@ impl Sharer {
             replica: self.replica,
             model: self.model.clone(),
             instance_id: InstanceId(decision.instance),
-            local: hashes.local.iter().map(|h| HexU64(h.0)).collect(),
-            sequence: hashes.sequence.iter().map(|h| HexU64(h.0)).collect(),
+            local: hex_local(hashes),
+            sequence: hex_sequence(hashes),
         };
         let _ = self
             .bus
@@ -540,10 +540,7 @@ impl Actor {
         if let Some(pool) = self.shared_pool(share.replica, &share.model)
             && let Some(router) = pool.balancer().kv_router()
         {
-            let hashes = BlockHashes {
-                local: share.local.iter().map(|h| LocalBlockHash(h.0)).collect(),
-                sequence: share.sequence.iter().map(|h| SequenceHash(h.0)).collect(),
-            };
+            let hashes = block_hashes(&share.local, &share.sequence);
             router.apply_decision(share.instance_id.0, &hashes);
         }
     }
