@@ -185,6 +185,9 @@ pub struct DecideAnswer {
     /// The data-parallel rank to send it to, when the engines' reports name one.
     #[serde(default)]
     pub dp_rank: Option<u32>,
+    /// The choice followed the request's session binding (absent: false).
+    #[serde(default)]
+    pub session_bound: bool,
 }
 
 impl DecideAnswer {
@@ -238,10 +241,7 @@ mod tests {
         );
         assert_eq!(
             DecideAnswer::from_json(b"{}").expect("a decider that did not choose"),
-            DecideAnswer {
-                instance_id: None,
-                dp_rank: None
-            }
+            DecideAnswer::default()
         );
     }
 

@@ -24,6 +24,8 @@ pub struct Steer {
     pub instance: u64,
     /// The data-parallel rank to send it to, when the engines' reports name one.
     pub dp_rank: Option<u32>,
+    /// The decider followed the request's session binding (made before this request).
+    pub session_bound: bool,
 }
 
 /// One ask of the model's decider, for the proxy to send (and answer on `answer`; dropping

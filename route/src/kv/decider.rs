@@ -147,5 +147,6 @@ fn steer_of(decision: &Decision) -> Steer {
     Steer {
         instance: decision.instance_id,
         dp_rank: decision.dp_rank,
+        session_bound: decision.affinity,
     }
 }

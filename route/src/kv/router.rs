@@ -664,7 +664,12 @@ impl KvRouter {
                     instance_id,
                     overlap_blocks: evaluated.overlap_blocks,
                     cost: evaluated.cost,
-                    affinity: affine == Some(at),
+                    // A steered choice followed a binding only if the decider says so: its
+                    // binding for this very request may already have reached this replica.
+                    affinity: match steer.filter(|_| steered.is_some()) {
+                        Some(steer) => steer.session_bound,
+                        None => affine == Some(at),
+                    },
                     // Only the engines' own reports say which rank holds a prefix.
                     dp_rank: match steer.filter(|_| steered.is_some()) {
                         Some(steer) => steer.dp_rank,

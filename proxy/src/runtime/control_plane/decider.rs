@@ -116,6 +116,7 @@ impl DecideLink {
         let steer = answer.instance_id.map(|instance| Steer {
             instance: instance.0,
             dp_rank: answer.dp_rank,
+            session_bound: answer.session_bound,
         });
         // The router may have stopped waiting.
         let _ = ask.answer.send(steer);
@@ -165,6 +166,7 @@ impl DecideLink {
         DecideAnswer {
             instance_id: steer.map(|steer| InstanceId(steer.instance)),
             dp_rank: steer.and_then(|steer| steer.dp_rank),
+            session_bound: steer.is_some_and(|steer| steer.session_bound),
         }
     }
 }

@@ -1210,6 +1210,7 @@ async fn a_replica_asks_the_lowest_live_replica_and_takes_its_choice() {
             .send(Some(Steer {
                 instance: 1,
                 dp_rank: None,
+                session_bound: false,
             }))
             .expect("waiting");
     };
