@@ -72,8 +72,9 @@
 //! write holds one shard lock for one table operation, so a lookup never waits for a whole event,
 //! let alone a stream of them, writers for different workers run in parallel, and a table
 //! resize stalls one small shard only. Per-worker bookkeeping sits behind a per-worker mutex
-//! that lookups never take: they read only atomic counters. A lookup concurrent with writes
-//! sees each block at some moment during the lookup.
+//! that lookups never take: they read only atomic counters. A block owner's counts sit in the
+//! block's slot, under its shard lock, and only that worker's writer changes them (see
+//! *Memory*). A lookup concurrent with writes sees each block at some moment during the lookup.
 //!
 //! Measured on the 2-core development machine in a quiet window, with the `std` hash-map
 //! shards this table replaced (`docs/BENCHMARKS.md`, `--bench contention`; the compact table
@@ -109,19 +110,28 @@
 //! (`index/key_mixer.rs`): all 64 bits are kept, so there are no false matches, and clients
 //! cannot aim blocks at one bucket.
 //!
-//! - Per distinct block: a 20-byte slot in its shard (8-byte key, 8-byte parent key, and a
-//!   4-byte holder word: the one holding worker's slot, or an index into the shard's holder sets
-//!   for blocks held by several workers, which are 16 bytes, a bitset beyond 3 holders).
-//! - Per (worker, block) pair: a 12-byte slot in its reference-count table (engine ids and held
-//!   children per block, 15 and 16 bits, and the own-id bit; wider counts live in a side map),
-//!   plus, only for a block held under an id other than its own, a 16-byte slot in the
-//!   worker's engine-id table (engine id → block key).
+//! - Per distinct block: a 24-byte slot in its shard (8-byte key, 8-byte parent key, a 4-byte
+//!   holder word: the one holding worker's slot, or an index into the shard's holder sets for
+//!   blocks held by several workers, which are 16 bytes, a bitset beyond 3 holders; and the
+//!   4-byte counts of the block's *owner*).
+//! - Per (worker, block) pair: a worker's counts for a block (engine ids and held children, 15
+//!   and 16 bits, and the own-id bit; wider counts live in a side map) live in the block's slot
+//!   when the worker owns the block: the first worker to hold a block with no owner owns it
+//!   until it lets go. Only the other holders pay a 12-byte slot in their own reference-count
+//!   table, so most pairs (a block held by one worker) cost nothing beyond the block. A block
+//!   held under an id other than its own also costs a 16-byte slot in the worker's engine-id
+//!   table (engine id → block key).
+//! - The price: a worker's own table does not list the blocks it owns, so removing or clearing
+//!   a worker that owns blocks scans every shard (under read locks; lookups go on), ≈ 5 ms per
+//!   million blocks in the index on the benchmark VM, where it used to walk the worker's own
+//!   blocks only (≈ 0.45 s against 30 ms at 87M blocks over 1,024 workers).
 //!
-//! Measured with own ids (`cargo bench -p kvmesh-kv --bench memory`): ≈ 40–46 bytes per
-//! distinct block at 0.5–1.4M blocks (≈ 1.0–1.15 pairs per block; ≈ 60–70 with an engine-id
-//! entry per pair, ≈ 95–135 with `std` hash maps); `docs/BENCHMARKS.md` has the tables, and the
-//! 100M-block index over 1,024 workers (`KVMESH_MEMORY_BLOCKS`). Entries are deleted when
-//! their last holder goes; like any hash map, the tables keep their peak capacity.
+//! Measured with own ids (`cargo bench -p kvmesh-kv --bench memory`): ≈ 31–35 bytes per
+//! distinct block at 0.5–1.4M blocks and at 87M (≈ 1.0–1.15 pairs per block; ≈ 40–46 before
+//! owners kept their counts in the block, ≈ 60–70 with an engine-id entry per pair, ≈ 95–135
+//! with `std` hash maps); `docs/BENCHMARKS.md` has the tables, and the 100M-block index over
+//! 1,024 workers (`KVMESH_MEMORY_BLOCKS`). Entries are deleted when their last holder goes;
+//! like any hash map, the tables keep their peak capacity.
 //! [`KvIndex::heap_bytes`] sums the tables' allocations (a test holds it to what a counting
 //! allocator sees, within 0.5 %); the proxy exports it as `kvmesh_index_bytes`.
 //!

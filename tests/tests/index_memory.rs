@@ -4,9 +4,11 @@
 //! bytes (the same index built in this process, its bytes from `KvIndex::heap_bytes`, which
 //! `kv/tests/heap_bytes.rs` holds to a counting allocator). The proxy applies each part of the
 //! snapshot as it arrives and returns the free heap to the system once the resync is applied:
-//! it grew 1.23-1.34 times (9.9-10.8 MB for 8.1 MB) idle and with both cores busy. Part of that
-//! growth is a fixed ≈ 2 MB (decoded parts in flight, allocator arenas), so the snapshot is
-//! large enough for the ratio to mean something: 100,000 blocks (4.2 MB) grew 6.4 MB. Holding
+//! it grew 1.27-1.35 times (8.4-8.9 MB for 6.6 MB, three idle runs; 1.23-1.34 idle and with
+//! both cores busy when the index took 8.1 MB, before owners kept their counts in the block).
+//! Part of that growth is a fixed ≈ 2 MB (decoded parts in flight, allocator arenas), so the
+//! snapshot is large enough for the ratio to mean something: 100,000 blocks (then 4.2 MB) grew
+//! 6.4 MB. Holding
 //! the decoded parts until the last one was in, and keeping the free heap, it had grown up to
 //! 1.77 times.
 

@@ -11,8 +11,8 @@ use crate::worker::WorkerKey;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct IndexLimits {
     /// Most (worker, block) pairs the index holds ([`IndexStats::worker_blocks`]), or `None`
-    /// for no bound. Pairs, not distinct blocks: memory is mostly per pair (28 of the ≈ 65
-    /// bytes per block, plus 8–16 bytes of store order per pair once bounded), a pair is what
+    /// for no bound. Pairs, not distinct blocks: a bounded index keeps 8–16 bytes of store
+    /// order per pair beside the ≈ 31–35 bytes per block, a pair is what
     /// eviction drops and what a worker's capacity counts, and bounding pairs bounds distinct
     /// blocks too. Past the bound, each Stored event evicts up to [`EVICTION_FACTOR`] times the
     /// blocks it stored.

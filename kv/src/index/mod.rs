@@ -7,6 +7,7 @@ mod eviction;
 mod key_mixer;
 mod key_order;
 mod matcher;
+mod node_refs;
 mod ordered_table;
 mod slot_bits;
 mod slot_set;

@@ -10,6 +10,7 @@ use crate::outcome::ApplyOutcome;
 use crate::worker::WorkerKey;
 
 use super::block_table::BlockTable;
+use super::node_refs::{NodeRefs, PackedRefs};
 use super::ordered_table::{OrderedTable, join, split};
 use super::store_order::StoreOrder;
 
@@ -82,61 +83,20 @@ impl WorkerCounters {
     }
 }
 
-/// Reference counts of one block in one worker.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct NodeRefs {
-    /// Engine ids of this worker that map to the block, its own id included; held while
-    /// non-zero.
-    refs: u32,
-    /// Held blocks of this worker whose parent is this block.
-    children: u32,
-    /// Whether the block's own id maps to it: the engine id equal to its sequence hash, which
-    /// is how the worker-agent names blocks. That id has no entry in
-    /// [`WorkerBlocks::external`]; this flag is its entry.
-    own: bool,
+/// Where a worker's counts for one block live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    /// The worker's own tables (or nowhere, for zero counts).
+    Table,
+    /// The block's slot in the block table: the worker owns the block.
+    Owned,
 }
-
-/// [`NodeRefs`] as stored (a 12-byte table slot with its key): `refs` holds the count in its
-/// low 15 bits and [`NodeRefs::own`] in its top bit; `children` is the count. Counts that do
-/// not fit are kept in [`WorkerBlocks::wide`] and stored here as [`WIDE`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct PackedRefs {
-    refs: u16,
-    children: u16,
-}
-
-/// The bit of [`PackedRefs::refs`] that holds [`NodeRefs::own`].
-const OWN: u16 = 1 << 15;
-
-impl PackedRefs {
-    /// `node` packed, or `None` when its counts do not fit.
-    fn pack(node: NodeRefs) -> Option<Self> {
-        let refs = u16::try_from(node.refs).ok().filter(|&r| r < OWN)?;
-        let children = u16::try_from(node.children).ok()?;
-        let packed = Self {
-            refs: refs | if node.own { OWN } else { 0 },
-            children,
-        };
-        (packed != WIDE).then_some(packed)
-    }
-
-    /// The counts this packs (not for [`WIDE`]).
-    fn unpack(self) -> NodeRefs {
-        NodeRefs {
-            refs: u32::from(self.refs & !OWN),
-            children: u32::from(self.children),
-            own: self.refs & OWN != 0,
-        }
-    }
-}
-
-/// The packed form of counts kept in [`WorkerBlocks::wide`].
-const WIDE: PackedRefs = PackedRefs {
-    refs: u16::MAX,
-    children: u16::MAX,
-};
 
 /// One worker's blocks. Every method runs under the worker's lock.
+///
+/// The counts of a block the worker owns ([`BlockTable::add_holder`]) live in the block table;
+/// its tables keep the counts of the blocks it holds without owning them, and of unheld
+/// parents of held blocks. A block's counts are in exactly one of the two places.
 ///
 /// Keys are mixed ([`super::key_mixer::KeyMixer`], the block table's): engine ids and sequence
 /// hashes alike. The mixer is a bijection, so an engine id equal to a block's sequence hash
@@ -146,10 +106,11 @@ pub(crate) struct WorkerBlocks {
     /// Engine id key → block key, to resolve removals and parents, for ids other than their
     /// block's own ([`NodeRefs::own`]).
     external: OrderedTable<[u32; 2]>,
-    /// Block key → counts, for held blocks and for unheld parents of held blocks (a node
-    /// exists exactly while one of its counts is non-zero).
+    /// Block key → counts, for blocks held but not owned and for unheld parents of held
+    /// blocks (a node exists exactly while one of its counts is non-zero).
     nodes: OrderedTable<PackedRefs>,
-    /// Counts of the nodes stored as [`WIDE`] (a block with 65,535 engine ids or children).
+    /// Counts of the nodes stored as [`PackedRefs::WIDE`] (a block with 32,768 engine ids or
+    /// 65,535 children).
     wide: HashMap<u64, NodeRefs>,
     /// Engine ids in store order, when the index has a bound and may evict.
     order: Option<StoreOrder>,
@@ -178,7 +139,8 @@ impl WorkerBlocks {
         let mut outcome = ApplyOutcome::default();
         let mark = self.order.as_ref().map(StoreOrder::mark);
         if let Some(parent) = parent
-            && self.target(mixer.mix(parent.external.0)) != Some(mixer.mix(parent.sequence.0))
+            && self.target(table, slot, mixer.mix(parent.external.0))
+                != Some(mixer.mix(parent.sequence.0))
         {
             outcome.parent_not_found += 1;
         }
@@ -203,7 +165,9 @@ impl WorkerBlocks {
             // Own ids are at most the held blocks: a bound on the ids mapped.
             let live =
                 self.external.len() as u64 + slot.counters.cached_blocks.load(Ordering::Relaxed);
-            order.compact(live as usize, work, |entry| self.target(entry).is_some());
+            order.compact(live as usize, work, |entry| {
+                self.target(table, slot, entry).is_some()
+            });
             self.order = Some(order);
         }
         outcome
@@ -262,10 +226,10 @@ impl WorkerBlocks {
     }
 
     /// The block key engine id key `external` maps to.
-    fn target(&self, external: u64) -> Option<u64> {
+    fn target(&self, table: &BlockTable, slot: &WorkerSlot, external: u64) -> Option<u64> {
         match self.external.get(external) {
             Some(&key) => Some(join(key)),
-            None => self.node(external).own.then_some(external),
+            None => self.node(table, slot, external).0.own.then_some(external),
         }
     }
 
@@ -274,7 +238,7 @@ impl WorkerBlocks {
         if let Some(key) = self.external.remove(external) {
             self.release(table, slot, join(key), false);
             true
-        } else if self.node(external).own {
+        } else if self.node(table, slot, external).0.own {
             self.release(table, slot, external, true);
             true
         } else {
@@ -282,7 +246,8 @@ impl WorkerBlocks {
         }
     }
 
-    /// Drops every block of the worker; returns how many distinct blocks it held.
+    /// Drops every block of the worker; returns how many distinct blocks it held. Visits
+    /// every shard of the block table when the worker owns blocks.
     pub(crate) fn clear(&mut self, table: &BlockTable, slot: &WorkerSlot) -> u64 {
         let mut cleared = 0;
         for (key, &packed) in self.nodes.iter() {
@@ -290,6 +255,9 @@ impl WorkerBlocks {
                 table.remove_holder(key, slot.slot);
                 cleared += 1;
             }
+        }
+        if slot.counters.cached_blocks.load(Ordering::Acquire) > cleared {
+            cleared += table.remove_owned(slot.slot);
         }
         self.nodes.clear();
         self.wide.clear();
@@ -313,12 +281,17 @@ impl WorkerBlocks {
         key: u64,
         parent: Option<u64>,
     ) -> bool {
-        let old = self.target(external);
+        let own = external == key;
+        let (node, place) = self.node(table, slot, key);
+        let old = match self.external.get(external) {
+            Some(&mapped) => Some(join(mapped)),
+            None if own => node.own.then_some(key),
+            None => self.node(table, slot, external).0.own.then_some(external),
+        };
         if old == Some(key) {
             return true;
         }
-        let own = external == key;
-        if !self.acquire(table, slot, key, parent, own) {
+        if !self.acquire(table, slot, key, parent, own, (node, place)) {
             return false;
         }
         match old {
@@ -341,24 +314,67 @@ impl WorkerBlocks {
         true
     }
 
-    /// The counts of `key` (zero when it has no node).
-    fn node(&self, key: u64) -> NodeRefs {
-        self.nodes
-            .get(key)
-            .map_or_else(NodeRefs::default, |&packed| self.counts(key, packed))
+    /// The counts of `key` (zero when it has no node), and where they live.
+    fn node(&self, table: &BlockTable, slot: &WorkerSlot, key: u64) -> (NodeRefs, Place) {
+        if let Some(&packed) = self.nodes.get(key) {
+            return (self.counts(key, packed), Place::Table);
+        }
+        match table.owned(key, slot.slot) {
+            Some(packed) => (packed.unpack(), Place::Owned),
+            None => (NodeRefs::default(), Place::Table),
+        }
     }
 
     /// The counts of node `key`, stored as `packed`.
     fn counts(&self, key: u64, packed: PackedRefs) -> NodeRefs {
-        if packed == WIDE {
+        if packed == PackedRefs::WIDE {
             self.wide.get(&key).copied().unwrap_or_default()
         } else {
             packed.unpack()
         }
     }
 
-    /// Sets the counts of `key`, dropping its node when both are zero.
-    fn set_node(&mut self, key: u64, node: NodeRefs) {
+    /// Sets the counts of `key`, which live at `place`. An owner's counts that no longer fit
+    /// the block's slot give the ownership up and move to the worker's tables.
+    fn set_node(
+        &mut self,
+        table: &BlockTable,
+        slot: &WorkerSlot,
+        key: u64,
+        node: NodeRefs,
+        place: Place,
+    ) {
+        if place == Place::Owned
+            && let Some((_, true)) = table.change_owned(key, slot.slot, |_| node)
+        {
+            return;
+        }
+        self.set_table_node(key, node);
+    }
+
+    /// Applies `change` to the counts of `key` wherever they live (one block-table lock when
+    /// the worker owns the block); returns the counts before.
+    fn update(
+        &mut self,
+        table: &BlockTable,
+        slot: &WorkerSlot,
+        key: u64,
+        change: impl Fn(NodeRefs) -> NodeRefs,
+    ) -> NodeRefs {
+        let before = match self.nodes.get(key) {
+            Some(&packed) => self.counts(key, packed),
+            None => match table.change_owned(key, slot.slot, &change) {
+                Some((before, true)) => return before,
+                Some((before, false)) => before,
+                None => NodeRefs::default(),
+            },
+        };
+        self.set_table_node(key, change(before));
+        before
+    }
+
+    /// Sets the counts of `key` in the worker's tables, dropping its node when both are zero.
+    fn set_table_node(&mut self, key: u64, node: NodeRefs) {
         let packed = if node == NodeRefs::default() {
             None
         } else {
@@ -366,7 +382,7 @@ impl WorkerBlocks {
                 Some(packed) => Some(packed),
                 None => {
                     self.wide.insert(key, node);
-                    Some(WIDE)
+                    Some(PackedRefs::WIDE)
                 }
             }
         };
@@ -374,13 +390,13 @@ impl WorkerBlocks {
             None => self.nodes.remove(key),
             Some(packed) => self.nodes.insert(key, packed),
         };
-        if old == Some(WIDE) && packed != Some(WIDE) {
+        if old == Some(PackedRefs::WIDE) && packed != Some(PackedRefs::WIDE) {
             self.wide.remove(&key);
         }
     }
 
-    /// Adds one reference to `key`, its own id's when `own`; false (and nothing changed) on a
-    /// parent mismatch.
+    /// Adds one reference to `key`, whose counts are `(node, place)`, its own id's when `own`;
+    /// false (and nothing changed) on a parent mismatch.
     fn acquire(
         &mut self,
         table: &BlockTable,
@@ -388,103 +404,90 @@ impl WorkerBlocks {
         key: u64,
         parent: Option<u64>,
         own: bool,
+        (node, place): (NodeRefs, Place),
     ) -> bool {
-        let node = self.node(key);
         if node.refs > 0 {
-            self.set_node(
-                key,
-                NodeRefs {
-                    refs: node.refs + 1,
-                    children: node.children,
-                    own: node.own || own,
-                },
-            );
+            let node = NodeRefs {
+                refs: node.refs + 1,
+                children: node.children,
+                own: node.own || own,
+            };
+            self.set_node(table, slot, key, node, place);
             return true;
         }
         // Orphan counts rise before the block becomes visible, and fall after.
-        let orphan = match parent {
-            Some(parent) => {
-                let parent_node = self.node(parent);
-                self.set_node(
-                    parent,
-                    NodeRefs {
-                        children: parent_node.children + 1,
-                        ..parent_node
-                    },
-                );
-                parent_node.refs == 0
-            }
-            None => false,
-        };
+        let orphan = parent.is_some_and(|parent| {
+            let counted = |node: NodeRefs| NodeRefs {
+                children: node.children + 1,
+                ..node
+            };
+            self.update(table, slot, parent, counted).refs == 0
+        });
         if orphan {
             slot.counters.add_orphans(1);
         }
-        if table.add_holder(key, parent, slot.slot).is_err() {
-            if orphan {
-                slot.counters.sub_orphans(1);
-            }
-            if let Some(parent) = parent {
-                self.forget_child(parent);
-            }
-            return false;
-        }
         // `key` is not its own parent (rejected earlier), so its children are unchanged.
-        self.set_node(
-            key,
-            NodeRefs {
-                refs: 1,
-                children: node.children,
-                own,
-            },
-        );
+        let held = NodeRefs {
+            refs: 1,
+            children: node.children,
+            own,
+        };
+        let offered = PackedRefs::pack(held).unwrap_or(PackedRefs::ZERO);
+        match table.add_holder(key, parent, slot.slot, offered) {
+            Err(_) => {
+                if orphan {
+                    slot.counters.sub_orphans(1);
+                }
+                if let Some(parent) = parent {
+                    self.forget_child(table, slot, parent);
+                }
+                return false;
+            }
+            // The counts moved into the block's slot.
+            Ok(true) => self.set_table_node(key, NodeRefs::default()),
+            Ok(false) => self.set_table_node(key, held),
+        }
         slot.counters.sub_orphans(node.children);
         slot.counters.cached_blocks.fetch_add(1, Ordering::Release);
         true
     }
 
-    /// Undoes one `children` count of `parent`.
-    fn forget_child(&mut self, parent: u64) {
-        let node = self.node(parent);
-        self.set_node(
-            parent,
-            NodeRefs {
-                children: node.children.saturating_sub(1),
-                ..node
-            },
-        );
+    /// Undoes one `children` count of `parent`; returns its counts before.
+    fn forget_child(&mut self, table: &BlockTable, slot: &WorkerSlot, parent: u64) -> NodeRefs {
+        let uncounted = |node: NodeRefs| NodeRefs {
+            children: node.children.saturating_sub(1),
+            ..node
+        };
+        self.update(table, slot, parent, uncounted)
     }
 
     /// Drops one reference to `key`, its own id's when `own`, releasing the block when none
     /// is left.
     fn release(&mut self, table: &BlockTable, slot: &WorkerSlot, key: u64, own: bool) {
-        let node = self.node(key);
+        let (node, place) = self.node(table, slot, key);
         if node.refs == 0 {
             return;
         }
-        self.set_node(
-            key,
-            NodeRefs {
-                refs: node.refs - 1,
-                children: node.children,
-                own: node.own && !own,
-            },
-        );
-        if node.refs > 1 {
+        let left = NodeRefs {
+            refs: node.refs - 1,
+            children: node.children,
+            own: node.own && !own,
+        };
+        if left.refs > 0 {
+            self.set_node(table, slot, key, left, place);
             return;
         }
         // Held children become orphans before the block disappears from lookups.
         slot.counters.add_orphans(node.children);
+        // Removing the holder ends an ownership: what is left of the counts goes to the table.
         let parent = table.remove_holder(key, slot.slot).flatten();
+        self.set_table_node(key, left);
         slot.counters.cached_blocks.fetch_sub(1, Ordering::Release);
         let Some(parent) = parent else {
             return;
         };
-        let parent_node = self.node(parent);
-        if parent_node.children == 0 {
-            return;
-        }
-        self.forget_child(parent);
-        if parent_node.refs == 0 {
+        let parent_node = self.forget_child(table, slot, parent);
+        if parent_node.children > 0 && parent_node.refs == 0 {
             slot.counters.sub_orphans(1);
         }
     }
