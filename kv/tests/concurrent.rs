@@ -165,3 +165,94 @@ fn a_bounded_index_stays_consistent_under_concurrent_writers_and_lookups() {
     assert!(stats.orphan_blocks <= past_depth, "{stats:?}");
     assert_eq!(stats.orphan_blocks == 0, past_depth == 0, "{stats:?}");
 }
+
+#[test]
+fn counts_stay_exact_while_two_writers_hand_blocks_to_each_other() {
+    // Two workers store and drop the same chain at once, with nobody else holding it: each
+    // block's owner (the holder whose counts live in the block's slot) changes hands
+    // between them all the time, and clearing a worker scans the shards while the other
+    // adds itself to the blocks it owns.
+    let tokens: Vec<u32> = (0..64 * 16).collect();
+    let hashes = BlockHasher::new(16, None)
+        .expect("block size")
+        .hash(&tokens);
+    let blocks: Vec<(ExternalHash, _)> = hashes
+        .local
+        .iter()
+        .zip(&hashes.sequence)
+        .map(|(&l, &s)| (ExternalHash(s.0), l))
+        .collect();
+    let index = Arc::new(KvIndex::with_shards(4));
+    let full = hashes.len() as u32;
+    let done = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..2u64)
+        .map(|w| {
+            let index = Arc::clone(&index);
+            let blocks = blocks.clone();
+            thread::spawn(move || {
+                let worker = WorkerKey::new(w, 0);
+                for round in 0..300usize {
+                    let cut = (round * 7 + w as usize) % blocks.len() + 1;
+                    index.apply(
+                        worker,
+                        &KvEvent::stored(None, blocks[..cut].iter().copied()),
+                    );
+                    if round % 3 == 2 {
+                        index.apply(worker, &KvEvent::Cleared);
+                    } else {
+                        let ids = blocks[..cut].iter().rev().map(|b| b.0).collect();
+                        index.apply(worker, &KvEvent::Removed { blocks: ids });
+                    }
+                }
+            })
+        })
+        .collect();
+    let reader = {
+        let index = Arc::clone(&index);
+        let done = Arc::clone(&done);
+        let query = hashes.sequence.clone();
+        thread::spawn(move || {
+            let mut lookups = 0u64;
+            while !done.load(Ordering::Acquire) || lookups == 0 {
+                let scores = index.find_matches(&query);
+                assert!(scores.workers.iter().all(|o| o.depth <= full));
+                lookups += 1;
+            }
+            lookups
+        })
+    };
+    for writer in writers {
+        writer.join().expect("writer panicked");
+    }
+    done.store(true, Ordering::Release);
+    assert!(reader.join().expect("reader panicked") > 0);
+    let stats = index.stats();
+    assert_eq!(
+        (
+            stats.distinct_blocks,
+            stats.worker_blocks,
+            stats.orphan_blocks
+        ),
+        (0, 0, 0),
+        "both writers dropped everything they stored"
+    );
+    // What is left behind still counts exactly: both store the chain, the first drops it.
+    let (first, second) = (WorkerKey::new(0, 0), WorkerKey::new(1, 0));
+    for worker in [first, second] {
+        index.apply(worker, &KvEvent::stored(None, blocks.iter().copied()));
+    }
+    let ids = blocks.iter().map(|b| b.0).collect();
+    let removed = index.apply(first, &KvEvent::Removed { blocks: ids });
+    assert_eq!(removed.blocks_removed, u64::from(full));
+    let scores = index.find_matches(&hashes.sequence);
+    assert_eq!((scores.workers.len(), scores.depth(second)), (1, full));
+    let stats = index.stats();
+    assert_eq!(
+        (
+            stats.distinct_blocks,
+            stats.worker_blocks,
+            stats.orphan_blocks
+        ),
+        (hashes.len(), u64::from(full), 0)
+    );
+}
