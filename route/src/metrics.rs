@@ -67,7 +67,7 @@ impl KvFamilies {
         let decision_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "kvmesh_route_decision_seconds",
-                "policy kv: time per routing stage (template: body parsing and chat template, tokenize, hash, lookup, score).",
+                "policy kv: time per routing stage (template: body parsing and chat template, tokenize, hash, lookup, score; ask: a replica's wait for its model's decider to answer).",
             )
             .buckets(STAGE_BUCKETS.to_vec()),
             &["model", "stage"],
@@ -314,10 +314,13 @@ pub enum RouteStage {
     Lookup,
     /// Reading loads, costing and selecting.
     Score,
+    /// Waiting for the model's decider (another replica) to answer an ask: sent to answered
+    /// or timed out.
+    Ask,
 }
 
 /// Number of [`RouteStage`]s.
-const ROUTE_STAGES: usize = 5;
+const ROUTE_STAGES: usize = 6;
 
 impl RouteStage {
     /// Every stage, in declaration order.
@@ -327,6 +330,7 @@ impl RouteStage {
         Self::Hash,
         Self::Lookup,
         Self::Score,
+        Self::Ask,
     ];
 
     /// The `stage` label.
@@ -337,6 +341,7 @@ impl RouteStage {
             Self::Hash => "hash",
             Self::Lookup => "lookup",
             Self::Score => "score",
+            Self::Ask => "ask",
         }
     }
 }

@@ -23,7 +23,7 @@ use crate::candidates::CandidateSet;
 use crate::kv::asks::{DecideAsk, REMOTE_BOOKING_TTL, RemoteBooking, Steer};
 use crate::kv::decision::{Choice, Decision, KvRequest};
 use crate::kv::router::KvRouter;
-use crate::metrics::AskOutcome;
+use crate::metrics::{AskOutcome, RouteStage};
 use crate::prepare::{PromptBlocks, RouteInput};
 
 impl KvRouter {
@@ -69,17 +69,23 @@ impl KvRouter {
             settings: self.settings(),
             answer,
         };
+        let sent = Instant::now();
         let outcome = match outbox.send(ask) {
             Err(_) => Err(AskOutcome::Unavailable),
-            Ok(()) => match tokio::time::timeout(self.decider_timeout(), answered).await {
-                Ok(Ok(Some(steer))) => Ok(steer),
-                Ok(Ok(None)) => Err(AskOutcome::Declined),
-                Ok(Err(_)) => Err(AskOutcome::Unavailable),
-                Err(_) => {
-                    asks.quiet(Instant::now());
-                    Err(AskOutcome::Timeout)
+            Ok(()) => {
+                let answer = tokio::time::timeout(self.decider_timeout(), answered).await;
+                self.metrics()
+                    .observe_stage(RouteStage::Ask, sent.elapsed());
+                match answer {
+                    Ok(Ok(Some(steer))) => Ok(steer),
+                    Ok(Ok(None)) => Err(AskOutcome::Declined),
+                    Ok(Err(_)) => Err(AskOutcome::Unavailable),
+                    Err(_) => {
+                        asks.quiet(Instant::now());
+                        Err(AskOutcome::Timeout)
+                    }
                 }
-            },
+            }
         };
         // Settled before it is booked: the booking's own load share follows at once.
         asks.settle(seq);

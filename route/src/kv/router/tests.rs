@@ -1187,7 +1187,18 @@ fn the_decider_sees_its_own_booking_and_holds_anothers_until_settled() {
 
 #[tokio::test]
 async fn a_replica_asks_the_lowest_live_replica_and_takes_its_choice() {
-    let (asker, instances) = router_with(config(), 2);
+    let (asker, instances, registry) = router_and_metrics(config(), 2);
+    let asks_timed = || {
+        let mut out = Vec::new();
+        TextEncoder::new()
+            .encode(&registry.gather(), &mut out)
+            .unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let line = "kvmesh_route_decision_seconds_count{model=\"m\",stage=\"ask\"} ";
+        text.lines()
+            .find_map(|l| l.strip_prefix(line))
+            .map(|count| count.to_string())
+    };
     let mut outbox = asker.serve_asks(5).expect("asks start once");
     assert!(asker.serve_asks(5).is_none());
     let fresh = request(&asker, &conversation(1, 400));
@@ -1214,9 +1225,15 @@ async fn a_replica_asks_the_lowest_live_replica_and_takes_its_choice() {
             }))
             .expect("waiting");
     };
+    assert_eq!(asks_timed().as_deref(), Some("0"), "nothing was asked yet");
     let (steer, ()) = tokio::join!(asker.ask_decider(vec![0, 1], &fresh), answer);
     let steer = steer.expect("the decider chose");
     assert_eq!(asker.decided(), 1);
+    assert_eq!(
+        asks_timed().as_deref(),
+        Some("1"),
+        "the wait for the answer"
+    );
     // Its own view prefers instance 0 (1 holds a booking); the decider's choice wins.
     let held = request_on(&asker, &instances, 1);
     let excluded = Excluded::default();
