@@ -5,23 +5,50 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 
 use kvmesh_kv::{
-    BlockHasher, BlockParent, ExternalHash, IndexLimits, KvEvent, KvIndex, SequenceHash, WorkerKey,
+    BlockHasher, BlockHashes, BlockParent, ExternalHash, IndexLimits, KvEvent, KvIndex,
+    LocalBlockHash, OverlapScores, SequenceHash, WorkerKey,
 };
 
 const STABLE: WorkerKey = WorkerKey::new(100, 0);
 
-#[test]
-fn lookups_stay_exact_for_workers_nobody_writes_to() {
+/// A 64-block chain of 16-token blocks, and its blocks named by their own sequence hashes as
+/// the worker-agent names them.
+fn own_id_chain() -> (BlockHashes, Vec<(ExternalHash, LocalBlockHash)>) {
     let tokens: Vec<u32> = (0..64 * 16).collect();
     let hashes = BlockHasher::new(16, None)
         .expect("block size")
         .hash(&tokens);
-    let blocks: Vec<(ExternalHash, _)> = hashes
+    let blocks = hashes
         .local
         .iter()
         .zip(&hashes.sequence)
         .map(|(&l, &s)| (ExternalHash(s.0), l))
         .collect();
+    (hashes, blocks)
+}
+
+/// A thread looking `query` up until `done` (at least once), checking each answer; it returns
+/// how many lookups it made.
+fn reader(
+    index: &Arc<KvIndex>,
+    done: &Arc<AtomicBool>,
+    query: &[SequenceHash],
+    check: impl Fn(&OverlapScores) + Send + 'static,
+) -> thread::JoinHandle<u64> {
+    let (index, done, query) = (Arc::clone(index), Arc::clone(done), query.to_vec());
+    thread::spawn(move || {
+        let mut lookups = 0u64;
+        while !done.load(Ordering::Acquire) || lookups == 0 {
+            check(&index.find_matches(&query));
+            lookups += 1;
+        }
+        lookups
+    })
+}
+
+#[test]
+fn lookups_stay_exact_for_workers_nobody_writes_to() {
+    let (hashes, blocks) = own_id_chain();
     let index = Arc::new(KvIndex::with_shards(4));
     index.apply(STABLE, &KvEvent::stored(None, blocks.iter().copied()));
     let full = hashes.len() as u32;
@@ -57,21 +84,10 @@ fn lookups_stay_exact_for_workers_nobody_writes_to() {
             })
         })
         .collect();
-    let reader = {
-        let index = Arc::clone(&index);
-        let done = Arc::clone(&done);
-        let query: Vec<SequenceHash> = hashes.sequence.clone();
-        thread::spawn(move || {
-            let mut lookups = 0u64;
-            while !done.load(Ordering::Acquire) || lookups == 0 {
-                let scores = index.find_matches(&query);
-                assert_eq!(scores.depth(STABLE), full);
-                assert!(scores.workers.iter().all(|o| o.depth <= full));
-                lookups += 1;
-            }
-            lookups
-        })
-    };
+    let reader = reader(&index, &done, &hashes.sequence, move |scores| {
+        assert_eq!(scores.depth(STABLE), full);
+        assert!(scores.workers.iter().all(|o| o.depth <= full));
+    });
     for writer in writers {
         writer.join().expect("writer panicked");
     }
@@ -93,10 +109,7 @@ fn lookups_stay_exact_for_workers_nobody_writes_to() {
 
 #[test]
 fn a_bounded_index_stays_consistent_under_concurrent_writers_and_lookups() {
-    let tokens: Vec<u32> = (0..64 * 16).collect();
-    let hashes = BlockHasher::new(16, None)
-        .expect("block size")
-        .hash(&tokens);
+    let (hashes, _) = own_id_chain();
     // Below one worker's 64 blocks, so the bound is passed however the threads interleave
     // (with 100, a scheduler that ran the writers one after another never passed it).
     const BOUND: u64 = 50;
@@ -127,20 +140,9 @@ fn a_bounded_index_stays_consistent_under_concurrent_writers_and_lookups() {
             })
         })
         .collect();
-    let reader = {
-        let index = Arc::clone(&index);
-        let done = Arc::clone(&done);
-        let query = hashes.sequence.clone();
-        thread::spawn(move || {
-            let mut lookups = 0u64;
-            while !done.load(Ordering::Acquire) || lookups == 0 {
-                let scores = index.find_matches(&query);
-                assert!(scores.workers.iter().all(|o| o.depth <= 64));
-                lookups += 1;
-            }
-            lookups
-        })
-    };
+    let reader = reader(&index, &done, &hashes.sequence, move |scores| {
+        assert!(scores.workers.iter().all(|o| o.depth <= 64));
+    });
     for writer in writers {
         writer.join().expect("writer panicked");
     }
@@ -172,16 +174,7 @@ fn counts_stay_exact_while_two_writers_hand_blocks_to_each_other() {
     // block's owner (the holder whose counts live in the block's slot) changes hands
     // between them all the time, and clearing a worker scans the shards while the other
     // adds itself to the blocks it owns.
-    let tokens: Vec<u32> = (0..64 * 16).collect();
-    let hashes = BlockHasher::new(16, None)
-        .expect("block size")
-        .hash(&tokens);
-    let blocks: Vec<(ExternalHash, _)> = hashes
-        .local
-        .iter()
-        .zip(&hashes.sequence)
-        .map(|(&l, &s)| (ExternalHash(s.0), l))
-        .collect();
+    let (hashes, blocks) = own_id_chain();
     let index = Arc::new(KvIndex::with_shards(4));
     let full = hashes.len() as u32;
     let done = Arc::new(AtomicBool::new(false));
@@ -207,20 +200,9 @@ fn counts_stay_exact_while_two_writers_hand_blocks_to_each_other() {
             })
         })
         .collect();
-    let reader = {
-        let index = Arc::clone(&index);
-        let done = Arc::clone(&done);
-        let query = hashes.sequence.clone();
-        thread::spawn(move || {
-            let mut lookups = 0u64;
-            while !done.load(Ordering::Acquire) || lookups == 0 {
-                let scores = index.find_matches(&query);
-                assert!(scores.workers.iter().all(|o| o.depth <= full));
-                lookups += 1;
-            }
-            lookups
-        })
-    };
+    let reader = reader(&index, &done, &hashes.sequence, move |scores| {
+        assert!(scores.workers.iter().all(|o| o.depth <= full));
+    });
     for writer in writers {
         writer.join().expect("writer panicked");
     }
