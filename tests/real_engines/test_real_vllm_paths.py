@@ -354,6 +354,12 @@ def test_the_endpoint_picker_names_a_real_engine_and_picks_a_repeated_prompt_whe
             blocks = prompt_tokens // BLOCK_SIZE
             await asyncio.to_thread(wait_until, "the blocks in the picker's index",
                                     lambda: reported_on_front(front, messages, home) == blocks, 30)
+            # The picker may ask the cluster's other proxy to decide (its replica with the lower
+            # id): wait until both have heard that the first request ended, or a decider still
+            # counting it sends the repeat elsewhere (the race is in the handover's notes).
+            await asyncio.to_thread(wait_until, "the first request's end on every proxy",
+                                    lambda: all(idle_on(admin, messages, home)
+                                                for admin in (front.url("admin"), cluster.admin)), 30)
 
             streamed = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 4, "stream": True,
                                    "stream_options": {"include_usage": True}}).encode()
@@ -370,6 +376,14 @@ def test_the_endpoint_picker_names_a_real_engine_and_picks_a_repeated_prompt_whe
             assert usage["prompt_tokens_details"]["cached_tokens"] == min(blocks, cap(prompt_tokens)) * BLOCK_SIZE
 
     asyncio.run(asyncio.wait_for(go(), 180))
+
+
+def idle_on(admin, messages, engine):
+    """Whether the proxy at `admin` counts no request on `engine` (its own or other replicas')."""
+    status, _, body = http("POST", admin + "/debug/route", {"model": MODEL, "messages": messages, "max_tokens": 1})
+    assert status == 200, body
+    load = next(i for i in json.loads(body)["instances"] if i["instance"].rstrip("/") == engine.url)
+    return load["active_requests"] == 0 and load["active_prefill_tokens"] == 0
 
 
 def reported_on_front(front, messages, engine):
