@@ -182,8 +182,11 @@ def front(cluster):
     """A proxy with the KServe gRPC listener and the endpoint picker, on the suite's
     discovery and events."""
     cfg = cluster.workdir / "front.yaml"
+    # It routes alone (`decider_timeout: 0s`): with the suite's proxy as its decider, an ask can
+    # overtake the share that says the last request ended (the open race in control-plane.md),
+    # which failed the picker test in 2 of the last 3 full runs of this suite.
     cfg.write_text(proxy_config(
-        cluster.etcd.url, cluster.nats.url, listed_model(),
+        cluster.etcd.url, cluster.nats.url, listed_model() + "    kv:\n      decider_timeout: 0s\n",
         "grpc:\n  address: 127.0.0.1:0\nepp:\n  address: 127.0.0.1:0\n  fallbacks: 1\n",
     ))
     proxy = Proc("kvmesh-proxy", ["--config", str(cfg)], cluster.workdir)
