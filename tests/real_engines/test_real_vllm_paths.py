@@ -357,9 +357,9 @@ def test_the_endpoint_picker_names_a_real_engine_and_picks_a_repeated_prompt_whe
             blocks = prompt_tokens // BLOCK_SIZE
             await asyncio.to_thread(wait_until, "the blocks in the picker's index",
                                     lambda: reported_on_front(front, messages, home) == blocks, 30)
-            # The picker may ask the cluster's other proxy to decide (its replica with the lower
-            # id): wait until both have heard that the first request ended, or a decider still
-            # counting it sends the repeat elsewhere (the race is in the handover's notes).
+            # Wait until both proxies count nothing on the home engine (their bookings, the other
+            # replica's share and the engine's load report all say the first request ended), so
+            # the repeat is placed by its cached blocks alone.
             await asyncio.to_thread(wait_until, "the first request's end on every proxy",
                                     lambda: all(idle_on(admin, messages, home)
                                                 for admin in (front.url("admin"), cluster.admin)), 30)
