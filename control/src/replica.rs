@@ -79,6 +79,11 @@ pub struct LoadShare {
     /// for them itself (absent, from older replicas: 0).
     #[serde(default)]
     pub decided: u64,
+    /// How many times the replica's load went down up to this share (a first token, a
+    /// request's end): the decider holds an ask that saw more until a share shows them
+    /// ([`DecideRequest::eased`]; absent, from older replicas: 0).
+    #[serde(default)]
+    pub eased: u64,
 }
 
 impl LoadShare {
@@ -141,6 +146,11 @@ pub struct DecideRequest {
     pub replica: HexU64,
     /// Its number for this request, rising per replica and model.
     pub seq: u64,
+    /// How many times the asker's load went down before it asked ([`LoadShare::eased`]):
+    /// the decider decides once a share of the asker shows as many, or after a few
+    /// milliseconds (absent: 0, no wait).
+    #[serde(default)]
+    pub eased: u64,
     /// The prompt's tokens.
     pub tokens: u64,
     /// Tokens per block of the hashes.
@@ -223,15 +233,21 @@ mod tests {
 
     #[test]
     fn a_decide_request_and_answer_round_trip() {
-        let json = br#"{"replica":"0000000000000007","seq":12,"tokens":130,"block_size":64,"local":["0000000000000001","0000000000000002"],"sequence":["00000000000000aa","00000000000000bb"],"candidates":["00c0ffee00c0ffee"],"session":"chat-42","settings":"5e771465b3a1c0de"}"#;
+        let json = br#"{"replica":"0000000000000007","seq":12,"eased":5,"tokens":130,"block_size":64,"local":["0000000000000001","0000000000000002"],"sequence":["00000000000000aa","00000000000000bb"],"candidates":["00c0ffee00c0ffee"],"session":"chat-42","settings":"5e771465b3a1c0de"}"#;
         let request = DecideRequest::from_json(json).expect("doc example");
-        assert_eq!((request.seq, request.sequence[1]), (12, HexU64(0xbb)));
+        assert_eq!(
+            (request.seq, request.eased, request.sequence[1]),
+            (12, 5, HexU64(0xbb))
+        );
         assert_eq!(
             DecideRequest::from_json(&request.to_json()).expect("round trip"),
             request
         );
         let uneven = br#"{"replica":"0000000000000007","seq":1,"tokens":64,"block_size":64,"local":["0000000000000001"],"sequence":[],"candidates":[]}"#;
         assert!(DecideRequest::from_json(uneven).is_err());
+        let older = br#"{"replica":"0000000000000007","seq":1,"tokens":0,"block_size":64,"local":[],"sequence":[],"candidates":[]}"#;
+        let older = DecideRequest::from_json(older).expect("an older replica's ask");
+        assert_eq!(older.eased, 0, "no wait for its share");
         let answer = DecideAnswer::from_json(br#"{"instance_id":"00c0ffee00c0ffee","dp_rank":1}"#)
             .expect("doc example");
         assert_eq!(answer.instance_id, Some(ID));
@@ -251,6 +267,11 @@ mod tests {
         let share = LoadShare::from_json(json).expect("doc example");
         assert_eq!(share.instances[0].prefill_tokens, 4096);
         assert_eq!(
+            (share.decided, share.eased),
+            (0, 0),
+            "an older replica's share"
+        );
+        assert_eq!(
             (
                 share.instances[0].speed_ln_factor,
                 share.instances[0].speed_samples
@@ -262,8 +283,9 @@ mod tests {
             LoadShare::from_json(&share.to_json()).expect("round trip"),
             share
         );
-        let json = br#"{"replica":"0000000000000007","seq":4,"model":"m","ttl_ms":3000,"instances":[{"instance_id":"00c0ffee00c0ffee","prefill_tokens":0,"blocks":0,"requests":0,"speed_ln_factor":0.5,"speed_samples":12}]}"#;
+        let json = br#"{"replica":"0000000000000007","seq":4,"model":"m","ttl_ms":3000,"decided":2,"eased":9,"instances":[{"instance_id":"00c0ffee00c0ffee","prefill_tokens":0,"blocks":0,"requests":0,"speed_ln_factor":0.5,"speed_samples":12}]}"#;
         let share = LoadShare::from_json(json).expect("with speed");
+        assert_eq!((share.decided, share.eased), (2, 9));
         assert_eq!(
             (
                 share.instances[0].speed_ln_factor,

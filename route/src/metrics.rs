@@ -51,6 +51,7 @@ pub struct KvFamilies {
     tokenizer_checks: IntCounterVec,
     decider_asks: IntCounterVec,
     decided_for_replicas: IntCounterVec,
+    decider_share_waits: IntCounterVec,
 }
 
 impl KvFamilies {
@@ -199,8 +200,16 @@ impl KvFamilies {
             ),
             &["model"],
         )?;
+        let decider_share_waits = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_route_decider_share_waits_total",
+                "policy kv: asks this replica, as its model's decider, held until the asker's load share showed the load it had shed before asking (a first token, a request's end), by outcome (shown: it arrived within the wait, at most 5 ms; late: decided without it).",
+            ),
+            &["model", "outcome"],
+        )?;
         registry.register(Box::new(decider_asks.clone()))?;
         registry.register(Box::new(decided_for_replicas.clone()))?;
+        registry.register(Box::new(decider_share_waits.clone()))?;
         registry.register(Box::new(overlap_blocks.clone()))?;
         registry.register(Box::new(decision_seconds.clone()))?;
         registry.register(Box::new(index_blocks.clone()))?;
@@ -240,6 +249,7 @@ impl KvFamilies {
             tokenizer_checks,
             decider_asks,
             decided_for_replicas,
+            decider_share_waits,
         })
     }
 
@@ -276,6 +286,10 @@ impl KvFamilies {
                     .with_label_values(&[model, outcome.label()])
             }),
             decided_for_replicas: self.decided_for_replicas.with_label_values(&[model]),
+            decider_share_waits: ["shown", "late"].map(|outcome| {
+                self.decider_share_waits
+                    .with_label_values(&[model, outcome])
+            }),
         }
     }
 
@@ -389,6 +403,8 @@ pub struct KvMetrics {
     decider_asks: [IntCounter; 5],
     /// `kvmesh_route_decided_for_replicas_total{model}`.
     pub(crate) decided_for_replicas: IntCounter,
+    /// `kvmesh_route_decider_share_waits_total{model,outcome}`: shown, late.
+    decider_share_waits: [IntCounter; 2],
 }
 
 /// How asking the model's decider ended (`kvmesh_route_decider_asks_total`).
@@ -433,6 +449,12 @@ impl KvMetrics {
     /// Counts one ask of the model's decider that ended as `outcome`.
     pub(crate) fn count_ask(&self, outcome: AskOutcome) {
         self.decider_asks[outcome as usize].inc();
+    }
+
+    /// Counts one ask the decider held for the asker's load share: `shown` when the share
+    /// arrived in time.
+    pub(crate) fn count_share_wait(&self, shown: bool) {
+        self.decider_share_waits[usize::from(!shown)].inc();
     }
 
     /// Records the time one stage took.

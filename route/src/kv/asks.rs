@@ -13,6 +13,10 @@ use crate::prepare::PromptBlocks;
 /// After an ask timed out, this replica routes alone this long before asking again.
 pub const QUIET_AFTER_TIMEOUT: Duration = Duration::from_millis(250);
 
+/// The longest the decider holds an ask for the asker's load share that shows the load the
+/// asker shed before asking (at most a quarter of `kv.decider_timeout`, too).
+pub const SHARE_WAIT: Duration = Duration::from_millis(5);
+
 /// How long the decider keeps a booking made for another replica whose load share never
 /// settled it (the asker died, or its shares were lost): a few of its load heartbeats.
 pub const REMOTE_BOOKING_TTL: Duration = Duration::from_secs(5);
@@ -36,6 +40,9 @@ pub struct DecideAsk {
     pub decider: u64,
     /// This replica's number for the ask, rising.
     pub seq: u64,
+    /// How many times this replica's load went down before it asked (a first token, a
+    /// request's end): the decider decides once its share shows as many.
+    pub eased: u64,
     /// The prompt's blocks.
     pub prompt: Arc<PromptBlocks>,
     /// The instances it may go to (ids).

@@ -20,7 +20,7 @@ use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::candidates::CandidateSet;
-use crate::kv::asks::{DecideAsk, REMOTE_BOOKING_TTL, RemoteBooking, Steer};
+use crate::kv::asks::{DecideAsk, REMOTE_BOOKING_TTL, RemoteBooking, SHARE_WAIT, Steer};
 use crate::kv::decision::{Choice, Decision, KvRequest};
 use crate::kv::router::KvRouter;
 use crate::metrics::{AskOutcome, RouteStage};
@@ -63,6 +63,7 @@ impl KvRouter {
         let ask = DecideAsk {
             decider,
             seq,
+            eased: self.own_eased(),
             prompt: Arc::clone(prompt),
             candidates,
             session: request.session.clone(),
@@ -92,6 +93,22 @@ impl KvRouter {
         self.metrics()
             .count_ask(outcome.err().unwrap_or(AskOutcome::Chosen));
         outcome.ok()
+    }
+
+    /// Before deciding replica `replica`'s ask, which saw its load go down `eased` times:
+    /// waits until a load share of it showing as many is taken, at most [`SHARE_WAIT`] (and
+    /// a quarter of `kv.decider_timeout`). Otherwise a conversation's next turn, asked the
+    /// moment the last answer ended, would find that answer still counted on the instance
+    /// holding its blocks, and go elsewhere. Returns whether the share was shown.
+    pub async fn await_share(&self, replica: u64, eased: u64) -> bool {
+        let replicas = self.replica_loads();
+        if replicas.shows(replica, eased) {
+            return true;
+        }
+        let wait = SHARE_WAIT.min(self.decider_timeout() / 4);
+        let shown = replicas.caught_up(replica, eased, wait).await;
+        self.metrics().count_share_wait(shown);
+        shown
     }
 
     /// Routes replica `replica`'s request number `seq` as this model's decider: chooses among

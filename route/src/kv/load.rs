@@ -40,7 +40,7 @@ use arc_swap::ArcSwap;
 use kvmesh_kv::{KeyedState, SequenceHash};
 use tokio::sync::Notify;
 
-use crate::kv::replicas::{SharedLoad, SharedSpeed};
+use crate::kv::replicas::{OwnLoads, SharedLoad, SharedSpeed};
 use crate::kv::speed::LearnedSpeed;
 use crate::prepare::PromptBlocks;
 
@@ -289,6 +289,9 @@ pub(crate) struct ActiveLoads {
     fleet_samples: AtomicU64,
     /// Woken on every booking, first token and release (the replica sharer waits on it).
     changed: Notify,
+    /// How many times the load went down (a prefill ended, a request was released or
+    /// expired): asks of the decider carry it, so that it waits for the share showing them.
+    eased: AtomicU64,
 }
 
 impl ActiveLoads {
@@ -301,6 +304,7 @@ impl ActiveLoads {
             fleet_ln_factor: AtomicU64::new(0f64.to_bits()),
             fleet_samples: AtomicU64::new(0),
             changed: Notify::new(),
+            eased: AtomicU64::new(0),
         }
     }
 
@@ -490,6 +494,7 @@ impl ActiveLoads {
         if tokens > 0 {
             load.in_prefill.remove(&(started, id));
             load.last_prefill_done = Some(load.last_prefill_done.map_or(now, |at| at.max(now)));
+            self.eased.fetch_add(1, Ordering::Release);
             self.changed.notify_one();
         }
         if first_token {
@@ -547,14 +552,24 @@ impl ActiveLoads {
             .cell(instance)
             .is_some_and(|cell| Self::lock(&cell).remove(id));
         if released {
+            self.eased.fetch_add(1, Ordering::Release);
             self.changed.notify_one();
         }
         released
     }
 
+    /// How many times the load went down so far (a prefill ended, a request was released
+    /// or expired).
+    pub(crate) fn eased(&self) -> u64 {
+        self.eased.load(Ordering::Acquire)
+    }
+
     /// The proxy's own load on every instance, as replicas share it.
-    pub(crate) fn own(&self) -> HashMap<u64, SharedLoad> {
-        self.instances
+    pub(crate) fn own(&self) -> OwnLoads {
+        // Read first: the loads read after it show at least that many easings.
+        let eased = self.eased();
+        let loads = self
+            .instances
             .load()
             .iter()
             .map(|(&instance, cell)| {
@@ -567,7 +582,8 @@ impl ActiveLoads {
                 };
                 (instance, shared)
             })
-            .collect()
+            .collect();
+        OwnLoads { eased, loads }
     }
 
     /// Drops every request booked before `cutoff`; returns how many.
@@ -584,6 +600,10 @@ impl ActiveLoads {
             for id in stale {
                 expired += usize::from(load.remove(id));
             }
+        }
+        if expired > 0 {
+            self.eased.fetch_add(1, Ordering::Release);
+            self.changed.notify_one();
         }
         expired
     }
@@ -733,15 +753,18 @@ mod tests {
             loads.snapshot(0, &p.hashes.sequence),
             LoadSnapshot::default()
         );
+        assert_eq!(loads.eased(), 0, "a booking adds load");
         assert!(loads.prefill_done(1, id, Instant::now(), false));
         assert!(
             !loads.prefill_done(1, id, Instant::now(), false),
             "only once"
         );
+        assert_eq!(loads.own().eased, 1, "the first byte eased the load");
         let snap = loads.snapshot(1, &[]);
         assert_eq!((snap.prefill_tokens, snap.blocks), (0, 5));
         assert!(loads.release(1, id));
         assert!(!loads.release(1, id), "only once");
+        assert_eq!(loads.own().eased, 2, "so did the end, once");
         assert_eq!(
             loads.snapshot(1, &p.hashes.sequence),
             LoadSnapshot::default()
@@ -763,7 +786,7 @@ mod tests {
         assert!(!loads.generated(0, id, 1), "never fewer than before");
         assert_eq!(loads.snapshot(0, &[]).blocks, 8);
         assert!(loads.generated(0, id, 3));
-        assert_eq!(loads.own()[&0].blocks, 9, "replicas see them too");
+        assert_eq!(loads.own().loads[&0].blocks, 9, "replicas see them too");
         assert!(!loads.generated(0, 999, 5), "an unknown booking");
         assert!(loads.release(0, id));
         assert_eq!(
@@ -941,6 +964,9 @@ mod tests {
         // At t = 350 s with a 300 s timeout, only the request from t = 0 is stale.
         let now = start + Duration::from_secs(350);
         assert_eq!(loads.expire_stale(now - Duration::from_secs(300)), 1);
+        assert_eq!(loads.eased(), 1, "expiring eased the load");
+        assert_eq!(loads.expire_stale(now - Duration::from_secs(300)), 0);
+        assert_eq!(loads.eased(), 1, "expiring nothing did not");
         assert_eq!(
             loads.snapshot(0, &p.hashes.sequence),
             LoadSnapshot::default()
@@ -1026,7 +1052,7 @@ mod tests {
         // This replica saw one first token at the profile's time: factor 1.
         let id = loads.book(0, request, start).unwrap();
         loads.prefill_done(0, id, start + Duration::from_millis(40), true);
-        let own = loads.own()[&0].speed;
+        let own = loads.own().loads[&0].speed;
         assert_eq!((own.ln_factor, own.samples), (0.0, 1));
         // Another replica learned 4× slower from three: the merge weighs samples, 3 of 4.
         let others = SharedSpeed {

@@ -64,7 +64,7 @@ mod speed;
 mod tokenizer_check;
 
 pub use admission::Rejected;
-pub use asks::{DecideAsk, QUIET_AFTER_TIMEOUT, REMOTE_BOOKING_TTL, Steer};
+pub use asks::{DecideAsk, QUIET_AFTER_TIMEOUT, REMOTE_BOOKING_TTL, SHARE_WAIT, Steer};
 pub use block_size::BlockSizeFit;
 pub use booking::Booking;
 pub use cache_check::{CacheCheckState, CheckedAnswer};
@@ -73,7 +73,7 @@ pub use decision::{Choice, Decision, KvRequest, SharedDecision};
 pub use event_feed::EventFeed;
 pub(crate) use explain::route_header_noting;
 pub use explain::{Explanation, InstanceExplanation};
-pub use replicas::{SharedLoad, SharedSpeed};
+pub use replicas::{OwnLoads, ReplicaShare, SharedLoad, SharedSpeed};
 pub use router::KvRouter;
 pub use sessions::SessionBinding;
 pub use tokenizer_check::{

@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
+use tokio::sync::Notify;
 
 /// One replica's in-flight load on one instance, and its learned speed of it.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -72,10 +73,36 @@ impl SharedSpeed {
     }
 }
 
+/// A proxy's own in-flight load on every instance, as it shares it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct OwnLoads {
+    /// How many times its load went down (a prefill ended, a request was released or
+    /// expired) up to these loads: asks of the decider carry the count they saw, and the
+    /// decider waits for a share that shows as many.
+    pub eased: u64,
+    /// Its load per instance.
+    pub loads: HashMap<u64, SharedLoad>,
+}
+
+/// One share of another replica's in-flight load, as it arrived.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ReplicaShare {
+    /// The share's number, rising: an older one than the last taken is ignored.
+    pub seq: u64,
+    /// How long it counts.
+    pub ttl: Duration,
+    /// The replica's load and its easings up to it ([`OwnLoads`]).
+    pub own: OwnLoads,
+    /// Every ask of the decider up to this number is settled (booked in `own`, or given
+    /// up).
+    pub decided: u64,
+}
+
 /// The latest share of one replica.
 #[derive(Debug)]
 struct Share {
     seq: u64,
+    eased: u64,
     until: Instant,
     loads: HashMap<u64, SharedLoad>,
 }
@@ -97,33 +124,61 @@ struct Totals {
 pub(crate) struct ReplicaLoads {
     shares: Mutex<HashMap<u64, Share>>,
     totals: ArcSwap<Totals>,
+    /// Woken whenever a share is taken.
+    taken: Notify,
 }
 
 impl ReplicaLoads {
-    /// Replica `replica`'s share number `seq`, arriving at `now` and lasting `ttl`: its load
-    /// per instance. Returns whether it was taken (not older than the last one).
-    pub(crate) fn apply(
-        &self,
-        replica: u64,
-        seq: u64,
-        loads: HashMap<u64, SharedLoad>,
-        ttl: Duration,
-        now: Instant,
-    ) -> bool {
+    /// Replica `replica`'s `share`, arriving at `now`. Returns whether it was taken (not
+    /// older than the last one).
+    pub(crate) fn apply(&self, replica: u64, share: ReplicaShare, now: Instant) -> bool {
         let mut shares = self.shares.lock().unwrap_or_else(PoisonError::into_inner);
-        if shares.get(&replica).is_some_and(|share| share.seq >= seq) {
+        if shares
+            .get(&replica)
+            .is_some_and(|last| last.seq >= share.seq)
+        {
             return false;
         }
         shares.insert(
             replica,
             Share {
-                seq,
-                until: now + ttl,
-                loads,
+                seq: share.seq,
+                eased: share.own.eased,
+                until: now + share.ttl,
+                loads: share.own.loads,
             },
         );
         self.publish(&mut shares, now);
+        drop(shares);
+        self.taken.notify_waiters();
         true
+    }
+
+    /// Whether the share of `replica` taken last shows at least `eased` easings of its load.
+    pub(crate) fn shows(&self, replica: u64, eased: u64) -> bool {
+        let shares = self.shares.lock().unwrap_or_else(PoisonError::into_inner);
+        shares
+            .get(&replica)
+            .is_some_and(|share| share.eased >= eased)
+    }
+
+    /// Waits until a share of `replica` showing at least `eased` easings of its load is
+    /// taken, or `wait` passed; returns whether one is.
+    pub(crate) async fn caught_up(&self, replica: u64, eased: u64, wait: Duration) -> bool {
+        let shown = || self.shows(replica, eased);
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let taken = self.taken.notified();
+            tokio::pin!(taken);
+            // Registered before the check, so a share taken after it wakes this wait.
+            taken.as_mut().enable();
+            if shown() {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, taken).await.is_err() {
+                return shown();
+            }
+        }
     }
 
     /// Drops the shares expired at `now` (their replicas stopped sharing).
@@ -186,26 +241,30 @@ mod tests {
         }
     }
 
+    fn share(seq: u64, loads: HashMap<u64, SharedLoad>) -> ReplicaShare {
+        ReplicaShare {
+            seq,
+            ttl: TTL,
+            own: OwnLoads { eased: 0, loads },
+            decided: 0,
+        }
+    }
+
     #[test]
     fn shares_add_up_replace_and_expire() {
         let replicas = ReplicaLoads::default();
         let now = Instant::now();
-        assert!(replicas.apply(1, 1, HashMap::from([(7, load(100, 10, 1))]), TTL, now));
-        assert!(replicas.apply(
-            2,
-            1,
-            HashMap::from([(7, load(50, 5, 2)), (8, load(1, 1, 1))]),
-            TTL,
-            now
-        ));
+        assert!(replicas.apply(1, share(1, HashMap::from([(7, load(100, 10, 1))])), now));
+        let two = HashMap::from([(7, load(50, 5, 2)), (8, load(1, 1, 1))]);
+        assert!(replicas.apply(2, share(1, two), now));
         assert_eq!(replicas.on(7), load(150, 15, 3));
         assert_eq!(replicas.on(8), load(1, 1, 1));
         assert_eq!(replicas.on(9), SharedLoad::default());
         assert_eq!(replicas.lowest(), Some(1));
         // A newer share replaces the replica's last one; an older one is ignored.
         let later = now + Duration::from_secs(1);
-        assert!(replicas.apply(1, 3, HashMap::new(), TTL, later));
-        assert!(!replicas.apply(1, 2, HashMap::from([(7, load(999, 9, 9))]), TTL, later));
+        assert!(replicas.apply(1, share(3, HashMap::new()), later));
+        assert!(!replicas.apply(1, share(2, HashMap::from([(7, load(999, 9, 9))])), later));
         assert_eq!(replicas.on(7), load(50, 5, 2));
         // Speeds merge weighted by samples: 1 sample of factor e and 3 of factor 1.
         let slow = SharedLoad {
@@ -224,8 +283,8 @@ mod tests {
             },
             ..load(0, 0, 0)
         };
-        assert!(replicas.apply(3, 1, HashMap::from([(8, slow)]), TTL, later));
-        assert!(replicas.apply(4, 1, HashMap::from([(8, steady)]), TTL, later));
+        assert!(replicas.apply(3, share(1, HashMap::from([(8, slow)])), later));
+        assert!(replicas.apply(4, share(1, HashMap::from([(8, steady)])), later));
         let merged = replicas.on(8).speed;
         assert_eq!(merged.samples, 4);
         assert!((merged.ln_factor - 0.25).abs() < 1e-12, "{merged:?}");
@@ -244,5 +303,34 @@ mod tests {
         replicas.expire(later + TTL);
         assert_eq!(replicas.lowest(), None);
         assert_eq!(replicas.on(8).requests, 0);
+    }
+
+    #[tokio::test]
+    async fn a_wait_for_a_share_ends_when_one_shows_the_easings_or_at_its_deadline() {
+        let replicas = Arc::new(ReplicaLoads::default());
+        let eased = |seq, eased| ReplicaShare {
+            own: OwnLoads {
+                eased,
+                loads: HashMap::new(),
+            },
+            ..share(seq, HashMap::new())
+        };
+        let long = Duration::from_secs(30);
+        // Nothing from replica 1 yet: a short wait ends without it.
+        assert!(!replicas.caught_up(1, 1, Duration::from_millis(5)).await);
+        assert!(replicas.apply(1, eased(1, 2), Instant::now()));
+        assert!(replicas.caught_up(1, 2, long).await, "shown already");
+        // A wait for more ends at the share that shows them, not at an older one.
+        let waiting = tokio::spawn({
+            let replicas = Arc::clone(&replicas);
+            async move { replicas.caught_up(1, 4, long).await }
+        });
+        tokio::task::yield_now().await;
+        assert!(replicas.apply(1, eased(2, 3), Instant::now()));
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "3 easings are not 4");
+        assert!(replicas.apply(1, eased(3, 4), Instant::now()));
+        let done = tokio::time::timeout(long, waiting).await;
+        assert!(done.expect("woken").expect("no panic"));
     }
 }

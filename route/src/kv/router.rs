@@ -26,7 +26,7 @@ use crate::kv::overlap::{
     Approximate, LowerTierBlocks, OverlapSource, TierWeights, cached_depth, deepest_rank,
     instance_depth, lower_tier_blocks, worker_key,
 };
-use crate::kv::replicas::{ReplicaLoads, SharedLoad};
+use crate::kv::replicas::{OwnLoads, ReplicaLoads, ReplicaShare};
 use crate::kv::select::{Scored, probabilities, select};
 use crate::kv::sessions::{SessionBinding, Sessions};
 use crate::kv::tokenizer_check::{TokenizerChecks, TokenizerOutcome};
@@ -365,8 +365,13 @@ impl KvRouter {
     }
 
     /// The proxy's own in-flight load per instance, to share with the other replicas.
-    pub fn own_loads(&self) -> HashMap<u64, SharedLoad> {
+    pub fn own_loads(&self) -> OwnLoads {
         self.loads.own()
+    }
+
+    /// How many times the proxy's own load went down so far ([`OwnLoads::eased`]).
+    pub(super) fn own_eased(&self) -> u64 {
+        self.loads.eased()
     }
 
     /// From now on, every routing decision with a prompt goes to the returned receiver, to be
@@ -401,21 +406,12 @@ impl KvRouter {
         self.expire_remote(now);
     }
 
-    /// Takes in replica `replica`'s share number `seq` of its in-flight load per instance,
-    /// lasting `ttl`, in which its asks of the decider up to `decided` are settled (what
-    /// this replica booked for them as decider goes); returns whether it was taken (not
-    /// older than its last one).
-    pub fn apply_replica_loads(
-        &self,
-        replica: u64,
-        seq: u64,
-        loads: HashMap<u64, SharedLoad>,
-        ttl: Duration,
-        decided: u64,
-    ) -> bool {
-        let taken = self
-            .replicas
-            .apply(replica, seq, loads, ttl, Instant::now());
+    /// Takes in replica `replica`'s `share` of its in-flight load per instance (the asks
+    /// of the decider it settled: what this replica booked for them as decider goes);
+    /// returns whether it was taken (not older than its last one).
+    pub fn apply_replica_loads(&self, replica: u64, share: ReplicaShare) -> bool {
+        let decided = share.decided;
+        let taken = self.replicas.apply(replica, share, Instant::now());
         if taken {
             self.settle_remote(replica, decided);
         }

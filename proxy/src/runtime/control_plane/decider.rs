@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvmesh_control::{
-    DecideAnswer, DecideRequest, EventBus, HexU64, InstanceId, Message, Namespace, Subscription,
+    DecideAnswer, DecideRequest, EventBus, HexU64, InstanceId, Namespace, Subscription,
 };
 use kvmesh_kv::{BlockHashes, LocalBlockHash, SequenceHash};
 use kvmesh_route::kv::{DecideAsk, Steer};
@@ -89,6 +89,7 @@ impl DecideLink {
         let request = DecideRequest {
             replica: self.replica,
             seq: ask.seq,
+            eased: ask.eased,
             tokens: ask.prompt.tokens as u64,
             block_size: ask.prompt.block_size as u64,
             local: hex_local(&ask.prompt.hashes),
@@ -123,13 +124,26 @@ impl DecideLink {
     }
 
     /// Answers the other replicas' asks, one at a time in arrival order, while `pool` lives
-    /// and is not retired.
+    /// and is not retired. Each waits first (a few ms at most) for the asker's load share
+    /// that shows the load it shed before asking.
     async fn serve(self, mut served: Subscription, pool: Weak<ModelPool>) {
         while let Some(request) = served.next().await {
             let Some(pool) = pool.upgrade().filter(|pool| !pool.is_retired()) else {
                 return;
             };
-            let answer = self.decide(&pool, &request);
+            let answer = match DecideRequest::from_json(&request.payload) {
+                Ok(asked) => {
+                    if let Some(router) = pool.balancer().kv_router() {
+                        router.await_share(asked.replica.0, asked.eased).await;
+                    }
+                    self.decide(&pool, asked)
+                }
+                Err(error) => {
+                    self.metrics.malformed(Malformed::DecideRequest);
+                    tracing::debug!(%error, "malformed decide request");
+                    DecideAnswer::default()
+                }
+            };
             drop(pool);
             let _ = self
                 .bus
@@ -138,16 +152,8 @@ impl DecideLink {
         }
     }
 
-    /// Decides another replica's `request` as the model's decider.
-    fn decide(&self, pool: &ModelPool, request: &Message) -> DecideAnswer {
-        let asked = match DecideRequest::from_json(&request.payload) {
-            Ok(asked) => asked,
-            Err(error) => {
-                self.metrics.malformed(Malformed::DecideRequest);
-                tracing::debug!(%error, "malformed decide request");
-                return DecideAnswer::default();
-            }
-        };
+    /// Decides another replica's request `asked` as the model's decider.
+    fn decide(&self, pool: &ModelPool, asked: DecideRequest) -> DecideAnswer {
         let Some(router) = pool.balancer().kv_router() else {
             return DecideAnswer::default();
         };

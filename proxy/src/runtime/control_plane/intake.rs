@@ -44,7 +44,9 @@ use kvmesh_kv::{KvEvent, WorkerKey};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::AbortHandle;
 
-use kvmesh_route::kv::{EventFeed, SessionBinding, SharedDecision, SharedLoad, SharedSpeed};
+use kvmesh_route::kv::{
+    EventFeed, OwnLoads, ReplicaShare, SessionBinding, SharedDecision, SharedLoad, SharedSpeed,
+};
 
 use crate::engines::pool::ModelPool;
 use crate::runtime::control_plane::decider::{DecideLink, block_hashes, hex_local, hex_sequence};
@@ -168,7 +170,7 @@ impl Sharer {
         let mut tick = tokio::time::interval(LOAD_SHARE_HEARTBEAT);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut seq = 0;
-        let mut last: Option<(HashMap<u64, SharedLoad>, u64)> = None;
+        let mut last: Option<(OwnLoads, u64)> = None;
         loop {
             let Some(alive) = pool.upgrade().filter(|pool| !pool.is_retired()) else {
                 return;
@@ -244,14 +246,16 @@ impl Sharer {
 
     /// Publishes this replica's share number `seq` of its in-flight load, in which its asks
     /// of the decider up to `decided` are settled.
-    async fn publish_load(&self, seq: u64, own: &HashMap<u64, SharedLoad>, decided: u64) {
+    async fn publish_load(&self, seq: u64, own: &OwnLoads, decided: u64) {
         let share = LoadShare {
             replica: self.replica,
             decided,
+            eased: own.eased,
             seq,
             model: self.model.clone(),
             ttl_ms: LOAD_SHARE_TTL.as_millis() as u64,
             instances: own
+                .loads
                 .iter()
                 .filter(|(_, load)| load.requests > 0 || load.speed.samples > 0)
                 .map(|(&instance, load)| InstanceLoadShare {
@@ -522,8 +526,16 @@ impl Actor {
                     (load.instance_id.0, shared)
                 })
                 .collect();
-            let ttl = Duration::from_millis(share.ttl_ms);
-            router.apply_replica_loads(share.replica.0, share.seq, loads, ttl, share.decided);
+            let taken = ReplicaShare {
+                seq: share.seq,
+                ttl: Duration::from_millis(share.ttl_ms),
+                own: OwnLoads {
+                    eased: share.eased,
+                    loads,
+                },
+                decided: share.decided,
+            };
+            router.apply_replica_loads(share.replica.0, taken);
         }
     }
 

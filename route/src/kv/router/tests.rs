@@ -10,6 +10,8 @@ use rand::rngs::StdRng;
 
 use super::*;
 use crate::candidates::{Candidates, Excluded};
+use crate::kv::SHARE_WAIT;
+use crate::kv::replicas::SharedLoad;
 use crate::metrics::KvFamilies;
 use crate::policy::PolicyInput;
 use crate::prepare::{FallbackReason, PromptKind};
@@ -91,6 +93,15 @@ fn router_and_metrics(config: KvRoutingConfig, n: usize) -> (KvRouter, Vec<Arc<F
         router.add_instance(instance.id());
     }
     (router, instances, registry)
+}
+
+/// What `registry` exposes, as a scrape reads it.
+fn metrics_text(registry: &Registry) -> String {
+    let mut out = Vec::new();
+    TextEncoder::new()
+        .encode(&registry.gather(), &mut out)
+        .unwrap();
+    String::from_utf8(out).unwrap()
 }
 
 fn config() -> KvRoutingConfig {
@@ -444,11 +455,7 @@ fn index_gauges_follow_the_predictions() {
     let decision = picked(choose(&router, &instances, &warm, 0));
     drop(router.commit(&decision, &warm, Instant::now()));
     router.refresh_gauges(&instances);
-    let mut out = Vec::new();
-    TextEncoder::new()
-        .encode(&registry.gather(), &mut out)
-        .unwrap();
-    let text = String::from_utf8(out).unwrap();
+    let text = metrics_text(&registry);
     let gauge = |index: usize| {
         format!(
             "kvmesh_index_blocks{{instance=\"{}\",model=\"m\"}} ",
@@ -684,9 +691,12 @@ fn a_replica_counts_the_load_another_shares_until_it_expires() {
     };
     let held = one.commit(&on_zero, &heavy, Instant::now());
     let shared = one.own_loads();
-    assert_eq!(shared[&0].prefill_tokens, 4_000);
-    assert_eq!((shared[&0].requests, shared[&1].requests), (1, 0));
-    assert!(other.apply_replica_loads(7, 1, shared, Duration::from_secs(60), 0));
+    assert_eq!(shared.loads[&0].prefill_tokens, 4_000);
+    assert_eq!(
+        (shared.loads[&0].requests, shared.loads[&1].requests),
+        (1, 0)
+    );
+    assert!(other.apply_replica_loads(7, share(1, shared)));
     for seed in 0..10 {
         let fresh = request(&other, &conversation(2 + seed, 400));
         let chosen = picked(choose(&other, &instances, &fresh, u64::from(seed)));
@@ -701,7 +711,11 @@ fn a_replica_counts_the_load_another_shares_until_it_expires() {
     assert_eq!(explained.instances[0].active_prefill_tokens, 4_000);
     assert_eq!(explained.instances[0].active_requests, 1);
     // The replica dies: its last share expires.
-    assert!(other.apply_replica_loads(7, 2, one.own_loads(), Duration::ZERO, 0));
+    let last = ReplicaShare {
+        ttl: Duration::ZERO,
+        ..share(2, one.own_loads())
+    };
+    assert!(other.apply_replica_loads(7, last));
     other.expire_replica_loads();
     let explained = other.explain(
         &instances,
@@ -850,11 +864,7 @@ fn an_unset_block_size_is_the_first_records_and_another_engines_is_scored_approx
     assert!(!header.contains("block_size_mismatch"), "{header}");
     // The gauge says which instance conflicts.
     router.refresh_gauges(&instances);
-    let mut out = Vec::new();
-    TextEncoder::new()
-        .encode(&registry.gather(), &mut out)
-        .unwrap();
-    let text = String::from_utf8(out).unwrap();
+    let text = metrics_text(&registry);
     for (instance, value) in [(&instances[0], 0), (&instances[1], 1)] {
         let series = format!(
             "kvmesh_route_block_size_mismatch{{instance=\"{}\",model=\"m\"}} {value}\n",
@@ -1000,14 +1010,7 @@ fn answers_check_the_index_and_an_instance_that_keeps_disagreeing_is_resynced() 
     booking.engine_cached(&url(0), Some(0));
     drop(booking);
     router.refresh_gauges(&instances);
-    let text = |registry: &Registry| {
-        let mut out = Vec::new();
-        TextEncoder::new()
-            .encode(&registry.gather(), &mut out)
-            .unwrap();
-        String::from_utf8(out).unwrap()
-    };
-    let metrics = text(&registry);
+    let metrics = metrics_text(&registry);
     for series in [
         "kvmesh_route_cache_check_answers_total{model=\"m\",result=\"agreed\"} 1\n".to_string(),
         "kvmesh_route_cache_check_answers_total{model=\"m\",result=\"disagreed\"} 2\n".to_string(),
@@ -1128,9 +1131,20 @@ fn a_request_goes_to_the_data_parallel_rank_that_reported_its_prefix() {
     assert_eq!(picked(choice).dp_rank, None);
 }
 
+/// Another replica's share number `seq` of `own`, lasting a minute, settling no ask.
+fn share(seq: u64, own: OwnLoads) -> ReplicaShare {
+    ReplicaShare {
+        seq,
+        ttl: Duration::from_secs(60),
+        own,
+        decided: 0,
+    }
+}
+
 fn requests_on(router: &KvRouter, instance: u64) -> u64 {
     router
         .own_loads()
+        .loads
         .get(&instance)
         .map_or(0, |load| load.requests)
 }
@@ -1174,9 +1188,19 @@ fn the_decider_sees_its_own_booking_and_holds_anothers_until_settled() {
             ..SharedLoad::default()
         },
     )]);
-    assert!(decider.apply_replica_loads(9, 1, HashMap::new(), Duration::from_secs(60), 0));
+    assert!(decider.apply_replica_loads(9, share(1, OwnLoads::default())));
     assert_eq!(requests_on(&decider, steer.instance), 1);
-    assert!(decider.apply_replica_loads(9, 2, shared, Duration::from_secs(60), 1));
+    let settling = ReplicaShare {
+        decided: 1,
+        ..share(
+            2,
+            OwnLoads {
+                eased: 0,
+                loads: shared,
+            },
+        )
+    };
+    assert!(decider.apply_replica_loads(9, settling));
     assert_eq!(
         requests_on(&decider, steer.instance),
         0,
@@ -1186,14 +1210,77 @@ fn the_decider_sees_its_own_booking_and_holds_anothers_until_settled() {
 }
 
 #[tokio::test]
+async fn the_decider_waits_for_the_share_that_shows_what_the_asker_shed_before_asking() {
+    let (decider, instances, registry) = router_and_metrics(config(), 2);
+    let waits = |outcome: &str| {
+        let line =
+            format!("kvmesh_route_decider_share_waits_total{{model=\"m\",outcome=\"{outcome}\"}} ");
+        metrics_text(&registry)
+            .lines()
+            .find_map(|l| l.strip_prefix(line.as_str()).map(str::to_owned))
+    };
+    // Replica 9 sent a conversation's first turn to instance 0, which holds its blocks now,
+    // and its share shows the turn running there.
+    let first = request(&decider, &conversation(1, 1_800));
+    decider.apply_decision(0, &prompt_of(&first).hashes);
+    let running = HashMap::from([(
+        0,
+        SharedLoad {
+            prefill_tokens: 4_000,
+            blocks: 30,
+            requests: 1,
+            ..SharedLoad::default()
+        },
+    )]);
+    let before = OwnLoads {
+        eased: 6,
+        loads: running,
+    };
+    assert!(decider.apply_replica_loads(9, share(1, before)));
+    // The turn ended (replica 9's seventh easing) and it asks for the next turn at once.
+    let next = request(&decider, &conversation(1, 1_900));
+    assert_eq!(
+        picked(choose(&decider, &instances, &next, 0)).instance_id,
+        1,
+        "decided on the share before the end, the next turn leaves its blocks"
+    );
+    let ended = async {
+        tokio::task::yield_now().await;
+        let after = OwnLoads {
+            eased: 7,
+            loads: HashMap::new(),
+        };
+        assert!(decider.apply_replica_loads(9, share(2, after)));
+    };
+    let (shown, ()) = tokio::join!(decider.await_share(9, 7), ended);
+    assert!(shown, "the share arrived while the ask waited");
+    let excluded = Excluded::default();
+    let candidates = Candidates::new(&instances, &excluded, 0);
+    let steer = decider
+        .decide_for(
+            &candidates,
+            prompt_of(&next),
+            None,
+            (9, 1, decider.settings()),
+        )
+        .expect("chosen");
+    assert_eq!(steer.instance, 0, "where its blocks are");
+    assert_eq!(waits("shown").as_deref(), Some("1"));
+    // An ask the last share already covers does not wait; one whose share never comes waits
+    // its bound, then is decided anyway.
+    assert!(decider.await_share(9, 7).await);
+    assert_eq!(waits("shown").as_deref(), Some("1"), "not a wait");
+    let started = Instant::now();
+    assert!(!decider.await_share(9, 8).await);
+    assert!(started.elapsed() >= SHARE_WAIT, "{:?}", started.elapsed());
+    assert_eq!(waits("late").as_deref(), Some("1"));
+}
+
+#[tokio::test]
 async fn a_replica_asks_the_lowest_live_replica_and_takes_its_choice() {
     let (asker, instances, registry) = router_and_metrics(config(), 2);
     let asks_timed = || {
-        let mut out = Vec::new();
-        TextEncoder::new()
-            .encode(&registry.gather(), &mut out)
-            .unwrap();
-        let text = String::from_utf8(out).unwrap();
+        let text = metrics_text(&registry);
         let line = "kvmesh_route_decision_seconds_count{model=\"m\",stage=\"ask\"} ";
         text.lines()
             .find_map(|l| l.strip_prefix(line))
@@ -1206,10 +1293,10 @@ async fn a_replica_asks_the_lowest_live_replica_and_takes_its_choice() {
     assert_eq!(asker.ask_decider(vec![0, 1], &fresh).await, None);
     assert!(outbox.try_recv().is_err());
     // A replica with a higher id is not its decider; one with a lower id is.
-    assert!(asker.apply_replica_loads(8, 1, HashMap::new(), Duration::from_secs(60), 0));
+    assert!(asker.apply_replica_loads(8, share(1, OwnLoads::default())));
     assert_eq!(asker.ask_decider(vec![0, 1], &fresh).await, None);
     assert!(outbox.try_recv().is_err());
-    assert!(asker.apply_replica_loads(3, 1, HashMap::new(), Duration::from_secs(60), 0));
+    assert!(asker.apply_replica_loads(3, share(1, OwnLoads::default())));
     let answer = async {
         let ask = outbox.recv().await.expect("an ask");
         assert_eq!(
@@ -1259,7 +1346,7 @@ async fn a_decider_that_does_not_answer_in_time_is_not_asked_for_a_while() {
     };
     let (asker, _) = router_with(config, 2);
     let mut outbox = asker.serve_asks(5).expect("asks start");
-    assert!(asker.apply_replica_loads(3, 1, HashMap::new(), Duration::from_secs(60), 0));
+    assert!(asker.apply_replica_loads(3, share(1, OwnLoads::default())));
     let request = request(&asker, &conversation(1, 400));
     assert_eq!(asker.ask_decider(vec![0, 1], &request).await, None);
     let unanswered = outbox.try_recv().expect("it was asked");
