@@ -182,11 +182,8 @@ def front(cluster):
     """A proxy with the KServe gRPC listener and the endpoint picker, on the suite's
     discovery and events."""
     cfg = cluster.workdir / "front.yaml"
-    # It routes alone (`decider_timeout: 0s`): with the suite's proxy as its decider, an ask can
-    # overtake the share that says the last request ended (the open race in control-plane.md),
-    # which failed the picker test in 2 of the last 3 full runs of this suite.
     cfg.write_text(proxy_config(
-        cluster.etcd.url, cluster.nats.url, listed_model() + "    kv:\n      decider_timeout: 0s\n",
+        cluster.etcd.url, cluster.nats.url, listed_model(),
         "grpc:\n  address: 127.0.0.1:0\nepp:\n  address: 127.0.0.1:0\n  fallbacks: 1\n",
     ))
     proxy = Proc("kvmesh-proxy", ["--config", str(cfg)], cluster.workdir)
@@ -357,9 +354,8 @@ def test_the_endpoint_picker_names_a_real_engine_and_picks_a_repeated_prompt_whe
             blocks = prompt_tokens // BLOCK_SIZE
             await asyncio.to_thread(wait_until, "the blocks in the picker's index",
                                     lambda: reported_on_front(front, messages, home) == blocks, 30)
-            # Wait until both proxies count nothing on the home engine (their bookings, the other
-            # replica's share and the engine's load report all say the first request ended), so
-            # the repeat is placed by its cached blocks alone.
+            # Wait until both proxies (replicas: one decides for the other) count nothing on the
+            # home engine, so the repeat is placed by its cached blocks alone.
             await asyncio.to_thread(wait_until, "the first request's end on every proxy",
                                     lambda: all(idle_on(admin, messages, home)
                                                 for admin in (front.url("admin"), cluster.admin)), 30)
@@ -368,7 +364,8 @@ def test_the_endpoint_picker_names_a_real_engine_and_picks_a_repeated_prompt_whe
                                    "stream_options": {"include_usage": True}}).encode()
             exchange = Exchange(chan)
             endpoints = await exchange.pick(streamed)
-            assert endpoints[0] == home.url.removeprefix("http://"), endpoints
+            assert endpoints[0] == home.url.removeprefix("http://"), (
+                endpoints, [debug_route(admin, messages) for admin in (front.url("admin"), cluster.admin)])
             response = await client.post(f"http://{endpoints[0]}/v1/chat/completions", content=streamed)
             assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
             added = await exchange.respond(endpoints[0], response)
@@ -381,16 +378,19 @@ def test_the_endpoint_picker_names_a_real_engine_and_picks_a_repeated_prompt_whe
     asyncio.run(asyncio.wait_for(go(), 180))
 
 
-def idle_on(admin, messages, engine):
-    """Whether the proxy at `admin` counts no request on `engine` (its own or other replicas')."""
+def debug_route(admin, messages):
+    """The proxy at `admin`'s explanation of where it would send a chat of `messages`."""
     status, _, body = http("POST", admin + "/debug/route", {"model": MODEL, "messages": messages, "max_tokens": 1})
     assert status == 200, body
-    load = next(i for i in json.loads(body)["instances"] if i["instance"].rstrip("/") == engine.url)
+    return json.loads(body)
+
+
+def idle_on(admin, messages, engine):
+    """Whether the proxy at `admin` counts no request on `engine` (its own or other replicas')."""
+    load = next(i for i in debug_route(admin, messages)["instances"] if i["instance"].rstrip("/") == engine.url)
     return load["active_requests"] == 0 and load["active_prefill_tokens"] == 0
 
 
 def reported_on_front(front, messages, engine):
-    status, _, body = http("POST", front.url("admin") + "/debug/route",
-                           {"model": MODEL, "messages": messages, "max_tokens": 1})
-    assert status == 200, body
-    return next(i["reported_blocks"] for i in json.loads(body)["instances"] if i["instance"].rstrip("/") == engine.url)
+    instances = debug_route(front.url("admin"), messages)["instances"]
+    return next(i["reported_blocks"] for i in instances if i["instance"].rstrip("/") == engine.url)
