@@ -497,7 +497,7 @@ run_one() {
     curl -sf "http://$(listening "$RUN_DIR/proxy.out" admin)/metrics" >"$RUN_DIR/proxy-metrics.txt" || true
   fi
   if [[ $lane == kvmesh-precise-*r ]]; then
-    local replica_out asked decided
+    local replica_out asked decided held
     for replica_out in "$RUN_DIR"/proxy-*.out; do
       curl -sf "http://$(listening "$replica_out" admin)/metrics" || true
     done >"$RUN_DIR/replica-metrics.txt"
@@ -505,7 +505,9 @@ run_one() {
       awk '$1 ~ /^kvmesh_route_decider_asks_total\{/ { match($1, /outcome="[a-z]+"/); o = substr($1, RSTART + 9, RLENGTH - 10); n[o] += $NF } END { printf "chosen %d, declined %d, timeout %d, unavailable %d, skipped %d", n["chosen"], n["declined"], n["timeout"], n["unavailable"], n["skipped"] }')
     decided=$(cat "$RUN_DIR/proxy-metrics.txt" "$RUN_DIR/replica-metrics.txt" 2>/dev/null |
       awk '$1 ~ /^kvmesh_route_decided_for_replicas_total\{/ { s += $NF } END { printf "%d", s }')
-    note "$lane, $workload${round:+, round $round}: the replicas asked their decider to route requests ($asked, over all replicas); deciders routed $decided requests of other replicas"
+    held=$(cat "$RUN_DIR/proxy-metrics.txt" "$RUN_DIR/replica-metrics.txt" 2>/dev/null |
+      awk '$1 ~ /^kvmesh_route_decider_share_waits_total\{/ { match($1, /outcome="[a-z]+"/); o = substr($1, RSTART + 9, RLENGTH - 10); n[o] += $NF } END { printf "%d shown, %d late", n["shown"], n["late"] }')
+    note "$lane, $workload${round:+, round $round}: the replicas asked their decider to route requests ($asked, over all replicas); deciders routed $decided requests of other replicas, holding some for the asker's load share ($held)"
   fi
   if [[ $lane == kvmesh-precise* ]]; then
     note "$lane, $workload${round:+, round $round}: the proxy applied $(metric_sum kvmesh_kv_events_applied_total) KV events from the agents ($(metric_sum kvmesh_kv_event_gaps_total) gaps, $(metric_sum kvmesh_kv_resyncs_total) resyncs), saw $(metric_sum kvmesh_discovery_instances) instances in etcd, and made $(metric_sum kvmesh_route_fallbacks_total) fallback routing decisions"
