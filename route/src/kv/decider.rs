@@ -7,7 +7,9 @@
 //! (tokenize, hash, look up), ask it, and book its answer themselves ([`KvRouter::ask_decider`]);
 //! the decider runs the same choice over its own view, books the request itself until the
 //! asker's load share shows it settled ([`KvRouter::decide_for`]), and so routes the burst in
-//! one order, as one proxy would. An asker that gets no answer within `kv.decider_timeout`
+//! one order, as one proxy would. Before deciding, it waits a few milliseconds at most for the
+//! asker's share showing the load the asker shed before asking ([`KvRouter::await_share`]),
+//! which travels beside the ask, not in line with it. An asker that gets no answer within `kv.decider_timeout`
 //! routes alone and asks nobody for [`crate::kv::QUIET_AFTER_TIMEOUT`]; a replica that knows of no
 //! lower live replica routes alone.
 //!
