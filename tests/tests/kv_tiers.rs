@@ -128,11 +128,14 @@ async fn a_prefix_in_host_memory_draws_its_prompt_at_the_host_weight() -> anyhow
     assert_eq!(offloaded, Some(30.0), "five 6-block prompts in host memory");
 
     // Both proxies see the prompt's 6 blocks in the offloading engine's host memory and none
-    // on its device, and 3 on the other engine's device.
+    // on its device, and 3 on the other engine's device; and both engines idle (a load report
+    // scraped while one of the requests above ran counts its blocks until the next report).
     let placed = |explanation: &serde_json::Value| {
         explained(explanation, offloading, "host_blocks") == 6
             && explained(explanation, offloading, "overlap_blocks") == 0
             && explained(explanation, plain, "overlap_blocks") == 3
+            && explained(explanation, offloading, "active_blocks") == 0
+            && explained(explanation, plain, "active_blocks") == 0
     };
     let request = token_prompt(&prompt, 1);
     let at_default = await_explained(&client, &default_weights, &request, None, placed).await?;
