@@ -158,12 +158,15 @@ def reported_on(cluster, engine, messages):
     return entry["reported_blocks"]
 
 
-def explain(cluster, messages):
-    status, _, body = http(
-        "POST", cluster.admin + "/debug/route", {"model": MODEL, "messages": messages, "max_tokens": 1}
-    )
+def debug_route(admin, messages):
+    """The proxy at `admin`'s explanation of where it would send a chat of `messages`."""
+    status, _, body = http("POST", admin + "/debug/route", {"model": MODEL, "messages": messages, "max_tokens": 1})
     assert status == 200, body
     return json.loads(body)
+
+
+def explain(cluster, messages):
+    return debug_route(cluster.admin, messages)
 
 
 def stream_chat(cluster, messages, max_tokens, api=None, barrier=None, first_tokens=None):

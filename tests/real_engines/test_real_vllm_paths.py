@@ -36,7 +36,7 @@ from conftest import (
     proxy_config,
     wait_until,
 )
-from test_real_vllm import cap, reported_on, route_of, text
+from test_real_vllm import cap, debug_route, reported_on, route_of, text
 
 # xds-protos lives apart from the venv's packages (scripts/setup.sh says why).
 sys.path.append(str(ROOT / ".venv" / "xds-protos"))
@@ -376,13 +376,6 @@ def test_the_endpoint_picker_names_a_real_engine_and_picks_a_repeated_prompt_whe
             assert usage["prompt_tokens_details"]["cached_tokens"] == min(blocks, cap(prompt_tokens)) * BLOCK_SIZE
 
     asyncio.run(asyncio.wait_for(go(), 180))
-
-
-def debug_route(admin, messages):
-    """The proxy at `admin`'s explanation of where it would send a chat of `messages`."""
-    status, _, body = http("POST", admin + "/debug/route", {"model": MODEL, "messages": messages, "max_tokens": 1})
-    assert status == 200, body
-    return json.loads(body)
 
 
 def idle_on(admin, messages, engine):

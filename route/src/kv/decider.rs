@@ -9,9 +9,9 @@
 //! asker's load share shows it settled ([`KvRouter::decide_for`]), and so routes the burst in
 //! one order, as one proxy would. Before deciding, it waits a few milliseconds at most for the
 //! asker's share showing the load the asker shed before asking ([`KvRouter::await_share`]),
-//! which travels beside the ask, not in line with it. An asker that gets no answer within `kv.decider_timeout`
-//! routes alone and asks nobody for [`crate::kv::QUIET_AFTER_TIMEOUT`]; a replica that knows of no
-//! lower live replica routes alone.
+//! which travels beside the ask, not in line with it. An asker that gets no answer within
+//! `kv.decider_timeout` routes alone and asks nobody for [`crate::kv::QUIET_AFTER_TIMEOUT`];
+//! a replica that knows of no lower live replica routes alone.
 //!
 //! The router knows nothing of NATS: asks go out through the channel
 //! [`KvRouter::serve_asks`] returns, and the proxy's control plane carries them.

@@ -494,8 +494,7 @@ impl ActiveLoads {
         if tokens > 0 {
             load.in_prefill.remove(&(started, id));
             load.last_prefill_done = Some(load.last_prefill_done.map_or(now, |at| at.max(now)));
-            self.eased.fetch_add(1, Ordering::Release);
-            self.changed.notify_one();
+            self.ease();
         }
         if first_token {
             let observed_ms = observed.as_secs_f64() * 1000.0;
@@ -552,8 +551,7 @@ impl ActiveLoads {
             .cell(instance)
             .is_some_and(|cell| Self::lock(&cell).remove(id));
         if released {
-            self.eased.fetch_add(1, Ordering::Release);
-            self.changed.notify_one();
+            self.ease();
         }
         released
     }
@@ -562,6 +560,13 @@ impl ActiveLoads {
     /// or expired).
     pub(crate) fn eased(&self) -> u64 {
         self.eased.load(Ordering::Acquire)
+    }
+
+    /// The load just went down: counts it (after the change, so a share that reads the
+    /// count sees the change) and wakes the sharer.
+    fn ease(&self) {
+        self.eased.fetch_add(1, Ordering::Release);
+        self.changed.notify_one();
     }
 
     /// The proxy's own load on every instance, as replicas share it.
@@ -602,8 +607,7 @@ impl ActiveLoads {
             }
         }
         if expired > 0 {
-            self.eased.fetch_add(1, Ordering::Release);
-            self.changed.notify_one();
+            self.ease();
         }
         expired
     }

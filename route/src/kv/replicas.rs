@@ -102,9 +102,8 @@ pub struct ReplicaShare {
 #[derive(Debug)]
 struct Share {
     seq: u64,
-    eased: u64,
     until: Instant,
-    loads: HashMap<u64, SharedLoad>,
+    own: OwnLoads,
 }
 
 /// The live shares summed up.
@@ -143,9 +142,8 @@ impl ReplicaLoads {
             replica,
             Share {
                 seq: share.seq,
-                eased: share.own.eased,
                 until: now + share.ttl,
-                loads: share.own.loads,
+                own: share.own,
             },
         );
         self.publish(&mut shares, now);
@@ -159,7 +157,7 @@ impl ReplicaLoads {
         let shares = self.shares.lock().unwrap_or_else(PoisonError::into_inner);
         shares
             .get(&replica)
-            .is_some_and(|share| share.eased >= eased)
+            .is_some_and(|share| share.own.eased >= eased)
     }
 
     /// Waits until a share of `replica` showing at least `eased` easings of its load is
@@ -197,7 +195,7 @@ impl ReplicaLoads {
             ..Totals::default()
         };
         for share in shares.values() {
-            for (&instance, load) in &share.loads {
+            for (&instance, load) in &share.own.loads {
                 totals.loads.entry(instance).or_default().add(load);
                 totals.fleet = totals.fleet.merged(load.speed);
             }
