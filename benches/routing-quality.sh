@@ -502,7 +502,7 @@ run_one() {
       curl -sf "http://$(listening "$replica_out" admin)/metrics" || true
     done >"$RUN_DIR/replica-metrics.txt"
     asked=$(cat "$RUN_DIR/proxy-metrics.txt" "$RUN_DIR/replica-metrics.txt" 2>/dev/null |
-      awk '$1 ~ /^kvmesh_route_decider_asks_total\{/ { match($1, /outcome="[a-z]+"/); o = substr($1, RSTART + 9, RLENGTH - 10); n[o] += $NF } END { printf "chosen %d, declined %d, timeout %d, unavailable %d, skipped %d", n["chosen"], n["declined"], n["timeout"], n["unavailable"], n["skipped"] }')
+      awk '$1 ~ /^kvmesh_route_decider_asks_total\{/ { match($1, /outcome="[a-z]+"/); o = substr($1, RSTART + 9, RLENGTH - 10); n[o] += $NF } END { printf "chosen %d, declined %d, timeout %d, unavailable %d, skipped %d, decisive (not asked) %d", n["chosen"], n["declined"], n["timeout"], n["unavailable"], n["skipped"], n["decisive"] }')
     decided=$(cat "$RUN_DIR/proxy-metrics.txt" "$RUN_DIR/replica-metrics.txt" 2>/dev/null |
       awk '$1 ~ /^kvmesh_route_decided_for_replicas_total\{/ { s += $NF } END { printf "%d", s }')
     held=$(cat "$RUN_DIR/proxy-metrics.txt" "$RUN_DIR/replica-metrics.txt" 2>/dev/null |

@@ -61,7 +61,7 @@ def chunked_ms(tokens):
 
 class Request:
     __slots__ = ("arrival", "isl", "osl", "hashes", "engine", "computed", "generated",
-                 "first", "hit", "blocks", "done")
+                 "first", "hit", "blocks", "done", "extra")
 
     def __init__(self, arrival, isl, osl, hashes):
         self.arrival, self.isl, self.osl, self.hashes = arrival, isl, osl, hashes
@@ -70,6 +70,8 @@ class Request:
         self.first = None
         self.blocks = []
         self.done = False
+        # Milliseconds the decision itself took (a round trip to the leader), added to TTFT.
+        self.extra = 0.0
 
 
 class Engine:
@@ -435,7 +437,9 @@ class ReplicatedKv(KvCost):
                 total -= int(tokens * min(1.0, (now - began) / own_ms))
         return total
 
-    def replica_cost(self, i, k, request, now):
+    def replica_cost(self, i, k, request, now, hidden=0):
+        """Replica `i`'s cost of engine `k` for `request` at `now`, as if `hidden` more
+        requests like it were queued there unseen."""
         me = self.replicas[i]
         others = self.others(i, k, now)
         overlap = max(self.engines[k].cached_prefix(request.hashes),
@@ -454,17 +458,16 @@ class ReplicatedKv(KvCost):
         usage = min(1.0, (active + len(request.hashes) - shared) / CAPACITY)
         requests = sum(o[3] for o in others)
         running = bool(me.in_flight[k]) or requests > 0
-        queue_ms, iterations = chunked_ms(self.queued_by(i, k, now, others) + new)
+        queue_ms, iterations = chunked_ms(self.queued_by(i, k, now, others) + new * (1 + hidden))
         own_ms, own_iterations = chunked_ms(new)
         per_iteration = decode_ms(usage) if running else 0.0
         value = self.w * queue_ms + iterations * per_iteration + self.work * own_ms
         tie = len(me.in_flight[k]) + (requests if self.share == "bookings" else 0)
         return value, tie, new, own_ms + own_iterations * per_iteration
 
-    def route(self, request, now):
-        i = self.reach(request)
-        self.arrived += 1
-        self.owner[request] = (i, self.arrived)
+    def choose(self, i, request, now):
+        """Replica `i`'s choice for `request`: (engine, new tokens, own ms, every engine's
+        (value, new tokens))."""
         me = self.replicas[i]
         while me.read < len(self.log) and self.log[me.read][0] + self.delay <= now:
             at, j, k, hashes = self.log[me.read]
@@ -484,6 +487,35 @@ class ReplicatedKv(KvCost):
         if self.temperature > 0:
             k = draw([value for value, _, _ in scored], self.temperature)
             _, new, own_ms = scored[k]
+        return k, new, own_ms, scored
+
+    def decisive(self, i, request, now, k, scored):
+        """Whether replica `i`'s choice `k` stands as kvmesh's `decisive` asks: `k` caches
+        more than the next cheapest engine, and stays cheaper with a request like this one
+        from every other replica queued there unseen."""
+        if self.temperature > 0:
+            return False
+        rest = [(value, new) for e, (value, new, _) in enumerate(scored) if e != k]
+        if not rest:
+            return True
+        next_value, next_new = min(rest)
+        if scored[k][1] >= next_new:
+            return False
+        return self.replica_cost(i, k, request, now, hidden=self.count - 1)[0] < next_value
+
+    def route(self, request, now):
+        lane = self.reach(request)
+        self.arrived += 1
+        i = lane
+        k, new, own_ms, scored = self.choose(i, request, now)
+        if self.decide == "decisive" and self.count > 1 and not self.decisive(i, request, now, k, scored):
+            # Asked: replica 0 decides and books it at once (kvmesh's decider books it until
+            # the asker's share shows it), a round trip late.
+            i = 0
+            k, new, own_ms, _ = self.choose(i, request, now)
+            request.extra = 2 * self.delay
+        self.owner[request] = (i, self.arrived, lane)
+        me = self.replicas[i]
         for h in request.hashes:
             me.decided[k][h] = now + self.ttl
             me.blocks[k][h] = me.blocks[k].get(h, 0) + 1
@@ -494,7 +526,7 @@ class ReplicatedKv(KvCost):
         return k
 
     def first_token(self, request, now):
-        i, _ = self.owner[request]
+        i, _, _ = self.owner[request]
         me = self.replicas[i]
         if me.prefill[request.engine].pop(request, None) is not None:
             me.last_first[request.engine] = now
@@ -513,8 +545,8 @@ class ReplicatedKv(KvCost):
                     me.blocks[k][h] -= 1
                     if me.blocks[k][h] == 0:
                         del me.blocks[k][h]
-                replica, order = self.owner.pop(r)
-                done.append((order, replica))
+                _, order, lane = self.owner.pop(r)
+                done.append((order, lane))
             self.publish(i, k, now)
         for _, i in sorted(done):
             self.idle.append(i)
@@ -573,7 +605,7 @@ def measure(policy, args, seed):
                     getattr(args, "arrival_jitter_ms", 0.0), seed)
     engines = replay(policy, requests, args.engines)
     extra = getattr(policy, "extra_ms", 0.0)
-    ttft = sorted(r.first - r.arrival + extra for r in requests)
+    ttft = sorted(r.first - r.arrival + extra + r.extra for r in requests)
     q = lambda p: ttft[min(len(ttft) - 1, int(p * len(ttft)))]
     hits = sum(e.hit_tokens for e in engines) / max(1, sum(e.query_tokens for e in engines))
     per = [0] * args.engines
@@ -646,10 +678,12 @@ def main():
     ap.add_argument("--share", choices=["loads", "bookings"], default="loads",
                     help="what replicas share of their in-flight load: loads (per-instance "
                          "totals, what kvmesh does) or bookings (each request)")
-    ap.add_argument("--decide", choices=["own", "leader"], default="own",
-                    help="who decides a replica's requests: own (itself, what kvmesh does) or "
-                         "leader (one replica decides for all, a round trip of --share-delay-ms "
-                         "added to each request's time to first token)")
+    ap.add_argument("--decide", choices=["own", "leader", "decisive"], default="own",
+                    help="who decides a replica's requests: own (itself), leader (one replica "
+                         "decides for all, a round trip of --share-delay-ms added to each "
+                         "request's time to first token) or decisive (kvmesh: a replica decides "
+                         "alone when its choice is decisive, else the leader does, a round trip "
+                         "later)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="kv.temperature of the replicas (default 0: the cheapest instance)")
     ap.add_argument("--arrival-jitter-ms", type=float, default=0.0,

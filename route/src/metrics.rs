@@ -189,7 +189,7 @@ impl KvFamilies {
         let decider_asks = IntCounterVec::new(
             Opts::new(
                 "kvmesh_route_decider_asks_total",
-                "policy kv: requests this replica asked its model's decider (another replica) to route, by outcome (chosen: routed as it answered; declined: it did not choose; timeout: no answer within kv.decider_timeout; unavailable: the ask could not be sent; skipped: not asked, within 250 ms of a timeout). All but chosen were routed by this replica alone.",
+                "policy kv: requests this replica asked its model's decider (another replica) to route, by outcome (chosen: routed as it answered; declined: it did not choose; timeout: no answer within kv.decider_timeout; unavailable: the ask could not be sent; skipped: not asked, within 250 ms of a timeout; decisive: not asked, its own choice stood even against an unseen request like it from every other replica). All but chosen were routed by this replica alone.",
             ),
             &["model", "outcome"],
         )?;
@@ -400,7 +400,7 @@ pub struct KvMetrics {
     /// order.
     tokenizer_checks: [IntCounter; 3],
     /// `kvmesh_route_decider_asks_total{model,outcome}`, in [`AskOutcome::ALL`] order.
-    decider_asks: [IntCounter; 5],
+    decider_asks: [IntCounter; 6],
     /// `kvmesh_route_decided_for_replicas_total{model}`.
     pub(crate) decided_for_replicas: IntCounter,
     /// `kvmesh_route_decider_share_waits_total{model,outcome}`: shown, late.
@@ -420,15 +420,19 @@ pub(crate) enum AskOutcome {
     Unavailable,
     /// Not asked: an ask timed out less than [`crate::kv::QUIET_AFTER_TIMEOUT`] ago.
     Skipped,
+    /// Not asked: this replica's own choice stood even against a request like it from
+    /// every other replica, unseen (the decider would choose the same).
+    Decisive,
 }
 
 impl AskOutcome {
-    const ALL: [AskOutcome; 5] = [
+    const ALL: [AskOutcome; 6] = [
         Self::Chosen,
         Self::Declined,
         Self::Timeout,
         Self::Unavailable,
         Self::Skipped,
+        Self::Decisive,
     ];
 
     fn label(self) -> &'static str {
@@ -438,6 +442,7 @@ impl AskOutcome {
             Self::Timeout => "timeout",
             Self::Unavailable => "unavailable",
             Self::Skipped => "skipped",
+            Self::Decisive => "decisive",
         }
     }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::HeaderValue;
 use kvmesh_route::kv::{Booking, Steer};
-use kvmesh_route::{CandidateSet, Candidates, Excluded, NoPick, PolicyInput};
+use kvmesh_route::{Candidates, Excluded, NoPick, PolicyInput};
 use kvmesh_wire::usage::TokenCount;
 
 use crate::engines::clock::now_millis;
@@ -93,14 +93,8 @@ pub(crate) async fn steer(
     let PolicyInput::Kv(request) = &picker.input else {
         return None;
     };
-    let ids = {
-        let candidates = Candidates::new(instances, excluded, now_millis());
-        (0..candidates.len())
-            .filter(|&index| candidates.is_eligible(index))
-            .map(|index| candidates.id(index))
-            .collect()
-    };
-    router.ask_decider(ids, request).await
+    let candidates = Candidates::new(instances, excluded, now_millis());
+    router.ask_decider(&candidates, request).await
 }
 
 /// Picks the next instance of `instances` (the pool's, loaded once per request) not in

@@ -9,7 +9,9 @@
 //! asker's load share shows it settled ([`KvRouter::decide_for`]), and so routes the burst in
 //! one order, as one proxy would. Before deciding, it waits a few milliseconds at most for the
 //! asker's share showing the load the asker shed before asking ([`KvRouter::await_share`]),
-//! which travels beside the ask, not in line with it. An asker that gets no answer within
+//! which travels beside the ask, not in line with it. A replica whose own choice would stand
+//! against an unseen request like it from every other replica does not ask
+//! ([`KvRouter::decisive`]): the decider would choose the same. An asker that gets no answer within
 //! `kv.decider_timeout` routes alone and asks nobody for [`crate::kv::QUIET_AFTER_TIMEOUT`];
 //! a replica that knows of no lower live replica routes alone.
 //!
@@ -47,12 +49,18 @@ impl KvRouter {
         self.asks().settled()
     }
 
-    /// Asks the model's decider to route `request` to one of `candidates` (instance ids).
-    /// `None`: route it here alone (this replica decides, no prompt, no answer in time).
-    pub async fn ask_decider(&self, candidates: Vec<u64>, request: &KvRequest) -> Option<Steer> {
+    /// Asks the model's decider to route `request` to one of the eligible `candidates`.
+    /// `None`: route it here alone (this replica decides, no prompt, no answer in time, or
+    /// this replica's own choice is decisive: [`Self::decisive`]).
+    pub async fn ask_decider<S: CandidateSet + Sync + ?Sized>(
+        &self,
+        candidates: &S,
+        request: &KvRequest,
+    ) -> Option<Steer> {
         let asks = self.asks();
         let (replica, outbox) = asks.outbox.get()?;
-        let decider = self.replica_loads().lowest().filter(|&id| id < *replica)?;
+        let replicas = self.replica_loads();
+        let decider = replicas.lowest().filter(|&id| id < *replica)?;
         let RouteInput::Tokens(prompt) = &request.input else {
             return None;
         };
@@ -60,6 +68,14 @@ impl KvRouter {
             self.metrics().count_ask(AskOutcome::Skipped);
             return None;
         }
+        if self.decisive(candidates, request, replicas.live()) {
+            self.metrics().count_ask(AskOutcome::Decisive);
+            return None;
+        }
+        let candidates = (0..candidates.len())
+            .filter(|&index| candidates.is_eligible(index))
+            .map(|index| candidates.id(index))
+            .collect();
         let (answer, answered) = oneshot::channel();
         let seq = asks.open();
         let ask = DecideAsk {

@@ -16,12 +16,13 @@
 //!
 //! Beside its own bookings, an instance may carry its engine's **reported** load (a
 //! worker-agent's load report, [`ReportedLoad`]): KV blocks in use and queued requests. The
-//! proxy's bookings are exact for its own requests, so only what a report holds beyond them
-//! counts (the **foreign** load: other proxy replicas' requests, the engine's real queue):
-//! the report minus the proxy's own load when it arrived, minus what the proxy released
-//! after the engine was scraped (a report taken while a request ran never re-counts it once
-//! it ended). Scoring adds the foreign load to its own (see [`crate::kv::KvRouter`]) until
-//! the report expires.
+//! proxy's bookings are exact for its own requests, and the other proxy replicas share
+//! theirs, so only what a report holds beyond both counts (the **foreign** load: clients
+//! that bypass the proxies, the engine's real queue): the report minus the proxy's own load
+//! and the replicas' shared blocks when it arrived, minus what the proxy or a replica
+//! released after the engine was scraped (a report taken while a request ran never
+//! re-counts it once it ended, whichever replica routed it). Scoring adds the foreign load
+//! to its own and the replicas' (see [`crate::kv::KvRouter`]) until the report expires.
 //!
 //! Requests older than `stale_request_timeout` are dropped by [`ActiveLoads::expire_stale`]
 //! (a sweeper calls it), so a lost release cannot inflate a load forever.
@@ -103,6 +104,9 @@ pub(crate) struct ReportedLoad {
     pub(crate) age: Duration,
     /// When the report stops counting.
     pub(crate) until: Instant,
+    /// Blocks the other proxy replicas' requests held there when it arrived, as they shared
+    /// them: the report holds them too, and they are counted as the replicas' own.
+    pub(crate) replica_blocks: u64,
 }
 
 /// What a report holds beyond the proxy's own load.
@@ -173,6 +177,9 @@ struct InstanceLoad {
     foreign: Option<ForeignLoad>,
     /// Recent releases: when, and how many blocks each freed.
     released: VecDeque<(Instant, u64)>,
+    /// Recent releases of the other proxy replicas, as their shares showed them: when, and
+    /// how many blocks each freed.
+    replicas_released: VecDeque<(Instant, u64)>,
     speed: LearnedSpeed,
     /// KV cache capacity in blocks (0: unknown).
     capacity: u64,
@@ -209,16 +216,7 @@ impl InstanceLoad {
                 }
             }
         }
-        let now = Instant::now();
-        while self.released.len() >= MAX_RELEASES
-            || self
-                .released
-                .front()
-                .is_some_and(|(at, _)| now.duration_since(*at) > RELEASE_MEMORY)
-        {
-            self.released.pop_front();
-        }
-        self.released.push_back((now, freed));
+        remember(&mut self.released, Instant::now(), freed);
         true
     }
 
@@ -249,15 +247,18 @@ impl InstanceLoad {
     }
 
     /// Takes in `report`, arriving at `now`: keeps what it holds beyond the proxy's own load
-    /// (own requests now, and those released since the engine was scraped).
+    /// and the other replicas' (their requests now, and those any of them released since the
+    /// engine was scraped).
     fn take_report(&mut self, report: ReportedLoad, now: Instant) {
         let scraped = now.checked_sub(report.age).unwrap_or(now);
-        let released_since: u64 = self
-            .released
-            .iter()
-            .filter(|(at, _)| *at >= scraped)
-            .map(|(_, freed)| freed)
-            .sum();
+        let since = |releases: &VecDeque<(Instant, u64)>| -> u64 {
+            releases
+                .iter()
+                .filter(|(at, _)| *at >= scraped)
+                .map(|(_, freed)| freed)
+                .sum()
+        };
+        let released_since = since(&self.released) + since(&self.replicas_released);
         let own_waiting = self
             .requests
             .values()
@@ -267,11 +268,25 @@ impl InstanceLoad {
             blocks: report
                 .blocks
                 .saturating_sub(self.own_blocks())
+                .saturating_sub(report.replica_blocks)
                 .saturating_sub(released_since),
             waiting: report.waiting.saturating_sub(own_waiting),
             until: report.until,
         });
     }
+}
+
+/// Adds a release of `freed` blocks at `now` to `releases`, dropping those older than
+/// [`RELEASE_MEMORY`] and the oldest past [`MAX_RELEASES`].
+fn remember(releases: &mut VecDeque<(Instant, u64)>, now: Instant, freed: u64) {
+    while releases.len() >= MAX_RELEASES
+        || releases
+            .front()
+            .is_some_and(|(at, _)| now.duration_since(*at) > RELEASE_MEMORY)
+    {
+        releases.pop_front();
+    }
+    releases.push_back((now, freed));
 }
 
 /// The in-flight load of every instance of one model, keyed by instance id so instances can
@@ -435,6 +450,15 @@ impl ActiveLoads {
     pub(crate) fn report(&self, instance: u64, report: ReportedLoad) {
         if let Some(cell) = self.cell(instance) {
             Self::lock(&cell).take_report(report, Instant::now());
+        }
+    }
+
+    /// Another proxy replica's share showed `freed` fewer blocks on instance `instance` than
+    /// its last one, at `now`: a report scraped before then holds them, and is not to count
+    /// them as foreign once it arrives.
+    pub(crate) fn replica_released(&self, instance: u64, freed: u64, now: Instant) {
+        if let Some(cell) = self.cell(instance) {
+            remember(&mut Self::lock(&cell).replicas_released, now, freed);
         }
     }
 
@@ -857,6 +881,7 @@ mod tests {
             waiting,
             age,
             until,
+            replica_blocks: 0,
         };
         // Four full blocks of 4 tokens and a tail, its prefill not done yet.
         let held = prompt(4 * 4 + 3, 0, 1);
@@ -897,6 +922,7 @@ mod tests {
                 waiting: 2,
                 age: Duration::ZERO,
                 until: now + Duration::from_secs(60),
+                replica_blocks: 0,
             },
         );
         let snap = loads.snapshot(0, &[]);
@@ -908,6 +934,7 @@ mod tests {
                 waiting: 2,
                 age: Duration::ZERO,
                 until: now,
+                replica_blocks: 0,
             },
         );
         assert_eq!(loads.snapshot(0, &[]), LoadSnapshot::default());
@@ -918,6 +945,7 @@ mod tests {
                 waiting: 1,
                 age: Duration::ZERO,
                 until: now + Duration::from_secs(60),
+                replica_blocks: 0,
             },
         );
         assert_eq!(loads.snapshot(9, &[]), LoadSnapshot::default());

@@ -116,6 +116,8 @@ struct Totals {
     fleet: SharedSpeed,
     /// The lowest id of a replica with a live share.
     lowest: Option<u64>,
+    /// Replicas with a live share.
+    live: u64,
 }
 
 /// Every other replica's shared load.
@@ -128,16 +130,33 @@ pub(crate) struct ReplicaLoads {
 }
 
 impl ReplicaLoads {
-    /// Replica `replica`'s `share`, arriving at `now`. Returns whether it was taken (not
-    /// older than the last one).
-    pub(crate) fn apply(&self, replica: u64, share: ReplicaShare, now: Instant) -> bool {
+    /// Replica `replica`'s `share`, arriving at `now`. Returns `None` when it is not taken
+    /// (older than the last one), else the blocks the replica freed since its last live
+    /// share, per instance (where it holds fewer now).
+    pub(crate) fn apply(
+        &self,
+        replica: u64,
+        share: ReplicaShare,
+        now: Instant,
+    ) -> Option<Vec<(u64, u64)>> {
         let mut shares = self.shares.lock().unwrap_or_else(PoisonError::into_inner);
-        if shares
-            .get(&replica)
-            .is_some_and(|last| last.seq >= share.seq)
-        {
-            return false;
+        let last = shares.get(&replica);
+        if last.is_some_and(|last| last.seq >= share.seq) {
+            return None;
         }
+        let freed = last
+            .filter(|last| last.until > now)
+            .map(|last| {
+                last.own
+                    .loads
+                    .iter()
+                    .filter_map(|(&instance, before)| {
+                        let after = share.own.loads.get(&instance).map_or(0, |load| load.blocks);
+                        (before.blocks > after).then(|| (instance, before.blocks - after))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         shares.insert(
             replica,
             Share {
@@ -149,7 +168,7 @@ impl ReplicaLoads {
         self.publish(&mut shares, now);
         drop(shares);
         self.taken.notify_waiters();
-        true
+        Some(freed)
     }
 
     /// Whether the share of `replica` taken last shows at least `eased` easings of its load.
@@ -192,6 +211,7 @@ impl ReplicaLoads {
         shares.retain(|_, share| share.until > now);
         let mut totals = Totals {
             lowest: shares.keys().min().copied(),
+            live: shares.len() as u64,
             ..Totals::default()
         };
         for share in shares.values() {
@@ -216,6 +236,11 @@ impl ReplicaLoads {
     /// The lowest id of the other replicas whose shares are live (`None`: none is).
     pub(crate) fn lowest(&self) -> Option<u64> {
         self.totals.load().lowest
+    }
+
+    /// How many other replicas' shares are live.
+    pub(crate) fn live(&self) -> u64 {
+        self.totals.load().live
     }
 
     /// The other replicas' speed samples of every instance together.
@@ -249,20 +274,48 @@ mod tests {
     }
 
     #[test]
+    fn a_share_names_the_blocks_its_replica_freed_since_its_last_live_one() {
+        let replicas = ReplicaLoads::default();
+        let now = Instant::now();
+        let two = HashMap::from([(7, load(50, 5, 2)), (8, load(1, 1, 1))]);
+        assert_eq!(replicas.apply(2, share(1, two), now), Some(Vec::new()));
+        let fewer = HashMap::from([(7, load(0, 2, 1)), (8, load(0, 3, 1))]);
+        assert_eq!(
+            replicas.apply(2, share(2, fewer), now),
+            Some(vec![(7, 3)]),
+            "3 fewer on 7; more on 8 frees nothing"
+        );
+        // After its last share expired, its next one frees nothing: the expired load no
+        // longer counted anywhere.
+        let later = now + TTL;
+        assert_eq!(
+            replicas.apply(2, share(3, HashMap::new()), later),
+            Some(Vec::new())
+        );
+    }
+
+    #[test]
     fn shares_add_up_replace_and_expire() {
         let replicas = ReplicaLoads::default();
         let now = Instant::now();
-        assert!(replicas.apply(1, share(1, HashMap::from([(7, load(100, 10, 1))])), now));
+        let first = replicas.apply(1, share(1, HashMap::from([(7, load(100, 10, 1))])), now);
+        assert_eq!(
+            first,
+            Some(Vec::new()),
+            "nothing freed before a first share"
+        );
         let two = HashMap::from([(7, load(50, 5, 2)), (8, load(1, 1, 1))]);
-        assert!(replicas.apply(2, share(1, two), now));
+        assert!(replicas.apply(2, share(1, two), now).is_some());
         assert_eq!(replicas.on(7), load(150, 15, 3));
         assert_eq!(replicas.on(8), load(1, 1, 1));
         assert_eq!(replicas.on(9), SharedLoad::default());
         assert_eq!(replicas.lowest(), Some(1));
         // A newer share replaces the replica's last one; an older one is ignored.
         let later = now + Duration::from_secs(1);
-        assert!(replicas.apply(1, share(3, HashMap::new()), later));
-        assert!(!replicas.apply(1, share(2, HashMap::from([(7, load(999, 9, 9))])), later));
+        let freed = replicas.apply(1, share(3, HashMap::new()), later);
+        assert_eq!(freed, Some(vec![(7, 10)]), "its 10 blocks on 7 were freed");
+        let older = share(2, HashMap::from([(7, load(999, 9, 9))]));
+        assert_eq!(replicas.apply(1, older, later), None);
         assert_eq!(replicas.on(7), load(50, 5, 2));
         // Speeds merge weighted by samples: 1 sample of factor e and 3 of factor 1.
         let slow = SharedLoad {
@@ -281,8 +334,16 @@ mod tests {
             },
             ..load(0, 0, 0)
         };
-        assert!(replicas.apply(3, share(1, HashMap::from([(8, slow)])), later));
-        assert!(replicas.apply(4, share(1, HashMap::from([(8, steady)])), later));
+        assert!(
+            replicas
+                .apply(3, share(1, HashMap::from([(8, slow)])), later)
+                .is_some()
+        );
+        assert!(
+            replicas
+                .apply(4, share(1, HashMap::from([(8, steady)])), later)
+                .is_some()
+        );
         let merged = replicas.on(8).speed;
         assert_eq!(merged.samples, 4);
         assert!((merged.ln_factor - 0.25).abs() < 1e-12, "{merged:?}");
@@ -316,7 +377,7 @@ mod tests {
         let long = Duration::from_secs(30);
         // Nothing from replica 1 yet: a short wait ends without it.
         assert!(!replicas.caught_up(1, 1, Duration::from_millis(5)).await);
-        assert!(replicas.apply(1, eased(1, 2), Instant::now()));
+        assert!(replicas.apply(1, eased(1, 2), Instant::now()).is_some());
         assert!(replicas.caught_up(1, 2, long).await, "shown already");
         // A wait for more ends at the share that shows them, not at an older one.
         let waiting = tokio::spawn({
@@ -324,10 +385,10 @@ mod tests {
             async move { replicas.caught_up(1, 4, long).await }
         });
         tokio::task::yield_now().await;
-        assert!(replicas.apply(1, eased(2, 3), Instant::now()));
+        assert!(replicas.apply(1, eased(2, 3), Instant::now()).is_some());
         tokio::task::yield_now().await;
         assert!(!waiting.is_finished(), "3 easings are not 4");
-        assert!(replicas.apply(1, eased(3, 4), Instant::now()));
+        assert!(replicas.apply(1, eased(3, 4), Instant::now()).is_some());
         let done = tokio::time::timeout(long, waiting).await;
         assert!(done.expect("woken").expect("no panic"));
     }

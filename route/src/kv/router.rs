@@ -27,7 +27,7 @@ use crate::kv::overlap::{
     instance_depth, lower_tier_blocks, worker_key,
 };
 use crate::kv::replicas::{OwnLoads, ReplicaLoads, ReplicaShare};
-use crate::kv::select::{Scored, probabilities, select};
+use crate::kv::select::{Scored, TIE_EPSILON, probabilities, select};
 use crate::kv::sessions::{SessionBinding, Sessions};
 use crate::kv::tokenizer_check::{TokenizerChecks, TokenizerOutcome};
 use crate::metrics::{KvMetrics, RouteStage};
@@ -335,10 +335,9 @@ impl KvRouter {
 
     /// Instance `instance`'s load (the prefix depth measured against `query`) with what the
     /// proxy does not book itself added: the other proxy replicas' shared load, and the
-    /// engine's foreign load (what its report holds beyond this proxy's own requests, less the
-    /// other replicas' blocks it already counts): its blocks to the active blocks, and one
-    /// block of prefill tokens per request waiting. Its speed is learned from every replica's
-    /// first tokens.
+    /// engine's foreign load (what its report holds beyond this proxy's and the replicas'
+    /// requests): its blocks to the active blocks, and one block of prefill tokens per
+    /// request waiting. Its speed is learned from every replica's first tokens.
     fn folded(&self, instance: u64, query: &[SequenceHash]) -> LoadSnapshot {
         let replicas = self.replicas.on(instance);
         let mut load =
@@ -350,11 +349,10 @@ impl KvRouter {
         load.prefill_tokens = load.prefill_tokens.saturating_add(added_prefill);
         load.booked_prefill_tokens = load.booked_prefill_tokens.saturating_add(added_prefill);
         load.requests = load.requests.saturating_add(replicas.requests as usize);
-        let foreign = load.foreign_blocks.saturating_sub(replicas.blocks);
         load.blocks = load
             .blocks
             .saturating_add(replicas.blocks)
-            .saturating_add(foreign);
+            .saturating_add(load.foreign_blocks);
         load
     }
 
@@ -411,11 +409,15 @@ impl KvRouter {
     /// returns whether it was taken (not older than its last one).
     pub fn apply_replica_loads(&self, replica: u64, share: ReplicaShare) -> bool {
         let decided = share.decided;
-        let taken = self.replicas.apply(replica, share, Instant::now());
-        if taken {
-            self.settle_remote(replica, decided);
+        let now = Instant::now();
+        let Some(freed) = self.replicas.apply(replica, share, now) else {
+            return false;
+        };
+        for (instance, blocks) in freed {
+            self.loads.replica_released(instance, blocks, now);
         }
-        taken
+        self.settle_remote(replica, decided);
+        true
     }
 
     /// Records instance `instance`'s load report, scraped `age` before now: `waiting` queued
@@ -442,6 +444,7 @@ impl KvRouter {
                 waiting,
                 age,
                 until: Instant::now() + ttl,
+                replica_blocks: self.replicas.on(instance).blocks,
             },
         );
     }
@@ -682,6 +685,66 @@ impl KvRouter {
         self.metrics
             .observe_stage(RouteStage::Score, start.elapsed());
         choice
+    }
+
+    /// Whether this replica's own choice for `request` would stand even if each of `others`
+    /// other replicas had just sent a request like it there unseen: the cheapest open
+    /// candidate caches more of the prompt than the next cheapest and, with `others` more
+    /// requests' new prefill tokens, blocks and streams on it, still costs less (or the
+    /// request's session is bound, or only one candidate is open). A choice that rests on
+    /// load or speed alone is never decisive: every replica sees the same idle instance, and
+    /// a burst would pile onto it. Under `temperature > 0` nothing is decisive. The decider
+    /// would choose the same, so asking it only adds the hop ([`Self::ask_decider`]).
+    pub(super) fn decisive<S: CandidateSet + ?Sized>(
+        &self,
+        candidates: &S,
+        request: &KvRequest,
+        others: u64,
+    ) -> bool {
+        if self.temperature > 0.0 {
+            return false;
+        }
+        if self.bound_instance(request).is_some() {
+            return true;
+        }
+        let loads: Vec<(u64, LoadSnapshot)> = (0..candidates.len())
+            .filter(|&index| candidates.is_eligible(index))
+            .map(|index| {
+                let id = candidates.id(index);
+                (id, self.load_of(id, request))
+            })
+            .collect();
+        let least_backlog = least_backlog(loads.iter().map(|(_, load)| load));
+        let open: Vec<(u64, Evaluated)> = loads
+            .into_iter()
+            .map(|(id, load)| {
+                let evaluated = self.evaluate(id, 0, load, least_backlog, request, true);
+                (id, evaluated)
+            })
+            .filter(|(_, evaluated)| !evaluated.busy)
+            .collect();
+        let Some(&(best_id, best)) = open
+            .iter()
+            .min_by(|(_, a), (_, b)| a.cost.value.total_cmp(&b.cost.value))
+        else {
+            return false;
+        };
+        let Some((_, next)) = open
+            .iter()
+            .filter(|&&(id, _)| id != best_id)
+            .min_by(|(_, a), (_, b)| a.cost.value.total_cmp(&b.cost.value))
+        else {
+            return true;
+        };
+        if best.overlap_blocks <= next.overlap_blocks {
+            return false;
+        }
+        let mut crowded = best.load;
+        crowded.prefill_tokens += others.saturating_mul(best.cost.new_prefill_tokens);
+        crowded.blocks += others.saturating_mul(request.shape.blocks);
+        crowded.requests += usize::try_from(others).unwrap_or(usize::MAX);
+        let crowded = self.evaluate(best_id, 0, crowded, least_backlog, request, true);
+        crowded.cost.value + TIE_EPSILON < next.cost.value
     }
 
     /// The instance `request`'s session is bound to now, if any.

@@ -540,6 +540,48 @@ fn engine_reports_raise_the_load_of_their_instance() {
 }
 
 #[test]
+fn a_report_scraped_while_another_replicas_request_ran_stops_counting_it_when_it_ends() {
+    let config = KvRoutingConfig {
+        total_kv_blocks: Some(100),
+        ..config()
+    };
+    let (router, instances) = router_with(config, 2);
+    let fresh = request(&router, &conversation(3, 16));
+    let blocks_on_0 = || {
+        router
+            .explain(&instances, &fresh, 0, &mut StdRng::seed_from_u64(0))
+            .instances[0]
+            .active_blocks
+    };
+    let running = |seq, blocks| {
+        let loads = HashMap::from([(
+            0,
+            SharedLoad {
+                blocks,
+                requests: u64::from(blocks > 0),
+                ..SharedLoad::default()
+            },
+        )]);
+        share(seq, OwnLoads { eased: seq, loads })
+    };
+    const MINUTE: Duration = Duration::from_secs(60);
+    // Replica 9's request holds 30 blocks on instance 0, and the engine reports them.
+    assert!(router.apply_replica_loads(9, running(1, 30)));
+    router.report_load(0, 0, 0.3, Duration::ZERO, MINUTE);
+    assert_eq!(blocks_on_0(), 30, "counted once: the replica's");
+    // It ended: its share shows it gone, and the report, which still holds its blocks, is
+    // not taken for foreign load.
+    assert!(router.apply_replica_loads(9, running(2, 0)));
+    assert_eq!(blocks_on_0(), 0);
+    // Nor is a report scraped before the end that arrives after it.
+    router.report_load(0, 0, 0.3, Duration::from_secs(1), MINUTE);
+    assert_eq!(blocks_on_0(), 0);
+    // A report scraped after the end holds another client's blocks: foreign.
+    router.report_load(0, 0, 0.3, Duration::ZERO, MINUTE);
+    assert_eq!(blocks_on_0(), 30);
+}
+
+#[test]
 fn an_engines_reported_capacity_sets_its_busy_threshold() {
     let config = KvRoutingConfig {
         total_kv_blocks: Some(100),
@@ -1289,12 +1331,14 @@ async fn a_replica_asks_the_lowest_live_replica_and_takes_its_choice() {
     let mut outbox = asker.serve_asks(5).expect("asks start once");
     assert!(asker.serve_asks(5).is_none());
     let fresh = request(&asker, &conversation(1, 400));
+    let excluded = Excluded::default();
+    let candidates = Candidates::new(&instances, &excluded, 0);
     // Alone, it asks nobody.
-    assert_eq!(asker.ask_decider(vec![0, 1], &fresh).await, None);
+    assert_eq!(asker.ask_decider(&candidates, &fresh).await, None);
     assert!(outbox.try_recv().is_err());
     // A replica with a higher id is not its decider; one with a lower id is.
     assert!(asker.apply_replica_loads(8, share(1, OwnLoads::default())));
-    assert_eq!(asker.ask_decider(vec![0, 1], &fresh).await, None);
+    assert_eq!(asker.ask_decider(&candidates, &fresh).await, None);
     assert!(outbox.try_recv().is_err());
     assert!(asker.apply_replica_loads(3, share(1, OwnLoads::default())));
     let answer = async {
@@ -1313,7 +1357,7 @@ async fn a_replica_asks_the_lowest_live_replica_and_takes_its_choice() {
             .expect("waiting");
     };
     assert_eq!(asks_timed().as_deref(), Some("0"), "nothing was asked yet");
-    let (steer, ()) = tokio::join!(asker.ask_decider(vec![0, 1], &fresh), answer);
+    let (steer, ()) = tokio::join!(asker.ask_decider(&candidates, &fresh), answer);
     let steer = steer.expect("the decider chose");
     assert_eq!(asker.decided(), 1);
     assert_eq!(
@@ -1323,8 +1367,6 @@ async fn a_replica_asks_the_lowest_live_replica_and_takes_its_choice() {
     );
     // Its own view prefers instance 0 (1 holds a booking); the decider's choice wins.
     let held = request_on(&asker, &instances, 1);
-    let excluded = Excluded::default();
-    let candidates = Candidates::new(&instances, &excluded, 0);
     let input = PolicyInput::Kv(fresh);
     let alone = asker
         .pick_steered(&candidates, &input, None)
@@ -1344,16 +1386,76 @@ async fn a_decider_that_does_not_answer_in_time_is_not_asked_for_a_while() {
         decider_timeout: Duration::from_millis(20),
         ..config()
     };
-    let (asker, _) = router_with(config, 2);
+    let (asker, instances) = router_with(config, 2);
+    let excluded = Excluded::default();
+    let candidates = Candidates::new(&instances, &excluded, 0);
     let mut outbox = asker.serve_asks(5).expect("asks start");
     assert!(asker.apply_replica_loads(3, share(1, OwnLoads::default())));
     let request = request(&asker, &conversation(1, 400));
-    assert_eq!(asker.ask_decider(vec![0, 1], &request).await, None);
+    assert_eq!(asker.ask_decider(&candidates, &request).await, None);
     let unanswered = outbox.try_recv().expect("it was asked");
     assert_eq!(asker.decided(), 1, "given up is settled");
-    assert_eq!(asker.ask_decider(vec![0, 1], &request).await, None);
+    assert_eq!(asker.ask_decider(&candidates, &request).await, None);
     assert!(outbox.try_recv().is_err(), "quiet after a timeout");
     drop(unanswered);
+}
+
+#[tokio::test]
+async fn a_replica_whose_own_choice_is_decisive_routes_without_asking() {
+    let (asker, instances, registry) = router_and_metrics(config(), 2);
+    let asks = |outcome: &str| {
+        let line = format!("kvmesh_route_decider_asks_total{{model=\"m\",outcome=\"{outcome}\"}} ");
+        metrics_text(&registry)
+            .lines()
+            .find_map(|l| l.strip_prefix(line.as_str()).map(str::to_owned))
+    };
+    let excluded = Excluded::default();
+    let candidates = Candidates::new(&instances, &excluded, 0);
+    let mut outbox = asker.serve_asks(100).expect("asks start");
+    assert!(asker.apply_replica_loads(3, share(1, OwnLoads::default())));
+    // Instance 0 holds a conversation's first turn: its next turn prefills about 100 new
+    // tokens there and 1,900 on instance 1. One other replica's unseen turn like it would
+    // not change that: not asked.
+    let first = request(&asker, &conversation(1, 1_800));
+    asker.apply_decision(0, &prompt_of(&first).hashes);
+    let next = request(&asker, &conversation(1, 1_900));
+    assert_eq!(asker.ask_decider(&candidates, &next).await, None);
+    assert!(outbox.try_recv().is_err(), "not asked");
+    assert_eq!(asks("decisive").as_deref(), Some("1"));
+    // With 28 other replicas, 28 unseen turns of 100 tokens could: it asks.
+    for replica in 4..31 {
+        assert!(asker.apply_replica_loads(replica, share(1, OwnLoads::default())));
+    }
+    let answer = async {
+        let ask = tokio::time::timeout(Duration::from_secs(5), outbox.recv())
+            .await
+            .expect("asked")
+            .expect("an ask");
+        assert_eq!(ask.decider, 3);
+        ask.answer
+            .send(Some(Steer {
+                instance: 0,
+                dp_rank: None,
+                session_bound: false,
+            }))
+            .expect("waiting");
+    };
+    let (steer, ()) = tokio::join!(asker.ask_decider(&candidates, &next), answer);
+    assert_eq!(steer.map(|steer| steer.instance), Some(0));
+    assert_eq!(asks("chosen").as_deref(), Some("1"));
+    assert_eq!(asks("decisive").as_deref(), Some("1"));
+    // A fresh prompt on two idle instances is a tie: asked.
+    let fresh = request(&asker, &conversation(2, 400));
+    let answer = async {
+        let ask = tokio::time::timeout(Duration::from_secs(5), outbox.recv())
+            .await
+            .expect("asked")
+            .expect("an ask");
+        ask.answer.send(None).expect("waiting");
+    };
+    let (steer, ()) = tokio::join!(asker.ask_decider(&candidates, &fresh), answer);
+    assert_eq!(steer, None);
+    assert_eq!(asks("declined").as_deref(), Some("1"));
 }
 
 #[test]
