@@ -182,11 +182,8 @@ def front(cluster):
     """A proxy with the KServe gRPC listener and the endpoint picker, on the suite's
     discovery and events."""
     cfg = cluster.workdir / "front.yaml"
-    # It routes alone (`decider_timeout: 0s`): with the suite's proxy as its decider, the repeat
-    # below still went to the engine without its blocks in 2 of 3 runs of this file after the
-    # decider learned to wait for the asker's load share; the cause is not found yet.
     cfg.write_text(proxy_config(
-        cluster.etcd.url, cluster.nats.url, listed_model() + "    kv:\n      decider_timeout: 0s\n",
+        cluster.etcd.url, cluster.nats.url, listed_model(),
         "grpc:\n  address: 127.0.0.1:0\nepp:\n  address: 127.0.0.1:0\n  fallbacks: 1\n",
     ))
     proxy = Proc("kvmesh-proxy", ["--config", str(cfg)], cluster.workdir)
@@ -333,10 +330,14 @@ def set_headers(common):
 def test_the_endpoint_picker_names_a_real_engine_and_picks_a_repeated_prompt_where_its_blocks_are(cluster, front):
     """The picker names real engines (`ip:port`); the request forwarded to its pick is
     served there (the engine's own count), then the same conversation is picked onto the
-    same engine, whose stream reports the prompt cached as the picker predicted."""
+    same engine, whose stream reports the prompt cached as the picker predicted. The
+    suite's proxy is a replica of the picker: one of the two decides for the other."""
     # Long for the same reason as the gRPC test's prompt.
     messages = [{"role": "user", "content": text(random.Random(92), 1200)}]
     addresses = sorted(e.url.removeprefix("http://") for e in cluster.engines)
+    asks_before = front_asks(front)
+    trace = {}
+    decided_before = metric_sum(metrics(cluster.admin + "/metrics"), "kvmesh_route_decided_for_replicas_total")
 
     async def go():
         async with grpc.aio.insecure_channel(front.listeners["epp"]) as chan, httpx.AsyncClient(
@@ -353,6 +354,7 @@ def test_the_endpoint_picker_names_a_real_engine_and_picks_a_repeated_prompt_whe
             assert home.url == f"http://{endpoints[0]}"
             added = await exchange.respond(endpoints[0], response)
             assert added["x-kvmesh-instance"].rstrip("/") == home.url
+            trace["first_route"] = added.get("x-kvmesh-route")
             prompt_tokens = response.json()["usage"]["prompt_tokens"]
             blocks = prompt_tokens // BLOCK_SIZE
             await asyncio.to_thread(wait_until, "the blocks in the picker's index",
@@ -363,15 +365,24 @@ def test_the_endpoint_picker_names_a_real_engine_and_picks_a_repeated_prompt_whe
                                     lambda: all(idle_on(admin, messages, home)
                                                 for admin in (front.url("admin"), cluster.admin)), 30)
 
+            trace["explained_before"] = {name: debug_route(admin, messages)
+                                         for name, admin in (("front", front.url("admin")), ("cluster", cluster.admin))}
             streamed = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 4, "stream": True,
                                    "stream_options": {"include_usage": True}}).encode()
             exchange = Exchange(chan)
             endpoints = await exchange.pick(streamed)
-            assert endpoints[0] == home.url.removeprefix("http://"), (
-                endpoints, [debug_route(admin, messages) for admin in (front.url("admin"), cluster.admin)])
+            assert endpoints[0] == home.url.removeprefix("http://"), json.dumps({
+                "picked": endpoints, "home": home.url, **trace,
+                "explained": {name: debug_route(admin, messages)
+                              for name, admin in (("front", front.url("admin")), ("cluster", cluster.admin))},
+                "decider": {name: {series: value for series, value in metrics(admin + "/metrics").items()
+                                   if "decide" in series or "share_wait" in series or "ask" in series}
+                            for name, admin in (("front", front.url("admin")), ("cluster", cluster.admin))},
+            }, indent=1)
             response = await client.post(f"http://{endpoints[0]}/v1/chat/completions", content=streamed)
             assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
             added = await exchange.respond(endpoints[0], response)
+            trace["repeat_route"] = added["x-kvmesh-route"]
             route = route_of({"x-kvmesh-route": added["x-kvmesh-route"]})
             assert int(route["reported_blocks"]) == blocks, route
             usage = [json.loads(line[6:]) for line in response.text.splitlines()
@@ -379,6 +390,20 @@ def test_the_endpoint_picker_names_a_real_engine_and_picks_a_repeated_prompt_whe
             assert usage["prompt_tokens_details"]["cached_tokens"] == min(blocks, cap(prompt_tokens)) * BLOCK_SIZE
 
     asyncio.run(asyncio.wait_for(go(), 180))
+    asked = {outcome: count - asks_before.get(outcome, 0) for outcome, count in front_asks(front).items()}
+    asked = {outcome: count for outcome, count in asked.items() if count}
+    decided = metric_sum(metrics(cluster.admin + "/metrics"), "kvmesh_route_decided_for_replicas_total") - decided_before
+    # Every pick the picker asked its decider about was decided there, once; the rest it
+    # routed alone (it is the decider itself, or its choice was decisive).
+    assert asked.get("chosen", 0) == decided and set(asked) <= {"chosen", "decisive"}, json.dumps(
+        {"decided": decided, "asked": asked, **trace}, indent=1)
+
+
+def front_asks(front):
+    """The picker's asks of its decider so far, by outcome."""
+    page = metrics(front.url("admin") + "/metrics")
+    outcomes = ("chosen", "declined", "timeout", "unavailable", "skipped", "decisive")
+    return {outcome: metric_sum(page, "kvmesh_route_decider_asks_total", outcome=outcome) for outcome in outcomes}
 
 
 def idle_on(admin, messages, engine):
