@@ -690,7 +690,7 @@ impl KvRouter {
     /// Whether this replica's own choice for `request` would stand even if each of `others`
     /// other replicas had just sent a request like it there unseen: the cheapest open
     /// candidate caches more of the prompt than the next cheapest and, with `others` more
-    /// requests' new prefill tokens, blocks and streams on it, still costs less (or the
+    /// requests' new prefill tokens queued on it, still costs less (or the
     /// request's session is bound, or only one candidate is open). A choice that rests on
     /// load or speed alone is never decisive: every replica sees the same idle instance, and
     /// a burst would pile onto it. Under `temperature > 0` nothing is decisive. The decider
@@ -739,10 +739,10 @@ impl KvRouter {
         if best.overlap_blocks <= next.overlap_blocks {
             return false;
         }
+        // The unseen requests would be prefilled in the same iterations as this one: their
+        // new tokens queue ahead of it; they are no running streams yet.
         let mut crowded = best.load;
         crowded.prefill_tokens += others.saturating_mul(best.cost.new_prefill_tokens);
-        crowded.blocks += others.saturating_mul(request.shape.blocks);
-        crowded.requests += usize::try_from(others).unwrap_or(usize::MAX);
         let crowded = self.evaluate(best_id, 0, crowded, least_backlog, request, true);
         crowded.cost.value + TIE_EPSILON < next.cost.value
     }
