@@ -690,8 +690,8 @@ impl KvRouter {
     /// Whether this replica's own choice for `request` would stand even if each of `others`
     /// other replicas had just sent a request like it there unseen: the cheapest open
     /// candidate caches more of the prompt than the next cheapest and, with `others` more
-    /// requests' new prefill tokens queued on it, still costs less (or the
-    /// request's session is bound, or only one candidate is open). A choice that rests on
+    /// requests' new prefill tokens queued on it, still costs less (or the request's session
+    /// is bound to an open candidate, or only one candidate is open). A choice that rests on
     /// load or speed alone is never decisive: every replica sees the same idle instance, and
     /// a burst would pile onto it. Under `temperature > 0` nothing is decisive. The decider
     /// would choose the same, so asking it only adds the hop ([`Self::ask_decider`]).
@@ -703,9 +703,6 @@ impl KvRouter {
     ) -> bool {
         if self.temperature > 0.0 {
             return false;
-        }
-        if self.bound_instance(request).is_some() {
-            return true;
         }
         let loads: Vec<(u64, LoadSnapshot)> = (0..candidates.len())
             .filter(|&index| candidates.is_eligible(index))
@@ -723,6 +720,12 @@ impl KvRouter {
             })
             .filter(|(_, evaluated)| !evaluated.busy)
             .collect();
+        if self
+            .bound_instance(request)
+            .is_some_and(|bound| open.iter().any(|&(id, _)| id == bound))
+        {
+            return true;
+        }
         let Some(&(best_id, best)) = open
             .iter()
             .min_by(|(_, a), (_, b)| a.cost.value.total_cmp(&b.cost.value))

@@ -1456,6 +1456,16 @@ async fn a_replica_whose_own_choice_is_decisive_routes_without_asking() {
     let (steer, ()) = tokio::join!(asker.ask_decider(&candidates, &fresh), answer);
     assert_eq!(steer, None);
     assert_eq!(asks("declined").as_deref(), Some("1"));
+    // The same tie in a session bound to an open instance: the binding decides, not asked.
+    asker.apply_session(SessionBinding {
+        session: Arc::from("bound"),
+        instance: 1,
+        ttl: Duration::from_secs(60),
+    });
+    let bound = request(&asker, &conversation(3, 400)).in_session(Some("bound"));
+    assert_eq!(asker.ask_decider(&candidates, &bound).await, None);
+    assert!(outbox.try_recv().is_err(), "not asked");
+    assert_eq!(asks("decisive").as_deref(), Some("2"));
 }
 
 #[test]
