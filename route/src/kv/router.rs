@@ -50,6 +50,16 @@ struct Evaluated {
     in_flight: u64,
 }
 
+/// The eligible candidates of one request, scored ([`KvRouter::open`]).
+struct Open {
+    /// The ones not busy: (index among the candidates, evaluation).
+    open: Vec<(usize, Evaluated)>,
+    /// How many were eligible, busy or not.
+    eligible: usize,
+    /// The least prefill backlog among the eligible ones.
+    least_backlog: u64,
+}
+
 /// The KV-aware router of one model.
 #[derive(Debug)]
 pub struct KvRouter {
@@ -591,6 +601,38 @@ impl KvRouter {
         }
     }
 
+    /// The eligible instances of `candidates` scored for `request`, the busy ones left out.
+    fn open<S: CandidateSet + ?Sized>(&self, candidates: &S, request: &KvRequest) -> Open {
+        let mut loads: Vec<(usize, LoadSnapshot)> = Vec::with_capacity(candidates.len());
+        for index in 0..candidates.len() {
+            if candidates.is_eligible(index) {
+                loads.push((index, self.load_of(candidates.id(index), request)));
+            }
+        }
+        let eligible = loads.len();
+        let least_backlog = least_backlog(loads.iter().map(|(_, load)| load));
+        let open = loads
+            .into_iter()
+            .map(|(index, load)| {
+                let evaluated = self.evaluate(
+                    candidates.id(index),
+                    candidates.in_flight(index),
+                    load,
+                    least_backlog,
+                    request,
+                    true,
+                );
+                (index, evaluated)
+            })
+            .filter(|(_, evaluated)| !evaluated.busy)
+            .collect();
+        Open {
+            open,
+            eligible,
+            least_backlog,
+        }
+    }
+
     /// Chooses an eligible instance of `candidates` for `request`; busy instances are left
     /// out.
     pub fn choose<S: CandidateSet + ?Sized>(
@@ -612,29 +654,11 @@ impl KvRouter {
         rng: &mut impl Rng,
     ) -> Choice {
         let start = Instant::now();
-        let mut loads: Vec<(usize, LoadSnapshot)> = Vec::with_capacity(candidates.len());
-        for index in 0..candidates.len() {
-            if candidates.is_eligible(index) {
-                loads.push((index, self.load_of(candidates.id(index), request)));
-            }
-        }
-        let eligible = loads.len();
-        let least_backlog = least_backlog(loads.iter().map(|(_, load)| load));
-        let open: Vec<(usize, Evaluated)> = loads
-            .into_iter()
-            .map(|(index, load)| {
-                let evaluated = self.evaluate(
-                    candidates.id(index),
-                    candidates.in_flight(index),
-                    load,
-                    least_backlog,
-                    request,
-                    true,
-                );
-                (index, evaluated)
-            })
-            .filter(|(_, evaluated)| !evaluated.busy)
-            .collect();
+        let Open {
+            open,
+            eligible,
+            least_backlog: _,
+        } = self.open(candidates, request);
         let scored: Vec<Scored> = open
             .iter()
             .map(|(_, e)| Scored {
@@ -704,29 +728,18 @@ impl KvRouter {
         if self.temperature > 0.0 {
             return false;
         }
-        let loads: Vec<(u64, LoadSnapshot)> = (0..candidates.len())
-            .filter(|&index| candidates.is_eligible(index))
-            .map(|index| {
-                let id = candidates.id(index);
-                (id, self.load_of(id, request))
-            })
-            .collect();
-        let least_backlog = least_backlog(loads.iter().map(|(_, load)| load));
-        let open: Vec<(u64, Evaluated)> = loads
-            .into_iter()
-            .map(|(id, load)| {
-                let evaluated = self.evaluate(id, 0, load, least_backlog, request, true);
-                (id, evaluated)
-            })
-            .filter(|(_, evaluated)| !evaluated.busy)
-            .collect();
+        let Open {
+            open,
+            least_backlog,
+            ..
+        } = self.open(candidates, request);
         if self
             .bound_instance(request)
-            .is_some_and(|bound| open.iter().any(|&(id, _)| id == bound))
+            .is_some_and(|bound| open.iter().any(|&(index, _)| candidates.id(index) == bound))
         {
             return true;
         }
-        let Some(&(best_id, best)) = open
+        let Some(&(best_index, best)) = open
             .iter()
             .min_by(|(_, a), (_, b)| a.cost.value.total_cmp(&b.cost.value))
         else {
@@ -734,7 +747,7 @@ impl KvRouter {
         };
         let Some((_, next)) = open
             .iter()
-            .filter(|&&(id, _)| id != best_id)
+            .filter(|&&(index, _)| index != best_index)
             .min_by(|(_, a), (_, b)| a.cost.value.total_cmp(&b.cost.value))
         else {
             return true;
@@ -746,6 +759,7 @@ impl KvRouter {
         // new tokens queue ahead of it; they are no running streams yet.
         let mut crowded = best.load;
         crowded.prefill_tokens += others.saturating_mul(best.cost.new_prefill_tokens);
+        let best_id = candidates.id(best_index);
         let crowded = self.evaluate(best_id, 0, crowded, least_backlog, request, true);
         crowded.cost.value + TIE_EPSILON < next.cost.value
     }
