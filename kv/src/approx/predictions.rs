@@ -1,7 +1,15 @@
 //! The predicted (worker, block) pairs with their expiry, and a lazy min-heap to drop them in
 //! order: earliest expiry first, deepest block first among equal expiries.
+//!
+//! Each live pair has exactly one heap item. A refresh (a later expiry for a predicted pair)
+//! only updates the pair: its item keeps the old expiry until it reaches the top, and is then
+//! queued again at the pair's current one. So refreshes cost one map probe, and the heap never
+//! fills with stale items that a rebuild would have to clear (a long prompt sent again
+//! refreshes thousands of pairs at once; rebuilding a heap of a million items took
+//! milliseconds on the request path).
 
 use std::cmp::Reverse;
+use std::collections::hash_map::Entry;
 use std::collections::{BinaryHeap, HashMap};
 use std::time::Instant;
 
@@ -18,8 +26,8 @@ struct Prediction {
     depth: u32,
 }
 
-/// A heap item; stale when the pair's current expiry differs (it was refreshed or dropped).
-/// Field order is the eviction order: expiry, then deeper first, then key for determinism.
+/// A heap item; behind when the pair's current expiry is later (it was refreshed), stale when
+/// the pair is gone. Field order is the eviction order: expiry, then deeper first, then key for determinism.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Candidate {
     expiry: Instant,
@@ -58,20 +66,19 @@ impl Predictions {
         depth: u32,
         expiry: Instant,
     ) -> Insert {
-        let (result, prediction) = match self.entries.get_mut(&(worker, sequence)) {
-            Some(existing) if existing.expiry >= expiry => return Insert::Refreshed,
-            Some(existing) => {
-                existing.expiry = expiry;
-                (Insert::Refreshed, *existing)
+        match self.entries.entry((worker, sequence)) {
+            Entry::Occupied(mut existing) => {
+                let existing = existing.get_mut();
+                existing.expiry = existing.expiry.max(expiry);
+                Insert::Refreshed
             }
-            None => {
+            Entry::Vacant(vacant) => {
                 let prediction = Prediction { expiry, depth };
-                self.entries.insert((worker, sequence), prediction);
-                (Insert::New, prediction)
+                vacant.insert(prediction);
+                self.push(worker, sequence, prediction);
+                Insert::New
             }
-        };
-        self.push(worker, sequence, prediction);
-        result
+        }
     }
 
     fn push(&mut self, worker: WorkerKey, sequence: SequenceHash, prediction: Prediction) {
@@ -83,7 +90,8 @@ impl Predictions {
         }));
     }
 
-    /// Pops the next live pair in eviction order if `take` accepts its expiry.
+    /// Pops the next live pair in eviction order if `take` accepts its expiry. An item behind
+    /// its pair's refreshed expiry goes back into the heap at that expiry.
     fn pop_if(&mut self, take: impl Fn(Instant) -> bool) -> Option<(WorkerKey, SequenceHash)> {
         while let Some(Reverse(top)) = self.heap.peek().copied() {
             if !take(top.expiry) {
@@ -91,13 +99,13 @@ impl Predictions {
             }
             self.heap.pop();
             let key = (top.worker, top.sequence);
-            if self
-                .entries
-                .get(&key)
-                .is_some_and(|live| live.expiry == top.expiry)
-            {
-                self.entries.remove(&key);
-                return Some(key);
+            match self.entries.get(&key).copied() {
+                Some(live) if live.expiry == top.expiry => {
+                    self.entries.remove(&key);
+                    return Some(key);
+                }
+                Some(refreshed) => self.push(top.worker, top.sequence, refreshed),
+                None => {}
             }
         }
         None
@@ -141,8 +149,8 @@ impl Predictions {
         self.compact();
     }
 
-    /// Rebuilds the heap from the live pairs once stale items outnumber them, so refreshes
-    /// cannot grow it without bound.
+    /// Rebuilds the heap from the live pairs once stale items (of pairs dropped with an
+    /// instance) outnumber them.
     fn compact(&mut self) {
         if self.heap.len() <= 2 * self.entries.len() + 1024 {
             return;
@@ -177,7 +185,7 @@ mod tests {
     const W: WorkerKey = WorkerKey::new(1, 0);
 
     #[test]
-    fn refreshes_keep_the_later_expiry_and_the_heap_stays_bounded() {
+    fn refreshes_keep_the_later_expiry_and_push_no_heap_item() {
         let t0 = Instant::now();
         let mut predictions = Predictions::default();
         assert_eq!(
@@ -200,12 +208,44 @@ mod tests {
         for i in 0..10_000u64 {
             predictions.insert(W, SequenceHash(1), 0, t0 + Duration::from_secs(10 + i));
         }
-        predictions.expire(t0, &mut outcome, |_, _| {});
-        assert!(predictions.heap_len() <= 2 * predictions.len() + 1024);
+        assert_eq!(predictions.heap_len(), 1, "a refresh pushes nothing");
+        predictions.expire(t0 + Duration::from_secs(9), &mut outcome, |w, s| {
+            gone.push((w, s))
+        });
+        assert!(
+            gone.is_empty(),
+            "the pair's item was queued again at its refreshed expiry"
+        );
+        assert_eq!(predictions.heap_len(), 1);
         predictions.expire(t0 + Duration::from_secs(20_000), &mut outcome, |w, s| {
             gone.push((w, s))
         });
         assert_eq!(gone, vec![(W, SequenceHash(1))]);
         assert_eq!(outcome.expired, 1);
+    }
+
+    #[test]
+    fn pruning_follows_the_refreshed_expiries() {
+        let t0 = Instant::now();
+        let at = |secs| t0 + Duration::from_secs(secs);
+        let mut predictions = Predictions::default();
+        predictions.insert(W, SequenceHash(1), 0, at(5));
+        predictions.insert(W, SequenceHash(2), 1, at(6));
+        predictions.insert(W, SequenceHash(3), 2, at(6));
+        assert_eq!(
+            predictions.insert(W, SequenceHash(1), 0, at(7)),
+            Insert::Refreshed
+        );
+        let mut outcome = ApproxOutcome::default();
+        let mut gone = Vec::new();
+        predictions.prune_to(1, &mut outcome, |_, s| gone.push(s));
+        assert_eq!(
+            gone,
+            vec![SequenceHash(3), SequenceHash(2)],
+            "the refreshed pair goes last; of equal expiries the deeper first"
+        );
+        assert_eq!(outcome.pruned, 2);
+        assert_eq!(predictions.len(), 1);
+        assert_eq!(predictions.heap_len(), 1);
     }
 }
