@@ -5,6 +5,7 @@ mod config;
 mod outcome;
 mod predictions;
 
+use std::ops::Range;
 use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
 use std::time::Instant;
 
@@ -69,13 +70,31 @@ impl ApproxIndex {
     /// Records a routing decision: `worker` will hold the request's blocks `hashes` from `now`
     /// on. Expires what is due first and prunes past the size bound after.
     pub fn record(&self, worker: WorkerKey, hashes: &BlockHashes, now: Instant) -> ApproxOutcome {
+        self.record_blocks(worker, hashes, 0..hashes.sequence.len(), now)
+    }
+
+    /// [`Self::record`] for the blocks of `hashes` at positions `blocks` alone, as if the
+    /// whole prompt were recorded at `now`: a long prompt can be recorded in parts, in order,
+    /// each under the lock a short while, with the same `now` (so its blocks share one
+    /// expiry and the predictions stay prefix-closed).
+    pub fn record_blocks(
+        &self,
+        worker: WorkerKey,
+        hashes: &BlockHashes,
+        blocks: Range<usize>,
+        now: Instant,
+    ) -> ApproxOutcome {
         let mut state = self.lock();
         let mut outcome = self.expire_locked(&mut state, now);
         let expiry = now + self.config.ttl;
         let mut run: Vec<StoredBlock> = Vec::new();
         let mut run_parent = None;
-        let blocks = hashes.local.iter().zip(&hashes.sequence);
-        for (depth, (&local, &sequence)) in blocks.enumerate() {
+        let end = blocks
+            .end
+            .min(hashes.local.len())
+            .min(hashes.sequence.len());
+        for depth in blocks.start..end {
+            let (local, sequence) = (hashes.local[depth], hashes.sequence[depth]);
             // Depths past u32::MAX share the last value; only the tie-break order uses them.
             let depth32 = u32::try_from(depth).unwrap_or(u32::MAX);
             match state.predictions.insert(worker, sequence, depth32, expiry) {

@@ -110,3 +110,31 @@ fn invalid_config_is_rejected() {
         DEFAULT_MAX_BLOCKS
     );
 }
+
+#[test]
+fn a_prompt_recorded_in_parts_is_recorded_as_a_whole() {
+    let t0 = Instant::now();
+    let request = hashes(0..40);
+    let whole = ApproxIndex::new(config(10, 1000)).expect("valid");
+    whole.record(W1, &request, t0);
+    let parts = ApproxIndex::new(config(10, 1000)).expect("valid");
+    for range in [0..3, 3..4, 4..9, 9..10, 10..12] {
+        parts.record_blocks(W1, &request, range, t0);
+    }
+    let scores = |index: &ApproxIndex, at| index.find_matches(&request.sequence, at).depth(W1);
+    assert_eq!(scores(&parts, t0), 10);
+    assert_eq!(
+        parts.index_stats().distinct_blocks,
+        whole.index_stats().distinct_blocks
+    );
+    assert_eq!(parts.stats().totals.inserted, 10);
+    assert_eq!(
+        scores(&parts, t0 + Duration::from_secs(10)),
+        0,
+        "one expiry"
+    );
+
+    let half = ApproxIndex::new(config(10, 1000)).expect("valid");
+    half.record_blocks(W1, &request, 0..5, t0);
+    assert_eq!(half.find_matches(&request.sequence, t0).depth(W1), 5);
+}

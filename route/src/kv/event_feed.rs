@@ -23,6 +23,7 @@
 //! ([`EventFeed::resync_requests_to`]) until its snapshot makes it trusted again.
 
 use std::collections::HashSet;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
@@ -291,8 +292,16 @@ impl OverlapSource for EventFed {
         }
     }
 
-    fn record(&self, worker: WorkerKey, blocks: &BlockHashes, now: Instant) -> u64 {
-        self.feed.predicted.record(worker, blocks, now)
+    fn record_blocks(
+        &self,
+        worker: WorkerKey,
+        blocks: &BlockHashes,
+        range: Range<usize>,
+        now: Instant,
+    ) -> u64 {
+        self.feed
+            .predicted
+            .record_blocks(worker, blocks, range, now)
     }
 
     fn expire(&self, now: Instant) {

@@ -14,6 +14,7 @@
 //! what its host memory and disk hold beyond it, weighted ([`lower_tier_blocks`]).
 
 use std::fmt;
+use std::ops::Range;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -38,7 +39,19 @@ pub(crate) trait OverlapSource: Send + Sync + fmt::Debug {
     }
     /// A routing decision sent `blocks` to `worker` at `now`; returns how many predicted
     /// blocks were pruned to stay under the size bound.
-    fn record(&self, worker: WorkerKey, blocks: &BlockHashes, now: Instant) -> u64;
+    fn record(&self, worker: WorkerKey, blocks: &BlockHashes, now: Instant) -> u64 {
+        self.record_blocks(worker, blocks, 0..blocks.sequence.len(), now)
+    }
+    /// [`record`](Self::record) for the blocks at positions `range` alone: a long prompt
+    /// is recorded in steps, in order, all at the decision's `now`
+    /// ([`crate::kv::prediction`]).
+    fn record_blocks(
+        &self,
+        worker: WorkerKey,
+        blocks: &BlockHashes,
+        range: Range<usize>,
+        now: Instant,
+    ) -> u64;
     /// Drops what is due at `now` (a periodic tick).
     fn expire(&self, now: Instant);
     /// Every worker with cached blocks, with how many.
@@ -177,8 +190,14 @@ impl OverlapSource for Approximate {
         self.index.find_matches(query, now)
     }
 
-    fn record(&self, worker: WorkerKey, blocks: &BlockHashes, now: Instant) -> u64 {
-        self.index.record(worker, blocks, now).pruned
+    fn record_blocks(
+        &self,
+        worker: WorkerKey,
+        blocks: &BlockHashes,
+        range: Range<usize>,
+        now: Instant,
+    ) -> u64 {
+        self.index.record_blocks(worker, blocks, range, now).pruned
     }
 
     fn expire(&self, now: Instant) {

@@ -26,6 +26,7 @@ use crate::kv::overlap::{
     Approximate, LowerTierBlocks, OverlapSource, TierWeights, cached_depth, deepest_rank,
     instance_depth, lower_tier_blocks, worker_key,
 };
+use crate::kv::prediction::record_prediction;
 use crate::kv::replicas::{OwnLoads, ReplicaLoads, ReplicaShare};
 use crate::kv::select::{Scored, TIE_EPSILON, probabilities, select};
 use crate::kv::sessions::{SessionBinding, Sessions};
@@ -75,7 +76,7 @@ pub struct KvRouter {
     tier_weights: TierWeights,
     temperature: f64,
     busy: BusyThresholds,
-    overlap: Box<dyn OverlapSource>,
+    overlap: Arc<dyn OverlapSource>,
     /// The event-fed index (`None`: no KV events, predictions only).
     events: Option<Arc<EventFeed>>,
     loads: ActiveLoads,
@@ -128,9 +129,9 @@ impl KvRouter {
         } else {
             None
         };
-        let overlap: Box<dyn OverlapSource> = match &events {
-            Some(feed) => Box::new(EventFed::new(Arc::clone(feed))),
-            None => Box::new(Approximate::new(limits)?),
+        let overlap: Arc<dyn OverlapSource> = match &events {
+            Some(feed) => Arc::new(EventFed::new(Arc::clone(feed))),
+            None => Arc::new(Approximate::new(limits)?),
         };
         let block_size = ModelBlockSize::new(config.block_size);
         Ok(Self {
@@ -841,10 +842,12 @@ impl KvRouter {
     ) -> Option<u64> {
         let prompt = match &request.input {
             RouteInput::Tokens(prompt) => {
-                let pruned = self.overlap.record(
+                record_prediction(
+                    &self.overlap,
                     worker_key(decision.instance_id, decision.dp_rank),
-                    &prompt.hashes,
+                    prompt,
                     now,
+                    &self.metrics.index_prunes,
                 );
                 if let Some(decisions) = self.decisions.get() {
                     // The receiver lives as long as the proxy.
@@ -853,7 +856,6 @@ impl KvRouter {
                         prompt: Arc::clone(prompt),
                     });
                 }
-                self.metrics.index_prunes.inc_by(pruned);
                 self.metrics
                     .overlap_blocks
                     .observe(f64::from(decision.overlap_blocks));

@@ -11,6 +11,7 @@ use rand::rngs::StdRng;
 use super::*;
 use crate::candidates::{Candidates, Excluded};
 use crate::kv::SHARE_WAIT;
+use crate::kv::prediction::RECORD_STEP;
 use crate::kv::replicas::SharedLoad;
 use crate::metrics::KvFamilies;
 use crate::policy::PolicyInput;
@@ -478,6 +479,48 @@ fn index_gauges_follow_the_predictions() {
         );
         assert!(text.contains(&speed), "{text}");
     }
+}
+
+/// A prompt of `steps` prediction steps and a few blocks more, committed on one of two
+/// instances; returns the router, the prompt's block count and the chosen worker.
+fn commit_long_prompt(steps: usize) -> (KvRouter, u64, kvmesh_kv::WorkerKey) {
+    let (router, instances) = router_with(config(), 2);
+    let blocks = steps * RECORD_STEP + 10;
+    let long = request(&router, &conversation(1, (blocks * BLOCK) as u32));
+    let decision = picked(choose(&router, &instances, &long, 0));
+    drop(router.commit(&decision, &long, Instant::now()));
+    let worker = worker_key(decision.instance_id, None);
+    (router, blocks as u64, worker)
+}
+
+#[tokio::test]
+async fn a_long_prompts_prediction_is_recorded_in_steps_that_yield_to_the_runtime() {
+    let (router, blocks, worker) = commit_long_prompt(3);
+    let step = RECORD_STEP as u64;
+    assert_eq!(
+        router.overlap.cached_blocks(),
+        vec![(worker, step)],
+        "the first step is recorded with the decision"
+    );
+    let mut seen = vec![step];
+    for _ in 0..16 {
+        tokio::task::yield_now().await;
+        let cached = router.overlap.cached_blocks()[0].1;
+        if seen.last() != Some(&cached) {
+            seen.push(cached);
+        }
+    }
+    assert_eq!(
+        seen,
+        vec![step, 2 * step, 3 * step, blocks],
+        "one step each time the runtime polls the recording task"
+    );
+}
+
+#[test]
+fn without_a_runtime_a_long_prompts_prediction_is_recorded_at_once() {
+    let (router, blocks, worker) = commit_long_prompt(2);
+    assert_eq!(router.overlap.cached_blocks(), vec![(worker, blocks)]);
 }
 
 #[test]
