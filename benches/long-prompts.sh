@@ -7,8 +7,12 @@
 # LOADGEN_CPU, the long prompts on a model and sims of their own at nice 10. Each round runs
 # the short probe alone (open loop), then again while another kvmesh-bench keeps
 # --long-concurrency long prompts in flight (closed loop, 64 distinct prompts in turn, so the
-# proxy's segment cache never holds the next one). Writes the `long-prompts` section of
-# docs/BENCHMARKS.md.
+# proxy's segment cache never holds the next one), then once more as the control: the same
+# long prompts at the rate the proxy just carried, sent straight to the long sims. The control
+# loads LOADGEN_CPU (the long client, the long sims, the loopback traffic) as the proxied run
+# does and the proxy not at all, so beside − control is the part of the probe's rise that is
+# the proxy's doing, and control − alone the part the shared load-generator core adds.
+# Writes the `long-prompts` section of docs/BENCHMARKS.md.
 #
 # Usage: benches/long-prompts.sh [options]
 #   --duration D          probe's measured time per run (default 20s)
@@ -113,6 +117,12 @@ probe() {
 SETUPS=(kvmesh)
 [[ -n $BASELINE ]] && SETUPS+=(kvmesh-baseline)
 LONG_SECONDS=$((${DURATION%s} + 10))
+# The control's long prompts go straight to the long sims' engines, spread over them.
+LONG_URLS=()
+for engine in $(listening "$WORK_DIR/long-sim.out" 'engine-[0-9]+'); do
+  LONG_URLS+=(--also-url "http://$engine")
+done
+LONG_URLS[0]=--url
 for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
   for setup in "${SETUPS[@]}"; do
     log "round $ROUND/$ROUNDS $setup: probe alone"
@@ -128,6 +138,18 @@ for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
     wait "$LONG_PID" || die "the long load failed: $(cat "$WORK_DIR/long.out.err")"
     stop_pid "$LONG_PID"
     expect_alive "$setup" "${PID[$setup]}" "$SIM_PID" "$LONG_SIM_PID"
+    carried=$(json "$WORK_DIR/$setup.long.r$ROUND.json" '.requests_per_s')
+    log "round $ROUND/$ROUNDS $setup: probe beside $carried long prompts/s sent straight to the sims (control)"
+    start_bg LONG_PID "$WORK_DIR/long.out" nice -n 10 taskset -c "$LOADGEN_CPU" "$BENCH" \
+      "${LONG_URLS[@]}" --endpoint chat --model "$LONG_MODEL" \
+      --prompt-tokens "$LONG_WORDS" --distinct-prompts 64 --max-tokens 1 \
+      --rate "$carried" --duration "${LONG_SECONDS}s" --warmup 5s --threads 1 \
+      --timeout 120s --json "$WORK_DIR/$setup.control-long.r$ROUND.json"
+    sleep 5
+    probe "$setup" control
+    wait "$LONG_PID" || die "the control's long load failed: $(cat "$WORK_DIR/long.out.err")"
+    stop_pid "$LONG_PID"
+    expect_alive "$setup" "${PID[$setup]}" "$SIM_PID" "$LONG_SIM_PID"
   done
 done
 
@@ -136,6 +158,14 @@ cell() {
   local r
   for ((r = 1; r <= ROUNDS; r++)); do json "$WORK_DIR/$1.$2.r$r.json" "$3"; done | median 2
 }
+# rise SETUP LABEL: the median over rounds of the loaded probe's p99 less LABEL's.
+rise() {
+  local r
+  for ((r = 1; r <= ROUNDS; r++)); do
+    awk -v a="$(json "$WORK_DIR/$1.$2.r$r.json" '.e2e_ms.p99')" \
+      -v b="$(json "$WORK_DIR/$1.loaded.r$r.json" '.e2e_ms.p99')" 'BEGIN { print b - a }'
+  done | median 2
+}
 SECTION=$WORK_DIR/section.md
 {
   echo "### Long prompts beside short ones (\`benches/long-prompts.sh\`)"
@@ -143,19 +173,18 @@ SECTION=$WORK_DIR/section.md
   echo "Command: \`$COMMAND\`, $DATE."
   echo
   machine_lines
-  echo "- Proxy (\`policy: kv\`, Qwen3 tokenizer, block 64) pinned to CPU $SERVER_CPU. On CPU $LOADGEN_CPU: the probe's model on its own engine-sim (\`--no-delay\`) and its load generator; the long prompts' model on 4 other engine-sims and its load generator, both at nice 10 (so the probe never waits behind a long prompt outside the proxy)."
+  echo "- Proxy (\`policy: kv\`, Qwen3 tokenizer, block 64) pinned to CPU $SERVER_CPU. On CPU $LOADGEN_CPU: the probe's model on its own engine-sim (\`--no-delay\`) and its load generator; the long prompts' model on 4 other engine-sims and its load generator, both at nice 10, which does not keep them from delaying the probe's client and sim: the control measures how much."
   echo "- Probe: $PROBE_WORDS-word chat prompts, \`max_tokens\` 1, open loop at $RATE req/s for $DURATION. Long load: $LONG_CONCURRENCY connections back to back, each a $LONG_WORDS-word chat prompt (one of 64 in turn: never in the segment cache), \`max_tokens\` 1."
-  echo "- Medians of $ROUNDS rounds; each round runs the probe alone, then beside the long load."
+  echo "- Medians of $ROUNDS rounds; each round runs the probe alone, then beside the long load through the proxy, then beside the control: the same long prompts at the rate the proxy carried, sent straight to the long sims (CPU $LOADGEN_CPU as loaded, the proxy not)."
+  echo "- *Rise* is the median of each round's difference of p99s: *beside − alone* (what the issue's target measures), and *beside − control*, the part that is the proxy's doing."
   echo
-  echo "| proxy | probe alone p50 / p99 ms | beside the long prompts p50 / p99 ms | p99 rise ms | long prompts/s |"
-  echo "|---|---|---|---|---|"
+  echo "| proxy | probe alone p50 / p99 ms | beside the long prompts p50 / p99 ms | beside the control p50 / p99 ms | p99 rise over alone ms | p99 rise over the control ms | long prompts/s |"
+  echo "|---|---|---|---|---|---|---|"
   for setup in "${SETUPS[@]}"; do
-    alone50=$(cell "$setup" alone '.e2e_ms.p50')
-    alone99=$(cell "$setup" alone '.e2e_ms.p99')
-    loaded50=$(cell "$setup" loaded '.e2e_ms.p50')
-    loaded99=$(cell "$setup" loaded '.e2e_ms.p99')
-    rise=$(awk -v a="$alone99" -v b="$loaded99" 'BEGIN { printf "%.2f", b - a }')
-    echo "| $setup | $alone50 / $alone99 | $loaded50 / $loaded99 | $rise | $(cell "$setup" long '.requests_per_s') |"
+    echo "| $setup | $(cell "$setup" alone '.e2e_ms.p50') / $(cell "$setup" alone '.e2e_ms.p99') |" \
+      "$(cell "$setup" loaded '.e2e_ms.p50') / $(cell "$setup" loaded '.e2e_ms.p99') |" \
+      "$(cell "$setup" control '.e2e_ms.p50') / $(cell "$setup" control '.e2e_ms.p99') |" \
+      "$(rise "$setup" alone) | $(rise "$setup" control) | $(cell "$setup" long '.requests_per_s') |"
   done
 } >"$SECTION"
 cat "$SECTION" >&2
