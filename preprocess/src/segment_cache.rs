@@ -87,7 +87,9 @@ impl SegmentCache {
             return Some(ids.clone());
         }
         let (key, ids) = state.previous.remove_entry(piece)?;
-        self.insert_locked(&mut state, key, ids.clone());
+        let evicted = self.insert_locked(&mut state, key, ids.clone());
+        drop(state);
+        drop(evicted);
         Some(ids)
     }
 
@@ -96,20 +98,34 @@ impl SegmentCache {
         if ids.len() > self.generation_tokens {
             return;
         }
+        let key: Box<str> = piece.into();
         let mut state = self.lock();
-        self.insert_locked(&mut state, piece.into(), ids);
+        let evicted = self.insert_locked(&mut state, key, ids);
+        drop(state);
+        drop(evicted);
     }
 
-    fn insert_locked(&self, state: &mut Generations, key: Box<str>, ids: Arc<[u32]>) {
+    /// Inserts under the lock; returns the generation it evicted, if any, for the caller to
+    /// free after unlocking. A piece's copy and a generation's freeing (up to a million
+    /// tokens' ids and their texts) stay out of the lock, which the short requests'
+    /// preprocessing threads share with the long lane's lower-priority ones.
+    fn insert_locked(
+        &self,
+        state: &mut Generations,
+        key: Box<str>,
+        ids: Arc<[u32]>,
+    ) -> Option<Generation> {
+        let mut evicted = None;
         if state.current_tokens + ids.len() > self.generation_tokens {
-            state.previous =
-                std::mem::replace(&mut state.current, HashMap::with_hasher(self.hasher));
+            let current = std::mem::replace(&mut state.current, HashMap::with_hasher(self.hasher));
+            evicted = Some(std::mem::replace(&mut state.previous, current));
             state.current_tokens = 0;
         }
         state.current_tokens += ids.len();
         if let Some(old) = state.current.insert(key, ids) {
             state.current_tokens -= old.len();
         }
+        evicted
     }
 }
 
