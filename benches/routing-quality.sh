@@ -535,9 +535,15 @@ median_reports() {
 }
 
 RAN=()
+# Even rounds run the lanes in reverse order, so no lane always runs first or last after
+# its workload's other lanes (on this shared machine, a round's later runs can be slower).
+REVERSED_LANES=()
+for ((i = ${#LANE_LIST[@]} - 1; i >= 0; i--)); do REVERSED_LANES+=("${LANE_LIST[i]}"); done
 for ((round = 1; round <= ROUNDS; round++)); do
+  ROUND_LANES=("${LANE_LIST[@]}")
+  ((round % 2)) || ROUND_LANES=("${REVERSED_LANES[@]}")
   for workload in "${WORKLOAD_LIST[@]}"; do
-    for lane in "${LANE_LIST[@]}"; do
+    for lane in "${ROUND_LANES[@]}"; do
       if [[ $lane == kvmesh-precise* ]] && ! { [[ -x $AGENT ]] && "$AGENT" --help >/dev/null 2>&1 &&
         "$AGENT" --help 2>&1 | grep -q -- '--kv-events-endpoint'; }; then
         note "$lane skipped: no usable kvmesh-agent at $AGENT (the worker-agent is not built yet)"
@@ -619,7 +625,7 @@ spread() {
   echo
   echo "Last run: $DATE, command \`$COMMAND\`, $TOTAL_SECONDS s in all."
   if [[ -n $RESUME ]]; then echo; echo "It resumed an earlier run's kept work directory: the (workload, lane) pairs already reported there were not run again, and the load averages below are this run's."; fi
-  if ((ROUNDS > 1)); then echo; echo "Every lane ran $ROUNDS times, round by round; each number below is the median of its $ROUNDS measurements."; fi
+  if ((ROUNDS > 1)); then echo; echo "Every lane ran $ROUNDS times, round by round (even rounds in reverse lane order); each number below is the median of its $ROUNDS measurements."; fi
   echo
   echo "$LOAD_BEFORE"
   echo "- Load average after the run: \`$(cut -d' ' -f1-3 /proc/loadavg)\`"
