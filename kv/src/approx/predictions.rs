@@ -27,7 +27,8 @@ struct Prediction {
 }
 
 /// A heap item; behind when the pair's current expiry is later (it was refreshed), stale when
-/// the pair is gone. Field order is the eviction order: expiry, then deeper first, then key for determinism.
+/// the pair is gone. Field order is the eviction order: expiry, then deeper first, then key
+/// for determinism.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Candidate {
     expiry: Instant,

@@ -25,7 +25,8 @@
 //!    then random, or a softmax draw when `temperature > 0`.
 //! 5. **Commit** ([`KvRouter::commit`]): book the load (a [`booking::Booking`] guard
 //!    releases prefill at the first response byte and blocks at the end) and record the
-//!    prediction (a long prompt's in steps: [`prediction`]). A connect failure drops the booking and routes again without that instance.
+//!    prediction (a long prompt's in steps: [`prediction`]). A connect failure drops the
+//!    booking and routes again without that instance.
 //!
 //! With several proxy replicas, one of them decides for all of a model's requests
 //! ([`decider`]): the others ask it between lookup and commit, and commit its choice.

@@ -34,13 +34,16 @@ pub(crate) fn record_prediction(
     prunes: &IntCounter,
 ) {
     let blocks = prompt.hashes.sequence.len();
-    let first = blocks.min(RECORD_STEP);
+    let runtime = (blocks > RECORD_STEP)
+        .then(tokio::runtime::Handle::try_current)
+        .and_then(Result::ok);
+    let first = if runtime.is_some() {
+        RECORD_STEP
+    } else {
+        blocks
+    };
     prunes.inc_by(overlap.record_blocks(worker, &prompt.hashes, 0..first, now));
-    if first == blocks {
-        return;
-    }
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        prunes.inc_by(overlap.record_blocks(worker, &prompt.hashes, first..blocks, now));
+    let Some(runtime) = runtime else {
         return;
     };
     let (overlap, prompt, prunes) = (Arc::clone(overlap), Arc::clone(prompt), prunes.clone());
