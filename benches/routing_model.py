@@ -41,11 +41,14 @@ CAPACITY = 16384 * 64 // BLOCK
 BUDGET = 8192
 
 
+PREFILL_FIXED_MS = 16.50142
+
+
 def prefill_ms(tokens):
     """One iteration prefilling `tokens` (engine-sim's timing model at speed-up 1)."""
     if tokens == 0:
         return 0.0
-    return 4.209989e-7 * tokens * tokens + 0.01518344 * tokens + 16.50142
+    return 4.209989e-7 * tokens * tokens + 0.01518344 * tokens + PREFILL_FIXED_MS
 
 
 def decode_ms(usage):
@@ -245,11 +248,14 @@ def unexpired_prefix(expiries, hashes, now):
 
 
 class KvCost:
-    def __init__(self, overlap_weight=1.0, work_weight=0.0, decay=True, ttl_ms=120_000.0):
+    def __init__(self, overlap_weight=1.0, work_weight=0.0, decay=True, ttl_ms=120_000.0,
+                 queue_weight=1.0):
         self.w, self.work, self.decay, self.ttl = overlap_weight, work_weight, decay, ttl_ms
+        self.queue = queue_weight
         self.name = "kvmesh kv" + ("" if decay else ", no prefill progress") + (
             f", overlap_weight {overlap_weight}" if overlap_weight != 1.0 else "") + (
-            f", work {work_weight}" if work_weight else "")
+            f", work {work_weight}" if work_weight else "") + (
+            f", queue_weight {queue_weight}" if queue_weight != 1.0 else "")
 
     def setup(self, engines):
         self.engines = engines
@@ -282,6 +288,9 @@ class KvCost:
         own_ms, own_iterations = chunked_ms(new)
         per_iteration = decode_ms(usage) if running else 0.0
         value = self.w * queue_ms + iterations * per_iteration + self.work * own_ms
+        # kv.queue_weight: its tokens' prefill for each request queued there.
+        own_tokens_ms = own_ms - own_iterations * PREFILL_FIXED_MS
+        value += self.queue * own_tokens_ms * len(self.prefill[k])
         return value, new, own_ms + own_iterations * per_iteration
 
     def route(self, request, now):

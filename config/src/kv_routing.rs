@@ -31,6 +31,12 @@ pub struct KvRoutingConfig {
     /// Weight of the harm a request's prefill does to the streams running on an instance
     /// (their summed stall, ms); 0: only the request's own time to first token counts.
     pub harm_weight: f64,
+    /// Weight of the wait a request's own prefill adds to the requests queued for prefill on
+    /// an instance (its marginal prefill time × those requests, ms): the work a choice adds to a
+    /// queue delays the requests that will arrive behind it about as many as wait there now,
+    /// so under load an instance that must recompute a cached prompt pays for it; 0: only the
+    /// request's own time to first token counts.
+    pub queue_weight: f64,
     /// How fast the cached-prefix credit shrinks as an instance's prefill backlog exceeds the
     /// least-loaded instance's: credit × `1 / (1 + decay × excess iterations)`; 0: never.
     pub overlap_credit_decay: f64,
@@ -93,6 +99,7 @@ impl Default for KvRoutingConfig {
             block_size: None,
             overlap_weight: 1.0,
             harm_weight: 0.0,
+            queue_weight: 1.0,
             overlap_credit_decay: 0.0,
             tier_weights: KvTierWeights::default(),
             temperature: 0.0,

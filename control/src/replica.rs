@@ -46,6 +46,10 @@ pub struct InstanceLoadShare {
     pub blocks: u64,
     /// Its requests there.
     pub requests: u64,
+    /// Its requests there still before their first byte (absent: 0, a replica that does not
+    /// share it).
+    #[serde(default)]
+    pub prefill_requests: u64,
     /// The natural logarithm of the instance's speed factor against the cost model's profile,
     /// as the replica learned it from its own requests' first tokens (absent: 0).
     #[serde(default)]
@@ -267,6 +271,10 @@ mod tests {
         let share = LoadShare::from_json(json).expect("doc example");
         assert_eq!(share.instances[0].prefill_tokens, 4096);
         assert_eq!(
+            share.instances[0].prefill_requests, 0,
+            "a replica that does not share its queued requests"
+        );
+        assert_eq!(
             (share.decided, share.eased),
             (0, 0),
             "an older replica's share"
@@ -283,9 +291,10 @@ mod tests {
             LoadShare::from_json(&share.to_json()).expect("round trip"),
             share
         );
-        let json = br#"{"replica":"0000000000000007","seq":4,"model":"m","ttl_ms":3000,"decided":2,"eased":9,"instances":[{"instance_id":"00c0ffee00c0ffee","prefill_tokens":0,"blocks":0,"requests":0,"speed_ln_factor":0.5,"speed_samples":12}]}"#;
+        let json = br#"{"replica":"0000000000000007","seq":4,"model":"m","ttl_ms":3000,"decided":2,"eased":9,"instances":[{"instance_id":"00c0ffee00c0ffee","prefill_tokens":0,"blocks":0,"requests":3,"prefill_requests":2,"speed_ln_factor":0.5,"speed_samples":12}]}"#;
         let share = LoadShare::from_json(json).expect("with speed");
         assert_eq!((share.decided, share.eased), (2, 9));
+        assert_eq!(share.instances[0].prefill_requests, 2);
         assert_eq!(
             (
                 share.instances[0].speed_ln_factor,

@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! cost = speed × (overlap_weight × prefill_ms + decode_ms) + harm_weight × harm_ms
+//!        + queue_weight × queue_ms
 //! ```
 //!
 //! - `prefill_ms`: the prefill work queued there ahead of the request plus its own uncached
@@ -16,7 +17,15 @@
 //!   ([`crate::kv::load`]); so `speed × (prefill_ms + decode_ms)` is the predicted time to
 //!   first token;
 //! - `harm_ms`: the stall this request's own prefill causes the streams running there, summed
-//!   over those streams.
+//!   over those streams;
+//! - `queue_ms`: the wait this request's prefill adds to the requests queued for prefill there
+//!   (its own tokens' prefill time, without an iteration's fixed part, at the instance's
+//!   learned speed, times those requests). They stand for the requests that will arrive
+//!   behind it while its work is queued: a queue that is long now is long when they come. On
+//!   an idle fleet it is 0; under load it charges a choice for the work it adds. Without it,
+//!   a fleet past its capacity lost its reuse: each request took whichever queue was shortest
+//!   by a few milliseconds, recomputing its cached prompt there, and that work lengthened
+//!   every queue (docs/BENCHMARKS.md, *Past the fleet's capacity*).
 //!
 //! An instance caching a prefix of the prompt skips prefilling it: the cached tokens are the
 //! overlap credit. Blocks past its device overlap that its host memory or disk hold count at
@@ -131,6 +140,9 @@ pub(crate) struct CandidateLoad {
     pub(crate) active_prefix_blocks: u32,
     /// The proxy's requests in flight there (the streams a prefill stalls).
     pub(crate) requests: u64,
+    /// Requests queued there for prefill (still before their first token): the proxy's own,
+    /// the other replicas' and those the engine reported waiting beyond them.
+    pub(crate) queued_requests: u64,
     /// Its KV capacity in blocks (0: unknown, then the cache counts as full).
     pub(crate) total_blocks: u64,
     /// Its learned slowness against the profile (1: as profiled).
@@ -148,6 +160,7 @@ impl Default for CandidateLoad {
             active_blocks: 0,
             active_prefix_blocks: 0,
             requests: 0,
+            queued_requests: 0,
             total_blocks: 16_384,
             speed: 1.0,
             credit: 1.0,
@@ -177,6 +190,9 @@ pub struct Cost {
     pub(crate) itl_ms: f64,
     /// Predicted stall of the running streams, summed over them.
     pub(crate) harm_ms: f64,
+    /// Predicted wait this request's prefill adds to the requests queued there, summed over
+    /// them.
+    pub(crate) queue_ms: f64,
     /// The cost (module docs).
     pub(crate) value: f64,
 }
@@ -207,6 +223,8 @@ pub(crate) struct CostModel {
     pub(crate) overlap_weight: f64,
     /// Weight of the harm to running streams.
     pub(crate) harm_weight: f64,
+    /// Weight of the wait added to the requests queued for prefill.
+    pub(crate) queue_weight: f64,
     /// How fast the overlap credit decays with prefill backlog (0: never).
     pub(crate) overlap_credit_decay: f64,
     /// The engines' speed before learning.
@@ -264,6 +282,10 @@ impl CostModel {
         };
         let (own_prefill_ms, own_iterations) = self.profile.prefill_ms(new_prefill_tokens.max(1));
         let harm_ms = speed * own_prefill_ms * load.requests as f64;
+        // The requests queued there now stand for those that will queue behind it. Batched
+        // with theirs, its tokens add work but no iteration of their own.
+        let own_tokens_ms = own_prefill_ms - own_iterations as f64 * self.profile.prefill_fixed_ms;
+        let queue_ms = speed * own_tokens_ms.max(0.0) * load.queued_requests as f64;
         let profiled_ttft_ms = prefill_ms + transfer_ms + decode_ms;
         Cost {
             new_prefill_tokens,
@@ -274,8 +296,10 @@ impl CostModel {
             ttft_ms: speed * profiled_ttft_ms,
             itl_ms: speed * self.profile.decode_ms(usage),
             harm_ms,
+            queue_ms,
             value: speed * (self.overlap_weight * (prefill_ms + transfer_ms) + decode_ms)
-                + self.harm_weight * harm_ms,
+                + self.harm_weight * harm_ms
+                + self.queue_weight * queue_ms,
         }
     }
 }

@@ -86,6 +86,8 @@ pub struct Explanation {
     pub(crate) overlap_weight: f64,
     /// `kv.harm_weight`.
     pub(crate) harm_weight: f64,
+    /// `kv.queue_weight`.
+    pub(crate) queue_weight: f64,
     /// `kv.overlap_credit_decay`.
     pub(crate) overlap_credit_decay: f64,
     /// `kv.tier_weights`.
@@ -133,6 +135,9 @@ pub struct InstanceExplanation {
     pub(crate) active_blocks: u64,
     /// Requests booked now.
     pub(crate) active_requests: usize,
+    /// Requests queued for prefill now (before their first byte): this proxy's, the other
+    /// replicas' and those the engine reported waiting beyond them.
+    pub(crate) queued_requests: usize,
     /// The KV cache capacity its load is measured by: its engine's (from the instance
     /// record), else `kv.total_kv_blocks` (0: unknown).
     pub(crate) kv_capacity_blocks: u64,
@@ -153,6 +158,8 @@ pub struct InstanceExplanation {
     pub(crate) predicted_itl_ms: f64,
     /// Predicted stall of the streams running there, summed, ms.
     pub(crate) harm_ms: f64,
+    /// Predicted wait added to the requests queued there for prefill, summed, ms.
+    pub(crate) queue_ms: f64,
     /// The cost.
     pub(crate) cost: f64,
     /// Chance of being chosen (0 for ineligible or busy instances).

@@ -61,6 +61,9 @@ pub(crate) struct LoadSnapshot {
     pub(crate) prefix_blocks: u32,
     /// Requests booked on the instance.
     pub(crate) requests: usize,
+    /// Requests booked on the instance still before their first byte (in prefill, or queued
+    /// for it).
+    pub(crate) prefill_requests: usize,
     /// Blocks in use at the engine beyond the proxy's own, as it last reported them (0
     /// without a fresh report).
     pub(crate) foreign_blocks: u64,
@@ -84,6 +87,7 @@ impl Default for LoadSnapshot {
             blocks: 0,
             prefix_blocks: 0,
             requests: 0,
+            prefill_requests: 0,
             foreign_blocks: 0,
             foreign_waiting: 0,
             speed: 1.0,
@@ -399,6 +403,7 @@ impl ActiveLoads {
             blocks: load.own_blocks(),
             prefix_blocks: u32::try_from(depth).unwrap_or(u32::MAX),
             requests: load.requests.len(),
+            prefill_requests: load.in_prefill.len(),
             foreign_blocks,
             foreign_waiting,
             speed,
@@ -607,6 +612,7 @@ impl ActiveLoads {
                     prefill_tokens: load.prefill_tokens,
                     blocks: load.own_blocks(),
                     requests: load.requests.len() as u64,
+                    prefill_requests: load.in_prefill.len() as u64,
                     speed: load.speed.shared(),
                 };
                 (instance, shared)
@@ -774,6 +780,7 @@ mod tests {
                 blocks: 5,
                 prefix_blocks: 4,
                 requests: 1,
+                prefill_requests: 1,
                 ..LoadSnapshot::default()
             }
         );
@@ -789,7 +796,10 @@ mod tests {
         );
         assert_eq!(loads.own().eased, 1, "the first byte eased the load");
         let snap = loads.snapshot(1, &[]);
-        assert_eq!((snap.prefill_tokens, snap.blocks), (0, 5));
+        assert_eq!(
+            (snap.prefill_tokens, snap.prefill_requests, snap.blocks),
+            (0, 0, 5)
+        );
         assert!(loads.release(1, id));
         assert!(!loads.release(1, id), "only once");
         assert_eq!(loads.own().eased, 2, "so did the end, once");

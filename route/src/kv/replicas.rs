@@ -28,6 +28,8 @@ pub struct SharedLoad {
     pub blocks: u64,
     /// Its requests there.
     pub requests: u64,
+    /// Its requests there still before their first byte.
+    pub prefill_requests: u64,
     /// What its own first tokens taught it of the instance's speed.
     pub speed: SharedSpeed,
 }
@@ -37,6 +39,7 @@ impl SharedLoad {
         self.prefill_tokens += other.prefill_tokens;
         self.blocks += other.blocks;
         self.requests += other.requests;
+        self.prefill_requests += other.prefill_requests;
         self.speed = self.speed.merged(other.speed);
     }
 }
@@ -260,6 +263,7 @@ mod tests {
             prefill_tokens,
             blocks,
             requests,
+            prefill_requests: 0,
             speed: SharedSpeed::default(),
         }
     }

@@ -144,6 +144,7 @@ impl KvRouter {
                 block_size: block_size.get(),
                 overlap_weight: config.overlap_weight,
                 harm_weight: config.harm_weight,
+                queue_weight: config.queue_weight,
                 overlap_credit_decay: config.overlap_credit_decay,
                 profile: EngineProfile::DEFAULT,
             },
@@ -360,6 +361,10 @@ impl KvRouter {
         load.prefill_tokens = load.prefill_tokens.saturating_add(added_prefill);
         load.booked_prefill_tokens = load.booked_prefill_tokens.saturating_add(added_prefill);
         load.requests = load.requests.saturating_add(replicas.requests as usize);
+        load.prefill_requests = load
+            .prefill_requests
+            .saturating_add(replicas.prefill_requests as usize)
+            .saturating_add(load.foreign_waiting as usize);
         load.blocks = load
             .blocks
             .saturating_add(replicas.blocks)
@@ -586,6 +591,7 @@ impl KvRouter {
                 active_blocks: load.blocks,
                 active_prefix_blocks: load.prefix_blocks,
                 requests: load.requests as u64,
+                queued_requests: load.prefill_requests as u64,
                 total_blocks: self.capacity(load.capacity),
                 speed: load.speed,
                 credit: self.cost.credit(load.prefill_tokens, least_backlog),
@@ -980,6 +986,7 @@ impl KvRouter {
             block_size: self.block_size(),
             overlap_weight: self.cost.overlap_weight,
             harm_weight: self.cost.harm_weight,
+            queue_weight: self.cost.queue_weight,
             overlap_credit_decay: self.cost.overlap_credit_decay,
             tier_weights: self.tier_weights,
             temperature: self.temperature,
@@ -1010,6 +1017,7 @@ impl KvRouter {
                     active_prefill_tokens: e.load.prefill_tokens,
                     active_blocks: e.load.blocks,
                     active_requests: e.load.requests,
+                    queued_requests: e.load.prefill_requests,
                     kv_capacity_blocks: self.capacity(e.load.capacity),
                     in_flight: e.in_flight,
                     prefill_tokens: e.cost.prefill_tokens,
@@ -1019,6 +1027,7 @@ impl KvRouter {
                     predicted_ttft_ms: e.cost.ttft_ms,
                     predicted_itl_ms: e.cost.itl_ms,
                     harm_ms: e.cost.harm_ms,
+                    queue_ms: e.cost.queue_ms,
                     cost: e.cost.value,
                     probability,
                     block_size_mismatch: self.block_size.conflict(instance.id()),

@@ -263,6 +263,7 @@ impl Sharer {
                     prefill_tokens: load.prefill_tokens,
                     blocks: load.blocks,
                     requests: load.requests,
+                    prefill_requests: load.prefill_requests,
                     speed_ln_factor: load.speed.ln_factor,
                     speed_ln_variance: load.speed.ln_variance,
                     speed_samples: load.speed.samples,
@@ -517,6 +518,7 @@ impl Actor {
                         prefill_tokens: load.prefill_tokens,
                         blocks: load.blocks,
                         requests: load.requests,
+                        prefill_requests: load.prefill_requests,
                         speed: SharedSpeed {
                             ln_factor: load.speed_ln_factor,
                             ln_variance: load.speed_ln_variance,

@@ -6,6 +6,7 @@ const MODEL: CostModel = CostModel {
     block_size: 16,
     overlap_weight: 1.0,
     harm_weight: 0.0,
+    queue_weight: 0.0,
     overlap_credit_decay: 0.0,
     profile: EngineProfile::DEFAULT,
 };
@@ -132,6 +133,7 @@ fn queued_prefill_running_streams_and_speed_all_count() {
         active_blocks: 1000,
         active_prefix_blocks: 3,
         requests: 5,
+        queued_requests: 3,
         total_blocks: 2000,
         speed: 2.0,
         credit: 1.0,
@@ -153,16 +155,24 @@ fn queued_prefill_running_streams_and_speed_all_count() {
         2.0 * 5.0 * profile.iteration_prefill_ms(36),
         1e-9
     ));
+    // Its own tokens' prefill (no iteration's fixed part), at the learned speed, for each of
+    // the 3 requests queued there.
+    assert!(close(
+        cost.queue_ms,
+        2.0 * 3.0 * (profile.iteration_prefill_ms(36) - profile.prefill_fixed_ms),
+        1e-9
+    ));
     assert_eq!(cost.value, cost.ttft_ms);
     let weighted = CostModel {
         overlap_weight: 3.0,
         harm_weight: 0.5,
+        queue_weight: 0.25,
         ..MODEL
     };
     let value = weighted.cost(&shape, &load).value;
     assert!(close(
         value,
-        2.0 * (3.0 * prefill + decode) + 0.5 * cost.harm_ms,
+        2.0 * (3.0 * prefill + decode) + 0.5 * cost.harm_ms + 0.25 * cost.queue_ms,
         1e-9
     ));
 }
@@ -227,6 +237,7 @@ fn loads() -> impl Strategy<Value = CandidateLoad> {
                 active_blocks: blocks,
                 active_prefix_blocks: prefix,
                 requests,
+                queued_requests: requests / 2,
                 total_blocks: total,
                 speed,
                 credit,
@@ -235,17 +246,23 @@ fn loads() -> impl Strategy<Value = CandidateLoad> {
 }
 
 proptest! {
-    /// More cached prefix never costs more; more queued prefill, more running streams or a
-    /// slower engine never cost less.
+    /// More cached prefix never costs more; more queued prefill, more running streams, more
+    /// queued requests or a slower engine never cost less.
     #[test]
     fn the_cost_moves_the_right_way(
         tokens in 0u64..20_000,
         load in loads(),
         more in 1u64..10_000,
         harm in 0.0f64..2.0,
+        queue in 0.0f64..4.0,
         decay in 0.0f64..4.0,
     ) {
-        let model = CostModel { harm_weight: harm, overlap_credit_decay: decay, ..MODEL };
+        let model = CostModel {
+            harm_weight: harm,
+            queue_weight: queue,
+            overlap_credit_decay: decay,
+            ..MODEL
+        };
         let shape = RequestShape::new(tokens, 16);
         let base = model.cost(&shape, &load);
         prop_assert!(base.value.is_finite() && base.value >= 0.0);
@@ -255,6 +272,8 @@ proptest! {
         prop_assert!(model.cost(&shape, &queued).value >= base.value - 1e-9);
         let streams = CandidateLoad { requests: load.requests + 1, ..load };
         prop_assert!(model.cost(&shape, &streams).value >= base.value - 1e-9);
+        let waiting = CandidateLoad { queued_requests: load.queued_requests + 1, ..load };
+        prop_assert!(model.cost(&shape, &waiting).value >= base.value - 1e-9);
         let slower = CandidateLoad { speed: load.speed * 1.5, ..load };
         prop_assert!(model.cost(&shape, &slower).value >= base.value - 1e-9);
         let least = load.active_prefill_tokens.saturating_sub(more);

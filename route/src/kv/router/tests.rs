@@ -214,6 +214,64 @@ fn bookings_hold_load_until_dropped_and_prefill_until_the_first_byte() {
     );
 }
 
+/// Books the token-id prompt `ids` on instance `index` of `instances` (the others excluded).
+fn book_on<'r>(
+    router: &'r KvRouter,
+    instances: &[Arc<Fake>],
+    ids: &[u32],
+    index: usize,
+) -> Booking<'r> {
+    let mut excluded = Excluded::default();
+    for other in (0..instances.len()).filter(|&i| i != index) {
+        excluded.insert(other);
+    }
+    let prompt = request(router, ids);
+    let mut rng = StdRng::seed_from_u64(0);
+    let decision =
+        picked(router.choose(&Candidates::new(instances, &excluded, 0), &prompt, &mut rng));
+    assert_eq!(decision.index, index);
+    router.commit(&decision, &prompt, Instant::now())
+}
+
+#[test]
+fn under_load_a_request_stays_where_its_prompt_is_cached_rather_than_recompute_it() {
+    // Instance 0 caches a 4,000-token conversation whose next turn has 4,400 tokens. Both
+    // instances have two requests queued for prefill, instance 0 5,000 tokens more of them:
+    // its queue is about 20 ms longer, the recomputation elsewhere about 70 ms of work that
+    // each request queued behind would wait.
+    let next_turn = |queue_weight: f64| {
+        let config = KvRoutingConfig {
+            queue_weight,
+            ..config()
+        };
+        let (router, instances) = router_with(config, 2);
+        drop(book_on(&router, &instances, &conversation(1, 4000), 0));
+        let next = request(&router, &conversation(1, 4400));
+        let idle = picked(choose(&router, &instances, &next, 1));
+        assert_eq!(idle.index, 0, "idle, the cache holder");
+        assert_eq!(idle.cost.queue_ms, 0.0, "nothing queued, nothing charged");
+        let _queued: Vec<_> = [(0, 10, 3500), (0, 11, 3500), (1, 12, 1000), (1, 13, 1000)]
+            .into_iter()
+            .map(|(index, seed, tokens)| {
+                book_on(&router, &instances, &conversation(seed, tokens), index)
+            })
+            .collect();
+        assert_eq!(router.loads.snapshot(0, &[]).prefill_requests, 2);
+        let next = request(&router, &conversation(1, 4400));
+        picked(choose(&router, &instances, &next, 1))
+    };
+    let charged = next_turn(KvRoutingConfig::default().queue_weight);
+    assert_eq!(charged.index, 0, "{charged:?}");
+    assert_eq!(charged.cost.new_prefill_tokens, 400);
+    assert!(charged.cost.queue_ms > 0.0, "{charged:?}");
+    let uncharged = next_turn(0.0);
+    assert_eq!(
+        uncharged.index, 1,
+        "the shorter queue, recomputing: {uncharged:?}"
+    );
+    assert_eq!(uncharged.cost.new_prefill_tokens, 4400);
+}
+
 #[test]
 fn equal_costs_go_to_fewer_requests_in_flight() {
     let (router, instances) = router_with(config(), 3);
@@ -781,7 +839,9 @@ fn a_replica_counts_the_load_another_shares_until_it_expires() {
         (shared.loads[&0].requests, shared.loads[&1].requests),
         (1, 0)
     );
+    assert_eq!(shared.loads[&0].prefill_requests, 1);
     assert!(other.apply_replica_loads(7, share(1, shared)));
+    assert_eq!(other.folded(0, &[]).prefill_requests, 1, "queued there");
     for seed in 0..10 {
         let fresh = request(&other, &conversation(2 + seed, 400));
         let chosen = picked(choose(&other, &instances, &fresh, u64::from(seed)));
@@ -795,6 +855,7 @@ fn a_replica_counts_the_load_another_shares_until_it_expires() {
     );
     assert_eq!(explained.instances[0].active_prefill_tokens, 4_000);
     assert_eq!(explained.instances[0].active_requests, 1);
+    assert_eq!(explained.instances[0].queued_requests, 1);
     // The replica dies: its last share expires.
     let last = ReplicaShare {
         ttl: Duration::ZERO,
@@ -809,6 +870,7 @@ fn a_replica_counts_the_load_another_shares_until_it_expires() {
         &mut StdRng::seed_from_u64(0),
     );
     assert_eq!(explained.instances[0].active_prefill_tokens, 0);
+    assert_eq!(explained.instances[0].queued_requests, 0);
     drop(held);
 }
 
