@@ -348,8 +348,9 @@ impl KvRouter {
     /// Instance `instance`'s load (the prefix depth measured against `query`) with what the
     /// proxy does not book itself added: the other proxy replicas' shared load, and the
     /// engine's foreign load (what its report holds beyond this proxy's and the replicas'
-    /// requests): its blocks to the active blocks, and one block of prefill tokens per
-    /// request waiting. Its speed is learned from every replica's first tokens.
+    /// requests): its blocks to the active blocks, and one block of prefill tokens and one
+    /// queued request per request waiting. Its speed is learned from every replica's first
+    /// tokens.
     fn folded(&self, instance: u64, query: &[SequenceHash]) -> LoadSnapshot {
         let replicas = self.replicas.on(instance);
         let mut load =
