@@ -214,25 +214,6 @@ fn bookings_hold_load_until_dropped_and_prefill_until_the_first_byte() {
     );
 }
 
-/// Books the token-id prompt `ids` on instance `index` of `instances` (the others excluded).
-fn book_on<'r>(
-    router: &'r KvRouter,
-    instances: &[Arc<Fake>],
-    ids: &[u32],
-    index: usize,
-) -> Booking<'r> {
-    let mut excluded = Excluded::default();
-    for other in (0..instances.len()).filter(|&i| i != index) {
-        excluded.insert(other);
-    }
-    let prompt = request(router, ids);
-    let mut rng = StdRng::seed_from_u64(0);
-    let decision =
-        picked(router.choose(&Candidates::new(instances, &excluded, 0), &prompt, &mut rng));
-    assert_eq!(decision.index, index);
-    router.commit(&decision, &prompt, Instant::now())
-}
-
 #[test]
 fn under_load_a_request_stays_where_its_prompt_is_cached_rather_than_recompute_it() {
     // Instance 0 caches a 4,000-token conversation whose next turn has 4,400 tokens. Both
@@ -245,7 +226,12 @@ fn under_load_a_request_stays_where_its_prompt_is_cached_rather_than_recompute_i
             ..config()
         };
         let (router, instances) = router_with(config, 2);
-        drop(book_on(&router, &instances, &conversation(1, 4000), 0));
+        drop(pick_on(
+            &router,
+            &instances,
+            request(&router, &conversation(1, 4000)),
+            0,
+        ));
         let next = request(&router, &conversation(1, 4400));
         let idle = picked(choose(&router, &instances, &next, 1));
         assert_eq!(idle.index, 0, "idle, the cache holder");
@@ -253,7 +239,12 @@ fn under_load_a_request_stays_where_its_prompt_is_cached_rather_than_recompute_i
         let _queued: Vec<_> = [(0, 10, 3500), (0, 11, 3500), (1, 12, 1000), (1, 13, 1000)]
             .into_iter()
             .map(|(index, seed, tokens)| {
-                book_on(&router, &instances, &conversation(seed, tokens), index)
+                pick_on(
+                    &router,
+                    &instances,
+                    request(&router, &conversation(seed, tokens)),
+                    index,
+                )
             })
             .collect();
         assert_eq!(router.loads.snapshot(0, &[]).prefill_requests, 2);
