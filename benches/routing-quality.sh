@@ -73,6 +73,8 @@
 #   --bin-dir DIR         where the binaries are (default target/release)
 #   --doc FILE            document to update (default docs/BENCHMARKS.md)
 #   --keep                keep the work directory (configs, logs, JSON reports)
+#   --decision-log        kvmesh proxies log every routing decision with its candidates
+#                         (RUST_LOG=warn,kvmesh::decision=debug, in proxy.out.err; with --keep)
 #   --resume DIR          use DIR, a work directory an earlier run kept, and run only the
 #                         (workload, lane) pairs without a report there (delete a pair's
 #                         directory to run it again); the section reports them all
@@ -118,6 +120,7 @@ AIPERF_VERSION=0.13.0
 # shared system prompts (about 500 words each), its synthetic user turns for the user messages.
 AIPERF_PREFIX_TOKENS=650
 AIPERF_INPUT_TOKENS=1000
+PROXY_LOG=warn
 
 while (($#)); do
   case $1 in
@@ -138,6 +141,7 @@ while (($#)); do
     --sweep-sessions) SWEEP_SESSIONS=$2; shift 2 ;;
     --workloads) WORKLOADS=$2; shift 2 ;;
     --second-replica-idle) SECOND_REPLICA_IDLE=1; shift ;;
+    --decision-log) PROXY_LOG=warn,kvmesh::decision=debug; shift ;;
     --kv-overlap-weight) KV_OVERLAP_WEIGHT=$2; shift 2 ;;
     --kv) [[ $2 == *=* ]] || die "--kv takes KEY=VALUE, not $2"; KV_SETTINGS+=("$2"); shift 2 ;;
     *) common_option "$@"; shift "$TAKEN" ;;
@@ -311,7 +315,7 @@ kvmesh_config() {
 
 start_kvmesh() { # CONFIG
   "$PROXY" --check-config "$1" >/dev/null || die "kvmesh-proxy rejects $1"
-  start_bg PROXY_PID "$RUN_DIR/proxy.out" env RUST_LOG=warn "$PROXY" --config "$1"
+  start_bg PROXY_PID "$RUN_DIR/proxy.out" env RUST_LOG="$PROXY_LOG" "$PROXY" --config "$1"
   wait_ready "$RUN_DIR/proxy.out" "$PROXY_PID"
   ROUTER_URL=http://$(listening "$RUN_DIR/proxy.out" main)
   ROUTER_PIDS=("$PROXY_PID")
@@ -341,12 +345,12 @@ events:
   kind: nats
   url: $NATS_URL"
   "$PROXY" --check-config "$RUN_DIR/kvmesh.yaml" >/dev/null || die "kvmesh-proxy rejects $RUN_DIR/kvmesh.yaml"
-  start_bg PROXY_PID "$RUN_DIR/proxy.out" env RUST_LOG=warn "$PROXY" --config "$RUN_DIR/kvmesh.yaml"
+  start_bg PROXY_PID "$RUN_DIR/proxy.out" env RUST_LOG="$PROXY_LOG" "$PROXY" --config "$RUN_DIR/kvmesh.yaml"
   wait_ready "$RUN_DIR/proxy.out" "$PROXY_PID"
   ROUTER_URL=http://$(listening "$RUN_DIR/proxy.out" main)
   ROUTER_PIDS+=("$PROXY_PID")
   for ((r = 2; r <= replicas; r++)); do
-    start_bg REPLICA_PID "$RUN_DIR/proxy-$r.out" env RUST_LOG=warn "$PROXY" --config "$RUN_DIR/kvmesh.yaml"
+    start_bg REPLICA_PID "$RUN_DIR/proxy-$r.out" env RUST_LOG="$PROXY_LOG" "$PROXY" --config "$RUN_DIR/kvmesh.yaml"
     wait_ready "$RUN_DIR/proxy-$r.out" "$REPLICA_PID"
     ROUTER_PIDS+=("$REPLICA_PID")
     ((SECOND_REPLICA_IDLE)) || ALSO_URLS+=("http://$(listening "$RUN_DIR/proxy-$r.out" main)")

@@ -6,7 +6,9 @@ use std::fmt::Write;
 use serde::Serialize;
 
 use crate::kv::cache_check::CacheCheckState;
+use crate::kv::cost::Cost;
 use crate::kv::decision::{Decision, KvRequest};
+use crate::kv::load::LoadSnapshot;
 use crate::kv::overlap::{TierWeights, instance_depth};
 use crate::kv::tokenizer_check::TokenizerMismatch;
 use crate::prepare::RouteInput;
@@ -75,6 +77,55 @@ fn push_tenths(text: &mut String, value: f64) {
     text.push_str(itoa::Buffer::new().format(tenths / 10));
     text.push('.');
     text.push(char::from(b'0' + (tenths % 10) as u8));
+}
+
+/// The `tracing` target of the decision log: at `debug`, one line per routing decision with
+/// every candidate the cost compared (`RUST_LOG=info,kvmesh::decision=debug`), so that
+/// placement can be studied after a run without `POST /debug/route` at each request.
+pub(crate) const DECISION_TARGET: &str = "kvmesh::decision";
+
+/// One candidate of a decision, as the decision log writes it.
+pub(crate) struct LoggedCandidate<'a> {
+    /// Its URL.
+    pub(crate) url: &'a str,
+    /// Its cached prefix blocks of the request.
+    pub(crate) overlap_blocks: u32,
+    /// Its load when scored.
+    pub(crate) load: &'a LoadSnapshot,
+    /// Its cost.
+    pub(crate) cost: &'a Cost,
+}
+
+/// The decision log's candidates field: `url overlap=… prefill=… blocks=… foreign=…
+/// requests=… queued=… speed=… ttft=… harm=… queue=… cost=…`, candidates separated by
+/// ` | ` (`blocks`: active KV blocks, `foreign` of them the engine's report beyond the
+/// proxies' own).
+pub(crate) fn decision_candidates<'a>(
+    candidates: impl IntoIterator<Item = LoggedCandidate<'a>>,
+) -> String {
+    let mut text = String::new();
+    for (i, c) in candidates.into_iter().enumerate() {
+        if i > 0 {
+            text.push_str(" | ");
+        }
+        let _ = write!(
+            text,
+            "{} overlap={} prefill={} blocks={} foreign={} requests={} queued={} speed={:.2} ttft={:.1} harm={:.1} queue={:.1} cost={:.1}",
+            c.url,
+            c.overlap_blocks,
+            c.load.prefill_tokens,
+            c.load.blocks,
+            c.load.foreign_blocks,
+            c.load.requests,
+            c.load.prefill_requests,
+            c.load.speed,
+            c.cost.ttft_ms,
+            c.cost.harm_ms,
+            c.cost.queue_ms,
+            c.cost.value,
+        );
+    }
+    text
 }
 
 /// How a request would be routed now (`POST /debug/route`).
@@ -306,6 +357,52 @@ mod tests {
         assert_eq!(noted, format!("{plain}; block_size_mismatch=32"));
         let noted = route_header_noting("http://h:1", &decision, &request, None, Some("chat"));
         assert_eq!(noted, format!("{plain}; tokenizer_mismatch=chat"));
+    }
+
+    #[test]
+    fn the_decision_log_lists_every_candidate_with_its_cost() {
+        let idle = LoadSnapshot::default();
+        let busy = LoadSnapshot {
+            prefill_tokens: 700,
+            blocks: 40,
+            foreign_blocks: 2,
+            requests: 3,
+            prefill_requests: 1,
+            speed: 2.5,
+            ..LoadSnapshot::default()
+        };
+        let cheap = Cost {
+            ttft_ms: 20.04,
+            value: 20.04,
+            ..Cost::default()
+        };
+        let dear = Cost {
+            ttft_ms: 48.0,
+            harm_ms: 12.5,
+            queue_ms: 30.0,
+            value: 90.5,
+            ..Cost::default()
+        };
+        let line = decision_candidates([
+            LoggedCandidate {
+                url: "http://a:1",
+                overlap_blocks: 0,
+                load: &idle,
+                cost: &cheap,
+            },
+            LoggedCandidate {
+                url: "http://b:2",
+                overlap_blocks: 9,
+                load: &busy,
+                cost: &dear,
+            },
+        ]);
+        assert_eq!(
+            line,
+            "http://a:1 overlap=0 prefill=0 blocks=0 foreign=0 requests=0 queued=0 speed=1.00 ttft=20.0 harm=0.0 queue=0.0 cost=20.0 \
+             | http://b:2 overlap=9 prefill=700 blocks=40 foreign=2 requests=3 queued=1 speed=2.50 ttft=48.0 harm=12.5 queue=30.0 cost=90.5"
+        );
+        assert_eq!(decision_candidates([]), "");
     }
 
     fn tenths(value: f64) -> String {

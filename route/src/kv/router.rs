@@ -20,7 +20,9 @@ use crate::kv::cache_check::{Expectation, SETTLE_GRACE};
 use crate::kv::cost::{CandidateLoad, Cost, CostModel, EngineProfile, RequestShape};
 use crate::kv::decision::{Choice, Decision, KvRequest, SharedDecision};
 use crate::kv::event_feed::{EventFed, EventFeed};
-use crate::kv::explain::{Explanation, InstanceExplanation};
+use crate::kv::explain::{
+    DECISION_TARGET, Explanation, InstanceExplanation, LoggedCandidate, decision_candidates,
+};
 use crate::kv::load::{ActiveLoads, LoadSnapshot, NewRequest, ReportedLoad};
 use crate::kv::overlap::{
     Approximate, LowerTierBlocks, OverlapSource, TierWeights, cached_depth, deepest_rank,
@@ -716,6 +718,9 @@ impl KvRouter {
         };
         self.metrics
             .observe_stage(RouteStage::Score, start.elapsed());
+        if tracing::enabled!(target: DECISION_TARGET, tracing::Level::DEBUG) {
+            log_decision(candidates, request, &open, &choice, steered.is_some());
+        }
         choice
     }
 
@@ -1110,6 +1115,38 @@ impl KvRouter {
 /// measures excess against.
 fn least_backlog<'a>(loads: impl Iterator<Item = &'a LoadSnapshot>) -> u64 {
     loads.map(|load| load.prefill_tokens).min().unwrap_or(0)
+}
+
+/// Writes the decision log's line for `request` ([`DECISION_TARGET`], `debug`).
+fn log_decision<S: CandidateSet + ?Sized>(
+    candidates: &S,
+    request: &KvRequest,
+    open: &[(usize, Evaluated)],
+    choice: &Choice,
+    steered: bool,
+) {
+    let chosen = match choice {
+        Choice::Picked(decision) => candidates.url(decision.index),
+        Choice::AllBusy => "(all busy)",
+        Choice::NoneEligible => "(none eligible)",
+    };
+    let affinity = matches!(choice, Choice::Picked(decision) if decision.affinity);
+    let scored = decision_candidates(open.iter().map(|(index, e)| LoggedCandidate {
+        url: candidates.url(*index),
+        overlap_blocks: e.overlap_blocks,
+        load: &e.load,
+        cost: &e.cost,
+    }));
+    tracing::debug!(
+        target: DECISION_TARGET,
+        chosen,
+        prompt_tokens = request.shape.tokens,
+        prompt_blocks = request.shape.full_blocks,
+        steered,
+        affinity,
+        candidates = %scored,
+        "routing decision"
+    );
 }
 
 #[cfg(test)]
