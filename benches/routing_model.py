@@ -16,7 +16,8 @@ mocker polynomials). A router policy picks each request's engine at its arrival:
   prefixes if it covers over 30 % of the prompt, else the smallest tree);
 - `kv`: kvmesh's `policy: kv` defaults (the predicted time to first token: the prefill queued
   ahead, less the oldest request's progress, plus the request's uncached tokens in 8,192-token
-  iterations, plus the decode work of each iteration; the overlap is the longer of the
+  iterations, plus what the streams running there add to each iteration and the wait for
+  the decode step in flight; the overlap is the longer of the
   engine's cache and the proxy's decisions of the last 120 s), with exact speeds and instant
   KV events.
 
@@ -51,9 +52,22 @@ def prefill_ms(tokens):
     return 4.209989e-7 * tokens * tokens + 0.01518344 * tokens + PREFILL_FIXED_MS
 
 
+DECODE_IDLE_MS = 5.74
+
+
 def decode_ms(usage):
     """What running sequences add to an iteration at KV usage `usage` (0..1)."""
     return max(1.0, -25.74 * usage * usage + 54.01 * usage + 5.74)
+
+
+def running_streams_ms(usage, running):
+    """What `kv`'s cost charges for streams running on an engine (route/src/kv/cost.rs): they
+    ride in each prefill iteration, adding the decode step's part above an idle cache's, and
+    the request first waits half the decode step in flight. Returns (per iteration, wait)."""
+    if not running:
+        return 0.0, 0.0
+    step = decode_ms(usage)
+    return step - DECODE_IDLE_MS, 0.5 * step
 
 
 def chunked_ms(tokens):
@@ -286,8 +300,8 @@ class KvCost:
         running = bool(self.in_flight[k])
         queue_ms, iterations = chunked_ms(self.queued(k, now) + new)
         own_ms, own_iterations = chunked_ms(new)
-        per_iteration = decode_ms(usage) if running else 0.0
-        value = self.w * queue_ms + iterations * per_iteration + self.work * own_ms
+        per_iteration, wait = running_streams_ms(usage, running)
+        value = self.w * queue_ms + iterations * per_iteration + wait + self.work * own_ms
         # kv.queue_weight: its tokens' prefill for each request queued there.
         own_tokens_ms = own_ms - own_iterations * PREFILL_FIXED_MS
         value += self.queue * own_tokens_ms * len(self.prefill[k])
@@ -469,8 +483,8 @@ class ReplicatedKv(KvCost):
         running = bool(me.in_flight[k]) or requests > 0
         queue_ms, iterations = chunked_ms(self.queued_by(i, k, now, others) + new * (1 + hidden))
         own_ms, own_iterations = chunked_ms(new)
-        per_iteration = decode_ms(usage) if running else 0.0
-        value = self.w * queue_ms + iterations * per_iteration + self.work * own_ms
+        per_iteration, wait = running_streams_ms(usage, running)
+        value = self.w * queue_ms + iterations * per_iteration + wait + self.work * own_ms
         tie = len(me.in_flight[k]) + (requests if self.share == "bookings" else 0)
         return value, tie, new, own_ms + own_iterations * per_iteration
 

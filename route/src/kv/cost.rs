@@ -9,9 +9,10 @@
 //! - `prefill_ms`: the prefill work queued there ahead of the request plus its own uncached
 //!   prompt tokens, run in chunks of [`EngineProfile::chunk_tokens`] (one engine iteration
 //!   each), at the engine's prefill speed;
-//! - `decode_ms`: what the streams already running there add to each of those iterations,
-//!   growing with the share of the KV cache in use (with this request); none on an idle
-//!   instance;
+//! - `decode_ms`: what the streams already running there add: they ride in the prefill's
+//!   iterations (one forward pass), each carrying the decode step's part above an idle
+//!   cache's, which grows with the share of the KV cache in use (with this request); and
+//!   the request first waits half the decode step in flight; none on an idle instance;
 //! - `speed`: how much slower (above 1) or faster than [`EngineProfile::DEFAULT`] this
 //!   instance proved to be, learned from the first-token times of its streamed requests
 //!   ([`crate::kv::load`]); so `speed × (prefill_ms + decode_ms)` is the predicted time to
@@ -267,14 +268,18 @@ impl CostModel {
         } else {
             decode_blocks as f64 / load.total_blocks as f64
         };
-        // Any active block (the proxy's own or the engine's reported) is a running stream,
-        // whose decode step every iteration carries.
-        let decode_step_ms = if load.active_blocks > 0 {
-            self.profile.decode_ms(usage)
+        // Any active block (the proxy's own or the engine's reported) is a running stream.
+        // Running streams ride in the prefill's iterations (one forward pass reads the
+        // weights for both): each iteration carries what their KV reads add, the decode
+        // step's part above an idle cache's, not a whole step; and the request first waits
+        // for the step in flight when it arrives, half a step on average.
+        let (decode_step_ms, step_wait_ms) = if load.active_blocks > 0 {
+            let step = self.profile.decode_ms(usage);
+            (step - self.profile.decode_idle_ms, 0.5 * step)
         } else {
-            0.0
+            (0.0, 0.0)
         };
-        let decode_ms = iterations as f64 * decode_step_ms;
+        let decode_ms = iterations as f64 * decode_step_ms + step_wait_ms;
         let speed = if load.speed.is_finite() && load.speed > 0.0 {
             load.speed
         } else {
