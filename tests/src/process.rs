@@ -38,7 +38,18 @@ impl Spawned {
     /// Starts `bin` (a binary of the workspace) with `args`, logs its stderr to
     /// `log_dir`, and waits until it prints `READY`.
     pub fn start(bin: &str, args: &[String], log_dir: &std::path::Path) -> anyhow::Result<Self> {
-        Self::launch(bin, &[], args, log_dir)
+        Self::launch(bin, &[], args, log_dir, None)
+    }
+
+    /// [`Spawned::start`] with `RUST_LOG` set to `rust_log` (what its log then holds is read
+    /// back from [`Spawned::log_path`]).
+    pub fn start_logging(
+        bin: &str,
+        args: &[String],
+        log_dir: &std::path::Path,
+        rust_log: &str,
+    ) -> anyhow::Result<Self> {
+        Self::launch(bin, &[], args, log_dir, Some(rust_log))
     }
 
     /// [`Spawned::start`] under `taskset -c 0`: the process sees a machine of one CPU.
@@ -47,7 +58,7 @@ impl Spawned {
         args: &[String],
         log_dir: &std::path::Path,
     ) -> anyhow::Result<Self> {
-        Self::launch(bin, &["taskset", "-c", "0"], args, log_dir)
+        Self::launch(bin, &["taskset", "-c", "0"], args, log_dir, None)
     }
 
     /// [`Spawned::start`] through `wrapper`, a command that execs the binary it is given
@@ -58,15 +69,17 @@ impl Spawned {
         args: &[String],
         log_dir: &std::path::Path,
     ) -> anyhow::Result<Self> {
-        Self::launch(bin, wrapper, args, log_dir)
+        Self::launch(bin, wrapper, args, log_dir, None)
     }
 
-    /// Starts `bin` through `wrapper` (a command that execs it, or nothing).
+    /// Starts `bin` through `wrapper` (a command that execs it, or nothing), with `RUST_LOG`
+    /// at `rust_log` (else the test's own, else `info`).
     fn launch(
         bin: &str,
         wrapper: &[&str],
         args: &[String],
         log_dir: &std::path::Path,
+        rust_log: Option<&str>,
     ) -> anyhow::Result<Self> {
         let path = bin_dir().join(bin);
         if !path.exists() {
@@ -90,7 +103,10 @@ impl Spawned {
             .args(args)
             .env(
                 "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+                rust_log.map_or_else(
+                    || std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+                    str::to_string,
+                ),
             )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -433,3 +433,77 @@ async fn a_three_times_slower_engine_is_learned_and_draws_fewer_streams() {
         placed.len()
     );
 }
+
+/// The decision log (`RUST_LOG=…,kvmesh::decision=debug`): one line per routing decision,
+/// naming the chosen instance and every candidate with its cached prefix and cost. A
+/// conversation's second turn is logged going where its first turn's prefix is (predicted
+/// from the first decision: no KV events here), with that overlap on the chosen candidate only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_decision_log_names_every_candidate_with_its_overlap_and_cost() {
+    let tokenizer = tokenizer_dir();
+    let sim_tokenizer = tokenizer.join("tokenizer.json").display().to_string();
+    let scratch = ScratchDir::new("kv-decision-log").unwrap();
+    let client = HttpClient::http1();
+    let sims = start_engines(&scratch, 2, &["--tokenizer", &sim_tokenizer]).unwrap();
+    let engines = engine_urls(&sims);
+    let config = proxy_config(&engines, "").replace(
+        "policy: round_robin",
+        &format!("policy: kv\n    tokenizer: \"{}\"", tokenizer.display()),
+    );
+    let path = scratch.write("proxy.yaml", &config).unwrap();
+    let proxy = Spawned::start_logging(
+        "kvmesh-proxy",
+        &["--config".to_string(), path.display().to_string()],
+        scratch.path(),
+        "warn,kvmesh::decision=debug",
+    )
+    .unwrap();
+    let url = format!("{}/v1/chat/completions", proxy.url("main"));
+
+    let mut messages = first_messages(0);
+    let (first, answer) = send(&client, &url, &chat_request(&messages, ANSWER_TOKENS)).await;
+    messages.push(json!({"role": "assistant", "content": answer}));
+    messages.push(json!({"role": "user", "content": prose(3000, 20)}));
+    let (second, _) = send(&client, &url, &chat_request(&messages, ANSWER_TOKENS)).await;
+    assert_eq!(
+        first, second,
+        "the second turn went where the first turn's prefix is"
+    );
+
+    // The proxy writes its log to stderr as it decides, before it forwards the request.
+    let log = std::fs::read_to_string(proxy.log_path()).unwrap();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("kvmesh::decision") && line.contains("routing decision"))
+        .collect();
+    assert_eq!(lines.len(), 2, "one line per request:\n{log}");
+    for (line, turn) in lines.iter().zip([0, 1]) {
+        assert!(line.contains(&format!("chosen=\"{first}\"")), "{line}");
+        let candidates = line
+            .split_once("candidates=")
+            .map(|(_, rest)| rest)
+            .unwrap_or_else(|| panic!("no candidates in {line}"));
+        let listed: Vec<&str> = candidates.split(" | ").collect();
+        assert_eq!(listed.len(), 2, "{line}");
+        for engine in &engines {
+            let entry = listed
+                .iter()
+                .find(|entry| entry.starts_with(&format!("{engine} ")))
+                .unwrap_or_else(|| panic!("{engine} missing from {line}"));
+            let overlap: u32 = entry
+                .split_whitespace()
+                .find_map(|field| field.strip_prefix("overlap="))
+                .and_then(|value| value.parse().ok())
+                .unwrap_or_else(|| panic!("no overlap in {entry}"));
+            assert!(entry.contains(" cost="), "{entry}");
+            if turn == 1 && *engine == first {
+                assert!(
+                    overlap > 0,
+                    "the chosen instance holds the first turn: {line}"
+                );
+            } else {
+                assert_eq!(overlap, 0, "{line}");
+            }
+        }
+    }
+}
