@@ -50,6 +50,16 @@ pub fn free_port() -> io::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// How many times a server is started on fresh free ports: a port free when asked can be
+/// taken before the server binds it (by another test's server, or as the local port of an
+/// outgoing connection), and the server then exits at once.
+const START_ATTEMPTS: usize = 3;
+
+/// Whether a server failed to start because one of its ports was taken.
+fn port_taken(error: &io::Error) -> bool {
+    error.to_string().contains("address already in use")
+}
+
 fn find_binary(env: &str, name: &str) -> PathBuf {
     if let Some(path) = std::env::var_os(env) {
         return PathBuf::from(path);
@@ -202,10 +212,22 @@ impl EtcdServer {
     }
 
     async fn start_with(dir: &Path, tls: Option<EtcdTls>) -> io::Result<Self> {
-        let mut server = Self::member(dir, "kvmesh-test", tls)?;
-        server.initial_cluster = format!("kvmesh-test={}", server.peer_url());
-        server.launch().await?;
-        Ok(server)
+        let mut attempt = 1;
+        loop {
+            let mut server = Self::member(dir, "kvmesh-test", tls.clone())?;
+            server.initial_cluster = format!("kvmesh-test={}", server.peer_url());
+            match server.launch().await {
+                Ok(()) => return Ok(server),
+                Err(error) if attempt < START_ATTEMPTS && port_taken(&error) => {
+                    // A new member on new ports: nothing of this one may stay.
+                    kill_child(&mut server.child).await;
+                    let _ = std::fs::remove_dir_all(dir.join("data"));
+                    let _ = std::fs::remove_file(dir.join("etcd.log"));
+                    attempt += 1;
+                }
+                Err(error) => return Err(error),
+            }
+        }
     }
 
     /// A member named `name` on free ports, not started, alone in its cluster.
@@ -438,14 +460,24 @@ impl NatsServer {
 
     async fn start_with(dir: &Path, config: Option<PathBuf>) -> io::Result<Self> {
         std::fs::create_dir_all(dir)?;
-        let mut server = Self {
-            dir: dir.to_owned(),
-            port: free_port()?,
-            config,
-            child: None,
-        };
-        server.launch().await?;
-        Ok(server)
+        let mut attempt = 1;
+        loop {
+            let mut server = Self {
+                dir: dir.to_owned(),
+                port: free_port()?,
+                config: config.clone(),
+                child: None,
+            };
+            match server.launch().await {
+                Ok(()) => return Ok(server),
+                Err(error) if attempt < START_ATTEMPTS && port_taken(&error) => {
+                    kill_child(&mut server.child).await;
+                    let _ = std::fs::remove_file(dir.join("nats.log"));
+                    attempt += 1;
+                }
+                Err(error) => return Err(error),
+            }
+        }
     }
 
     async fn launch(&mut self) -> io::Result<()> {
