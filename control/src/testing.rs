@@ -55,9 +55,26 @@ pub fn free_port() -> io::Result<u16> {
 /// outgoing connection), and the server then exits at once.
 const START_ATTEMPTS: usize = 3;
 
-/// Whether a server failed to start because one of its ports was taken.
-fn port_taken(error: &io::Error) -> bool {
-    error.to_string().contains("address already in use")
+/// Runs `start` (a server started on newly drawn free ports) again, up to [`START_ATTEMPTS`]
+/// times in all, while it fails because a port was taken; `start` gets the attempt's number
+/// (from 1), to clear what the failed one before it left.
+async fn on_fresh_ports<T, F, Fut>(mut start: F) -> io::Result<T>
+where
+    F: FnMut(usize) -> Fut,
+    Fut: std::future::Future<Output = io::Result<T>>,
+{
+    let mut attempt = 1;
+    loop {
+        match start(attempt).await {
+            Err(error)
+                if attempt < START_ATTEMPTS
+                    && error.to_string().contains("address already in use") =>
+            {
+                attempt += 1;
+            }
+            result => return result,
+        }
+    }
 }
 
 fn find_binary(env: &str, name: &str) -> PathBuf {
@@ -212,22 +229,21 @@ impl EtcdServer {
     }
 
     async fn start_with(dir: &Path, tls: Option<EtcdTls>) -> io::Result<Self> {
-        let mut attempt = 1;
-        loop {
-            let mut server = Self::member(dir, "kvmesh-test", tls.clone())?;
-            server.initial_cluster = format!("kvmesh-test={}", server.peer_url());
-            match server.launch().await {
-                Ok(()) => return Ok(server),
-                Err(error) if attempt < START_ATTEMPTS && port_taken(&error) => {
-                    // A new member on new ports: nothing of this one may stay.
-                    kill_child(&mut server.child).await;
+        on_fresh_ports(|attempt| {
+            let tls = tls.clone();
+            async move {
+                if attempt > 1 {
+                    // The failed member exited; a new one on new ports keeps nothing of it.
                     let _ = std::fs::remove_dir_all(dir.join("data"));
                     let _ = std::fs::remove_file(dir.join("etcd.log"));
-                    attempt += 1;
                 }
-                Err(error) => return Err(error),
+                let mut server = Self::member(dir, "kvmesh-test", tls)?;
+                server.initial_cluster = format!("kvmesh-test={}", server.peer_url());
+                server.launch().await?;
+                Ok(server)
             }
-        }
+        })
+        .await
     }
 
     /// A member named `name` on free ports, not started, alone in its cluster.
@@ -460,24 +476,23 @@ impl NatsServer {
 
     async fn start_with(dir: &Path, config: Option<PathBuf>) -> io::Result<Self> {
         std::fs::create_dir_all(dir)?;
-        let mut attempt = 1;
-        loop {
-            let mut server = Self {
-                dir: dir.to_owned(),
-                port: free_port()?,
-                config: config.clone(),
-                child: None,
-            };
-            match server.launch().await {
-                Ok(()) => return Ok(server),
-                Err(error) if attempt < START_ATTEMPTS && port_taken(&error) => {
-                    kill_child(&mut server.child).await;
+        on_fresh_ports(|attempt| {
+            let config = config.clone();
+            async move {
+                if attempt > 1 {
                     let _ = std::fs::remove_file(dir.join("nats.log"));
-                    attempt += 1;
                 }
-                Err(error) => return Err(error),
+                let mut server = Self {
+                    dir: dir.to_owned(),
+                    port: free_port()?,
+                    config,
+                    child: None,
+                };
+                server.launch().await?;
+                Ok(server)
             }
-        }
+        })
+        .await
     }
 
     async fn launch(&mut self) -> io::Result<()> {

@@ -69,6 +69,21 @@ pub fn start_proxy(scratch: &ScratchDir, config: &str) -> anyhow::Result<Spawned
     )
 }
 
+/// [`start_proxy`] with `RUST_LOG` at `rust_log` (its log: [`Spawned::log_path`]).
+pub fn start_proxy_logging(
+    scratch: &ScratchDir,
+    config: &str,
+    rust_log: &str,
+) -> anyhow::Result<Spawned> {
+    let path = scratch.write("proxy.yaml", config)?;
+    Spawned::start_logging(
+        "kvmesh-proxy",
+        &["--config".to_string(), path.display().to_string()],
+        scratch.path(),
+        rust_log,
+    )
+}
+
 /// Polls `url` until it answers `status`, up to `timeout` (for state the
 /// server exposes as a readiness endpoint, such as the admin `/health`).
 pub async fn await_status(

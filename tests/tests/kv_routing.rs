@@ -11,10 +11,12 @@
 //! `KVMESH_QWEN3_TOKENIZER` naming a directory with the same files.
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kvmesh_e2e::cluster::{MODEL, engine_urls, proxy_config, start_engines, start_proxy};
+use kvmesh_e2e::cluster::{
+    MODEL, engine_urls, proxy_config, start_engines, start_proxy, start_proxy_logging,
+};
 use kvmesh_e2e::control_plane::assert_migrations;
 use kvmesh_e2e::sse::{assert_all_whole, open_streams_with};
 use kvmesh_e2e::{HttpClient, ScratchDir, Spawned};
@@ -41,6 +43,15 @@ fn tokenizer_dir() -> PathBuf {
         dir.display()
     );
     dir
+}
+
+/// A proxy config serving [`MODEL`] over `backends` with `policy: kv` and the tokenizer in
+/// `tokenizer`.
+fn kv_config(backends: &[String], tokenizer: &Path) -> String {
+    proxy_config(backends, "").replace(
+        "policy: round_robin",
+        &format!("policy: kv\n    tokenizer: \"{}\"", tokenizer.display()),
+    )
 }
 
 /// Deterministic prose of `words` words.
@@ -215,10 +226,7 @@ async fn conversations_stick_spread_and_hit_the_cache_more_than_round_robin() {
     // KV-aware routing.
     let sims = start_engines(&scratch, ENGINES, &["--tokenizer", &sim_tokenizer]).unwrap();
     let engines = engine_urls(&sims);
-    let kv_config = proxy_config(&engines, "").replace(
-        "policy: round_robin",
-        &format!("policy: kv\n    tokenizer: \"{}\"", tokenizer.display()),
-    );
+    let kv_config = kv_config(&engines, &tokenizer);
     let proxy = start_proxy(&scratch, &kv_config).unwrap();
     let (placement, workload) = run(&client, &proxy, None).await;
     for (c, turns) in placement.iter().enumerate() {
@@ -305,10 +313,7 @@ async fn a_token_id_stream_on_a_killed_engine_continues_with_its_text_encoded() 
     let survivor = start_engines(&scratch, 1, &flags).unwrap();
     let victim_url = engine_urls(&victim)[0].clone();
     let urls = [engine_urls(&victim), engine_urls(&survivor)].concat();
-    let config = proxy_config(&urls, "").replace(
-        "policy: round_robin",
-        &format!("policy: kv\n    tokenizer: \"{}\"", tokenizer.display()),
-    );
+    let config = kv_config(&urls, &tokenizer);
     let proxy = start_proxy(&scratch, &config).unwrap();
     let client = HttpClient::http1();
 
@@ -354,10 +359,7 @@ async fn a_three_times_slower_engine_is_learned_and_draws_fewer_streams() {
     let fast = start_engines(&scratch, 1, &[]).unwrap();
     let slow = start_engines(&scratch, 1, &["--speedup-ratio", "0.3333333"]).unwrap();
     let (fast_url, slow_url) = (engine_urls(&fast)[0].clone(), engine_urls(&slow)[0].clone());
-    let config = proxy_config(&[fast_url.clone(), slow_url.clone()], "").replace(
-        "policy: round_robin",
-        &format!("policy: kv\n    tokenizer: \"{}\"", tokenizer.display()),
-    );
+    let config = kv_config(&[fast_url.clone(), slow_url.clone()], &tokenizer);
     let proxy = start_proxy(&scratch, &config).unwrap();
     let url = format!("{}/v1/chat/completions", proxy.url("main"));
 
@@ -446,18 +448,8 @@ async fn the_decision_log_names_every_candidate_with_its_overlap_and_cost() {
     let client = HttpClient::http1();
     let sims = start_engines(&scratch, 2, &["--tokenizer", &sim_tokenizer]).unwrap();
     let engines = engine_urls(&sims);
-    let config = proxy_config(&engines, "").replace(
-        "policy: round_robin",
-        &format!("policy: kv\n    tokenizer: \"{}\"", tokenizer.display()),
-    );
-    let path = scratch.write("proxy.yaml", &config).unwrap();
-    let proxy = Spawned::start_logging(
-        "kvmesh-proxy",
-        &["--config".to_string(), path.display().to_string()],
-        scratch.path(),
-        "warn,kvmesh::decision=debug",
-    )
-    .unwrap();
+    let config = kv_config(&engines, &tokenizer);
+    let proxy = start_proxy_logging(&scratch, &config, "warn,kvmesh::decision=debug").unwrap();
     let url = format!("{}/v1/chat/completions", proxy.url("main"));
 
     let mut messages = first_messages(0);
