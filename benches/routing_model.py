@@ -57,7 +57,7 @@ DECODE_IDLE_MS = 5.74
 
 def decode_ms(usage):
     """What running sequences add to an iteration at KV usage `usage` (0..1)."""
-    return max(1.0, -25.74 * usage * usage + 54.01 * usage + 5.74)
+    return max(1.0, -25.74 * usage * usage + 54.01 * usage + DECODE_IDLE_MS)
 
 
 def running_streams_ms(usage, running):
