@@ -9,7 +9,7 @@ mod support;
 mod edge_support;
 
 use bytes::Bytes;
-use edge_support::metric;
+use edge_support::metric_reaching;
 use http::Method;
 use kvmesh_proxy::sha256_hex;
 use support::{Backend, TestProxy, error_of, send};
@@ -88,7 +88,11 @@ async fn inference_routes_go_to_the_model_the_request_names() {
         let series = format!(
             "kvmesh_requests_total{{model=\"{model}\",protocol=\"http\",route=\"{route}\",status=\"200\"}}"
         );
-        assert_eq!(metric(proxy.admin, &series).await, 1.0, "{series}");
+        assert_eq!(
+            metric_reaching(proxy.admin, &series, 1.0).await,
+            1.0,
+            "{series}"
+        );
     }
 }
 
@@ -121,7 +125,7 @@ async fn a_request_that_names_no_model_is_400_unless_one_model_is_served() {
     assert_eq!(error_of(broken).await["code"], "invalid_json");
     assert!(a.requests().is_empty() && b.requests().is_empty());
     let missing = r#"kvmesh_client_errors_total{reason="missing_model"}"#;
-    assert_eq!(metric(proxy.admin, missing).await, 1.0);
+    assert_eq!(metric_reaching(proxy.admin, missing, 1.0).await, 1.0);
 
     let only = Backend::ok().await;
     let yaml = format!(
@@ -173,7 +177,7 @@ async fn admin_routes_are_forwarded_only_for_keys_allowed_them() {
         "the key stays with kvmesh"
     );
     let refusals = r#"kvmesh_client_errors_total{reason="route_not_allowed"}"#;
-    assert_eq!(metric(proxy.admin, refusals).await, 1.0);
+    assert_eq!(metric_reaching(proxy.admin, refusals, 1.0).await, 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -194,5 +198,5 @@ async fn the_config_chooses_what_is_forwarded() {
     let paths: Vec<_> = a.requests().iter().map(|r| r.path.clone()).collect();
     assert_eq!(paths, ["/v1/score", "/custom/infer"]);
     let other = r#"kvmesh_requests_total{model="a",protocol="http",route="other",status="200"}"#;
-    assert_eq!(metric(proxy.admin, other).await, 1.0);
+    assert_eq!(metric_reaching(proxy.admin, other, 1.0).await, 1.0);
 }

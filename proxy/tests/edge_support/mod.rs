@@ -98,6 +98,19 @@ pub async fn metric(admin: SocketAddr, series: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// [`metric`] once it reads `expected`, or its last reading after 5 s: a request's counters
+/// are recorded when it finishes, which may come just after its client read the whole reply.
+pub async fn metric_reaching(admin: SocketAddr, series: &str, expected: f64) -> f64 {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let value = metric(admin, series).await;
+        if value == expected || tokio::time::Instant::now() >= deadline {
+            return value;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// A whole response.
 #[derive(Debug)]
 pub struct Reply {
