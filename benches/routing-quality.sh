@@ -73,7 +73,8 @@
 #   --bin-dir DIR         where the binaries are (default target/release)
 #   --doc FILE            document to update (default docs/BENCHMARKS.md)
 #   --keep                keep the work directory (configs, logs, JSON reports)
-#   --decision-log        kvmesh proxies log every routing decision with its candidates
+#   --decision-log        kvmesh proxies log every routing decision with its candidates, and
+#                         every first token they learn from
 #                         (RUST_LOG=warn,kvmesh::decision=debug, in proxy.out.err; with --keep)
 #   --resume DIR          use DIR, a work directory an earlier run kept, and run only the
 #                         (workload, lane) pairs without a report there (delete a pair's
@@ -141,7 +142,7 @@ while (($#)); do
     --sweep-sessions) SWEEP_SESSIONS=$2; shift 2 ;;
     --workloads) WORKLOADS=$2; shift 2 ;;
     --second-replica-idle) SECOND_REPLICA_IDLE=1; shift ;;
-    --decision-log) PROXY_LOG=warn,kvmesh::decision=debug; shift ;;
+    --decision-log) PROXY_LOG=warn,kvmesh::decision=debug,kvmesh_route::kv::load=debug; shift ;;
     --kv-overlap-weight) KV_OVERLAP_WEIGHT=$2; shift 2 ;;
     --kv) [[ $2 == *=* ]] || die "--kv takes KEY=VALUE, not $2"; KV_SETTINGS+=("$2"); shift 2 ;;
     *) common_option "$@"; shift "$TAKEN" ;;

@@ -55,6 +55,7 @@ pub use registry::{EtcdRegistry, EtcdSettings};
 pub use registry::{InProcessRegistry, LeaseId, Listing, Registry, Watch, WatchEvent};
 pub use replica::{
     DecideAnswer, DecideRequest, DecisionShare, InstanceLoadShare, LoadShare, SessionShare,
+    TokenCostShare,
 };
 pub use reply_parts::{ReplyAssembler, ReplyPart, reply_parts};
 pub use resync::{SnapshotReply, SnapshotRequest};

@@ -88,6 +88,29 @@ pub struct LoadShare {
     /// ([`DecideRequest::eased`]; absent, from older replicas: 0).
     #[serde(default)]
     pub eased: u64,
+    /// What the replica's own first tokens taught it of how the model's engines split their
+    /// prefill time between an iteration's fixed part and its tokens (absent, from older
+    /// replicas: nothing learned).
+    #[serde(default)]
+    pub token_cost: TokenCostShare,
+}
+
+/// Weighted sums over a replica's first tokens, from which the model's token factor is
+/// fitted (docs/architecture.md, *Learned token factor*): each first token's token share `x`
+/// of its profiled time and the ratio `r` of its observed to profiled time, weighted by `w`.
+/// Replicas' sums add.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct TokenCostShare {
+    /// Σ w.
+    pub weight: f64,
+    /// Σ w·x.
+    pub share: f64,
+    /// Σ w·r.
+    pub ratio: f64,
+    /// Σ w·x².
+    pub share_squared: f64,
+    /// Σ w·x·r.
+    pub share_ratio: f64,
 }
 
 impl LoadShare {

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use prometheus::{
-    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry,
 };
 
@@ -36,6 +36,7 @@ pub struct KvFamilies {
     index_blocks: IntGaugeVec,
     index_evicted_blocks: IntGaugeVec,
     index_bytes: IntGaugeVec,
+    token_factor: GaugeVec,
     instance_speed: GaugeVec,
     index_prunes: IntCounterVec,
     busy_rejections: IntCounterVec,
@@ -91,6 +92,13 @@ impl KvFamilies {
             Opts::new(
                 "kvmesh_index_bytes",
                 "policy kv: heap bytes the event-fed KV index holds (its tables' capacity), for sizing kv.index_max_blocks.",
+            ),
+            &["model"],
+        )?;
+        let token_factor = GaugeVec::new(
+            Opts::new(
+                "kvmesh_route_token_factor",
+                "policy kv: how much more (above 1) or less the model's engines spend per prefilled token, against an iteration's fixed part, than the cost model's engine profile says, learned from first-token times.",
             ),
             &["model"],
         )?;
@@ -215,6 +223,7 @@ impl KvFamilies {
         registry.register(Box::new(index_blocks.clone()))?;
         registry.register(Box::new(index_evicted_blocks.clone()))?;
         registry.register(Box::new(index_bytes.clone()))?;
+        registry.register(Box::new(token_factor.clone()))?;
         registry.register(Box::new(instance_speed.clone()))?;
         registry.register(Box::new(index_prunes.clone()))?;
         registry.register(Box::new(busy_rejections.clone()))?;
@@ -234,6 +243,7 @@ impl KvFamilies {
             index_blocks,
             index_evicted_blocks,
             index_bytes,
+            token_factor,
             instance_speed,
             index_prunes,
             busy_rejections,
@@ -267,6 +277,7 @@ impl KvFamilies {
             index_prunes: self.index_prunes.with_label_values(&[model]),
             index_evicted_blocks: self.index_evicted_blocks.with_label_values(&[model]),
             index_bytes: self.index_bytes.with_label_values(&[model]),
+            token_factor: self.token_factor.with_label_values(&[model]),
             busy_rejections: self.busy_rejections.with_label_values(&[model]),
             queue_depth: self.queue_depth.with_label_values(&[model]),
             fallbacks: FallbackReason::ALL
@@ -377,6 +388,8 @@ pub struct KvMetrics {
     index_evicted_blocks: IntGauge,
     /// `kvmesh_index_bytes{model}`.
     index_bytes: IntGauge,
+    /// `kvmesh_route_token_factor{model}`.
+    token_factor: Gauge,
     /// `kvmesh_route_busy_rejections_total{model}`.
     pub(crate) busy_rejections: IntCounter,
     /// `kvmesh_route_queue_depth{model}`.
@@ -474,6 +487,11 @@ impl KvMetrics {
         self.index_blocks
             .with_label_values(&[self.model.as_str(), instance])
             .set(i64::try_from(blocks).unwrap_or(i64::MAX));
+    }
+
+    /// Sets `kvmesh_route_token_factor`.
+    pub fn set_token_factor(&self, factor: f64) {
+        self.token_factor.set(factor);
     }
 
     /// Sets `kvmesh_index_bytes`.
@@ -584,6 +602,7 @@ mod tests {
         kv.index_prunes.inc_by(3);
         kv.set_index_evicted_blocks(7);
         kv.set_index_bytes(4096);
+        kv.set_token_factor(2.5);
         kv.busy_rejections.inc();
         kv.queue_depth.set(2);
         kv.count_fallback(FallbackReason::NoTokenizer);
@@ -599,6 +618,7 @@ mod tests {
             "kvmesh_route_decision_seconds_count{model=\"qwen3\",stage=\"tokenize\"} 1",
             "kvmesh_route_decision_seconds_count{model=\"qwen3\",stage=\"score\"} 0",
             "kvmesh_index_blocks{instance=\"http://b:2\",model=\"qwen3\"} 40",
+            "kvmesh_route_token_factor{model=\"qwen3\"} 2.5",
             "kvmesh_index_blocks{instance=\"http://a:1\",model=\"qwen3\"} 0",
             "kvmesh_index_prunes_total{model=\"qwen3\"} 3",
             "kvmesh_index_evicted_blocks{model=\"qwen3\"} 7",

@@ -172,6 +172,7 @@ mod tests {
             prompt: None,
             prefill_tokens: 0,
             profiled_ttft_ms: 0.0,
+            profiled_token_ms: 0.0,
             profiled_own_ms: 0.0,
         };
         loads.book(0, request, Instant::now())

@@ -16,7 +16,9 @@
 //! - `speed`: how much slower (above 1) or faster than [`EngineProfile::DEFAULT`] this
 //!   instance proved to be, learned from the first-token times of its streamed requests
 //!   ([`crate::kv::load`]); so `speed × (prefill_ms + decode_ms)` is the predicted time to
-//!   first token;
+//!   first token. The profile's per-token terms are first scaled by the model's learned
+//!   token factor ([`crate::kv::token_cost`]): how much more an engine spends per token,
+//!   against an iteration's fixed part, than the profile says;
 //! - `harm_ms`: the stall this request's own prefill causes the streams running there, summed
 //!   over those streams;
 //! - `queue_ms`: the wait this request's prefill adds to the requests queued for prefill there
@@ -96,6 +98,15 @@ impl EngineProfile {
         decode_full_ms: 34.01,
         chunk_tokens: 8192,
     };
+
+    /// This profile with its per-token terms (linear and quadratic) `factor` times theirs.
+    pub(crate) fn with_token_factor(self, factor: f64) -> Self {
+        Self {
+            prefill_ms_per_token: self.prefill_ms_per_token * factor,
+            prefill_ms_per_token_squared: self.prefill_ms_per_token_squared * factor,
+            ..self
+        }
+    }
 
     /// One iteration prefilling `tokens` tokens (0: no prefill, no time).
     pub(crate) fn iteration_prefill_ms(&self, tokens: u64) -> f64 {
@@ -180,6 +191,9 @@ pub struct Cost {
     pub(crate) decode_blocks: u64,
     /// Time to first token as profiled, before the instance's learned speed.
     pub(crate) profiled_ttft_ms: f64,
+    /// The part of it spent per prefilled token (the profile's per-token terms), before the
+    /// learned token factor: what that factor is learned from.
+    pub(crate) profiled_token_ms: f64,
     /// The part of it that is this request's own prefill (its iterations, with what the
     /// running streams add to each), as profiled: how long the engine works on it once the
     /// prefill queued ahead of it is done.
@@ -230,6 +244,8 @@ pub(crate) struct CostModel {
     pub(crate) overlap_credit_decay: f64,
     /// The engines' speed before learning.
     pub(crate) profile: EngineProfile,
+    /// The model's learned token factor ([`crate::kv::token_cost`]; 1: as profiled).
+    pub(crate) token_factor: f64,
 }
 
 impl CostModel {
@@ -244,6 +260,12 @@ impl CostModel {
 
     /// The cost of sending a request of `shape` to a candidate with `load`.
     pub(crate) fn cost(&self, shape: &RequestShape, load: &CandidateLoad) -> Cost {
+        let token_factor = if self.token_factor.is_finite() && self.token_factor > 0.0 {
+            self.token_factor
+        } else {
+            1.0
+        };
+        let profile = self.profile.with_token_factor(token_factor);
         let overlap = (f64::from(load.overlap_blocks) + load.lower_tier_blocks.max(0.0))
             .min(f64::from(shape.full_blocks));
         let cached_tokens = (overlap * self.block_size as f64) as u64;
@@ -262,7 +284,7 @@ impl CostModel {
             .active_blocks
             .saturating_add(shape.blocks.saturating_sub(shared));
         // The engine computes at least one token of every prompt.
-        let (prefill_ms, iterations) = self.profile.prefill_ms(prefill_tokens.max(1));
+        let (prefill_ms, iterations) = profile.prefill_ms(prefill_tokens.max(1));
         let usage = if load.total_blocks == 0 {
             1.0
         } else {
@@ -274,8 +296,8 @@ impl CostModel {
         // step's part above an idle cache's, not a whole step; and the request first waits
         // for the step in flight when it arrives, half a step on average.
         let (decode_step_ms, step_wait_ms) = if load.active_blocks > 0 {
-            let step = self.profile.decode_ms(usage);
-            (step - self.profile.decode_idle_ms, 0.5 * step)
+            let step = profile.decode_ms(usage);
+            (step - profile.decode_idle_ms, 0.5 * step)
         } else {
             (0.0, 0.0)
         };
@@ -285,21 +307,23 @@ impl CostModel {
         } else {
             1.0
         };
-        let (own_prefill_ms, own_iterations) = self.profile.prefill_ms(new_prefill_tokens.max(1));
+        let (own_prefill_ms, own_iterations) = profile.prefill_ms(new_prefill_tokens.max(1));
         let harm_ms = speed * own_prefill_ms * load.requests as f64;
         // The requests queued there now stand for those that will queue behind it. Batched
         // with theirs, its tokens add work but no iteration of their own.
-        let own_tokens_ms = own_prefill_ms - own_iterations as f64 * self.profile.prefill_fixed_ms;
+        let own_tokens_ms = own_prefill_ms - own_iterations as f64 * profile.prefill_fixed_ms;
         let queue_ms = speed * own_tokens_ms.max(0.0) * load.queued_requests as f64;
         let profiled_ttft_ms = prefill_ms + transfer_ms + decode_ms;
+        let token_ms = (prefill_ms - iterations as f64 * profile.prefill_fixed_ms).max(0.0);
         Cost {
             new_prefill_tokens,
             prefill_tokens,
             decode_blocks,
             profiled_ttft_ms,
+            profiled_token_ms: token_ms / token_factor,
             profiled_own_ms: own_prefill_ms + own_iterations as f64 * decode_step_ms,
             ttft_ms: speed * profiled_ttft_ms,
-            itl_ms: speed * self.profile.decode_ms(usage),
+            itl_ms: speed * profile.decode_ms(usage),
             harm_ms,
             queue_ms,
             value: speed * (self.overlap_weight * (prefill_ms + transfer_ms) + decode_ms)

@@ -145,6 +145,8 @@ pub struct Explanation {
     pub(crate) tier_weights: TierWeights,
     /// `kv.temperature`.
     pub(crate) temperature: f64,
+    /// The model's learned token factor ([`crate::kv::token_cost`]).
+    pub(crate) token_factor: f64,
     /// Prompt tokens (0 without tokens).
     pub(crate) prompt_tokens: usize,
     /// Full blocks of the prompt.

@@ -43,6 +43,7 @@ use tokio::sync::Notify;
 
 use crate::kv::replicas::{OwnLoads, SharedLoad, SharedSpeed};
 use crate::kv::speed::LearnedSpeed;
+use crate::kv::token_cost::TokenCostSums;
 use crate::prepare::PromptBlocks;
 
 /// One instance's current load, as scoring reads it.
@@ -136,6 +137,9 @@ pub(crate) struct NewRequest {
     pub(crate) prefill_tokens: u64,
     /// Time to first token the cost model's profile predicted there.
     pub(crate) profiled_ttft_ms: f64,
+    /// The part of it spent per prefilled token, before the learned token factor
+    /// ([`crate::kv::token_cost`]).
+    pub(crate) profiled_token_ms: f64,
     /// The part of that time the engine spends on this request's own prefill, as profiled
     /// (0: unknown, then its prefill counts whole until its first byte).
     pub(crate) profiled_own_ms: f64,
@@ -151,6 +155,9 @@ struct ActiveRequest {
     /// Full blocks of output generated so far.
     output_blocks: u64,
     profiled_ttft_ms: f64,
+    profiled_token_ms: f64,
+    /// The token factor the profiled times were taken at.
+    token_factor: f64,
     profiled_own_ms: f64,
     started: Instant,
     /// This proxy's other requests in flight there when it was booked.
@@ -306,6 +313,11 @@ pub(crate) struct ActiveLoads {
     fleet_ln_factor: AtomicU64,
     /// `fleet_speed`'s samples, read without a lock when scoring.
     fleet_samples: AtomicU64,
+    /// The first tokens' token-cost sums: this proxy's own, and the other replicas' as
+    /// their last shares summed them.
+    token_cost: Mutex<(TokenCostSums, TokenCostSums)>,
+    /// The token factor both give (f64 bits), read without a lock when scoring.
+    token_factor: AtomicU64,
     /// Woken on every booking, first token and release (the replica sharer waits on it).
     changed: Notify,
     /// How many times the load went down (a prefill ended, a request was released or
@@ -322,6 +334,8 @@ impl ActiveLoads {
             fleet_speed: Mutex::new(LearnedSpeed::default()),
             fleet_ln_factor: AtomicU64::new(0f64.to_bits()),
             fleet_samples: AtomicU64::new(0),
+            token_cost: Mutex::new(Default::default()),
+            token_factor: AtomicU64::new(1f64.to_bits()),
             changed: Notify::new(),
             eased: AtomicU64::new(0),
         }
@@ -480,6 +494,8 @@ impl ActiveLoads {
             tail_block,
             output_blocks: 0,
             profiled_ttft_ms: request.profiled_ttft_ms,
+            profiled_token_ms: request.profiled_token_ms,
+            token_factor: self.token_factor(),
             profiled_own_ms: request.profiled_own_ms,
             started: now,
             ahead: load.requests.len(),
@@ -515,6 +531,8 @@ impl ActiveLoads {
         };
         let tokens = std::mem::take(&mut request.prefill_tokens);
         let profiled = std::mem::take(&mut request.profiled_ttft_ms);
+        let profiled_token = request.profiled_token_ms;
+        let token_factor = request.token_factor;
         let started = request.started;
         let ahead = request.ahead;
         let weight = 1.0 / (1 + ahead) as f64;
@@ -530,6 +548,8 @@ impl ActiveLoads {
             tracing::debug!(
                 instance,
                 profiled_ms = profiled,
+                profiled_token_ms = profiled_token,
+                token_factor,
                 observed_ms,
                 ahead,
                 "first-token time learned from"
@@ -549,6 +569,16 @@ impl ActiveLoads {
             };
             load.speed
                 .observe(profiled, observed_ms, weight, Some(fleet_ln));
+            // Only a request that had the instance to itself (of this proxy's) from its
+            // booking to its first token teaches the engine's shape: behind others, or
+            // batched with requests booked after it, it teaches the load model's errors.
+            let alone = ahead == 0 && load.requests.len() == 1;
+            drop(load);
+            if alone {
+                // The profiled time less its per-token part, as scored: the fixed part.
+                let fixed = profiled - token_factor * profiled_token;
+                self.learn_token_cost(fixed, profiled_token, observed_ms);
+            }
         }
         tokens > 0
     }
@@ -598,6 +628,33 @@ impl ActiveLoads {
         self.changed.notify_one();
     }
 
+    /// The model's learned token factor ([`crate::kv::token_cost`]; 1: as profiled).
+    pub(crate) fn token_factor(&self) -> f64 {
+        f64::from_bits(self.token_factor.load(Ordering::Relaxed))
+    }
+
+    /// The other replicas' token-cost sums changed to `others`.
+    pub(crate) fn set_replicas_token_cost(&self, others: TokenCostSums) {
+        let mut sums = self
+            .token_cost
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        sums.1 = others;
+        self.token_factor
+            .store(sums.0.merged(sums.1).factor().to_bits(), Ordering::Relaxed);
+    }
+
+    /// Learns the token factor from one first token (this proxy's).
+    fn learn_token_cost(&self, fixed_ms: f64, token_ms: f64, observed_ms: f64) {
+        let mut sums = self
+            .token_cost
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        sums.0.observe(fixed_ms, token_ms, observed_ms);
+        self.token_factor
+            .store(sums.0.merged(sums.1).factor().to_bits(), Ordering::Relaxed);
+    }
+
     /// The proxy's own load on every instance, as replicas share it.
     pub(crate) fn own(&self) -> OwnLoads {
         // Read first: the loads read after it show at least that many easings.
@@ -618,7 +675,16 @@ impl ActiveLoads {
                 (instance, shared)
             })
             .collect();
-        OwnLoads { eased, loads }
+        let token_cost = self
+            .token_cost
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .0;
+        OwnLoads {
+            eased,
+            loads,
+            token_cost,
+        }
     }
 
     /// Drops every request booked before `cutoff`; returns how many.
@@ -674,6 +740,7 @@ mod tests {
             prompt: Some(Arc::clone(prompt)),
             prefill_tokens: prefill,
             profiled_ttft_ms: 0.0,
+            profiled_token_ms: 0.0,
             profiled_own_ms: 0.0,
         };
         loads.book(instance, request, Instant::now()).unwrap()
@@ -695,6 +762,7 @@ mod tests {
             prompt: None,
             prefill_tokens: prefill,
             profiled_ttft_ms: own_ms,
+            profiled_token_ms: 0.0,
             profiled_own_ms: own_ms,
         };
         loads.book(0, request, at).unwrap()
@@ -867,6 +935,7 @@ mod tests {
             prompt: None,
             prefill_tokens: 0,
             profiled_ttft_ms: 0.0,
+            profiled_token_ms: 0.0,
             profiled_own_ms: 0.0,
         };
         let id = loads.book(0, request, Instant::now()).unwrap();
@@ -877,6 +946,7 @@ mod tests {
             prompt: None,
             prefill_tokens: 0,
             profiled_ttft_ms: 0.0,
+            profiled_token_ms: 0.0,
             profiled_own_ms: 0.0,
         };
         assert_eq!(loads.book(5, unknown, Instant::now()), None);
@@ -991,6 +1061,7 @@ mod tests {
             prompt: Some(Arc::clone(&p)),
             prefill_tokens: 8,
             profiled_ttft_ms: 0.0,
+            profiled_token_ms: 0.0,
             profiled_own_ms: 0.0,
         };
         let old_id = loads.book(0, old, start).unwrap();
@@ -998,6 +1069,7 @@ mod tests {
             prompt: Some(Arc::clone(&p)),
             prefill_tokens: 8,
             profiled_ttft_ms: 0.0,
+            profiled_token_ms: 0.0,
             profiled_own_ms: 0.0,
         };
         let young_id = loads
@@ -1029,6 +1101,7 @@ mod tests {
                 prompt: Some(Arc::clone(&p)),
                 prefill_tokens: 8,
                 profiled_ttft_ms: 40.0,
+                profiled_token_ms: 0.0,
                 profiled_own_ms: 40.0,
             };
             loads.book(instance, request, start).unwrap()
@@ -1053,6 +1126,70 @@ mod tests {
         }
         let ratio = loads.snapshot(0, &[]).speed / loads.snapshot(1, &[]).speed;
         assert!((ratio - 3.0).abs() < 0.1, "{ratio}");
+    }
+
+    #[test]
+    fn first_tokens_of_prompts_of_different_sizes_teach_the_token_factor() {
+        let loads = loads(2);
+        let start = Instant::now();
+        // The profile says 16.5 ms fixed plus 0.0152 ms a token; the engines take 5.6 ms plus
+        // 0.052 ms a token (a real vLLM on CPU): b / a = 10.1.
+        let first_token = |instance, tokens: f64| {
+            let token_ms = 0.0152 * tokens;
+            let factor = loads.token_factor();
+            let request = NewRequest {
+                prompt: None,
+                prefill_tokens: tokens as u64,
+                profiled_ttft_ms: 16.5 + factor * token_ms,
+                profiled_token_ms: token_ms,
+                profiled_own_ms: 16.5 + factor * token_ms,
+            };
+            let id = loads.book(instance, request, start).unwrap();
+            let took = Duration::from_secs_f64((5.6 + 0.052 * tokens) / 1000.0);
+            loads.prefill_done(instance, id, start + took, true);
+            loads.release(instance, id);
+        };
+        assert_eq!(loads.token_factor(), 1.0);
+        for round in 0..100u32 {
+            let tokens = 60.0 + 940.0 * f64::from((round * 37) % 100) / 100.0;
+            first_token(u64::from(round % 2), tokens);
+        }
+        let learned = loads.token_factor();
+        assert!(learned > 5.0 && learned < 12.0, "{learned}");
+        // Shared with a replica that learned nothing itself, they score the same factor.
+        let other = ActiveLoads::new();
+        other.set_replicas_token_cost(loads.own().token_cost);
+        assert!((other.token_factor() - learned).abs() < 1e-12);
+        // Non-streamed first bytes teach nothing.
+        let fresh = ActiveLoads::new();
+        fresh.add(0);
+        let request = NewRequest {
+            prompt: None,
+            prefill_tokens: 500,
+            profiled_ttft_ms: 24.1,
+            profiled_token_ms: 7.6,
+            profiled_own_ms: 24.1,
+        };
+        let id = fresh.book(0, request.clone(), start).unwrap();
+        fresh.prefill_done(0, id, start + Duration::from_millis(31), false);
+        assert_eq!(fresh.own().token_cost, TokenCostSums::default());
+        // Nor does a first token booked behind another request there; the first one does.
+        let behind = fresh.book(0, request.clone(), start).unwrap();
+        fresh.prefill_done(0, behind, start + Duration::from_millis(90), true);
+        assert_eq!(fresh.own().token_cost, TokenCostSums::default());
+        fresh.release(0, behind);
+        fresh.release(0, id);
+        let alone = fresh.book(0, request.clone(), start).unwrap();
+        fresh.prefill_done(0, alone, start + Duration::from_millis(31), true);
+        assert!((fresh.own().token_cost.weight - 1.0).abs() < 1e-12);
+        fresh.release(0, alone);
+        // Nor one booked alone that a later request joined before its first token (an
+        // engine batches them: its time holds the other's work).
+        let joined = fresh.book(0, request.clone(), start).unwrap();
+        fresh.book(0, request, start).unwrap();
+        let before = fresh.own().token_cost;
+        fresh.prefill_done(0, joined, start + Duration::from_millis(60), true);
+        assert_eq!(fresh.own().token_cost, before);
     }
 
     #[test]
@@ -1089,6 +1226,7 @@ mod tests {
             prompt: None,
             prefill_tokens: 8,
             profiled_ttft_ms: 40.0,
+            profiled_token_ms: 0.0,
             profiled_own_ms: 40.0,
         };
         // This replica saw one first token at the profile's time: factor 1.

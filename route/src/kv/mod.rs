@@ -17,7 +17,7 @@
 //! 3. **Score** ([`cost`], [`busy`]): per instance, the load it would have with this request
 //!    (active prefill tokens and active blocks from [`load`], plus this request's part),
 //!    turned into a predicted time to first token at the instance's learned speed
-//!    ([`speed`]), plus optionally the harm to the streams running there. Busy instances are
+//!    ([`speed`]) and the model's learned token factor ([`token_cost`]), plus optionally the harm to the streams running there. Busy instances are
 //!    left out; when all are, the request waits in the bounded [`admission`] queue or gets
 //!    503.
 //! 4. **Select** ([`select`]): the instance the request's session is bound to
@@ -63,6 +63,7 @@ mod router;
 mod select;
 mod sessions;
 mod speed;
+mod token_cost;
 mod tokenizer_check;
 
 pub use admission::Rejected;
@@ -78,6 +79,7 @@ pub use explain::{Explanation, InstanceExplanation};
 pub use replicas::{OwnLoads, ReplicaShare, SharedLoad, SharedSpeed};
 pub use router::KvRouter;
 pub use sessions::SessionBinding;
+pub use token_cost::TokenCostSums;
 pub use tokenizer_check::{
     Probe, RunningCheck, TokenizerChecks, TokenizerMismatch, TokenizerOutcome, compare, engine_ids,
     probes,

@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 use tokio::sync::Notify;
 
+use crate::kv::token_cost::TokenCostSums;
+
 /// One replica's in-flight load on one instance, and its learned speed of it.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct SharedLoad {
@@ -85,6 +87,9 @@ pub struct OwnLoads {
     pub eased: u64,
     /// Its load per instance.
     pub loads: HashMap<u64, SharedLoad>,
+    /// What its own first tokens taught it of the model's token factor
+    /// ([`crate::kv::token_cost`]).
+    pub token_cost: TokenCostSums,
 }
 
 /// One share of another replica's in-flight load, as it arrived.
@@ -117,6 +122,8 @@ struct Totals {
     /// Every speed sample of every live share, of every instance: the other replicas' view
     /// of the whole fleet's speed.
     fleet: SharedSpeed,
+    /// Every live share's token-cost sums together.
+    token_cost: TokenCostSums,
     /// The lowest id of a replica with a live share.
     lowest: Option<u64>,
     /// Replicas with a live share.
@@ -218,6 +225,9 @@ impl ReplicaLoads {
             ..Totals::default()
         };
         for share in shares.values() {
+            if share.own.token_cost.is_valid() {
+                totals.token_cost = totals.token_cost.merged(share.own.token_cost);
+            }
             for (&instance, load) in &share.own.loads {
                 totals.loads.entry(instance).or_default().add(load);
                 totals.fleet = totals.fleet.merged(load.speed);
@@ -250,6 +260,11 @@ impl ReplicaLoads {
     pub(crate) fn fleet_speed(&self) -> SharedSpeed {
         self.totals.load().fleet
     }
+
+    /// The other replicas' token-cost sums together.
+    pub(crate) fn token_cost(&self) -> TokenCostSums {
+        self.totals.load().token_cost
+    }
 }
 
 #[cfg(test)]
@@ -272,9 +287,45 @@ mod tests {
         ReplicaShare {
             seq,
             ttl: TTL,
-            own: OwnLoads { eased: 0, loads },
+            own: OwnLoads {
+                eased: 0,
+                loads,
+                ..OwnLoads::default()
+            },
             decided: 0,
         }
+    }
+
+    #[test]
+    fn the_live_shares_token_cost_sums_add_up_and_leave_when_they_expire() {
+        let replicas = ReplicaLoads::default();
+        let now = Instant::now();
+        let sums = |weight: f64| TokenCostSums {
+            weight,
+            share: 0.2 * weight,
+            ratio: 1.5 * weight,
+            share_squared: 0.05 * weight,
+            share_ratio: 0.4 * weight,
+        };
+        let with = |seq, token_cost, ttl| ReplicaShare {
+            ttl,
+            own: OwnLoads {
+                token_cost,
+                ..OwnLoads::default()
+            },
+            ..share(seq, HashMap::new())
+        };
+        replicas.apply(1, with(1, sums(10.0), TTL), now);
+        replicas.apply(2, with(1, sums(30.0), 2 * TTL), now);
+        // Nonsense from a replica counts as nothing learned.
+        let broken = TokenCostSums {
+            ratio: f64::NAN,
+            ..sums(5.0)
+        };
+        replicas.apply(3, with(1, broken, TTL), now);
+        assert_eq!(replicas.token_cost(), sums(10.0).merged(sums(30.0)));
+        replicas.expire(now + TTL);
+        assert_eq!(replicas.token_cost(), sums(30.0));
     }
 
     #[test]
@@ -375,6 +426,7 @@ mod tests {
             own: OwnLoads {
                 eased,
                 loads: HashMap::new(),
+                ..OwnLoads::default()
             },
             ..share(seq, HashMap::new())
         };

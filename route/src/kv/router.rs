@@ -149,6 +149,7 @@ impl KvRouter {
                 queue_weight: config.queue_weight,
                 overlap_credit_decay: config.overlap_credit_decay,
                 profile: EngineProfile::DEFAULT,
+                token_factor: 1.0,
             },
             tier_weights: TierWeights {
                 host: config.tier_weights.host,
@@ -223,11 +224,12 @@ impl KvRouter {
         }
     }
 
-    /// The cost model with the block size in force.
+    /// The cost model with the block size and the token factor in force.
     #[inline]
     fn cost_model(&self) -> CostModel {
         CostModel {
             block_size: self.block_size(),
+            token_factor: self.loads.token_factor(),
             ..self.cost
         }
     }
@@ -420,6 +422,8 @@ impl KvRouter {
     pub fn expire_replica_loads(&self) {
         let now = Instant::now();
         self.replicas.expire(now);
+        self.loads
+            .set_replicas_token_cost(self.replicas.token_cost());
         self.expire_remote(now);
     }
 
@@ -432,6 +436,8 @@ impl KvRouter {
         let Some(freed) = self.replicas.apply(replica, share, now) else {
             return false;
         };
+        self.loads
+            .set_replicas_token_cost(self.replicas.token_cost());
         for (instance, blocks) in freed {
             self.loads.replica_released(instance, blocks, now);
         }
@@ -719,7 +725,15 @@ impl KvRouter {
         self.metrics
             .observe_stage(RouteStage::Score, start.elapsed());
         if tracing::enabled!(target: DECISION_TARGET, tracing::Level::DEBUG) {
-            log_decision(candidates, request, &open, &choice, steered.is_some());
+            let token_factor = self.loads.token_factor();
+            log_decision(
+                candidates,
+                request,
+                &open,
+                &choice,
+                steered.is_some(),
+                token_factor,
+            );
         }
         choice
     }
@@ -879,6 +893,7 @@ impl KvRouter {
             prompt,
             prefill_tokens: decision.cost.new_prefill_tokens,
             profiled_ttft_ms: decision.cost.profiled_ttft_ms,
+            profiled_token_ms: decision.cost.profiled_token_ms,
             profiled_own_ms: decision.cost.profiled_own_ms,
         };
         if let (Some(sessions), Some(session)) = (&self.sessions, &request.session) {
@@ -996,6 +1011,7 @@ impl KvRouter {
             overlap_credit_decay: self.cost.overlap_credit_decay,
             tier_weights: self.tier_weights,
             temperature: self.temperature,
+            token_factor: self.loads.token_factor(),
             prompt_tokens,
             prompt_blocks: request.shape.full_blocks,
             fallback,
@@ -1060,6 +1076,8 @@ impl KvRouter {
     pub fn sweep(&self, now: Instant) -> usize {
         self.overlap.expire(now);
         self.replicas.expire(now);
+        self.loads
+            .set_replicas_token_cost(self.replicas.token_cost());
         if let Some(sessions) = &self.sessions {
             sessions.expire(now);
         }
@@ -1076,8 +1094,10 @@ impl KvRouter {
     /// Copies the index size of each of `instances` (all its ranks) into
     /// `kvmesh_index_blocks`, and its learned speed into `kvmesh_route_instance_speed`; the
     /// blocks the event-fed index evicted into `kvmesh_index_evicted_blocks`, and its heap
-    /// bytes into `kvmesh_index_bytes`.
+    /// bytes into `kvmesh_index_bytes`; the model's learned token factor into
+    /// `kvmesh_route_token_factor`.
     pub fn refresh_gauges<C: Candidate>(&self, instances: &[Arc<C>]) {
+        self.metrics.set_token_factor(self.loads.token_factor());
         if let Some(feed) = &self.events {
             let index = feed.index();
             self.metrics
@@ -1124,6 +1144,7 @@ fn log_decision<S: CandidateSet + ?Sized>(
     open: &[(usize, Evaluated)],
     choice: &Choice,
     steered: bool,
+    token_factor: f64,
 ) {
     let chosen = match choice {
         Choice::Picked(decision) => candidates.url(decision.index),
@@ -1142,6 +1163,7 @@ fn log_decision<S: CandidateSet + ?Sized>(
         chosen,
         prompt_tokens = request.shape.tokens,
         prompt_blocks = request.shape.full_blocks,
+        token_factor,
         steered,
         affinity,
         candidates = %scored,

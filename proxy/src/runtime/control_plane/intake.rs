@@ -38,7 +38,7 @@ use bytes::Bytes;
 use kvmesh_control::{
     ConnectionState, ControlError, DecisionShare, EventBatch, EventBus, HexU64, InstanceId,
     InstanceLoadShare, LoadReport, LoadShare, Message, Namespace, ReplyAssembler, ReplyPart,
-    SessionShare, SnapshotRequest, Subscription,
+    SessionShare, SnapshotRequest, Subscription, TokenCostShare,
 };
 use kvmesh_kv::{KvEvent, WorkerKey};
 use tokio::sync::{Semaphore, mpsc};
@@ -46,6 +46,7 @@ use tokio::task::AbortHandle;
 
 use kvmesh_route::kv::{
     EventFeed, OwnLoads, ReplicaShare, SessionBinding, SharedDecision, SharedLoad, SharedSpeed,
+    TokenCostSums,
 };
 
 use crate::engines::pool::ModelPool;
@@ -269,6 +270,13 @@ impl Sharer {
                     speed_samples: load.speed.samples,
                 })
                 .collect(),
+            token_cost: TokenCostShare {
+                weight: own.token_cost.weight,
+                share: own.token_cost.share,
+                ratio: own.token_cost.ratio,
+                share_squared: own.token_cost.share_squared,
+                share_ratio: own.token_cost.share_ratio,
+            },
         };
         let _ = self
             .bus
@@ -532,6 +540,13 @@ impl Actor {
                 seq: share.seq,
                 ttl: Duration::from_millis(share.ttl_ms),
                 own: OwnLoads {
+                    token_cost: TokenCostSums {
+                        weight: share.token_cost.weight,
+                        share: share.token_cost.share,
+                        ratio: share.token_cost.ratio,
+                        share_squared: share.token_cost.share_squared,
+                        share_ratio: share.token_cost.share_ratio,
+                    },
                     eased: share.eased,
                     loads,
                 },

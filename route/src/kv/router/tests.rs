@@ -654,7 +654,14 @@ fn a_report_scraped_while_another_replicas_request_ran_stops_counting_it_when_it
                 ..SharedLoad::default()
             },
         )]);
-        share(seq, OwnLoads { eased: seq, loads })
+        share(
+            seq,
+            OwnLoads {
+                eased: seq,
+                loads,
+                ..OwnLoads::default()
+            },
+        )
     };
     const MINUTE: Duration = Duration::from_secs(60);
     // Replica 9's request holds 30 blocks on instance 0, and the engine reports them.
@@ -1335,6 +1342,7 @@ fn the_decider_sees_its_own_booking_and_holds_anothers_until_settled() {
             OwnLoads {
                 eased: 0,
                 loads: shared,
+                ..OwnLoads::default()
             },
         )
     };
@@ -1373,6 +1381,7 @@ async fn the_decider_waits_for_the_share_that_shows_what_the_asker_shed_before_a
     let before = OwnLoads {
         eased: 6,
         loads: running,
+        ..OwnLoads::default()
     };
     assert!(decider.apply_replica_loads(9, share(1, before)));
     // The turn ended (replica 9's seventh easing) and it asks for the next turn at once.
@@ -1387,6 +1396,7 @@ async fn the_decider_waits_for_the_share_that_shows_what_the_asker_shed_before_a
         let after = OwnLoads {
             eased: 7,
             loads: HashMap::new(),
+            ..OwnLoads::default()
         };
         assert!(decider.apply_replica_loads(9, share(2, after)));
     };
