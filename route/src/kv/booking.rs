@@ -30,8 +30,10 @@ pub struct Booking<'a> {
     admission: &'a Admission,
     instance: u64,
     id: Option<u64>,
-    /// Tokens per output block (0: output is not tracked).
+    /// Tokens per block (0: unknown).
     block_size: u64,
+    /// Whether its output is booked a block at a time (`kv.track_output_blocks`).
+    track_output: bool,
     /// Output tokens generated so far.
     output_tokens: AtomicU64,
     /// What its answer is judged against (`None`: it is not judged).
@@ -40,14 +42,15 @@ pub struct Booking<'a> {
 
 impl<'a> Booking<'a> {
     /// The booking `id` in `loads` (`None`: nothing was booked) on instance `instance` (its
-    /// id), of a model with `block_size`-token blocks (0: its output is not tracked);
-    /// releases wake `admission`'s waiters.
+    /// id), of a model with `block_size`-token blocks whose output is booked as it grows
+    /// when `track_output`; releases wake `admission`'s waiters.
     pub(crate) fn new(
         loads: &'a ActiveLoads,
         admission: &'a Admission,
         instance: u64,
         id: Option<u64>,
         block_size: u64,
+        track_output: bool,
     ) -> Self {
         Self {
             loads,
@@ -55,6 +58,7 @@ impl<'a> Booking<'a> {
             instance,
             id,
             block_size,
+            track_output,
             output_tokens: AtomicU64::new(0),
             check: None,
         }
@@ -107,14 +111,18 @@ impl<'a> Booking<'a> {
         }
     }
 
-    /// The engine streamed `tokens` more output tokens: each full block of output is booked
-    /// on the instance until the request ends (the lock is taken once per block, not per
-    /// token).
+    /// The engine streamed `tokens` more output tokens: counted (the blocks they fill are
+    /// freed with the request), and with `kv.track_output_blocks` each full block of output
+    /// is booked on the instance until the request ends (the lock is taken once per block,
+    /// not per token).
     pub fn generated(&self, tokens: u64) {
-        let Some(id) = self.id.filter(|_| tokens > 0 && self.block_size > 0) else {
+        let before = self.output_tokens.fetch_add(tokens, Ordering::Relaxed);
+        let Some(id) = self
+            .id
+            .filter(|_| tokens > 0 && self.track_output && self.block_size > 0)
+        else {
             return;
         };
-        let before = self.output_tokens.fetch_add(tokens, Ordering::Relaxed);
         let blocks = (before + tokens) / self.block_size;
         if blocks > before / self.block_size {
             self.loads.generated(self.instance, id, blocks);
@@ -140,8 +148,11 @@ impl Booking<'_> {
     /// reach the client, so a client that sends its next request the moment it has read the
     /// answer finds the instance idle (dropping the guard later does nothing more).
     pub fn release(&self) {
+        let output_tokens = self.output_tokens.load(Ordering::Relaxed);
         if let Some(id) = self.id
-            && self.loads.release(self.instance, id)
+            && self
+                .loads
+                .release_streamed(self.instance, id, output_tokens)
         {
             self.admission.wake();
         }
@@ -150,11 +161,7 @@ impl Booking<'_> {
 
 impl Drop for Booking<'_> {
     fn drop(&mut self) {
-        if let Some(id) = self.id
-            && self.loads.release(self.instance, id)
-        {
-            self.admission.wake();
-        }
+        self.release();
     }
 }
 
@@ -185,7 +192,7 @@ mod tests {
         let gauge = IntGauge::new("depth", "depth").unwrap();
         let admission = Admission::new(1, Duration::from_secs(1), gauge);
         let blocks = || loads.snapshot(0, &[]).blocks;
-        let booking = Booking::new(&loads, &admission, 0, booked(&loads), 4);
+        let booking = Booking::new(&loads, &admission, 0, booked(&loads), 4, true);
         assert_eq!(blocks(), 1, "the request's own unshared block");
         booking.generated(3);
         assert_eq!(blocks(), 1, "3 tokens fill no block");
@@ -198,7 +205,7 @@ mod tests {
         drop(booking);
         assert_eq!(blocks(), 0);
 
-        let untracked = Booking::new(&loads, &admission, 0, booked(&loads), 0);
+        let untracked = Booking::new(&loads, &admission, 0, booked(&loads), 4, false);
         untracked.generated(100);
         assert_eq!(blocks(), 1, "output is not tracked");
     }

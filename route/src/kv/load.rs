@@ -170,6 +170,17 @@ impl ActiveRequest {
             .as_deref()
             .map_or(&[][..], |prompt| &prompt.hashes.sequence[..])
     }
+
+    /// The blocks `output_tokens` output tokens fill on the engine past the prompt's (its
+    /// partial tail block first); 0 for a request without tokens.
+    fn engine_output_blocks(&self, output_tokens: u64) -> u64 {
+        let Some(prompt) = self.prompt.as_deref().filter(|p| p.block_size > 0) else {
+            return 0;
+        };
+        let block_size = prompt.block_size as u64;
+        let tail = prompt.tokens as u64 % block_size;
+        (tail + output_tokens).div_ceil(block_size) - u64::from(tail > 0)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -209,7 +220,9 @@ impl InstanceLoad {
         self.requests.insert(id, request);
     }
 
-    fn remove(&mut self, id: u64) -> bool {
+    /// Removes request `id`, which streamed `output_tokens` tokens, and remembers the blocks
+    /// its engine frees.
+    fn remove(&mut self, id: u64, output_tokens: u64) -> bool {
         let Some(request) = self.requests.remove(&id) else {
             return false;
         };
@@ -217,7 +230,15 @@ impl InstanceLoad {
         self.in_prefill.remove(&(request.started, id));
         self.tail_blocks -= u64::from(request.tail_block);
         self.output_blocks -= request.output_blocks;
-        let mut freed = u64::from(request.tail_block) + request.output_blocks;
+        // The engine frees the blocks its output filled too, booked or not. A load report
+        // scraped while it ran holds them: those not booked are foreign in the last one
+        // taken, and go from it now; a later report scraped before now discounts them all.
+        let output_blocks = request.engine_output_blocks(output_tokens);
+        let untracked = output_blocks.saturating_sub(request.output_blocks);
+        if let Some(foreign) = &mut self.foreign {
+            foreign.blocks = foreign.blocks.saturating_sub(untracked);
+        }
+        let mut freed = u64::from(request.tail_block) + request.output_blocks.max(output_blocks);
         for hash in request.full_blocks() {
             if let Some(count) = self.blocks.get_mut(hash) {
                 *count -= 1;
@@ -606,9 +627,16 @@ impl ActiveLoads {
     /// The request ended (or its client left): all its load is released. Returns whether it
     /// was still booked.
     pub(crate) fn release(&self, instance: u64, id: u64) -> bool {
+        self.release_streamed(instance, id, 0)
+    }
+
+    /// [`release`](Self::release) of a request that streamed `output_tokens` output tokens:
+    /// the blocks they filled on the engine are remembered as freed with the prompt's, so
+    /// a load report scraped while it ran does not count them as foreign.
+    pub(crate) fn release_streamed(&self, instance: u64, id: u64, output_tokens: u64) -> bool {
         let released = self
             .cell(instance)
-            .is_some_and(|cell| Self::lock(&cell).remove(id));
+            .is_some_and(|cell| Self::lock(&cell).remove(id, output_tokens));
         if released {
             self.ease();
         }
@@ -699,7 +727,7 @@ impl ActiveLoads {
                 .map(|(&id, _)| id)
                 .collect();
             for id in stale {
-                expired += usize::from(load.remove(id));
+                expired += usize::from(load.remove(id, 0));
             }
         }
         if expired > 0 {
@@ -985,6 +1013,31 @@ mod tests {
             (snap.blocks, snap.foreign_blocks, snap.foreign_waiting),
             (0, 2, 1)
         );
+        // A stream that filled 3 blocks of output on the engine (its tail's 3 tokens and 10
+        // more: 13 tokens, 4 blocks, one of them the tail), untracked: a report scraped
+        // while it ran holds them, and they go with it.
+        let loads = self::loads(1);
+        let id = book(&loads, 0, &held, 19);
+        loads.report(0, report(5 + 3, 0, Duration::ZERO));
+        assert_eq!(loads.snapshot(0, &[]).foreign_blocks, 3, "while it runs");
+        assert!(loads.release_streamed(0, id, 10));
+        assert_eq!(
+            loads.snapshot(0, &[]).foreign_blocks,
+            0,
+            "the report taken then"
+        );
+        loads.report(0, report(5 + 3, 0, Duration::from_secs(1)));
+        assert_eq!(
+            loads.snapshot(0, &[]).foreign_blocks,
+            0,
+            "a report scraped then"
+        );
+        // Released without its output counted, they would have stayed foreign.
+        let loads = self::loads(1);
+        let id = book(&loads, 0, &held, 19);
+        assert!(loads.release(0, id));
+        loads.report(0, report(5 + 3, 0, Duration::from_secs(1)));
+        assert_eq!(loads.snapshot(0, &[]).foreign_blocks, 3);
         // With nothing of the proxy's held or released since the scrape, it is all foreign.
         let loads = self::loads(1);
         loads.report(0, report(5, 0, Duration::from_secs(1)));

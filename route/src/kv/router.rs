@@ -843,17 +843,13 @@ impl KvRouter {
     pub fn commit(&self, decision: &Decision, request: &KvRequest, now: Instant) -> Booking<'_> {
         let check = self.answer_check(decision.instance_id, request, now);
         let id = self.book(decision, request, now);
-        let output_block_size = if self.track_output_blocks {
-            self.block_size()
-        } else {
-            0
-        };
         Booking::new(
             &self.loads,
             &self.admission,
             decision.instance_id,
             id,
-            output_block_size,
+            self.block_size(),
+            self.track_output_blocks,
         )
         .checked_by(check)
     }
