@@ -663,22 +663,22 @@ impl ActiveLoads {
 
     /// The other replicas' token-cost sums changed to `others`.
     pub(crate) fn set_replicas_token_cost(&self, others: TokenCostSums) {
-        let mut sums = self
-            .token_cost
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        sums.1 = others;
-        self.token_factor
-            .store(sums.0.merged(sums.1).factor().to_bits(), Ordering::Relaxed);
+        self.update_token_cost(|(_, theirs)| *theirs = others);
     }
 
     /// Learns the token factor from one first token (this proxy's).
     fn learn_token_cost(&self, fixed_ms: f64, token_ms: f64, observed_ms: f64) {
+        self.update_token_cost(|(own, _)| own.observe(fixed_ms, token_ms, observed_ms));
+    }
+
+    /// Changes the token-cost sums (own, the other replicas') with `change`, and the token
+    /// factor scoring reads with them.
+    fn update_token_cost(&self, change: impl FnOnce(&mut (TokenCostSums, TokenCostSums))) {
         let mut sums = self
             .token_cost
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        sums.0.observe(fixed_ms, token_ms, observed_ms);
+        change(&mut sums);
         self.token_factor
             .store(sums.0.merged(sums.1).factor().to_bits(), Ordering::Relaxed);
     }
