@@ -45,14 +45,37 @@ pub fn instance_record(ns: &crate::Namespace, model: &str, id: u64) -> crate::In
     }
 }
 
-/// A free TCP port on 127.0.0.1 (free when asked; the server binds it right after).
+/// The ports [`free_port`] hands out: below Linux's default ephemeral range (32768–60999), so
+/// an outgoing connection's local port cannot take one between the draw and the server's bind.
+const TEST_PORTS: std::ops::Range<u16> = 20_000..32_768;
+
+/// The next port [`free_port`] tries, as an offset into [`TEST_PORTS`]; starts where the
+/// process id points, so test processes running at once draw from different places.
+static NEXT_PORT: std::sync::OnceLock<std::sync::atomic::AtomicU32> = std::sync::OnceLock::new();
+
+/// A free TCP port on 127.0.0.1 (free when asked; the server binds it right after). No port
+/// is handed out twice in a process until all of [`TEST_PORTS`] has been.
 pub fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    use std::sync::atomic::Ordering;
+    let span = u32::from(TEST_PORTS.end - TEST_PORTS.start);
+    let next = NEXT_PORT
+        .get_or_init(|| std::sync::atomic::AtomicU32::new(std::process::id().wrapping_mul(97)));
+    for _ in 0..span {
+        let offset = next.fetch_add(1, Ordering::Relaxed) % span;
+        let port = TEST_PORTS.start + u16::try_from(offset).expect("offset < span");
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::AddrInUse,
+        format!("no free port in {TEST_PORTS:?}"),
+    ))
 }
 
-/// How many times a server is started on fresh free ports: a port free when asked can be
-/// taken before the server binds it (by another test's server, or as the local port of an
-/// outgoing connection), and the server then exits at once.
+/// How many times a server is started on fresh free ports: a port free when asked can still
+/// be taken before the server binds it (by another test process's server), and the server
+/// then exits at once.
 const START_ATTEMPTS: usize = 3;
 
 /// Runs `start` (a server started on newly drawn free ports) again, up to [`START_ATTEMPTS`]
@@ -379,22 +402,33 @@ pub struct EtcdCluster {
 impl EtcdCluster {
     /// Starts `size` members and waits until every one is healthy (a leader is elected).
     pub async fn start(dir: &Path, size: usize) -> io::Result<Self> {
-        let mut members = (0..size)
-            .map(|i| EtcdServer::member(&dir.join(format!("member-{i}")), &format!("m{i}"), None))
-            .collect::<io::Result<Vec<_>>>()?;
-        let initial_cluster = members
-            .iter()
-            .map(|m| format!("{}={}", m.name, m.peer_url()))
-            .collect::<Vec<_>>()
-            .join(",");
-        for member in &mut members {
-            member.initial_cluster.clone_from(&initial_cluster);
-            member.spawn()?;
-        }
-        for member in &mut members {
-            member.wait_healthy().await?;
-        }
-        Ok(Self { members })
+        on_fresh_ports(|attempt| async move {
+            let member_dir = |i: usize| dir.join(format!("member-{i}"));
+            if attempt > 1 {
+                // The failed attempt's members are killed with it; new ones on new ports
+                // form a new cluster and keep nothing of theirs.
+                for i in 0..size {
+                    let _ = std::fs::remove_dir_all(member_dir(i));
+                }
+            }
+            let mut members = (0..size)
+                .map(|i| EtcdServer::member(&member_dir(i), &format!("m{i}"), None))
+                .collect::<io::Result<Vec<_>>>()?;
+            let initial_cluster = members
+                .iter()
+                .map(|m| format!("{}={}", m.name, m.peer_url()))
+                .collect::<Vec<_>>()
+                .join(",");
+            for member in &mut members {
+                member.initial_cluster.clone_from(&initial_cluster);
+                member.spawn()?;
+            }
+            for member in &mut members {
+                member.wait_healthy().await?;
+            }
+            Ok(Self { members })
+        })
+        .await
     }
 
     /// Every member's client URL, comma-separated (what `--etcd` and `discovery.endpoint`
@@ -548,5 +582,21 @@ impl NatsServer {
     pub async fn restart(&mut self) -> io::Result<()> {
         self.kill().await;
         self.launch().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() {
+        let ports = (0..200).map(|_| free_port().unwrap()).collect::<Vec<_>>();
+        let distinct = ports.iter().collect::<std::collections::BTreeSet<_>>();
+        assert_eq!(distinct.len(), ports.len());
+        for port in ports {
+            assert!(TEST_PORTS.contains(&port), "{port}");
+            TcpListener::bind(("127.0.0.1", port)).unwrap();
+        }
     }
 }
