@@ -17,9 +17,10 @@ mocker polynomials). A router policy picks each request's engine at its arrival:
 - `kv`: kvmesh's `policy: kv` defaults (the predicted time to first token: the prefill queued
   ahead, less the oldest request's progress, plus the request's uncached tokens in 8,192-token
   iterations, plus what the streams running there add to each iteration and the wait for
-  the decode step in flight; the overlap is the longer of the
-  engine's cache and the proxy's decisions of the last 120 s), with exact speeds and instant
-  KV events.
+  the decode step in flight, plus the request's own tokens' prefill once more per request
+  queued there (`kv.queue_weight`) and twice more whatever waits (`kv.work_weight`); the
+  overlap is the longer of the engine's cache and the proxy's decisions of the last 120 s),
+  with exact speeds and instant KV events.
 
 With `--replicas N` the `kv` rows are run by N proxy replicas that share what kvmesh's
 replicas share, a share delay late (`ReplicatedKv`); `--replica-sweep` compares replica
@@ -262,13 +263,13 @@ def unexpired_prefix(expiries, hashes, now):
 
 
 class KvCost:
-    def __init__(self, overlap_weight=1.0, work_weight=0.0, decay=True, ttl_ms=120_000.0,
+    def __init__(self, overlap_weight=1.0, work_weight=2.0, decay=True, ttl_ms=120_000.0,
                  queue_weight=1.0):
         self.w, self.work, self.decay, self.ttl = overlap_weight, work_weight, decay, ttl_ms
         self.queue = queue_weight
         self.name = "kvmesh kv" + ("" if decay else ", no prefill progress") + (
             f", overlap_weight {overlap_weight}" if overlap_weight != 1.0 else "") + (
-            f", work {work_weight}" if work_weight else "") + (
+            f", work_weight {work_weight}" if work_weight != 2.0 else "") + (
             f", queue_weight {queue_weight}" if queue_weight != 1.0 else "")
 
     def setup(self, engines):
@@ -301,10 +302,11 @@ class KvCost:
         queue_ms, iterations = chunked_ms(self.queued(k, now) + new)
         own_ms, own_iterations = chunked_ms(new)
         per_iteration, wait = running_streams_ms(usage, running)
-        value = self.w * queue_ms + iterations * per_iteration + wait + self.work * own_ms
-        # kv.queue_weight: its tokens' prefill for each request queued there.
+        value = self.w * queue_ms + iterations * per_iteration + wait
+        # kv.queue_weight: its tokens' prefill for each request queued there; kv.work_weight:
+        # its tokens' prefill once, whatever waits there.
         own_tokens_ms = own_ms - own_iterations * PREFILL_FIXED_MS
-        value += self.queue * own_tokens_ms * len(self.prefill[k])
+        value += (self.queue * len(self.prefill[k]) + self.work) * own_tokens_ms
         return value, new, own_ms + own_iterations * per_iteration
 
     def route(self, request, now):
@@ -484,7 +486,8 @@ class ReplicatedKv(KvCost):
         queue_ms, iterations = chunked_ms(self.queued_by(i, k, now, others) + new * (1 + hidden))
         own_ms, own_iterations = chunked_ms(new)
         per_iteration, wait = running_streams_ms(usage, running)
-        value = self.w * queue_ms + iterations * per_iteration + wait + self.work * own_ms
+        value = self.w * queue_ms + iterations * per_iteration + wait
+        value += self.work * (own_ms - own_iterations * PREFILL_FIXED_MS)
         tie = len(me.in_flight[k]) + (requests if self.share == "bookings" else 0)
         return value, tie, new, own_ms + own_iterations * per_iteration
 
@@ -722,7 +725,7 @@ def main():
         return
     kv = lambda **kwargs: kv_policy(args, args.replicas, **kwargs)
     policies = [RoundRobin(), CacheAware(), kv(decay=False), kv(),
-                kv(overlap_weight=2.0), kv(work_weight=1.0)]
+                kv(overlap_weight=2.0), kv(work_weight=0.0), kv(work_weight=4.0)]
     print("| policy | TTFT p50 | TTFT p90 | TTFT p99 | hit rate | requests per engine |")
     print("|---|---:|---:|---:|---:|---:|")
     for policy in policies:

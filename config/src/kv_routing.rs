@@ -37,6 +37,11 @@ pub struct KvRoutingConfig {
     /// so under load an instance that must recompute a cached prompt pays for it; 0: only the
     /// request's own time to first token counts.
     pub queue_weight: f64,
+    /// Weight of the work a request's own prefill puts on an instance (its uncached tokens'
+    /// prefill time at the instance's learned speed, ms), whatever waits there now: work spent
+    /// recomputing a prompt another instance caches is capacity every later request there
+    /// loses; 0: only the request's own time to first token counts.
+    pub work_weight: f64,
     /// How fast the cached-prefix credit shrinks as an instance's prefill backlog exceeds the
     /// least-loaded instance's: credit × `1 / (1 + decay × excess iterations)`; 0: never.
     pub overlap_credit_decay: f64,
@@ -100,6 +105,7 @@ impl Default for KvRoutingConfig {
             overlap_weight: 1.0,
             harm_weight: 0.0,
             queue_weight: 1.0,
+            work_weight: 2.0,
             overlap_credit_decay: 0.0,
             tier_weights: KvTierWeights::default(),
             temperature: 0.0,

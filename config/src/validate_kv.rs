@@ -24,6 +24,7 @@ pub(crate) fn check_kv(kv: &KvRoutingConfig, path: &FieldPath) -> Checked {
     non_negative(kv.overlap_weight, path.key("overlap_weight"))?;
     non_negative(kv.harm_weight, path.key("harm_weight"))?;
     non_negative(kv.queue_weight, path.key("queue_weight"))?;
+    non_negative(kv.work_weight, path.key("work_weight"))?;
     non_negative(kv.overlap_credit_decay, path.key("overlap_credit_decay"))?;
     non_negative(kv.temperature, path.key("temperature"))?;
     for (weight, name) in [

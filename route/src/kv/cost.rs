@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cost = speed × (overlap_weight × prefill_ms + decode_ms) + harm_weight × harm_ms
-//!        + queue_weight × queue_ms
+//!        + queue_weight × queue_ms + work_weight × work_ms
 //! ```
 //!
 //! - `prefill_ms`: the prefill work queued there ahead of the request plus its own uncached
@@ -28,7 +28,13 @@
 //!   an idle fleet it is 0; under load it charges a choice for the work it adds. Without it,
 //!   a fleet past its capacity lost its reuse: each request took whichever queue was shortest
 //!   by a few milliseconds, recomputing its cached prompt there, and that work lengthened
-//!   every queue (docs/BENCHMARKS.md, *Past the fleet's capacity*).
+//!   every queue (docs/BENCHMARKS.md, *Past the fleet's capacity*);
+//! - `work_ms`: the work this request's prefill puts on the instance whatever waits there
+//!   now (its own tokens' prefill time, without an iteration's fixed part, at the learned
+//!   speed). Recomputing a prompt another instance caches spends capacity every later request
+//!   there pays for, and a copy of the prompt's blocks that crowds others out of the cache;
+//!   charged, a conversation stays with its cache unless leaving it saves more than that work
+//!   (docs/BENCHMARKS.md, *The request's own work*).
 //!
 //! An instance caching a prefix of the prompt skips prefilling it: the cached tokens are the
 //! overlap credit. Blocks past its device overlap that its host memory or disk hold count at
@@ -208,6 +214,9 @@ pub struct Cost {
     /// Predicted wait this request's prefill adds to the requests queued there, summed over
     /// them.
     pub(crate) queue_ms: f64,
+    /// The work this request's own prefill puts on the instance: its uncached tokens'
+    /// prefill time, without an iteration's fixed part, at the instance's learned speed.
+    pub(crate) work_ms: f64,
     /// The cost (module docs).
     pub(crate) value: f64,
 }
@@ -240,6 +249,8 @@ pub(crate) struct CostModel {
     pub(crate) harm_weight: f64,
     /// Weight of the wait added to the requests queued for prefill.
     pub(crate) queue_weight: f64,
+    /// Weight of the request's own prefill work.
+    pub(crate) work_weight: f64,
     /// How fast the overlap credit decays with prefill backlog (0: never).
     pub(crate) overlap_credit_decay: f64,
     /// The engines' speed before learning.
@@ -312,7 +323,8 @@ impl CostModel {
         // The requests queued there now stand for those that will queue behind it. Batched
         // with theirs, its tokens add work but no iteration of their own.
         let own_tokens_ms = own_prefill_ms - own_iterations as f64 * profile.prefill_fixed_ms;
-        let queue_ms = speed * own_tokens_ms.max(0.0) * load.queued_requests as f64;
+        let work_ms = speed * own_tokens_ms.max(0.0);
+        let queue_ms = work_ms * load.queued_requests as f64;
         let profiled_ttft_ms = prefill_ms + transfer_ms + decode_ms;
         let token_ms = (prefill_ms - iterations as f64 * profile.prefill_fixed_ms).max(0.0);
         Cost {
@@ -326,9 +338,11 @@ impl CostModel {
             itl_ms: speed * profile.decode_ms(usage),
             harm_ms,
             queue_ms,
+            work_ms,
             value: speed * (self.overlap_weight * (prefill_ms + transfer_ms) + decode_ms)
                 + self.harm_weight * harm_ms
-                + self.queue_weight * queue_ms,
+                + self.queue_weight * queue_ms
+                + self.work_weight * work_ms,
         }
     }
 }

@@ -97,7 +97,7 @@ pub(crate) struct LoggedCandidate<'a> {
 }
 
 /// The decision log's candidates field: `url overlap=… prefill=… blocks=… foreign=…
-/// requests=… queued=… speed=… ttft=… harm=… queue=… cost=…`, candidates separated by
+/// requests=… queued=… speed=… ttft=… harm=… queue=… work=… cost=…`, candidates separated by
 /// ` | ` (`blocks`: active KV blocks, `foreign` of them the engine's report beyond the
 /// proxies' own).
 pub(crate) fn decision_candidates<'a>(
@@ -110,7 +110,7 @@ pub(crate) fn decision_candidates<'a>(
         }
         let _ = write!(
             text,
-            "{} overlap={} prefill={} blocks={} foreign={} requests={} queued={} speed={:.2} ttft={:.1} harm={:.1} queue={:.1} cost={:.1}",
+            "{} overlap={} prefill={} blocks={} foreign={} requests={} queued={} speed={:.2} ttft={:.1} harm={:.1} queue={:.1} work={:.1} cost={:.1}",
             c.url,
             c.overlap_blocks,
             c.load.prefill_tokens,
@@ -122,6 +122,7 @@ pub(crate) fn decision_candidates<'a>(
             c.cost.ttft_ms,
             c.cost.harm_ms,
             c.cost.queue_ms,
+            c.cost.work_ms,
             c.cost.value,
         );
     }
@@ -139,6 +140,8 @@ pub struct Explanation {
     pub(crate) harm_weight: f64,
     /// `kv.queue_weight`.
     pub(crate) queue_weight: f64,
+    /// `kv.work_weight`.
+    pub(crate) work_weight: f64,
     /// `kv.overlap_credit_decay`.
     pub(crate) overlap_credit_decay: f64,
     /// `kv.tier_weights`.
@@ -213,6 +216,8 @@ pub struct InstanceExplanation {
     pub(crate) harm_ms: f64,
     /// Predicted wait added to the requests queued there for prefill, summed, ms.
     pub(crate) queue_ms: f64,
+    /// The work the request's own prefill puts on the instance, ms.
+    pub(crate) work_ms: f64,
     /// The cost.
     pub(crate) cost: f64,
     /// Chance of being chosen (0 for ineligible or busy instances).
@@ -382,6 +387,7 @@ mod tests {
             ttft_ms: 48.0,
             harm_ms: 12.5,
             queue_ms: 30.0,
+            work_ms: 7.5,
             value: 90.5,
             ..Cost::default()
         };
@@ -401,8 +407,8 @@ mod tests {
         ]);
         assert_eq!(
             line,
-            "http://a:1 overlap=0 prefill=0 blocks=0 foreign=0 requests=0 queued=0 speed=1.00 ttft=20.0 harm=0.0 queue=0.0 cost=20.0 \
-             | http://b:2 overlap=9 prefill=700 blocks=40 foreign=2 requests=3 queued=1 speed=2.50 ttft=48.0 harm=12.5 queue=30.0 cost=90.5"
+            "http://a:1 overlap=0 prefill=0 blocks=0 foreign=0 requests=0 queued=0 speed=1.00 ttft=20.0 harm=0.0 queue=0.0 work=0.0 cost=20.0 \
+             | http://b:2 overlap=9 prefill=700 blocks=40 foreign=2 requests=3 queued=1 speed=2.50 ttft=48.0 harm=12.5 queue=30.0 work=7.5 cost=90.5"
         );
         assert_eq!(decision_candidates([]), "");
     }

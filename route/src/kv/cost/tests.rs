@@ -7,6 +7,7 @@ const MODEL: CostModel = CostModel {
     overlap_weight: 1.0,
     harm_weight: 0.0,
     queue_weight: 0.0,
+    work_weight: 0.0,
     overlap_credit_decay: 0.0,
     profile: EngineProfile::DEFAULT,
     token_factor: 1.0,
@@ -167,17 +168,27 @@ fn queued_prefill_running_streams_and_speed_all_count() {
         2.0 * 3.0 * (profile.iteration_prefill_ms(36) - profile.prefill_fixed_ms),
         1e-9
     ));
+    // Its own tokens' prefill once, at the learned speed, whatever waits there.
+    assert!(close(
+        cost.work_ms,
+        2.0 * (profile.iteration_prefill_ms(36) - profile.prefill_fixed_ms),
+        1e-9
+    ));
     assert_eq!(cost.value, cost.ttft_ms);
     let weighted = CostModel {
         overlap_weight: 3.0,
         harm_weight: 0.5,
         queue_weight: 0.25,
+        work_weight: 2.0,
         ..MODEL
     };
     let value = weighted.cost(&shape, &load).value;
     assert!(close(
         value,
-        2.0 * (3.0 * prefill + decode) + 0.5 * cost.harm_ms + 0.25 * cost.queue_ms,
+        2.0 * (3.0 * prefill + decode)
+            + 0.5 * cost.harm_ms
+            + 0.25 * cost.queue_ms
+            + 2.0 * cost.work_ms,
         1e-9
     ));
 }
@@ -366,11 +377,13 @@ proptest! {
         more in 1u64..10_000,
         harm in 0.0f64..2.0,
         queue in 0.0f64..4.0,
+        work in 0.0f64..8.0,
         decay in 0.0f64..4.0,
     ) {
         let model = CostModel {
             harm_weight: harm,
             queue_weight: queue,
+            work_weight: work,
             overlap_credit_decay: decay,
             ..MODEL
         };

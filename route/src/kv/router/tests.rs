@@ -223,6 +223,7 @@ fn under_load_a_request_stays_where_its_prompt_is_cached_rather_than_recompute_i
     let next_turn = |queue_weight: f64| {
         let config = KvRoutingConfig {
             queue_weight,
+            work_weight: 0.0,
             ..config()
         };
         let (router, instances) = router_with(config, 2);
@@ -261,6 +262,42 @@ fn under_load_a_request_stays_where_its_prompt_is_cached_rather_than_recompute_i
         "the shorter queue, recomputing: {uncharged:?}"
     );
     assert_eq!(uncharged.cost.new_prefill_tokens, 4400);
+}
+
+#[test]
+fn the_work_weight_keeps_a_conversation_on_its_cache_holder_beside_an_idle_instance() {
+    // Instance 0 caches a 4,000-token conversation and has a 5,000-token prompt queued for
+    // prefill; instance 1 is idle. The next turn (4,400 tokens) would start about 20 ms
+    // sooner on the idle instance, which must prefill all of it: about 75 ms of work against
+    // 6 ms on the holder.
+    let next_turn = |work_weight: f64| {
+        let config = KvRoutingConfig {
+            work_weight,
+            ..config()
+        };
+        let (router, instances) = router_with(config, 2);
+        drop(pick_on(
+            &router,
+            &instances,
+            request(&router, &conversation(1, 4000)),
+            0,
+        ));
+        let _queued = pick_on(
+            &router,
+            &instances,
+            request(&router, &conversation(10, 5000)),
+            0,
+        );
+        let next = request(&router, &conversation(1, 4400));
+        picked(choose(&router, &instances, &next, 1))
+    };
+    let unweighted = next_turn(0.0);
+    assert_eq!(unweighted.index, 1, "the idle instance: {unweighted:?}");
+    assert_eq!(unweighted.cost.new_prefill_tokens, 4400);
+    let weighted = next_turn(4.0);
+    assert_eq!(weighted.index, 0, "the cache holder: {weighted:?}");
+    assert_eq!(weighted.cost.new_prefill_tokens, 400);
+    assert!(weighted.cost.work_ms > 0.0);
 }
 
 #[test]
@@ -451,7 +488,10 @@ fn explaining_changes_nothing() {
     // Idle instances: the predicted time is the profile's prefill of the uncached tokens.
     let profile = EngineProfile::DEFAULT;
     assert_eq!(chosen.predicted_ttft_ms, profile.iteration_prefill_ms(8));
-    assert_eq!(chosen.cost, chosen.predicted_ttft_ms);
+    // The cost adds `work_weight` (2) times its tokens' prefill work.
+    let work = profile.iteration_prefill_ms(8) - profile.prefill_fixed_ms;
+    assert_eq!(chosen.work_ms, work);
+    assert_eq!(chosen.cost, chosen.predicted_ttft_ms + 2.0 * work);
     let other = &first.instances[(decision.index + 1) % 3];
     assert_eq!(other.predicted_ttft_ms, profile.iteration_prefill_ms(48));
     assert_eq!((chosen.speed, chosen.harm_ms), (1.0, 0.0));
@@ -1357,7 +1397,13 @@ fn the_decider_sees_its_own_booking_and_holds_anothers_until_settled() {
 
 #[tokio::test]
 async fn the_decider_waits_for_the_share_that_shows_what_the_asker_shed_before_asking() {
-    let (decider, instances, registry) = router_and_metrics(config(), 2);
+    // Without the work term, so that the running turn's 4,000 queued tokens outweigh the next
+    // turn's cached blocks until a share shows the turn ended.
+    let config = KvRoutingConfig {
+        work_weight: 0.0,
+        ..config()
+    };
+    let (decider, instances, registry) = router_and_metrics(config, 2);
     let waits = |outcome: &str| {
         let line =
             format!("kvmesh_route_decider_share_waits_total{{model=\"m\",outcome=\"{outcome}\"}} ");
@@ -1508,7 +1554,12 @@ async fn a_decider_that_does_not_answer_in_time_is_not_asked_for_a_while() {
 
 #[tokio::test]
 async fn a_replica_whose_own_choice_is_decisive_routes_without_asking() {
-    let (asker, instances, registry) = router_and_metrics(config(), 2);
+    // Without the work term, so that 28 unseen turns can outweigh 1,800 cached tokens.
+    let config = KvRoutingConfig {
+        work_weight: 0.0,
+        ..config()
+    };
+    let (asker, instances, registry) = router_and_metrics(config, 2);
     let asks = |outcome: &str| {
         let line = format!("kvmesh_route_decider_asks_total{{model=\"m\",outcome=\"{outcome}\"}} ");
         metrics_text(&registry)
