@@ -276,18 +276,16 @@ fn the_work_weight_keeps_a_conversation_on_its_cache_holder_beside_an_idle_insta
             ..config()
         };
         let (router, instances) = router_with(config, 2);
-        drop(pick_on(
-            &router,
-            &instances,
-            request(&router, &conversation(1, 4000)),
-            0,
-        ));
-        let _queued = pick_on(
-            &router,
-            &instances,
-            request(&router, &conversation(10, 5000)),
-            0,
-        );
+        let book = |seed, tokens| {
+            pick_on(
+                &router,
+                &instances,
+                request(&router, &conversation(seed, tokens)),
+                0,
+            )
+        };
+        drop(book(1, 4000));
+        let _queued = book(10, 5000);
         let next = request(&router, &conversation(1, 4400));
         picked(choose(&router, &instances, &next, 1))
     };
