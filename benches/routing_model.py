@@ -77,6 +77,12 @@ def chunked_ms(tokens):
     return full * prefill_ms(BUDGET) + prefill_ms(rest), full + (1 if rest else 0)
 
 
+def tokens_ms(time_ms, iterations):
+    """The per-token part of `iterations` prefill iterations taking `time_ms`: without each
+    iteration's fixed part (what `kv.queue_weight` and `kv.work_weight` charge)."""
+    return time_ms - iterations * PREFILL_FIXED_MS
+
+
 class Request:
     __slots__ = ("arrival", "isl", "osl", "hashes", "engine", "computed", "generated",
                  "first", "hit", "blocks", "done", "extra")
@@ -305,7 +311,7 @@ class KvCost:
         value = self.w * queue_ms + iterations * per_iteration + wait
         # kv.queue_weight: its tokens' prefill for each request queued there; kv.work_weight:
         # its tokens' prefill once, whatever waits there.
-        own_tokens_ms = own_ms - own_iterations * PREFILL_FIXED_MS
+        own_tokens_ms = tokens_ms(own_ms, own_iterations)
         value += (self.queue * len(self.prefill[k]) + self.work) * own_tokens_ms
         return value, new, own_ms + own_iterations * per_iteration
 
@@ -487,7 +493,7 @@ class ReplicatedKv(KvCost):
         own_ms, own_iterations = chunked_ms(new)
         per_iteration, wait = running_streams_ms(usage, running)
         value = self.w * queue_ms + iterations * per_iteration + wait
-        value += self.work * (own_ms - own_iterations * PREFILL_FIXED_MS)
+        value += self.work * tokens_ms(own_ms, own_iterations)
         tie = len(me.in_flight[k]) + (requests if self.share == "bookings" else 0)
         return value, tie, new, own_ms + own_iterations * per_iteration
 
