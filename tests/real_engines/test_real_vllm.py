@@ -207,24 +207,34 @@ BURST_FIRST_TOKENS = []
 
 @pytest.mark.parametrize("burst", range(3))
 def test_a_burst_of_distinct_prompts_spreads_over_idle_engines(cluster, burst):
-    """8 concurrent streams with distinct prompts on 2 idle engines: each gets at least 3."""
+    """8 concurrent streams with distinct prompts on 2 idle engines: each gets at least 3
+    while the proxy has learned their speeds within 10 % of each other; past that, the one
+    learned faster gets at least half. A burst's prompts are prefilled together, in one
+    iteration whose fixed part is most of a first token's time, so each prompt added
+    costs an engine little: the cost model predicts an engine learned 25 % slower to give
+    first tokens later with 2 of the burst than the other with 6, and routed 6/2 in a CI
+    run after one engine had been learned slower. Whether the speeds learned are those the
+    engines showed is the next test's."""
     cluster.events_settled()
     wait_until("both engines idle", lambda: all(
         metric_sum(e.metrics(), "vllm:num_requests_running") == 0 for e in cluster.engines))
     rng = random.Random(100 + burst)
     prompts = [[{"role": "user", "content": text(rng, 40)}] for _ in range(8)]
+    # Every stream of the burst is routed before any of its first tokens teaches a speed.
+    speeds = {i["instance"].rstrip("/"): i["speed"] for i in explain(cluster, prompts[0])["instances"]}
     results = burst_of_streams(cluster, prompts, 32, BURST_FIRST_TOKENS)
     per_engine = {e.url: 0 for e in cluster.engines}
     for instance, _, usage in results:
         per_engine[instance.rstrip("/")] += 1
         assert usage is not None and usage.completion_tokens == 32
-    # On failure: what the proxy learned of each engine's speed, and this burst's first tokens
-    # as the client timed them (a 6/2 split can be right when one engine really was slower).
-    assert min(per_engine.values()) >= 3, (
-        per_engine,
-        {i["instance"]: i["speed"] for i in explain(cluster, prompts[0])["instances"]},
-        BURST_FIRST_TOKENS[-8:],
-    )
+    fast, slow = sorted(speeds, key=speeds.get)
+    # On failure: the speeds it routed by, and this burst's first tokens as the client
+    # timed them.
+    failure = f"split {per_engine}, learned speeds {speeds}, first tokens {BURST_FIRST_TOKENS[-8:]}"
+    if speeds[slow] / speeds[fast] < 1.1:
+        assert min(per_engine.values()) >= 3, failure
+    else:
+        assert per_engine[fast] >= 4, failure
 
 
 def test_identical_engines_learn_speeds_no_further_apart_than_their_first_tokens(cluster):
