@@ -4,6 +4,8 @@ then `READY` on stdout once it accepts connections; the launcher waits for that 
 instead of sleeping."""
 
 import os
+import random
+import socket
 import subprocess
 import threading
 from pathlib import Path
@@ -14,6 +16,37 @@ READY_TIMEOUT_S = 60
 # engine-sim's block size follows GPU vLLM (16); these suites were written against its old
 # default, 64, and pin it wherever a test does not name one.
 SIM_BLOCK_SIZE = "64"
+
+# Ports handed out so far by `free_port` (none twice in one process).
+_PORTS_GIVEN = set()
+
+
+def free_port():
+    """A loopback port free now, below the kernel's ephemeral range, for a server this
+    process starts (etcd, nats-server, an engine, a receiver). A port the kernel hands to
+    `bind(("127.0.0.1", 0))` lies in that range, where any outgoing connection draws its
+    local port: between the draw and the server's bind, one can take it (an engine's
+    worker once took another engine's side-channel port that way, and an etcd member
+    found its port in use)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        first_ephemeral = int(f.read().split()[0])
+    draw = random.SystemRandom()
+    while True:
+        if first_ephemeral <= 10_000:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        else:
+            port = draw.randrange(10_000, first_ephemeral)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
 
 
 class Proc:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from kvmesh_processes import ROOT, Proc
+from kvmesh_processes import ROOT, Proc, free_port
 
 TOKENIZER = ROOT / ".cache" / "tokenizers" / "qwen3"
 CHAT = "chat-model"
@@ -32,11 +32,6 @@ CERT_DAYS = 20
 # Instance ids of the chat engines' agents (a forged batch numbers past one's, making a gap).
 CHAT_IDS = ("c0ffee0000000001", "c0ffee0000000002")
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(what, check, timeout):

@@ -12,7 +12,6 @@ which the client must get.
 """
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ import openai
 import pytest
 
 from conftest import Proc
+from kvmesh_processes import free_port
 
 MODEL = "sglang-pd-model"
 BOOTSTRAP_PORT = 9123
@@ -117,11 +117,6 @@ REQUESTS = {
 SGLANG_ROUTER_REFUSES = {"completion, token ids"}
 COMPARED = [name for name in REQUESTS if name not in SGLANG_ROUTER_REFUSES]
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def answer(path, request, role):

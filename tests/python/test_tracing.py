@@ -25,6 +25,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from conftest import MODEL, Proc, proxy_config
+from kvmesh_processes import free_port
 
 SPAN_TIMEOUT_S = 20
 SERVER_TIMEOUT_S = 30
@@ -417,11 +418,6 @@ def test_tracing_off_adds_no_trace_context_and_passes_the_clients_through(base_u
 
 # ---- the agent -------------------------------------------------------------------------------
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -11,7 +11,6 @@ is a restart.
 
 import json
 import os
-import random
 import re
 import signal
 import socket
@@ -27,7 +26,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "python"))
-from kvmesh_processes import Proc  # noqa: E402 (the Python suite's launcher)
+from kvmesh_processes import Proc, free_port  # noqa: E402 (the Python suite's launcher)
 
 TOKENIZER = ROOT / ".cache" / "tokenizers" / "qwen3"
 MODEL = "qwen3"
@@ -36,39 +35,6 @@ CACHE_BLOCKS = 160
 # A cold engine start on this 2-core machine, two at once, import and model load included.
 ENGINE_START_TIMEOUT_S = 300
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# Ports handed to engines so far (none twice).
-_ENGINE_PORTS = set()
-
-
-def engine_port():
-    """A free port below the kernel's ephemeral range, for an engine to bind. An engine binds
-    its ports only once loaded (tens of seconds after it starts); a port from the ephemeral
-    range (`free_port`'s) can be taken meanwhile by any outgoing connection or bind to port
-    0: engine a's worker once took engine b's NIXL side-channel port that way, and b hung in
-    its start until the 300 s deadline."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        first_ephemeral = int(f.read().split()[0])
-    if first_ephemeral <= 10_000:
-        return free_port()
-    draw = random.SystemRandom()
-    while True:
-        port = draw.randrange(10_000, first_ephemeral)
-        if port in _ENGINE_PORTS:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _ENGINE_PORTS.add(port)
-        return port
 
 
 def http(method, url, body=None, headers=None, timeout=30):
@@ -182,9 +148,9 @@ class Engine:
 
     def __init__(self, name, workdir):
         self.name = name
-        self.port, self.events_port, self.replay_port = engine_port(), engine_port(), engine_port()
+        self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
         # NixlConnector's side channel (prefill/decode): each engine its own.
-        self.side_channel_port = engine_port()
+        self.side_channel_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.events = f"tcp://127.0.0.1:{self.events_port}"
         self.replay = f"tcp://127.0.0.1:{self.replay_port}"
