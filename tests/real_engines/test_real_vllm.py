@@ -334,10 +334,23 @@ def test_the_agents_running_count_equals_the_engines(cluster):
         }, timeout=120)
         return status
 
+    # Each change of the engine's count as polled, with seconds since the streams were sent
+    # (on failure: whether it stayed below n, went past it, or the streams ended unseen).
+    seen = []
+    started = time.monotonic()
+
+    def running_n():
+        count = metric_sum(engine.metrics(), "vllm:num_requests_running")
+        if not seen or seen[-1][1] != count:
+            seen.append((round(time.monotonic() - started, 2), count))
+        return count == n
+
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         futures = [pool.submit(long_stream, i) for i in range(n)]
-        wait_until("the engine running the streams",
-                   lambda: metric_sum(engine.metrics(), "vllm:num_requests_running") == n, timeout=30)
+        try:
+            wait_until("the engine running the streams", running_n, timeout=30)
+        except AssertionError as err:
+            raise AssertionError(f"{err}; counts seen: {seen}; streams: {[f.result() for f in futures]}") from None
         agent = cluster.agents[engine.name]
 
         def reported():
