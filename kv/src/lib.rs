@@ -48,7 +48,9 @@
 //!   not matchable past the missing parent — until the parent is stored, when the whole chain
 //!   matches at once. The event is counted as `parent_not_found`, which tells the caller to
 //!   resynchronise the worker; [`IndexStats::orphan_blocks`] gauges how many blocks wait.
-//! - Cleared empties every rank of the instance; `remove_worker` forgets the instance.
+//! - Cleared empties every rank of the instance; `remove_worker` forgets the instance, in two
+//!   steps a caller may run apart: `detach_worker` (lookups no longer see it, at once) and
+//!   `release_detached` (frees its blocks: a scan of every shard).
 //! - Every event returns an [`ApplyOutcome`] (stored, removed, cleared, parent_not_found,
 //!   blocks_not_found, blocks_invalid) for metrics; [`ApplyOutcome::status`] gives a per-event
 //!   label.
@@ -204,7 +206,9 @@ pub use hash::{
     XXH3_SEED, apply_cache_salt, extend_sequence_hashes, lora_seed, salted_local_hash,
     sequence_hash,
 };
-pub use index::{DEFAULT_SHARDS, EVICTION_FACTOR, IndexLimits, IndexStats, KvIndex};
+pub use index::{
+    DEFAULT_SHARDS, DetachedWorker, EVICTION_FACTOR, IndexLimits, IndexStats, KvIndex,
+};
 pub use keyed_hasher::{KeyedHasher, KeyedState};
 pub use outcome::{ApplyOutcome, ApplyStatus};
 pub use scores::{OverlapScores, WorkerOverlap};

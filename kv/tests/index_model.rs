@@ -6,8 +6,9 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use kvmesh_kv::{
-    ApplyOutcome, BlockParent, ExternalHash, IndexLimits, KvEvent, KvIndex, LocalBlockHash,
-    OverlapScores, SequenceHash, StoredBlock, WorkerKey, WorkerOverlap, sequence_hash,
+    ApplyOutcome, BlockParent, DetachedWorker, ExternalHash, IndexLimits, KvEvent, KvIndex,
+    LocalBlockHash, OverlapScores, SequenceHash, StoredBlock, WorkerKey, WorkerOverlap,
+    sequence_hash,
 };
 use proptest::prelude::*;
 
@@ -34,6 +35,9 @@ struct Model {
     /// moving to another block. A bounded index may have evicted the pair's other ids before,
     /// unseen by lookups; such a pair then goes with this event, and that is not an eviction.
     lost_id: HashSet<(WorkerKey, SequenceHash)>,
+    /// Workers the index detached and has not released yet, with the blocks each held (the
+    /// model forgot them when they were detached).
+    detached: Vec<(DetachedWorker, u64)>,
 }
 
 impl Model {
@@ -199,9 +203,14 @@ enum Action {
     Clear {
         worker: WorkerKey,
     },
+    /// The instance's ranks leave the index; `deferred`: detached now and released by a
+    /// later [`Action::ReleaseDetached`] (lookups and events in between must not see them).
     RemoveWorker {
         instance_id: u64,
+        deferred: bool,
     },
+    /// Frees the blocks of every worker detached so far.
+    ReleaseDetached,
 }
 
 fn worker() -> impl Strategy<Value = WorkerKey> {
@@ -241,7 +250,8 @@ fn action() -> impl Strategy<Value = Action> {
         1 => (worker(), doc(), 0..8usize)
             .prop_map(|(worker, doc, at)| Action::Collide { at: at % doc.len(), worker, doc }),
         1 => worker().prop_map(|worker| Action::Clear { worker }),
-        1 => (0..3u64).prop_map(|instance_id| Action::RemoveWorker { instance_id }),
+        1 => (0..3u64, any::<bool>()).prop_map(|(instance_id, deferred)| Action::RemoveWorker { instance_id, deferred }),
+        1 => Just(Action::ReleaseDetached),
     ]
 }
 
@@ -317,7 +327,7 @@ fn event_of(action: &Action) -> Option<(WorkerKey, KvEvent)> {
             Some((*worker, event))
         }
         Action::Clear { worker } => Some((*worker, KvEvent::Cleared)),
-        Action::RemoveWorker { .. } => None,
+        Action::RemoveWorker { .. } | Action::ReleaseDetached => None,
     }
 }
 
@@ -367,10 +377,36 @@ fn step(
     }
     let (got, want) = match (action, event_of(action)) {
         (_, Some((worker, event))) => (index.apply(worker, &event), model.apply(worker, &event)),
-        (Action::RemoveWorker { instance_id }, None) => (
+        (
+            Action::RemoveWorker {
+                instance_id,
+                deferred: false,
+            },
+            None,
+        ) => (
             index.remove_worker(*instance_id),
             model.remove_worker(*instance_id),
         ),
+        (
+            Action::RemoveWorker {
+                instance_id,
+                deferred: true,
+            },
+            None,
+        ) => {
+            let detached = index.detach_worker(*instance_id);
+            let want = model.remove_worker(*instance_id);
+            model.detached.push((detached, want.blocks_cleared));
+            // What it held is counted when it is released.
+            (ApplyOutcome::default(), ApplyOutcome::default())
+        }
+        (Action::ReleaseDetached, None) => {
+            for (detached, held) in std::mem::take(&mut model.detached) {
+                let released = index.release_detached(detached);
+                prop_assert_eq!(released.blocks_cleared, held, "released by {:?}", action);
+            }
+            (ApplyOutcome::default(), ApplyOutcome::default())
+        }
         (other, None) => unreachable!("no event for {other:?}"),
     };
     if index.limits().max_blocks.is_some() {
@@ -416,7 +452,10 @@ fn step(
     let stats = index.stats();
     let (distinct, blocks, orphans) = model.totals();
     prop_assert_eq!(stats.workers, model.workers.len());
-    prop_assert_eq!(stats.distinct_blocks, distinct);
+    if model.detached.is_empty() {
+        // A detached worker's blocks stay in the table until released.
+        prop_assert_eq!(stats.distinct_blocks, distinct);
+    }
     prop_assert_eq!(stats.worker_blocks, blocks);
     prop_assert_eq!(stats.orphan_blocks, orphans, "orphans after {:?}", action);
     Ok(got)
@@ -619,13 +658,21 @@ fn seeded_run(index: &KvIndex, rounds: u32) -> ApplyOutcome {
             97..99 => Action::Clear { worker },
             _ => Action::RemoveWorker {
                 instance_id: worker.instance_id,
+                deferred: (r >> 48).is_multiple_of(2),
             },
+        };
+        // Detached workers are released a while after, events and lookups in between.
+        let action = if round % 40 == 20 {
+            Action::ReleaseDetached
+        } else {
+            action
         };
         let check = round.is_multiple_of(40);
         total += step(index, &mut model, &action, check.then_some(&queries[..]))
             .map_err(|e| format!("round {round}: {e}"))
             .unwrap();
     }
+    step(index, &mut model, &Action::ReleaseDetached, None).unwrap();
     step(
         index,
         &mut model,
@@ -646,7 +693,7 @@ proptest! {
         let index = KvIndex::with_shards(shards);
         let mut model = Model::default();
         let queries: Vec<Vec<SequenceHash>> = all_docs().iter().map(|d| sequences(d)).collect();
-        for action in &actions {
+        for action in actions.iter().chain([&Action::ReleaseDetached]) {
             step(&index, &mut model, action, Some(&queries))?;
         }
     }
@@ -659,7 +706,7 @@ proptest! {
         let index = KvIndex::with_limits(IndexLimits { max_blocks: Some(max_blocks) });
         let mut model = Model::default();
         let queries: Vec<Vec<SequenceHash>> = all_docs().iter().map(|d| sequences(d)).collect();
-        for action in &actions {
+        for action in actions.iter().chain([&Action::ReleaseDetached]) {
             step(&index, &mut model, action, Some(&queries))?;
         }
     }

@@ -58,6 +58,21 @@ struct Registry {
     order: KeyOrder,
 }
 
+/// A worker's slots taken out of the index by [`KvIndex::detach_worker`], whose blocks
+/// [`KvIndex::release_detached`] frees.
+#[must_use = "a detached worker's blocks stay in the block table until released"]
+#[derive(Debug, Default)]
+pub struct DetachedWorker {
+    slots: Vec<Arc<WorkerSlot>>,
+}
+
+impl DetachedWorker {
+    /// Whether it holds no slot (the instance was not registered): nothing to release.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+}
+
 /// Totals over the whole index, for gauges.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct IndexStats {
@@ -247,37 +262,65 @@ impl KvIndex {
         outcome
     }
 
-    /// Forgets every data-parallel rank of worker instance `instance_id` (discovery removal).
+    /// Forgets every data-parallel rank of worker instance `instance_id` (discovery removal):
+    /// [`detach_worker`](Self::detach_worker), then
+    /// [`release_detached`](Self::release_detached).
     pub fn remove_worker(&self, instance_id: u64) -> ApplyOutcome {
-        let mut outcome = ApplyOutcome::default();
-        for slot in self.instance_slots(instance_id) {
-            outcome += self.remove_worker_dp_rank(slot.key);
-        }
-        outcome
+        let detached = self.detach_worker(instance_id);
+        self.release_detached(detached)
     }
 
     /// Forgets one worker key and all its blocks; its slot is reused later.
     pub fn remove_worker_dp_rank(&self, worker: WorkerKey) -> ApplyOutcome {
+        let detached = DetachedWorker {
+            slots: self.detach_slot(worker).into_iter().collect(),
+        };
+        self.release_detached(detached)
+    }
+
+    /// Takes every data-parallel rank of worker instance `instance_id` out of the index at
+    /// once: from now on lookups do not see its blocks, the totals do not count them, and its
+    /// events register it anew. Its blocks stay in the block table until
+    /// [`release_detached`](Self::release_detached) frees them, which scans every shard (about
+    /// 5 ms per million blocks in the index): the caller runs that where a long call blocks
+    /// nothing else.
+    pub fn detach_worker(&self, instance_id: u64) -> DetachedWorker {
+        let slots = self
+            .instance_slots(instance_id)
+            .into_iter()
+            .filter_map(|slot| self.detach_slot(slot.key))
+            .collect();
+        DetachedWorker { slots }
+    }
+
+    /// Frees the blocks of a worker [`detach_worker`](Self::detach_worker) took out; its
+    /// slots are reused after. Returns the blocks it held.
+    pub fn release_detached(&self, detached: DetachedWorker) -> ApplyOutcome {
+        let mut outcome = ApplyOutcome::default();
+        for slot in detached.slots {
+            outcome.blocks_cleared += slot.lock().clear(&self.table, &slot);
+            self.registry_mut().free.push(slot.slot);
+        }
+        outcome
+    }
+
+    /// Unregisters worker key `worker` and retires its slot (its pairs leave the count);
+    /// `None` when it was not registered.
+    fn detach_slot(&self, worker: WorkerKey) -> Option<Arc<WorkerSlot>> {
         let slot = {
             let mut registry = self.registry_mut();
-            let Some(slot) = registry.by_key.remove(&worker) else {
-                return ApplyOutcome::default();
-            };
+            let slot = registry.by_key.remove(&worker)?;
             registry.slots[slot.slot as usize] = None;
             registry.order.remove(slot.slot);
             slot
         };
-        let blocks_cleared = {
-            let mut state = slot.lock();
-            state.retired = true;
-            state.clear(&self.table, &slot)
-        };
-        self.pairs.fetch_sub(blocks_cleared, Ordering::AcqRel);
-        self.registry_mut().free.push(slot.slot);
-        ApplyOutcome {
-            blocks_cleared,
-            ..ApplyOutcome::default()
-        }
+        let mut state = slot.lock();
+        state.retired = true;
+        // Under the worker's lock: no writer changes its count after this.
+        let held = slot.counters.cached_blocks.load(Ordering::Acquire);
+        self.pairs.fetch_sub(held, Ordering::AcqRel);
+        drop(state);
+        Some(slot)
     }
 
     /// How many leading blocks of `query` (a request's sequence hashes, in order) each worker

@@ -205,6 +205,31 @@ fn removed_workers_free_their_slot_without_leaking_blocks() {
 }
 
 #[test]
+fn a_detached_worker_is_gone_at_once_and_its_blocks_when_released() {
+    let index = KvIndex::new();
+    store(&index, W1, &DOC, 0, 3);
+    store(&index, W2, &DOC, 0, 1);
+    let detached = index.detach_worker(1);
+    assert!(!detached.is_empty());
+    // Lookups and totals no longer see it; its blocks are still in the table.
+    let scores = index.find_matches(&chain(&DOC));
+    assert_eq!(scores.workers.len(), 1);
+    assert_eq!(scores.depth(W2), 1);
+    let stats = index.stats();
+    assert_eq!((stats.workers, stats.worker_blocks), (1, 1));
+    assert_eq!(stats.distinct_blocks, 3);
+    // Its events register it anew, in another slot, before the old one is released.
+    store(&index, W1, &DOC, 0, 2);
+    assert_eq!(index.find_matches(&chain(&DOC)).depth(W1), 2);
+    assert_eq!(index.release_detached(detached).blocks_cleared, 3);
+    assert_eq!(index.find_matches(&chain(&DOC)).depth(W1), 2);
+    let stats = index.stats();
+    assert_eq!((stats.workers, stats.worker_blocks), (2, 3));
+    assert_eq!(stats.distinct_blocks, 2);
+    assert!(index.detach_worker(7).is_empty());
+}
+
+#[test]
 fn an_engine_id_stored_again_moves_to_the_new_block() {
     let index = KvIndex::new();
     store(&index, W1, &DOC, 0, 2);
