@@ -41,6 +41,7 @@ use kvmesh_control::{
     SessionShare, SnapshotRequest, Subscription, TokenCostShare,
 };
 use kvmesh_kv::{KvEvent, WorkerKey};
+use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::AbortHandle;
 
@@ -977,7 +978,7 @@ impl Actor {
                 Step::Snapshot(_) | Step::Batch(_) if approximate_only => {
                     self.metrics.dropped(Dropped::BlockSizeMismatch, 1);
                 }
-                Step::Clear => clear_off_runtime(&member.feed, id),
+                Step::Clear => clear_before_snapshot(&member.feed, id),
                 // A rank the instance does not have: not its engine's events.
                 Step::Snapshot(ranked) if ranked.dp_rank >= member.dp_ranks => {
                     self.metrics.dropped(Dropped::UnknownRank, 1);
@@ -1155,10 +1156,10 @@ where
     }
 }
 
-/// Forgets what instance `id` caches in `feed`'s index: lookups and its next events stop
-/// seeing it at once; freeing its blocks scans the whole index (about 5 ms per million
-/// blocks, half a second at 100 M), so it runs on the blocking pool, not on the runtime
-/// thread this task shares with requests.
+/// Forgets what instance `id` (which left) caches in `feed`'s index: lookups stop seeing it
+/// at once; freeing its blocks scans the whole index (about 5 ms per million blocks, half a
+/// second at 100 M), so it runs on the blocking pool, not on the runtime thread this task
+/// shares with requests.
 fn clear_off_runtime(feed: &Arc<EventFeed>, id: u64) {
     let detached = feed.detach_instance(id);
     if detached.is_empty() {
@@ -1166,4 +1167,17 @@ fn clear_off_runtime(feed: &Arc<EventFeed>, id: u64) {
     }
     let feed = Arc::clone(feed);
     tokio::task::spawn_blocking(move || feed.release_detached(detached));
+}
+
+/// Forgets what instance `id` caches in `feed`'s index before its snapshot is applied (a
+/// resync): its blocks must be gone first, or the snapshot's would be stored beside a
+/// retired owner's and keep their counts outside the block (about 12 bytes more each). The scan
+/// blocks this task; on a multi-threaded runtime its thread's other tasks move to another
+/// thread meanwhile (`block_in_place`).
+fn clear_before_snapshot(feed: &EventFeed, id: u64) {
+    if Handle::current().runtime_flavor() == RuntimeFlavor::MultiThread {
+        tokio::task::block_in_place(|| feed.clear_instance(id));
+    } else {
+        feed.clear_instance(id);
+    }
 }
