@@ -278,8 +278,13 @@ def test_first_tokens_of_prompts_of_different_sizes_teach_the_engines_cost_per_t
         started = time.monotonic()
         _, _, usage = stream_chat(cluster, [{"role": "user", "content": text(rng, words)}], 1)
         timed.append((usage.prompt_tokens, round(1000 * (time.monotonic() - started))))
-    learned = explain(cluster, [{"role": "user", "content": "hello"}])["token_factor"]
-    assert learned > 1.1, (before, learned, sorted(timed))
+    explained = explain(cluster, [{"role": "user", "content": "hello"}])
+    learned = explained["token_factor"]
+    # On failure, whole (pytest cuts a tuple's repr short): the factor before and after,
+    # the engines' learned speeds (which absorb what the factor does not) and every
+    # (prompt tokens, ms to the first chunk) as the client timed it.
+    speeds = {i["instance"]: i["speed"] for i in explained["instances"]}
+    assert learned > 1.1, f"token factor {before} -> {learned}, speeds {speeds}, timed {sorted(timed)}"
     gauge = metric_sum(metrics(cluster.admin + "/metrics"), "kvmesh_route_token_factor", model=MODEL)
     assert gauge == pytest.approx(learned), gauge
 
